@@ -1,0 +1,18 @@
+"""One module per federated method; ``build_method`` maps ``method.name`` to its class."""
+
+from __future__ import annotations
+
+from fedslice.config import ExperimentConfig
+from fedslice.methods.base import Method
+from fedslice.methods.fedavg import FedAvg
+from fedslice.methods.fedpetuning import FedPETuning
+from fedslice.models.loading import LoadedModel
+
+METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedPETuning)}
+
+
+def build_method(cfg: ExperimentConfig, loaded: LoadedModel) -> Method:
+    return METHODS[cfg.method.name](cfg, loaded)
+
+
+__all__ = ["METHODS", "Method", "build_method"]

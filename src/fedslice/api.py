@@ -1,0 +1,121 @@
+"""Running experiments: one run into a run folder, or several on the same partition and seed."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from fedslice.config import ExperimentConfig
+from fedslice.errors import ConfigError
+from fedslice.fl.engine import Simulation, setup
+from fedslice.output import RunDir, write_json_atomic
+from fedslice.report import markdown_table, plot_compare, plot_run, render_table, summary_row
+
+log = logging.getLogger(__name__)
+
+
+def _run_name(cfg: ExperimentConfig) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.run_name).strip(".-") or "run"
+
+
+class _Progress:
+    """A rich progress bar over rounds showing loss, accuracy and ETA (no-op when disabled)."""
+
+    def __init__(self, cfg: ExperimentConfig, enabled: bool):
+        self.bar = None
+        if enabled:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeElapsedColumn, TimeRemainingColumn)
+            self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                                MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+            self.task = self.bar.add_task(f"{cfg.run_name} round", total=cfg.federation.rounds,
+                                          stats="")
+
+    def __enter__(self):
+        if self.bar:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar:
+            self.bar.stop()
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if not self.bar:
+            return
+        loss, acc = record.get("train_loss"), record.get("dev_accuracy")
+        stats = f"loss {loss:.3f}" if loss is not None else "loss -"
+        if acc is not None:
+            stats += f"  dev acc {acc:.3f}"
+        self.bar.update(self.task, advance=1, stats=stats)
+
+
+def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
+                   progress: bool | None = None, setup_result=None) -> Path:
+    """Run one experiment into a new run folder and return its path.
+
+    The folder appears only when the run has finished (written in a staging folder first).
+    """
+    out = Path(out_dir or cfg.output.dir)
+    method, data = setup_result or setup(cfg)
+    sim = Simulation(cfg, method, data)
+    show = cfg.output.progress if progress is None else progress
+    with RunDir.create(out, _run_name(cfg)) as run:
+        run.write_config(cfg.model_dump(mode="json"))
+        run.write_json("partition.json", {k: v for k, v in data.report.items() if k != "label_histograms"}
+                       if isinstance(data.report, dict) else data.report)
+        with _Progress(cfg, show) as bar:
+            state, _, summary = sim.run(on_round=run.append_metrics, progress=bar)
+        run.write_summary(summary)
+        if cfg.output.save_weights:
+            run.save_weights(state)
+    path = run.final_path
+    if cfg.output.plots:
+        plot_run(path)
+    return path
+
+
+def _same_setting(cfgs: list[ExperimentConfig]) -> list[ExperimentConfig]:
+    """Every compared run uses the first config's data, partition, seed and client counts."""
+    base = cfgs[0]
+    out = [base]
+    for cfg in cfgs[1:]:
+        if cfg.data != base.data or cfg.seed != base.seed or \
+                cfg.federation.num_clients != base.federation.num_clients:
+            log.warning("compare: %s uses the data/seed/num_clients of %s", cfg.run_name, base.run_name)
+        fed = cfg.federation.model_copy(update={"num_clients": base.federation.num_clients})
+        out.append(cfg.model_copy(update={"data": base.data, "seed": base.seed, "federation": fed}))
+    return out
+
+
+def compare_experiments(cfgs: list[ExperimentConfig], out_dir: str | Path | None = None, *,
+                        progress: bool | None = None, name: str | None = None) -> tuple[Path, str]:
+    """Run several experiments on the same partition and seed into one folder; return its path
+    and the results table."""
+    if not cfgs:
+        raise ConfigError("compare needs at least one config")
+    names = [_run_name(c) for c in cfgs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"compare: run names must differ (set `name` in each config): {names}")
+    cfgs = _same_setting(cfgs)
+    out = Path(out_dir or cfgs[0].output.dir)
+    folder_name = name or f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    with RunDir.create(out, folder_name) as parent:
+        runs = [run_experiment(c, parent.path, progress=progress) for c in cfgs]
+        rows = [summary_row(_read_summary(r)) for r in runs]
+        table = render_table(rows, f"fedslice compare ({len(runs)} runs)")
+        (parent.path / "results.md").write_text(markdown_table(rows) + "\n")
+        write_json_atomic(parent.path / "results.json", rows)
+    final = parent.final_path
+    runs = [final / r.name for r in runs]
+    plot_compare(runs, final / "compare.png")
+    return final, table
+
+
+def _read_summary(run: Path) -> dict[str, Any]:
+    import json
+    return json.loads((run / "summary.json").read_text())

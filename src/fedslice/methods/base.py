@@ -1,0 +1,106 @@
+"""What a federated method is: a prepared model, a Strategy (server) and a client ``fit``.
+
+A method is built identically on the server and on every client (the in-process engine builds it
+once; Flower builds it in each process) from the experiment config. Methods differ by
+composition: which tensors are trainable (``prepare_model``), what each client receives
+(``Strategy.payload_for``), which model a client trains (``client_model``) and how replies are
+combined (``Strategy.aggregate``). The default is FedAvg over the trainable tensors of one shared
+model: a client's state is loaded into it in place (no copy of the model per client).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fedslice.config import ExperimentConfig
+from fedslice.data.batching import TokenizedSplit
+from fedslice.fl import costs
+from fedslice.fl.client import LocalResult, evaluate, train_local
+from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.models.arch import ArchSpec
+from fedslice.models.loading import LoadedModel
+
+
+class Method:
+    name = "base"
+
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel):
+        self.cfg = cfg
+        self.arch: ArchSpec = loaded.arch
+        self.dims = loaded.arch.dims(loaded.model.config)
+        self.model = self.prepare_model(loaded.model)
+        self.strategy = self.make_strategy()
+
+    # -- construction hooks ------------------------------------------------------------------
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Set which parameters train (and wrap with adapters). Default: every parameter."""
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+
+    def make_strategy(self) -> Strategy:
+        return Strategy(self.cfg.federation)
+
+    # -- state -------------------------------------------------------------------------------
+    def trainable(self, model: nn.Module | None = None) -> dict[str, nn.Parameter]:
+        model = self.model if model is None else model
+        return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+    def initial_state(self) -> State:
+        """The global trainable state the server starts from (a copy, detached from the model)."""
+        return {n: p.detach().clone() for n, p in self.trainable().items()}
+
+    @staticmethod
+    @torch.no_grad()
+    def load_state(params: dict[str, nn.Parameter], state: State) -> None:
+        """Copy ``state`` into the parameters in place (every key must exist)."""
+        for k, t in state.items():
+            params[k].copy_(t)
+
+    # -- client ------------------------------------------------------------------------------
+    def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
+        """The model a client trains and its trainable tensors, with the payload loaded."""
+        params = self.trainable()
+        self.load_state(params, payload.arrays)
+        return self.model, params
+
+    def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
+        """Local training of one client: returns the trained tensors and measured costs."""
+        model, params = self.client_model(payload)
+        result = train_local(model, params, data, payload.config, seed)
+        arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
+        metrics = self.client_metrics(model, params, payload, arrays, result)
+        return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
+
+    def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
+                       arrays: State, result: LocalResult) -> dict[str, float]:
+        counts = costs.linear_param_counts(model)
+        seq = result.tokens / max(result.examples, 1)
+        analytic = costs.analytic_train_flops(
+            num_layers=self.dims["num_layers"], hidden=self.dims["hidden"], ffn=self.dims["ffn"],
+            num_heads=self.dims["num_heads"], tokens=result.tokens, seq_len=seq,
+            trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
+            examples=result.examples, head_linear_params=counts["head_total"],
+            head_trainable_linear_params=counts["head_trainable"])
+        return {
+            "loss": result.loss, "steps": result.steps, "examples_trained": result.examples,
+            "tokens": result.tokens, "flops_measured": result.flops_measured,
+            "flops_analytic": analytic["total"],
+            "bytes_down": costs.tensor_bytes(payload.arrays), "bytes_up": costs.tensor_bytes(arrays),
+            "params_down": costs.num_params(payload.arrays), "params_up": costs.num_params(arrays),
+            "trainable_params": sum(p.numel() for p in params.values()),
+            "peak_rss_mb": result.peak_rss_mb, "activation_mb": result.activation_mb,
+            "train_time_s": result.time_s,
+        }
+
+    # -- server evaluation -------------------------------------------------------------------
+    def eval_model(self, state: State) -> nn.Module:
+        """The global model with ``state`` loaded (the shared model, in place)."""
+        self.load_state(self.trainable(), state)
+        return self.model
+
+    def evaluate(self, state: State, data: TokenizedSplit, batch_size: int) -> dict[str, Any]:
+        return evaluate(self.eval_model(state), data, batch_size)

@@ -1,0 +1,418 @@
+"""Tables and plots from run folders.
+
+``report(path)`` re-renders the results table of one run folder, of several, or of a folder that
+holds run folders (e.g. a compare folder), and regenerates the plots: ``accuracy.png`` and
+``bytes.png`` in every run folder, and ``compare.png`` next to several runs.
+
+Units: transfer in MB (10⁶ bytes) per client per round, compute in GFLOPs (10⁹ FLOPs) per client
+per round, memory in MiB as measured by :class:`fedslice.fl.costs.PeakMemory`.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedslice.errors import FedsliceError
+from fedslice.output import SUMMARY, read_run
+
+__all__ = [
+    "COLUMNS",
+    "find_runs",
+    "markdown_table",
+    "plot_compare",
+    "plot_run",
+    "render_table",
+    "report",
+    "rounds_to_target",
+    "summary_row",
+]
+
+DASH = "—"
+
+COLUMNS = (
+    "run",
+    "method",
+    "accuracy",
+    "rounds→target",
+    "down MB/client/round",
+    "up MB/client/round",
+    "train GFLOPs/client/round (analytic)",
+    "peak mem MB (activations)",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Numbers
+# --------------------------------------------------------------------------------------------
+
+
+def _num(x: Any) -> float | None:
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def rounds_to_target(metrics: Iterable[Mapping[str, Any]], target: float | None) -> int | None:
+    """The first round whose ``dev_accuracy`` is ``>= target``; ``None`` if never (or no target)."""
+    if target is None:
+        return None
+    for i, record in enumerate(metrics, 1):
+        acc = _num(record.get("dev_accuracy"))
+        if acc is not None and acc >= target:
+            r = record.get("round")
+            return int(r) if r is not None else i
+    return None
+
+
+def _fmt(x: Any, spec: str) -> str:
+    v = _num(x)
+    return DASH if v is None else format(v, spec)
+
+
+def _fmt_flops(flops: float | None) -> str:
+    """GFLOPs with about three significant digits, without exponents."""
+    if flops is None:
+        return DASH
+    g = flops / 1e9
+    if abs(g) >= 100:
+        return f"{g:,.0f}"
+    if abs(g) >= 10:
+        return f"{g:.1f}"
+    if abs(g) >= 1:
+        return f"{g:.2f}"
+    return f"{g:.3g}"
+
+
+def summary_row(summary: Mapping[str, Any]) -> dict[str, str]:
+    """One table row (column name → formatted text) from a run's ``summary.json``.
+
+    Columns (:data:`COLUMNS`): run name, method, test accuracy, rounds to reach the target dev
+    accuracy (``>N`` if not reached in N rounds, ``—`` without a target), MB down and up per client
+    per round, measured training GFLOPs per client per round with the analytic estimate in
+    parentheses, and peak memory in MiB (RSS, or CUDA) with the peak activation memory in
+    parentheses.
+    """
+    if summary.get("target_accuracy") is None:
+        r2t = DASH
+    elif summary.get("rounds_to_target") is not None:
+        r2t = str(summary["rounds_to_target"])
+    else:
+        rounds = summary.get("rounds")
+        r2t = f">{rounds}" if rounds is not None else "not reached"
+
+    measured, analytic = _num(summary.get("flops_measured_mean")), _num(summary.get("flops_analytic_mean"))
+    flops = _fmt_flops(measured)
+    if analytic is not None:
+        flops += f" ({_fmt_flops(analytic)})"
+
+    mem = _fmt(summary.get("peak_rss_mb_max"), ".1f")
+    act = _num(summary.get("activation_mb_max"))
+    if act is not None:
+        mem += f" ({act:.1f})"
+
+    down, up = _num(summary.get("bytes_down_mean")), _num(summary.get("bytes_up_mean"))
+    return {
+        "run": str(summary.get("name") or DASH),
+        "method": str(summary.get("method") or DASH),
+        "accuracy": _fmt(summary.get("test_accuracy"), ".4f"),
+        "rounds→target": r2t,
+        "down MB/client/round": _fmt(down / 1e6 if down is not None else None, ".3f"),
+        "up MB/client/round": _fmt(up / 1e6 if up is not None else None, ".3f"),
+        "train GFLOPs/client/round (analytic)": flops,
+        "peak mem MB (activations)": mem,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+
+
+def _columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    cols: list[str] = []
+    for row in rows:
+        for k in row:
+            if k not in cols:
+                cols.append(k)
+    return cols
+
+
+def render_table(rows: Sequence[Mapping[str, Any]], title: str | None = None, *, color: bool | None = None) -> str:
+    """The rows as a rich table, returned as text.
+
+    ``color=None`` uses colour only if standard output is a terminal.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    if color is None:
+        color = sys.stdout.isatty()
+    table = Table(title=title, show_lines=False)
+    cols = _columns(rows)
+    for c in cols:
+        numeric = c not in ("run", "method")
+        table.add_column(c, justify="right" if numeric else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*(str(row.get(c, "")) for c in cols))
+    buf = io.StringIO()
+    console = Console(
+        file=buf,
+        width=240,
+        force_terminal=bool(color),
+        color_system="auto" if color else None,
+        no_color=not color,
+        highlight=False,
+        legacy_windows=False,
+    )
+    console.print(table)
+    text = buf.getvalue()
+    if not color:
+        text = "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
+    return text
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The rows as a GitHub-flavoured markdown table (for BENCHMARKS.md)."""
+    cols = _columns(rows)
+    if not cols:
+        return ""
+
+    def cell(x: Any) -> str:
+        return str(x).replace("|", "\\|").replace("\n", " ")
+
+    numeric = [c not in ("run", "method") for c in cols]
+    lines = [
+        "| " + " | ".join(cell(c) for c in cols) + " |",
+        "|" + "|".join("---:" if n else ":---" for n in numeric) + "|",
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(cell(row.get(c, "")) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------
+
+
+def _figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
+    # The object-oriented API with the Agg canvas: no pyplot, no global backend switch.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(width * ncols, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds
+    return fig, axes
+
+
+def _save(fig, path: Path) -> Path:
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+    return path
+
+
+def _rounds(metrics: Sequence[Mapping[str, Any]]) -> list[int]:
+    return [int(m.get("round", i)) for i, m in enumerate(metrics, 1)]
+
+
+def _accuracy_series(metrics: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r, m in zip(_rounds(metrics), metrics):
+        acc = _num(m.get("dev_accuracy"))
+        if acc is not None:
+            xs.append(r)
+            ys.append(acc)
+    return xs, ys
+
+
+def _bytes_series(metrics: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float], list[float]]:
+    """Rounds, cumulative MB down and cumulative MB up per client."""
+    xs, down, up = [], [], []
+    d = u = 0.0
+    for r, m in zip(_rounds(metrics), metrics):
+        d += _num(m.get("bytes_down_mean")) or 0.0
+        u += _num(m.get("bytes_up_mean")) or 0.0
+        xs.append(r)
+        down.append(d / 1e6)
+        up.append(u / 1e6)
+    return xs, down, up
+
+
+def _label(summary: Mapping[str, Any], run_dir: Path) -> str:
+    name = summary.get("name") or run_dir.name
+    method = summary.get("method")
+    return f"{name} ({method})" if method and method != name else str(name)
+
+
+def _final_round(metrics: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> float:
+    rounds = _rounds(metrics)
+    if rounds:
+        return rounds[-1]
+    return _num(summary.get("rounds")) or 0
+
+
+def _plot_accuracy(ax, metrics, summary, label: str | None = None, color=None) -> None:
+    xs, ys = _accuracy_series(metrics)
+    line = None
+    if xs:
+        (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=label or "dev accuracy", color=color)
+    test = _num(summary.get("test_accuracy"))
+    if test is not None:
+        ax.plot(
+            [_final_round(metrics, summary)],
+            [test],
+            marker="*",
+            markersize=12,
+            linestyle="none",
+            color=line.get_color() if line is not None else color,
+            label=None if label else "test accuracy",
+        )
+
+
+def plot_run(run_dir: str | os.PathLike) -> list[Path]:
+    """Write ``accuracy.png`` (dev accuracy per round, test accuracy as a star at the last round,
+    target as a dashed line) and ``bytes.png`` (cumulative MB per client, down, up and total) into
+    the run folder. Returns the two paths."""
+    run_dir = Path(run_dir)
+    _, metrics, summary = read_run(run_dir)
+    title = _label(summary, run_dir)
+
+    fig, (ax,) = _figure()
+    _plot_accuracy(ax, metrics, summary)
+    target = _num(summary.get("target_accuracy"))
+    if target is not None:
+        ax.axhline(target, linestyle="--", color="grey", linewidth=1, label=f"target {target:g}")
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="lower right")
+    acc_path = _save(fig, run_dir / "accuracy.png")
+
+    fig, (ax,) = _figure()
+    xs, down, up = _bytes_series(metrics)
+    if xs:
+        ax.plot(xs, [d + u for d, u in zip(down, up)], marker="o", markersize=3, label="total")
+        ax.plot(xs, down, linestyle="--", label="down")
+        ax.plot(xs, up, linestyle=":", label="up")
+        ax.legend(loc="upper left")
+    ax.set_xlabel("round")
+    ax.set_ylabel("cumulative MB per client")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    bytes_path = _save(fig, run_dir / "bytes.png")
+    return [acc_path, bytes_path]
+
+
+def plot_compare(run_dirs: Sequence[str | os.PathLike], out_path: str | os.PathLike) -> Path:
+    """One figure with two panels overlaying several runs: dev accuracy per round (test accuracy
+    as a star) and cumulative MB (down + up) per client. Returns ``out_path``."""
+    run_dirs = [Path(p) for p in run_dirs]
+    if not run_dirs:
+        raise FedsliceError("plot_compare: no run folders given")
+    import matplotlib
+
+    palette = matplotlib.rcParams["axes.prop_cycle"].by_key().get("color") or ["C0"]
+    fig, (ax_acc, ax_bytes) = _figure(ncols=2)
+    for i, run_dir in enumerate(run_dirs):
+        _, metrics, summary = read_run(run_dir)
+        label = _label(summary, run_dir)
+        color = palette[i % len(palette)]
+        _plot_accuracy(ax_acc, metrics, summary, label=label, color=color)
+        xs, down, up = _bytes_series(metrics)
+        if xs:
+            ax_bytes.plot(xs, [d + u for d, u in zip(down, up)], marker="o", markersize=3, label=label, color=color)
+    ax_acc.set_xlabel("round")
+    ax_acc.set_ylabel("dev accuracy (★ test)")
+    ax_acc.grid(True, alpha=0.3)
+    ax_bytes.set_xlabel("round")
+    ax_bytes.set_ylabel("cumulative MB per client (down + up)")
+    ax_bytes.grid(True, alpha=0.3)
+    if ax_bytes.get_legend_handles_labels()[0]:
+        ax_bytes.legend(loc="upper left", fontsize="small")
+    elif ax_acc.get_legend_handles_labels()[0]:
+        ax_acc.legend(loc="lower right", fontsize="small")
+    return _save(fig, Path(out_path))
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def find_runs(path: str | os.PathLike) -> list[Path]:
+    """The run folders at ``path``: ``[path]`` if it holds ``summary.json``, else its sub-folders
+    that do (sorted by name; hidden staging folders are skipped)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FedsliceError(f"run folder {path} does not exist")
+    if (path / SUMMARY).is_file():
+        return [path]
+    runs = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / SUMMARY).is_file())
+    if not runs:
+        raise FedsliceError(f"{path} holds no finished run: no {SUMMARY} in it or in its sub-folders")
+    return runs
+
+
+def report(
+    run_dir_or_dirs: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    title: str | None = None,
+    plots: bool = True,
+    compare_path: str | os.PathLike | None = None,
+    color: bool | None = None,
+) -> str:
+    """Re-render the results table (one row per run) and regenerate the plots; return the table.
+
+    ``run_dir_or_dirs`` is a run folder, a folder of run folders (a compare folder), or a list of
+    either. Each run gets ``accuracy.png`` and ``bytes.png``. With several runs, ``compare.png``
+    is written to ``compare_path`` or, when a single folder of runs was given, into that folder.
+    """
+    if isinstance(run_dir_or_dirs, (str, os.PathLike)):
+        roots = [Path(run_dir_or_dirs)]
+    else:
+        roots = [Path(p) for p in run_dir_or_dirs]
+    if not roots:
+        raise FedsliceError("report: no run folder given")
+    runs: list[Path] = []
+    for root in roots:
+        runs.extend(find_runs(root))
+
+    rows = []
+    for run in runs:
+        _, metrics, summary = read_run(run)
+        summary = dict(summary)
+        if "rounds_to_target" not in summary and summary.get("target_accuracy") is not None:
+            summary["rounds_to_target"] = rounds_to_target(metrics, _num(summary["target_accuracy"]))
+        if not summary.get("name"):
+            summary["name"] = run.name
+        rows.append(summary_row(summary))
+        if plots:
+            plot_run(run)
+
+    if plots and len(runs) > 1:
+        if compare_path is None and len(roots) == 1 and roots[0] not in runs:
+            compare_path = roots[0] / "compare.png"
+        if compare_path is not None:
+            plot_compare(runs, compare_path)
+
+    if title is None:
+        title = f"fedslice results: {roots[0].name}" if len(roots) == 1 else "fedslice results"
+    return render_table(rows, title, color=color)

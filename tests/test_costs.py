@@ -1,0 +1,183 @@
+"""Tests for fedslice.fl.costs: sizes, FLOP counting and peak memory."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from fedslice.fl.costs import (
+    ClientCost,
+    PeakMemory,
+    analytic_train_flops,
+    linear_param_counts,
+    measure_step_flops,
+    num_params,
+    tensor_bytes,
+    trainable_state_bytes,
+)
+
+
+class LinearModel(nn.Module):
+    """A linear layer behind a trainable element-wise scale, so that autograd computes the
+    input-gradient of the linear layer as well (the scale itself costs no counted FLOPs)."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d_in))
+        self.linear = nn.Linear(d_in, d_out)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> SimpleNamespace:
+        out = self.linear(x * self.scale)
+        return SimpleNamespace(loss=nn.functional.mse_loss(out, labels), logits=out)
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 64, hidden: int = 256) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(loss=nn.functional.mse_loss(self.net(x).squeeze(-1), labels))
+
+
+def _tiny_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100)
+    return cfg, BertForSequenceClassification(cfg)
+
+
+def _bert_batch(batch: int = 4, seq: int = 16) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "input_ids": torch.randint(0, 100, (batch, seq), generator=g),
+        "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+        "labels": torch.randint(0, 2, (batch,), generator=g),
+    }
+
+
+def test_tensor_bytes_mixed_dtypes():
+    tensors = {
+        "a": torch.zeros(3, 4, dtype=torch.float32),
+        "b": torch.zeros(5, dtype=torch.float16),
+        "c": torch.zeros(2, 3, dtype=torch.int64),
+    }
+    assert tensor_bytes(tensors) == 12 * 4 + 5 * 2 + 6 * 8
+    assert num_params(tensors) == 12 + 5 + 6
+    assert tensor_bytes({}) == 0
+
+
+def test_trainable_state_bytes():
+    m = nn.Linear(10, 5)  # 55 params
+    m.bias.requires_grad_(False)
+    assert trainable_state_bytes(m, optimizer_slots=2) == 50 * 4 * 3
+    assert trainable_state_bytes(m.parameters(), optimizer_slots=0) == 50 * 4
+
+
+def test_measure_step_flops_linear_is_6NB():
+    torch.manual_seed(0)
+    d_in, d_out, batch = 64, 32, 8
+    model = LinearModel(d_in, d_out)
+    inputs = {"x": torch.randn(batch, d_in), "labels": torch.randn(batch, d_out)}
+    flops = measure_step_flops(model, inputs)
+    expected = 6 * d_in * d_out * batch
+    assert abs(flops - expected) / expected < 0.01
+
+
+def test_measure_step_flops_bert_matches_analytic():
+    cfg, model = _tiny_bert()
+    batch, seq = 4, 16
+    flops = measure_step_flops(model, _bert_batch(batch, seq))
+    counts = linear_param_counts(model)
+    per_layer = 4 * cfg.hidden_size**2 + 2 * cfg.hidden_size * cfg.intermediate_size
+    assert counts["total"] == counts["trainable"] == cfg.num_hidden_layers * per_layer
+    analytic = analytic_train_flops(
+        num_layers=cfg.num_hidden_layers,
+        hidden=cfg.hidden_size,
+        ffn=cfg.intermediate_size,
+        num_heads=cfg.num_attention_heads,
+        tokens=batch * seq,
+        seq_len=seq,
+        trainable_linear_params=counts["trainable"],
+        total_linear_params=counts["total"],
+        embedding_backward=True,
+    )
+    assert analytic["total"] == pytest.approx(analytic["forward"] + analytic["backward"])
+    assert abs(flops - analytic["total"]) / analytic["total"] < 0.15
+
+
+def test_analytic_full_vs_frozen():
+    kw = dict(num_layers=2, hidden=32, ffn=64, num_heads=4, tokens=1000, seq_len=0.0, total_linear_params=10_000)
+    full = analytic_train_flops(trainable_linear_params=10_000, embedding_backward=True, **kw)
+    frozen = analytic_train_flops(trainable_linear_params=0, embedding_backward=True, **kw)
+    assert full["total"] == pytest.approx(6 * 10_000 * 1000)
+    assert frozen["total"] == pytest.approx(4 * 10_000 * 1000)
+
+
+def test_measure_step_flops_leaves_training_state_alone():
+    _, model = _tiny_bert()
+    model.eval()
+    rng_before = torch.get_rng_state()
+    measure_step_flops(model, _bert_batch())
+    assert all(p.grad is None for p in model.parameters())
+    assert not model.training
+    assert torch.equal(torch.get_rng_state(), rng_before)
+
+    model.train()
+    first = next(model.parameters())
+    first.grad = torch.ones_like(first)
+    measure_step_flops(model, _bert_batch())
+    assert model.training
+    assert torch.equal(first.grad, torch.ones_like(first))
+    assert all(p.grad is None for p in model.parameters() if p is not first)
+
+
+def _train_step(model: nn.Module, batch: int) -> PeakMemory:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 64, generator=g), torch.randn(batch, generator=g)
+    with PeakMemory(model=model, extra_bytes=trainable_state_bytes(model)) as pm:
+        model(x=x, labels=y).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return pm
+
+
+def test_peak_memory_activations_grow_with_batch():
+    torch.manual_seed(0)
+    model = MLP()
+    small, large = _train_step(model, 32), _train_step(model, 512)
+    assert small.saved_activation_mb > 0
+    assert large.saved_activation_mb > small.saved_activation_mb
+    # two hidden layers of 256 floats per example are saved at least once each
+    assert large.saved_activation_mb * 2**20 >= 512 * 256 * 4 * 2
+    assert large.tensor_peak_mb == pytest.approx(large.saved_activation_mb + trainable_state_bytes(model) / 2**20)
+    assert large.rss_peak_mb is not None and large.rss_peak_mb >= 0
+    assert large.peak_mb == large.rss_peak_mb
+    # everything saved was released by backward
+    assert large._current == 0
+
+
+def test_peak_memory_does_not_change_results():
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = torch.randn(16, 64), torch.randn(16)
+    model(x=x, labels=y).loss.backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with PeakMemory(model=model):
+        model(x=x, labels=y).loss.backward()
+    for a, p in zip(plain, model.parameters()):
+        assert torch.equal(a, p.grad)
+
+
+def test_client_cost_to_dict():
+    cost = ClientCost(bytes_down=10, bytes_up=5, examples=3, flops_measured=1e9)
+    d = cost.to_dict()
+    assert d["bytes_down"] == 10 and d["flops_measured"] == 1e9
+    assert set(d) == {
+        "bytes_down", "bytes_up", "params_down", "params_up", "trainable_params", "flops_measured",
+        "flops_analytic", "examples", "tokens", "peak_rss_mb", "activation_mb", "train_time_s",
+    }
