@@ -12,6 +12,7 @@ from fedslice.fl.costs import (
     ClientCost,
     PeakMemory,
     analytic_train_flops,
+    count_flops,
     linear_param_counts,
     measure_step_flops,
     num_params,
@@ -171,6 +172,29 @@ def test_peak_memory_does_not_change_results():
         model(x=x, labels=y).loss.backward()
     for a, p in zip(plain, model.parameters()):
         assert torch.equal(a, p.grad)
+
+
+def test_count_flops_context():
+    torch.manual_seed(0)
+    model = LinearModel(16, 8)
+    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    with count_flops() as fc:
+        model(x=x, labels=y).loss.backward()
+    assert fc.total == 6 * 16 * 8 * 4
+    with count_flops(enabled=False) as off:
+        model(x=x, labels=y).loss.backward()
+    assert off.total == 0
+
+
+def test_peak_memory_excludes_weights_without_model():
+    torch.manual_seed(0)
+    model = MLP(d=64, hidden=1024)  # ~1M weights (4 MiB), frozen: saved for input-gradients
+    for p in model.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(4, 64, requires_grad=True)
+    with PeakMemory() as pm:
+        model(x=x, labels=torch.randn(4)).loss.backward()
+    assert 0 < pm.activation_mb == pm.saved_activation_mb < 1.0
 
 
 def test_client_cost_to_dict():

@@ -73,7 +73,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     nonfinite = False
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
-    with PeakMemory(extra_bytes=optimizer_bytes) as mem:
+    with PeakMemory(model, extra_bytes=optimizer_bytes) as mem:
         for step, batch in enumerate(_batches(data, cfg, gen)):
             with count_flops(enabled=step == 0) as fc:
                 loss = model(**batch).loss
@@ -96,7 +96,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     mean_loss = float(torch.stack(losses).mean()) if losses else math.nan
     return LocalResult(loss=mean_loss if not nonfinite else math.nan, steps=len(losses),
                        examples=examples, tokens=tokens, flops_measured=flops_per_token * tokens,
-                       peak_rss_mb=mem.rss_peak_mb, activation_mb=mem.activation_mb,
+                       peak_rss_mb=mem.rss_peak_mb or 0.0, activation_mb=mem.tensor_peak_mb,
                        time_s=time.perf_counter() - t0, nonfinite=nonfinite)
 
 

@@ -18,11 +18,12 @@ Four kinds of cost are tracked for every client and round:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -31,8 +32,10 @@ from torch import nn
 
 __all__ = [
     "ClientCost",
+    "FlopCount",
     "PeakMemory",
     "analytic_train_flops",
+    "count_flops",
     "linear_param_counts",
     "measure_step_flops",
     "num_params",
@@ -145,6 +148,46 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+class FlopCount:
+    """Result holder of :func:`count_flops`: ``total`` FLOPs (0 when counting was disabled)."""
+
+    __slots__ = ("total", "enabled")
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.total = 0
+
+    def __repr__(self) -> str:
+        return f"FlopCount(total={self.total}, enabled={self.enabled})"
+
+
+@contextlib.contextmanager
+def count_flops(enabled: bool = True) -> Iterator[FlopCount]:
+    """Count the FLOPs of the code in the block::
+
+        with count_flops(enabled=step == 0) as fc:
+            model(**batch).loss.backward()
+        fc.total
+
+    Same counter as :func:`measure_step_flops` (including the CPU attention kernels) but around
+    the caller's own code, so the real training step is measured without running it twice.
+    ``fc.total`` is set when the block ends; with ``enabled=False`` nothing is counted (no
+    overhead) and ``fc.total`` stays 0.
+    """
+    result = FlopCount(enabled)
+    if not enabled:
+        yield result
+        return
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_flop_mapping())
+    try:
+        with counter:
+            yield result
+    finally:
+        result.total = int(counter.get_total_flops())
+
+
 def measure_step_flops(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> int:
     """FLOPs of one training step (forward, loss, backward) of ``model`` on ``batch``.
 
@@ -159,8 +202,6 @@ def measure_step_flops(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> i
     (dropout draws), and the train/eval mode is left as it was. Tensors in ``batch`` are moved to
     the model's device.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     device = _model_device(model)
     inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     params = list(model.parameters())
@@ -170,14 +211,13 @@ def measure_step_flops(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> i
     cuda_devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=cuda_devices), torch.enable_grad():
-            counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_flop_mapping())
-            with counter:
+            with count_flops() as fc:
                 out = model(**inputs)
                 loss = out.loss if hasattr(out, "loss") else out["loss"]
                 if loss is None:
                     raise ValueError("measure_step_flops: model(**batch) returned no loss; put 'labels' in the batch")
                 loss.backward()
-            flops = int(counter.get_total_flops())
+            flops = fc.total
     finally:
         model.zero_grad(set_to_none=True)
         for p, g in zip(params, saved_grads):
@@ -273,6 +313,7 @@ class PeakMemory:
             ...local training...
         pm.rss_peak_mb           # peak RSS of the process minus RSS at entry (MiB; noisy)
         pm.saved_activation_mb   # peak bytes of tensors saved for backward (MiB; deterministic)
+        pm.activation_mb         # the same (alias)
         pm.tensor_peak_mb        # saved_activation_mb + extra_bytes (MiB)
         pm.cuda_peak_mb          # torch.cuda.max_memory_allocated() minus allocated at entry,
                                  # when the model is on CUDA; otherwise None
@@ -285,8 +326,9 @@ class PeakMemory:
       optimizer) but is noisy and can miss short spikes. It is ``None`` if psutil is missing.
     * **saved tensors** — :func:`torch.autograd.graph.saved_tensors_hooks` sees every tensor
       autograd keeps for backward. Each storage is counted once (by data pointer) while it is
-      held, released when autograd frees it, and the running peak is reported. Storages of
-      ``model``'s parameters are excluded (weights are not activations). The hooks return the
+      held, released when autograd frees it, and the running peak is reported. Parameters and
+      views of parameters are excluded (weights are not activations), and so are all storages
+      of ``model``'s parameters if ``model`` is given. The hooks return the
       saved tensor unchanged, so training results are identical. Code that installs its own
       saved-tensor hooks inside the block (activation checkpointing, offloading) takes
       precedence, and what it saves is then not counted — correctly so for checkpointing.
@@ -339,6 +381,11 @@ class PeakMemory:
         return self.saved_activation_mb + self.extra_bytes / _MIB
 
     @property
+    def activation_mb(self) -> float:
+        """Alias of :attr:`saved_activation_mb` (activations only, without ``extra_bytes``)."""
+        return self.saved_activation_mb
+
+    @property
     def peak_mb(self) -> float | None:
         """The main number to report: the CUDA peak on CUDA, else the RSS peak (MiB)."""
         return self.cuda_peak_mb if self._use_cuda else self.rss_peak_mb
@@ -346,6 +393,8 @@ class PeakMemory:
     # -- saved-tensor accounting ---------------------------------------------------------------
 
     def _pack(self, tensor: torch.Tensor):
+        if _is_parameter(tensor):
+            return tensor
         ptr = _storage_ptr(tensor)
         if ptr == 0 or ptr in self._param_ptrs:
             return tensor
@@ -438,6 +487,14 @@ def _release(ref: weakref.ref, ptr: int) -> None:
     pm = ref()
     if pm is not None:
         pm._release_ptr(ptr)
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``F.linear`` saves ``weight.t()`` for the input-gradient)."""
+    if isinstance(t, nn.Parameter):
+        return True
+    base = getattr(t, "_base", None)
+    return base is not None and isinstance(base, nn.Parameter)
 
 
 def _storage_ptr(t: torch.Tensor) -> int:

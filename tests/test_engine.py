@@ -1,0 +1,96 @@
+"""The in-process engine on a tiny random BERT: determinism, costs, exclusions."""
+
+import math
+
+import pytest
+import torch
+
+from fedslice.config import validate_config
+from fedslice.errors import ConfigError, ModelError
+from fedslice.fl import costs
+from fedslice.fl.engine import Simulation, setup
+
+
+def _run(cfg_dict):
+    cfg = validate_config(cfg_dict)
+    method, data = setup(cfg)
+    state, records, summary = Simulation(cfg, method, data).run()
+    return method, state, records, summary
+
+
+@pytest.mark.parametrize("method", ["fedpetuning", "fedavg"])
+def test_same_seed_same_weights(tiny_cfg_dict, method):
+    tiny_cfg_dict["method"] = {"name": method}
+    _, s1, r1, _ = _run(tiny_cfg_dict)
+    _, s2, r2, _ = _run(tiny_cfg_dict)
+    assert s1.keys() == s2.keys()
+    for k in s1:
+        assert torch.equal(s1[k], s2[k]), k
+    assert [r["clients"] for r in r1] == [r["clients"] for r in r2]
+    tiny_cfg_dict["seed"] = 1
+    _, s3, _, _ = _run(tiny_cfg_dict)
+    assert any(not torch.equal(s1[k], s3[k]) for k in s1)
+
+
+def test_training_changes_only_trainable_state_and_costs_are_sizes(tiny_cfg_dict):
+    method, state, records, summary = _run(tiny_cfg_dict)
+    names = list(state)
+    assert all("lora_" in n or "classifier" in n for n in names)
+    assert sum("lora_A" in n for n in names) == 2 * 2  # 2 layers x (q, v)
+    expected = costs.tensor_bytes(method.initial_state())
+    for rec in records:
+        for m in rec["client_metrics"]:
+            assert m["bytes_down"] == expected == m["bytes_up"]
+            assert m["params_up"] == sum(t.numel() for t in state.values())
+            assert m["flops_measured"] > 0 and m["flops_analytic"] > 0
+            assert 0.5 < m["flops_measured"] / m["flops_analytic"] < 2.0
+    assert summary["rounds"] == 2 and 0 <= summary["test_accuracy"] <= 1
+    assert records[0]["dev_accuracy"] is not None
+
+
+def test_nonfinite_client_is_excluded_and_recorded(tiny_cfg_dict, monkeypatch):
+    cfg = validate_config(tiny_cfg_dict)
+    method, data = setup(cfg)
+    real_fit = method.fit
+
+    def fit(payload, data, seed):
+        reply = real_fit(payload, data, seed)
+        if payload.config["client"] == min(payload_clients):
+            reply.metrics["loss"] = math.nan
+        return reply
+
+    sim = Simulation(cfg, method, data)
+    real_select = sim.selector.select
+
+    def select(rnd, candidates):
+        chosen = real_select(rnd, candidates)
+        payload_clients[:] = chosen
+        return chosen
+
+    payload_clients: list[int] = []
+    monkeypatch.setattr(sim.selector, "select", select)
+    monkeypatch.setattr(method, "fit", fit)
+    _, records, summary = sim.run()
+    for rec in records:
+        assert rec["excluded"] == [{"client": min(rec["clients"]), "reason": "non-finite local loss (nan)"}]
+    assert summary["excluded_replies"] == 2
+
+
+def test_lora_target_matching_nothing(tiny_cfg_dict):
+    tiny_cfg_dict["lora"]["target_modules"] = ["query", "nonexistent_proj"]
+    with pytest.raises(ConfigError, match="nonexistent_proj"):
+        setup(validate_config(tiny_cfg_dict))
+
+
+def test_unknown_model_path(tiny_cfg_dict, tmp_path):
+    tiny_cfg_dict["model"]["name"] = str(tmp_path / "no-such-model")
+    with pytest.raises(ModelError, match="does not exist"):
+        setup(validate_config(tiny_cfg_dict))
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    from transformers import GPT2Config
+
+    from fedslice.models.arch import arch_for
+    with pytest.raises(ModelError, match="bert, distilbert, roberta"):
+        arch_for(GPT2Config())
