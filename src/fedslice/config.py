@@ -73,6 +73,8 @@ class FederationConfig(_Section):
     local_steps: int | None = Field(None, gt=0, description="If set: optimizer steps per round "
                                     "(cycling the local data), instead of local_epochs.")
     batch_size: int = Field(32, gt=0)
+    group_by_length: bool = Field(True, description="Batch local examples of similar length "
+                                  "together (less padding, same examples per epoch).")
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)

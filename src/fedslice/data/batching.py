@@ -156,19 +156,43 @@ def iter_batches(
     shuffle: bool,
     generator: torch.Generator | None,
     drop_last: bool = False,
+    group_by_length: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield collated batches over ``indices`` (rows of ``split``).
 
     With ``shuffle=True`` the order is a permutation drawn from ``generator``, so the same
     generator state gives the same batches. ``drop_last`` drops a final short batch.
+    ``group_by_length`` (with ``shuffle``) batches examples of similar length together.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
     order = torch.as_tensor(_as_index_list(indices, len(split)), dtype=torch.int64)
     if shuffle:
         order = order[torch.randperm(len(order), generator=generator)]
-    for start in range(0, num_batches(len(order), batch_size, drop_last) * batch_size, batch_size):
+    starts = range(0, num_batches(len(order), batch_size, drop_last) * batch_size, batch_size)
+    if group_by_length and shuffle:
+        order, starts = _group_by_length(split, order, batch_size, starts, generator)
+    for start in starts:
         yield collate(split, order[start : start + batch_size])
+
+
+def _group_by_length(split: TokenizedSplit, order: torch.Tensor, batch_size: int, starts,
+                     generator: torch.Generator | None, window: int = 16):
+    """Sort each window of ``window`` shuffled batches by length, then shuffle the batch order.
+
+    Batches then hold examples of similar length, so per-batch padding (and compute) shrinks,
+    while which examples share an epoch and the batch order stay random (like HF's
+    ``group_by_length``). The batch boundaries ``starts`` are unchanged.
+    """
+    lengths = split.lengths[order]
+    chunk = window * batch_size
+    parts = []
+    for lo in range(0, len(order), chunk):
+        seg = order[lo : lo + chunk]
+        parts.append(seg[torch.argsort(lengths[lo : lo + chunk], stable=True, descending=True)])
+    order = torch.cat(parts) if parts else order
+    starts = list(starts)
+    return order, [starts[i] for i in torch.randperm(len(starts), generator=generator).tolist()]
 
 
 class TokenCache:

@@ -33,13 +33,14 @@ def _batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator):
     steps = int(cfg.get("local_steps") or 0)
     epochs = int(cfg.get("local_epochs") or 1)
     bs = int(cfg["batch_size"])
+    group = bool(cfg.get("group_by_length", False))
     if not steps:
         for _ in range(epochs):
-            yield from iter_batches(data, idx, bs, shuffle=True, generator=gen)
+            yield from iter_batches(data, idx, bs, shuffle=True, generator=gen, group_by_length=group)
         return
     done = 0
     while done < steps:
-        for batch in iter_batches(data, idx, bs, shuffle=True, generator=gen):
+        for batch in iter_batches(data, idx, bs, shuffle=True, generator=gen, group_by_length=group):
             yield batch
             done += 1
             if done == steps:
@@ -73,7 +74,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     nonfinite = False
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
-    with PeakMemory(model, extra_bytes=optimizer_bytes) as mem:
+    with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem:
         for step, batch in enumerate(_batches(data, cfg, gen)):
             with count_flops(enabled=step == 0) as fc:
                 loss = model(**batch).loss
