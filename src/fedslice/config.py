@@ -114,6 +114,8 @@ class EvaluationConfig(_Section):
     every: int = Field(1, gt=0, description="Evaluate on dev every E rounds (and after the last).")
     batch_size: int = Field(128, gt=0)
     target_accuracy: float = Field(0.8, gt=0, le=1)
+    track_test: bool = Field(False, description="Also evaluate on test at each evaluation round "
+                             "(for accuracy-per-round curves; the final test result is always kept).")
 
 
 class OutputConfig(_Section):

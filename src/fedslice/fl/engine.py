@@ -168,6 +168,10 @@ class Simulation:
             if self.should_evaluate(rnd):
                 ev = self.method.evaluate(state, self.data.dev, cfg.evaluation.batch_size)
                 record["dev_accuracy"], record["dev_loss"] = ev["accuracy"], ev["loss"]
+                if cfg.evaluation.track_test:
+                    ev = self.method.evaluate(state, self.data.test, cfg.evaluation.batch_size)
+                    record["test_accuracy"], record["test_loss"] = ev["accuracy"], ev["loss"]
+            record["elapsed_s"] = time.perf_counter() - t_start
             records.append(record)
             if on_round:
                 on_round(record)
