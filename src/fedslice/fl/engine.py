@@ -150,7 +150,6 @@ class Simulation:
             "activation_mb_max": max((m["activation_mb"] for m in client_metrics), default=None),
             "client_metrics": client_metrics,
         }
-        self.selector.observe(server_round, {c: r.metrics["loss"] for c, r in replies.items()}, None)
         record["round_time_s"] = time.perf_counter() - t0
         return result.state, record
 
@@ -171,6 +170,8 @@ class Simulation:
                 if cfg.evaluation.track_test:
                     ev = self.method.evaluate(state, self.data.test, cfg.evaluation.batch_size)
                     record["test_accuracy"], record["test_loss"] = ev["accuracy"], ev["loss"]
+            losses = {m["client"]: m["loss"] for m in record["client_metrics"]}
+            self.selector.observe(rnd, losses, record["dev_loss"])
             record["elapsed_s"] = time.perf_counter() - t_start
             records.append(record)
             if on_round:
