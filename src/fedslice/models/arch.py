@@ -32,6 +32,11 @@ class ArchSpec:
     num_heads_attr: str
     hidden_attr: str
     ffn_attr: str
+    # attributes of the attention module (the parent of ``q``) that hold its head count and its
+    # width: a sliced sub-model sets them per layer (HF reads the head count off the weights'
+    # shapes at forward time; these are kept truthful for code that reads them).
+    heads_attr: str = "num_attention_heads"
+    heads_width_attr: str | None = "all_head_size"
 
     # -- dimensions ------------------------------------------------------------------------
     def dims(self, config) -> dict[str, int]:
@@ -47,6 +52,12 @@ class ArchSpec:
 
     def part(self, model: nn.Module, layer: int, part: str) -> nn.Linear:
         return _get(self.blocks(model)[layer], self.parts[part])
+
+    def attention(self, model: nn.Module, layer: int) -> nn.Module:
+        """The attention module of a block: the parent of its ``q`` projection."""
+        parent = self.parts["q"].rpartition(".")[0]
+        block = self.blocks(model)[layer]
+        return _get(block, parent) if parent else block
 
     def part_name(self, layer: int, part: str) -> str:
         """Full dotted name of a part in the *unwrapped* HF model, e.g. 'bert.encoder.layer.0...'."""
@@ -86,7 +97,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                            {"q": "attention.q_lin", "k": "attention.k_lin", "v": "attention.v_lin",
                             "o": "attention.out_lin", "ffn_in": "ffn.lin1", "ffn_out": "ffn.lin2"},
                            ("pre_classifier", "classifier"), "distilbert.embeddings",
-                           "n_layers", "n_heads", "dim", "hidden_dim"),
+                           "n_layers", "n_heads", "dim", "hidden_dim", "n_heads", None),
     "vit": ArchSpec("vit", "vit.encoder.layer",
                     {**_BERT_PARTS, "q": "attention.attention.query",
                      "k": "attention.attention.key", "v": "attention.attention.value"},
