@@ -123,3 +123,28 @@ def keep_mask(importance: torch.Tensor, sparsity: float, *,
         m[order[:k]] = True
         masks.append(m)
     return torch.cat(masks).view(n_layers, n_heads)
+
+
+def head_axes(names: Iterable[str], arch, num_layers: int) -> dict[str, tuple[int, str, int]]:
+    """Which LoRA tensors are split by attention head: name -> (layer, part, axis).
+
+    For q/k/v, ``lora_B`` (out, r) has one block of head_dim rows per head (axis 0); for the
+    attention output projection the heads index its input, i.e. the columns of ``lora_A``
+    (r, in) (axis 1). ``lora_A`` of q/k/v and ``lora_B`` of o mix all heads: not head-tied.
+    """
+    names = list(names)
+    out = {}
+    for layer in range(num_layers):
+        for part, side, axis in (("q", "lora_B", 0), ("k", "lora_B", 0), ("v", "lora_B", 0),
+                                 ("o", "lora_A", 1)):
+            tag = f"{arch.part_name(layer, part)}.{side}."
+            for n in names:
+                if tag in n:
+                    out[n] = (layer, part, axis)
+    return out
+
+
+def head_weight(alpha_layer: torch.Tensor, head_dim: int, axis: int) -> torch.Tensor:
+    """A per-head weight vector (H,) expanded to a broadcastable (H*head_dim, 1) or (1, H*head_dim)."""
+    w = alpha_layer.float().repeat_interleave(head_dim)                  # (H * head_dim,)
+    return w[:, None] if axis == 0 else w[None, :]
