@@ -15,11 +15,12 @@ Tensors cross as float arrays of the same dtype, so decoding gives back the exac
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedslice.fl.strategy import Payload, Reply, State
 
@@ -71,3 +72,11 @@ def decode_reply(content: RecordDict) -> Reply:
     return Reply(arrays=record_to_state(content[ARRAYS]),
                  num_examples=int(content[META]["num_examples"]),
                  metrics=_json_field(content, "metrics"))
+
+
+def error_reason(msg: Message) -> str:
+    """A reply's error as one readable line (Flower wraps ClientApp exceptions as
+    ``<class 'X'>:<'text'>``)."""
+    reason = msg.error.reason
+    m = re.fullmatch(r"<class '(?:[\w.]*\.)?(\w+)'>:<'(.*)'>", reason, flags=re.S)
+    return f"{m.group(1)}: {m.group(2)}" if m else f"{reason} (error code {msg.error.code})"

@@ -29,6 +29,7 @@ def app_pyproject() -> dict:
 
     return {
         "project": {"name": "fedslice-app", "version": __version__,
+                    "description": "fedslice experiments on Flower (fedslice deploy local)",
                     "dependencies": ["fedslice", "flwr==1.41.0"]},
         "tool": {"flwr": {"app": {"publisher": "fedslice", "components": dict(APP_COMPONENTS),
                                   "config": dict(RUN_CONFIG_DEFAULTS)}}},
@@ -88,6 +89,7 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
     work = Path(tempfile.mkdtemp(prefix="fedslice-deploy-") if tmp else workdir).absolute()
     work.mkdir(parents=True, exist_ok=True)
     result_file = work / "result.txt"
+    result_file.unlink(missing_ok=True)
     run_config = _run_config(work / "run_config.toml", {
         "config": str(config), "overrides": ";".join(overrides),
         "out-dir": str(Path(out_dir or cfg.output.dir).absolute()), "result-file": str(result_file),
@@ -97,7 +99,7 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
         run_id = fed.submit(write_app(work / "app"), run_config)
         log.info("submitted run %d to %s", run_id, fed.address)
         try:
-            status = fed.wait(run_id, limit)
+            status = fed.wait(run_id, limit, finished_hint=result_file.exists)
         finally:
             _save_run_log(fed, run_id, work / "run.log")
     if status != "finished:completed" or not result_file.is_file():

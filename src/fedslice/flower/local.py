@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,23 +155,28 @@ def _descendants(pid: int) -> list:
         return []
 
 
-def stop_process(proc: Process, timeout: float = STOP_TIMEOUT_S) -> None:
-    """Stop ``proc`` and every process below it, by PID: SIGTERM, then SIGKILL after ``timeout``.
+def stop_processes(procs: list[Process], timeout: float = STOP_TIMEOUT_S) -> None:
+    """Stop ``procs`` and every process below them, by PID: SIGTERM to all, then SIGKILL to those
+    still running after ``timeout`` seconds.
 
     Flower starts some helpers in sessions of their own (the SuperLink's ``flower-superexec``), so
-    the descendants are listed by PID before the signal rather than reached by process group.
+    descendants are listed by PID before the signal rather than reached by process group.
     """
     import psutil
 
-    children = _descendants(proc.pid)
-    proc.popen.terminate()
-    try:
-        proc.popen.wait(timeout)
-    except subprocess.TimeoutExpired:
-        log.warning("%s (pid %d) did not stop in %g s: killing it", proc.name, proc.pid, timeout)
-        proc.popen.kill()
-        proc.popen.wait(timeout)
-    children += [c for c in _descendants(proc.pid) if c not in children]
+    family: dict[str, list] = {p.name: _descendants(p.pid) for p in procs}
+    for proc in procs:
+        if proc.alive():
+            proc.popen.terminate()
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) did not stop in %g s: killing it", proc.name, proc.pid, timeout)
+            proc.popen.kill()
+            proc.popen.wait(timeout)
+    children = [c for p in procs for c in family[p.name]]
     for child in children:
         try:
             child.terminate()
@@ -182,7 +188,9 @@ def stop_process(proc: Process, timeout: float = STOP_TIMEOUT_S) -> None:
             child.kill()
         except psutil.Error:
             pass
-    log.info("stopped %s (pid %d) and %d process(es) it started", proc.name, proc.pid, len(children))
+    for proc in procs:
+        log.info("stopped %s (pid %d) and %d process(es) it started", proc.name, proc.pid,
+                 len(family[proc.name]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,31 +316,51 @@ class LocalFederation:
                                   f"{(done.stdout + done.stderr).strip()[-2000:]}")
         return done.stdout
 
+    def flwr_json(self, *args: str) -> dict[str, Any]:
+        """``flwr ARGS --format json`` as a dict; a DeploymentError when it reports a failure
+        (``flwr`` exits with 0 even then)."""
+        out = self.flwr(*args, "--format", "json")
+        try:
+            data = json.loads(out[out.index("{"):])
+        except ValueError:
+            raise DeploymentError(f"flwr {' '.join(args)}: unexpected output {out.strip()!r}") from None
+        if not data.get("success", True):
+            raise DeploymentError(f"flwr {' '.join(args)} failed: "
+                                  f"{str(data.get('error-message', data)).strip()}")
+        return data
+
     def submit(self, app_dir: Path, run_config: Path) -> int:
         """``flwr run``: submit the app; returns the run id."""
-        out = self.flwr("run", str(app_dir), CONNECTION, "--run-config", str(run_config),
-                        "--format", "json")
-        data = json.loads(out[out.index("{"):])
-        if not data.get("success", True) or "run-id" not in data:
-            raise DeploymentError(f"flwr run did not start a run: {out.strip()}")
+        data = self.flwr_json("run", str(app_dir), CONNECTION, "--run-config", str(run_config))
+        if "run-id" not in data:
+            raise DeploymentError(f"flwr run did not start a run: {data}")
         return int(data["run-id"])
 
     def status(self, run_id: int) -> str:
         """The run's status as ``flwr ls`` shows it, e.g. ``running`` or ``finished:completed``."""
-        out = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
-        runs = json.loads(out[out.index("{"):]).get("runs", [])
+        runs = self.flwr_json("ls", CONNECTION, "--run-id", str(run_id)).get("runs", [])
         return str(runs[0].get("status", "unknown")) if runs else "unknown"
 
-    def wait(self, run_id: int, timeout: float, poll: float = 2.0) -> str:
-        """Until the run has finished (its final status) or ``timeout`` (then it is stopped)."""
+    def wait(self, run_id: int, timeout: float, poll: float = 5.0,
+             finished_hint: Callable[[], bool] | None = None) -> str:
+        """Until the run has finished (its final status) or ``timeout`` (then it is stopped).
+
+        Each status check starts the ``flwr`` CLI (about a CPU second), so the status is read
+        every ``poll`` seconds, or as soon as ``finished_hint()`` (a cheap check, e.g. for a file
+        the ServerApp writes at its end) turns true.
+        """
         deadline = time.monotonic() + timeout
         warned: set[str] = set()
+        next_check = time.monotonic() + 1.0
         while time.monotonic() < deadline:
-            status = self.status(run_id)
-            if status.startswith("finished"):
-                return status
+            hint = finished_hint is not None and finished_hint()
+            if hint or time.monotonic() >= next_check:
+                status = self.status(run_id)
+                if status.startswith("finished"):
+                    return status
+                next_check = time.monotonic() + (1.0 if hint else poll)
             self._check_processes(warned)
-            time.sleep(poll)
+            time.sleep(0.25 if hint else 0.5)
         try:
             self.flwr("stop", str(run_id), CONNECTION)
         except DeploymentError as e:
@@ -357,10 +385,13 @@ class LocalFederation:
 
     # -- stop ------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Stop every process started here (SuperNodes first) and their descendants, by PID."""
-        while self.processes:
-            proc = self.processes.pop()
-            try:
-                stop_process(proc)
-            except Exception as e:  # keep stopping the others
-                log.error("could not stop %s (pid %d): %s", proc.name, proc.pid, e)
+        """Stop every process started here and their descendants, by PID."""
+        procs, self.processes = self.processes, []
+        try:  # SuperNodes first (together): they sign off at the SuperLink
+            stop_processes([p for p in procs if p.name != "superlink"])
+            stop_processes([p for p in procs if p.name == "superlink"])
+        except Exception as e:  # report, but never leave the caller's cleanup half done
+            log.error("could not stop %s: %s", [(p.name, p.pid) for p in procs], e)
+            for p in procs:
+                if p.alive():
+                    p.popen.kill()

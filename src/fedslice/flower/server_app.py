@@ -54,20 +54,21 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     from fedslice.config import load_config
     from fedslice.fl.engine import setup, summarize
     from fedslice.flower.codec import record_to_state, state_to_record
-    from fedslice.flower.discovery import discover_partitions
+    from fedslice.flower.discovery import PartitionMap
     from fedslice.flower.strategy import FlowerAdapter
     from fedslice.output import RunDir
 
     cfg = load_config(settings.config, settings.overrides)
     method, data = setup(cfg)
-    nodes = discover_partitions(grid, cfg.federation.num_clients, settings.connect_timeout)
+    partitions = PartitionMap(cfg.federation.num_clients)
+    partitions.discover(grid, settings.connect_timeout)
     out = Path(settings.out_dir or cfg.output.dir)
     t_start = time.perf_counter()
     with RunDir.create(out, _run_name(cfg)) as run_dir:
         run_dir.write_config(cfg.model_dump(mode="json"))
         run_dir.write_json("partition.json", {k: v for k, v in data.report.items()
                                               if k != "label_histograms"})
-        adapter = FlowerAdapter(cfg, method.strategy, data, nodes, settings.round_timeout)
+        adapter = FlowerAdapter(cfg, method.strategy, data, partitions, settings.round_timeout)
         evaluate = _central_evaluation(cfg, method, data, adapter, run_dir.append_metrics)
         result = adapter.start(grid, state_to_record(method.initial_state()),
                                num_rounds=cfg.federation.rounds, timeout=settings.round_timeout,

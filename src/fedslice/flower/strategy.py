@@ -13,9 +13,8 @@ Evaluation is central (the ServerApp evaluates on dev), so ``configure_evaluate`
 from __future__ import annotations
 
 import logging
-import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,17 +27,11 @@ from fedslice.fl.engine import FederatedData, round_record
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Payload, Reply, State
 from fedslice.fl.strategy import Strategy as FedsliceStrategy
-from fedslice.flower.codec import decode_reply, encode_payload, record_to_state, state_to_record
+from fedslice.flower.codec import (decode_reply, encode_payload, error_reason, record_to_state,
+                                   state_to_record)
+from fedslice.flower.discovery import PartitionMap
 
 log = logging.getLogger(__name__)
-
-
-def error_reason(msg: Message) -> str:
-    """A reply's error as one readable line (Flower wraps ClientApp exceptions as
-    ``<class 'X'>:<'text'>``)."""
-    reason = msg.error.reason
-    m = re.fullmatch(r"<class '(?:[\w.]*\.)?(\w+)'>:<'(.*)'>", reason, flags=re.S)
-    return f"{m.group(1)}: {m.group(2)}" if m else f"{reason} (error code {msg.error.code})"
 
 
 @dataclass
@@ -57,29 +50,28 @@ class FlowerAdapter(FlowerStrategy):
     """Flower's Strategy interface over our strategy, selector and client -> node map."""
 
     def __init__(self, cfg: ExperimentConfig, strategy: FedsliceStrategy, data: FederatedData,
-                 nodes: dict[int, int], round_timeout: float,
-                 on_round: Callable[[dict[str, Any]], None] | None = None):
-        self.cfg, self.inner, self.data, self.nodes = cfg, strategy, data, nodes
+                 partitions: PartitionMap, round_timeout: float):
+        self.cfg, self.inner, self.data, self.partitions = cfg, strategy, data, partitions
         self.round_timeout = round_timeout
-        self.on_round = on_round
         self.selector = make_selector(cfg.federation.selection, cfg.federation.clients_per_round,
                                       cfg.seed)
         self.experiment = cfg.model_dump(mode="json")
         self.records: list[dict[str, Any]] = []
         self._round: _Round | None = None
 
-    def candidates(self) -> list[int]:
+    def candidates(self, grid: Grid) -> list[int]:
         """Clients with a connected SuperNode and a non-empty partition, in id order."""
-        return [c for c in sorted(self.nodes) if len(self.data.partitions[c]) > 0]
+        connected = self.partitions.refresh(grid, self.round_timeout)
+        return [c for c in connected if len(self.data.partitions[c]) > 0]
 
     # -- train -----------------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         state = record_to_state(arrays)
-        clients = self.selector.select(server_round, self.candidates())
+        clients = self.selector.select(server_round, self.candidates(grid))
         payloads = self.inner.configure_train(server_round, state, clients)
         messages = {c: Message(encode_payload(payloads[c], self.experiment),
-                               dst_node_id=self.nodes[c], message_type=MessageType.TRAIN,
+                               dst_node_id=self.partitions.nodes[c], message_type=MessageType.TRAIN,
                                group_id=str(server_round), ttl=self.round_timeout)
                     for c in clients}
         self._round = _Round(server_round, state, clients, payloads, messages)
@@ -137,6 +129,7 @@ class FlowerAdapter(FlowerStrategy):
         return None
 
     def summary(self) -> None:
+        nodes = self.partitions.nodes
         log.info("fedslice %s strategy over %d SuperNodes (clients %s), %d per round",
-                 self.cfg.method.name, len(self.nodes), sorted(self.nodes),
+                 self.cfg.method.name, len(nodes), sorted(nodes),
                  self.cfg.federation.clients_per_round)
