@@ -1,4 +1,4 @@
-"""``fedslice run | compare | report``.
+"""``fedslice run | compare | report | deploy``.
 
 User errors (config, data, model) print one message and exit with code 2, no traceback.
 """
@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="re-render the table and plots of finished runs")
     rep.add_argument("run_dirs", nargs="+")
+
+    from fedslice.flower.deploy import add_parser as add_deploy_parser
+    add_deploy_parser(sub)
     return p
 
 
@@ -52,6 +55,9 @@ def _main(args: argparse.Namespace) -> int:
         from fedslice.report import report
         print(report(args.run_dirs))
         return 0
+    if args.command == "deploy":
+        from fedslice.flower.deploy import main as deploy_main
+        return deploy_main(args)
     from fedslice.api import compare_experiments, run_experiment
 
     progress = False if args.no_progress else None

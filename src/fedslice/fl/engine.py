@@ -26,7 +26,7 @@ from fedslice.data import (TokenCache, TokenizedSplit, load_hub_splits, load_loc
                            sample_rows)
 from fedslice.errors import DataError
 from fedslice.fl.selection import make_selector
-from fedslice.fl.strategy import State
+from fedslice.fl.strategy import Reply, RoundResult, State
 from fedslice.methods import Method, build_method
 from fedslice.models.loading import load_model
 
@@ -110,6 +110,25 @@ def _mean(values: list[float]) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
+def round_record(server_round: int, clients: list[int], replies: dict[int, Reply],
+                 result: RoundResult) -> dict[str, Any]:
+    """The metrics record of one round: selection, exclusions, mean costs, per-client metrics."""
+    client_metrics = [{"client": c, "num_examples": r.num_examples, **r.metrics}
+                      for c, r in replies.items()]
+    used = [m for m in client_metrics if m["client"] in result.used]
+    return {
+        "round": server_round, "clients": clients, "excluded": result.excluded,
+        "skipped": result.skipped,
+        "train_loss": _mean([m["loss"] for m in used]),
+        **{f"{k}_mean": _mean([m[k] for m in client_metrics])
+           for k in ("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
+                     "trainable_params", "params_up")},
+        "peak_rss_mb_max": max((m["peak_rss_mb"] for m in client_metrics), default=None),
+        "activation_mb_max": max((m["activation_mb"] for m in client_metrics), default=None),
+        "client_metrics": client_metrics,
+    }
+
+
 class Simulation:
     """Runs an experiment in-process; ``on_round`` receives each round's metrics record."""
 
@@ -136,20 +155,7 @@ class Simulation:
         if result.skipped:
             log.warning("round %d: only %d valid replies (< min_replies): global state unchanged",
                         server_round, len(result.used))
-        client_metrics = [{"client": c, "num_examples": r.num_examples, **r.metrics}
-                          for c, r in replies.items()]
-        used = [m for m in client_metrics if m["client"] in result.used]
-        record = {
-            "round": server_round, "clients": clients, "excluded": result.excluded,
-            "skipped": result.skipped,
-            "train_loss": _mean([m["loss"] for m in used]),
-            **{f"{k}_mean": _mean([m[k] for m in client_metrics])
-               for k in ("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
-                         "trainable_params", "params_up")},
-            "peak_rss_mb_max": max((m["peak_rss_mb"] for m in client_metrics), default=None),
-            "activation_mb_max": max((m["activation_mb"] for m in client_metrics), default=None),
-            "client_metrics": client_metrics,
-        }
+        record = round_record(server_round, clients, replies, result)
         record["round_time_s"] = time.perf_counter() - t0
         return result.state, record
 

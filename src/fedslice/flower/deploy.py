@@ -1,0 +1,162 @@
+"""``fedslice deploy local``: run an experiment on Flower's Deployment Engine on this machine.
+
+Starts a SuperLink and one SuperNode per partition on loopback, submits the fedslice Flower app
+with ``flwr run``, waits (bounded) for the run to finish, and returns the run folder the ServerApp
+wrote (the same layout as ``fedslice run``), with Flower's logs in its ``flower/`` subfolder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from fedslice.errors import ConfigError
+from fedslice.flower.nodes import DeploymentError
+from fedslice.flower.settings import RUN_CONFIG_DEFAULTS
+
+log = logging.getLogger(__name__)
+
+APP_COMPONENTS = {"serverapp": "fedslice.flower.server_app:app",
+                  "clientapp": "fedslice.flower.client_app:app"}
+
+
+def app_pyproject() -> dict:
+    """The Flower app's pyproject as a dict; its code is the installed fedslice package."""
+    from fedslice import __version__
+
+    return {
+        "project": {"name": "fedslice-app", "version": __version__,
+                    "description": "fedslice experiments on Flower (fedslice deploy local)",
+                    "dependencies": ["fedslice", "flwr==1.41.0"]},
+        "tool": {"flwr": {"app": {"publisher": "fedslice", "components": dict(APP_COMPONENTS),
+                                  "config": dict(RUN_CONFIG_DEFAULTS)}}},
+    }
+
+
+def write_app(folder: Path) -> Path:
+    """A Flower app folder for ``flwr run`` (just its ``pyproject.toml``); returns ``folder``."""
+    import tomli_w
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pyproject.toml").write_text(tomli_w.dumps(app_pyproject()))
+    return folder
+
+
+def _run_config(path: Path, values: dict) -> Path:
+    import tomli_w
+
+    unknown = set(values) - set(RUN_CONFIG_DEFAULTS)
+    assert not unknown, unknown
+    path.write_text(tomli_w.dumps(values))
+    return path
+
+
+def _collect_logs(fed_dir: Path, run_dir: Path) -> None:
+    """Copy Flower's logs (run log, SuperLink, SuperNodes) into ``run_dir/flower``."""
+    dest = run_dir / "flower"
+    dest.mkdir(exist_ok=True)
+    for f in [fed_dir / "run.log", *sorted((fed_dir / "logs").glob("*.log"))]:
+        if f.is_file():
+            shutil.copy2(f, dest / f.name)
+
+
+def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: list[str] | None = None,
+                 out_dir: str | Path | None = None, tls: bool = False, auth: bool = False,
+                 round_timeout: float = 600.0, connect_timeout: float = 120.0,
+                 timeout: float | None = None, workdir: str | Path | None = None) -> Path:
+    """Run one experiment through Flower on loopback; return the run folder.
+
+    ``nodes`` must equal ``federation.num_clients`` (one partition per SuperNode). Flower's files
+    (certificates, keys, logs, state) go to ``workdir`` (a temporary folder, removed after a
+    successful run; kept and named in the error after a failed one).
+    """
+    from fedslice.config import load_config
+    from fedslice.flower.local import LocalFederation
+
+    overrides = list(overrides or [])
+    config = Path(config).absolute()
+    cfg = load_config(config, overrides)  # fail on a bad config before starting anything
+    n = nodes or cfg.federation.num_clients
+    if n != cfg.federation.num_clients:
+        raise ConfigError(
+            f"--nodes {n} but federation.num_clients={cfg.federation.num_clients}: in a deployment "
+            f"each SuperNode holds one partition; add --set federation.num_clients={n} (and "
+            f"federation.clients_per_round <= {n})")
+    tmp = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="fedslice-deploy-") if tmp else workdir).absolute()
+    work.mkdir(parents=True, exist_ok=True)
+    result_file = work / "result.txt"
+    result_file.unlink(missing_ok=True)
+    run_config = _run_config(work / "run_config.toml", {
+        "config": str(config), "overrides": ";".join(overrides),
+        "out-dir": str(Path(out_dir or cfg.output.dir).absolute()), "result-file": str(result_file),
+        "round-timeout": float(round_timeout), "connect-timeout": float(connect_timeout)})
+    limit = timeout or connect_timeout + cfg.federation.rounds * round_timeout + 600.0
+    with LocalFederation(work, n, tls=tls, auth=auth) as fed:
+        run_id = fed.submit(write_app(work / "app"), run_config)
+        log.info("submitted run %d to %s", run_id, fed.address)
+        try:
+            status = fed.wait(run_id, limit, finished_hint=result_file.exists)
+        finally:
+            _save_run_log(fed, run_id, work / "run.log")
+    if status != "finished:completed" or not result_file.is_file():
+        raise DeploymentError(f"run {run_id} ended with status {status}; logs in {work}:\n"
+                              f"{_tail(work / 'run.log')}")
+    run_dir = Path(result_file.read_text().strip())
+    _collect_logs(work, run_dir)
+    if tmp:
+        shutil.rmtree(work, ignore_errors=True)
+    return run_dir
+
+
+def _save_run_log(fed, run_id: int, path: Path) -> None:
+    try:
+        path.write_text(fed.run_log(run_id))
+    except DeploymentError as e:
+        log.warning("could not fetch the log of run %d: %s", run_id, e)
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no run log)"
+
+
+# --------------------------------------------------------------------------------------------
+# CLI: `fedslice deploy local ...`
+# --------------------------------------------------------------------------------------------
+
+def add_parser(sub) -> None:
+    """Add ``deploy local`` to the ``fedslice`` subcommands."""
+    dep = sub.add_parser("deploy", help="run an experiment on Flower's Deployment Engine")
+    where = dep.add_subparsers(dest="target", required=True)
+    loc = where.add_parser("local", help="a SuperLink and N SuperNodes on this machine (loopback)")
+    loc.add_argument("config")
+    loc.add_argument("--nodes", type=int, help="SuperNodes, one per partition "
+                     "(default and required: federation.num_clients)")
+    loc.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    loc.add_argument("--out", help="parent folder of the run folder (default: output.dir)")
+    loc.add_argument("--tls", action="store_true", help="TLS with certificates made by openssl")
+    loc.add_argument("--auth", action="store_true", help="SuperNode authentication (needs --tls)")
+    loc.add_argument("--round-timeout", type=float, default=600.0, metavar="S")
+    loc.add_argument("--connect-timeout", type=float, default=120.0, metavar="S",
+                     help="how long the ServerApp waits for the SuperNodes")
+    loc.add_argument("--timeout", type=float, metavar="S", help="limit for the whole run")
+    loc.add_argument("--workdir", help="keep Flower's files (certificates, logs) here")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``fedslice deploy local`` and print the results like ``fedslice run``."""
+    from fedslice.report import report
+
+    path = deploy_local(args.config, nodes=args.nodes, overrides=args.overrides, out_dir=args.out,
+                        tls=args.tls, auth=args.auth, round_timeout=args.round_timeout,
+                        connect_timeout=args.connect_timeout, timeout=args.timeout,
+                        workdir=args.workdir)
+    print(report(path, plots=False))
+    print(f"results: {path}")
+    return 0

@@ -1,0 +1,113 @@
+"""The Flower ServerApp: ``fedslice run`` with the clients on SuperNodes.
+
+The run config (``flwr run APP CONNECTION --run-config 'config="/abs/exp.toml"'``) names the
+experiment config file on the SuperLink's machine; the ServerApp loads it like ``fedslice run``,
+builds the method and data (for the initial state and central evaluation), finds which partition
+each connected SuperNode holds, runs the rounds with :class:`FlowerAdapter` through Flower's
+``Strategy.start`` and writes the usual run folder (config, partition, metrics.jsonl, summary.json,
+weights). Every wait is bounded: ``connect-timeout`` for SuperNodes to show up, ``round-timeout``
+for the replies of a round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from fedslice.errors import FedsliceError
+from fedslice.flower.settings import RunSettings
+
+log = logging.getLogger(__name__)
+
+app = ServerApp()
+
+
+def _show_logs() -> None:
+    """Send fedslice's INFO logs where Flower's go (the run's log, `flwr log`)."""
+    ours, flwr = logging.getLogger("fedslice"), logging.getLogger("flwr")
+    if flwr.handlers and not ours.handlers:
+        for h in flwr.handlers:
+            ours.addHandler(h)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Entry point of ``flwr run``: a user error is logged as one line, then fails the run."""
+    _show_logs()
+    try:
+        path = run(grid, RunSettings.from_run_config(dict(context.run_config)))
+    except FedsliceError as e:
+        log.error("fedslice: error: %s", e)
+        raise
+    log.info("results: %s", path)
+
+
+def run(grid: Grid, settings: RunSettings) -> Path:
+    """Load the experiment, find the SuperNodes, train, write the run folder; return its path."""
+    from fedslice.api import _run_name
+    from fedslice.config import load_config
+    from fedslice.fl.engine import setup, summarize
+    from fedslice.flower.codec import record_to_state, state_to_record
+    from fedslice.flower.discovery import PartitionMap
+    from fedslice.flower.strategy import FlowerAdapter
+    from fedslice.output import RunDir
+
+    cfg = load_config(settings.config, settings.overrides)
+    method, data = setup(cfg)
+    partitions = PartitionMap(cfg.federation.num_clients)
+    partitions.discover(grid, settings.connect_timeout)
+    out = Path(settings.out_dir or cfg.output.dir)
+    t_start = time.perf_counter()
+    with RunDir.create(out, _run_name(cfg)) as run_dir:
+        run_dir.write_config(cfg.model_dump(mode="json"))
+        run_dir.write_json("partition.json", {k: v for k, v in data.report.items()
+                                              if k != "label_histograms"})
+        adapter = FlowerAdapter(cfg, method.strategy, data, partitions, settings.round_timeout)
+        evaluate = _central_evaluation(cfg, method, data, adapter, run_dir.append_metrics)
+        result = adapter.start(grid, state_to_record(method.initial_state()),
+                               num_rounds=cfg.federation.rounds, timeout=settings.round_timeout,
+                               evaluate_fn=evaluate)
+        state = record_to_state(result.arrays)
+        test = method.evaluate(state, data.test, cfg.evaluation.batch_size)
+        summary = summarize(cfg, adapter.records, test, time.perf_counter() - t_start, data)
+        summary["engine"] = "flower"
+        summary["failed_nodes"] = sum(r["failed_nodes"] for r in adapter.records)
+        run_dir.write_summary(summary)
+        if cfg.output.save_weights:
+            run_dir.save_weights(state)
+    path = run_dir.final_path
+    if cfg.output.plots:
+        from fedslice.report import plot_run
+        plot_run(path)
+    if settings.result_file:
+        settings.result_file.write_text(str(path) + "\n")
+    return path
+
+
+def _central_evaluation(cfg, method, data, adapter, on_round):
+    """Flower's ``evaluate_fn``: dev accuracy after the rounds ``fedslice run`` evaluates, and the
+    round's finished record to ``on_round`` (metrics.jsonl)."""
+    from fedslice.flower.codec import record_to_state
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        if server_round == 0:
+            return None  # fedslice run does not evaluate the initial state
+        record = adapter.records[-1]
+        record["dev_accuracy"] = record["dev_loss"] = None
+        if server_round % cfg.evaluation.every == 0 or server_round == cfg.federation.rounds:
+            ev = method.evaluate(record_to_state(arrays), data.dev, cfg.evaluation.batch_size)
+            record["dev_accuracy"], record["dev_loss"] = ev["accuracy"], ev["loss"]
+        on_round(record)
+        log.info("round %d: train loss %s, dev accuracy %s", server_round, record["train_loss"],
+                 record["dev_accuracy"])
+        if record["dev_accuracy"] is None:
+            return None
+        return MetricRecord({"dev-accuracy": record["dev_accuracy"], "dev-loss": record["dev_loss"]})
+
+    return evaluate

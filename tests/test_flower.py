@@ -1,0 +1,395 @@
+"""The Flower app: records, partitions, the ServerApp loop over an in-process grid (every method),
+and end-to-end runs on Flower's Deployment Engine (SuperLink + SuperNodes on loopback)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedslice.config import validate_config
+from fedslice.errors import FedsliceError
+from fedslice.fl.engine import Simulation, setup
+from fedslice.fl.strategy import Payload, Reply
+from fedslice.flower import codec
+from fedslice.flower.client_app import app as client_app
+from fedslice.flower.nodes import DeploymentError, node_partition
+from fedslice.flower.server_app import run as server_run
+from fedslice.flower.settings import RUN_CONFIG_DEFAULTS, RunSettings
+from fedslice.methods import METHODS
+from fedslice.output import read_run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Records and settings
+# --------------------------------------------------------------------------------------------
+
+def test_payload_and_reply_round_trip_exactly():
+    state = {"a.weight": torch.randn(3, 4), "b.bias": torch.randn(2)}
+    payload = Payload(arrays=state, config={"round": 2, "lr": 1e-3, "mask": [[0, 1], None]})
+    back, experiment = codec.decode_payload(codec.encode_payload(payload, {"seed": 3}))
+    assert experiment == {"seed": 3} and back.config == payload.config
+    assert list(back.arrays) == list(state)
+    assert all(torch.equal(back.arrays[k], state[k]) for k in state)
+    back.arrays["b.bias"] += 1  # writable copies
+    reply = Reply(arrays=state, num_examples=7, metrics={"loss": math.nan, "steps": 3})
+    content = codec.encode_reply(reply)
+    assert content["metrics"]["num-examples"] == 7
+    got = codec.decode_reply(content)
+    assert got.num_examples == 7 and math.isnan(got.metrics["loss"]) and got.metrics["steps"] == 3
+
+
+def test_node_partition_checks():
+    assert node_partition({"partition-id": 1, "num-partitions": 2}, 2) == 1
+    assert node_partition({"partition-id": 0}, 5) == 0
+    with pytest.raises(DeploymentError, match="partition-id=2 is out of range.*num_clients=2"):
+        node_partition({"partition-id": 2, "num-partitions": 3}, 2)
+    with pytest.raises(DeploymentError, match="num-partitions=3 differs"):
+        node_partition({"partition-id": 0, "num-partitions": 3}, 2)
+    with pytest.raises(DeploymentError, match="no partition-id"):
+        node_partition({}, 2)
+    with pytest.raises(DeploymentError, match="not an integer"):
+        node_partition({"partition-id": "0"}, 2)
+
+
+def test_run_settings():
+    s = RunSettings.from_run_config({"config": "/x.toml", "overrides": "seed=1; federation.rounds=2"})
+    assert s.config == Path("/x.toml") and s.overrides == ["seed=1", "federation.rounds=2"]
+    assert s.out_dir is None and s.round_timeout == RUN_CONFIG_DEFAULTS["round-timeout"]
+    with pytest.raises(FedsliceError, match="no experiment config"):
+        RunSettings.from_run_config({})
+    with pytest.raises(FedsliceError, match="round-timeout"):
+        RunSettings.from_run_config({"config": "/x.toml", "round-timeout": 0})
+
+
+def test_repo_pyproject_declares_the_same_app():
+    from fedslice.flower.deploy import app_pyproject
+
+    ours = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    generated = app_pyproject()["tool"]["flwr"]["app"]
+    assert ours["components"] == generated["components"]
+    assert ours["config"] == generated["config"] == RUN_CONFIG_DEFAULTS
+
+
+# --------------------------------------------------------------------------------------------
+# The ServerApp over an in-process grid: the ClientApp's handlers called directly
+# --------------------------------------------------------------------------------------------
+
+class InProcessGrid(Grid):
+    """A Grid whose nodes are the fedslice ClientApp called in this process (no SuperLink)."""
+
+    def __init__(self, node_configs: dict[int, dict], fail: set[int] = frozenset()):
+        self.node_configs, self.fail = node_configs, set(fail)
+        self._replies: dict[str, Message] = {}
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+
+    def set_run(self, run):
+        pass
+
+    @property
+    def run(self):
+        return None
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self):
+        return list(self.node_configs)
+
+    def _handle(self, msg: Message) -> Message:
+        nid = msg.metadata.dst_node_id
+        if nid in self.fail and msg.metadata.message_type == "train":
+            return Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node down"), reply_to=msg)
+        ctx = Context(run_id=1, node_id=nid, node_config=self.node_configs[nid],
+                      state=RecordDict(), run_config={})
+        try:
+            return client_app(message=msg, context=ctx)
+        except Exception as ex:  # what Flower's runtime sends back
+            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                 reason=f"{type(ex)}:<'{ex}'>"), reply_to=msg)
+
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = msg.object_id
+            self._replies[msg.object_id] = self._handle(msg)
+            ids.append(msg.object_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        return [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self.pull_messages(self.push_messages(messages))
+
+
+def _nodes(n: int, offset: int = 100) -> dict[int, dict]:
+    return {offset + i: {"partition-id": i, "num-partitions": n} for i in range(n)}
+
+
+def _write_config(cfg_dict: dict, path: Path) -> Path:
+    path.write_text(json.dumps(cfg_dict))
+    return path
+
+
+def _settings(path: Path, out: Path, **kw) -> RunSettings:
+    return RunSettings.from_run_config({"config": str(path), "out-dir": str(out),
+                                        "connect-timeout": 5.0, **kw})
+
+
+def _in_process(cfg_dict: dict):
+    cfg = validate_config(cfg_dict)
+    method, data = setup(cfg)
+    return Simulation(cfg, method, data).run()
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(str(run_dir / "final_trainable.safetensors"))
+
+
+def _assert_same_state(a: dict, b: dict, atol: float = 1e-5) -> None:
+    assert sorted(a) == sorted(b)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, worst
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_serverapp_matches_in_process_engine(tiny_cfg_dict, tmp_path, method):
+    """Same config and seed: the Flower path (records, node map, client seeds, aggregation order)
+    gives the in-process engine's weights and selections, for every method."""
+    tiny_cfg_dict["method"] = {"name": method}
+    tiny_cfg_dict["federation"].update(num_clients=3, clients_per_round=2)
+    state, records, _ = _in_process(tiny_cfg_dict)
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(3)), _settings(path, tmp_path / "fl"))
+    _assert_same_state(_weights(run_dir), state)
+    _, metrics, summary = read_run(run_dir)
+    assert [m["clients"] for m in metrics] == [r["clients"] for r in records]
+    assert [m["train_loss"] for m in metrics] == pytest.approx([r["train_loss"] for r in records])
+    assert summary["engine"] == "flower" and summary["failed_nodes"] == 0
+    assert {p.name for p in run_dir.iterdir()} >= {"config.json", "metrics.jsonl", "summary.json",
+                                                   "partition.json", "final_trainable.safetensors"}
+
+
+def test_failed_node_is_excluded_and_recorded(tiny_cfg_dict, tmp_path):
+    tiny_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, min_replies=1)
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(2), fail={101}), _settings(path, tmp_path / "fl"))
+    _, metrics, summary = read_run(run_dir)
+    for m in metrics:
+        assert m["excluded"] == [{"client": 1, "reason": "node 101 failed: node down (error code 5)"}]
+        assert not m["skipped"] and m["failed_nodes"] == 1
+        assert [c["client"] for c in m["client_metrics"]] == [0]
+    assert summary["failed_nodes"] == 2 and summary["excluded_replies"] == 2
+
+
+def test_too_few_replies_keep_the_state(tiny_cfg_dict, tmp_path):
+    tiny_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, min_replies=2)
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(2), fail={101}), _settings(path, tmp_path / "fl"))
+    _, metrics, _ = read_run(run_dir)
+    assert all(m["skipped"] for m in metrics)
+    cfg = validate_config(tiny_cfg_dict)
+    _assert_same_state(_weights(run_dir), setup(cfg)[0].initial_state(), atol=0)
+
+
+def test_partition_out_of_range_fails_the_run(tiny_cfg_dict, tmp_path):
+    tiny_cfg_dict["federation"].update(num_clients=2, clients_per_round=2)
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
+    nodes = {100: {"partition-id": 0}, 101: {"partition-id": 7}}
+    with pytest.raises(DeploymentError, match="SuperNode 101: DeploymentError: partition-id=7 is out"):
+        server_run(InProcessGrid(nodes), _settings(path, tmp_path / "fl"))
+    dup = {100: {"partition-id": 0}, 101: {"partition-id": 0}}
+    with pytest.raises(DeploymentError, match="both hold partition-id=0"):
+        server_run(InProcessGrid(dup), _settings(path, tmp_path / "fl"))
+    assert not (tmp_path / "fl").exists() or not any((tmp_path / "fl").iterdir())
+
+
+def test_no_supernode_fails_within_the_connect_timeout(tiny_cfg_dict, tmp_path):
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
+    t0 = time.monotonic()
+    with pytest.raises(DeploymentError, match="no SuperNode answered within 1 s"):
+        server_run(InProcessGrid({}), _settings(path, tmp_path / "fl", **{"connect-timeout": 1.0}))
+    assert time.monotonic() - t0 < 30
+
+
+def test_bad_config_is_a_fedslice_error(tmp_path):
+    with pytest.raises(FedsliceError, match="does not exist"):
+        server_run(InProcessGrid(_nodes(2)), _settings(tmp_path / "nope.toml", tmp_path))
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: a SuperLink and SuperNodes on loopback (each test well under two minutes)
+# --------------------------------------------------------------------------------------------
+
+BIN = Path(os.sys.executable).parent
+_have_flower = pytest.mark.skipif(not (BIN / "flower-superlink").exists(),
+                                  reason="Flower's executables are not installed beside python")
+
+
+def needs_flower(test):
+    """An end-to-end deployment test (marker ``deployment``: ``-m "not deployment"`` skips)."""
+    return pytest.mark.deployment(_have_flower(test))
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """Every process the deployment helpers start; the test checks (and, as a safety net,
+    ensures) that each one and its descendants are gone afterwards."""
+    import psutil
+
+    from fedslice.flower import local
+
+    procs: list = []
+    family: list = []
+    real_start, real_stop = local.start_process, local.stop_processes
+
+    def start(*args, **kw):
+        proc = real_start(*args, **kw)
+        procs.append(proc)
+        return proc
+
+    def stop(ps, *args, **kw):
+        family.extend(c for p in ps for c in local._descendants(p.pid))
+        return real_stop(ps, *args, **kw)
+
+    monkeypatch.setattr(local, "start_process", start)
+    monkeypatch.setattr(local, "stop_processes", stop)
+    yield procs
+    leftovers = [p.popen for p in procs if p.alive()] + [c for c in family if c.is_running()]
+    for p in procs:
+        if p.alive():
+            p.popen.kill()
+    for c in family:
+        try:
+            c.kill()
+        except psutil.Error:
+            pass
+    assert not leftovers, f"processes left running: {leftovers}"
+
+
+def _e2e_config(cfg_dict: dict, tmp_path: Path, method: str, rounds: int = 2) -> Path:
+    cfg_dict["method"] = {"name": method}
+    cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=rounds)
+    return _write_config(cfg_dict, tmp_path / f"{method}.json")
+
+
+def _check_deployed_run(run_dir: Path, cfg_dict: dict) -> None:
+    state, records, _ = _in_process(cfg_dict)
+    _assert_same_state(_weights(run_dir), state)
+    _, metrics, summary = read_run(run_dir)
+    assert [m["clients"] for m in metrics] == [r["clients"] for r in records]
+    assert summary["engine"] == "flower" and summary["failed_nodes"] == 0
+    assert {"run.log", "superlink.log", "supernode-0.log"} <= {p.name for p in (run_dir / "flower").iterdir()}
+
+
+@needs_flower
+def test_deploy_local_two_supernodes_matches_in_process(tiny_cfg_dict, tmp_path, started):
+    """`fedslice deploy local`: SuperLink + 2 SuperNodes, 2 rounds, finished:completed (checked
+    inside deploy_local), same weights as the in-process engine."""
+    from fedslice.flower.deploy import deploy_local
+
+    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedpetuning")
+    run_dir = deploy_local(path, nodes=2, out_dir=tmp_path / "runs", round_timeout=90,
+                           connect_timeout=60, timeout=240, workdir=tmp_path / "work")
+    assert [p.name for p in started] == ["superlink", "supernode-0", "supernode-1"]
+    _check_deployed_run(run_dir, tiny_cfg_dict)
+
+
+@needs_flower
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+def test_deploy_local_tls_and_supernode_auth(tiny_cfg_dict, tmp_path, started):
+    """TLS certificates made with openssl in the test, SuperNode keys registered with
+    `flwr supernode register`; full fine-tuning (fedavg) gives the in-process weights."""
+    from fedslice.flower.deploy import deploy_local
+
+    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedavg")
+    run_dir = deploy_local(path, nodes=2, out_dir=tmp_path / "runs", tls=True, auth=True,
+                           round_timeout=90, connect_timeout=60, timeout=240,
+                           workdir=tmp_path / "work")
+    assert (tmp_path / "work" / "certificates" / "ca.crt").is_file()
+    superlink = (tmp_path / "work" / "logs" / "superlink.log").read_text()
+    assert "https://127.0.0.1" in superlink
+    _check_deployed_run(run_dir, tiny_cfg_dict)
+
+
+def _submit(fed, tmp_path: Path, config: Path, **run_config) -> int:
+    from fedslice.flower.deploy import _run_config, write_app
+
+    values = {"config": str(config), "out-dir": str(tmp_path / "runs"), **run_config}
+    return fed.submit(write_app(tmp_path / "app"), _run_config(tmp_path / "rc.toml", values))
+
+
+def _wait_for_line(path: Path, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.is_file() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path} after {timeout} s")
+
+
+@needs_flower
+def test_supernode_killed_mid_round(tiny_cfg_dict, tmp_path, started):
+    """A SuperNode dies while training: the round ends at round-timeout with the other reply,
+    the failure is logged and in metrics.jsonl, and the run completes."""
+    import psutil
+
+    from fedslice.flower.local import LocalFederation
+
+    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedpetuning", rounds=1)
+    with LocalFederation(tmp_path / "work", nodes=2) as fed:
+        run_id = _submit(fed, tmp_path, path, **{"round-timeout": 40.0, "connect-timeout": 60.0})
+        victim = fed.processes[2]  # supernode-1
+        _wait_for_line(victim.log_path, "Receiving: train message", timeout=120)
+        for p in [psutil.Process(victim.pid), *psutil.Process(victim.pid).children(recursive=True)]:
+            p.kill()  # the machine is gone: no goodbye to the SuperLink
+        assert fed.wait(run_id, timeout=120) == "finished:completed"
+        run_log = fed.run_log(run_id)
+    assert "client 1 excluded: no reply within 40 s" in run_log
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    _, metrics, summary = read_run(run_dir)
+    assert metrics[0]["excluded"] == [{"client": 1, "reason": "no reply within 40 s"}]
+    assert [c["client"] for c in metrics[0]["client_metrics"]] == [0] and not metrics[0]["skipped"]
+    assert summary["failed_nodes"] == 1
+
+
+@needs_flower
+def test_bad_input_fails_the_run_with_a_clear_error(tiny_cfg_dict, tmp_path, started):
+    """A config the ServerApp cannot load, then a SuperNode whose partition is out of range: each
+    run ends `finished:failed` with the reason in its log (no hang)."""
+    from fedslice.flower.local import LocalFederation
+
+    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedpetuning")
+    with LocalFederation(tmp_path / "work", nodes=1, node_config={"partition-id": 5}) as fed:
+        missing = _submit(fed, tmp_path, tmp_path / "missing.toml")
+        assert fed.wait(missing, timeout=120) == "finished:failed"
+        assert f"config file {tmp_path / 'missing.toml'} does not exist" in fed.run_log(missing)
+        bad_node = _submit(fed, tmp_path, path, **{"connect-timeout": 60.0})
+        assert fed.wait(bad_node, timeout=120) == "finished:failed"
+        assert "partition-id=5 is out of range" in fed.run_log(bad_node)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_deploy_rejects_a_node_count_other_than_num_clients(tiny_cfg_dict, tmp_path, capsys):
+    from fedslice.cli import main
+
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")  # num_clients=4
+    assert main(["deploy", "local", str(path), "--nodes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--nodes 2 but federation.num_clients=4" in err and "--set federation.num_clients=2" in err
