@@ -237,3 +237,16 @@ def test_run_folder_has_elastic_plot_and_unpermuted_weights(tiny_cfg_dict):
         assert torch.equal(saved[base], ckpt[f"bert.encoder.layer.1.attention.self.{part}.weight"])
     base = "base_model.model.bert.encoder.layer.0.intermediate.dense.bias"
     assert torch.equal(saved[base], ckpt["bert.encoder.layer.0.intermediate.dense.bias"])
+
+
+def test_measured_costs_scale_linearly_with_the_batch(tiny_model_dir):
+    from fedslice.config import ModelConfig
+    from fedslice.models.loading import load_model
+    from fedslice.slicing.planner import measure_training_step, profile_batch
+    model = load_model(ModelConfig(name=str(tiny_model_dir)), 2, 0).model
+    batch = profile_batch(model.config.vocab_size, 8, 16)
+    whole = measure_training_step(model, batch, measure_rows=None)
+    part = measure_training_step(model, batch, measure_rows=2)
+    assert part[0] == pytest.approx(whole[0], rel=1e-6)
+    assert part[1] == pytest.approx(whole[1], rel=0.02)
+    assert part[2:] == whole[2:]
