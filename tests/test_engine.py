@@ -94,3 +94,36 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     from fedslice.models.arch import arch_for
     with pytest.raises(ModelError, match="bert, distilbert, roberta"):
         arch_for(GPT2Config())
+
+
+def test_empty_partitions_are_reported_and_skipped(tiny_cfg_dict):
+    tiny_cfg_dict["data"].update({"partition": "dirichlet", "alpha": 0.02})
+    tiny_cfg_dict["federation"].update({"num_clients": 40, "clients_per_round": 5})
+    cfg = validate_config(tiny_cfg_dict)
+    method, data = setup(cfg)
+    empty = data.report["empty_partitions"]
+    assert empty, "alpha=0.02 over 40 clients should leave some client without data"
+    sim = Simulation(cfg, method, data)
+    _, records, summary = sim.run()
+    assert not set(empty) & {c for r in records for c in r["clients"]}
+    assert summary["empty_partitions"] == len(empty)
+
+
+def test_fedprox_pulls_towards_global(tiny_cfg_dict):
+    _, free, _, _ = _run(tiny_cfg_dict)
+    tiny_cfg_dict["federation"]["fedprox_mu"] = 100.0
+    _, prox, _, _ = _run(tiny_cfg_dict)
+    init = setup(validate_config(tiny_cfg_dict))[0].initial_state()  # the untrained global state
+    dist = lambda s: sum(float((s[k] - init[k]).norm()) for k in init)  # noqa: E731
+    assert dist(prox) < dist(free)
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "distilbert"])
+def test_other_architectures_lora_targets(tmp_path, model_type, tiny_cfg_dict):
+    from conftest import save_tiny_model
+    tiny_cfg_dict["model"]["name"] = str(save_tiny_model(tmp_path / model_type, model_type))
+    tiny_cfg_dict["lora"]["targets"] = ["q", "k", "v", "o", "ffn_in", "ffn_out"]
+    tiny_cfg_dict["federation"]["rounds"] = 1
+    method, state, _, _ = _run(tiny_cfg_dict)
+    assert sum("lora_A" in k for k in state) == 2 * 6
+    assert any("classifier" in k for k in state)

@@ -81,7 +81,9 @@ class FederationConfig(_Section):
     max_grad_norm: float | None = Field(1.0, gt=0)
     server_lr: float = Field(1.0, gt=0, description="eta of Eq. 5 (heads paper).")
     fedprox_mu: float = Field(0.0, ge=0)
-    selection: Literal["uniform"] = "uniform"
+    selection: Literal["uniform", "random", "loss_gap"] = Field(
+        "uniform", description="'uniform'/'random': seeded uniform sampling; 'loss_gap': Eq. 9 of "
+        "the heads paper (largest last local loss minus global loss first, unseen clients first).")
     min_replies: int = Field(1, gt=0, description="A round with fewer valid replies keeps the "
                              "global state unchanged.")
 
@@ -216,6 +218,8 @@ class EvaluationConfig(_Section):
     every: int = Field(1, gt=0, description="Evaluate on dev every E rounds (and after the last).")
     batch_size: int = Field(128, gt=0)
     target_accuracy: float = Field(0.8, gt=0, le=1)
+    track_test: bool = Field(False, description="Also evaluate on test at each evaluation round "
+                             "(for accuracy-per-round curves; the final test result is always kept).")
 
 
 class OutputConfig(_Section):

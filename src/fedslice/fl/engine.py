@@ -150,7 +150,6 @@ class Simulation:
             "activation_mb_max": max((m["activation_mb"] for m in client_metrics), default=None),
             "client_metrics": client_metrics,
         }
-        self.selector.observe(server_round, {c: r.metrics["loss"] for c, r in replies.items()}, None)
         record["round_time_s"] = time.perf_counter() - t0
         return result.state, record
 
@@ -168,6 +167,12 @@ class Simulation:
             if self.should_evaluate(rnd):
                 ev = self.method.evaluate(state, self.data.dev, cfg.evaluation.batch_size)
                 record["dev_accuracy"], record["dev_loss"] = ev["accuracy"], ev["loss"]
+                if cfg.evaluation.track_test:
+                    ev = self.method.evaluate(state, self.data.test, cfg.evaluation.batch_size)
+                    record["test_accuracy"], record["test_loss"] = ev["accuracy"], ev["loss"]
+            losses = {m["client"]: m["loss"] for m in record["client_metrics"]}
+            self.selector.observe(rnd, losses, record["dev_loss"])
+            record["elapsed_s"] = time.perf_counter() - t_start
             records.append(record)
             if on_round:
                 on_round(record)

@@ -1,7 +1,12 @@
-"""Client selection: which clients train in a round. Usable by every method."""
+"""Client selection: which clients train in a round. Usable by every method.
+
+A selector has two calls: ``select(round, candidates)`` and ``observe(round, client_losses,
+global_loss)`` after the round, so feedback-driven selectors (loss gap) fit the same loop.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,10 +24,43 @@ class UniformSelector:
         return sorted(int(c) for c in self.rng.choice(np.asarray(candidates), size=k, replace=False))
 
     def observe(self, server_round: int, client_losses: dict[int, float], global_loss: float | None) -> None:
-        """Uniform selection ignores feedback (the hook exists for loss-based selectors)."""
+        """Uniform selection ignores feedback."""
+
+
+class LossGapSelector(UniformSelector):
+    """Eq. 9 of the heads paper: the K clients with the largest (last local loss - global loss).
+
+    A client never seen has loss +inf, so every client is tried before any is picked twice; ties
+    (e.g. among unseen clients) are broken by the seeded RNG. The global loss is the latest one
+    observed (the server's evaluation loss, else the mean of the clients' reported losses).
+    """
+
+    def __init__(self, k: int, seed: int):
+        super().__init__(k, seed)
+        self.last_loss: dict[int, float] = {}
+        self.global_loss = 0.0
+
+    def gap(self, client: int) -> float:
+        return self.last_loss.get(client, math.inf) - self.global_loss
+
+    def select(self, server_round: int, candidates: Sequence[int]) -> list[int]:
+        shuffled = [int(c) for c in self.rng.permutation(np.asarray(candidates))]
+        ranked = sorted(shuffled, key=self.gap, reverse=True)  # stable: RNG order breaks ties
+        return sorted(ranked[: min(self.k, len(ranked))])
+
+    def observe(self, server_round: int, client_losses: dict[int, float], global_loss: float | None) -> None:
+        finite = {c: v for c, v in client_losses.items() if math.isfinite(v)}
+        self.last_loss.update(finite)
+        if global_loss is not None and math.isfinite(global_loss):
+            self.global_loss = global_loss
+        elif finite:
+            self.global_loss = float(np.mean(list(finite.values())))
+
+
+SELECTORS = {"uniform": UniformSelector, "random": UniformSelector, "loss_gap": LossGapSelector}
 
 
 def make_selector(name: str, k: int, seed: int) -> UniformSelector:
-    if name == "uniform":
-        return UniformSelector(k, seed)
-    raise ValueError(f"unknown selection {name!r}")
+    if name not in SELECTORS:
+        raise ValueError(f"unknown selection {name!r}: choose one of {', '.join(SELECTORS)}")
+    return SELECTORS[name](k, seed)
