@@ -329,6 +329,8 @@ def plot_elastic(elastic: Sequence[Mapping[str, Any]], out_path: str | os.PathLi
                  title: str = "", series: str | None = None, fig_axes=None) -> Path:
     """``elastic.png``: test (and dev) accuracy of the global model evaluated at several sub-model
     sizes, against the size (FLOPs fraction) and against forward GFLOPs per example."""
+    from matplotlib.ticker import AutoLocator
+
     fig, (ax_size, ax_flops) = fig_axes or _figure(ncols=2, width=5.0)
     rows = [e for e in elastic if _num(e.get("test_accuracy")) is not None]
     label = series or "test"
@@ -342,7 +344,7 @@ def plot_elastic(elastic: Sequence[Mapping[str, Any]], out_path: str | os.PathLi
     ax_size.set_xlabel("size (fraction of full-model training FLOPs)")
     ax_flops.set_xlabel("forward GFLOPs per example (profile batch)")
     for ax in (ax_size, ax_flops):
-        ax.xaxis.set_major_locator(__import__("matplotlib.ticker").ticker.AutoLocator())
+        ax.xaxis.set_major_locator(AutoLocator())  # sizes and GFLOPs are not rounds
         ax.set_ylabel("accuracy")
         ax.grid(True, alpha=0.3)
         ax.legend(loc="lower right")
