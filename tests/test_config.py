@@ -77,3 +77,8 @@ def test_variants_merge_and_replace_method(tmp_path: Path):
 def test_shipped_configs_are_valid():
     for f in (Path(__file__).parents[1] / "configs").glob("*.toml"):
         assert load_variants(f)
+
+
+def test_raffm_example_config_is_valid():
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "raffm_sst2.toml")
+    assert cfg.method.name == "raffm" and [t.flops for t in cfg.method.tiers] == [0.25, 0.5, 0.75, 1.0]

@@ -72,7 +72,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
             state, _, summary = sim.run(on_round=run.append_metrics, progress=bar)
         run.write_summary(summary)
         if cfg.output.save_weights:
-            run.save_weights(state)
+            run.save_weights(method.export_state(state))
     path = run.final_path
     if cfg.output.plots:
         plot_run(path)

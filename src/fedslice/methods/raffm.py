@@ -1,0 +1,302 @@
+"""``raffm``: resource-aware sub-models of a salience-ordered foundation model (Yu et al. 2023).
+
+1. Salience (L1/L2) of every head and FFN neuron; the global model is permuted so the most salient
+   come first (function-preserving, re-applied every R rounds, tracked for un-permuting on export).
+2. Each client's budget (device tier: FLOPs fraction or memory limit) is mapped by the planner to a
+   leading-slice :class:`SliceSpec`, checked by measuring the real sub-model. A client whose budget
+   is below the smallest sub-model sits out (recorded in the round's ``excluded``).
+3. The client trains the leading slice (full fine-tuning or LoRA on the sub-model).
+4. Slice aggregation: every element is the example-weighted mean over the clients whose slice
+   holds it; an element nobody held keeps its value (exactly FedAvg when all hold the full model).
+   Unlike the public code, we do not divide by all clients, and heads are sliced whole.
+5. Elastic inference: the global model is evaluated at several sizes after training.
+
+The server state holds the trainable tensors plus the frozen q/k/v/o/ffn tensors (with LoRA), so
+that permutations and slices are pure functions over it; the shared model is a scratch buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from fedslice.config import ExperimentConfig, FederationConfig, RaFFMMethod
+from fedslice.errors import ConfigError
+from fedslice.fl import costs
+from fedslice.fl.client import LocalResult, evaluate
+from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.methods.base import Method
+from fedslice.models.arch import ArchSpec
+from fedslice.models.loading import LoadedModel
+from fedslice.peft import apply_lora
+from fedslice.slicing.aggregate import aggregate_deltas
+from fedslice.slicing.permute import Permutation, permute_state, unpermute_state
+from fedslice.slicing.planner import (Budget, Plan, Planner, assign_budgets, measure_training_step,
+                                      profile_batch, width_candidates)
+from fedslice.slicing.salience import salience, salience_order
+from fedslice.slicing.spec import SliceSpec, extract_model, extract_state, scatter, sliceable_keys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClientPlan:
+    tier: int | None
+    budget: Budget
+    plan: Plan
+
+
+class RaFFMStrategy(Strategy):
+    """Per-client leading-slice payloads and slice aggregation over state dicts; owns the
+    permutation of the global state (relative to the checkpoint's order)."""
+
+    def __init__(self, fed: FederationConfig, opts: RaFFMMethod, arch: ArchSpec,
+                 dims: Mapping[str, int], plans: dict[int, ClientPlan], lora_scale: float | None):
+        super().__init__(fed)
+        self.opts, self.arch, self.dims, self.plans = opts, arch, dims, plans
+        self.lora_scale = lora_scale
+        self.perm = Permutation.identity(dims)
+
+    # -- ordering ----------------------------------------------------------------------------
+    def reorder(self, state: State) -> State:
+        """Salience-order heads and neurons of ``state``; tracks the cumulative permutation."""
+        sal = salience(state, self.arch, self.dims, self.opts.salience, self.lora_scale)
+        rel = salience_order(sal, self.dims["head_dim"])
+        self.perm = self.perm.then(rel)
+        return permute_state(state, rel, self.arch)
+
+    # -- configure ---------------------------------------------------------------------------
+    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
+        cp = self.plans[client]
+        cfg = {**config, "client": client, "tier": cp.tier, "budget": cp.budget.describe()}
+        if cp.plan.spec is None:
+            return Payload(arrays={}, config={**cfg, "sit_out": cp.plan.reason})
+        return Payload(arrays=extract_state(state, cp.plan.spec, self.arch),
+                       config={**cfg, "spec": cp.plan.spec.to_dict()})
+
+    def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
+        if payload.config.get("sit_out"):
+            return f"sat out: {payload.config['sit_out']}"
+        return super().check_reply(state, payload, reply)
+
+    # -- aggregate ---------------------------------------------------------------------------
+    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
+                  replies: dict[int, Reply]) -> State:
+        """Slice aggregation: scatter each client's delta into full shape with a held-mask weight."""
+        shapes = {k: t.shape for k, t in state.items()}
+        deltas, weights = [], []
+        for c in sorted(replies):
+            sent, reply = payloads[c], replies[c]
+            spec = SliceSpec.from_dict(sent.config["spec"])
+            delta = {k: t.float() - sent.arrays[k].float() for k, t in reply.arrays.items()}
+            full, masks = scatter(delta, spec, self.arch, shapes)
+            deltas.append(full)
+            weights.append({k: float(reply.num_examples) * m for k, m in masks.items()})
+        new = aggregate_deltas(state, deltas, weights, eta=self.fed.server_lr)
+        every = self.opts.reorder_every
+        if self.opts.reorder and every and server_round % every == 0:
+            new = self.reorder(new)
+        return new
+
+
+class RaFFM(Method):
+    name = "raffm"
+
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel):
+        self.opts: RaFFMMethod = cfg.method
+        self._submodels: dict[SliceSpec, nn.Module] = {}
+        super().__init__(cfg, loaded)
+
+    # -- construction ------------------------------------------------------------------------
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        if self.opts.tuning == "full":
+            return super().prepare_model(model)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return apply_lora(model, self.arch, self.cfg.lora)
+
+    def make_strategy(self) -> Strategy:
+        opts, fed = self.opts, self.cfg.federation
+        self.profile = profile_batch(self.model.config.vocab_size,
+                                     opts.profile_batch_size or fed.batch_size,
+                                     opts.profile_seq_len or self.cfg.data.max_length, self.cfg.seed)
+        self.planner = Planner(width_candidates(self.dims, opts.width_steps, opts.elastic_depth),
+                               lambda spec: measure_training_step(self.submodel(spec), self.profile))
+        budgets = assign_budgets(opts.tiers, opts.budget_distribution, fed.num_clients, self.cfg.seed)
+        plans = {c: ClientPlan(tier, b, self.planner.plan(b)) for c, (tier, b) in enumerate(budgets)}
+        self._check_feasible(plans)
+        lora_scale = self.cfg.lora.alpha / self.cfg.lora.r if opts.tuning == "lora" else None
+        return RaFFMStrategy(fed, opts, self.arch, self.dims, plans, lora_scale)
+
+    def _check_feasible(self, plans: dict[int, ClientPlan]) -> None:
+        out: dict[str, list[int]] = defaultdict(list)
+        reasons = {}
+        for c, cp in plans.items():
+            if cp.plan.spec is None:
+                out[cp.budget.field].append(c)
+                reasons[cp.budget.field] = cp.plan.reason
+        if not out:
+            return
+        lines = [f"{field}: {reasons[field]}: client(s) {cs[:10]}{' ...' if len(cs) > 10 else ''}"
+                 for field, cs in out.items()]
+        if self.opts.on_infeasible == "error" or sum(map(len, out.values())) == len(plans):
+            raise ConfigError("no sub-model fits the budget of some clients:\n  " + "\n  ".join(lines)
+                              + ("" if self.opts.on_infeasible == "error" else
+                                 "\n  (every client would sit out)"))
+        for line in lines:
+            log.warning("raffm: these clients sit out: %s", line)
+
+    # -- sub-models --------------------------------------------------------------------------
+    def submodel(self, spec: SliceSpec) -> nn.Module:
+        """The sub-model of ``spec`` (built once per spec: it shares every unsliced module with the
+        full model and holds its own sliced tensors; clients load their payload into it)."""
+        if spec not in self._submodels:
+            self._submodels[spec] = self.model if spec.is_full else extract_model(self.model, spec, self.arch)
+        return self._submodels[spec]
+
+    def state_keys(self) -> list[str]:
+        names = [n for n, _ in self.model.named_parameters()]
+        keep = set(self.trainable()) | set(sliceable_keys(self.arch, names))
+        return [n for n in names if n in keep]
+
+    def initial_state(self) -> State:
+        params = dict(self.model.named_parameters())
+        state = {n: params[n].detach().clone() for n in self.state_keys()}
+        self.strategy.perm = Permutation.identity(self.dims)
+        return self.strategy.reorder(state) if self.opts.reorder else state
+
+    @staticmethod
+    @torch.no_grad()
+    def _load(model: nn.Module, state: State) -> dict[str, nn.Parameter]:
+        params = dict(model.named_parameters())
+        for k, t in state.items():
+            params[k].copy_(t)
+        return params
+
+    # -- client ------------------------------------------------------------------------------
+    def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
+        model = self.submodel(SliceSpec.from_dict(payload.config["spec"]))
+        params = self._load(model, payload.arrays)
+        return model, {n: p for n, p in params.items() if p.requires_grad}
+
+    def fit(self, payload: Payload, data, seed: int) -> Reply:
+        if payload.config.get("sit_out"):
+            return Reply(arrays={}, num_examples=0, metrics=self._sit_out_metrics(payload))
+        return super().fit(payload, data, seed)
+
+    @staticmethod
+    def _sit_out_metrics(payload: Payload) -> dict[str, Any]:
+        none = dict.fromkeys(("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
+                              "trainable_params", "params_up", "params_down", "train_time_s"))
+        return {**none, "loss": float("nan"), "steps": 0, "peak_rss_mb": 0.0, "activation_mb": 0.0,
+                "sat_out": 1, "tier": payload.config.get("tier")}
+
+    def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
+                       arrays: State, result: LocalResult) -> dict[str, float]:
+        m = super().client_metrics(model, params, payload, arrays, result)
+        spec = SliceSpec.from_dict(payload.config["spec"])
+        trained = {k: t for k, t in payload.arrays.items() if k in params}
+        frozen = {k: t for k, t in payload.arrays.items() if k not in params}
+        model_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+        m.update({
+            "tier": payload.config.get("tier"), "sat_out": 0,
+            # comparable with fedpetuning: the trained tensors; the frozen sub-model slices are
+            # what a client without the model must also hold (counted apart)
+            "bytes_down": costs.tensor_bytes(trained), "bytes_down_frozen": costs.tensor_bytes(frozen),
+            "flops_analytic": self._analytic_flops(spec, model, result),
+            "flops_ratio_planned": self.planner.cost(spec).flops_ratio,
+            "model_mb": model_bytes / 2**20, "memory_mb": model_bytes / 2**20 + result.activation_mb,
+            "heads_mean": float(np.mean([len(h) for h in spec.heads])),
+            "ffn_mean": float(np.mean([len(f) for f in spec.neurons])), "layers": len(spec.layers),
+        })
+        return m
+
+    def _analytic_flops(self, spec: SliceSpec, model: nn.Module, result: LocalResult) -> float:
+        """:func:`costs.analytic_train_flops` of the sub-model: its linears are counted from the
+        model; the attention term uses each kept layer's attention width, not the hidden size."""
+        counts = costs.linear_param_counts(model)
+        d, T = self.dims["hidden"], result.tokens
+        s = T / max(result.examples, 1)
+        base = costs.analytic_train_flops(
+            num_layers=len(spec.layers), hidden=d, ffn=self.dims["ffn"], num_heads=self.dims["num_heads"],
+            tokens=T, seq_len=s, trainable_linear_params=counts["trainable"],
+            total_linear_params=counts["total"], examples=result.examples,
+            head_linear_params=counts["head_total"], head_trainable_linear_params=counts["head_trainable"])
+        widths = [len(h) * spec.head_dim for h in spec.heads]
+        attn_excess = 12.0 * s * T * sum(d - w for w in widths)  # 4 forward + 8 backward
+        first_qkv = 6.0 * d * (d - widths[0]) * T if spec.layers[0] == 0 else 0.0
+        return base["total"] - attn_excess + first_qkv
+
+    # -- server evaluation -------------------------------------------------------------------
+    def eval_model(self, state: State) -> nn.Module:
+        self._load(self.model, state)
+        return self.model
+
+    def export_state(self, state: State) -> State:
+        """The global state in the checkpoint's order of heads and neurons."""
+        return unpermute_state(state, self.strategy.perm, self.arch)
+
+    def elastic(self, state: State, data, batch_size: int) -> list[dict[str, Any]]:
+        """Accuracy of the global model at every ``elastic_sizes`` FLOPs fraction."""
+        out = []
+        for size in sorted(set(self.opts.elastic_sizes) | {1.0}):
+            plan = self.planner.plan(Budget(flops=size))
+            if plan.spec is None:
+                out.append({"size": size, "error": plan.reason})
+                continue
+            model = self.submodel(plan.spec)
+            self._load(model, extract_state(state, plan.spec, self.arch))
+            rows = {k: v[:2] for k, v in self.profile.items() if k != "labels"}  # linear in rows
+            with torch.no_grad(), costs.count_flops() as fc:
+                model.eval()
+                model(**rows)
+            res = {"dev": evaluate(model, data.dev, batch_size), "test": evaluate(model, data.test, batch_size)}
+            out.append({"size": size, **plan.spec.describe(), "params": plan.cost.params,
+                        "train_flops_ratio": plan.cost.flops_ratio,
+                        "forward_gflops_per_example": fc.total / 1e9 / len(rows["input_ids"]),
+                        "dev_accuracy": res["dev"]["accuracy"], "test_accuracy": res["test"]["accuracy"]})
+        full = next((e for e in out if e["size"] == 1.0), None)
+        for e in out:
+            if full and "forward_gflops_per_example" in e:
+                e["forward_flops_ratio"] = e["forward_gflops_per_example"] / full["forward_gflops_per_example"]
+        return [e for e in out if e["size"] in self.opts.elastic_sizes]
+
+    def final_metrics(self, state: State, data, records: list[dict[str, Any]], batch_size: int) -> dict[str, Any]:
+        """Elastic sizes, per-tier costs and the plans (merged into summary.json)."""
+        per_client = [m for r in records for m in r["client_metrics"]]
+        tiers = []
+        groups = sorted({cp.tier for cp in self.strategy.plans.values()}, key=lambda t: (t is None, t))
+        for tier in groups:
+            cps = [cp for cp in self.strategy.plans.values() if cp.tier == tier]
+            ran = [m for m in per_client if m.get("tier") == tier and not m.get("sat_out")]
+            specs = {cp.plan.spec for cp in cps if cp.plan.spec is not None}
+            entry = {"tier": tier, "budget": cps[0].budget.describe() if tier is not None else "distribution",
+                     "clients": len(cps), "clients_without_submodel": sum(cp.plan.spec is None for cp in cps),
+                     "client_rounds": len(ran),
+                     "sat_out_rounds": sum(1 for m in per_client if m.get("tier") == tier and m.get("sat_out"))}
+            if len(specs) == 1:
+                spec = next(iter(specs))
+                entry.update({"spec": spec.describe(), "planned": self.planner.cost(spec).to_dict()})
+            for k in ("flops_measured", "flops_analytic", "bytes_down", "bytes_down_frozen", "bytes_up",
+                      "memory_mb", "activation_mb", "peak_rss_mb"):
+                vals = [m[k] for m in ran if m.get(k) is not None]
+                entry[f"{k}_mean"] = float(np.mean(vals)) if vals else None
+            tiers.append(entry)
+        full_cost = self.planner.cost(self.planner.candidates[-1])
+        return {"elastic": self.elastic(state, data, batch_size), "tiers": tiers,
+                "full_model_planned": full_cost.to_dict(),
+                "sat_out_replies": sum(1 for m in per_client if m.get("sat_out")),
+                "memory_mb_mean": _mean([m.get("memory_mb") for m in per_client if not m.get("sat_out")]),
+                "permutation_applied": not self.strategy.perm.is_identity}
+
+
+def _mean(vals):
+    vals = [v for v in vals if v is not None]
+    return float(np.mean(vals)) if vals else None

@@ -1,0 +1,211 @@
+"""Budgets -> sub-model specs, checked by measuring the sub-model, not only by formula.
+
+A client's :class:`Budget` is a fraction of the full model's training FLOPs per step or a peak
+training memory in MiB. The planner walks a grid of leading-slice specs ordered by size
+(:func:`width_candidates`: ``round(w*H)`` heads and ``round(w*F)`` neurons per layer, optionally
+fewer layers), measures candidates with a real training step of the real sub-model on a profile
+batch (FLOPs with ``FlopCounterMode``; memory = parameters + gradients and AdamW state of the
+trainable ones + the peak of tensors saved for backward) and returns the largest candidate whose
+*measured* cost fits. It never returns a spec over budget: a budget below the smallest candidate
+returns no spec and a reason, and the caller decides (the client sits out).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from fedslice.fl.costs import PeakMemory, count_flops
+from fedslice.slicing.spec import SliceSpec
+
+_MIB = float(1 << 20)
+
+
+@dataclass(frozen=True)
+class Budget:
+    flops: float | None = None  # fraction of the full model's training FLOPs per step, (0, 1]
+    memory_mb: float | None = None  # peak training memory, MiB
+    field: str = ""  # the config field it comes from (for messages)
+
+    def __post_init__(self):
+        if (self.flops is None) == (self.memory_mb is None):
+            raise ValueError("a Budget has exactly one of flops / memory_mb")
+
+    def describe(self) -> str:
+        return f"{self.flops:g}x FLOPs" if self.flops is not None else f"{self.memory_mb:g} MiB"
+
+
+@dataclass(frozen=True)
+class SpecCost:
+    params: int  # parameters of the sub-model (embeddings and head included)
+    trainable: int
+    flops: float  # FLOPs of one training step (forward + backward) on the profile batch
+    flops_ratio: float  # flops / the full model's
+    memory_mb: float  # parameters + grads + AdamW state of the trainable ones + saved activations
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: SliceSpec | None
+    cost: SpecCost | None
+    reason: str | None = None  # why there is no spec
+
+
+def depth_layers(num_layers: int, keep: int) -> list[int]:
+    """``keep`` layers spread evenly, first and last always kept (Offsite-Tuning's emulator rule)."""
+    if keep >= num_layers:
+        return list(range(num_layers))
+    if keep == 1:
+        return [num_layers - 1]
+    return sorted({round(i * (num_layers - 1) / (keep - 1)) for i in range(keep)})
+
+
+def _linear_params(dims: Mapping[str, int], spec: SliceSpec) -> int:
+    d = dims["hidden"]
+    return sum(4 * d * len(h) * spec.head_dim + 2 * d * len(f) for h, f in zip(spec.heads, spec.neurons))
+
+
+def width_candidates(dims: Mapping[str, int], steps: int, depth: bool = False) -> list[SliceSpec]:
+    """Leading-slice specs, smallest first (by encoder linear parameters); the last is the full model."""
+    H, F, L = dims["num_heads"], dims["ffn"], dims["num_layers"]
+    specs: dict[SliceSpec, None] = {}
+    for keep in (range(1, L + 1) if depth else [L]):
+        layers = depth_layers(L, keep)
+        for j in range(1, steps + 1):
+            w = j / steps
+            specs[SliceSpec.leading(dims, max(1, round(w * H)), max(1, round(w * F)), layers)] = None
+    return sorted(specs, key=lambda s: (_linear_params(dims, s), len(s.layers)))
+
+
+def profile_batch(vocab_size: int, batch_size: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A synthetic training batch of the given shape (costs depend on shapes, not on tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, vocab_size, (batch_size, seq_len), generator=g),
+            "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
+            "labels": torch.zeros(batch_size, dtype=torch.long)}
+
+
+def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
+                          measure_rows: int | None = 2) -> tuple[float, float, int, int]:
+    """(FLOPs, memory MiB, params, trainable params) of one training step of ``model`` on ``batch``.
+
+    Memory = every parameter + gradient and two AdamW moments per trainable parameter + the peak
+    of tensors saved for backward (deterministic, unlike RSS). The step is run on the first
+    ``measure_rows`` rows of the batch and its FLOPs and saved-activation bytes are scaled to the
+    whole batch: every matmul and every saved activation of an encoder is linear in the batch
+    dimension, and the measurement is then ~16x cheaper (``None``: run the whole batch). The
+    RNG state and train/eval mode are restored and the gradients left as None.
+    """
+    rows = len(batch["input_ids"])
+    if measure_rows is not None and measure_rows < rows:
+        scale = rows / measure_rows
+        batch = {k: v[:measure_rows] for k, v in batch.items()}
+    else:
+        scale = 1.0
+    params = {id(p): p for p in model.parameters()}.values()
+    n_params = sum(p.numel() for p in params)
+    trainable = [p for p in params if p.requires_grad]
+    n_train = sum(p.numel() for p in trainable)
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in trainable)
+    was_training = model.training
+    model.train()
+    try:
+        with torch.random.fork_rng(), torch.enable_grad():
+            with PeakMemory(model, interval_s=1.0) as mem, count_flops() as fc:
+                model(**batch).loss.backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    memory = (param_bytes + state_bytes) / _MIB + scale * mem.saved_activation_mb
+    return scale * float(fc.total), memory, n_params, n_train
+
+
+class Planner:
+    """Largest candidate whose measured cost fits a budget; measurements are cached per spec."""
+
+    def __init__(self, candidates: Sequence[SliceSpec],
+                 measure: Callable[[SliceSpec], tuple[float, float, int, int]]):
+        if not candidates:
+            raise ValueError("the planner needs at least one candidate")
+        self.candidates = list(candidates)
+        self._measure = measure
+        self._costs: dict[SliceSpec, SpecCost] = {}
+        self._full_flops: float | None = None
+        self._plans: dict[Budget, Plan] = {}
+
+    @property
+    def full_flops(self) -> float:
+        if self._full_flops is None:
+            self._full_flops = self._measure(self.candidates[-1])[0]
+        return self._full_flops
+
+    def cost(self, spec: SliceSpec) -> SpecCost:
+        if spec not in self._costs:
+            flops, mem, params, train = self._measure(spec)
+            self._costs[spec] = SpecCost(params, train, flops, flops / self.full_flops, mem)
+        return self._costs[spec]
+
+    @staticmethod
+    def fits(budget: Budget, cost: SpecCost) -> bool:
+        if budget.flops is not None:
+            return cost.flops_ratio <= budget.flops * (1 + 1e-9)
+        return cost.memory_mb <= budget.memory_mb
+
+    def plan(self, budget: Budget) -> Plan:
+        """The largest fitting candidate (binary search over the size-ordered grid, every answer
+        verified by measurement), or no spec with the reason."""
+        key = Budget(budget.flops, budget.memory_mb)
+        if key in self._plans:
+            return self._plans[key]
+        smallest = self.cost(self.candidates[0])
+        if not self.fits(budget, smallest):
+            what = (f"{smallest.flops_ratio:.3g}x FLOPs" if budget.flops is not None
+                    else f"{smallest.memory_mb:.1f} MiB")
+            plan = Plan(None, None, f"budget {budget.describe()} is below the smallest sub-model "
+                        f"({what})")
+        else:
+            lo, hi = 0, len(self.candidates) - 1  # candidates[lo] fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self.fits(budget, self.cost(self.candidates[mid])):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            spec = self.candidates[lo]
+            plan = Plan(spec, self.cost(spec))
+        self._plans[key] = plan
+        return plan
+
+
+def assign_budgets(tiers: Sequence, distribution, num_clients: int, seed: int) -> list[tuple[int | None, Budget]]:
+    """(tier index or None, budget) of every client, reproducible from ``seed``.
+
+    Tiers get ``share * num_clients`` clients (largest remainders for the rounding), placed at
+    random; with a distribution, every client draws its FLOPs fraction from it.
+    """
+    rng = np.random.default_rng([seed, 0x7A11])
+    if distribution is not None:
+        draws = rng.uniform(distribution.low, distribution.high, size=num_clients)
+        return [(None, Budget(flops=float(x), field="method.budget_distribution")) for x in draws]
+    exact = [t.share * num_clients for t in tiers]
+    counts = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(tiers)), key=lambda i: counts[i] - exact[i])
+    for i in by_remainder[: num_clients - sum(counts)]:
+        counts[i] += 1
+    labels = np.repeat(np.arange(len(tiers)), counts)
+    rng.shuffle(labels)
+    out = []
+    for tier in labels.tolist():
+        t = tiers[tier]
+        field = f"method.tiers[{tier}].{'flops' if t.flops is not None else 'memory_mb'}"
+        out.append((tier, Budget(flops=t.flops, memory_mb=t.memory_mb, field=field)))
+    return out
