@@ -159,9 +159,6 @@ class Simulation:
         record["round_time_s"] = time.perf_counter() - t0
         return result.state, record
 
-    def should_evaluate(self, server_round: int) -> bool:
-        return server_round % self.cfg.evaluation.every == 0 or server_round == self.cfg.federation.rounds
-
     def run(self, on_round=None, progress=None) -> tuple[State, list[dict[str, Any]], dict[str, Any]]:
         cfg = self.cfg
         state = self.method.initial_state()
@@ -169,15 +166,7 @@ class Simulation:
         t_start = time.perf_counter()
         for rnd in range(1, cfg.federation.rounds + 1):
             state, record = self.run_round(rnd, state)
-            record["dev_accuracy"] = record["dev_loss"] = None
-            if self.should_evaluate(rnd):
-                ev = self.method.evaluate(state, self.data.dev, cfg.evaluation.batch_size)
-                record["dev_accuracy"], record["dev_loss"] = ev["accuracy"], ev["loss"]
-                if cfg.evaluation.track_test:
-                    ev = self.method.evaluate(state, self.data.test, cfg.evaluation.batch_size)
-                    record["test_accuracy"], record["test_loss"] = ev["accuracy"], ev["loss"]
-            losses = {m["client"]: m["loss"] for m in record["client_metrics"]}
-            self.selector.observe(rnd, losses, record["dev_loss"])
+            finish_round(cfg, self.method, self.data, self.selector, rnd, state, record)
             record["elapsed_s"] = time.perf_counter() - t_start
             records.append(record)
             if on_round:
@@ -188,6 +177,22 @@ class Simulation:
         summary = summarize(cfg, records, test, time.perf_counter() - t_start, self.data)
         summary.update(self.method.final_metrics(state, self.data, records, cfg.evaluation.batch_size))
         return state, records, summary
+
+
+def finish_round(cfg: ExperimentConfig, method: Method, data: FederatedData, selector,
+                 server_round: int, state: State, record: dict[str, Any]) -> None:
+    """After aggregation: evaluate on dev every E rounds (and test if tracked), then feed the
+    clients' losses and the global dev loss to the selector. Shared by the engine and Flower."""
+    record["dev_accuracy"] = record["dev_loss"] = None
+    ev_cfg = cfg.evaluation
+    if server_round % ev_cfg.every == 0 or server_round == cfg.federation.rounds:
+        ev = method.evaluate(state, data.dev, ev_cfg.batch_size)
+        record["dev_accuracy"], record["dev_loss"] = ev["accuracy"], ev["loss"]
+        if ev_cfg.track_test:
+            ev = method.evaluate(state, data.test, ev_cfg.batch_size)
+            record["test_accuracy"], record["test_loss"] = ev["accuracy"], ev["loss"]
+    losses = {m["client"]: m["loss"] for m in record["client_metrics"]}
+    selector.observe(server_round, losses, record["dev_loss"])
 
 
 def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: float,

@@ -93,16 +93,14 @@ def run(grid: Grid, settings: RunSettings) -> Path:
 def _central_evaluation(cfg, method, data, adapter, on_round):
     """Flower's ``evaluate_fn``: dev accuracy after the rounds ``fedslice run`` evaluates, and the
     round's finished record to ``on_round`` (metrics.jsonl)."""
+    from fedslice.fl.engine import finish_round
     from fedslice.flower.codec import record_to_state
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if server_round == 0:
             return None  # fedslice run does not evaluate the initial state
         record = adapter.records[-1]
-        record["dev_accuracy"] = record["dev_loss"] = None
-        if server_round % cfg.evaluation.every == 0 or server_round == cfg.federation.rounds:
-            ev = method.evaluate(record_to_state(arrays), data.dev, cfg.evaluation.batch_size)
-            record["dev_accuracy"], record["dev_loss"] = ev["accuracy"], ev["loss"]
+        finish_round(cfg, method, data, adapter.selector, server_round, record_to_state(arrays), record)
         on_round(record)
         log.info("round %d: train loss %s, dev accuracy %s", server_round, record["train_loss"],
                  record["dev_accuracy"])

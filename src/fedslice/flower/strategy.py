@@ -112,7 +112,6 @@ class FlowerAdapter(FlowerStrategy):
         record = round_record(server_round, sent.clients, received, result)
         record["excluded"] = sorted(failures + record["excluded"], key=lambda e: e["client"])
         record["failed_nodes"] = len(failures)
-        self.selector.observe(server_round, {c: r.metrics.get("loss") for c, r in received.items()}, None)
         record["round_time_s"] = time.perf_counter() - sent.started
         self.records.append(record)
         metrics = {"num-replies": len(received), "num-failed": len(failures)}
