@@ -1,8 +1,10 @@
-"""``fedslice deploy local``: run an experiment on Flower's Deployment Engine on this machine.
+"""``fedslice deploy local|simulation``: run an experiment on Flower, on this machine.
 
-Starts a SuperLink and one SuperNode per partition on loopback, submits the fedslice Flower app
-with ``flwr run``, waits (bounded) for the run to finish, and returns the run folder the ServerApp
-wrote (the same layout as ``fedslice run``), with Flower's logs in its ``flower/`` subfolder.
+``local`` starts a SuperLink and one SuperNode per partition on loopback (Flower's Deployment
+Engine); ``simulation`` starts a SuperLink with Flower's simulation engine (Ray), one virtual
+SuperNode per partition. Either way the fedslice Flower app is submitted with ``flwr run``, the
+run is awaited (bounded), and the result is the run folder the ServerApp wrote (the layout of
+``fedslice run``), with Flower's logs in its ``flower/`` subfolder.
 """
 
 from __future__ import annotations
@@ -66,12 +68,15 @@ def _collect_logs(fed_dir: Path, run_dir: Path) -> None:
 def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: list[str] | None = None,
                  out_dir: str | Path | None = None, tls: bool = False, auth: bool = False,
                  round_timeout: float = 600.0, connect_timeout: float = 120.0,
-                 timeout: float | None = None, workdir: str | Path | None = None) -> Path:
+                 timeout: float | None = None, workdir: str | Path | None = None,
+                 simulation: dict | None = None) -> Path:
     """Run one experiment through Flower on loopback; return the run folder.
 
-    ``nodes`` must equal ``federation.num_clients`` (one partition per SuperNode). Flower's files
-    (certificates, keys, logs, state) go to ``workdir`` (a temporary folder, removed after a
-    successful run; kept and named in the error after a failed one).
+    ``nodes`` must equal ``federation.num_clients`` (one partition per SuperNode). With
+    ``simulation`` (``flwr run --federation-config`` values, e.g.
+    ``{"client-resources-num-cpus": 1}``) the SuperNodes are virtual, in Flower's simulation engine (Ray). Flower's files (certificates,
+    keys, logs, state) go to ``workdir`` (a temporary folder, removed after a successful run;
+    kept and named in the error after a failed one).
     """
     from fedslice.config import load_config
     from fedslice.flower.local import LocalFederation
@@ -85,6 +90,8 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
             f"--nodes {n} but federation.num_clients={cfg.federation.num_clients}: in a deployment "
             f"each SuperNode holds one partition; add --set federation.num_clients={n} (and "
             f"federation.clients_per_round <= {n})")
+    if simulation is not None:
+        _check_ray()
     tmp = workdir is None
     work = Path(tempfile.mkdtemp(prefix="fedslice-deploy-") if tmp else workdir).absolute()
     work.mkdir(parents=True, exist_ok=True)
@@ -95,7 +102,7 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
         "out-dir": str(Path(out_dir or cfg.output.dir).absolute()), "result-file": str(result_file),
         "round-timeout": float(round_timeout), "connect-timeout": float(connect_timeout)})
     limit = timeout or connect_timeout + cfg.federation.rounds * round_timeout + 600.0
-    with LocalFederation(work, n, tls=tls, auth=auth) as fed:
+    with LocalFederation(work, n, tls=tls, auth=auth, simulation=simulation) as fed:
         run_id = fed.submit(write_app(work / "app"), run_config)
         log.info("submitted run %d to %s", run_id, fed.address)
         try:
@@ -110,6 +117,14 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
     if tmp:
         shutil.rmtree(work, ignore_errors=True)
     return run_dir
+
+
+def _check_ray() -> None:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise DeploymentError("Flower's simulation engine needs Ray: "
+                              "pip install 'fedslice[simulation]'") from None
 
 
 def _save_run_log(fed, run_id: int, path: Path) -> None:
@@ -131,32 +146,44 @@ def _tail(path: Path, lines: int = 25) -> str:
 # --------------------------------------------------------------------------------------------
 
 def add_parser(sub) -> None:
-    """Add ``deploy local`` to the ``fedslice`` subcommands."""
-    dep = sub.add_parser("deploy", help="run an experiment on Flower's Deployment Engine")
+    """Add ``deploy local`` and ``deploy simulation`` to the ``fedslice`` subcommands."""
+    dep = sub.add_parser("deploy", help="run an experiment on Flower (deployment or simulation "
+                         "engine)")
     where = dep.add_subparsers(dest="target", required=True)
     loc = where.add_parser("local", help="a SuperLink and N SuperNodes on this machine (loopback)")
     loc.add_argument("config")
     loc.add_argument("--nodes", type=int, help="SuperNodes, one per partition "
                      "(default and required: federation.num_clients)")
-    loc.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    loc.add_argument("--out", help="parent folder of the run folder (default: output.dir)")
     loc.add_argument("--tls", action="store_true", help="TLS with certificates made by openssl")
     loc.add_argument("--auth", action="store_true", help="SuperNode authentication (needs --tls)")
-    loc.add_argument("--round-timeout", type=float, default=600.0, metavar="S")
-    loc.add_argument("--connect-timeout", type=float, default=120.0, metavar="S",
-                     help="how long the ServerApp waits for the SuperNodes")
-    loc.add_argument("--timeout", type=float, metavar="S", help="limit for the whole run")
-    loc.add_argument("--workdir", help="keep Flower's files (certificates, logs) here")
+    sim = where.add_parser("simulation", help="Flower's simulation engine (Ray): one virtual "
+                           "SuperNode per partition (needs fedslice[simulation])")
+    sim.add_argument("config")
+    sim.add_argument("--cpus-per-client", type=int, default=1, metavar="N",
+                     help="CPUs Ray gives each virtual SuperNode (default 1)")
+    sim.add_argument("--gpus-per-client", type=float, default=0.0, metavar="N")
+    for p in (loc, sim):
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+        p.add_argument("--out", help="parent folder of the run folder (default: output.dir)")
+        p.add_argument("--round-timeout", type=float, default=600.0, metavar="S")
+        p.add_argument("--connect-timeout", type=float, default=120.0, metavar="S",
+                       help="how long the ServerApp waits for the SuperNodes")
+        p.add_argument("--timeout", type=float, metavar="S", help="limit for the whole run")
+        p.add_argument("--workdir", help="keep Flower's files (certificates, logs) here")
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``fedslice deploy local`` and print the results like ``fedslice run``."""
+    """Run ``fedslice deploy local|simulation`` and print the results like ``fedslice run``."""
     from fedslice.report import report
 
-    path = deploy_local(args.config, nodes=args.nodes, overrides=args.overrides, out_dir=args.out,
-                        tls=args.tls, auth=args.auth, round_timeout=args.round_timeout,
-                        connect_timeout=args.connect_timeout, timeout=args.timeout,
-                        workdir=args.workdir)
+    common = dict(overrides=args.overrides, out_dir=args.out, round_timeout=args.round_timeout,
+                  connect_timeout=args.connect_timeout, timeout=args.timeout, workdir=args.workdir)
+    if args.target == "simulation":
+        resources = {"client-resources-num-cpus": args.cpus_per_client,
+                     "client-resources-num-gpus": args.gpus_per_client}
+        path = deploy_local(args.config, simulation=resources, **common)
+    else:
+        path = deploy_local(args.config, nodes=args.nodes, tls=args.tls, auth=args.auth, **common)
     print(report(path, plots=False))
     print(f"results: {path}")
     return 0

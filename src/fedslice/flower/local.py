@@ -199,23 +199,32 @@ def stop_processes(procs: list[Process], timeout: float = STOP_TIMEOUT_S) -> Non
 
 @dataclass
 class LocalFederation:
-    """A SuperLink and ``nodes`` SuperNodes on 127.0.0.1 (free ports), as a context manager."""
+    """A SuperLink and ``nodes`` SuperNodes on 127.0.0.1 (free ports), as a context manager.
+
+    With ``simulation`` (``flwr run --federation-config`` values besides ``num-supernodes``, e.g.
+    ``{"client-resources-num-cpus": 1}``) the SuperLink runs Flower's simulation engine (Ray)
+    with ``nodes`` virtual SuperNodes instead, and no SuperNode process is started.
+    """
 
     workdir: Path
     nodes: int
     tls: bool = False
     auth: bool = False
     node_config: dict[str, Any] = field(default_factory=dict)
+    simulation: dict[str, Any] | None = None
     processes: list[Process] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.auth and not self.tls:
             raise DeploymentError("SuperNode authentication needs TLS (use --tls with --auth)")
+        if self.simulation is not None and (self.tls or self.auth or self.node_config):
+            raise DeploymentError("the simulation engine runs on one machine: no TLS, "
+                                  "authentication or node config")
         self.workdir = Path(self.workdir).absolute()
         self.home = self.workdir / "flwr-home"
         self.log_dir = self.workdir / "logs"
         self.env = flower_env(self.home)
-        self.port, *self.node_ports = free_ports(1 + self.nodes)
+        self.port, *self.node_ports = free_ports(1 + (0 if self.simulation is not None else self.nodes))
         self.certs: Certificates | None = None
 
     @property
@@ -240,6 +249,8 @@ class LocalFederation:
             self.certs = make_certificates(self.workdir / "certificates")
         self._write_connection()
         self._start_superlink()
+        if self.simulation is not None:
+            return  # virtual SuperNodes, inside the SuperLink's simulation runtime
         keys = self._register_nodes() if self.auth else [None] * self.nodes
         for i, key in enumerate(keys):
             self._start_supernode(i, key)
@@ -252,14 +263,21 @@ class LocalFederation:
 
     def _write_connection(self) -> None:
         """``$FLWR_HOME/config.toml`` with the connection ``fedslice-local``."""
-        lines = ["[superlink]", f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]",
-                 f'address = "{self.address}"']
-        lines.append(f'root-certificates = "{self.certs.ca}"' if self.certs else "insecure = true")
-        (self.home / "config.toml").write_text("\n".join(lines) + "\n")
+        import tomli_w
+
+        conn: dict[str, Any] = {"address": self.address}
+        if self.certs:
+            conn["root-certificates"] = str(self.certs.ca)
+        else:
+            conn["insecure"] = True
+        text = tomli_w.dumps({"superlink": {"default": CONNECTION, CONNECTION: conn}})
+        (self.home / "config.toml").write_text(text)
 
     def _start_superlink(self) -> None:
         argv = ["flower-superlink", *self._tls_args(), "--disable-runtime-dependency-installation",
                 "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.simulation is not None:
+            argv.append("--simulation")
         if self.auth:
             argv.append("--enable-supernode-auth")
         proc = start_process("superlink", argv, self.env, self.log_dir)
@@ -331,7 +349,11 @@ class LocalFederation:
 
     def submit(self, app_dir: Path, run_config: Path) -> int:
         """``flwr run``: submit the app; returns the run id."""
-        data = self.flwr_json("run", str(app_dir), CONNECTION, "--run-config", str(run_config))
+        args = ["run", str(app_dir), CONNECTION, "--run-config", str(run_config)]
+        if self.simulation is not None:
+            values = {"num-supernodes": self.nodes, **self.simulation}
+            args += ["--federation-config", " ".join(f"{k}={json.dumps(v)}" for k, v in values.items())]
+        data = self.flwr_json(*args)
         if "run-id" not in data:
             raise DeploymentError(f"flwr run did not start a run: {data}")
         return int(data["run-id"])
