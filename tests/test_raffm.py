@@ -250,3 +250,22 @@ def test_measured_costs_scale_linearly_with_the_batch(tiny_model_dir):
     assert part[0] == pytest.approx(whole[0], rel=1e-6)
     assert part[1] == pytest.approx(whole[1], rel=0.02)
     assert part[2:] == whole[2:]
+
+
+def test_memory_tiers_depth_and_budget_distribution(tiny_cfg_dict):
+    """Memory-limited tier and elastic depth: the plan's measured memory is within the limit."""
+    cfg = validate_config(_raffm(tiny_cfg_dict, width_steps=4, elastic_depth=True,
+                                 tiers=[{"share": 0.5, "flops": 1.0}, {"share": 0.5, "flops": 0.2}]))
+    method, _ = setup(cfg)
+    full_mb = method.planner.cost(method.planner.candidates[-1]).memory_mb
+    small_mb = method.planner.cost(method.planner.candidates[0]).memory_mb
+    plan = method.planner.plan(Budget(memory_mb=(full_mb + small_mb) / 2))
+    assert plan.spec is not None and not plan.spec.is_full and plan.cost.memory_mb <= (full_mb + small_mb) / 2
+    small = [cp.plan for cp in method.strategy.plans.values() if cp.tier == 1]
+    assert all(p.cost.flops_ratio <= 0.2 for p in small)
+    assert len(small[0].spec.layers) < 2  # at 0.2x the tiny model keeps one layer
+    state, records, summary = Simulation(cfg, method, _).run()
+    assert summary["sat_out_replies"] == 0 and all(not r["excluded"] for r in records)
+    draws = assign_budgets([], RaFFMMethod(budget_distribution={"low": 0.3, "high": 0.6}).budget_distribution,
+                           50, seed=1)
+    assert all(0.3 <= b.flops <= 0.6 and t is None for t, b in draws)
