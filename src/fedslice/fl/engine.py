@@ -180,6 +180,7 @@ class Simulation:
                 progress(record)
         test = self.method.evaluate(state, self.data.test, cfg.evaluation.batch_size)
         summary = summarize(cfg, records, test, time.perf_counter() - t_start, self.data)
+        summary.update(self.method.final_metrics(state, self.data, records, cfg.evaluation.batch_size))
         return state, records, summary
 
 

@@ -104,3 +104,9 @@ class Method:
 
     def evaluate(self, state: State, data: TokenizedSplit, batch_size: int) -> dict[str, Any]:
         return evaluate(self.eval_model(state), data, batch_size)
+
+    # -- after training ----------------------------------------------------------------------
+    def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],
+                      batch_size: int) -> dict[str, Any]:
+        """Method-specific results merged into summary.json (e.g. accuracy per sub-model size)."""
+        return {}
