@@ -210,7 +210,32 @@ class RaFFMMethod(_Section):
         return v
 
 
-MethodConfig = Annotated[Union[FedAvgMethod, FedPETuningMethod, RaFFMMethod],
+
+
+class HeadsMethod(_Section):
+    """FedPETuning + per-client attention-head pruning, head-weighted aggregation ("Assortment of
+    Attention Heads": Eq. 6-8). Client selection is ``federation.selection`` ('loss_gap' = Eq. 9)."""
+
+    name: Literal["heads"] = "heads"
+    sparsity: float = Field(0.9, ge=0, lt=1, description="Fraction s of attention heads each client "
+                            "prunes (Eq. 7): it keeps round((1-s)*heads), in [0, 1).")
+    pruning: Literal["importance", "random", "none"] = Field(
+        "importance", description="Which heads a client keeps: its most important ones (Eq. 6), "
+        "random ones (baseline B2), or all (baseline B1).")
+    scope: Literal["global", "per_layer"] = Field(
+        "global", description="Rank heads over all layers (a layer may keep none) or per layer.")
+    aggregation: Literal["head_weighted", "fedavg"] = Field(
+        "head_weighted", description="Head-tied LoRA slices: importance-weighted mean (Eq. 8) or "
+        "example-weighted mean over the clients that kept the head (Eq. 5).")
+    eps: float = Field(1e-8, ge=0, description="epsilon of Eq. 8.")
+    importance_batch_size: int = Field(64, gt=0)
+    importance_max_examples: int | None = Field(
+        None, gt=0, description="Score heads on at most this many local examples (seeded sample); "
+        "default: all of them, as in the paper.")
+    plot_rounds: int = Field(10, ge=0, description="Rounds drawn in head_importance.png.")
+
+
+MethodConfig = Annotated[Union[FedAvgMethod, FedPETuningMethod, RaFFMMethod, HeadsMethod],
                          Field(discriminator="name")]
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "markdown_table",
     "plot_compare",
     "plot_elastic",
+    "plot_head_importance",
     "plot_run",
     "render_table",
     "report",
@@ -291,7 +292,7 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     target as a dashed line) and ``bytes.png`` (cumulative MB per client, down, up and total) into
     the run folder. Returns the two paths."""
     run_dir = Path(run_dir)
-    _, metrics, summary = read_run(run_dir)
+    config, metrics, summary = read_run(run_dir)
     title = _label(summary, run_dir)
 
     fig, (ax,) = _figure()
@@ -322,7 +323,8 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     paths = [acc_path, bytes_path]
     if summary.get("elastic"):
         paths.append(plot_elastic(summary["elastic"], run_dir / "elastic.png", title))
-    return paths
+    plot_rounds = (config.get("method") or {}).get("plot_rounds", 10)
+    return paths + plot_head_importance(metrics, run_dir, plot_rounds, title)
 
 
 def plot_elastic(elastic: Sequence[Mapping[str, Any]], out_path: str | os.PathLike,
@@ -350,6 +352,89 @@ def plot_elastic(elastic: Sequence[Mapping[str, Any]], out_path: str | os.PathLi
         ax.legend(loc="lower right")
     ax_size.set_title(f"{title}: elastic inference" if title else "elastic inference")
     return _save(fig, Path(out_path))
+
+
+def _importance_by_round(metrics: Sequence[Mapping[str, Any]]) -> list[tuple[int, list[tuple[int, Any]]]]:
+    """[(round, [(client, (L, H) importance array), ...]), ...] for rounds whose clients report a
+    ``head_importance`` (the ``heads`` method); clients in id order."""
+    import numpy as np
+
+    out = []
+    for r, m in zip(_rounds(metrics), metrics):
+        clients = [(int(c["client"]), np.reshape(c["head_importance"], (-1, int(c["num_heads"]))))
+                   for c in m.get("client_metrics") or [] if c.get("head_importance")]
+        if clients:
+            out.append((r, sorted(clients, key=lambda x: x[0])))
+    return out
+
+
+def plot_head_importance(metrics: Sequence[Mapping[str, Any]], run_dir: str | os.PathLike,
+                         rounds: int = 10, title: str = "", max_clients: int = 4) -> list[Path]:
+    """``head_importance.png``: a layers x heads heatmap of each selected client's importance in
+    the first ``rounds`` rounds (at most ``max_clients`` per round; kept heads dotted), and
+    ``head_distance.png``: the Euclidean distance between two clients' importance vectors per
+    round (the heads paper's Fig. 5), with the mean pairwise distance when more clients train.
+    Returns the paths written ([] when no client reported head importance)."""
+    import numpy as np
+
+    data = _importance_by_round(metrics)
+    if not data or rounds <= 0:
+        return []
+    run_dir = Path(run_dir)
+    shown = data[:rounds]
+    ncols = min(max_clients, max(len(cs) for _, cs in shown))
+    vmin = min(float(a.min()) for _, cs in shown for _, a in cs[:ncols])
+    vmax = max(float(a.max()) for _, cs in shown for _, a in cs[:ncols])
+    L, H = shown[0][1][0][1].shape
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(1.2 + 0.35 * H * ncols, 0.6 + 0.28 * L * len(shown) + 0.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(shown), ncols, squeeze=False)
+    kept_of = {(r, int(c["client"])): c.get("head_kept") for r, m in zip(_rounds(metrics), metrics)
+               for c in m.get("client_metrics") or []}
+    image = None
+    for i, (r, clients) in enumerate(shown):
+        for j in range(ncols):
+            ax = axes[i][j]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if j >= len(clients):
+                ax.axis("off")
+                continue
+            c, imp = clients[j]
+            image = ax.imshow(imp, vmin=vmin, vmax=vmax, cmap="viridis", aspect="auto")
+            kept = kept_of.get((r, c))
+            if kept is not None:
+                ys, xs = np.nonzero(np.reshape(kept, (L, H)))
+                ax.scatter(xs, ys, s=4, c="white", marker="o")
+            ax.set_title(f"r{r} c{c}", fontsize=7)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="importance (layers × heads; • kept)")
+    fig.suptitle(f"{title}: head importance" if title else "head importance", fontsize=9)
+    heat = _save(fig, run_dir / "head_importance.png")
+
+    fig, (ax,) = _figure()
+    xs, two, mean = [], [], []
+    for r, clients in data:
+        if len(clients) < 2:
+            continue
+        vecs = [a.flatten() for _, a in clients]
+        pairs = [float(np.linalg.norm(vecs[a] - vecs[b]))
+                 for a in range(len(vecs)) for b in range(a + 1, len(vecs))]
+        xs.append(r)
+        two.append(pairs[0])
+        mean.append(float(np.mean(pairs)))
+    ax.plot(xs, two, marker="o", markersize=3, label="first two clients")
+    if any(abs(a - b) > 1e-12 for a, b in zip(two, mean)):
+        ax.plot(xs, mean, linestyle="--", label="mean over client pairs")
+    ax.set_xlabel("round")
+    ax.set_ylabel("Euclidean distance of importance vectors")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if xs:
+        ax.legend(loc="upper right")
+    return [heat, _save(fig, run_dir / "head_distance.png")]
 
 
 def plot_compare(run_dirs: Sequence[str | os.PathLike], out_path: str | os.PathLike) -> Path:

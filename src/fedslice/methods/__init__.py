@@ -6,10 +6,11 @@ from fedslice.config import ExperimentConfig
 from fedslice.methods.base import Method
 from fedslice.methods.fedavg import FedAvg
 from fedslice.methods.fedpetuning import FedPETuning
+from fedslice.methods.heads import Heads
 from fedslice.methods.raffm import RaFFM
 from fedslice.models.loading import LoadedModel
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedPETuning, RaFFM)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedPETuning, RaFFM, Heads)}
 
 
 def build_method(cfg: ExperimentConfig, loaded: LoadedModel) -> Method:

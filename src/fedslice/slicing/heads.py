@@ -9,7 +9,8 @@ look confident. transformers 5 has no ``head_mask``; attention weights need eage
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -18,6 +19,8 @@ import torch.nn as nn
 
 from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.errors import ConfigError, ModelError
+from fedslice.slicing.aggregate import aggregate_deltas
+from fedslice.slicing.spec import SliceSpec, extract_state, scatter
 
 #: Attention families an output may carry (encoder-decoder models have all three).
 FAMILIES = {"encoder": "attentions", "decoder": "decoder_attentions", "cross": "cross_attentions"}
@@ -148,3 +151,76 @@ def head_weight(alpha_layer: torch.Tensor, head_dim: int, axis: int) -> torch.Te
     """A per-head weight vector (H,) expanded to a broadcastable (H*head_dim, 1) or (1, H*head_dim)."""
     w = alpha_layer.float().repeat_interleave(head_dim)                  # (H * head_dim,)
     return w[:, None] if axis == 0 else w[None, :]
+
+
+# --------------------------------------------------------------------------------------------
+# Masks as slice specs, and head-weighted aggregation (Eq. 8)
+# --------------------------------------------------------------------------------------------
+
+def mask_spec(mask: torch.Tensor, dims: Mapping[str, int]) -> SliceSpec:
+    """The SliceSpec of a (L, H) keep-mask: every layer, its kept heads, every FFN neuron."""
+    heads = tuple(tuple(int(h) for h in torch.nonzero(row).flatten()) for row in mask.bool())
+    full = tuple(range(dims["ffn"]))
+    return SliceSpec(tuple(range(dims["num_layers"])), heads, (full,) * dims["num_layers"],
+                     dims["num_layers"], dims["num_heads"], dims["head_dim"], dims["ffn"])
+
+
+@dataclass
+class HeadUpdate:
+    """One client's upload: its sub-state (full-model names, kept heads only), its (L, H) keep
+    mask, its importance α_c (Eq. 7: 0 on pruned heads; None under FedAvg) and |D_c|."""
+
+    arrays: Mapping[str, torch.Tensor]
+    kept: torch.Tensor
+    alpha: torch.Tensor | None
+    num_examples: int
+
+
+def head_client_weights(update: HeadUpdate, keys: Iterable[str], masks: Mapping[str, torch.Tensor],
+                        axes: Mapping[str, tuple[int, str, int]], head_dim: int,
+                        mode: Literal["head_weighted", "fedavg"]) -> dict[str, torch.Tensor | float]:
+    """Per-key weights of one client: α_hc on the rows/columns of head h of a head-tied tensor
+    (``head_weighted``, Eq. 8) or |D_c| on the kept heads (``fedavg``); |D_c| times the held-mask
+    on every other tensor (Eq. 5)."""
+    n = float(update.num_examples)
+    kept = update.kept.bool()
+    out: dict[str, torch.Tensor | float] = {}
+    for k in keys:
+        if k in axes:
+            layer, _, axis = axes[k]
+            per_head = (update.alpha[layer].float() * kept[layer] if mode == "head_weighted"
+                        else n * kept[layer].float())                    # (H,)
+            out[k] = head_weight(per_head, head_dim, axis)
+        else:
+            out[k] = n * masks[k]
+    return out
+
+
+def aggregate_heads(global_state: Mapping[str, torch.Tensor], updates: Sequence[HeadUpdate],
+                    arch, dims: Mapping[str, int], *,
+                    mode: Literal["head_weighted", "fedavg"] = "head_weighted",
+                    eta: float = 1.0, eps: float = 1e-8) -> dict[str, torch.Tensor]:
+    """Server update of the global trainable state from head-pruned clients (pure function).
+
+    Head-tied LoRA tensors (q/k/v ``lora_B`` rows, o ``lora_A`` columns; :func:`head_axes`):
+    ``p_h += eta * sum_c α_hc Δp_hc / (sum_c α_hc + eps)`` (Eq. 8), or the example-weighted mean
+    over the clients that kept head h (``fedavg``). A head that no client kept is unchanged.
+    Every other tensor: Eq. 5 over the clients that sent it (eps = 0).
+    """
+    if mode == "head_weighted" and any(u.alpha is None for u in updates):
+        raise ValueError("head_weighted aggregation needs every client's importance alpha")
+    shapes = {k: t.shape for k, t in global_state.items()}
+    axes = head_axes(global_state, arch, dims["num_layers"])
+    deltas, weights = [], []
+    for u in updates:
+        spec = mask_spec(u.kept, dims)
+        g_sub = extract_state(global_state, spec, arch)
+        delta = {k: u.arrays[k].float() - g_sub[k].float() for k in u.arrays}  # sliced shapes
+        full, masks = scatter(delta, spec, arch, shapes)
+        deltas.append(full)
+        weights.append(head_client_weights(u, full, masks, axes, dims["head_dim"], mode))
+    tied = {k: t for k, t in global_state.items() if k in axes}
+    rest = {k: t for k, t in global_state.items() if k not in axes}
+    new = aggregate_deltas(tied, deltas, weights, eta=eta, eps=eps)
+    new.update(aggregate_deltas(rest, deltas, weights, eta=eta, eps=0.0))
+    return {k: new[k] for k in global_state}

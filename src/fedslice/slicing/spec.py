@@ -10,6 +10,8 @@ follows from the architecture table:
 * FFN neuron j is row j of ``ffn_in`` (weight, bias, LoRA ``B``) and column j of ``ffn_out``
   (weight, LoRA ``A``);
 * a depth spec keeps some layers (``layers``), renumbered 0.. in the sub-model;
+* a kept layer may keep no head (head pruning ranked over all layers): its q/k/v are dropped, o
+  keeps zero input columns, and the attention outputs o's bias only (:class:`NoHeadsAttention`);
 * every other tensor (embeddings, LayerNorms, the o/ffn_out biases, the classifier) is whole.
 
 Server side, pure functions over state dicts::
@@ -39,6 +41,7 @@ State = dict[str, torch.Tensor]
 OUT_PARTS = ("q", "k", "v", "ffn_in")
 IN_PARTS = ("o", "ffn_out")
 HEAD_PARTS = ("q", "k", "v", "o")
+QKV_PARTS = ("q", "k", "v")
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,10 +72,10 @@ class SliceSpec:
         if len(set(self.layers)) != len(self.layers) or not all(0 <= i < self.num_layers for i in self.layers):
             raise ValueError(f"layers {self.layers} must be distinct indices < {self.num_layers}")
         for i, h, f in zip(self.layers, self.heads, self.neurons):
-            # HF infers the head count from the projection width (view(..., -1, head_dim)):
-            # a layer without heads or neurons would need a different module, not a slice.
-            if not h or len(set(h)) != len(h) or not all(0 <= x < self.num_heads for x in h):
-                raise ValueError(f"layer {i}: heads {h} must be 1+ distinct indices < {self.num_heads}")
+            # HF infers the head count from the projection width (view(..., -1, head_dim)), so a
+            # layer without heads gets a different attention module (NoHeadsAttention), not a slice.
+            if len(set(h)) != len(h) or not all(0 <= x < self.num_heads for x in h):
+                raise ValueError(f"layer {i}: heads {h} must be distinct indices < {self.num_heads}")
             if not f or len(set(f)) != len(f) or not all(0 <= x < self.ffn for x in f):
                 raise ValueError(f"layer {i}: neurons must be 1+ distinct indices < {self.ffn}")
 
@@ -124,6 +127,10 @@ class SliceSpec:
         if kind == "heads":
             return expand_heads(self.heads[sub_layer], self.head_dim)
         return torch.tensor(self.neurons[sub_layer], dtype=torch.long)
+
+    def no_heads(self, sub_layer: int) -> bool:
+        """True if the layer keeps no attention head (its attention is skipped)."""
+        return not self.heads[sub_layer]
 
     def is_identity(self, sub_layer: int, kind: str) -> bool:
         if kind == "heads":
@@ -221,7 +228,8 @@ def sliceable_keys(arch: ArchSpec, keys: Iterable[str]) -> list[str]:
 
 def extract_state(state: Mapping[str, torch.Tensor], spec: SliceSpec, arch: ArchSpec) -> State:
     """The sub-model's tensors: sliced copies for sliced tensors, the same tensor objects otherwise
-    (never a copy of a whole tensor). Keys of dropped layers are left out, kept layers renumbered."""
+    (never a copy of a whole tensor). Keys of dropped layers are left out, kept layers renumbered;
+    so are the q/k/v tensors of a layer that keeps no head."""
     out: State = {}
     for key, t in state.items():
         info = key_info(arch, key)
@@ -229,7 +237,7 @@ def extract_state(state: Mapping[str, torch.Tensor], spec: SliceSpec, arch: Arch
             out[key] = t
             continue
         j = spec.sub_layer(info.layer)
-        if j is None:
+        if j is None or (info.part in QKV_PARTS and spec.no_heads(j)):
             continue
         if info.axis is not None and not spec.is_identity(j, info.kind):
             t = t.index_select(info.axis, spec.index(j, info.kind))
@@ -353,32 +361,76 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
+class NoHeadsAttention(nn.Module):
+    """The attention module of a layer that keeps no head: no q/k/v, an empty context.
+
+    Returns ``(context, None)`` like HF attention modules: the context is ``(B, T, 0)``, or, when
+    the output projection lives inside the attention module (DistilBERT's ``out_lin``), that
+    projection applied to it (with zero input columns it outputs its bias). Outside (BERT's
+    ``attention.output.dense``) the sliced o does the same. The projection keeps its name.
+    """
+
+    def __init__(self, out_name: str | None = None, out: nn.Module | None = None):
+        super().__init__()
+        self._out_name = out_name
+        if out_name is not None:
+            self.add_module(out_name, out)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        ctx = hidden_states.new_zeros(*hidden_states.shape[:-1], 0)  # (B, T, 0)
+        if self._out_name is not None:
+            ctx = getattr(self, self._out_name)(ctx)  # (B, T, d): o's bias
+        return ctx, None
+
+
+def _attention_path(arch: ArchSpec) -> str:
+    return arch.parts["q"].rpartition(".")[0]
+
+
 def extract_model(model: nn.Module, spec: SliceSpec, arch: ArchSpec) -> nn.Module:
     """A sub-model of ``model`` (HF or peft-wrapped) for ``spec``.
 
     Sliced q/k/v/o/ffn parts get new, smaller tensors copied from ``model``; every other module
     (embeddings, LayerNorms, classifier, parts kept whole) is the same object as in ``model``.
     Parameter names equal those of :func:`extract_state` on ``model``'s state dict. The attention
-    modules' head-count attributes are set per layer (HF infers heads from the weights' width).
+    modules' head-count attributes are set per layer (HF infers heads from the weights' width);
+    the attention of a layer without heads becomes a :class:`NoHeadsAttention`.
     """
     names = {id(m): n for n, m in model.named_modules()}
     blocks = arch.blocks(model)
     replace: dict[str, nn.Module] = {}
     hooks: dict[str, dict] = {}
     for j, i in enumerate(spec.layers):
+        sliced = {}
         for part in arch.parts:
             kind = "heads" if part in HEAD_PARTS else "ffn"
-            if spec.is_identity(j, kind):
+            if spec.is_identity(j, kind) or (part in QKV_PARTS and spec.no_heads(j)):
                 continue
             module = arch.part(model, i, part)
             side = "out" if part in OUT_PARTS else "in"
-            replace[names[id(module)]] = _slice_part(module, spec.index(j, kind), side)
+            sliced[part] = replace[names[id(module)]] = _slice_part(module, spec.index(j, kind), side)
+        attn_name = names[id(arch.attention(model, i))]
+        if spec.no_heads(j):
+            replace[attn_name] = _no_heads(arch, sliced["o"])
+            continue
         n_heads = len(spec.heads[j])
         attrs = {arch.heads_attr: n_heads}
         if arch.heads_width_attr:
             attrs[arch.heads_width_attr] = n_heads * spec.head_dim
-        hooks[names[id(arch.attention(model, i))]] = attrs
+        hooks[attn_name] = attrs
     lists = {}
     if spec.layers != tuple(range(len(blocks))):
         lists[names[id(blocks)]] = list(spec.layers)
     return _rebuild(model, "", replace, lists, hooks)
+
+
+def _no_heads(arch: ArchSpec, o: nn.Module) -> NoHeadsAttention:
+    """The stub for a headless layer, hosting o when o lives inside the attention module."""
+    attn = _attention_path(arch)
+    inside = arch.parts["o"].startswith(attn + ".") if attn else True
+    if not inside:
+        return NoHeadsAttention()
+    rel = arch.parts["o"][len(attn) + 1:] if attn else arch.parts["o"]
+    if "." in rel:
+        raise NotImplementedError(f"o at {arch.parts['o']!r} is nested in the attention module")
+    return NoHeadsAttention(rel, o)

@@ -1,0 +1,287 @@
+"""``heads``: FedPETuning with per-client attention-head pruning ("Assortment of Attention Heads").
+
+Each round, a selected client (Algorithm 1 of the paper, with the importance computed *before*
+local training, since it decides what the client trains):
+
+1. loads the global LoRA state into the full model and scores every head on its local data
+   (Eq. 6: mean max attention probability, :func:`fedslice.slicing.heads.head_importance`);
+2. keeps its top ``1 - sparsity`` heads (Eq. 7; or random ones, or all) and trains a really
+   smaller model: q/k/v rows and o columns of the pruned heads are sliced away
+   (:func:`fedslice.slicing.spec.extract_model`), so the measured FLOPs fall; a layer left
+   without heads outputs o's bias only;
+3. uploads the LoRA tensors of its sub-model only (q/k/v ``lora_B`` rows and o ``lora_A``
+   columns of the kept heads, the head-free LoRA tensors of layers that kept a head, the
+   classifier), its keep-mask and its importance vector α_c (counted in the upload bytes).
+
+The server (:class:`HeadsStrategy`, pure functions over state dicts) applies Eq. 8 per head and
+Eq. 5 to the rest (:func:`fedslice.slicing.heads.aggregate_heads`). Client selection is the
+engine's ``federation.selection`` ('loss_gap' = Eq. 9). Baselines of the paper's Table 1:
+B1 = ``pruning='none', aggregation='fedavg'`` (FedPETuning), B2 = ``pruning='random',
+aggregation='fedavg'``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from fedslice.config import ExperimentConfig, HeadsMethod
+from fedslice.data.batching import TokenizedSplit
+from fedslice.data.partition import sample_rows
+from fedslice.errors import ConfigError, ModelError
+from fedslice.fl import costs
+from fedslice.fl.client import LocalResult, train_local
+from fedslice.fl.paper_ops import paper_ops
+from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.methods.fedpetuning import FedPETuning
+from fedslice.models.loading import LoadedModel
+from fedslice.slicing.heads import (HeadUpdate, _ensure_eager, aggregate_heads, head_axes,
+                                    head_importance, keep_mask, mask_spec)
+from fedslice.slicing.spec import HEAD_PARTS, extract_model, extract_state, key_info
+
+log = logging.getLogger(__name__)
+
+#: Reserved reply keys (not model tensors): the client's keep-mask and importance, both (L, H).
+KEPT = "heads.kept"
+ALPHA = "heads.alpha"
+
+
+def kept_count(num_layers: int, num_heads: int, sparsity: float, scope: str) -> int:
+    """Heads kept per pool (all layers for 'global', one layer for 'per_layer')."""
+    pool = num_layers * num_heads if scope == "global" else num_heads
+    return int(np.round((1 - sparsity) * pool))
+
+
+# --------------------------------------------------------------------------------------------
+# Server
+# --------------------------------------------------------------------------------------------
+
+class HeadsStrategy(Strategy):
+    """Validates head-pruned replies and aggregates them with Eq. 8 (or FedAvg per head)."""
+
+    def __init__(self, fed, opts: HeadsMethod, arch, dims: dict[str, int]):
+        super().__init__(fed)
+        self.opts, self.arch, self.dims = opts, arch, dims
+
+    def _kept(self, reply: Reply) -> torch.Tensor:
+        if KEPT in reply.arrays:
+            return reply.arrays[KEPT].bool()
+        return torch.ones(self.dims["num_layers"], self.dims["num_heads"], dtype=torch.bool)
+
+    def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
+        if reply.num_examples <= 0:
+            return "no training examples"
+        loss = reply.metrics.get("loss", 0.0)
+        if not math.isfinite(loss):
+            return f"non-finite local loss ({loss})"
+        shape = (self.dims["num_layers"], self.dims["num_heads"])
+        for key in (KEPT, ALPHA):
+            if key in reply.arrays and tuple(reply.arrays[key].shape) != shape:
+                return f"{key} has shape {tuple(reply.arrays[key].shape)}, expected {shape}"
+        if self.opts.aggregation == "head_weighted":
+            alpha = reply.arrays.get(ALPHA)
+            if alpha is None:
+                return f"no importance vector ({ALPHA}) for head-weighted aggregation"
+            if not bool(torch.isfinite(alpha).all()) or bool((alpha < 0).any()):
+                return "importance vector is not finite and non-negative"
+        expected = extract_state(state, mask_spec(self._kept(reply), self.dims), self.arch)
+        for k, t in reply.arrays.items():
+            if k in (KEPT, ALPHA):
+                continue
+            if k not in expected:
+                return f"unexpected tensor {k}"
+            if t.shape != expected[k].shape:
+                return f"tensor {k} has shape {tuple(t.shape)}, expected {tuple(expected[k].shape)}"
+            if not bool(torch.isfinite(t).all()):
+                return "non-finite values in the update"
+        return None
+
+    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
+                  replies: dict[int, Reply]) -> State:
+        updates = [HeadUpdate({k: t for k, t in r.arrays.items() if k not in (KEPT, ALPHA)},
+                              self._kept(r), r.arrays.get(ALPHA), r.num_examples)
+                   for _, r in sorted(replies.items())]
+        return aggregate_heads(state, updates, self.arch, self.dims, mode=self.opts.aggregation,
+                               eta=self.fed.server_lr, eps=self.opts.eps)
+
+
+# --------------------------------------------------------------------------------------------
+# Method (client side)
+# --------------------------------------------------------------------------------------------
+
+def special_token_ids(tokenizer) -> list[int]:
+    """[CLS]/[SEP] (BOS/EOS): excluded as keys of the importance score (Eq. 6, Voita et al.)."""
+    ids = (getattr(tokenizer, f"{t}_token_id", None) for t in ("sep", "cls", "eos", "bos"))
+    return sorted({int(i) for i in ids if i is not None})
+
+
+class Heads(FedPETuning):
+    name = "heads"
+
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel):
+        self.opts: HeadsMethod = cfg.method
+        self.special_ids = special_token_ids(loaded.tokenizer)
+        super().__init__(cfg, loaded)
+        self._check_heads()
+
+    # -- construction ------------------------------------------------------------------------
+    @property
+    def needs_importance(self) -> bool:
+        return self.opts.pruning == "importance" or self.opts.aggregation == "head_weighted"
+
+    def _check_heads(self) -> None:
+        """Fail early, naming the problem: no separable heads, no head-tied LoRA tensor, a
+        sparsity that keeps no head, no eager attention for the importance scores."""
+        d = self.dims
+        if not all(p in self.arch.parts for p in HEAD_PARTS) or d["hidden"] != d["num_heads"] * d["head_dim"]:
+            raise ModelError(f"method heads needs separable attention heads (q/k/v/o projections "
+                             f"of num_heads x head_dim); {self.arch.model_type} with hidden "
+                             f"{d['hidden']} and {d['num_heads']} heads has none")
+        if not head_axes(self.trainable(), self.arch, d["num_layers"]):
+            raise ConfigError(f"lora.targets {self.cfg.lora.targets}: method heads needs LoRA on "
+                              "at least one attention projection (q, k, v or o)")
+        o = self.opts
+        if kept_count(d["num_layers"], d["num_heads"], o.sparsity, o.scope) < 1 and o.pruning != "none":
+            pool = d["num_layers"] * d["num_heads"] if o.scope == "global" else d["num_heads"]
+            raise ConfigError(f"method.sparsity={o.sparsity} keeps no head (round((1 - s) * {pool}) "
+                              f"= 0 with scope={o.scope!r}): lower it")
+        if self.needs_importance:
+            previous = _ensure_eager(self.model)  # raises ModelError when unavailable
+            if previous != "eager":
+                self.arch_base().set_attn_implementation(previous)
+
+    def arch_base(self) -> nn.Module:
+        get = getattr(self.model, "get_base_model", None)
+        return get() if callable(get) else self.model
+
+    def make_strategy(self) -> Strategy:
+        return HeadsStrategy(self.cfg.federation, self.cfg.method, self.arch, self.dims)
+
+    # -- client ------------------------------------------------------------------------------
+    def importance(self, data: TokenizedSplit, seed: int) -> tuple[torch.Tensor, float]:
+        """(L, H) head importance on (a sample of) the local data, and its measured FLOPs."""
+        n = self.opts.importance_max_examples
+        if n is not None and n < len(data):
+            data = data.subset(sample_rows(len(data), n, seed))
+        with costs.count_flops() as fc:
+            scores = head_importance(self.model, data, self.special_ids, self.opts.importance_batch_size)
+        if "encoder" not in scores:
+            raise ModelError(f"no encoder attention scores (got {sorted(scores)})")
+        return scores["encoder"].float(), float(fc.total)
+
+    def keep(self, alpha: torch.Tensor | None, seed: int) -> torch.Tensor:
+        """The (L, H) keep-mask of this client for this round (Eq. 7)."""
+        d = self.dims
+        scores = alpha if alpha is not None else torch.zeros(d["num_layers"], d["num_heads"])
+        return keep_mask(scores, self.opts.sparsity, mode=self.opts.pruning, scope=self.opts.scope,
+                         generator=torch.Generator().manual_seed(seed % (2**63)))
+
+    def local_params(self, sub: nn.Module, kept: torch.Tensor) -> dict[str, nn.Parameter]:
+        """Trainable tensors of the sub-model that the client really trains and uploads: not the
+        empty slices, nor the attention LoRA of a layer without heads (it gets no gradient)."""
+        headless = {i for i in range(kept.shape[0]) if not bool(kept[i].any())}
+        out = {}
+        for n, p in sub.named_parameters():
+            if not p.requires_grad or p.numel() == 0:
+                continue
+            info = key_info(self.arch, n)
+            if info is not None and info.layer in headless and info.part in HEAD_PARTS:
+                continue
+            out[n] = p
+        return out
+
+    def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
+        if len(data) == 0:
+            log.warning("client %s has no training data: skipped", payload.config.get("client"))
+            return Reply(arrays={}, num_examples=0, metrics=self._skipped_metrics(payload))
+        self.client_model(payload)  # the global state, loaded into the full model in place
+        alpha, imp_flops = self.importance(data, seed) if self.needs_importance else (None, 0.0)
+        kept = self.keep(alpha, seed)
+        sub = self.model if bool(kept.all()) else extract_model(self.model, mask_spec(kept, self.dims), self.arch)
+        params = self.local_params(sub, kept)
+        result = train_local(sub, params, data, payload.config, seed)
+        for p in sub.parameters():
+            p.grad = None  # headless layers' o lora_B got a (zero) gradient outside the optimizer
+        arrays = {n: p.detach().clone() for n, p in params.items()}
+        if self.opts.pruning != "none":
+            arrays[KEPT] = kept.clone()
+        if self.opts.aggregation == "head_weighted":
+            arrays[ALPHA] = alpha * kept  # Eq. 7: pruned heads have importance 0
+        metrics = self.client_metrics(sub, params, payload, arrays, result)
+        metrics.update(self.head_metrics(kept, alpha, result, imp_flops))
+        return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
+
+    # -- metrics -----------------------------------------------------------------------------
+    def client_metrics(self, model, params, payload, arrays, result: LocalResult) -> dict[str, float]:
+        metrics = super().client_metrics(model, params, payload, arrays, result)
+        metrics["flops_analytic"] = self.analytic_flops(model, result, self._kept_of(arrays))
+        return metrics
+
+    def _kept_of(self, arrays: State) -> torch.Tensor:
+        if KEPT in arrays:
+            return arrays[KEPT].bool()
+        return torch.ones(self.dims["num_layers"], self.dims["num_heads"], dtype=torch.bool)
+
+    def analytic_flops(self, model: nn.Module, result: LocalResult, kept: torch.Tensor) -> float:
+        """:func:`costs.analytic_train_flops` of the sub-model, with the attention term (and the
+        skipped input-gradient of layer 0's q/k/v) over the kept heads only."""
+        d, counts = self.dims, costs.linear_param_counts(model)
+        seq = result.tokens / max(result.examples, 1)
+        base = costs.analytic_train_flops(
+            num_layers=d["num_layers"], hidden=d["hidden"], ffn=d["ffn"], num_heads=d["num_heads"],
+            tokens=result.tokens, seq_len=seq, trainable_linear_params=counts["trainable"],
+            total_linear_params=counts["total"], examples=result.examples,
+            head_linear_params=counts["head_total"], head_trainable_linear_params=counts["head_trainable"])
+        T, hd, width = float(result.tokens), d["head_dim"], d["hidden"]
+        kept_width = float(kept.sum()) * hd                                  # sum_l kept_l * head_dim
+        attention = 12.0 * seq * T * (kept_width - d["num_layers"] * width)  # fwd 4 + bwd 8
+        first_qkv = 6.0 * T * width * (width - float(kept[0].sum()) * hd)
+        return base["total"] + attention + first_qkv
+
+    def head_metrics(self, kept: torch.Tensor, alpha: torch.Tensor | None, result: LocalResult,
+                     importance_flops: float) -> dict[str, Any]:
+        d = self.dims
+        per_layer = (kept.float().sum(1) / d["num_heads"]).tolist()
+        seq = result.tokens / max(result.examples, 1)
+        ops = paper_ops(d["num_layers"], d["hidden"], seq, rank=self.cfg.lora.r, kept=per_layer)
+        dense = paper_ops(d["num_layers"], d["hidden"], seq, rank=self.cfg.lora.r)
+        out: dict[str, Any] = {
+            "sparsity": 1.0 - float(kept.float().mean()), "heads_kept": int(kept.sum()),
+            "headless_layers": int((~kept.any(1)).sum()), "flops_importance": importance_flops,
+            "paper_ops": ops["total"] * result.examples, "paper_ops_dense": dense["total"] * result.examples,
+            "head_kept": kept.flatten().int().tolist(), "num_heads": d["num_heads"],
+        }
+        if alpha is not None:  # diagnostics for the plots (the server gets α via ALPHA)
+            out["head_importance"] = [round(float(a), 6) for a in alpha.flatten()]
+        return out
+
+    def _skipped_metrics(self, payload: Payload) -> dict[str, float]:
+        zero = ("steps", "examples_trained", "tokens", "flops_measured", "flops_analytic",
+                "bytes_up", "params_up", "trainable_params", "peak_rss_mb", "activation_mb",
+                "train_time_s", "flops_importance", "paper_ops", "paper_ops_dense")
+        return {"loss": math.nan, "bytes_down": costs.tensor_bytes(payload.arrays),
+                "params_down": costs.num_params(payload.arrays), **{k: 0.0 for k in zero}}
+
+    # -- after training ----------------------------------------------------------------------
+    def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],
+                      batch_size: int) -> dict[str, Any]:
+        """Means over client-rounds of the head metrics, and Table 6 at the paper's T = 512."""
+        ms = [m for r in records for m in r["client_metrics"] if m.get("num_examples", 0) > 0]
+        out: dict[str, Any] = {}
+        for k in ("sparsity", "heads_kept", "headless_layers", "flops_importance", "paper_ops",
+                  "paper_ops_dense"):
+            vals = [m[k] for m in ms if k in m]
+            out[f"{k}_mean"] = float(np.mean(vals)) if vals else None
+        d = self.dims
+        kept = [np.reshape(m["head_kept"], (d["num_layers"], d["num_heads"])).mean(1) for m in ms
+                if "head_kept" in m]
+        per_layer = np.mean(kept, 0).tolist() if kept else 1.0
+        r = self.cfg.lora.r
+        out["paper_ops_T512_dense"] = paper_ops(d["num_layers"], d["hidden"], 512, rank=r)["total"]
+        out["paper_ops_T512"] = paper_ops(d["num_layers"], d["hidden"], 512, rank=r, kept=per_layer)["total"]
+        return out
