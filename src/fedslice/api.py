@@ -71,6 +71,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
         with _Progress(cfg, show) as bar:
             state, _, summary = sim.run(on_round=run.append_metrics, progress=bar)
         run.write_summary(summary)
+        method.write_artifacts(run.path)
         if cfg.output.save_weights:
             run.save_weights(state)
     path = run.final_path

@@ -136,6 +136,8 @@ class Simulation:
         if result.skipped:
             log.warning("round %d: only %d valid replies (< min_replies): global state unchanged",
                         server_round, len(result.used))
+        new_state, server_metrics = method.on_round_end(server_round, result.state,
+                                                        {c: replies[c] for c in result.used})
         client_metrics = [{"client": c, "num_examples": r.num_examples, **r.metrics}
                           for c, r in replies.items()]
         used = [m for m in client_metrics if m["client"] in result.used]
@@ -149,9 +151,10 @@ class Simulation:
             "peak_rss_mb_max": max((m["peak_rss_mb"] for m in client_metrics), default=None),
             "activation_mb_max": max((m["activation_mb"] for m in client_metrics), default=None),
             "client_metrics": client_metrics,
+            **server_metrics,
         }
         record["round_time_s"] = time.perf_counter() - t0
-        return result.state, record
+        return new_state, record
 
     def should_evaluate(self, server_round: int) -> bool:
         return server_round % self.cfg.evaluation.every == 0 or server_round == self.cfg.federation.rounds
@@ -180,6 +183,7 @@ class Simulation:
                 progress(record)
         test = self.method.evaluate(state, self.data.test, cfg.evaluation.batch_size)
         summary = summarize(cfg, records, test, time.perf_counter() - t_start, self.data)
+        summary.update(self.method.final_metrics(state, self.data, records, cfg.evaluation.batch_size))
         return state, records, summary
 
 
