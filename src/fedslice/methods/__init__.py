@@ -6,9 +6,11 @@ from fedslice.config import ExperimentConfig
 from fedslice.methods.base import Method
 from fedslice.methods.fedavg import FedAvg
 from fedslice.methods.fedpetuning import FedPETuning
+from fedslice.methods.fedot import FedOT
+from fedslice.methods.fedpft import FedPFT
 from fedslice.models.loading import LoadedModel
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedPETuning)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedPETuning, FedPFT, FedOT)}
 
 
 def build_method(cfg: ExperimentConfig, loaded: LoadedModel) -> Method:
