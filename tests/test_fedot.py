@@ -106,3 +106,10 @@ def test_run_folder_has_distillation_curve(ot_cfg, tmp_path):
     ot_cfg["federation"]["rounds"] = 1
     run = run_experiment(validate_config(ot_cfg))
     assert (run / "fedot_distill.json").is_file() and (run / "fedot_distill.png").is_file()
+
+
+def test_lora_rank_override_keeps_scaling(ot_cfg):
+    ot_cfg["method"].update(lora_r=12, distill_emulator=False)
+    method, _ = setup(validate_config(ot_cfg))
+    layer = method.arch.part(method.model, 0, "q")
+    assert layer.r["default"] == 12 and layer.scaling["default"] == pytest.approx(8 / 4)

@@ -174,8 +174,8 @@ class FedOTMethod(_Section):
     adapter_tuning: Literal["lora", "full"] = Field("lora", description="LoRA ([lora], on the "
                                                     "adapter layers only) or full fine-tuning.")
     lora_r: int | None = Field(None, gt=0, description="LoRA rank on the adapter (default "
-                               "lora.r); raise it to match the trainable parameters of LoRA on "
-                               "every layer.")
+                               "lora.r; lora.alpha is scaled with it, so alpha/r is unchanged); "
+                               "raise it to match the trainable parameters of LoRA on every layer.")
     distill_emulator: bool = Field(False, description="Distil the emulator to the middle layers "
                                    "before FL (settings in `distill`; mu is not used).")
     distill: DistillConfig = Field(default_factory=DistillConfig)

@@ -151,8 +151,9 @@ class FedOT(Method):
         for p in model.parameters():
             p.requires_grad_(False)
         if self.opts.adapter_tuning == "lora":
-            lora = self.cfg.lora if self.opts.lora_r is None else \
-                self.cfg.lora.model_copy(update={"r": self.opts.lora_r})
+            lora, r = self.cfg.lora, self.opts.lora_r
+            if r is not None:  # another rank, the same scaling alpha / r
+                lora = lora.model_copy(update={"r": r, "alpha": lora.alpha * r / lora.r})
             return apply_lora(model, self.arch, lora, layers=layers)
         blocks = self.arch.blocks(model)
         for l in layers:
