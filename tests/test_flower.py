@@ -154,7 +154,8 @@ def _settings(path: Path, out: Path, **kw) -> RunSettings:
 def _in_process(cfg_dict: dict):
     cfg = validate_config(cfg_dict)
     method, data = setup(cfg)
-    return Simulation(cfg, method, data).run()
+    state, records, summary = Simulation(cfg, method, data).run()
+    return method.export_state(state), records, summary  # as saved in a run folder
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -168,11 +169,21 @@ def _assert_same_state(a: dict, b: dict, atol: float = 1e-5) -> None:
     assert worst <= atol, worst
 
 
+def _method_options(method: str, tmp_path: Path) -> dict:
+    """Options that fit the 2-layer tiny model and exercise each method's server work."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"a plot about {i} actors in a film" for i in range(50)))
+    distill = {"corpus": str(corpus), "steps": 2, "batch_size": 4, "max_length": 16, "cache_dir": ""}
+    return {"fedot": {"bottom_layers": 1, "top_layers": 0, "distill_emulator": True, "distill": distill},
+            "fedpft": {"whole_layers": [0], "align_every": 1, "align_steps": 2, "distill": distill},
+            }.get(method, {})
+
+
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_serverapp_matches_in_process_engine(tiny_cfg_dict, tmp_path, method):
     """Same config and seed: the Flower path (records, node map, client seeds, aggregation order)
     gives the in-process engine's weights and selections, for every method."""
-    tiny_cfg_dict["method"] = {"name": method}
+    tiny_cfg_dict["method"] = {"name": method, **_method_options(method, tmp_path)}
     tiny_cfg_dict["federation"].update(num_clients=3, clients_per_round=2)
     state, records, _ = _in_process(tiny_cfg_dict)
     path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")

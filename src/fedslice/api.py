@@ -70,13 +70,19 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
                        if isinstance(data.report, dict) else data.report)
         with _Progress(cfg, show) as bar:
             state, _, summary = sim.run(on_round=run.append_metrics, progress=bar)
-        run.write_summary(summary)
-        if cfg.output.save_weights:
-            run.save_weights(method.export_state(state))
+        save_results(run, cfg, method, state, summary)
     path = run.final_path
     if cfg.output.plots:
         plot_run(path)
     return path
+
+
+def save_results(run: RunDir, cfg: ExperimentConfig, method, state, summary: dict[str, Any]) -> None:
+    """Summary, method artifacts and final weights into a run folder (engine and Flower alike)."""
+    run.write_summary(summary)
+    method.write_artifacts(run.path)
+    if cfg.output.save_weights:
+        run.save_weights(method.export_state(state))
 
 
 def _same_setting(cfgs: list[ExperimentConfig]) -> list[ExperimentConfig]:

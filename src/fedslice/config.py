@@ -235,7 +235,81 @@ class HeadsMethod(_Section):
     plot_rounds: int = Field(10, ge=0, description="Rounds drawn in head_importance.png.")
 
 
-MethodConfig = Annotated[Union[FedAvgMethod, FedPETuningMethod, RaFFMMethod, HeadsMethod],
+
+
+class DistillConfig(_Section):
+    """Server-side distillation on an unlabeled corpus that is never a client's data."""
+
+    corpus: str = Field("../shared/data/wikitext2", description="A text file, a folder of text "
+                        "files (.txt: one passage per line; .jsonl/.tsv/.csv: `text_column`), "
+                        "resolved like data.path; or a hub dataset 'name[:subset]' "
+                        "('wikitext:wikitext-2-raw-v1').")
+    text_column: str = Field("text", description="Column of .jsonl/.tsv/.csv corpus files.")
+    hub_split: str = Field("train", description="Split of a hub corpus.")
+    steps: int = Field(200, ge=0, description="Optimizer steps of layer-level (FedPFT) or "
+                       "emulator (FedOT) distillation before FL.")
+    lr: float = Field(6e-4, gt=0)
+    warmup: float = Field(0.048, ge=0, lt=1, description="Linear warm-up fraction, then linear decay.")
+    mu: float = Field(1.0, ge=0, description="Weight of the FFN weight-alignment term "
+                      "||W1W2 - W1'W2'||^2 of Eq. 13 (FedPFT; ignored by FedOT).")
+    batch_size: int = Field(16, gt=0)
+    max_length: int = Field(128, ge=8, description="Tokens per corpus chunk (lines are packed).")
+    cache_dir: str | None = Field(None, description="Where distilled proxies are cached (default "
+                                  "$FEDSLICE_CACHE_DIR or ~/.cache/fedslice); '' disables the cache.")
+
+
+class FedPFTMethod(_Section):
+    """FedPFT (Peng et al. 2024): FFN-compressed proxy, two-step distillation, LoRA on attention."""
+
+    name: Literal["fedpft"] = "fedpft"
+    keep_ratio: float = Field(0.25, description="Fraction of FFN neurons kept (top Eq. 8 saliency) "
+                              "in each compressed layer, in (0, 1].")
+    whole_layers: list[int] = Field(default_factory=lambda: [0, -1], description="Layers kept "
+                                    "whole (negative: from the end); the others are compressed.")
+    kd: Literal["both", "before", "during", "none"] = Field(
+        "both", description="Ablations: layer-level KD before FL and/or neuron-level KD during FL "
+        "(FedPFT, FedPFT_B, FedPFT_D, FedPFT_N).")
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    align_every: int = Field(10, gt=0, description="t: neuron-level KD after every t-th round.")
+    align_proportion: float = Field(0.5, description="p: fraction of each compressed layer's "
+                                    "neurons re-distilled (highest aggregated APoZ), in (0, 1].")
+    align_steps: int = Field(50, ge=0, description="Optimizer steps of each neuron-level KD.")
+    align_lr: float | None = Field(None, gt=0, description="Default: distill.lr.")
+    align_mu: float = Field(0.0, ge=0, description="Weight term during neuron-level KD (the "
+                            "public code uses hidden states only).")
+    apoz_tau: float = Field(0.05, ge=0, description="A GELU activation counts as zero when "
+                            "|a| < tau (Eq. 14 counts exact zeros, which GELU almost never gives).")
+
+    @field_validator("keep_ratio", "align_proportion")
+    @classmethod
+    def _fraction(cls, v, info):
+        if not 0 < v <= 1:
+            raise ValueError(f"{info.field_name} must be in (0, 1]")
+        return v
+
+
+class FedOTMethod(_Section):
+    """FedOT: Offsite-Tuning (Xiao et al. 2023) with FedAvg. Bottom/top layers are the trainable
+    adapter; the middle layers are replaced by a uniform layer-drop emulator (frozen)."""
+
+    name: Literal["fedot"] = "fedot"
+    bottom_layers: int | None = Field(None, ge=0, description="Adapter layers at the bottom "
+                                      "(default max(1, round(L/6)): 2 of 12, as in the paper).")
+    top_layers: int | None = Field(None, ge=0, description="Adapter layers at the top (same default).")
+    emulator_layers: int | None = Field(None, gt=0, description="Middle layers kept by uniform "
+                                        "layer drop (default max(1, round(3/8 * middle)): 8 -> 3).")
+    adapter_tuning: Literal["lora", "full"] = Field("lora", description="LoRA ([lora], on the "
+                                                    "adapter layers only) or full fine-tuning.")
+    lora_r: int | None = Field(None, gt=0, description="LoRA rank on the adapter (default "
+                               "lora.r; lora.alpha is scaled with it, so alpha/r is unchanged); "
+                               "raise it to match the trainable parameters of LoRA on every layer.")
+    distill_emulator: bool = Field(False, description="Distil the emulator to the middle layers "
+                                   "before FL (settings in `distill`; mu is not used).")
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+
+
+MethodConfig = Annotated[Union[FedAvgMethod, FedPETuningMethod, RaFFMMethod, HeadsMethod,
+                               FedPFTMethod, FedOTMethod],
                          Field(discriminator="name")]
 
 

@@ -155,9 +155,11 @@ class Simulation:
         if result.skipped:
             log.warning("round %d: only %d valid replies (< min_replies): global state unchanged",
                         server_round, len(result.used))
-        record = round_record(server_round, clients, replies, result)
+        new_state, server_metrics = method.on_round_end(server_round, result.state,
+                                                        {c: replies[c] for c in result.used})
+        record = {**round_record(server_round, clients, replies, result), **server_metrics}
         record["round_time_s"] = time.perf_counter() - t0
-        return result.state, record
+        return new_state, record
 
     def run(self, on_round=None, progress=None) -> tuple[State, list[dict[str, Any]], dict[str, Any]]:
         cfg = self.cfg
@@ -173,10 +175,17 @@ class Simulation:
                 on_round(record)
             if progress:
                 progress(record)
-        test = self.method.evaluate(state, self.data.test, cfg.evaluation.batch_size)
-        summary = summarize(cfg, records, test, time.perf_counter() - t_start, self.data)
-        summary.update(self.method.final_metrics(state, self.data, records, cfg.evaluation.batch_size))
-        return state, records, summary
+        return state, records, finalize(cfg, self.method, self.data, state, records, t_start)
+
+
+def finalize(cfg: ExperimentConfig, method: Method, data: FederatedData, state: State,
+             records: list[dict[str, Any]], t_start: float) -> dict[str, Any]:
+    """After the last round: test evaluation, the run's summary and the method's own results.
+    Shared by the engine and the Flower ServerApp."""
+    test = method.evaluate(state, data.test, cfg.evaluation.batch_size)
+    summary = summarize(cfg, records, test, time.perf_counter() - t_start, data)
+    summary.update(method.final_metrics(state, data, records, cfg.evaluation.batch_size))
+    return summary
 
 
 def finish_round(cfg: ExperimentConfig, method: Method, data: FederatedData, selector,

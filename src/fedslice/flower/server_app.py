@@ -50,9 +50,9 @@ def main(grid: Grid, context: Context) -> None:
 
 def run(grid: Grid, settings: RunSettings) -> Path:
     """Load the experiment, find the SuperNodes, train, write the run folder; return its path."""
-    from fedslice.api import _run_name
+    from fedslice.api import _run_name, save_results
     from fedslice.config import load_config
-    from fedslice.fl.engine import setup, summarize
+    from fedslice.fl.engine import finalize, setup
     from fedslice.flower.codec import record_to_state, state_to_record
     from fedslice.flower.discovery import PartitionMap
     from fedslice.flower.strategy import FlowerAdapter
@@ -68,19 +68,16 @@ def run(grid: Grid, settings: RunSettings) -> Path:
         run_dir.write_config(cfg.model_dump(mode="json"))
         run_dir.write_json("partition.json", {k: v for k, v in data.report.items()
                                               if k != "label_histograms"})
-        adapter = FlowerAdapter(cfg, method.strategy, data, partitions, settings.round_timeout)
+        adapter = FlowerAdapter(cfg, method, data, partitions, settings.round_timeout)
         evaluate = _central_evaluation(cfg, method, data, adapter, run_dir.append_metrics)
         result = adapter.start(grid, state_to_record(method.initial_state()),
                                num_rounds=cfg.federation.rounds, timeout=settings.round_timeout,
                                evaluate_fn=evaluate)
         state = record_to_state(result.arrays)
-        test = method.evaluate(state, data.test, cfg.evaluation.batch_size)
-        summary = summarize(cfg, adapter.records, test, time.perf_counter() - t_start, data)
+        summary = finalize(cfg, method, data, state, adapter.records, t_start)
         summary["engine"] = "flower"
         summary["failed_nodes"] = sum(r["failed_nodes"] for r in adapter.records)
-        run_dir.write_summary(summary)
-        if cfg.output.save_weights:
-            run_dir.save_weights(state)
+        save_results(run_dir, cfg, method, state, summary)
     path = run_dir.final_path
     if cfg.output.plots:
         from fedslice.report import plot_run

@@ -30,6 +30,7 @@ from fedslice.fl.strategy import Strategy as FedsliceStrategy
 from fedslice.flower.codec import (decode_reply, encode_payload, error_reason, record_to_state,
                                    state_to_record)
 from fedslice.flower.discovery import PartitionMap
+from fedslice.methods.base import Method
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,10 @@ class _Round:
 class FlowerAdapter(FlowerStrategy):
     """Flower's Strategy interface over our strategy, selector and client -> node map."""
 
-    def __init__(self, cfg: ExperimentConfig, strategy: FedsliceStrategy, data: FederatedData,
+    def __init__(self, cfg: ExperimentConfig, method: Method, data: FederatedData,
                  partitions: PartitionMap, round_timeout: float):
-        self.cfg, self.inner, self.data, self.partitions = cfg, strategy, data, partitions
+        self.cfg, self.method, self.data, self.partitions = cfg, method, data, partitions
+        self.inner: FedsliceStrategy = method.strategy
         self.round_timeout = round_timeout
         self.selector = make_selector(cfg.federation.selection, cfg.federation.clients_per_round,
                                       cfg.seed)
@@ -109,7 +111,9 @@ class FlowerAdapter(FlowerStrategy):
         if result.skipped:
             log.warning("round %d: only %d valid replies (< federation.min_replies=%d): global "
                         "state unchanged", server_round, len(result.used), self.cfg.federation.min_replies)
-        record = round_record(server_round, sent.clients, received, result)
+        new_state, server_metrics = self.method.on_round_end(
+            server_round, result.state, {c: received[c] for c in result.used})
+        record = {**round_record(server_round, sent.clients, received, result), **server_metrics}
         record["excluded"] = sorted(failures + record["excluded"], key=lambda e: e["client"])
         record["failed_nodes"] = len(failures)
         record["round_time_s"] = time.perf_counter() - sent.started
@@ -117,7 +121,7 @@ class FlowerAdapter(FlowerStrategy):
         metrics = {"num-replies": len(received), "num-failed": len(failures)}
         if record["train_loss"] is not None:
             metrics["train-loss"] = record["train_loss"]
-        return state_to_record(result.state), MetricRecord(metrics)
+        return state_to_record(new_state), MetricRecord(metrics)
 
     # -- evaluate (central, on the server) -----------------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

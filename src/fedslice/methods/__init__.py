@@ -6,11 +6,13 @@ from fedslice.config import ExperimentConfig
 from fedslice.methods.base import Method
 from fedslice.methods.fedavg import FedAvg
 from fedslice.methods.fedpetuning import FedPETuning
+from fedslice.methods.fedot import FedOT
+from fedslice.methods.fedpft import FedPFT
 from fedslice.methods.heads import Heads
 from fedslice.methods.raffm import RaFFM
 from fedslice.models.loading import LoadedModel
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedPETuning, RaFFM, Heads)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedPETuning, RaFFM, Heads, FedPFT, FedOT)}
 
 
 def build_method(cfg: ExperimentConfig, loaded: LoadedModel) -> Method:

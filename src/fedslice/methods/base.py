@@ -10,6 +10,7 @@ model: a client's state is loaded into it in place (no copy of the model per cli
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -80,7 +81,8 @@ class Method:
         counts = costs.linear_param_counts(model)
         seq = result.tokens / max(result.examples, 1)
         analytic = costs.analytic_train_flops(
-            num_layers=self.dims["num_layers"], hidden=self.dims["hidden"], ffn=self.dims["ffn"],
+            num_layers=len(self.arch.blocks(model)),  # a sub-model may have fewer layers
+            hidden=self.dims["hidden"], ffn=self.dims["ffn"],
             num_heads=self.dims["num_heads"], tokens=result.tokens, seq_len=seq,
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
             examples=result.examples, head_linear_params=counts["head_total"],
@@ -105,6 +107,14 @@ class Method:
     def evaluate(self, state: State, data: TokenizedSplit, batch_size: int) -> dict[str, Any]:
         return evaluate(self.eval_model(state), data, batch_size)
 
+    # -- server work between rounds ----------------------------------------------------------
+    def on_round_end(self, server_round: int, state: State,
+                     replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
+        """Server work after aggregation (e.g. FedPFT's periodic re-distillation): returns the
+        global state for the next round and metrics merged into the round record. ``replies``
+        are the valid replies used in the aggregation. Default: nothing."""
+        return state, {}
+
     # -- after training ----------------------------------------------------------------------
     def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],
                       batch_size: int) -> dict[str, Any]:
@@ -114,3 +124,6 @@ class Method:
     def export_state(self, state: State) -> State:
         """The global state as saved in the run folder (e.g. undo a method's internal reordering)."""
         return state
+
+    def write_artifacts(self, folder: Path) -> None:
+        """Write method-specific files (curves, plots) into the run folder. Default: none."""

@@ -63,10 +63,12 @@ class ArchSpec:
         """Full dotted name of a part in the *unwrapped* HF model, e.g. 'bert.encoder.layer.0...'."""
         return f"{self.layers}.{layer}.{self.parts[part]}"
 
-    def part_regex(self, parts: list[str]) -> str:
-        """A regex that fully matches the module names of these parts in every layer (for peft)."""
+    def part_regex(self, parts: list[str], layers: list[int] | None = None) -> str:
+        """A regex that fully matches the module names of these parts in every layer, or only in
+        ``layers`` (for peft)."""
         alts = "|".join(self.parts[p].replace(".", r"\.") for p in parts)
-        return rf"(?:.*\.)?{self.layers.replace('.', chr(92) + '.')}\.\d+\.(?:{alts})"
+        num = r"\d+" if layers is None else "(?:" + "|".join(str(i) for i in sorted(layers)) + ")"
+        return rf"(?:.*\.)?{self.layers.replace('.', chr(92) + '.')}\.{num}\.(?:{alts})"
 
 
 def _get(root: nn.Module, path: str) -> nn.Module:

@@ -24,16 +24,22 @@ def _matching_modules(model: nn.Module, target_modules: str | list[str]) -> list
     return [n for n in names if any(n == t or n.endswith("." + t) for t in target_modules)]
 
 
-def resolve_targets(model: nn.Module, arch: ArchSpec, cfg: LoraConfig) -> str | list[str]:
-    """peft ``target_modules`` for this config, validated against the model's modules."""
+def resolve_targets(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
+                    layers: list[int] | None = None) -> str | list[str]:
+    """peft ``target_modules`` for this config, validated against the model's modules.
+
+    ``layers`` restricts the logical targets to those layers (raw ``target_modules`` cannot be
+    restricted and are refused then)."""
+    if cfg.target_modules is not None and layers is not None:
+        raise ConfigError("lora.target_modules cannot be limited to some layers: use lora.targets")
     if cfg.target_modules is not None:
         for t in cfg.target_modules:
             if not _matching_modules(model, [t]):
                 raise ConfigError(f"lora.target_modules: {t!r} matches no linear module of the "
                                   f"model (e.g. {arch.parts['q']!r}, {arch.parts['ffn_in']!r})")
         return list(cfg.target_modules)
-    regex = arch.part_regex(list(cfg.targets))
-    n_layers = len(arch.blocks(model))
+    regex = arch.part_regex(list(cfg.targets), layers)
+    n_layers = len(arch.blocks(model)) if layers is None else len(set(layers))
     found = _matching_modules(model, regex)
     if len(found) != n_layers * len(cfg.targets):
         raise ConfigError(f"lora.targets {cfg.targets} matched {len(found)} modules, expected "
@@ -41,13 +47,15 @@ def resolve_targets(model: nn.Module, arch: ArchSpec, cfg: LoraConfig) -> str | 
     return regex
 
 
-def apply_lora(model: nn.Module, arch: ArchSpec, cfg: LoraConfig) -> nn.Module:
-    """Wrap ``model`` with LoRA adapters; the classifier stays trainable if configured.
+def apply_lora(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
+               layers: list[int] | None = None) -> nn.Module:
+    """Wrap ``model`` with LoRA adapters (in every layer, or only in ``layers``); the classifier
+    stays trainable if configured.
 
     The classifier is made trainable in place (not via peft's ``modules_to_save`` copies), so its
     parameter names stay those of the HF checkpoint.
     """
-    targets = resolve_targets(model, arch, cfg)
+    targets = resolve_targets(model, arch, cfg, layers)
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=targets, bias="none")
     model = get_peft_model(model, peft_cfg)

@@ -1,0 +1,164 @@
+"""The distillation loop: a student matches a frozen teacher on corpus chunks, training only the
+given parameters (optionally only some of their rows/columns, through gradient masks).
+
+Both models run in eval mode (no dropout), the teacher under ``no_grad``; every other parameter
+of the student is frozen for the duration (flags restored afterwards), so parameters the student
+shares with the teacher (FedPFT's attention and LoRA, FedOT's adapter) never change. AdamW without
+weight decay, linear warm-up then linear decay (the public FedPFT schedule). With zero weight
+decay, an element whose gradient is always masked to 0 keeps its value exactly (Adam's update of a
+zero-gradient element is 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fedslice.data.batching import TokenizedSplit, iter_batches
+from fedslice.fl.costs import count_flops
+from fedslice.models.arch import ArchSpec
+
+#: loss_fn(student_layers, teacher_layers, batch) -> (loss, parts); *_layers[i] = output of block i.
+LossFn = Callable[[list[torch.Tensor], list[torch.Tensor], dict[str, torch.Tensor]],
+                  tuple[torch.Tensor, dict[str, float]]]
+
+
+def block_outputs(model: nn.Module, arch: ArchSpec, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The output hidden states (B, T, d) of every transformer block of ``model`` on ``batch``.
+
+    Captured with temporary forward hooks, not HF's ``output_hidden_states``: transformers 5
+    records hidden states through hooks installed once per module, which double-count modules
+    that a proxy shares with its full model.
+    """
+    blocks = arch.blocks(model)
+    outs: list[torch.Tensor | None] = [None] * len(blocks)
+
+    def hook_for(i: int):
+        def hook(_module, _inputs, output):
+            outs[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    handles = [b.register_forward_hook(hook_for(i)) for i, b in enumerate(blocks)]
+    try:
+        model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return outs  # type: ignore[return-value]
+
+
+@dataclass
+class DistillLog:
+    """Per-step loss parts and the measured cost of one distillation."""
+
+    losses: list[dict[str, float]] = field(default_factory=list)
+    steps: int = 0
+    tokens: int = 0
+    flops: float = 0.0  # FlopCounterMode on the first step, scaled by tokens
+    time_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DistillLog:
+        return cls(**{k: d[k] for k in ("losses", "steps", "tokens", "flops", "time_s")})
+
+    def summary(self, prefix: str) -> dict[str, float]:
+        first = self.losses[0]["loss"] if self.losses else math.nan
+        last = self.losses[-1]["loss"] if self.losses else math.nan
+        return {f"{prefix}_steps": self.steps, f"{prefix}_loss_start": first,
+                f"{prefix}_loss_end": last, f"{prefix}_flops": self.flops,
+                f"{prefix}_tokens": self.tokens, f"{prefix}_time_s": self.time_s}
+
+
+@contextlib.contextmanager
+def train_only(models: list[nn.Module], params: dict[str, nn.Parameter]) -> Iterator[None]:
+    """Freeze every parameter of ``models`` except ``params``, in eval mode; restore afterwards."""
+    keep = {id(p) for p in params.values()}
+    every = {id(p): p for m in models for p in m.parameters()}
+    every.update({id(p): p for p in params.values()})
+    flags = {i: p.requires_grad for i, p in every.items()}
+    modes = [m.training for m in models]
+    try:
+        for i, p in every.items():
+            p.requires_grad_(i in keep)
+        for m in models:
+            m.eval()
+        yield
+    finally:
+        for i, p in every.items():
+            p.requires_grad_(flags[i])
+        for m, mode in zip(models, modes):
+            m.train(mode)
+
+
+def _cycle(corpus: TokenizedSplit, batch_size: int, gen: torch.Generator) -> Iterator[dict]:
+    while True:
+        for batch in iter_batches(corpus, range(len(corpus)), batch_size, shuffle=True, generator=gen):
+            batch.pop("labels", None)
+            yield batch
+
+
+def _schedule(steps: int, warmup: float) -> Callable[[int], float]:
+    w = max(1, int(round(warmup * steps)))
+    return lambda s: (s + 1) / w if s < w else max(0.0, (steps - s) / max(1, steps - w))
+
+
+def distill(student: nn.Module, teacher: nn.Module, arch: ArchSpec, params: dict[str, nn.Parameter],
+            corpus: TokenizedSplit, loss_fn: LossFn, *, steps: int, lr: float, warmup: float,
+            batch_size: int, seed: int, grad_masks: dict[str, torch.Tensor] | None = None,
+            max_grad_norm: float = 1.0) -> DistillLog:
+    """Train ``params`` of ``student`` for ``steps`` steps so that ``loss_fn(student_layers,
+    teacher_layers, batch)`` falls (the block outputs of :func:`block_outputs`).
+
+    ``grad_masks[name]`` (broadcastable to the parameter) zeroes the gradient of frozen elements.
+    """
+    log = DistillLog()
+    if steps <= 0 or not params:
+        return log
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(params.values(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(steps, warmup))
+    batches = _cycle(corpus, batch_size, gen)
+    t0 = time.perf_counter()
+    flops_per_token = 0.0
+    with train_only([student, teacher], params):
+        for step in range(steps):
+            batch = next(batches)
+            with count_flops(enabled=step == 0) as fc:
+                with torch.no_grad():
+                    t_out = block_outputs(teacher, arch, batch)
+                s_out = block_outputs(student, arch, batch)
+                loss, parts = loss_fn(s_out, t_out, batch)
+                loss.backward()
+            if step == 0:
+                flops_per_token = fc.total / batch["input_ids"].numel()
+            _mask_grads(params, grad_masks)
+            if max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params.values(), max_grad_norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            log.losses.append(parts)
+            log.tokens += batch["input_ids"].numel()
+    log.steps = steps
+    log.flops = flops_per_token * log.tokens
+    log.time_s = time.perf_counter() - t0
+    return log
+
+
+def _mask_grads(params: dict[str, nn.Parameter], masks: dict[str, torch.Tensor] | None) -> None:
+    if not masks:
+        return
+    for name, m in masks.items():
+        g = params[name].grad
+        if g is not None:
+            g.mul_(m.to(g.dtype))

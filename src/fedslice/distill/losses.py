@@ -1,0 +1,59 @@
+"""Distillation losses (FedPFT Eq. 13, Offsite-Tuning's emulator loss), all with real gradients.
+
+Both terms are normalised like the public FedPFT code, so that layers of different scale weigh
+the same: the squared error of a layer's output is divided by the teacher's mean square
+(``rms(T)^2``) over the real (non-padding) tokens, and the weight term by the mean square of the
+teacher's product ``W1 W2``.
+
+Unlike the public code, the weight term is built from the student's parameters themselves (not
+``.data``), so it has a gradient and actually pulls ``W1'W2'`` towards ``W1W2``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def hidden_loss(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """||S - T||^2 / ||T||^2 over real tokens: student/teacher (B, T, d), mask (B, T) of 0/1."""
+    m = mask.to(student.dtype).unsqueeze(-1)  # (B, T, 1)
+    err = ((student - teacher) ** 2 * m).sum()
+    scale = (teacher ** 2 * m).sum().clamp_min(1e-12)
+    return err / scale
+
+
+def ffn_product(w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+    """(W1 W2)^T of a FFN from ``nn.Linear`` weights: w_in (F, d), w_out (d, F) -> (d, d).
+
+    The paper writes FFN(x) = gelu(x W1) W2 with W1 (d, F) = w_in^T and W2 (F, d) = w_out^T, so
+    W1 W2 = (w_out @ w_in)^T; the transpose does not change the Frobenius distance."""
+    return w_out @ w_in  # (d, F) @ (F, d) -> (d, d)
+
+
+def weight_loss(student: tuple[torch.Tensor, torch.Tensor],
+                teacher: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """||W1W2 - W1'W2'||^2 / ||W1W2||^2 of one FFN; gradient flows into the student's weights."""
+    target = ffn_product(*teacher).detach()
+    return ((ffn_product(*student) - target) ** 2).sum() / (target ** 2).sum().clamp_min(1e-12)
+
+
+def layer_kd_loss(student_layers: Sequence[torch.Tensor], teacher_layers: Sequence[torch.Tensor],
+                  mask: torch.Tensor, student_ffn: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                  teacher_ffn: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                  mu: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Eq. 13: (1/L) sum_i [ ||O_i - O'_i||^2 + mu ||W1W2 - W1'W2'||^2_i ] (normalised terms).
+
+    ``*_layers[i]`` is the output (B, T, d) of layer i (all L layers); the weight term runs over
+    the compressed layers (``student_ffn``: layer -> (w_in, w_out)), whole layers contribute 0.
+    """
+    L = len(teacher_layers)
+    hid = sum(hidden_loss(s, t, mask) for s, t in zip(student_layers, teacher_layers)) / L
+    if mu > 0 and student_ffn:
+        wt = sum(weight_loss(student_ffn[i], teacher_ffn[i]) for i in student_ffn) / L
+    else:
+        wt = torch.zeros((), dtype=hid.dtype)
+    total = hid + mu * wt
+    return total, {"loss": float(total.detach()), "hidden": float(hid.detach()),
+                   "weight": float(wt.detach())}

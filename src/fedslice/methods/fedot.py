@@ -1,0 +1,217 @@
+"""``fedot``: Offsite-Tuning (Xiao et al. 2023) run with FedAvg, the FedOT baseline of FedPFT.
+
+The bottom ``bottom_layers`` and top ``top_layers`` transformer layers are the trainable
+*adapter*; the ``m`` middle layers are replaced by an *emulator* of ``k`` of them chosen by
+uniform layer drop: middle position ``round(i * (m - 1) / (k - 1))`` for ``i = 0..k-1``, so the
+first and the last middle layer are always kept. ``round`` is Python's (half to even), as in the
+public Offsite-Tuning code (``uniform_choose_layers``): 8 middle layers -> 3 keeps positions
+0, 4, 7; 4 -> 3 keeps 0, 2, 3. With ``k = 1`` the middle position ``round((m - 1) / 2)`` is kept.
+
+Defaults scale the paper's 12-layer setting (adapter 2 + 2, middle 8 -> 3) to the model depth:
+``max(1, round(L / 6))`` adapter layers at each end and ``max(1, round(3 m / 8))`` emulator layers
+(MiniLM, 6 layers: adapter 1 + 1, emulator 2 of the 4 middle layers).
+
+The client model is :func:`~fedslice.slicing.spec.extract_model` of the full model for the depth
+:class:`~fedslice.slicing.spec.SliceSpec` of adapter + emulator layers: it shares the adapter
+(and its LoRA), embeddings and classifier with the full model. With ``distill_emulator`` the
+emulator layers are copies, distilled before FL so that their output matches the middle layers'
+(hidden-state MSE normalised by the teacher's mean square; both fed the same adapter output).
+Clients train the adapter (LoRA on it, or fully) and the classifier with the emulator frozen;
+the adapter plugs into the full model, which is what ``test_accuracy`` evaluates.
+
+The global state uses the full model's names; each client receives and returns its sub-model's
+names (:func:`~fedslice.slicing.spec.extract_state` / :func:`~fedslice.slicing.spec.scatter`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fedslice.config import ExperimentConfig, FedOTMethod
+from fedslice.distill import cache
+from fedslice.distill.loop import DistillLog, distill
+from fedslice.distill.losses import hidden_loss
+from fedslice.distill.report import write_curves
+from fedslice.errors import ConfigError
+from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.methods.base import Method
+from fedslice.methods.submodel import (Corpus, cached_distill, named_params, sub_accuracy,
+                                       transformer_params)
+from fedslice.models.arch import ArchSpec
+from fedslice.models.loading import LoadedModel
+from fedslice.peft import apply_lora
+from fedslice.slicing.aggregate import aggregate_deltas, client_delta
+from fedslice.slicing.spec import SliceSpec, extract_model, extract_state, scatter
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# Layout (pure)
+# --------------------------------------------------------------------------------------------
+
+def default_adapter_layers(num_layers: int) -> int:
+    """Adapter layers at each end: the paper's 2 of 12, scaled to the depth (at least 1)."""
+    return max(1, round(num_layers / 6))
+
+
+def default_emulator_layers(middle: int) -> int:
+    """Emulator layers: the paper's 3 of 8 middle layers, scaled (at least 1)."""
+    return max(1, round(3 * middle / 8))
+
+
+def emulator_indices(middle: list[int], k: int) -> list[int]:
+    """Uniform layer drop: ``k`` of the ``middle`` layers at ``round(i * (m-1) / (k-1))``."""
+    m = len(middle)
+    if not 1 <= k <= m:
+        raise ValueError(f"cannot keep {k} of {m} middle layers")
+    if k == 1:
+        return [middle[round((m - 1) / 2)]]
+    stride = (m - 1) / (k - 1)
+    return [middle[round(i * stride)] for i in range(k)]
+
+
+def fedot_layout(num_layers: int, bottom: int | None, top: int | None,
+                 emulator: int | None) -> tuple[list[int], list[int], list[int]]:
+    """(bottom adapter layers, emulator layers, top adapter layers) of a ``num_layers`` model."""
+    b = default_adapter_layers(num_layers) if bottom is None else bottom
+    t = default_adapter_layers(num_layers) if top is None else top
+    if b + t >= num_layers:
+        raise ConfigError(f"method.bottom_layers={b} + method.top_layers={t} adapter layers leave "
+                          f"no emulator in a {num_layers}-layer model (need at most "
+                          f"{num_layers - 1} together)")
+    if b + t == 0:
+        raise ConfigError("method.bottom_layers and method.top_layers are both 0: no adapter to train")
+    middle = list(range(b, num_layers - t))
+    k = default_emulator_layers(len(middle)) if emulator is None else emulator
+    if k > len(middle):
+        raise ConfigError(f"method.emulator_layers={k} is more than the {len(middle)} middle layers")
+    return list(range(b)), emulator_indices(middle, k), list(range(num_layers - t, num_layers))
+
+
+# --------------------------------------------------------------------------------------------
+# Server
+# --------------------------------------------------------------------------------------------
+
+class SubModelStrategy(Strategy):
+    """Each client gets its sub-model's slice of the global state; slices are scattered back to
+    full-model names and averaged where held (a depth spec holds whole tensors)."""
+
+    def __init__(self, fed, spec: SliceSpec, arch: ArchSpec, shapes: dict[str, torch.Size]):
+        super().__init__(fed)
+        self.spec, self.arch, self.shapes = spec, arch, shapes
+
+    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
+        return Payload(arrays=extract_state(state, self.spec, self.arch), config={**config, "client": client})
+
+    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
+                  replies: dict[int, Reply]) -> State:
+        deltas, weights = [], []
+        for c in sorted(replies):
+            full, masks = scatter(replies[c].arrays, self.spec, self.arch, self.shapes)
+            deltas.append(client_delta(state, full))
+            weights.append({k: replies[c].num_examples * m for k, m in masks.items()})
+        return aggregate_deltas(state, deltas, weights, eta=self.fed.server_lr)
+
+
+# --------------------------------------------------------------------------------------------
+# The method
+# --------------------------------------------------------------------------------------------
+
+class FedOT(Method):
+    name = "fedot"
+
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel):
+        self.tokenizer = loaded.tokenizer
+        self.opts: FedOTMethod = cfg.method
+        super().__init__(cfg, loaded)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        o = self.opts
+        self.bottom, self.emulator, self.top = fedot_layout(
+            self.dims["num_layers"], o.bottom_layers, o.top_layers, o.emulator_layers)
+        full = self._adapter(model, self.bottom + self.top)
+        self.spec = SliceSpec.leading(self.dims, self.dims["num_heads"], self.dims["ffn"],
+                                      layers=self.bottom + self.emulator + self.top)
+        self.sub = extract_model(full, self.spec, self.arch)
+        self.kd_log, self.kd_cached = None, False
+        if o.distill_emulator and o.distill.steps > 0:
+            self.kd_log, self.kd_cached = self._distill_emulator(full)
+        return full
+
+    def _adapter(self, model: nn.Module, layers: list[int]) -> nn.Module:
+        """Freeze everything, then make the adapter layers (LoRA on them, or all their
+        parameters) and the classifier trainable."""
+        for p in model.parameters():
+            p.requires_grad_(False)
+        if self.opts.adapter_tuning == "lora":
+            lora, r = self.cfg.lora, self.opts.lora_r
+            if r is not None:  # another rank, the same scaling alpha / r
+                lora = lora.model_copy(update={"r": r, "alpha": lora.alpha * r / lora.r})
+            return apply_lora(model, self.arch, lora, layers=layers)
+        blocks = self.arch.blocks(model)
+        for l in layers:
+            for p in blocks[l].parameters():
+                p.requires_grad_(True)
+        for name in self.arch.classifier:
+            for p in getattr(model, name).parameters():
+                p.requires_grad_(True)
+        return model
+
+    def make_strategy(self) -> Strategy:
+        shapes = {n: p.shape for n, p in self.trainable().items()}
+        return SubModelStrategy(self.cfg.federation, self.spec, self.arch, shapes)
+
+    def _distill_emulator(self, full: nn.Module) -> tuple[DistillLog, bool]:
+        """Copies of the emulator layers, trained so that their output matches the middle's."""
+        d, nb, k = self.opts.distill, len(self.bottom), len(self.emulator)
+        blocks = self.arch.blocks(self.sub)  # the sub-model's own list: the full model is untouched
+        for j in range(nb, nb + k):
+            blocks[j] = copy.deepcopy(blocks[j])
+        params = named_params(self.sub, [blocks[j] for j in range(nb, nb + k)])
+        t_index = self.dims["num_layers"] - len(self.top) - 1  # the last middle layer
+        corpus = Corpus(self.cfg, d, self.tokenizer, d.steps, "method.distill.corpus")
+
+        def loss(s_layers, t_layers, batch):  # emulator output vs the middle layers' output
+            value = hidden_loss(s_layers[nb + k - 1], t_layers[t_index], batch["attention_mask"])
+            return value, {"loss": float(value.detach())}
+
+        def run() -> DistillLog:
+            log.info("fedot: emulator distillation, %d steps", d.steps)
+            return distill(self.sub, full, self.arch, params, corpus.split, loss, steps=d.steps, lr=d.lr,
+                           warmup=d.warmup, batch_size=d.batch_size, seed=self.cfg.seed)
+        inputs = {"kind": "fedot-emulator-kd", "model": cache.weights_fingerprint(full, ("lora_", "classifier")),
+                  "layers": [self.bottom, self.emulator, self.top], "steps": d.steps,
+                  "seed": self.cfg.seed, **corpus.cache_inputs()}
+        return cached_distill(cache.cache_root(d.cache_dir), inputs, params, run)
+
+    # -- client ------------------------------------------------------------------------------
+    def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
+        """The adapter + emulator model, with the payload (sub-model names) loaded."""
+        params = self.trainable(self.sub)
+        self.load_state(params, payload.arrays)
+        return self.sub, params
+
+    # -- reporting ---------------------------------------------------------------------------
+    def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],
+                      batch_size: int) -> dict[str, Any]:
+        self.eval_model(state)  # the adapter is shared: the sub-model holds it too
+        full_p, sub_p = transformer_params(self.model, self.arch), transformer_params(self.sub, self.arch)
+        out = {**sub_accuracy(self.sub, data, batch_size), "full_transformer_params": full_p,
+               "proxy_transformer_params": sub_p, "proxy_param_fraction": sub_p / full_p,
+               "adapter_layers": self.bottom + self.top, "emulator_layers": self.emulator,
+               "emulator_distilled": self.kd_log is not None, "kd_before_cached": self.kd_cached}
+        if self.kd_log is not None:
+            out.update(self.kd_log.summary("kd_before"))
+        return out
+
+    def write_artifacts(self, folder: Path) -> None:
+        write_curves(folder, "fedot_distill", {"emulator KD before FL": self.kd_log},
+                     plot=self.cfg.output.plots,
+                     extra={"cached": self.kd_cached, "emulator_layers": self.emulator})

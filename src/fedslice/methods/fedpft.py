@@ -1,0 +1,364 @@
+"""``fedpft``: Federated Proxy Fine-Tuning (Peng et al. 2024).
+
+1. **Sub-FM construction** (Sec. 3.4). Each FFN neuron's saliency is the L2 norm of its ``W1`` row
+   and ``W2`` column (Eq. 8: :func:`fedslice.slicing.salience.salience` with ``norm='l2'``). In the
+   compressed layers (all but ``method.whole_layers``, default the first and the last) the top
+   ``keep_ratio`` of the neurons are kept, in their original order; attention is untouched. The
+   proxy is :func:`~fedslice.slicing.spec.extract_model` of the full model for that
+   :class:`~fedslice.slicing.spec.SliceSpec`: it shares the embeddings, attention (and its LoRA),
+   LayerNorms, whole layers and classifier with the full model, and owns copies of the compressed
+   FFN tensors (``W1``, ``b1``, ``W2`` and, unshared so it can be distilled, ``b2``).
+2. **Layer-level KD before FL** (Eq. 13): on the server's unlabeled corpus, the compressed FFNs are
+   trained so that every layer's output matches the full model's, plus ``mu * ||W1W2 - W1'W2'||^2``
+   with a real gradient (:mod:`fedslice.distill.losses`). Cached on disk; the loss curve goes to
+   ``fedpft_distill.json``/``.png`` in the run folder.
+3. **FL**: clients receive only the proxy's tensors (LoRA + classifier every round; the compressed
+   FFN tensors when their copy is stale: at first participation and after each re-alignment),
+   train LoRA on attention + the classifier, FedAvg.
+4. **Neuron-level KD during FL** (Sec. 3.5): in every ``align_every``-th round, clients also report
+   each compressed neuron's APoZ on their local data before training (GELU-aware, see
+   :mod:`fedslice.distill.apoz`); after aggregation the server pools them and re-distils only the
+   ``align_proportion`` of each layer's neurons with the highest APoZ, the others fixed (gradient
+   masks), teacher = the full model with the current LoRA. Not after the last round (the proxy
+   would not be used again).
+5. **Plug-in**: LoRA + classifier are the very tensors of the full model (shared modules), so
+   evaluation runs the full model: ``test_accuracy`` is the full FM's; ``proxy_*_accuracy`` the
+   proxy's.
+
+Ablations (``method.kd``): ``none`` (FedPFT_N), ``before`` (FedPFT_B), ``during`` (FedPFT_D).
+
+The global state holds LoRA + classifier (full-model names, also the proxy's) and the proxy's
+compressed FFN tensors (proxy names; same keys as the full model's FFN but of the kept width).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fedslice.config import ExperimentConfig, FedPFTMethod
+from fedslice.data.batching import TokenizedSplit
+from fedslice.distill import cache
+from fedslice.distill.apoz import (aggregate_apoz, apoz_report, count_near_zero, select_neurons,
+                                   split_report)
+from fedslice.distill.loop import DistillLog, distill
+from fedslice.distill.losses import layer_kd_loss
+from fedslice.distill.report import write_curves
+from fedslice.errors import ConfigError
+from fedslice.fl import costs
+from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.methods.base import Method
+from fedslice.methods.submodel import (Corpus, cached_distill, concat_logs, named_params,
+                                       sub_accuracy, sub_seed, transformer_params)
+from fedslice.models.arch import ArchSpec
+from fedslice.models.loading import LoadedModel
+from fedslice.peft import apply_lora
+from fedslice.slicing.salience import salience
+from fedslice.slicing.spec import SliceSpec, extract_model
+
+log = logging.getLogger(__name__)
+
+KD_BEFORE = ("both", "before")
+KD_DURING = ("both", "during")
+
+
+# --------------------------------------------------------------------------------------------
+# Sub-FM construction (pure)
+# --------------------------------------------------------------------------------------------
+
+def compressed_layers(whole_layers: list[int], num_layers: int) -> list[int]:
+    """The layers to compress: every layer not in ``whole_layers`` (negative = from the end)."""
+    whole = set()
+    for i in whole_layers:
+        j = i + num_layers if i < 0 else i
+        if not 0 <= j < num_layers:
+            raise ConfigError(f"method.whole_layers: layer {i} is out of range for a "
+                              f"{num_layers}-layer model (use 0..{num_layers - 1} or "
+                              f"-{num_layers}..-1)")
+        whole.add(j)
+    return [l for l in range(num_layers) if l not in whole]
+
+
+def kept_count(keep_ratio: float, ffn: int) -> int:
+    """Neurons kept per compressed layer: round(keep_ratio * F), at least 1."""
+    if not 0 < keep_ratio <= 1:
+        raise ConfigError(f"method.keep_ratio must be in (0, 1], got {keep_ratio}")
+    return min(ffn, max(1, round(keep_ratio * ffn)))
+
+
+def top_neurons(saliency: torch.Tensor, k: int) -> tuple[int, ...]:
+    """Indices of the ``k`` most salient neurons (stable on ties), in their original order."""
+    order = torch.argsort(saliency, descending=True, stable=True)[:k]
+    return tuple(sorted(order.tolist()))
+
+
+def proxy_spec(neuron_saliency: list[torch.Tensor], dims: dict[str, int], keep_ratio: float,
+               layers: list[int]) -> SliceSpec:
+    """All layers and heads; in ``layers`` the top ``keep_ratio`` neurons by saliency."""
+    F, L = dims["ffn"], dims["num_layers"]
+    k = kept_count(keep_ratio, F)
+    neurons = tuple(top_neurons(neuron_saliency[l], k) if l in layers else tuple(range(F))
+                    for l in range(L))
+    heads = tuple(tuple(range(dims["num_heads"])) for _ in range(L))
+    return SliceSpec(tuple(range(L)), heads, neurons, L, dims["num_heads"], dims["head_dim"], F)
+
+
+def build_proxy(model: nn.Module, spec: SliceSpec, arch: ArchSpec) -> nn.Module:
+    """The proxy of ``model``: shares everything but the sliced FFNs, whose ``b2`` is unshared
+    too (so distilling the proxy never changes the full model)."""
+    proxy = extract_model(model, spec, arch)
+    for j, layer in enumerate(spec.layers):
+        if not spec.is_identity(j, "ffn"):
+            out = arch.part(proxy, layer, "ffn_out")
+            if out.bias is not None:
+                out.bias = nn.Parameter(out.bias.detach().clone(), requires_grad=False)
+    return proxy
+
+
+def ffn_weights(model: nn.Module, arch: ArchSpec, layers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """layer -> (ffn_in.weight (F, d), ffn_out.weight (d, F)), the live parameters."""
+    return {l: (arch.part(model, l, "ffn_in").weight, arch.part(model, l, "ffn_out").weight)
+            for l in layers}
+
+
+# --------------------------------------------------------------------------------------------
+# Server
+# --------------------------------------------------------------------------------------------
+
+class FedPFTStrategy(Strategy):
+    """FedAvg of LoRA + classifier; sends the proxy's FFN tensors to clients whose copy is stale
+    and asks for APoZ reports in alignment rounds."""
+
+    def __init__(self, fed, method: FedPFTMethod, proxy_keys: list[str], widths: dict[int, int]):
+        super().__init__(fed)
+        self.method, self.proxy_keys, self.widths = method, set(proxy_keys), widths
+        self.version = 0  # bumped by each re-alignment of the proxy
+        self.client_version: dict[int, int] = {}
+
+    def align_round(self, server_round: int) -> bool:
+        """Rounds after which the server re-distils (never after the last round)."""
+        return (self.method.kd in KD_DURING and bool(self.widths)
+                and server_round % self.method.align_every == 0 and server_round < self.fed.rounds)
+
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        cfg = super().train_config(server_round)
+        if self.align_round(server_round):
+            cfg.update(report_apoz=True, apoz_tau=self.method.apoz_tau)
+        return cfg
+
+    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
+        stale = self.client_version.get(client) != self.version
+        arrays = {k: v for k, v in state.items() if stale or k not in self.proxy_keys}
+        self.client_version[client] = self.version
+        return Payload(arrays=arrays, config={**config, "client": client})
+
+    def proxy_changed(self) -> None:
+        self.version += 1
+
+    def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
+        model, apoz = split_report(reply.arrays)
+        if apoz and not payload.config.get("report_apoz"):
+            return "APoZ report in a round that did not ask for one"
+        for layer, a in apoz.items():
+            if layer not in self.widths or a.shape != (self.widths[layer],):
+                return f"APoZ of layer {layer} has shape {tuple(a.shape)}"
+            if not torch.isfinite(a).all() or a.min() < 0 or a.max() > 1:
+                return f"APoZ of layer {layer} is not a fraction in [0, 1]"
+        return super().check_reply(state, payload, Reply(model, reply.num_examples, reply.metrics))
+
+    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
+                  replies: dict[int, Reply]) -> State:
+        stripped = {c: Reply(split_report(r.arrays)[0], r.num_examples, r.metrics)
+                    for c, r in replies.items()}
+        return super().aggregate(server_round, state, payloads, stripped)
+
+
+# --------------------------------------------------------------------------------------------
+# The method
+# --------------------------------------------------------------------------------------------
+
+class FedPFT(Method):
+    name = "fedpft"
+
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel):
+        self.tokenizer = loaded.tokenizer
+        self.opts: FedPFTMethod = cfg.method
+        self.align_logs: list[DistillLog] = []
+        self.align_records: list[dict[str, Any]] = []
+        super().__init__(cfg, loaded)
+
+    # -- construction ----------------------------------------------------------------------
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """LoRA on attention of the full model, then the proxy and its layer-level KD."""
+        o, lora = self.opts, self.cfg.lora
+        if lora.target_modules is not None or set(lora.targets) - {"q", "k", "v", "o"}:
+            raise ConfigError("lora.targets: fedpft trains LoRA on attention only (q, k, v, o); "
+                              f"got {lora.target_modules or lora.targets}")
+        layers = compressed_layers(o.whole_layers, self.dims["num_layers"])
+        sal = [s.neurons for s in salience(model.state_dict(), self.arch, self.dims, "l2")]  # Eq. 8
+        for p in model.parameters():
+            p.requires_grad_(False)
+        full = apply_lora(model, self.arch, lora)
+        self.spec = proxy_spec(sal, self.dims, o.keep_ratio, layers)
+        self.compressed = [l for j, l in enumerate(self.spec.layers) if not self.spec.is_identity(j, "ffn")]
+        self.proxy = build_proxy(full, self.spec, self.arch)
+        self.proxy_params = named_params(self.proxy, [self.arch.part(self.proxy, l, p)
+                                                      for l in self.compressed for p in ("ffn_in", "ffn_out")])
+        steps = max(o.distill.steps if o.kd in KD_BEFORE else 0, o.align_steps if o.kd in KD_DURING else 0)
+        self.corpus = None
+        if o.kd != "none" and self.compressed:
+            self.corpus = Corpus(self.cfg, o.distill, self.tokenizer, steps, "method.distill.corpus")
+            if o.kd in KD_DURING and o.align_steps > 0:
+                _ = self.corpus.split  # an empty corpus fails now, not at the first alignment
+        self.teacher = full
+        self.kd_before, self.kd_cached = None, False
+        if o.kd in KD_BEFORE and self.compressed and o.distill.steps > 0:
+            self.kd_before, self.kd_cached = self._layer_kd(full)
+        return full
+
+    def make_strategy(self) -> Strategy:
+        widths = {l: len(self.spec.neurons[l]) for l in self.compressed}
+        return FedPFTStrategy(self.cfg.federation, self.opts, list(self.proxy_params), widths)
+
+    def _kd_loss(self, mu: float):
+        s_ffn = ffn_weights(self.proxy, self.arch, self.compressed)
+        t_ffn = ffn_weights(self.teacher, self.arch, self.compressed)
+
+        def loss(s_layers, t_layers, batch):
+            return layer_kd_loss(s_layers, t_layers, batch["attention_mask"], s_ffn, t_ffn, mu)
+        return loss
+
+    def _layer_kd(self, full: nn.Module) -> tuple[DistillLog, bool]:
+        """Eq. 13 on the corpus, or the cached result of the same settings."""
+        d = self.opts.distill
+        inputs = {"kind": "fedpft-layer-kd", "model": cache.weights_fingerprint(full, ("lora_", "classifier")),
+                  "neurons": [list(self.spec.neurons[l]) for l in self.compressed],
+                  "layers": self.compressed, "steps": d.steps, "mu": d.mu, "seed": self.cfg.seed,
+                  **self.corpus.cache_inputs()}
+
+        def run() -> DistillLog:
+            log.info("fedpft: layer-level distillation, %d steps", d.steps)
+            return distill(self.proxy, full, self.arch, self.proxy_params, self.corpus.split, self._kd_loss(d.mu),
+                           steps=d.steps, lr=d.lr, warmup=d.warmup, batch_size=d.batch_size,
+                           seed=self.cfg.seed)
+        return cached_distill(cache.cache_root(d.cache_dir), inputs, self.proxy_params, run)
+
+    # -- state -------------------------------------------------------------------------------
+    def initial_state(self) -> State:
+        state = super().initial_state()
+        state.update({k: p.detach().clone() for k, p in self.proxy_params.items()})
+        return state
+
+    @torch.no_grad()
+    def _load(self, arrays: State) -> dict[str, nn.Parameter]:
+        """Load LoRA + classifier (shared by proxy and full model) and any proxy FFN tensors."""
+        params = self.trainable(self.proxy)
+        for k, t in arrays.items():
+            if k in params:
+                params[k].copy_(t)
+            elif k in self.proxy_params:
+                self.proxy_params[k].copy_(t)
+        return params
+
+    # -- client ------------------------------------------------------------------------------
+    def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
+        return self.proxy, self._load(payload.arrays)
+
+    def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
+        """Local training of the proxy; in alignment rounds, APoZ on the local data first."""
+        report: State = {}
+        apoz_flops, tokens = 0, 0
+        if payload.config.get("report_apoz"):
+            self._load(payload.arrays)
+            with costs.count_flops() as fc:
+                counts, tokens = count_near_zero(self.proxy, self.arch, self.compressed, data,
+                                                 int(payload.config["batch_size"]),
+                                                 float(payload.config["apoz_tau"]))
+            report, apoz_flops = apoz_report(counts, tokens), fc.total
+        reply = super().fit(payload, data, seed)
+        if report:
+            reply.arrays.update(report)
+            m = reply.metrics
+            m["bytes_up"] += costs.tensor_bytes(report)
+            m["params_up"] += costs.num_params(report)
+            m["flops_measured"] += apoz_flops
+            m.update(flops_apoz=apoz_flops, apoz_tokens=tokens)
+        return reply
+
+    # -- server ------------------------------------------------------------------------------
+    def on_round_end(self, server_round: int, state: State,
+                     replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
+        """Neuron-level KD after every ``align_every``-th round (Sec. 3.5)."""
+        if not self.strategy.align_round(server_round):
+            return state, {}
+        reports = [split_report(r.arrays)[1] for r in replies.values()]
+        tokens = [r.metrics.get("apoz_tokens", 0.0) for r in replies.values()]
+        apoz = aggregate_apoz([r for r in reports if r], [t for r, t in zip(reports, tokens) if r])
+        if set(apoz) != set(self.compressed):
+            log.warning("round %d: no APoZ reports, neuron-level distillation skipped", server_round)
+            return state, {"align_skipped": True}
+        gen = torch.Generator().manual_seed(sub_seed(self.cfg.seed, server_round, 1))
+        update = {l: select_neurons(apoz[l], self.opts.align_proportion, gen) for l in self.compressed}
+        self._load(state)
+        lg = self._neuron_kd(update, sub_seed(self.cfg.seed, server_round, 2))
+        new_state = dict(state)
+        new_state.update({k: p.detach().clone() for k, p in self.proxy_params.items()})
+        self.strategy.proxy_changed()
+        n = int(sum(int(m.sum()) for m in update.values()))
+        self.align_logs.append(lg)
+        rec = {"round": server_round, "neurons": n, **lg.summary("align"),
+               "apoz_mean": {l: float(a.mean()) for l, a in apoz.items()}}
+        self.align_records.append(rec)
+        return new_state, {"align_neurons": n, **lg.summary("align")}
+
+    def _neuron_kd(self, update: dict[int, torch.Tensor], seed: int) -> DistillLog:
+        """Re-distil the selected neurons (W1 rows, b1, W2 columns); everything else fixed."""
+        o, d = self.opts, self.opts.distill
+        names = {id(p): n for n, p in self.proxy_params.items()}
+        params, masks = {}, {}
+        for l, m in update.items():
+            lin_in, lin_out = self.arch.part(self.proxy, l, "ffn_in"), self.arch.part(self.proxy, l, "ffn_out")
+            for p, mask in ((lin_in.weight, m[:, None]), (lin_in.bias, m), (lin_out.weight, m[None, :])):
+                if p is not None:
+                    params[names[id(p)]], masks[names[id(p)]] = p, mask.float()
+        return distill(self.proxy, self.teacher, self.arch, params, self.corpus.split, self._kd_loss(o.align_mu),
+                       steps=o.align_steps, lr=o.align_lr or d.lr, warmup=d.warmup,
+                       batch_size=d.batch_size, seed=seed, grad_masks=masks)
+
+    def eval_model(self, state: State) -> nn.Module:
+        """Plug-in: the full model with the trained LoRA + classifier (shared with the proxy)."""
+        self._load(state)
+        return self.model
+
+    def proxy_model(self, state: State) -> nn.Module:
+        self._load(state)
+        return self.proxy
+
+    # -- reporting ---------------------------------------------------------------------------
+    def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],
+                      batch_size: int) -> dict[str, Any]:
+        full_p, proxy_p = transformer_params(self.model, self.arch), transformer_params(self.proxy, self.arch)
+        during = concat_logs(self.align_logs)
+        out = {**sub_accuracy(self.proxy_model(state), data, batch_size),
+               "full_transformer_params": full_p, "proxy_transformer_params": proxy_p,
+               "proxy_param_fraction": proxy_p / full_p, "compressed_layers": self.compressed,
+               "proxy_ffn": [len(n) for n in self.spec.neurons], "kd": self.opts.kd,
+               "kd_before_cached": self.kd_cached, "kd_during_rounds": len(self.align_logs)}
+        if self.kd_before is not None:
+            out.update(self.kd_before.summary("kd_before"))
+        if during is not None:
+            out.update({k: v for k, v in during.summary("kd_during").items()
+                        if not k.endswith(("_start", "_end"))})
+        return out
+
+    def write_artifacts(self, folder: Path) -> None:
+        phases = {"layer-level KD before FL": self.kd_before,
+                  "neuron-level KD during FL": concat_logs(self.align_logs)}
+        write_curves(folder, "fedpft_distill", phases, plot=self.cfg.output.plots,
+                     extra={"cached": self.kd_cached, "compressed_layers": self.compressed,
+                            "kept_neurons": len(self.spec.neurons[self.compressed[0]]) if self.compressed else None,
+                            "alignments": self.align_records})

@@ -1,0 +1,115 @@
+"""FedOT (Offsite-Tuning with FedAvg): layer layout, emulator, adapter training, end to end."""
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from fedslice.config import validate_config
+from fedslice.errors import ConfigError
+from fedslice.fl.engine import Simulation, setup
+from fedslice.methods.fedot import emulator_indices, fedot_layout
+
+
+@pytest.fixture(scope="module")
+def model4_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-bert4"), num_layers=4)
+
+
+@pytest.fixture
+def ot_cfg(tiny_cfg_dict, model4_dir, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("\n".join(f"a plot about {i} actors in a film" for i in range(100)))
+    tiny_cfg_dict["model"]["name"] = str(model4_dir)
+    tiny_cfg_dict["method"] = {"name": "fedot", "distill_emulator": True,
+                               "distill": {"corpus": str(corpus), "steps": 3, "batch_size": 4,
+                                           "max_length": 16, "cache_dir": ""}}
+    return tiny_cfg_dict
+
+
+def test_emulator_indices_uniform_drop():
+    assert emulator_indices(list(range(2, 10)), 3) == [2, 6, 9]  # 8 middle -> 3 (paper, BERT-base)
+    assert emulator_indices(list(range(4)), 3) == [0, 2, 3]  # stride 1.5: round(1.5) = 2
+    assert emulator_indices(list(range(4)), 2) == [0, 3]  # first and last middle layer
+    assert emulator_indices(list(range(6)), 3) == [0, 2, 5]  # round(2.5) = 2 (half to even)
+    assert emulator_indices(list(range(5)), 1) == [2]
+    assert emulator_indices(list(range(3)), 3) == [0, 1, 2]
+
+
+def test_layout_defaults_scale_with_depth():
+    assert fedot_layout(12, None, None, None) == ([0, 1], [2, 6, 9], [10, 11])
+    assert fedot_layout(6, None, None, None) == ([0], [1, 4], [5])  # MiniLM
+    assert fedot_layout(4, None, None, None) == ([0], [1], [3])
+    assert fedot_layout(6, 2, 1, 1) == ([0, 1], [3], [5])
+
+
+@pytest.mark.parametrize("args, field", [((4, 2, 2, None), "method.bottom_layers"),
+                                         ((2, None, None, None), "method.bottom_layers"),
+                                         ((6, 1, 1, 5), "method.emulator_layers"),
+                                         ((6, 0, 0, None), "method.bottom_layers")])
+def test_layout_errors_name_the_field(args, field):
+    with pytest.raises(ConfigError, match=field):
+        fedot_layout(*args)
+
+
+def test_no_emulator_left_fails_at_setup(ot_cfg):
+    ot_cfg["method"].update(bottom_layers=2, top_layers=2)
+    with pytest.raises(ConfigError, match="leave no emulator"):
+        setup(validate_config(ot_cfg))
+
+
+def test_end_to_end_adapter_only_and_emulator_frozen(ot_cfg):
+    cfg = validate_config(ot_cfg)
+    method, data = setup(cfg)
+    arch = method.arch
+    assert (method.bottom, method.emulator, method.top) == ([0], [1], [3])
+    emulator = arch.blocks(method.sub)[1]
+    assert emulator is not arch.blocks(method.model)[1]  # distilled copy, the full model untouched
+    emu_before = {n: p.clone() for n, p in emulator.named_parameters()}
+    mid_before = {n: p.clone() for n, p in arch.blocks(method.model)[2].named_parameters()}
+    sent = []
+    real = method.strategy.configure_train
+    method.strategy.configure_train = lambda r, s, c: sent.append(real(r, s, c)) or sent[-1]
+    state, records, summary = Simulation(cfg, method, data).run()
+    # payloads use the sub-model's names: the top adapter layer 3 is layer 2 of the client model
+    keys = {k for p in sent[0].values() for k in p.arrays}
+    assert any("layer.2." in k for k in keys) and not any("layer.3." in k for k in keys)
+    assert all("lora_" in k or "classifier" in k for k in keys)
+    # the global state uses the full model's names and only the adapter layers 0 and 3 train
+    layers = {int(k.split("layer.")[1].split(".")[0]) for k in state if "lora_" in k}
+    assert layers == {0, 3}
+    for n, p in emulator.named_parameters():
+        assert torch.equal(p, emu_before[n]), n
+    for n, p in arch.blocks(method.model)[2].named_parameters():
+        assert torch.equal(p, mid_before[n]), n
+    assert summary["emulator_distilled"] and summary["kd_before_steps"] == 3
+    assert summary["proxy_transformer_params"] == 3 * summary["full_transformer_params"] // 4
+    assert 0 <= summary["proxy_test_accuracy"] <= 1 and 0 <= summary["test_accuracy"] <= 1
+
+
+def test_full_adapter_tuning_and_lora_rank(ot_cfg):
+    ot_cfg["method"].update(adapter_tuning="full", distill_emulator=False)
+    ot_cfg["federation"]["rounds"] = 1
+    method, data = setup(validate_config(ot_cfg))
+    names = list(method.initial_state())
+    assert {int(n.split("layer.")[1].split(".")[0]) for n in names if "layer." in n} == {0, 3}
+    Simulation(method.cfg, method, data).run()
+    ot_cfg["method"].update(adapter_tuning="lora", lora_r=12)
+    method, _ = setup(validate_config(ot_cfg))
+    a = next(v for k, v in method.initial_state().items() if "lora_A" in k)
+    assert a.shape[0] == 12
+
+
+def test_run_folder_has_distillation_curve(ot_cfg, tmp_path):
+    from fedslice.api import run_experiment
+    ot_cfg["output"].update(plots=True, dir=str(tmp_path / "runs"))
+    ot_cfg["federation"]["rounds"] = 1
+    run = run_experiment(validate_config(ot_cfg))
+    assert (run / "fedot_distill.json").is_file() and (run / "fedot_distill.png").is_file()
+
+
+def test_lora_rank_override_keeps_scaling(ot_cfg):
+    ot_cfg["method"].update(lora_r=12, distill_emulator=False)
+    method, _ = setup(validate_config(ot_cfg))
+    layer = method.arch.part(method.model, 0, "q")
+    assert layer.r["default"] == 12 and layer.scaling["default"] == pytest.approx(8 / 4)

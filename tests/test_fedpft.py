@@ -1,0 +1,342 @@
+"""FedPFT: saliency, proxy construction, KD losses, APoZ, neuron-level KD, plug-in, end to end."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from fedslice.config import validate_config
+from fedslice.distill.apoz import (aggregate_apoz, apoz_report, near_zero_counts, select_neurons,
+                                   split_report)
+from fedslice.distill.losses import hidden_loss, layer_kd_loss, weight_loss
+from fedslice.errors import ConfigError
+from fedslice.fl.engine import Simulation, setup
+from fedslice.fl.strategy import Reply
+from fedslice.methods.fedpft import compressed_layers, proxy_spec, top_neurons
+from fedslice.models.arch import arch_for
+from fedslice.slicing.salience import salience
+
+FFN = 64  # the tiny model's FFN width (hidden 32)
+
+
+@pytest.fixture(scope="module")
+def model4_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-bert4"), num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    lines = [f"the film number {i} tells a story of {i % 7} friends and a plot" for i in range(200)]
+    path.write_text("\n\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def pft_cfg(tiny_cfg_dict, model4_dir, corpus_file, tmp_path):
+    tiny_cfg_dict["model"]["name"] = str(model4_dir)
+    tiny_cfg_dict["lora"]["targets"] = ["q", "k", "v", "o"]
+    tiny_cfg_dict["method"] = {
+        "name": "fedpft", "keep_ratio": 0.25, "align_every": 1, "align_steps": 2,
+        "distill": {"corpus": str(corpus_file), "steps": 3, "batch_size": 4, "max_length": 16,
+                    "cache_dir": str(tmp_path / "cache")}}
+    return tiny_cfg_dict
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 1000, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _logits(model):
+    model.eval()
+    with torch.no_grad():
+        return model(**_batch()).logits
+
+
+# -- sub-FM construction ----------------------------------------------------------------------
+
+def test_saliency_on_hand_built_ffn(tiny_model_dir):
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir)
+    arch, dims = arch_for(model), arch_for(model).dims(model.config)
+    w_in = torch.zeros(FFN, 32)  # (F, d): row j = W1's neuron j
+    w_out = torch.zeros(32, FFN)  # (d, F): column j = W2's neuron j
+    w_in[3, :2] = torch.tensor([3.0, 4.0])  # |row| = 5
+    w_out[:, 3] = 0.0
+    w_in[10, 0], w_out[0, 10] = 1.0, 2.0  # sqrt(1 + 4)
+    w_out[5:7, 20] = torch.tensor([6.0, 8.0])  # |column| = 10
+    with torch.no_grad():
+        arch.part(model, 0, "ffn_in").weight.copy_(w_in)
+        arch.part(model, 0, "ffn_out").weight.copy_(w_out)
+    sal = salience(model.state_dict(), arch, dims, "l2")[0].neurons
+    expected = torch.zeros(FFN)
+    expected[3], expected[10], expected[20] = 5.0, 5.0 ** 0.5, 10.0
+    torch.testing.assert_close(sal, expected)
+    assert top_neurons(sal, 2) == (3, 20)  # the top 2, in their original order
+    spec = proxy_spec([sal, sal], dims, 3 / FFN, [0])
+    assert spec.neurons[0] == (3, 10, 20) and spec.neurons[1] == tuple(range(FFN))
+
+
+def test_compressed_layers_and_whole_layer_errors():
+    assert compressed_layers([0, -1], 6) == [1, 2, 3, 4]
+    assert compressed_layers([], 3) == [0, 1, 2]
+    for bad in ([6], [-7]):
+        with pytest.raises(ConfigError, match="method.whole_layers"):
+            compressed_layers(bad, 6)
+
+
+@pytest.mark.parametrize("ratio, msg", [(0, "keep_ratio"), (1.5, "keep_ratio"), (-0.1, "keep_ratio")])
+def test_bad_keep_ratio_names_field(pft_cfg, ratio, msg):
+    pft_cfg["method"]["keep_ratio"] = ratio
+    with pytest.raises(ConfigError, match=f"method.fedpft.{msg}"):
+        validate_config(pft_cfg)
+
+
+def test_out_of_range_whole_layer(pft_cfg):
+    pft_cfg["method"]["whole_layers"] = [0, 4]
+    with pytest.raises(ConfigError, match="method.whole_layers: layer 4 is out of range"):
+        setup(validate_config(pft_cfg))
+
+
+def test_empty_corpus_and_client_data_corpus(pft_cfg, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n\n")
+    pft_cfg["method"]["distill"]["corpus"] = str(empty)
+    with pytest.raises(ConfigError, match="method.distill.corpus.*empty"):
+        setup(validate_config(pft_cfg))
+    pft_cfg["method"]["distill"]["corpus"] = pft_cfg["data"]["path"]
+    with pytest.raises(ConfigError, match="method.distill.corpus.*clients' data"):
+        setup(validate_config(pft_cfg))
+    pft_cfg["method"]["distill"]["corpus"] = str(tmp_path / "missing.txt")
+    with pytest.raises(ConfigError, match="method.distill.corpus.*does not exist"):
+        setup(validate_config(pft_cfg))
+
+
+def test_keep_ratio_one_proxy_equals_full_model(pft_cfg):
+    pft_cfg["method"]["keep_ratio"] = 1.0
+    method, _ = setup(validate_config(pft_cfg))
+    assert method.compressed == [] and method.kd_before is None
+    torch.testing.assert_close(_logits(method.proxy), _logits(method.model), rtol=0, atol=0)
+
+
+def test_proxy_widths_and_sharing(pft_cfg):
+    pft_cfg["method"]["kd"] = "none"
+    method, _ = setup(validate_config(pft_cfg))
+    arch = method.arch
+    assert method.compressed == [1, 2]
+    widths = [arch.part(method.proxy, l, "ffn_in").weight.shape[0] for l in range(4)]
+    assert widths == [FFN, FFN // 4, FFN // 4, FFN]
+    # attention (and its LoRA) and the whole layers are the full model's own modules
+    assert arch.part(method.proxy, 1, "q") is arch.part(method.model, 1, "q")
+    assert arch.part(method.proxy, 0, "ffn_in") is arch.part(method.model, 0, "ffn_in")
+    # the compressed b2 is a copy: distilling it never touches the full model
+    assert arch.part(method.proxy, 1, "ffn_out").bias is not arch.part(method.model, 1, "ffn_out").bias
+
+
+# -- losses -----------------------------------------------------------------------------------
+
+def test_kd_loss_has_gradients_for_both_terms():
+    torch.manual_seed(0)
+    t_in, t_out = torch.randn(8, 4), torch.randn(4, 8)  # teacher FFN: F=8, d=4
+    s_in = t_in[:3].clone().requires_grad_(True)  # 3 kept neurons
+    s_out = t_out[:, :3].clone().requires_grad_(True)
+    teacher_h = [torch.randn(2, 5, 4) for _ in range(2)]
+    student_h = [h + 0.1 * torch.randn_like(h) for h in teacher_h]
+    student_h = [h.requires_grad_(True) for h in student_h]
+    mask = torch.ones(2, 5)
+    total, parts = layer_kd_loss(student_h, teacher_h, mask, {1: (s_in, s_out)}, {1: (t_in, t_out)}, mu=0.5)
+    assert parts["hidden"] > 0 and parts["weight"] > 0
+    total.backward()
+    assert all(h.grad is not None and h.grad.abs().sum() > 0 for h in student_h)  # output term
+    assert s_in.grad.abs().sum() > 0 and s_out.grad.abs().sum() > 0  # weight term
+    # the weight term alone moves W1'W2' towards W1W2 (a real gradient, not built from .data)
+    s_in.grad = s_out.grad = None
+    wl = weight_loss((s_in, s_out), (t_in, t_out))
+    wl.backward()
+    with torch.no_grad():
+        after = weight_loss((s_in - 0.01 * s_in.grad, s_out - 0.01 * s_out.grad), (t_in, t_out))
+    assert after < wl
+
+
+def test_hidden_loss_ignores_padding():
+    t = torch.randn(2, 4, 3)
+    s = t.clone()
+    s[1, 3] += 100.0  # a padding position
+    mask = torch.ones(2, 4)
+    mask[1, 3] = 0
+    assert float(hidden_loss(s, t, mask)) == 0.0
+
+
+# -- APoZ -------------------------------------------------------------------------------------
+
+def test_apoz_with_tau_on_known_activations():
+    act = torch.tensor([[[0.0, 0.03, -0.2, 1.0],
+                         [0.0, -0.04, 0.01, 2.0],
+                         [5.0, 5.0, 5.0, 5.0]]])  # (B=1, T=3, F=4); the last token is padding
+    mask = torch.tensor([[1, 1, 0]])
+    assert near_zero_counts(act, mask, 0.05).tolist() == [2.0, 2.0, 1.0, 0.0]
+    assert near_zero_counts(act, mask, 0.0).tolist() == [2.0, 0.0, 0.0, 0.0]  # Eq. 14 exact zeros
+    rep = apoz_report({1: near_zero_counts(act, mask, 0.05)}, tokens=2)
+    model, apoz = split_report({**rep, "w": torch.ones(1)})
+    assert list(model) == ["w"] and apoz[1].tolist() == [1.0, 1.0, 0.5, 0.0]
+    pooled = aggregate_apoz([{1: torch.tensor([1.0, 0.0])}, {1: torch.tensor([0.0, 0.0])}], [3, 1])
+    assert pooled[1].tolist() == [0.75, 0.0]
+
+
+def test_select_neurons_highest_apoz_and_seeded_ties():
+    apoz = torch.tensor([0.9, 0.1, 0.5, 0.5, 0.5, 0.5, 0.0, 0.2])
+    picks = set()
+    for seed in range(20):
+        mask = select_neurons(apoz, 0.25, torch.Generator().manual_seed(seed))  # 2 of 8
+        assert mask.sum() == 2 and mask[0]
+        chosen = int(torch.nonzero(mask)[1]) if int(torch.nonzero(mask)[0]) == 0 else int(torch.nonzero(mask)[0])
+        assert chosen in (2, 3, 4, 5)
+        picks.add(chosen)
+        again = select_neurons(apoz, 0.25, torch.Generator().manual_seed(seed))
+        assert torch.equal(mask, again)
+    assert len(picks) > 1  # ties are not broken by index order
+
+
+# -- FL ---------------------------------------------------------------------------------------
+
+def _run(cfg_dict, capture=None):
+    cfg = validate_config(cfg_dict)
+    method, data = setup(cfg)
+    if capture is not None:
+        real = method.strategy.configure_train
+
+        def configure(rnd, state, clients):
+            payloads = real(rnd, state, clients)
+            capture.append((rnd, payloads))
+            return payloads
+        method.strategy.configure_train = configure
+    state, records, summary = Simulation(cfg, method, data).run()
+    return method, state, records, summary
+
+
+def test_end_to_end_clients_never_get_the_full_ffn(pft_cfg):
+    sent = []
+    method, state, records, summary = _run(pft_cfg, sent)
+    for rnd, payloads in sent:
+        for payload in payloads.values():
+            for key, t in payload.arrays.items():
+                assert FFN not in t.shape, f"round {rnd}: {key} {tuple(t.shape)} has the full FFN width"
+    first = [k for k in sent[0][1][min(sent[0][1])].arrays if "intermediate" in k]
+    assert len(first) == 4  # W1 and b1 of the two compressed layers, at first participation
+    # the client's model is the proxy: compressed widths in layers 1, 2
+    assert summary["proxy_ffn"] == [FFN, FFN // 4, FFN // 4, FFN]
+    assert summary["proxy_transformer_params"] < summary["full_transformer_params"]
+    assert 0 <= summary["proxy_test_accuracy"] <= 1 and 0 <= summary["test_accuracy"] <= 1
+    assert summary["kd_before_steps"] == 3 and summary["kd_during_rounds"] == 1  # not after round 2
+    assert records[0]["align_neurons"] == 2 * 8  # p = 0.5 of 16 neurons in 2 layers
+    assert "align_neurons" not in records[1]
+    apoz_replies = [m for m in records[0]["client_metrics"]]
+    assert all(m["apoz_tokens"] > 0 for m in apoz_replies)
+
+
+def test_neuron_kd_changes_only_selected_neurons(pft_cfg):
+    method, _ = setup(validate_config(pft_cfg))
+    state = method.initial_state()
+    before = {k: v.clone() for k, v in state.items()}
+    apoz = {l: torch.linspace(0, 1, FFN // 4) for l in method.compressed}  # the last half is selected
+    arrays = {f"apoz.{l}": a for l, a in apoz.items()}
+    replies = {0: Reply(arrays, 10, {"apoz_tokens": 100.0})}
+    new, metrics = method.on_round_end(1, state, replies)
+    assert metrics["align_neurons"] == 16 and method.strategy.version == 1
+    arch = method.arch
+    for l in method.compressed:
+        w_in = next(k for k in state if f"layer.{l}.intermediate.dense.weight" in k)
+        w_out = next(k for k in state if f"layer.{l}.output.dense.weight" in k)
+        b_out = next(k for k in state if f"layer.{l}.output.dense.bias" in k)
+        half = FFN // 8
+        assert torch.equal(new[w_in][:half], before[w_in][:half])  # low APoZ: kept fixed
+        assert not torch.equal(new[w_in][half:], before[w_in][half:])
+        assert torch.equal(new[w_out][:, :half], before[w_out][:, :half])
+        assert torch.equal(new[b_out], before[b_out])
+        assert arch.part(method.proxy, l, "ffn_in").weight.shape == (FFN // 4, 32)
+    for k in state:  # LoRA and classifier untouched by the server's distillation
+        if "lora_" in k or "classifier" in k:
+            assert torch.equal(new[k], before[k])
+
+
+def test_stale_clients_get_the_proxy_ffn_again(pft_cfg):
+    method, _ = setup(validate_config(pft_cfg))
+    s, state = method.strategy, method.initial_state()
+    has_ffn = lambda p: any("intermediate" in k for k in p.arrays)  # noqa: E731
+    assert has_ffn(s.payload_for(1, state, 0, {})) and not has_ffn(s.payload_for(2, state, 0, {}))
+    s.proxy_changed()
+    assert has_ffn(s.payload_for(3, state, 0, {})) and has_ffn(s.payload_for(3, state, 1, {}))
+
+
+def test_cache_skips_layer_kd(pft_cfg):
+    pft_cfg["method"]["kd"] = "before"
+    m1, _ = setup(validate_config(pft_cfg))
+    m2, _ = setup(validate_config(pft_cfg))
+    assert not m1.kd_cached and m2.kd_cached
+    for k, p in m1.proxy_params.items():
+        assert torch.equal(p, m2.proxy_params[k])
+    assert m2.kd_before.losses == m1.kd_before.losses
+    pft_cfg["method"]["distill"]["mu"] = 0.3  # another setting: another entry
+    m3, _ = setup(validate_config(pft_cfg))
+    assert not m3.kd_cached
+
+
+def _merged_by_hand(model_dir, state, num_labels=2):
+    """The full HF model with each LoRA pair merged into its layer's weight by hand (no peft)."""
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, a in state.items():
+            if "lora_A" not in key:
+                continue
+            b = state[key.replace("lora_A", "lora_B")]
+            name = key.replace("base_model.model.", "").replace(".lora_A.default", "")
+            params[name].add_(b @ a, alpha=2.0)  # alpha / r = 8 / 4
+        for key, t in state.items():
+            if "classifier" in key:
+                params[key.replace("base_model.model.", "")].copy_(t)
+    return model
+
+
+@pytest.mark.parametrize("method_name", ["fedpft", "fedot"])
+def test_plug_in_matches_hand_built_model(pft_cfg, model4_dir, method_name):
+    pft_cfg["lora"]["targets"] = ["q", "v"]
+    if method_name == "fedot":
+        pft_cfg["method"] = {"name": "fedot"}
+    method, _ = setup(validate_config(pft_cfg))
+    state = method.initial_state()
+    g = torch.Generator().manual_seed(3)
+    state = {k: (torch.randn(v.shape, generator=g) * 0.1 if ("lora_" in k or "classifier" in k) else v)
+             for k, v in state.items()}
+    layers = sorted({int(k.split("layer.")[1].split(".")[0]) for k in state if "lora_" in k})
+    assert layers == ([0, 1, 2, 3] if method_name == "fedpft" else [0, 3])
+    hand = _merged_by_hand(model4_dir, state)
+    torch.testing.assert_close(_logits(method.eval_model(state)), _logits(hand), atol=1e-5, rtol=1e-5)
+
+
+def test_ablations_run(pft_cfg):
+    pft_cfg["federation"]["rounds"] = 2
+    for kd in ("none", "during"):
+        pft_cfg["method"]["kd"] = kd
+        method, _, records, summary = _run(copy.deepcopy(pft_cfg))
+        assert method.kd_before is None and summary["kd"] == kd
+        assert ("align_neurons" in records[0]) == (kd == "during")
+
+
+def test_run_folder_has_loss_curves(pft_cfg, tmp_path):
+    import json
+
+    from fedslice.api import run_experiment
+    pft_cfg["output"].update(plots=True, dir=str(tmp_path / "runs"))
+    run = run_experiment(validate_config(pft_cfg))
+    curves = json.loads((run / "fedpft_distill.json").read_text())
+    assert set(curves["phases"]) == {"layer-level KD before FL", "neuron-level KD during FL"}
+    assert len(curves["phases"]["layer-level KD before FL"]["losses"]) == 3
+    assert curves["alignments"][0]["round"] == 1
+    assert (run / "fedpft_distill.png").is_file()
