@@ -433,3 +433,19 @@ def test_sigterm_unwinds_like_ctrl_c():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@needs_flower
+def test_unreachable_superlink_is_a_quick_clear_error(tmp_path):
+    """`flwr` exits with 0 and `"success": false` when the SuperLink cannot be reached: reported
+    as a DeploymentError within seconds, not a hang."""
+    from fedslice.flower.local import LocalFederation, free_ports
+
+    fed = LocalFederation(tmp_path / "work", nodes=1)
+    fed.port = free_ports(1)[0]  # nothing listens there
+    fed.home.mkdir(parents=True)
+    fed._write_connection()
+    t0 = time.monotonic()
+    with pytest.raises(DeploymentError, match="Connection to the SuperLink is unavailable"):
+        fed.status(1)
+    assert time.monotonic() - t0 < 60
