@@ -421,3 +421,42 @@ def test_deploy_rejects_a_node_count_other_than_num_clients(tiny_cfg_dict, tmp_p
     assert main(["deploy", "local", str(path), "--nodes", "2"]) == 2
     err = capsys.readouterr().err
     assert "--nodes 2 but federation.num_clients=4" in err and "--set federation.num_clients=2" in err
+
+
+@needs_flower
+def test_processes_are_stopped_when_the_caller_is_interrupted(tmp_path, started):
+    """Ctrl-C (or an error) inside the federation's block stops the SuperLink and SuperNodes."""
+    from fedslice.flower.local import LocalFederation
+
+    with pytest.raises(KeyboardInterrupt):
+        with LocalFederation(tmp_path / "work", nodes=1):
+            assert len(started) == 2 and all(p.alive() for p in started)
+            raise KeyboardInterrupt
+    assert not any(p.alive() for p in started)  # the fixture also checks their descendants
+
+
+def test_sigterm_unwinds_like_ctrl_c():
+    from fedslice.flower.deploy import _terminate_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with _terminate_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@needs_flower
+def test_unreachable_superlink_is_a_quick_clear_error(tmp_path):
+    """`flwr` exits with 0 and `"success": false` when the SuperLink cannot be reached: reported
+    as a DeploymentError within seconds, not a hang."""
+    from fedslice.flower.local import LocalFederation, free_ports
+
+    fed = LocalFederation(tmp_path / "work", nodes=1)
+    fed.port = free_ports(1)[0]  # nothing listens there
+    fed.home.mkdir(parents=True)
+    fed._write_connection()
+    t0 = time.monotonic()
+    with pytest.raises(DeploymentError, match="Connection to the SuperLink is unavailable"):
+        fed.status(1)
+    assert time.monotonic() - t0 < 60

@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
+import signal
 import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 from fedslice.errors import ConfigError
@@ -102,7 +105,8 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
         "out-dir": str(Path(out_dir or cfg.output.dir).absolute()), "result-file": str(result_file),
         "round-timeout": float(round_timeout), "connect-timeout": float(connect_timeout)})
     limit = timeout or connect_timeout + cfg.federation.rounds * round_timeout + 600.0
-    with LocalFederation(work, n, tls=tls, auth=auth, simulation=simulation) as fed:
+    with _terminate_as_interrupt(), LocalFederation(work, n, tls=tls, auth=auth,
+                                                    simulation=simulation) as fed:
         run_id = fed.submit(write_app(work / "app"), run_config)
         log.info("submitted run %d to %s", run_id, fed.address)
         try:
@@ -117,6 +121,24 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
     if tmp:
         shutil.rmtree(work, ignore_errors=True)
     return run_dir
+
+
+@contextmanager
+def _terminate_as_interrupt():
+    """While deploying, SIGTERM (``kill PID``) unwinds like Ctrl-C, so that every process we
+    started is stopped; Python's default for SIGTERM would exit without any cleanup."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_ray() -> None:
