@@ -13,7 +13,7 @@ target dev accuracy, measured/analytic training FLOPs, the importance pass's FLO
 Table 6 OPs, and bytes up/down per client per round. Writes run folders, ``results.md``,
 ``table1.png`` (accuracy curves) and ``sweep.png`` under ``--out``.
 
-The CPU is slow and shared: ``--budget-min`` caps the total wall time. A one-round pilot of the
+The CPU is slow and shared: ``--budget-min`` caps the total wall time. A two-round pilot of the
 dense run measures the time per round and the number of rounds is lowered to fit the budget
 (never raised above ``--rounds``)::
 
@@ -81,13 +81,19 @@ def planned_runs(args) -> list[tuple[str, dict, str]]:
     return runs
 
 
-def pilot_round_s(args) -> float:
-    """Seconds of one round of the dense run (1 round, evaluation included)."""
-    cfg = validate_config(config("pilot", VARIANTS["B1-dense"], "random", args, 1))
-    method, data = setup(cfg)
+def pilot(args) -> tuple[float, float]:
+    """(seconds per round, fixed seconds per run) of the dense run, from a 2-round pilot: the
+    per-run part is a second (cached) setup plus the final test evaluation."""
+    cfg = validate_config(config("pilot", VARIANTS["B1-dense"], "random", args, 2))
+    setup(cfg)  # tokenizes the data once per process (cached for the runs)
     t0 = time.perf_counter()
-    Simulation(cfg, method, data).run()
-    return time.perf_counter() - t0
+    method, data = setup(cfg)
+    t_setup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _, records, _ = Simulation(cfg, method, data).run()
+    wall = time.perf_counter() - t0
+    per_round = records[1]["elapsed_s"] - records[0]["elapsed_s"]
+    return per_round, t_setup + wall - records[-1]["elapsed_s"]
 
 
 def client_totals(run: Path) -> dict[str, float]:
@@ -190,9 +196,11 @@ def main() -> None:
     runs = [r for r in planned_runs(args) if not args.only or r[0] in args.only]
     rounds = args.rounds
     if args.budget_min:
-        per_round = pilot_round_s(args)
-        rounds = max(1, min(rounds, math.floor(args.budget_min * 60 / (len(runs) * per_round * 1.1))))
-        print(f"pilot: {per_round:.1f} s/round -> {rounds} rounds x {len(runs)} runs", flush=True)
+        per_round, per_run = pilot(args)
+        left = args.budget_min * 60 / len(runs) - per_run
+        rounds = max(1, min(rounds, math.floor(left / (per_round * 1.1))))
+        print(f"pilot: {per_round:.1f} s/round + {per_run:.0f} s/run -> {rounds} rounds x "
+              f"{len(runs)} runs", flush=True)
     header = [f"Command: `python bench/heads_sst2.py {' '.join(sys.argv[1:])}` ({rounds} rounds)  ",
               f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch "
               f"{torch.__version__}; date {time.strftime('%Y-%m-%d')}", ""]

@@ -48,7 +48,6 @@ def test_upload_holds_only_kept_heads_and_headless_layer_is_skipped(heads_setup)
     q_b = next(k for k in names if f"{arch.part_name(0, 'q')}.lora_B" in k)
     o_a = next(k for k in names if f"{arch.part_name(0, 'o')}.lora_A" in k)
     assert reply.arrays[q_b].shape[0] == 2 * hd and reply.arrays[o_a].shape[1] == 2 * hd
-    torch.testing.assert_close(reply.arrays[q_b], reply.arrays[q_b])  # trained slice present
     full_qb = state[q_b]
     assert not torch.equal(reply.arrays[q_b], full_qb[[*range(0, hd), *range(2 * hd, 3 * hd)]])
     dense = sum(t.numel() * t.element_size() for t in state.values())
@@ -121,7 +120,7 @@ def test_model_without_separable_heads_is_a_model_error(heads_setup):
         method._check_heads()
 
 
-def test_two_round_heads_run_with_loss_gap_selection(tiny_cfg_dict):
+def test_heads_run_end_to_end_with_loss_gap_selection(tiny_cfg_dict):
     from fedslice.api import run_experiment
     tiny_cfg_dict["federation"].update(rounds=3, selection="loss_gap")
     tiny_cfg_dict["output"]["plots"] = True
