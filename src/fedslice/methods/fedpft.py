@@ -270,23 +270,21 @@ class FedPFT(Method):
 
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of the proxy; in alignment rounds, APoZ on the local data first."""
-        report: State = {}
-        apoz_flops, tokens = 0, 0
+        count = None
         if payload.config.get("report_apoz"):
             self._load(payload.arrays)
-            with costs.count_flops() as fc:
-                counts, tokens = count_near_zero(self.proxy, self.arch, self.compressed, data,
-                                                 int(payload.config["batch_size"]),
-                                                 float(payload.config["apoz_tau"]))
-            report, apoz_flops = apoz_report(counts, tokens), fc.total
+            count = count_near_zero(self.proxy, self.arch, self.compressed, data,
+                                    int(payload.config["batch_size"]), float(payload.config["apoz_tau"]),
+                                    self.opts.apoz_max_examples, seed)
         reply = super().fit(payload, data, seed)
-        if report:
+        if count is not None:
+            report = apoz_report(count.counts, count.tokens)
             reply.arrays.update(report)
             m = reply.metrics
             m["bytes_up"] += costs.tensor_bytes(report)
             m["params_up"] += costs.num_params(report)
-            m["flops_measured"] += apoz_flops
-            m.update(flops_apoz=apoz_flops, apoz_tokens=tokens)
+            m["flops_measured"] += count.flops
+            m.update(flops_apoz=count.flops, apoz_tokens=count.tokens)
         return reply
 
     # -- server ------------------------------------------------------------------------------
