@@ -53,6 +53,7 @@ def method_section(method: str, args) -> dict:
     return {"name": "fedpft", "kd": KD[method], "keep_ratio": args.keep_ratio,
             "whole_layers": args.whole_layers, "align_every": args.align_every,
             "align_proportion": 0.5, "align_steps": args.align_steps,
+            "apoz_max_examples": args.apoz_examples,
             "distill": distill_section(args)}
 
 
@@ -87,7 +88,7 @@ def row(method: str, s: dict) -> str:
     return (f"| {METHODS[method]} | {s['test_accuracy']:.4f} | "
             f"{'—' if proxy is None else f'{proxy:.4f}'} | {frac} | "
             f"{s['trainable_params_mean']:.0f} | "
-            f"{kd_f / 1e12:.2f} TFLOP, {kd_t / 60:.1f} min{cached} | "
+            f"{kd_f / 1e12:.2f} TFLOP, {kd_t:.0f} s{cached} | "
             f"{_mb(s['bytes_down_mean'])} / {_mb(s['bytes_up_mean'])} | "
             f"{s['flops_measured_mean'] / 1e9:.0f} | {s['wall_time_s'] / 60:.1f} |")
 
@@ -118,6 +119,7 @@ def main() -> None:
     p.add_argument("--mu", type=float, default=1.0)
     p.add_argument("--align-every", type=int, default=5)
     p.add_argument("--align-steps", type=int, default=20)
+    p.add_argument("--apoz-examples", type=int, default=256, help="Local examples per APoZ report.")
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--dev-examples", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)

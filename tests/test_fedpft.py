@@ -340,3 +340,30 @@ def test_run_folder_has_loss_curves(pft_cfg, tmp_path):
     assert len(curves["phases"]["layer-level KD before FL"]["losses"]) == 3
     assert curves["alignments"][0]["round"] == 1
     assert (run / "fedpft_distill.png").is_file()
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "distilbert"])
+def test_other_architectures(pft_cfg, tmp_path, model_type):
+    pft_cfg["model"]["name"] = str(save_tiny_model(tmp_path / model_type, model_type, num_layers=3))
+    pft_cfg["method"].update(keep_ratio=0.5)
+    pft_cfg["federation"]["rounds"] = 2
+    method, state, records, summary = _run(pft_cfg)
+    assert summary["proxy_ffn"] == [FFN, FFN // 2, FFN]
+    assert records[0]["align_neurons"] == FFN // 4
+    assert summary["kd_before_loss_end"] < summary["kd_before_loss_start"]
+
+
+def test_count_near_zero_on_the_proxy(pft_cfg):
+    from fedslice.distill.apoz import count_near_zero
+    pft_cfg["method"]["kd"] = "none"
+    method, data = setup(validate_config(pft_cfg))
+    part = data.client(0)
+    full = count_near_zero(method.proxy, method.arch, method.compressed, part, 8, tau=10.0)
+    assert full.tokens == int(part.lengths.sum()) and full.flops > 0
+    for l in method.compressed:  # tau above every |activation|: every real token counts
+        assert full.counts[l].tolist() == [float(full.tokens)] * (FFN // 4)
+    few = count_near_zero(method.proxy, method.arch, method.compressed, part, 8, tau=0.05,
+                          max_examples=5, seed=1)
+    assert 0 < few.tokens < full.tokens and all(few.counts[l].max() <= few.tokens for l in few.counts)
+    for l in method.compressed:  # the temporary hooks are gone
+        assert not method.arch.part(method.proxy, l, "ffn_out")._forward_pre_hooks

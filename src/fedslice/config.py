@@ -279,6 +279,8 @@ class FedPFTMethod(_Section):
                             "public code uses hidden states only).")
     apoz_tau: float = Field(0.05, ge=0, description="A GELU activation counts as zero when "
                             "|a| < tau (Eq. 14 counts exact zeros, which GELU almost never gives).")
+    apoz_max_examples: int | None = Field(None, gt=0, description="APoZ on a seeded sample of "
+                                          "this many local examples (default: all, as the paper).")
 
     @field_validator("keep_ratio", "align_proportion")
     @classmethod

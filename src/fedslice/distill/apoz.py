@@ -16,11 +16,13 @@ downstream data) for re-distillation; the most active neurons stay fixed.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from fedslice.data.batching import TokenizedSplit, iter_batches
+from fedslice.fl.costs import count_flops
 from fedslice.models.arch import ArchSpec
 
 #: Reply keys of APoZ reports: ``apoz.<layer>`` -> (F'_l,) fractions.
@@ -35,11 +37,22 @@ def near_zero_counts(act: torch.Tensor, mask: torch.Tensor, tau: float) -> torch
     return (zero & mask.bool().unsqueeze(-1)).sum(dim=(0, 1)).float()
 
 
+@dataclass
+class ApozCount:
+    counts: dict[int, torch.Tensor]  # layer -> (F_l,) near-zero token counts
+    tokens: int  # real tokens counted
+    flops: float  # forward FLOPs: FlopCounterMode on the first batch, scaled by padded tokens
+
+
 @torch.no_grad()
 def count_near_zero(model: nn.Module, arch: ArchSpec, layers: Sequence[int], data: TokenizedSplit,
-                    batch_size: int, tau: float) -> tuple[dict[int, torch.Tensor], int]:
+                    batch_size: int, tau: float, max_examples: int | None = None,
+                    seed: int = 0) -> ApozCount:
     """Near-zero counts of the FFN activations (the input of ``ffn_out``) in ``layers`` of
-    ``model`` over ``data``; returns (layer -> (F_l,) counts, number of real tokens)."""
+    ``model`` over ``data`` (or a seeded sample of ``max_examples`` of it)."""
+    rows = torch.arange(len(data))
+    if max_examples is not None and max_examples < len(data):
+        rows = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:max_examples]
     counts: dict[int, torch.Tensor] = {}
     current: dict[str, torch.Tensor] = {}
 
@@ -52,18 +65,23 @@ def count_near_zero(model: nn.Module, arch: ArchSpec, layers: Sequence[int], dat
     handles = [arch.part(model, l, "ffn_out").register_forward_pre_hook(hook_for(l)) for l in layers]
     was_training = model.training
     model.eval()
-    tokens = 0
+    tokens = padded = 0
+    per_token = 0.0
     try:
-        for batch in iter_batches(data, range(len(data)), batch_size, shuffle=False, generator=None):
+        for i, batch in enumerate(iter_batches(data, rows, batch_size, shuffle=False, generator=None)):
             batch.pop("labels", None)
             current["mask"] = batch["attention_mask"]
-            model(**batch)
+            with count_flops(enabled=i == 0) as fc:
+                model(**batch)
+            if i == 0:
+                per_token = fc.total / batch["input_ids"].numel()
             tokens += int(batch["attention_mask"].sum())
+            padded += batch["input_ids"].numel()
     finally:
         for h in handles:
             h.remove()
         model.train(was_training)
-    return counts, tokens
+    return ApozCount(counts, tokens, per_token * padded)
 
 
 def apoz_report(counts: Mapping[int, torch.Tensor], tokens: int) -> dict[str, torch.Tensor]:

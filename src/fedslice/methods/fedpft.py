@@ -194,31 +194,40 @@ class FedPFT(Method):
     # -- construction ----------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """LoRA on attention of the full model, then the proxy and its layer-level KD."""
-        o, lora = self.opts, self.cfg.lora
-        if lora.target_modules is not None or set(lora.targets) - {"q", "k", "v", "o"}:
-            raise ConfigError("lora.targets: fedpft trains LoRA on attention only (q, k, v, o); "
-                              f"got {lora.target_modules or lora.targets}")
+        o = self.opts
+        self._check_lora_targets()
         layers = compressed_layers(o.whole_layers, self.dims["num_layers"])
         sal = [s.neurons for s in salience(model.state_dict(), self.arch, self.dims, "l2")]  # Eq. 8
         for p in model.parameters():
             p.requires_grad_(False)
-        full = apply_lora(model, self.arch, lora)
+        full = self.teacher = apply_lora(model, self.arch, self.cfg.lora)
         self.spec = proxy_spec(sal, self.dims, o.keep_ratio, layers)
         self.compressed = [l for j, l in enumerate(self.spec.layers) if not self.spec.is_identity(j, "ffn")]
         self.proxy = build_proxy(full, self.spec, self.arch)
-        self.proxy_params = named_params(self.proxy, [self.arch.part(self.proxy, l, p)
-                                                      for l in self.compressed for p in ("ffn_in", "ffn_out")])
-        steps = max(o.distill.steps if o.kd in KD_BEFORE else 0, o.align_steps if o.kd in KD_DURING else 0)
-        self.corpus = None
-        if o.kd != "none" and self.compressed:
-            self.corpus = Corpus(self.cfg, o.distill, self.tokenizer, steps, "method.distill.corpus")
-            if o.kd in KD_DURING and o.align_steps > 0:
-                _ = self.corpus.split  # an empty corpus fails now, not at the first alignment
-        self.teacher = full
+        ffns = [self.arch.part(self.proxy, l, p) for l in self.compressed for p in ("ffn_in", "ffn_out")]
+        self.proxy_params = named_params(self.proxy, ffns)
+        self.corpus = self._corpus()
         self.kd_before, self.kd_cached = None, False
         if o.kd in KD_BEFORE and self.compressed and o.distill.steps > 0:
             self.kd_before, self.kd_cached = self._layer_kd(full)
         return full
+
+    def _check_lora_targets(self) -> None:
+        lora = self.cfg.lora
+        if lora.target_modules is not None or set(lora.targets) - {"q", "k", "v", "o"}:
+            raise ConfigError("lora.targets: fedpft trains LoRA on attention only (q, k, v, o); "
+                              f"got {lora.target_modules or lora.targets}")
+
+    def _corpus(self) -> Corpus | None:
+        """The distillation corpus (checked now; an empty one fails before FL starts)."""
+        o = self.opts
+        if o.kd == "none" or not self.compressed:
+            return None
+        steps = max(o.distill.steps if o.kd in KD_BEFORE else 0, o.align_steps if o.kd in KD_DURING else 0)
+        corpus = Corpus(self.cfg, o.distill, self.tokenizer, steps, "method.distill.corpus")
+        if o.kd in KD_DURING and o.align_steps > 0:
+            _ = corpus.split  # packed now, not at the first alignment
+        return corpus
 
     def make_strategy(self) -> Strategy:
         widths = {l: len(self.spec.neurons[l]) for l in self.compressed}
@@ -270,23 +279,21 @@ class FedPFT(Method):
 
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of the proxy; in alignment rounds, APoZ on the local data first."""
-        report: State = {}
-        apoz_flops, tokens = 0, 0
+        count = None
         if payload.config.get("report_apoz"):
             self._load(payload.arrays)
-            with costs.count_flops() as fc:
-                counts, tokens = count_near_zero(self.proxy, self.arch, self.compressed, data,
-                                                 int(payload.config["batch_size"]),
-                                                 float(payload.config["apoz_tau"]))
-            report, apoz_flops = apoz_report(counts, tokens), fc.total
+            count = count_near_zero(self.proxy, self.arch, self.compressed, data,
+                                    int(payload.config["batch_size"]), float(payload.config["apoz_tau"]),
+                                    self.opts.apoz_max_examples, seed)
         reply = super().fit(payload, data, seed)
-        if report:
+        if count is not None:
+            report = apoz_report(count.counts, count.tokens)
             reply.arrays.update(report)
             m = reply.metrics
             m["bytes_up"] += costs.tensor_bytes(report)
             m["params_up"] += costs.num_params(report)
-            m["flops_measured"] += apoz_flops
-            m.update(flops_apoz=apoz_flops, apoz_tokens=tokens)
+            m["flops_measured"] += count.flops
+            m.update(flops_apoz=count.flops, apoz_tokens=count.tokens)
         return reply
 
     # -- server ------------------------------------------------------------------------------
