@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import time
@@ -389,10 +390,13 @@ def test_supernode_killed_mid_round(tiny_cfg_dict, tmp_path, started):
             p.kill()  # the machine is gone: no goodbye to the SuperLink
         assert fed.wait(run_id, timeout=120) == "finished:completed"
         run_log = fed.run_log(run_id)
-    assert "client 1 excluded: no reply within 40 s" in run_log
+    # the usual reason is the missing reply; a busy machine can see the SuperLink's verdict first
+    reason = r"(no reply within 40 s|node \d+ failed: .+)"
+    assert re.search(rf"round 1: client 1 excluded: {reason}", run_log)
     (run_dir,) = (tmp_path / "runs").iterdir()
     _, metrics, summary = read_run(run_dir)
-    assert metrics[0]["excluded"] == [{"client": 1, "reason": "no reply within 40 s"}]
+    assert [e["client"] for e in metrics[0]["excluded"]] == [1]
+    assert re.fullmatch(reason, metrics[0]["excluded"][0]["reason"])
     assert [c["client"] for c in metrics[0]["client_metrics"]] == [0] and not metrics[0]["skipped"]
     assert summary["failed_nodes"] == 1
 

@@ -34,6 +34,10 @@ from fedslice.methods.base import Method
 
 log = logging.getLogger(__name__)
 
+#: A train message outlives the round's wait by this much, so that a reply still missing at the
+#: end of the wait is reported as missing, not as a message the SuperLink has expired.
+TTL_MARGIN_S = 30.0
+
 
 @dataclass
 class _Round:
@@ -74,7 +78,8 @@ class FlowerAdapter(FlowerStrategy):
         payloads = self.inner.configure_train(server_round, state, clients)
         messages = {c: Message(encode_payload(payloads[c], self.experiment),
                                dst_node_id=self.partitions.nodes[c], message_type=MessageType.TRAIN,
-                               group_id=str(server_round), ttl=self.round_timeout)
+                               group_id=str(server_round),
+                               ttl=self.round_timeout + TTL_MARGIN_S)
                     for c in clients}
         self._round = _Round(server_round, state, clients, payloads, messages)
         log.info("round %d: training clients %s", server_round, clients)
