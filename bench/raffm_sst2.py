@@ -155,6 +155,8 @@ def plot(results, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", nargs="+", default=["fedpetuning", "smallest", "raffm"])
+    p.add_argument("--reuse", nargs="*", default=[], help="runs to read from <out>/<run> instead "
+                   "of running them again (same settings)")
     p.add_argument("--minutes", type=float, default=None, help="wall-clock budget for all runs")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--local-steps", type=int, default=8)
@@ -168,15 +170,21 @@ def main() -> None:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     start, results, rounds = time.time(), {}, args.rounds
-    for i, kind in enumerate(args.runs):
+    for kind in args.reuse:
+        folder = args.out / kind
+        records = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        results[kind] = json.loads((folder / "summary.json").read_text()), records
+        rounds = results[kind][0]["rounds"]
+    for i, kind in enumerate(k for k in args.runs if k not in args.reuse):
         deadline = None
-        if args.minutes and i == 0:  # the first run sets the round count for all
+        if args.minutes and i == 0 and not args.reuse:  # the first run sets the round count
             deadline = start + 60 * args.minutes / len(args.runs)
         results[kind] = run(kind, args, rounds, deadline)
         rounds = results[kind][0]["rounds"]
     lines = [f"Command: `python bench/raffm_sst2.py {' '.join(sys.argv[1:])}`  ",
              f"Machine: {platform.machine()}, {torch.get_num_threads()} threads (shared CPU), "
              f"torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; wall {(time.time() - start) / 60:.0f} min", ""]
+    results = {k: results[k] for k in args.runs if k in results}
     if "fedpetuning" in results:
         lines += tables(results)
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
