@@ -8,7 +8,7 @@ STAMP   = $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,simulation]"
 	touch $(STAMP)
 
 install: $(STAMP)
