@@ -6,7 +6,11 @@ Reproduces the *shape* of the heads paper's Table 1 and Fig. 4 (there: T5-small 
 * ``table1``: B1 FedPETuning dense, B2 random pruning 90% + FedAvg, ours importance pruning 90%
   + head-weighted aggregation; each with random and loss-gap client selection (6 runs);
 * ``sweep``: ours with loss-gap selection at sparsity 0/50/70/90/95% (Fig. 4; 90% is shared
-  with table1 when both run).
+  with table1 when both run);
+* ``ablation``: random vs importance pruning crossed with FedAvg vs Eq. 8 aggregation (not in the
+  paper, whose B2 and ours change both at once).
+
+Run folders that already exist under ``--out`` are reused (resume), unless ``--rerun``.
 
 All runs use the same partition and seed. Records test accuracy (GLUE validation), rounds to a
 target dev accuracy, measured/analytic training FLOPs, the importance pass's FLOPs, the paper's
@@ -44,6 +48,13 @@ VARIANTS = {  # name -> method options
     "ours90": {"pruning": "importance", "aggregation": "head_weighted", "sparsity": 0.9},
 }
 SWEEP = (0.0, 0.5, 0.7, 0.9, 0.95)
+ABLATION = {  # which of importance pruning and Eq. 8 matters (random selection)
+    "B1-dense-random": VARIANTS["B1-dense"],
+    "B2-random90-random": VARIANTS["B2-random90"],
+    "rand90-eq8-random": {"pruning": "random", "aggregation": "head_weighted", "sparsity": 0.9},
+    "imp90-fedavg-random": {"pruning": "importance", "aggregation": "fedavg", "sparsity": 0.9},
+    "ours90-random": VARIANTS["ours90"],
+}
 
 
 def config(name: str, method: dict, selection: str, args, rounds: int) -> dict:
@@ -71,6 +82,10 @@ def planned_runs(args) -> list[tuple[str, dict, str]]:
         for v, opts in VARIANTS.items():
             for sel in ("random", "loss_gap"):
                 runs.append((f"{v}-{sel}", opts, sel))
+    if "ablation" in args.groups:
+        for name in ABLATION:
+            if all(r[0] != name for r in runs):
+                runs.append((name, ABLATION[name], "random"))
     if "sweep" in args.groups:
         for s in SWEEP:
             name = _sweep_name(s)
@@ -176,7 +191,9 @@ def plot_sweep(points: list[tuple[float, Path]], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--groups", nargs="+", default=["table1", "sweep"], choices=["table1", "sweep"])
+    p.add_argument("--groups", nargs="+", default=["table1", "sweep"],
+                   choices=["table1", "sweep", "ablation"])
+    p.add_argument("--rerun", action="store_true", help="run again runs whose folder exists")
     p.add_argument("--only", nargs="*", help="run only these run names")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--budget-min", type=float, default=None, help="total wall-time budget")
@@ -194,22 +211,26 @@ def main() -> None:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     runs = [r for r in planned_runs(args) if not args.only or r[0] in args.only]
+    done: dict[str, tuple[Path, str]] = {}
+    if not args.rerun:  # resume: reuse finished run folders of the same name
+        done = {n: (args.out / n, sel) for n, _, sel in runs if (args.out / n / "summary.json").is_file()}
+        runs = [r for r in runs if r[0] not in done]
     rounds = args.rounds
-    if args.budget_min:
+    if args.budget_min and runs:
         per_round, per_run = pilot(args)
         left = args.budget_min * 60 / len(runs) - per_run
         rounds = max(1, min(rounds, math.floor(left / (per_round * 1.1))))
         print(f"pilot: {per_round:.1f} s/round + {per_run:.0f} s/run -> {rounds} rounds x "
               f"{len(runs)} runs", flush=True)
     header = [f"Command: `python bench/heads_sst2.py {' '.join(sys.argv[1:])}` ({rounds} rounds)  ",
-              f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch "
+              f"Machine: {platform.machine()}, {args.threads} torch thread(s), torch "
               f"{torch.__version__}; date {time.strftime('%Y-%m-%d')}", ""]
-    done: dict[str, tuple[Path, str]] = {}
     for name, opts, sel in runs:
         t0 = time.perf_counter()
         done[name] = (run_experiment(validate_config(config(name, opts, sel, args, rounds))), sel)
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
         write_report(args, header, done)
+    write_report(args, header, done)
 
 
 def write_report(args, header: list[str], done: dict[str, tuple[Path, str]]) -> None:
@@ -218,18 +239,23 @@ def write_report(args, header: list[str], done: dict[str, tuple[Path, str]]) -> 
              for sel in ("random", "loss_gap")}
     report = list(header)
     t1 = [n for n in done if not n.startswith("ours") or n.startswith("ours90")]
-    if t1:
+    if t1 and "table1" in args.groups:
         report += ["### Table 1 shape", "", markdown([row(n, done[n][1], done[n][0], dense[done[n][1]])
                                                       for n in t1]), ""]
         plot_compare([done[n][0] for n in t1], args.out / "table1.png")
     sweep = [(s, summaries[_sweep_name(s)]) for s in SWEEP if _sweep_name(s) in summaries]
-    if sweep:
+    if sweep and "sweep" in args.groups:
         base = done[_sweep_name(0.0)][0] if _sweep_name(0.0) in done else None
         report += ["### Sparsity sweep (loss-gap selection)", "",
                    markdown([row(f"ours{round(s * 100)}", "loss_gap", done[_sweep_name(s)][0], base)
                              for s, _ in sweep]), ""]
         plot_sweep([(s, done[_sweep_name(s)][0]) for s, _ in sweep], args.out / "sweep.png")
-    (args.out / "results.md").write_text("\n".join(report) + "\n")
+    ablation = [n for n in ABLATION if n in done]
+    if "ablation" in args.groups and ablation:
+        report += ["### Ablation: pruning rule x aggregation (random selection, 90%)", "",
+                   markdown([row(n, "random", done[n][0], dense["random"]) for n in ablation]), ""]
+    name = "results.md" if args.groups == ["table1", "sweep"] else f"results-{'-'.join(args.groups)}.md"
+    (args.out / name).write_text("\n".join(report) + "\n")
 
 
 def _sweep_name(s: float) -> str:

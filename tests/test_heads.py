@@ -215,3 +215,19 @@ def test_fedavg_mode_averages_kept_heads_by_examples():
     torch.testing.assert_close(out[key] - g[key], torch.tensor([[3.0], [4.0]]))  # (1+8)/3, 4/1
     with pytest.raises(ValueError, match="alpha"):
         aggregate_heads(g, ups, arch, dims, mode="head_weighted")
+
+
+def test_paper_ops_is_table6_as_printed():
+    from fedslice.fl.paper_ops import paper_ops
+    L, d, T, r = 2, 3, 5, 2
+    qkv = T * d**3 + T * d**3 + T * d**2
+    att = T**2 * d**2 + T**3 * d + T**2 * d**2 + 3 * T**3 * d
+    fc = qkv
+    lora = T * d**2 * r + T * r**2 * d + T * d**2 * r + 2 * T * r * d + T * r**2 * d + T * d**3
+    assert paper_ops(L, d, T, rank=r)["total"] == L * (qkv + att + fc + lora)
+    # head pruning scales the per-head rows of each layer by its kept fraction, not FC
+    half = paper_ops(L, d, T, rank=r, kept=[0.5, 0.0])
+    assert half["total"] == 0.5 * (qkv + att + lora) + L * fc
+    # T5-small (Table 7) at T = 512: 3.8x fewer OPs at 90% (the paper reports 3.9x)
+    ratio = paper_ops(18, 512, 512, rank=16)["total"] / paper_ops(18, 512, 512, rank=16, kept=0.1)["total"]
+    assert round(ratio, 2) == 3.81

@@ -26,7 +26,7 @@ measured FLOPs for real costs; this is reported next to them for comparison with
 Head pruning is not in Table 6. Our reading: the per-head rows (QKV, Attention and the PEFT
 rows, which adapt the attention projections) scale with the fraction ``k_l`` of heads a layer
 keeps, FC does not: ``total = sum_l k_l (QKV + Attention + PEFT) + FC``. At 90% sparsity this
-gives 3.80x fewer OPs for T5-small at T=512 (the paper reports 3.9x).
+gives 3.8x fewer OPs for T5-small at T=512 (the paper reports 3.9x).
 """
 
 from __future__ import annotations
