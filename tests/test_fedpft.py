@@ -248,6 +248,7 @@ def test_neuron_kd_changes_only_selected_neurons(pft_cfg):
     replies = {0: Reply(arrays, 10, {"apoz_tokens": 100.0})}
     new, metrics = method.on_round_end(1, state, replies)
     assert metrics["align_neurons"] == 16 and method.strategy.version == 1
+    assert all(int(m.sum()) == 8 for m in method.strategy.updates[0].values())
     arch = method.arch
     for l in method.compressed:
         w_in = next(k for k in state if f"layer.{l}.intermediate.dense.weight" in k)
@@ -264,13 +265,69 @@ def test_neuron_kd_changes_only_selected_neurons(pft_cfg):
             assert torch.equal(new[k], before[k])
 
 
-def test_stale_clients_get_the_proxy_ffn_again(pft_cfg):
+def test_stale_clients_get_only_the_redistilled_neurons(pft_cfg):
     method, _ = setup(validate_config(pft_cfg))
     s, state = method.strategy, method.initial_state()
     has_ffn = lambda p: any("intermediate" in k for k in p.arrays)  # noqa: E731
     assert has_ffn(s.payload_for(1, state, 0, {})) and not has_ffn(s.payload_for(2, state, 0, {}))
-    s.proxy_changed()
-    assert has_ffn(s.payload_for(3, state, 0, {})) and has_ffn(s.payload_for(3, state, 1, {}))
+    # a re-alignment of neurons 1 and 3 of layer 1, and 0 of layer 2; the server's proxy changes
+    update = {1: torch.zeros(16, dtype=torch.bool), 2: torch.zeros(16, dtype=torch.bool)}
+    update[1][[1, 3]] = True
+    update[2][0] = True
+    new = {k: (v + 1.0 if "dense" in k and "lora" not in k else v) for k, v in state.items()}
+    s.proxy_changed(update)
+    old_client, new_client = s.payload_for(3, new, 0, {}), s.payload_for(3, new, 1, {})
+    assert all(k in new_client.arrays for k in method.proxy_params)  # first participation: whole
+    delta = {k: t for k, t in old_client.arrays.items() if k.startswith("proxy_update.")}
+    assert delta["proxy_update.1.index"].tolist() == [1, 3] and delta["proxy_update.2.index"].tolist() == [0]
+    w_in = next(k for k in method.proxy_params if "layer.1.intermediate.dense.weight" in k)
+    assert delta["proxy_update." + w_in].shape == (2, 32)
+    assert not any(k in old_client.arrays for k in method.proxy_params)
+    # the client's copy: old proxy + the update = the server's proxy on the re-distilled neurons
+    method._load(state)
+    method._load(delta)
+    w = method.proxy_params[w_in]
+    assert torch.equal(w[[1, 3]], new[w_in][[1, 3]]) and torch.equal(w[[0, 2]], state[w_in][[0, 2]])
+    assert not s.payload_for(4, new, 0, {}).arrays.keys() & delta.keys()  # up to date now
+
+
+def test_worker_copy_is_checked_kept_and_restored(pft_cfg):
+    """A deployment runs each message in a fresh ClientApp process: the proxy copy travels in the
+    node's state (client_state/load_client_state); an update that does not start from the
+    worker's copy is refused, and the server sends that client the whole proxy next time."""
+    cfg = validate_config(pft_cfg)
+    server, data = setup(cfg)
+    s, state = server.strategy, server.initial_state()
+    state = {k: (v + 0.5 if k in server.proxy_params else v) for k, v in state.items()}  # not setup's
+    worker, _ = setup(cfg)  # another process: its own method instance
+    seed, part = 0, data.client(0)
+    first = s.configure_train(1, state, [0])[0]
+    worker.load_client_state({})
+    worker.fit(first, part, seed)
+    kept = worker.client_state()
+    assert int(kept["proxy_version"]) == 0 and set(kept) - {"proxy_version"} == set(server.proxy_params)
+    # the server re-distils layer 1's neurons 1 and 3
+    update = {l: torch.zeros(16, dtype=torch.bool) for l in server.compressed}
+    update[server.compressed[0]][[1, 3]] = True
+    new = {k: (v + 1.0 if k in server.proxy_params else v) for k, v in state.items()}
+    s.proxy_changed(update)
+    delta = s.configure_train(2, new, [0])[0]
+    assert delta.config["proxy_base"] == 0 and delta.config["proxy_version"] == 1
+    fresh, _ = setup(cfg)  # a fresh process without the node's state: refused, clearly
+    fresh.load_client_state({})
+    with pytest.raises(RuntimeError, match="starts from version 0, this worker holds version None"):
+        fresh.fit(delta, part, seed)
+    fresh.load_client_state(kept)  # with the node's state: the copy equals the server's proxy
+    fresh.fit(delta, part, seed)
+    w_in = next(k for k in server.proxy_params if f"layer.{server.compressed[0]}.intermediate.dense.weight" in k)
+    got = fresh.client_state()[w_in]
+    assert torch.equal(got[[1, 3]], new[w_in][[1, 3]]) and torch.equal(got[[0, 2]], state[w_in][[0, 2]])
+    assert int(fresh.client_state()["proxy_version"]) == 1
+    # a client that did not reply (e.g. refused) is sent the whole proxy next time
+    s.configure_train(3, new, [0, 1])
+    s.aggregate_train(3, new, {}, {})
+    again = s.configure_train(4, new, [0])[0]
+    assert "proxy_base" not in again.config and all(k in again.arrays for k in server.proxy_params)
 
 
 def test_cache_skips_layer_kd(pft_cfg):

@@ -93,9 +93,10 @@ def test_repo_pyproject_declares_the_same_app():
 class InProcessGrid(Grid):
     """A Grid whose nodes are the fedslice ClientApp called in this process (no SuperLink)."""
 
-    def __init__(self, node_configs: dict[int, dict], fail: set[int] = frozenset()):
-        self.node_configs, self.fail = node_configs, set(fail)
+    def __init__(self, node_configs: dict[int, dict], fail: set[int] = frozenset(), keep_state: bool = True):
+        self.node_configs, self.fail, self.keep_state = node_configs, set(fail), keep_state
         self._replies: dict[str, Message] = {}
+        self._states: dict[int, RecordDict] = {}  # Context.state per node, kept like a SuperNode does
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
 
     def set_run(self, run):
@@ -115,8 +116,9 @@ class InProcessGrid(Grid):
         nid = msg.metadata.dst_node_id
         if nid in self.fail and msg.metadata.message_type == "train":
             return Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node down"), reply_to=msg)
-        ctx = Context(run_id=1, node_id=nid, node_config=self.node_configs[nid],
-                      state=RecordDict(), run_config={})
+        state = self._states.setdefault(nid, RecordDict()) if self.keep_state else RecordDict()
+        ctx = Context(run_id=1, node_id=nid, node_config=self.node_configs[nid], state=state,
+                      run_config={})
         try:
             return client_app(message=msg, context=ctx)
         except Exception as ex:  # what Flower's runtime sends back
@@ -196,6 +198,19 @@ def test_serverapp_matches_in_process_engine(tiny_cfg_dict, tmp_path, method):
     assert summary["engine"] == "flower" and summary["failed_nodes"] == 0
     assert {p.name for p in run_dir.iterdir()} >= {"config.json", "metrics.jsonl", "summary.json",
                                                    "partition.json", "final_trainable.safetensors"}
+
+
+def test_fedpft_node_that_lost_its_proxy_copy_recovers(tiny_cfg_dict, tmp_path):
+    """A SuperNode whose state is gone (restarted) refuses an incremental proxy update; the
+    failure is recorded and the server sends that node the whole proxy at its next participation."""
+    tiny_cfg_dict["method"] = {"name": "fedpft", **_method_options("fedpft", tmp_path)}
+    tiny_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, min_replies=1, rounds=3)
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(2), keep_state=False), _settings(path, tmp_path / "fl"))
+    _, metrics, _ = read_run(run_dir)
+    reasons = [[e["reason"] for e in m["excluded"]] for m in metrics]
+    assert reasons[0] == [] and reasons[2] == []  # round 1: whole proxy; round 3: whole again
+    assert len(reasons[1]) == 2 and all("this worker holds version None" in r for r in reasons[1])
 
 
 def test_failed_node_is_excluded_and_recorded(tiny_cfg_dict, tmp_path):

@@ -8,7 +8,9 @@ with the in-process engine's seed ``client_seed(seed, round, partition)``.
 A SuperNode needs the model and the train data at the paths of the config (the ServerApp sends the
 config, not the data). Flower starts a fresh ClientApp process per message in a deployment, so
 each round loads the model and data again; the simulation engine reuses its workers, and the last
-setup is kept in memory then.
+setup is kept in memory then. What a method's client keeps between its participations
+(``Method.client_state``: FedPFT's proxy copy) lives in the node's ``Context.state``, which Flower
+keeps per node across messages of a run.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fedslice.flower.nodes import NUM_PARTITIONS, PARTITION_ID, node_partition
 app = ClientApp()
 
 _CACHE: dict[str, Any] = {}
+CLIENT_STATE = "fedslice_client_state"  # what a method keeps between participations (Context.state)
 
 
 def _setup(experiment: dict[str, Any]):
@@ -53,7 +56,7 @@ def query(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     """Local training of this node's partition on the received payload."""
     from fedslice.fl.engine import client_seed
-    from fedslice.flower.codec import decode_payload, encode_reply
+    from fedslice.flower.codec import decode_payload, encode_reply, record_to_state, state_to_record
 
     payload, experiment = decode_payload(msg.content)
     cfg, method, data = _setup(experiment)
@@ -61,5 +64,9 @@ def train(msg: Message, context: Context) -> Message:
     client = payload.config.get("client", pid)
     if client != pid:
         raise RuntimeError(f"payload for client {client} reached the node of partition {pid}")
+    kept = context.state.array_records.get(CLIENT_STATE)
+    method.load_client_state(record_to_state(kept) if kept is not None else {})
     reply = method.fit(payload, data.client(pid), client_seed(cfg.seed, payload.config["round"], pid))
+    if state := method.client_state():
+        context.state[CLIENT_STATE] = state_to_record(state)
     return Message(encode_reply(reply), reply_to=msg)

@@ -62,6 +62,14 @@ class Method:
             params[k].copy_(t)
 
     # -- client ------------------------------------------------------------------------------
+    def client_state(self) -> State:
+        """What a client keeps between its participations (Flower stores it in the node's
+        ``Context.state``: a deployment starts a fresh ClientApp process per message). Default: nothing."""
+        return {}
+
+    def load_client_state(self, state: State) -> None:
+        """Restore :meth:`client_state` (``{}`` for a client that kept nothing yet)."""
+
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         """The model a client trains and its trainable tensors, with the payload loaded."""
         params = self.trainable()

@@ -13,8 +13,8 @@
    with a real gradient (:mod:`fedslice.distill.losses`). Cached on disk; the loss curve goes to
    ``fedpft_distill.json``/``.png`` in the run folder.
 3. **FL**: clients receive only the proxy's tensors (LoRA + classifier every round; the compressed
-   FFN tensors when their copy is stale: at first participation and after each re-alignment),
-   train LoRA on attention + the classifier, FedAvg.
+   FFN tensors at first participation, and the re-distilled neurons when a re-alignment happened
+   since their last participation), train LoRA on attention + the classifier, FedAvg.
 4. **Neuron-level KD during FL** (Sec. 3.5): in every ``align_every``-th round, clients also report
    each compressed neuron's APoZ on their local data before training (GELU-aware, see
    :mod:`fedslice.distill.apoz`); after aggregation the server pools them and re-distils only the
@@ -50,7 +50,7 @@ from fedslice.distill.losses import layer_kd_loss
 from fedslice.distill.report import write_curves
 from fedslice.errors import ConfigError
 from fedslice.fl import costs
-from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.fl.strategy import Payload, Reply, RoundResult, State, Strategy
 from fedslice.methods.base import Method
 from fedslice.methods.submodel import (Corpus, cached_distill, concat_logs, named_params,
                                        sub_accuracy, sub_seed, transformer_params)
@@ -58,11 +58,12 @@ from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import apply_lora
 from fedslice.slicing.salience import salience
-from fedslice.slicing.spec import SliceSpec, extract_model
+from fedslice.slicing.spec import SliceSpec, extract_model, key_info
 
 log = logging.getLogger(__name__)
 
 KD_BEFORE = ("both", "before")
+UPDATE_PREFIX = "proxy_update."
 KD_DURING = ("both", "during")
 
 
@@ -130,14 +131,24 @@ def ffn_weights(model: nn.Module, arch: ArchSpec, layers: list[int]) -> dict[int
 # --------------------------------------------------------------------------------------------
 
 class FedPFTStrategy(Strategy):
-    """FedAvg of LoRA + classifier; sends the proxy's FFN tensors to clients whose copy is stale
-    and asks for APoZ reports in alignment rounds."""
+    """FedAvg of LoRA + classifier; keeps each client's proxy copy current and asks for APoZ
+    reports in alignment rounds.
 
-    def __init__(self, fed, method: FedPFTMethod, proxy_keys: list[str], widths: dict[int, int]):
+    A client's first payload carries the compressed FFN tensors whole; after re-alignments, a
+    client that already holds a proxy receives only the re-distilled neurons since its copy
+    (``proxy_update.<key>`` slices along the neuron axis plus ``proxy_update.<layer>.index``),
+    as the paper's communication analysis assumes."""
+
+    def __init__(self, fed, method: FedPFTMethod, arch: ArchSpec, proxy_keys: list[str],
+                 widths: dict[int, int]):
         super().__init__(fed)
-        self.method, self.proxy_keys, self.widths = method, set(proxy_keys), widths
-        self.version = 0  # bumped by each re-alignment of the proxy
-        self.client_version: dict[int, int] = {}
+        self.method, self.arch, self.proxy_keys, self.widths = method, arch, set(proxy_keys), widths
+        self.updates: list[dict[int, torch.Tensor]] = []  # neuron masks of each re-alignment
+        self.client_version: dict[int, int] = {}  # re-alignments included in the client's copy
+
+    @property
+    def version(self) -> int:
+        return len(self.updates)
 
     def align_round(self, server_round: int) -> bool:
         """Rounds after which the server re-distils (never after the last round)."""
@@ -150,14 +161,51 @@ class FedPFTStrategy(Strategy):
             cfg.update(report_apoz=True, apoz_tau=self.method.apoz_tau)
         return cfg
 
-    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
-        stale = self.client_version.get(client) != self.version
-        arrays = {k: v for k, v in state.items() if stale or k not in self.proxy_keys}
-        self.client_version[client] = self.version
-        return Payload(arrays=arrays, config={**config, "client": client})
+    def configure_train(self, server_round: int, state: State, clients: list[int]) -> dict[int, Payload]:
+        self.sent = list(clients)
+        return super().configure_train(server_round, state, clients)
 
-    def proxy_changed(self) -> None:
-        self.version += 1
+    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
+        """Whole proxy at first participation, else the neurons re-distilled since the client's
+        copy. ``proxy_version``/``proxy_base`` let the client check its copy (see ``_check_copy``)."""
+        arrays = {k: v for k, v in state.items() if k not in self.proxy_keys}
+        held = self.client_version.get(client)
+        config = {**config, "client": client, "proxy_version": self.version}
+        if held is None:
+            arrays.update({k: v for k, v in state.items() if k in self.proxy_keys})
+        else:
+            config["proxy_base"] = held
+            if held < self.version:
+                arrays.update(self.neuron_update(state, self.updates[held:]))
+        self.client_version[client] = self.version
+        return Payload(arrays=arrays, config=config)
+
+    def aggregate_train(self, server_round: int, state: State, payloads: dict[int, Payload],
+                        replies: dict[int, Reply]) -> RoundResult:
+        """A client that did not reply (failed node, stale copy) gets the whole proxy next time."""
+        for c in getattr(self, "sent", []):
+            if c not in replies:
+                self.client_version.pop(c, None)
+        return super().aggregate_train(server_round, state, payloads, replies)
+
+    def neuron_update(self, state: State, updates: list[dict[int, torch.Tensor]]) -> State:
+        """The re-distilled neurons of ``updates`` (their union), sliced from the proxy tensors."""
+        out: State = {}
+        for layer in self.widths:
+            masks = [u[layer] for u in updates if layer in u]
+            if not masks:
+                continue
+            idx = torch.nonzero(torch.stack(masks).any(0)).flatten()  # (n,) neuron indices
+            out[f"{UPDATE_PREFIX}{layer}.index"] = idx
+            for key in self.proxy_keys:
+                info = key_info(self.arch, key)
+                if info.layer == layer and info.axis is not None:
+                    out[f"{UPDATE_PREFIX}{key}"] = state[key].index_select(info.axis, idx)
+        return out
+
+    def proxy_changed(self, update: dict[int, torch.Tensor]) -> None:
+        """Record a re-alignment: ``update[layer]`` = bool mask of the re-distilled neurons."""
+        self.updates.append({l: m.clone() for l, m in update.items()})
 
     def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
         model, apoz = split_report(reply.arrays)
@@ -189,6 +237,7 @@ class FedPFT(Method):
         self.opts: FedPFTMethod = cfg.method
         self.align_logs: list[DistillLog] = []
         self.align_records: list[dict[str, Any]] = []
+        self.held_version: int | None = None  # proxy version of this worker's copy (client side)
         super().__init__(cfg, loaded)
 
     # -- construction ----------------------------------------------------------------------
@@ -231,7 +280,7 @@ class FedPFT(Method):
 
     def make_strategy(self) -> Strategy:
         widths = {l: len(self.spec.neurons[l]) for l in self.compressed}
-        return FedPFTStrategy(self.cfg.federation, self.opts, list(self.proxy_params), widths)
+        return FedPFTStrategy(self.cfg.federation, self.opts, self.arch, list(self.proxy_params), widths)
 
     def _kd_loss(self, mu: float):
         s_ffn = ffn_weights(self.proxy, self.arch, self.compressed)
@@ -264,21 +313,54 @@ class FedPFT(Method):
 
     @torch.no_grad()
     def _load(self, arrays: State) -> dict[str, nn.Parameter]:
-        """Load LoRA + classifier (shared by proxy and full model) and any proxy FFN tensors."""
+        """Load LoRA + classifier (shared by proxy and full model), any proxy FFN tensors and
+        any re-distilled neurons (``proxy_update.*``)."""
         params = self.trainable(self.proxy)
         for k, t in arrays.items():
             if k in params:
                 params[k].copy_(t)
             elif k in self.proxy_params:
                 self.proxy_params[k].copy_(t)
+            elif k.startswith(UPDATE_PREFIX) and not k.endswith(".index"):
+                key = k[len(UPDATE_PREFIX):]
+                info = key_info(self.arch, key)
+                idx = arrays[f"{UPDATE_PREFIX}{info.layer}.index"]
+                self.proxy_params[key].index_copy_(info.axis, idx, t)
         return params
 
     # -- client ------------------------------------------------------------------------------
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         return self.proxy, self._load(payload.arrays)
 
+    def client_state(self) -> State:
+        """The client's proxy copy (compressed FFN tensors) and its version."""
+        if self.held_version is None:
+            return {}
+        kept = {k: p.detach().clone() for k, p in self.proxy_params.items()}
+        return {**kept, "proxy_version": torch.tensor(self.held_version)}
+
+    @torch.no_grad()
+    def load_client_state(self, state: State) -> None:
+        self.held_version = int(state["proxy_version"]) if "proxy_version" in state else None
+        for k, t in state.items():
+            if k in self.proxy_params:
+                self.proxy_params[k].copy_(t)
+
+    def _check_copy(self, payload: Payload) -> None:
+        """Refuse an incremental proxy update that does not start from this process's copy (a
+        client id served by another worker before): the client fails this round, and the server
+        sends it the whole proxy next time (``FedPFTStrategy.aggregate_train``)."""
+        base, version = payload.config.get("proxy_base"), payload.config.get("proxy_version")
+        if version is None:
+            return
+        if base is not None and (self.held_version is None or self.held_version < base):
+            raise RuntimeError(f"client {payload.config.get('client')}: the proxy update starts from "
+                               f"version {base}, this worker holds version {self.held_version}")
+        self.held_version = int(version)
+
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of the proxy; in alignment rounds, APoZ on the local data first."""
+        self._check_copy(payload)
         count = None
         if payload.config.get("report_apoz"):
             self._load(payload.arrays)
@@ -314,7 +396,7 @@ class FedPFT(Method):
         lg = self._neuron_kd(update, sub_seed(self.cfg.seed, server_round, 2))
         new_state = dict(state)
         new_state.update({k: p.detach().clone() for k, p in self.proxy_params.items()})
-        self.strategy.proxy_changed()
+        self.strategy.proxy_changed(update)
         n = int(sum(int(m.sum()) for m in update.values()))
         self.align_logs.append(lg)
         rec = {"round": server_round, "neurons": n, **lg.summary("align"),
