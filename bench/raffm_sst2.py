@@ -91,6 +91,16 @@ def run(kind: str, args, rounds: int, deadline: float | None) -> tuple[dict, lis
     return summary, records
 
 
+def memory_mean(folder: Path, records: list[dict]) -> float:
+    """Mean client memory (model MiB + activation peak) of a run folder written by run_experiment."""
+    from fedslice.models.loading import load_model
+    cfg = validate_config(json.loads((folder / "config.json").read_text()))
+    model = load_model(cfg.model, 2, cfg.seed).model
+    model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    ran = [m for r in records for m in r["client_metrics"] if not m.get("sat_out")]
+    return sum(model_mb + m["activation_mb"] for m in ran) / len(ran)
+
+
 def _g(x, scale=1e9, fmt=".1f"):
     return "—" if x is None else format(x / scale, fmt)
 
@@ -155,8 +165,9 @@ def plot(results, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", nargs="+", default=["fedpetuning", "smallest", "raffm"])
-    p.add_argument("--reuse", nargs="*", default=[], help="runs to read from <out>/<run> instead "
-                   "of running them again (same settings)")
+    p.add_argument("--reuse", nargs="*", default=[], help="runs to read instead of running them "
+                   "again (same settings): RUN reads <out>/RUN, RUN=FOLDER any run folder (e.g. "
+                   "fedpetuning=<the baselines' fedpetuning-iid run>, the same experiment)")
     p.add_argument("--minutes", type=float, default=None, help="wall-clock budget for all runs")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--local-steps", type=int, default=8)
@@ -170,12 +181,18 @@ def main() -> None:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     start, results, rounds = time.time(), {}, args.rounds
-    for kind in args.reuse:
-        folder = args.out / kind
+    reused = {}
+    for item in args.reuse:  # "kind" (from <out>/kind) or "kind=FOLDER" (any run folder)
+        kind, _, folder = item.partition("=")
+        reused[kind] = Path(folder) if folder else args.out / kind
+    for kind, folder in reused.items():
         records = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-        results[kind] = json.loads((folder / "summary.json").read_text()), records
-        rounds = results[kind][0]["rounds"]
-    for i, kind in enumerate(k for k in args.runs if k not in args.reuse):
+        summary = json.loads((folder / "summary.json").read_text())
+        if "memory_mb_mean" not in summary:  # a run folder of `fedslice run`: add what run() adds
+            summary["memory_mb_mean"] = memory_mean(folder, records)
+        results[kind] = summary, records
+        rounds = summary["rounds"]
+    for i, kind in enumerate(k for k in args.runs if k not in reused):
         deadline = None
         if args.minutes and i == 0 and not args.reuse:  # the first run sets the round count
             deadline = start + 60 * args.minutes / len(args.runs)
