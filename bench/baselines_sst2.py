@@ -70,7 +70,7 @@ def main() -> None:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report = [f"Command: `python bench/baselines_sst2.py {' '.join(__import__('sys').argv[1:])}`  ",
-              f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+              f"Machine: {platform.machine()}, {args.threads} threads, torch {torch.__version__}; "
               f"date {time.strftime('%Y-%m-%d')}", ""]
     runs: dict[tuple[str, str], Path] = {}
     for method in args.methods:  # every method's runs first: the most important results land early
