@@ -34,6 +34,15 @@ def write_sentiment_tsv(folder: Path, sizes=(200, 40, 40), seed: int = 0) -> Pat
     return folder
 
 
+def padded_batch(seed: int = 0, vocab: int = 1000, length: int = 9, pad_from: int = 6) -> dict:
+    """3 random sequences of ``length`` tokens; the second is padded from ``pad_from`` on."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (3, length), generator=g)  # (B, T)
+    mask = torch.ones_like(ids)
+    mask[1, pad_from:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
 def save_tiny_model(folder: Path, model_type: str = "bert", num_layers: int = 2) -> Path:
     """A random ``num_layers``-layer (default 2), 4-head model of ``model_type`` with the MiniLM
     tokenizer, saved to disk."""

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from conftest import save_tiny_model
+from conftest import padded_batch, save_tiny_model
 from fedslice.config import validate_config
 from fedslice.distill.apoz import (aggregate_apoz, apoz_report, near_zero_counts, select_neurons,
                                    split_report)
@@ -45,11 +45,7 @@ def pft_cfg(tiny_cfg_dict, model4_dir, corpus_file, tmp_path):
 
 
 def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, 1000, (3, 9), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 6:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
+    return padded_batch()
 
 
 def _logits(model):

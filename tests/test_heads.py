@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from conftest import padded_batch
 from fedslice.errors import ConfigError
 from fedslice.slicing.heads import confidence, head_importance, keep_mask
 
@@ -85,11 +86,7 @@ def tiny_lora(request, tmp_path_factory):
 
 
 def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, 1000, (3, 9), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 6:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
+    return padded_batch()
 
 
 def _heads_removed(model, arch, mask):

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from conftest import save_tiny_model
+from conftest import padded_batch, save_tiny_model
 from fedslice.models.arch import arch_for
 from fedslice.slicing.aggregate import aggregate_deltas
 from fedslice.slicing.permute import Permutation, permute_model, permute_state, unpermute_state
@@ -28,11 +28,7 @@ def tiny(request, tmp_path_factory):
 
 
 def _batch(seed=0, vocab=1000):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, vocab, (3, 11), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 7:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
+    return padded_batch(seed, vocab, length=11, pad_from=7)
 
 
 def _logits(model):

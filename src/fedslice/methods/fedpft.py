@@ -145,6 +145,7 @@ class FedPFTStrategy(Strategy):
         self.method, self.arch, self.proxy_keys, self.widths = method, arch, set(proxy_keys), widths
         self.updates: list[dict[int, torch.Tensor]] = []  # neuron masks of each re-alignment
         self.client_version: dict[int, int] = {}  # re-alignments included in the client's copy
+        self.sent: list[int] = []  # clients of the round being trained
 
     @property
     def version(self) -> int:
@@ -183,7 +184,7 @@ class FedPFTStrategy(Strategy):
     def aggregate_train(self, server_round: int, state: State, payloads: dict[int, Payload],
                         replies: dict[int, Reply]) -> RoundResult:
         """A client that did not reply (failed node, stale copy) gets the whole proxy next time."""
-        for c in getattr(self, "sent", []):
+        for c in self.sent:
             if c not in replies:
                 self.client_version.pop(c, None)
         return super().aggregate_train(server_round, state, payloads, replies)
