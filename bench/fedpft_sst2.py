@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fedslice.api import run_experiment
@@ -40,7 +41,7 @@ KD = {"fedpft": "both", "fedpft_b": "before", "fedpft_d": "during", "fedpft_n": 
 
 def distill_section(args) -> dict:
     return {"steps": args.kd_steps, "batch_size": args.kd_batch, "max_length": args.kd_length,
-            "lr": args.kd_lr, "mu": args.mu, "cache_dir": str(args.cache)}
+            "lr": args.kd_lr, "mu": args.mu, "cache_dir": str(args.cache), "seed": args.kd_seed}
 
 
 def method_section(method: str, args) -> dict:
@@ -57,9 +58,11 @@ def method_section(method: str, args) -> dict:
             "distill": distill_section(args)}
 
 
-def config(method: str, partition: str, args) -> dict:
+def config(method: str, partition: str, args, seed: int | None = None) -> dict:
+    seed = args.seed if seed is None else seed
+    suffix = f"-s{seed}" if len(args.seeds) > 1 else ""
     return {
-        "name": f"{method}-{partition}", "seed": args.seed, "threads": args.threads,
+        "name": f"{method}-{partition}{suffix}", "seed": seed, "threads": args.threads,
         "data": {"path": "sst2", "max_length": 64, "partition": partition, "alpha": 1.0,
                  "max_dev_examples": args.dev_examples},
         "model": {"name": "minilm"},
@@ -77,7 +80,7 @@ def _mb(x):
     return "—" if x is None else f"{x / 1e6:.3f}"
 
 
-def row(method: str, s: dict) -> str:
+def row(method: str, s: dict, seed: int | None = None) -> str:
     params = s.get("proxy_transformer_params") or s.get("full_transformer_params")
     full = s.get("full_transformer_params")
     frac = f"{params / 1e6:.2f}M ({params / full:.0%})" if params and full else "10.65M (100%)"
@@ -85,7 +88,8 @@ def row(method: str, s: dict) -> str:
     kd_f = sum(s.get(k) or 0.0 for k in ("kd_before_flops", "kd_during_flops"))
     cached = " (cached)" if s.get("kd_before_cached") else ""
     proxy = s.get("proxy_test_accuracy")
-    return (f"| {METHODS[method]} | {s['test_accuracy']:.4f} | "
+    name = METHODS[method] + ("" if seed is None else f" (seed {seed})")
+    return (f"| {name} | {s['test_accuracy']:.4f} | "
             f"{'—' if proxy is None else f'{proxy:.4f}'} | {frac} | "
             f"{s['trainable_params_mean']:.0f} | "
             f"{kd_f / 1e12:.2f} TFLOP, {kd_t:.0f} s{cached} | "
@@ -97,6 +101,22 @@ HEADER = ("| method | test acc (full FM) | test acc (proxy) | transformer params
           "| trainable params | server KD cost | MB down / up per client-round "
           "| GFLOPs per client-round (measured) | FL wall min |\n"
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def seed_means(acc: dict[str, list[float]], multi: bool) -> list[str]:
+    """Mean, sample std and the paired gap to FedPETuning of each method's test accuracy."""
+    if not multi:
+        return []
+    ref = acc.get("fedpetuning")
+    lines = ["| method | seeds | test acc mean | std | mean Δ vs FedPETuning pt (paired) |",
+             "|---|---:|---:|---:|---:|"]
+    for method, xs in acc.items():
+        a = np.array(xs)
+        n = min(len(a), len(ref)) if ref else 0
+        gap = f"{100 * float(np.mean(a[:n] - np.array(ref[:n]))):+.1f}" if n and method != "fedpetuning" else "—"
+        std = f"{a.std(ddof=1):.4f}" if len(a) > 1 else "—"
+        lines.append(f"| {METHODS[method]} | {len(a)} | {a.mean():.4f} | {std} | {gap} |")
+    return lines + [""]
 
 
 def main() -> None:
@@ -124,28 +144,38 @@ def main() -> None:
     p.add_argument("--dev-examples", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="Run every method with each "
+                   "seed (partition, sampling, LoRA init) and add mean/std rows; default: --seed.")
+    p.add_argument("--kd-seed", type=int, default=None, help="Seed of the distillation before FL "
+                   "(default: the run's seed); fixed, all seeds share one cached proxy/emulator.")
     p.add_argument("--budget-min", type=float, default=None, help="Start no run after this.")
     p.add_argument("--out", type=Path, default=Path("bench/results/fedpft"))
     p.add_argument("--cache", type=Path, default=Path("bench/results/fedpft/cache"))
     args = p.parse_args()
+    args.seeds = args.seeds or [args.seed]
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     report = [f"Command: `python bench/fedpft_sst2.py {' '.join(sys.argv[1:])}`  ",
               f"Machine: {platform.machine()}, {args.threads} threads, torch {torch.__version__}; "
               f"date {time.strftime('%Y-%m-%d')}", ""]
     skipped = []
+    multi = len(args.seeds) > 1
     for partition in args.partitions:
-        rows = []
-        for method in args.methods:
-            if args.budget_min is not None and (time.perf_counter() - t0) / 60 > args.budget_min:
-                skipped.append(f"{method}-{partition}")
-                continue
-            run = run_experiment(validate_config(config(method, partition, args)))
-            rows.append(row(method, json.loads((run / "summary.json").read_text())))
-            section = [f"### SST-2, {partition}{' (Dirichlet 1.0)' if partition == 'dirichlet' else ''}",
-                       "", HEADER, *rows, ""]
-            (args.out / f"results-{partition}.md").write_text("\n".join(section) + "\n")
+        rows, acc = [], {}
+        for seed in args.seeds:
+            for method in args.methods:
+                if args.budget_min is not None and (time.perf_counter() - t0) / 60 > args.budget_min:
+                    skipped.append(f"{method}-{partition}-s{seed}")
+                    continue
+                run = run_experiment(validate_config(config(method, partition, args, seed)))
+                summary = json.loads((run / "summary.json").read_text())
+                rows.append(row(method, summary, seed if multi else None))
+                acc.setdefault(method, []).append(summary["test_accuracy"])
+                section = [f"### SST-2, {partition}{' (Dirichlet 1.0)' if partition == 'dirichlet' else ''}",
+                           "", HEADER, *rows, "", *seed_means(acc, multi)]
+                (args.out / f"results-{partition}.md").write_text("\n".join(section) + "\n")
         if rows:
+            rows += ["", *seed_means(acc, multi)]
             report += [f"### SST-2, {partition}{' (Dirichlet 1.0)' if partition == 'dirichlet' else ''}",
                        "", HEADER, *rows, ""]
     if skipped:

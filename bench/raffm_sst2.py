@@ -38,7 +38,7 @@ TIERS = (0.25, 0.5, 0.75, 1.0)
 
 def config(kind: str, args) -> dict:
     raffm = {"name": "raffm", "tuning": "lora", "width_steps": args.width_steps,
-             "elastic_sizes": list(TIERS)}
+             "elastic_sizes": list(TIERS), "size_weight": args.size_weight}
     method = {"fedpetuning": {"name": "fedpetuning"},
               "smallest": {**raffm, "tiers": [{"share": 1.0, "flops": TIERS[0]}]},
               "raffm": {**raffm, "tiers": [{"share": 0.25, "flops": f} for f in TIERS]}}[kind]
@@ -175,6 +175,8 @@ def main() -> None:
     p.add_argument("--dev-examples", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--width-steps", type=int, default=24)
+    p.add_argument("--size-weight", type=float, default=0.0, help="method.size_weight of raffm: "
+                   "aggregation weight examples x (sub-model FLOPs fraction)^p")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench/results/raffm"))

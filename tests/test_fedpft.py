@@ -339,6 +339,19 @@ def test_cache_skips_layer_kd(pft_cfg):
     assert not m3.kd_cached
 
 
+def test_fixed_distill_seed_shares_the_proxy_across_run_seeds(pft_cfg):
+    pft_cfg["method"]["kd"] = "before"
+    m1, _ = setup(validate_config(pft_cfg))
+    pft_cfg["seed"] += 1  # another run seed: the distillation's seed followed it, a new entry
+    m2, _ = setup(validate_config(pft_cfg))
+    assert not m2.kd_cached and m2.kd_before.losses != m1.kd_before.losses
+    pft_cfg["method"]["distill"]["seed"] = pft_cfg["seed"] - 1  # pinned to the first run's
+    m3, _ = setup(validate_config(pft_cfg))
+    assert m3.kd_cached
+    for k, p in m1.proxy_params.items():
+        assert torch.equal(p, m3.proxy_params[k])
+
+
 def _merged_by_hand(model_dir, state, num_labels=2):
     """The full HF model with each LoRA pair merged into its layer's weight by hand (no peft)."""
     from transformers import AutoModelForSequenceClassification

@@ -111,6 +111,25 @@ def test_slice_aggregation_against_numpy_reference():
     assert not torch.equal(res.state[k][0], state[k][0])
 
 
+def test_size_weight_leans_shared_elements_toward_larger_submodels():
+    """size_weight = p: weight n_c * f_c^p on the elements a client holds (np.average reference);
+    an element held by one client still takes that client's value whatever its weight."""
+    from fedslice.slicing.planner import SpecCost
+    state = _toy_state()
+    specs, fracs, n = [SliceSpec.full(DIMS), SliceSpec.leading(DIMS, 2, 3)], [1.0, 0.25], [3, 5]
+    strategy = _strategy(specs)
+    strategy.opts = RaFFMMethod(reorder=False, size_weight=2.0)
+    for c, f in enumerate(fracs):
+        strategy.plans[c] = ClientPlan(0, Budget(flops=f), Plan(specs[c], SpecCost(1, 1, f, f, 1.0)))
+    payloads, replies, res = _round(strategy, state, n)
+    w = [n[c] * fracs[c] ** 2 for c in range(2)]
+    ref = np.average([replies[c].arrays["classifier.weight"].numpy() for c in range(2)], axis=0, weights=w)
+    np.testing.assert_allclose(res.state["classifier.weight"].numpy(), ref, rtol=1e-5, atol=1e-6)
+    k = f"{ARCH.part_name(0, 'ffn_in')}.weight"  # neuron 4: only the full client holds it
+    torch.testing.assert_close(res.state[k][4], replies[0].arrays[k][4])
+    assert strategy.size_factor(1) == pytest.approx(0.0625)
+
+
 def test_sit_out_client_is_excluded_with_reason():
     state = _toy_state()
     s = _strategy([SliceSpec.full(DIMS), SliceSpec.full(DIMS)])

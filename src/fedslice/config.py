@@ -177,6 +177,9 @@ class RaFFMMethod(_Section):
     budget_distribution: BudgetDistribution | None = Field(
         None, description="If set, each client's FLOPs budget is drawn from it (tiers unused).")
     salience: Literal["l1", "l2"] = "l1"
+    size_weight: float = Field(0.0, ge=0, description="Slice aggregation weighs a client by "
+                               "examples x f^p, f = its sub-model's planned FLOPs fraction, p = "
+                               "this (RaFFM Eq. 7's per-configuration step eta_c); 0: examples only.")
     reorder: bool = Field(True, description="Salience-order heads/neurons before round 1 "
                           "(false: leading slices of the checkpoint's order, an ablation).")
     reorder_every: int = Field(0, ge=0, description="Re-order every R rounds (0: only once).")
@@ -256,6 +259,12 @@ class DistillConfig(_Section):
     max_length: int = Field(128, ge=8, description="Tokens per corpus chunk (lines are packed).")
     cache_dir: str | None = Field(None, description="Where distilled proxies are cached (default "
                                   "$FEDSLICE_CACHE_DIR or ~/.cache/fedslice); '' disables the cache.")
+    seed: int | None = Field(None, description="Seed of the distillation before FL (corpus "
+                             "order); default: the experiment's seed. Fix it to share one distilled "
+                             "proxy (and its cache entry) across runs that differ in seed.")
+
+    def seed_or(self, run_seed: int) -> int:
+        return run_seed if self.seed is None else self.seed
 
 
 class FedPFTMethod(_Section):

@@ -185,10 +185,10 @@ class FedOT(Method):
         def run() -> DistillLog:
             log.info("fedot: emulator distillation, %d steps", d.steps)
             return distill(self.sub, full, self.arch, params, corpus.split, loss, steps=d.steps, lr=d.lr,
-                           warmup=d.warmup, batch_size=d.batch_size, seed=self.cfg.seed)
+                           warmup=d.warmup, batch_size=d.batch_size, seed=d.seed_or(self.cfg.seed))
         inputs = {"kind": "fedot-emulator-kd", "model": cache.weights_fingerprint(full, ("lora_", "classifier")),
                   "layers": [self.bottom, self.emulator, self.top], "steps": d.steps,
-                  "seed": self.cfg.seed, **corpus.cache_inputs()}
+                  "seed": d.seed_or(self.cfg.seed), **corpus.cache_inputs()}
         return cached_distill(cache.cache_root(d.cache_dir), inputs, params, run)
 
     # -- client ------------------------------------------------------------------------------

@@ -296,14 +296,14 @@ class FedPFT(Method):
         d = self.opts.distill
         inputs = {"kind": "fedpft-layer-kd", "model": cache.weights_fingerprint(full, ("lora_", "classifier")),
                   "neurons": [list(self.spec.neurons[l]) for l in self.compressed],
-                  "layers": self.compressed, "steps": d.steps, "mu": d.mu, "seed": self.cfg.seed,
+                  "layers": self.compressed, "steps": d.steps, "mu": d.mu, "seed": d.seed_or(self.cfg.seed),
                   **self.corpus.cache_inputs()}
 
         def run() -> DistillLog:
             log.info("fedpft: layer-level distillation, %d steps", d.steps)
             return distill(self.proxy, full, self.arch, self.proxy_params, self.corpus.split, self._kd_loss(d.mu),
                            steps=d.steps, lr=d.lr, warmup=d.warmup, batch_size=d.batch_size,
-                           seed=self.cfg.seed)
+                           seed=d.seed_or(self.cfg.seed))
         return cached_distill(cache.cache_root(d.cache_dir), inputs, self.proxy_params, run)
 
     # -- state -------------------------------------------------------------------------------

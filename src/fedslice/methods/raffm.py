@@ -8,6 +8,8 @@
 3. The client trains the leading slice (full fine-tuning or LoRA on the sub-model).
 4. Slice aggregation: every element is the example-weighted mean over the clients whose slice
    holds it; an element nobody held keeps its value (exactly FedAvg when all hold the full model).
+   ``size_weight = p`` multiplies a client's weight by f^p, f its sub-model's FLOPs fraction (the
+   per-configuration step of RaFFM Eq. 7), so shared leading elements lean toward larger models.
    Unlike the public code, we do not divide by all clients, and heads are sliced whole.
 5. Elastic inference: the global model is evaluated at several sizes after training.
 
@@ -87,6 +89,11 @@ class RaFFMStrategy(Strategy):
         return super().check_reply(state, payload, reply)
 
     # -- aggregate ---------------------------------------------------------------------------
+    def size_factor(self, client: int) -> float:
+        """f^p: the client's planned FLOPs fraction to the power ``size_weight`` (1 when p = 0)."""
+        p = self.opts.size_weight
+        return 1.0 if p == 0 else self.plans[client].plan.cost.flops_ratio ** p
+
     def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
                   replies: dict[int, Reply]) -> State:
         """Slice aggregation: scatter each client's delta into full shape with a held-mask weight."""
@@ -98,7 +105,8 @@ class RaFFMStrategy(Strategy):
             delta = {k: t.float() - sent.arrays[k].float() for k, t in reply.arrays.items()}
             full, masks = scatter(delta, spec, self.arch, shapes)
             deltas.append(full)
-            weights.append({k: float(reply.num_examples) * m for k, m in masks.items()})
+            w = float(reply.num_examples) * self.size_factor(c)
+            weights.append({k: w * m for k, m in masks.items()})
         new = aggregate_deltas(state, deltas, weights, eta=self.fed.server_lr)
         every = self.opts.reorder_every
         if self.opts.reorder and every and server_round % every == 0:
