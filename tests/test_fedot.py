@@ -72,9 +72,17 @@ def test_end_to_end_adapter_only_and_emulator_frozen(ot_cfg):
     method.strategy.configure_train = lambda r, s, c: sent.append(real(r, s, c)) or sent[-1]
     state, records, summary = Simulation(cfg, method, data).run()
     # payloads use the sub-model's names: the top adapter layer 3 is layer 2 of the client model
-    keys = {k for p in sent[0].values() for k in p.arrays}
+    keys = {k for p in sent[0].values() for k in p.arrays if not k.startswith("emulator.")}
     assert any("layer.2." in k for k in keys) and not any("layer.3." in k for k in keys)
     assert all("lora_" in k or "classifier" in k for k in keys)
+    # the distilled emulator (layer 1 of the client model) goes to each client once, whole
+    emu_keys = {f"emulator.{n}" for n in method.emulator_params}
+    assert emu_keys and all(".layer.1." in k for k in emu_keys)
+    got = [(c, set(p.arrays) & emu_keys) for rnd in sent for c, p in sorted(rnd.items())]
+    first = {}
+    for c, ks in got:
+        assert ks == (emu_keys if c not in first else set()), c
+        first.setdefault(c, True)
     # the global state uses the full model's names and only the adapter layers 0 and 3 train
     layers = {int(k.split("layer.")[1].split(".")[0]) for k in state if "lora_" in k}
     assert layers == {0, 3}
@@ -113,3 +121,33 @@ def test_lora_rank_override_keeps_scaling(ot_cfg):
     method, _ = setup(validate_config(ot_cfg))
     layer = method.arch.part(method.model, 0, "q")
     assert layer.r["default"] == 12 and layer.scaling["default"] == pytest.approx(8 / 4)
+
+
+def test_client_role_receives_the_emulator_instead_of_distilling(ot_cfg):
+    """A Flower client (role "client") runs no distillation: the server's distilled emulator
+    arrives in its first payload (counted in bytes_down), is kept as client state, and a worker
+    without it refuses a payload that assumes it."""
+    cfg = validate_config(ot_cfg)
+    server, data = setup(cfg)
+    client, _ = setup(cfg, role="client")
+    assert server.kd_log is not None and client.kd_log is None and not client.emulator_held
+    state = server.initial_state()
+    first = server.strategy.configure_train(1, state, [0])[0]
+    reply = client.fit(first, data.client(0), seed=3)
+    ref = server.fit(first, data.client(0), seed=3)
+    for k in ref.arrays:  # the client trained on the server's emulator, not its raw copy
+        torch.testing.assert_close(reply.arrays[k], ref.arrays[k], rtol=0, atol=0)
+    emu_bytes = sum(t.numel() * 4 for k, t in first.arrays.items() if k.startswith("emulator."))
+    assert emu_bytes > 0 and reply.metrics["bytes_down"] >= emu_bytes
+    kept = client.client_state()
+    for k, p in server.emulator_params.items():
+        assert torch.equal(kept[f"emulator.{k}"], p)
+    again = server.strategy.configure_train(2, state, [0])[0]
+    assert not any(k.startswith("emulator.") for k in again.arrays)
+    fresh, _ = setup(cfg, role="client")
+    fresh.load_client_state({})
+    with pytest.raises(RuntimeError, match="no distilled emulator"):
+        fresh.fit(again, data.client(0), seed=3)
+    fresh.load_client_state(kept)  # what the SuperNode kept in Context.state
+    torch.testing.assert_close(fresh.fit(again, data.client(0), seed=3).arrays,
+                               client.fit(again, data.client(0), seed=3).arrays, rtol=0, atol=0)

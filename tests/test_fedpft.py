@@ -433,3 +433,18 @@ def test_count_near_zero_on_the_proxy(pft_cfg):
     assert 0 < few.tokens < full.tokens and all(few.counts[l].max() <= few.tokens for l in few.counts)
     for l in method.compressed:  # the temporary hooks are gone
         assert not method.arch.part(method.proxy, l, "ffn_out")._forward_pre_hooks
+
+
+def test_client_role_skips_distillation_and_trains_the_sent_proxy(pft_cfg):
+    """A Flower client (role "client") neither reads the corpus nor distils: its proxy is the one
+    in its first payload, so it trains exactly what an in-process client trains."""
+    pft_cfg["method"]["distill"]["cache_dir"] = ""  # a client must not depend on a shared cache
+    cfg = validate_config(pft_cfg)
+    server, data = setup(cfg)
+    client, _ = setup(cfg, role="client")
+    assert server.kd_before is not None and client.kd_before is None and client.corpus is None
+    payload = server.strategy.configure_train(1, server.initial_state(), [0])[0]
+    assert not any(torch.equal(p, server.proxy_params[k]) for k, p in client.proxy_params.items())
+    ref = server.fit(payload, data.client(0), seed=5)
+    got = client.fit(payload, data.client(0), seed=5)
+    torch.testing.assert_close(got.arrays, ref.arrays, rtol=0, atol=0)

@@ -213,6 +213,19 @@ def test_fedpft_node_that_lost_its_proxy_copy_recovers(tiny_cfg_dict, tmp_path):
     assert len(reasons[1]) == 2 and all("this worker holds version None" in r for r in reasons[1])
 
 
+def test_fedot_node_that_lost_its_emulator_recovers(tiny_cfg_dict, tmp_path):
+    """The distilled emulator reaches a SuperNode once; a node that lost it (restarted) fails that
+    round with a clear reason and is sent the emulator again at its next participation."""
+    tiny_cfg_dict["method"] = {"name": "fedot", **_method_options("fedot", tmp_path)}
+    tiny_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, min_replies=1, rounds=3)
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(2), keep_state=False), _settings(path, tmp_path / "fl"))
+    _, metrics, _ = read_run(run_dir)
+    reasons = [[e["reason"] for e in m["excluded"]] for m in metrics]
+    assert reasons[0] == [] and reasons[2] == []
+    assert len(reasons[1]) == 2 and all("no distilled emulator" in r for r in reasons[1])
+
+
 def test_failed_node_is_excluded_and_recorded(tiny_cfg_dict, tmp_path):
     tiny_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, min_replies=1)
     path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")

@@ -27,7 +27,7 @@ from fedslice.data import (TokenCache, TokenizedSplit, load_hub_splits, load_loc
 from fedslice.errors import DataError
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Reply, RoundResult, State
-from fedslice.methods import Method, build_method
+from fedslice.methods import Method, Role, build_method
 from fedslice.models.loading import load_model
 
 log = logging.getLogger(__name__)
@@ -90,14 +90,15 @@ def prepare_data(cfg: ExperimentConfig, tokenizer, raw: dict) -> FederatedData:
                          report=report, num_labels=num_labels(raw))
 
 
-def setup(cfg: ExperimentConfig) -> tuple[Method, FederatedData]:
-    """Build the method (model, strategy) and the federated data of an experiment."""
+def setup(cfg: ExperimentConfig, role: Role = "both") -> tuple[Method, FederatedData]:
+    """Build the method (model, strategy) and the federated data of an experiment
+    (``role="client"``: as a Flower ClientApp needs it, without the server-only work)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     raw = load_raw_splits(cfg)
     loaded = load_model(cfg.model, num_labels=num_labels(raw), seed=cfg.seed)
     data = prepare_data(cfg, loaded.tokenizer, raw)
-    return build_method(cfg, loaded), data
+    return build_method(cfg, loaded, role), data
 
 
 def client_seed(seed: int, server_round: int, client: int) -> int:

@@ -1,9 +1,10 @@
 """The Flower ClientApp: one SuperNode = one client = one partition of the train split.
 
 ``query`` answers which partition this SuperNode holds (the ServerApp maps node ids to client
-ids with it); ``train`` builds the method from the experiment config in the message, exactly as
-``fedslice run`` builds it, loads the payload and runs ``method.fit`` on this node's partition
-with the in-process engine's seed ``client_seed(seed, round, partition)``.
+ids with it); ``train`` builds the method from the experiment config in the message as ``fedslice
+run`` builds it, in the client role (no server-side distillation: FedPFT's proxy and FedOT's
+distilled emulator arrive in the payload), loads the payload and runs ``method.fit`` on this
+node's partition with the in-process engine's seed ``client_seed(seed, round, partition)``.
 
 A SuperNode needs the model and the train data at the paths of the config (the ServerApp sends the
 config, not the data). Flower starts a fresh ClientApp process per message in a deployment, so
@@ -38,7 +39,7 @@ def _setup(experiment: dict[str, Any]):
     if _CACHE.get("key") != key:
         _CACHE.clear()
         cfg = validate_config(experiment, "<config sent by the ServerApp>")
-        method, data = setup(cfg)
+        method, data = setup(cfg, role="client")
         _CACHE.update(key=key, value=(cfg, method, data))
     return _CACHE["value"]
 

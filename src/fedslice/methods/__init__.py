@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fedslice.config import ExperimentConfig
-from fedslice.methods.base import Method
+from fedslice.methods.base import Method, Role
 from fedslice.methods.fedavg import FedAvg
 from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.methods.fedot import FedOT
@@ -15,8 +15,8 @@ from fedslice.models.loading import LoadedModel
 METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedPETuning, RaFFM, Heads, FedPFT, FedOT)}
 
 
-def build_method(cfg: ExperimentConfig, loaded: LoadedModel) -> Method:
-    return METHODS[cfg.method.name](cfg, loaded)
+def build_method(cfg: ExperimentConfig, loaded: LoadedModel, role: Role = "both") -> Method:
+    return METHODS[cfg.method.name](cfg, loaded, role)
 
 
-__all__ = ["METHODS", "Method", "build_method"]
+__all__ = ["METHODS", "Method", "Role", "build_method"]

@@ -1,7 +1,9 @@
 """What a federated method is: a prepared model, a Strategy (server) and a client ``fit``.
 
-A method is built identically on the server and on every client (the in-process engine builds it
-once; Flower builds it in each process) from the experiment config. Methods differ by
+A method is built from the experiment config on the server and on every client: the in-process
+engine builds it once (``role="both"``); a Flower ClientApp builds it with ``role="client"``,
+which skips server-only work (distillation before FL: what it produced reaches clients in the
+payload, and is counted in the bytes sent). Methods differ by
 composition: which tensors are trainable (``prepare_model``), what each client receives
 (``Strategy.payload_for``), which model a client trains (``client_model``) and how replies are
 combined (``Strategy.aggregate``). The default is FedAvg over the trainable tensors of one shared
@@ -11,7 +13,7 @@ model: a client's state is loaded into it in place (no copy of the model per cli
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -25,11 +27,16 @@ from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 
 
+Role = Literal["both", "client"]
+
+
 class Method:
     name = "base"
 
-    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel):
-        self.cfg = cfg
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, role: Role = "both"):
+        if role not in ("both", "client"):
+            raise ValueError(f"role must be 'both' or 'client', got {role!r}")
+        self.cfg, self.role = cfg, role
         self.arch: ArchSpec = loaded.arch
         self.dims = loaded.arch.dims(loaded.model.config)
         self.model = self.prepare_model(loaded.model)

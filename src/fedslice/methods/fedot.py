@@ -40,7 +40,7 @@ from fedslice.distill.losses import hidden_loss
 from fedslice.distill.report import write_curves
 from fedslice.errors import ConfigError
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
-from fedslice.methods.base import Method
+from fedslice.methods.base import Method, Role
 from fedslice.methods.submodel import (Corpus, cached_distill, named_params, sub_accuracy,
                                        transformer_params)
 from fedslice.models.arch import ArchSpec
@@ -50,6 +50,8 @@ from fedslice.slicing.aggregate import aggregate_deltas, client_delta
 from fedslice.slicing.spec import SliceSpec, extract_model, extract_state, scatter
 
 log = logging.getLogger(__name__)
+
+FROZEN_PREFIX = "emulator."
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,14 +103,35 @@ def fedot_layout(num_layers: int, bottom: int | None, top: int | None,
 
 class SubModelStrategy(Strategy):
     """Each client gets its sub-model's slice of the global state; slices are scattered back to
-    full-model names and averaged where held (a depth spec holds whole tensors)."""
+    full-model names and averaged where held (a depth spec holds whole tensors).
 
-    def __init__(self, fed, spec: SliceSpec, arch: ArchSpec, shapes: dict[str, torch.Size]):
+    ``frozen`` (sub-model names) are tensors the server made that a client cannot rebuild from the
+    checkpoint (the distilled emulator): they go to a client at its first participation, as
+    ``emulator.<name>``, and again after a round it did not reply to (it may have lost them)."""
+
+    def __init__(self, fed, spec: SliceSpec, arch: ArchSpec, shapes: dict[str, torch.Size],
+                 frozen: State | None = None):
         super().__init__(fed)
         self.spec, self.arch, self.shapes = spec, arch, shapes
+        self.frozen = dict(frozen or {})
+        self.holders: set[int] = set()  # clients that were sent ``frozen``
+        self.sent: list[int] = []
+
+    def configure_train(self, server_round: int, state: State, clients: list[int]) -> dict[int, Payload]:
+        self.sent = list(clients)
+        return super().configure_train(server_round, state, clients)
 
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
-        return Payload(arrays=extract_state(state, self.spec, self.arch), config={**config, "client": client})
+        arrays = extract_state(state, self.spec, self.arch)
+        if self.frozen and client not in self.holders:
+            arrays.update({FROZEN_PREFIX + k: t for k, t in self.frozen.items()})
+            self.holders.add(client)
+        return Payload(arrays=arrays, config={**config, "client": client, "frozen_sent": bool(self.frozen)})
+
+    def aggregate_train(self, server_round: int, state: State, payloads: dict[int, Payload],
+                        replies: dict[int, Reply]):
+        self.holders -= {c for c in self.sent if c not in replies}
+        return super().aggregate_train(server_round, state, payloads, replies)
 
     def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
                   replies: dict[int, Reply]) -> State:
@@ -127,10 +150,10 @@ class SubModelStrategy(Strategy):
 class FedOT(Method):
     name = "fedot"
 
-    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel):
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, role: Role = "both"):
         self.tokenizer = loaded.tokenizer
         self.opts: FedOTMethod = cfg.method
-        super().__init__(cfg, loaded)
+        super().__init__(cfg, loaded, role)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         o = self.opts
@@ -141,8 +164,12 @@ class FedOT(Method):
                                       layers=self.bottom + self.emulator + self.top)
         self.sub = extract_model(full, self.spec, self.arch)
         self.kd_log, self.kd_cached = None, False
+        self.emulator_params: dict[str, nn.Parameter] = {}  # the distilled copies (sub-model names)
+        self.emulator_held = self.role != "client"  # a client receives it in its first payload
         if o.distill_emulator and o.distill.steps > 0:
-            self.kd_log, self.kd_cached = self._distill_emulator(full)
+            self.emulator_params = self._own_emulator()
+            if self.role != "client":
+                self.kd_log, self.kd_cached = self._distill_emulator(full)
         return full
 
     def _adapter(self, model: nn.Module, layers: list[int]) -> nn.Module:
@@ -166,15 +193,22 @@ class FedOT(Method):
 
     def make_strategy(self) -> Strategy:
         shapes = {n: p.shape for n, p in self.trainable().items()}
-        return SubModelStrategy(self.cfg.federation, self.spec, self.arch, shapes)
+        frozen = {k: p.detach() for k, p in self.emulator_params.items()} if self.role != "client" else {}
+        return SubModelStrategy(self.cfg.federation, self.spec, self.arch, shapes, frozen)
 
-    def _distill_emulator(self, full: nn.Module) -> tuple[DistillLog, bool]:
-        """Copies of the emulator layers, trained so that their output matches the middle's."""
-        d, nb, k = self.opts.distill, len(self.bottom), len(self.emulator)
-        blocks = self.arch.blocks(self.sub)  # the sub-model's own list: the full model is untouched
+    def _own_emulator(self) -> dict[str, nn.Parameter]:
+        """Give the sub-model its own copies of the emulator layers (the full model's middle
+        layers stay untouched) and return their parameters by sub-model name."""
+        nb, k = len(self.bottom), len(self.emulator)
+        blocks = self.arch.blocks(self.sub)  # the sub-model's own list
         for j in range(nb, nb + k):
             blocks[j] = copy.deepcopy(blocks[j])
-        params = named_params(self.sub, [blocks[j] for j in range(nb, nb + k)])
+        return named_params(self.sub, [blocks[j] for j in range(nb, nb + k)])
+
+    def _distill_emulator(self, full: nn.Module) -> tuple[DistillLog, bool]:
+        """The emulator copies, trained so that their output matches the middle layers'."""
+        d, nb, k = self.opts.distill, len(self.bottom), len(self.emulator)
+        params = self.emulator_params
         t_index = self.dims["num_layers"] - len(self.top) - 1  # the last middle layer
         corpus = Corpus(self.cfg, d, self.tokenizer, d.steps, "method.distill.corpus")
 
@@ -194,9 +228,34 @@ class FedOT(Method):
     # -- client ------------------------------------------------------------------------------
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         """The adapter + emulator model, with the payload (sub-model names) loaded."""
+        arrays = dict(payload.arrays)
+        frozen = {k[len(FROZEN_PREFIX):]: arrays.pop(k) for k in list(arrays) if k.startswith(FROZEN_PREFIX)}
+        if frozen:
+            self.load_client_state({FROZEN_PREFIX + k: t for k, t in frozen.items()})
+        elif payload.config.get("frozen_sent") and not self.emulator_held:
+            raise RuntimeError(f"client {payload.config.get('client')}: no distilled emulator on this "
+                               "worker and none in the payload (its copy was lost)")
         params = self.trainable(self.sub)
-        self.load_state(params, payload.arrays)
+        self.load_state(params, arrays)
         return self.sub, params
+
+    def client_state(self) -> State:
+        """The distilled emulator this client received (kept between its participations)."""
+        if self.role != "client" or not self.emulator_held:
+            return {}
+        return {FROZEN_PREFIX + k: p.detach().clone() for k, p in self.emulator_params.items()}
+
+    @torch.no_grad()
+    def load_client_state(self, state: State) -> None:
+        if self.role != "client":
+            return
+        kept = {k[len(FROZEN_PREFIX):]: t for k, t in state.items() if k.startswith(FROZEN_PREFIX)}
+        if kept and set(kept) != set(self.emulator_params):
+            raise RuntimeError(f"emulator tensors {sorted(kept)} do not match this sub-model's "
+                               f"{sorted(self.emulator_params)}")
+        for k, t in kept.items():
+            self.emulator_params[k].copy_(t)
+        self.emulator_held = bool(kept)
 
     # -- reporting ---------------------------------------------------------------------------
     def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],

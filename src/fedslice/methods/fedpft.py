@@ -51,7 +51,7 @@ from fedslice.distill.report import write_curves
 from fedslice.errors import ConfigError
 from fedslice.fl import costs
 from fedslice.fl.strategy import Payload, Reply, RoundResult, State, Strategy
-from fedslice.methods.base import Method
+from fedslice.methods.base import Method, Role
 from fedslice.methods.submodel import (Corpus, cached_distill, concat_logs, named_params,
                                        sub_accuracy, sub_seed, transformer_params)
 from fedslice.models.arch import ArchSpec
@@ -233,13 +233,13 @@ class FedPFTStrategy(Strategy):
 class FedPFT(Method):
     name = "fedpft"
 
-    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel):
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, role: Role = "both"):
         self.tokenizer = loaded.tokenizer
         self.opts: FedPFTMethod = cfg.method
         self.align_logs: list[DistillLog] = []
         self.align_records: list[dict[str, Any]] = []
         self.held_version: int | None = None  # proxy version of this worker's copy (client side)
-        super().__init__(cfg, loaded)
+        super().__init__(cfg, loaded, role)
 
     # -- construction ----------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -256,9 +256,10 @@ class FedPFT(Method):
         self.proxy = build_proxy(full, self.spec, self.arch)
         ffns = [self.arch.part(self.proxy, l, p) for l in self.compressed for p in ("ffn_in", "ffn_out")]
         self.proxy_params = named_params(self.proxy, ffns)
-        self.corpus = self._corpus()
+        # a client gets the distilled proxy in its payload: no corpus, no distillation there
+        self.corpus = self._corpus() if self.role != "client" else None
         self.kd_before, self.kd_cached = None, False
-        if o.kd in KD_BEFORE and self.compressed and o.distill.steps > 0:
+        if o.kd in KD_BEFORE and self.compressed and o.distill.steps > 0 and self.role != "client":
             self.kd_before, self.kd_cached = self._layer_kd(full)
         return full
 

@@ -38,6 +38,7 @@ from fedslice.fl import costs
 from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.paper_ops import paper_ops
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.methods.base import Role
 from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.models.loading import LoadedModel
 from fedslice.slicing.heads import (HeadUpdate, _ensure_eager, aggregate_heads, head_axes,
@@ -123,10 +124,10 @@ def special_token_ids(tokenizer) -> list[int]:
 class Heads(FedPETuning):
     name = "heads"
 
-    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel):
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, role: Role = "both"):
         self.opts: HeadsMethod = cfg.method
         self.special_ids = special_token_ids(loaded.tokenizer)
-        super().__init__(cfg, loaded)
+        super().__init__(cfg, loaded, role)
         self._check_heads()
 
     # -- construction ------------------------------------------------------------------------

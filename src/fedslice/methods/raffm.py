@@ -34,7 +34,7 @@ from fedslice.errors import ConfigError
 from fedslice.fl import costs
 from fedslice.fl.client import LocalResult, evaluate
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
-from fedslice.methods.base import Method
+from fedslice.methods.base import Method, Role
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import apply_lora
@@ -117,10 +117,10 @@ class RaFFMStrategy(Strategy):
 class RaFFM(Method):
     name = "raffm"
 
-    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel):
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, role: Role = "both"):
         self.opts: RaFFMMethod = cfg.method
         self._submodels: dict[SliceSpec, nn.Module] = {}
-        super().__init__(cfg, loaded)
+        super().__init__(cfg, loaded, role)
 
     # -- construction ------------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
