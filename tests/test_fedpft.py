@@ -448,3 +448,22 @@ def test_client_role_skips_distillation_and_trains_the_sent_proxy(pft_cfg):
     ref = server.fit(payload, data.client(0), seed=5)
     got = client.fit(payload, data.client(0), seed=5)
     torch.testing.assert_close(got.arrays, ref.arrays, rtol=0, atol=0)
+
+
+def test_corpus_fingerprint_follows_content_not_modification_time(tmp_path):
+    """A re-synced corpus (same files, new mtimes) keeps its cache key; new text changes it."""
+    import os
+    import shutil
+    from fedslice.distill.corpus import fingerprint
+    src = tmp_path / "a"
+    (src / "sub").mkdir(parents=True)
+    (src / "one.txt").write_text("first passage\n")
+    (src / "sub" / "two.txt").write_text("second passage\n")
+    key = fingerprint(src)
+    copy = tmp_path / "b"
+    shutil.copytree(src, copy)
+    os.utime(copy / "one.txt", (1, 1))
+    assert fingerprint(copy) == key
+    (copy / "sub" / "two.txt").write_text("second passage, edited\n")
+    assert fingerprint(copy) != key
+    assert fingerprint(src / "one.txt") == fingerprint(copy / "one.txt")

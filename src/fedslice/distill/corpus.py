@@ -142,13 +142,17 @@ def pack_chunks(passages: Iterator[str], tokenizer, max_length: int, max_chunks:
 
 
 def fingerprint(source: Path | str) -> str:
-    """Identity of a corpus for cache keys: file names, sizes and modification times."""
+    """Identity of a corpus for cache keys: its files' names and contents (a copy of the same
+    files, or a re-synced folder with new modification times, keeps its cache entries)."""
     if isinstance(source, str):
         return f"hub:{source}"
     h = hashlib.sha256()
     for p in corpus_files(source):
-        st = p.stat()
-        h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}".encode())
+        name = p.relative_to(source) if source.is_dir() else p.name
+        h.update(f"{name}:{p.stat().st_size}:".encode())
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
     return h.hexdigest()[:16]
 
 
