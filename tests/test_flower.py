@@ -200,30 +200,20 @@ def test_serverapp_matches_in_process_engine(tiny_cfg_dict, tmp_path, method):
                                                    "partition.json", "final_trainable.safetensors"}
 
 
-def test_fedpft_node_that_lost_its_proxy_copy_recovers(tiny_cfg_dict, tmp_path):
-    """A SuperNode whose state is gone (restarted) refuses an incremental proxy update; the
-    failure is recorded and the server sends that node the whole proxy at its next participation."""
-    tiny_cfg_dict["method"] = {"name": "fedpft", **_method_options("fedpft", tmp_path)}
+@pytest.mark.parametrize("method, reason", [("fedpft", "this worker holds version None"),
+                                            ("fedot", "no distilled emulator")])
+def test_node_that_lost_its_kept_state_recovers(tiny_cfg_dict, tmp_path, method, reason):
+    """What the server sends once (FedPFT's proxy, FedOT's distilled emulator) lives in the node's
+    Context.state. A SuperNode whose state is gone (restarted) fails the round that assumes it,
+    with a clear reason, and the server sends it whole at the node's next participation."""
+    tiny_cfg_dict["method"] = {"name": method, **_method_options(method, tmp_path)}
     tiny_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, min_replies=1, rounds=3)
     path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
     run_dir = server_run(InProcessGrid(_nodes(2), keep_state=False), _settings(path, tmp_path / "fl"))
     _, metrics, _ = read_run(run_dir)
     reasons = [[e["reason"] for e in m["excluded"]] for m in metrics]
-    assert reasons[0] == [] and reasons[2] == []  # round 1: whole proxy; round 3: whole again
-    assert len(reasons[1]) == 2 and all("this worker holds version None" in r for r in reasons[1])
-
-
-def test_fedot_node_that_lost_its_emulator_recovers(tiny_cfg_dict, tmp_path):
-    """The distilled emulator reaches a SuperNode once; a node that lost it (restarted) fails that
-    round with a clear reason and is sent the emulator again at its next participation."""
-    tiny_cfg_dict["method"] = {"name": "fedot", **_method_options("fedot", tmp_path)}
-    tiny_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, min_replies=1, rounds=3)
-    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
-    run_dir = server_run(InProcessGrid(_nodes(2), keep_state=False), _settings(path, tmp_path / "fl"))
-    _, metrics, _ = read_run(run_dir)
-    reasons = [[e["reason"] for e in m["excluded"]] for m in metrics]
-    assert reasons[0] == [] and reasons[2] == []
-    assert len(reasons[1]) == 2 and all("no distilled emulator" in r for r in reasons[1])
+    assert reasons[0] == [] and reasons[2] == []  # round 1: sent whole; round 3: whole again
+    assert len(reasons[1]) == 2 and all(reason in r for r in reasons[1])
 
 
 def test_failed_node_is_excluded_and_recorded(tiny_cfg_dict, tmp_path):

@@ -51,6 +51,7 @@ class Strategy:
 
     def __init__(self, fed: FederationConfig):
         self.fed = fed
+        self.sent: list[int] = []  # clients of the round being trained
 
     # -- configure ---------------------------------------------------------------------------
     def train_config(self, server_round: int) -> dict[str, Any]:
@@ -67,7 +68,12 @@ class Strategy:
 
     def configure_train(self, server_round: int, state: State, clients: list[int]) -> dict[int, Payload]:
         config = self.train_config(server_round)
+        self.sent = list(clients)
         return {c: self.payload_for(server_round, state, c, config) for c in clients}
+
+    def forget(self, client: int) -> None:
+        """A client sent a payload did not reply (failed node, refused payload): drop what the
+        server assumed it now holds, so its next payload is whole. Default: nothing is assumed."""
 
     # -- aggregate ---------------------------------------------------------------------------
     def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
@@ -95,6 +101,9 @@ class Strategy:
 
     def aggregate_train(self, server_round: int, state: State, payloads: dict[int, Payload],
                         replies: dict[int, Reply]) -> RoundResult:
+        for c in self.sent:
+            if c not in replies:
+                self.forget(c)
         valid: dict[int, Reply] = {}
         excluded = []
         for c in sorted(replies):

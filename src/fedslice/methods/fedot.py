@@ -115,23 +115,16 @@ class SubModelStrategy(Strategy):
         self.spec, self.arch, self.shapes = spec, arch, shapes
         self.frozen = dict(frozen or {})
         self.holders: set[int] = set()  # clients that were sent ``frozen``
-        self.sent: list[int] = []
-
-    def configure_train(self, server_round: int, state: State, clients: list[int]) -> dict[int, Payload]:
-        self.sent = list(clients)
-        return super().configure_train(server_round, state, clients)
 
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
         arrays = extract_state(state, self.spec, self.arch)
         if self.frozen and client not in self.holders:
             arrays.update({FROZEN_PREFIX + k: t for k, t in self.frozen.items()})
             self.holders.add(client)
-        return Payload(arrays=arrays, config={**config, "client": client, "frozen_sent": bool(self.frozen)})
+        return Payload(arrays=arrays, config={**config, "client": client})
 
-    def aggregate_train(self, server_round: int, state: State, payloads: dict[int, Payload],
-                        replies: dict[int, Reply]):
-        self.holders -= {c for c in self.sent if c not in replies}
-        return super().aggregate_train(server_round, state, payloads, replies)
+    def forget(self, client: int) -> None:
+        self.holders.discard(client)
 
     def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
                   replies: dict[int, Reply]) -> State:
@@ -229,10 +222,10 @@ class FedOT(Method):
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         """The adapter + emulator model, with the payload (sub-model names) loaded."""
         arrays = dict(payload.arrays)
-        frozen = {k[len(FROZEN_PREFIX):]: arrays.pop(k) for k in list(arrays) if k.startswith(FROZEN_PREFIX)}
+        frozen = {k: arrays.pop(k) for k in list(arrays) if k.startswith(FROZEN_PREFIX)}
         if frozen:
-            self.load_client_state({FROZEN_PREFIX + k: t for k, t in frozen.items()})
-        elif payload.config.get("frozen_sent") and not self.emulator_held:
+            self.load_client_state(frozen)
+        elif self.emulator_params and not self.emulator_held:
             raise RuntimeError(f"client {payload.config.get('client')}: no distilled emulator on this "
                                "worker and none in the payload (its copy was lost)")
         params = self.trainable(self.sub)

@@ -50,7 +50,7 @@ from fedslice.distill.losses import layer_kd_loss
 from fedslice.distill.report import write_curves
 from fedslice.errors import ConfigError
 from fedslice.fl import costs
-from fedslice.fl.strategy import Payload, Reply, RoundResult, State, Strategy
+from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.methods.base import Method, Role
 from fedslice.methods.submodel import (Corpus, cached_distill, concat_logs, named_params,
                                        sub_accuracy, sub_seed, transformer_params)
@@ -145,7 +145,6 @@ class FedPFTStrategy(Strategy):
         self.method, self.arch, self.proxy_keys, self.widths = method, arch, set(proxy_keys), widths
         self.updates: list[dict[int, torch.Tensor]] = []  # neuron masks of each re-alignment
         self.client_version: dict[int, int] = {}  # re-alignments included in the client's copy
-        self.sent: list[int] = []  # clients of the round being trained
 
     @property
     def version(self) -> int:
@@ -162,10 +161,6 @@ class FedPFTStrategy(Strategy):
             cfg.update(report_apoz=True, apoz_tau=self.method.apoz_tau)
         return cfg
 
-    def configure_train(self, server_round: int, state: State, clients: list[int]) -> dict[int, Payload]:
-        self.sent = list(clients)
-        return super().configure_train(server_round, state, clients)
-
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
         """Whole proxy at first participation, else the neurons re-distilled since the client's
         copy. ``proxy_version``/``proxy_base`` let the client check its copy (see ``_check_copy``)."""
@@ -181,13 +176,9 @@ class FedPFTStrategy(Strategy):
         self.client_version[client] = self.version
         return Payload(arrays=arrays, config=config)
 
-    def aggregate_train(self, server_round: int, state: State, payloads: dict[int, Payload],
-                        replies: dict[int, Reply]) -> RoundResult:
+    def forget(self, client: int) -> None:
         """A client that did not reply (failed node, stale copy) gets the whole proxy next time."""
-        for c in self.sent:
-            if c not in replies:
-                self.client_version.pop(c, None)
-        return super().aggregate_train(server_round, state, payloads, replies)
+        self.client_version.pop(client, None)
 
     def neuron_update(self, state: State, updates: list[dict[int, torch.Tensor]]) -> State:
         """The re-distilled neurons of ``updates`` (their union), sliced from the proxy tensors."""
