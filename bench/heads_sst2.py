@@ -39,7 +39,8 @@ import torch
 
 from fedslice.api import run_experiment
 from fedslice.config import validate_config
-from fedslice.fl.engine import Simulation, setup
+from fedslice.api import setup
+from fedslice.fl.engine import Simulation
 from fedslice.report import _figure, _save, plot_compare
 
 VARIANTS = {  # name -> method options

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from fedslice.config import validate_config
-from fedslice.fl.engine import Simulation, setup, summarize
+from fedslice.api import setup
+from fedslice.fl.engine import Simulation, summarize
 from fedslice.output import write_json_atomic
 from fedslice.report import plot_elastic
 

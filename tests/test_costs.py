@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedslice.fl.costs import (
+from fedslice.measure import (
     ClientCost,
     PeakMemory,
     analytic_train_flops,

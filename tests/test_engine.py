@@ -7,8 +7,9 @@ import torch
 
 from fedslice.config import validate_config
 from fedslice.errors import ConfigError, ModelError
-from fedslice.fl import costs
-from fedslice.fl.engine import Simulation, setup
+from fedslice import measure
+from fedslice.api import setup
+from fedslice.fl.engine import Simulation
 
 
 def _run(cfg_dict):
@@ -37,7 +38,7 @@ def test_training_changes_only_trainable_state_and_costs_are_sizes(tiny_cfg_dict
     names = list(state)
     assert all("lora_" in n or "classifier" in n for n in names)
     assert sum("lora_A" in n for n in names) == 2 * 2  # 2 layers x (q, v)
-    expected = costs.tensor_bytes(method.initial_state())
+    expected = measure.tensor_bytes(method.initial_state())
     for rec in records:
         for m in rec["client_metrics"]:
             assert m["bytes_down"] == expected == m["bytes_up"]

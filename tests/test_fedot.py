@@ -6,7 +6,8 @@ import torch
 from conftest import save_tiny_model
 from fedslice.config import validate_config
 from fedslice.errors import ConfigError
-from fedslice.fl.engine import Simulation, setup
+from fedslice.api import setup
+from fedslice.fl.engine import Simulation
 from fedslice.methods.fedot import emulator_indices, fedot_layout
 
 

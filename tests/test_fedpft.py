@@ -11,7 +11,8 @@ from fedslice.distill.apoz import (aggregate_apoz, apoz_report, near_zero_counts
                                    split_report)
 from fedslice.distill.losses import hidden_loss, layer_kd_loss, weight_loss
 from fedslice.errors import ConfigError
-from fedslice.fl.engine import Simulation, setup
+from fedslice.api import setup
+from fedslice.fl.engine import Simulation
 from fedslice.fl.strategy import Reply
 from fedslice.methods.fedpft import compressed_layers, proxy_spec, top_neurons
 from fedslice.models.arch import arch_for

@@ -22,7 +22,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedslice.config import validate_config
 from fedslice.errors import FedsliceError
-from fedslice.fl.engine import Simulation, setup
+from fedslice.api import setup
+from fedslice.fl.engine import Simulation
 from fedslice.fl.strategy import Payload, Reply
 from fedslice.flower import codec
 from fedslice.flower.client_app import app as client_app

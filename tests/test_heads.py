@@ -123,7 +123,7 @@ def test_sliced_model_equals_full_model_without_pruned_heads(tiny_lora):
     q_b = next(n for n in names if f"{arch.part_name(0, 'q')}.lora_B" in n)
     assert dict(sub.named_parameters())[q_b].shape[0] == 2 * dims["head_dim"]
     # it trains: gradients reach the kept LoRA slices, and the FLOPs fall
-    from fedslice.fl.costs import measure_step_flops
+    from fedslice.measure import measure_step_flops
     batch = {**_batch(), "labels": torch.tensor([0, 1, 0])}
     assert measure_step_flops(sub, batch) < 0.8 * measure_step_flops(model, batch)
 

@@ -8,7 +8,8 @@ import torch
 
 from fedslice.config import validate_config
 from fedslice.errors import ConfigError, ModelError
-from fedslice.fl.engine import Simulation, setup
+from fedslice.api import setup
+from fedslice.fl.engine import Simulation
 from fedslice.methods.heads import ALPHA, KEPT
 
 

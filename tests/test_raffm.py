@@ -8,7 +8,8 @@ import torch
 
 from fedslice.config import FederationConfig, RaFFMMethod, validate_config
 from fedslice.errors import ConfigError
-from fedslice.fl.engine import Simulation, setup
+from fedslice.api import setup
+from fedslice.fl.engine import Simulation
 from fedslice.fl.strategy import Reply
 from fedslice.methods.raffm import ClientPlan, RaFFMStrategy
 from fedslice.models.arch import ARCHITECTURES

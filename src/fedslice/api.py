@@ -10,7 +10,13 @@ from typing import Any
 
 from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError
-from fedslice.fl.engine import Simulation, setup
+import torch
+
+from fedslice.data.sources import load_raw_splits
+from fedslice.data import num_labels
+from fedslice.fl.engine import FederatedData, Simulation, prepare_data
+from fedslice.methods import Method, Role, build_method
+from fedslice.models.loading import load_model
 from fedslice.output import RunDir, write_json_atomic
 from fedslice.report import markdown_table, plot_compare, plot_run, render_table, summary_row
 
@@ -52,6 +58,17 @@ class _Progress:
         if acc is not None:
             stats += f"  dev acc {acc:.3f}"
         self.bar.update(self.task, advance=1, stats=stats)
+
+
+def setup(cfg: ExperimentConfig, role: Role = "both") -> tuple[Method, FederatedData]:
+    """Build the method (model, strategy) and the federated data of an experiment
+    (``role="client"``: as a Flower ClientApp needs it, without the server-only work)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    raw = load_raw_splits(cfg.data)
+    loaded = load_model(cfg.model, num_labels=num_labels(raw), seed=cfg.seed)
+    data = prepare_data(cfg, loaded.tokenizer, raw)
+    return build_method(cfg, loaded, role), data
 
 
 def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,

@@ -5,7 +5,7 @@ holds run folders (e.g. a compare folder), and regenerates the plots: ``accuracy
 ``bytes.png`` in every run folder, and ``compare.png`` next to several runs.
 
 Units: transfer in MB (10⁶ bytes) per client per round, compute in GFLOPs (10⁹ FLOPs) per client
-per round, memory in MiB as measured by :class:`fedslice.fl.costs.PeakMemory`.
+per round, memory in MiB as measured by :class:`fedslice.measure.PeakMemory`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from fedslice.data.batching import TokenizedSplit, iter_batches
-from fedslice.fl.costs import count_flops
+from fedslice.measure import count_flops
 from fedslice.models.arch import ArchSpec
 
 #: Reply keys of APoZ reports: ``apoz.<layer>`` -> (F'_l,) fractions.

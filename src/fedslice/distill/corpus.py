@@ -22,7 +22,9 @@ import torch
 
 from fedslice.config import DistillConfig
 from fedslice.data.batching import TokenizedSplit, _pad_token_id
-from fedslice.errors import ConfigError
+from fedslice.data.loading import resolve_source
+from fedslice.data.sources import data_search_dirs
+from fedslice.errors import ConfigError, DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".tsv", ".csv")
 
@@ -159,10 +161,6 @@ def fingerprint(source: Path | str) -> str:
 def resolve_checked(cfg: DistillConfig, *, field: str, data_path: str | None = None) -> Path | str:
     """Resolve the corpus of ``cfg`` like data paths and check it is not the clients' data
     (``field`` names it in errors)."""
-    from fedslice.data.loading import resolve_source
-    from fedslice.errors import DataError
-    from fedslice.fl.engine import data_search_dirs  # lazy: the engine imports the methods
-
     source = resolve_corpus(cfg.corpus, field, data_search_dirs())
     if data_path is not None:
         try:

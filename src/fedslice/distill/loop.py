@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from fedslice.data.batching import TokenizedSplit, iter_batches
-from fedslice.fl.costs import count_flops
+from fedslice.measure import count_flops
 from fedslice.models.arch import ArchSpec
 
 #: loss_fn(student_layers, teacher_layers, batch) -> (loss, parts); *_layers[i] = output of block i.

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from fedslice.data.batching import TokenizedSplit, iter_batches
-from fedslice.fl.costs import PeakMemory, count_flops
+from fedslice.measure import PeakMemory, count_flops
 
 
 @dataclass

@@ -10,52 +10,25 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from fedslice.config import ExperimentConfig
-from fedslice.data import (TokenCache, TokenizedSplit, load_hub_splits, load_local_splits,
-                           num_labels, partition_indices, partition_report, resolve_source,
-                           sample_rows)
+from fedslice.data import (TokenCache, TokenizedSplit, num_labels, partition_indices,
+                           partition_report, sample_rows)
 from fedslice.errors import DataError
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Reply, RoundResult, State
-from fedslice.methods import Method, Role, build_method
-from fedslice.models.loading import load_model
+
+if TYPE_CHECKING:
+    from fedslice.methods.base import Method
 
 log = logging.getLogger(__name__)
 
-#: Hub ids for short dataset names when no local folder of that name exists.
-HUB_ALIASES = {"sst2": ("glue", "sst2", {"train": "train", "dev": "validation", "test": "validation"})}
 _TOKENS = TokenCache()
-
-
-def data_search_dirs() -> list[Path]:
-    """Where relative data paths are looked up: $FEDSLICE_DATA_DIR, ., ../shared/data, and
-    ../shared/data beside the source checkout."""
-    dirs = [Path(os.environ["FEDSLICE_DATA_DIR"])] if os.environ.get("FEDSLICE_DATA_DIR") else []
-    repo = Path(__file__).resolve().parents[3]
-    return dirs + [Path.cwd(), Path.cwd().parent / "shared" / "data", repo.parent / "shared" / "data"]
-
-
-def load_raw_splits(cfg: ExperimentConfig) -> dict:
-    d = cfg.data
-    source = resolve_source(d.path, data_search_dirs())
-    if isinstance(source, Path):
-        return load_local_splits(source, text_columns=d.text_columns, label_column=d.label_column,
-                                 file_format=d.format)
-    dataset_id, subset, split_map = HUB_ALIASES.get(
-        source, (source.split("/")[0], d.hub_subset or (source.split("/", 1) + [None])[1],
-                 {"train": "train", "dev": "validation", "test": "test"}))
-    return load_hub_splits(dataset_id, subset=subset, text_columns=d.text_columns,
-                           label_column=d.label_column, split_map=split_map)
 
 
 @dataclass
@@ -88,17 +61,6 @@ def prepare_data(cfg: ExperimentConfig, tokenizer, raw: dict) -> FederatedData:
     return FederatedData(train=train, dev=_limit(splits["dev"], d.max_dev_examples, seed),
                          test=_limit(splits["test"], d.max_test_examples, seed), partitions=parts,
                          report=report, num_labels=num_labels(raw))
-
-
-def setup(cfg: ExperimentConfig, role: Role = "both") -> tuple[Method, FederatedData]:
-    """Build the method (model, strategy) and the federated data of an experiment
-    (``role="client"``: as a Flower ClientApp needs it, without the server-only work)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    raw = load_raw_splits(cfg)
-    loaded = load_model(cfg.model, num_labels=num_labels(raw), seed=cfg.seed)
-    data = prepare_data(cfg, loaded.tokenizer, raw)
-    return build_method(cfg, loaded, role), data
 
 
 def client_seed(seed: int, server_round: int, client: int) -> int:

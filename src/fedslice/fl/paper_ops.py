@@ -20,7 +20,7 @@ cost model): a ``T x d`` by ``d x d`` product costs ``T d^2`` MACs, not ``T d^3`
 frozen weight is ``T d^2``, not ``T d^3``. With T5-small's ``L=18, d=512`` (Table 7) and
 ``T=512`` every such term is ``512^4 ~ 6.9e10``, so the formulas give ~13.7 T-OPs for LoRA
 r=16, not the 33.07 G-OPs of Tables 1-4: the tables were not computed with these formulas as
-printed (or with other ``T``/``d``). Use :func:`fedslice.fl.costs.analytic_train_flops` and the
+printed (or with other ``T``/``d``). Use :func:`fedslice.measure.analytic_train_flops` and the
 measured FLOPs for real costs; this is reported next to them for comparison with the paper.
 
 Head pruning is not in Table 6. Our reading: the per-head rows (QKV, Attention and the PEFT

@@ -33,7 +33,7 @@ CLIENT_STATE = "fedslice_client_state"  # what a method keeps between participat
 def _setup(experiment: dict[str, Any]):
     """``(cfg, method, data)`` for an experiment config dict, kept for the next message."""
     from fedslice.config import validate_config
-    from fedslice.fl.engine import setup
+    from fedslice.api import setup
 
     key = json.dumps(experiment, sort_keys=True)
     if _CACHE.get("key") != key:

@@ -52,7 +52,8 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     """Load the experiment, find the SuperNodes, train, write the run folder; return its path."""
     from fedslice.api import _run_name, save_results
     from fedslice.config import load_config
-    from fedslice.fl.engine import finalize, setup
+    from fedslice.api import setup
+    from fedslice.fl.engine import finalize
     from fedslice.flower.codec import record_to_state, state_to_record
     from fedslice.flower.discovery import PartitionMap
     from fedslice.flower.strategy import FlowerAdapter

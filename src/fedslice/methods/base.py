@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from fedslice.config import ExperimentConfig
 from fedslice.data.batching import TokenizedSplit
-from fedslice.fl import costs
+from fedslice import measure
 from fedslice.fl.client import LocalResult, evaluate, train_local
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.models.arch import ArchSpec
@@ -93,9 +93,9 @@ class Method:
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
-        counts = costs.linear_param_counts(model)
+        counts = measure.linear_param_counts(model)
         seq = result.tokens / max(result.examples, 1)
-        analytic = costs.analytic_train_flops(
+        analytic = measure.analytic_train_flops(
             num_layers=len(self.arch.blocks(model)),  # a sub-model may have fewer layers
             hidden=self.dims["hidden"], ffn=self.dims["ffn"],
             num_heads=self.dims["num_heads"], tokens=result.tokens, seq_len=seq,
@@ -106,8 +106,8 @@ class Method:
             "loss": result.loss, "steps": result.steps, "examples_trained": result.examples,
             "tokens": result.tokens, "flops_measured": result.flops_measured,
             "flops_analytic": analytic["total"],
-            "bytes_down": costs.tensor_bytes(payload.arrays), "bytes_up": costs.tensor_bytes(arrays),
-            "params_down": costs.num_params(payload.arrays), "params_up": costs.num_params(arrays),
+            "bytes_down": measure.tensor_bytes(payload.arrays), "bytes_up": measure.tensor_bytes(arrays),
+            "params_down": measure.num_params(payload.arrays), "params_up": measure.num_params(arrays),
             "trainable_params": sum(p.numel() for p in params.values()),
             "peak_rss_mb": result.peak_rss_mb, "activation_mb": result.activation_mb,
             "train_time_s": result.time_s,

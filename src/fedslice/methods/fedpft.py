@@ -49,7 +49,7 @@ from fedslice.distill.loop import DistillLog, distill
 from fedslice.distill.losses import layer_kd_loss
 from fedslice.distill.report import write_curves
 from fedslice.errors import ConfigError
-from fedslice.fl import costs
+from fedslice import measure
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.methods.base import Method, Role
 from fedslice.methods.submodel import (Corpus, cached_distill, concat_logs, named_params,
@@ -365,8 +365,8 @@ class FedPFT(Method):
             report = apoz_report(count.counts, count.tokens)
             reply.arrays.update(report)
             m = reply.metrics
-            m["bytes_up"] += costs.tensor_bytes(report)
-            m["params_up"] += costs.num_params(report)
+            m["bytes_up"] += measure.tensor_bytes(report)
+            m["params_up"] += measure.num_params(report)
             m["flops_measured"] += count.flops
             m.update(flops_apoz=count.flops, apoz_tokens=count.tokens)
         return reply

@@ -34,7 +34,7 @@ from fedslice.config import ExperimentConfig, HeadsMethod
 from fedslice.data.batching import TokenizedSplit
 from fedslice.data.partition import sample_rows
 from fedslice.errors import ConfigError, ModelError
-from fedslice.fl import costs
+from fedslice import measure
 from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.paper_ops import paper_ops
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
@@ -169,7 +169,7 @@ class Heads(FedPETuning):
         n = self.opts.importance_max_examples
         if n is not None and n < len(data):
             data = data.subset(sample_rows(len(data), n, seed))
-        with costs.count_flops() as fc:
+        with measure.count_flops() as fc:
             scores = head_importance(self.model, data, self.special_ids, self.opts.importance_batch_size)
         if "encoder" not in scores:
             raise ModelError(f"no encoder attention scores (got {sorted(scores)})")
@@ -229,11 +229,11 @@ class Heads(FedPETuning):
         return torch.ones(self.dims["num_layers"], self.dims["num_heads"], dtype=torch.bool)
 
     def analytic_flops(self, model: nn.Module, result: LocalResult, kept: torch.Tensor) -> float:
-        """:func:`costs.analytic_train_flops` of the sub-model, with the attention term (and the
+        """:func:`measure.analytic_train_flops` of the sub-model, with the attention term (and the
         skipped input-gradient of layer 0's q/k/v) over the kept heads only."""
-        d, counts = self.dims, costs.linear_param_counts(model)
+        d, counts = self.dims, measure.linear_param_counts(model)
         seq = result.tokens / max(result.examples, 1)
-        base = costs.analytic_train_flops(
+        base = measure.analytic_train_flops(
             num_layers=d["num_layers"], hidden=d["hidden"], ffn=d["ffn"], num_heads=d["num_heads"],
             tokens=result.tokens, seq_len=seq, trainable_linear_params=counts["trainable"],
             total_linear_params=counts["total"], examples=result.examples,
@@ -265,8 +265,8 @@ class Heads(FedPETuning):
         zero = ("steps", "examples_trained", "tokens", "flops_measured", "flops_analytic",
                 "bytes_up", "params_up", "trainable_params", "peak_rss_mb", "activation_mb",
                 "train_time_s", "flops_importance", "paper_ops", "paper_ops_dense")
-        return {"loss": math.nan, "bytes_down": costs.tensor_bytes(payload.arrays),
-                "params_down": costs.num_params(payload.arrays), **{k: 0.0 for k in zero}}
+        return {"loss": math.nan, "bytes_down": measure.tensor_bytes(payload.arrays),
+                "params_down": measure.num_params(payload.arrays), **{k: 0.0 for k in zero}}
 
     # -- after training ----------------------------------------------------------------------
     def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],

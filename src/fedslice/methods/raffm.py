@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from fedslice.config import ExperimentConfig, FederationConfig, RaFFMMethod
 from fedslice.errors import ConfigError
-from fedslice.fl import costs
+from fedslice import measure
 from fedslice.fl.client import LocalResult, evaluate
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.methods.base import Method, Role
@@ -217,7 +217,7 @@ class RaFFM(Method):
             "tier": payload.config.get("tier"), "sat_out": 0,
             # comparable with fedpetuning: the trained tensors; the frozen sub-model slices are
             # what a client without the model must also hold (counted apart)
-            "bytes_down": costs.tensor_bytes(trained), "bytes_down_frozen": costs.tensor_bytes(frozen),
+            "bytes_down": measure.tensor_bytes(trained), "bytes_down_frozen": measure.tensor_bytes(frozen),
             "flops_analytic": self._analytic_flops(spec, model, result),
             "flops_ratio_planned": self.planner.cost(spec).flops_ratio,
             "model_mb": model_bytes / 2**20, "memory_mb": model_bytes / 2**20 + result.activation_mb,
@@ -227,12 +227,12 @@ class RaFFM(Method):
         return m
 
     def _analytic_flops(self, spec: SliceSpec, model: nn.Module, result: LocalResult) -> float:
-        """:func:`costs.analytic_train_flops` of the sub-model: its linears are counted from the
+        """:func:`measure.analytic_train_flops` of the sub-model: its linears are counted from the
         model; the attention term uses each kept layer's attention width, not the hidden size."""
-        counts = costs.linear_param_counts(model)
+        counts = measure.linear_param_counts(model)
         d, T = self.dims["hidden"], result.tokens
         s = T / max(result.examples, 1)
-        base = costs.analytic_train_flops(
+        base = measure.analytic_train_flops(
             num_layers=len(spec.layers), hidden=d, ffn=self.dims["ffn"], num_heads=self.dims["num_heads"],
             tokens=T, seq_len=s, trainable_linear_params=counts["trainable"],
             total_linear_params=counts["total"], examples=result.examples,
@@ -262,7 +262,7 @@ class RaFFM(Method):
             model = self.submodel(plan.spec)
             self._load(model, extract_state(state, plan.spec, self.arch))
             rows = {k: v[:2] for k, v in self.profile.items() if k != "labels"}  # linear in rows
-            with torch.no_grad(), costs.count_flops() as fc:
+            with torch.no_grad(), measure.count_flops() as fc:
                 model.eval()
                 model(**rows)
             res = {"dev": evaluate(model, data.dev, batch_size), "test": evaluate(model, data.test, batch_size)}

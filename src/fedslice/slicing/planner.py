@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from fedslice.fl.costs import PeakMemory, count_flops
+from fedslice.measure import PeakMemory, count_flops
 from fedslice.slicing.spec import SliceSpec
 
 _MIB = float(1 << 20)
