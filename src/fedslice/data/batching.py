@@ -47,6 +47,9 @@ class TokenizedSplit:
         """int64 tensor ``(N,)`` of sequence lengths."""
         return torch.tensor([len(ids) for ids in self.input_ids], dtype=torch.int64)
 
+    def collate(self, indices: Indices) -> dict[str, torch.Tensor]:
+        return collate(self, indices)
+
     def subset(self, indices: Indices) -> TokenizedSplit:
         """The examples at ``indices``, sharing the underlying tensors (no copy of tokens)."""
         idx = _as_index_list(indices, len(self))
@@ -173,7 +176,7 @@ def iter_batches(
     if group_by_length and shuffle:
         order, starts = _group_by_length(split, order, batch_size, starts, generator)
     for start in starts:
-        yield collate(split, order[start : start + batch_size])
+        yield split.collate(order[start : start + batch_size])
 
 
 def _group_by_length(split: TokenizedSplit, order: torch.Tensor, batch_size: int, starts,

@@ -4,9 +4,11 @@ names of public datasets map to hub ids."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from fedslice.config import DataConfig
+from fedslice.errors import DataError
 from fedslice.data.loading import RawSplit, load_hub_splits, load_local_splits, resolve_source
 
 #: Hub ids for short dataset names when no local folder of that name exists.
@@ -32,3 +34,34 @@ def load_raw_splits(d: DataConfig) -> dict[str, RawSplit]:
                  {"train": "train", "dev": "validation", "test": "test"}))
     return load_hub_splits(dataset_id, subset=subset, text_columns=d.text_columns,
                            label_column=d.label_column, split_map=split_map)
+
+
+@dataclass
+class RawTable:
+    """One split as read from a file: every column's cells (row order kept)."""
+
+    columns: dict[str, list[str]]
+    source: str
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values()), []))
+
+
+def load_tables(d: DataConfig, seed: int) -> dict[str, RawTable]:
+    """train/dev/test tables of a local folder with a header row (every column kept)."""
+    from fedslice.data.loading import _find_split_file, _iter_records
+
+    folder = resolve_source(d.path, data_search_dirs())
+    if not isinstance(folder, Path):
+        raise DataError(f"data.path {d.path!r}: generation tasks read local folders")
+    out = {}
+    for split in ("train", "dev", "test"):
+        path, fmt = _find_split_file(folder, split, d.format)
+        columns: dict[str, list[str]] = {}
+        for _, row in _iter_records(path, fmt, []):
+            for k, v in row.items():
+                columns.setdefault(k, []).append("" if v is None else str(v))
+        if not columns:
+            raise DataError(f"{path}: no data rows")
+        out[split] = RawTable(columns, str(path))
+    return out

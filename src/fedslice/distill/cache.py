@@ -18,20 +18,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fedslice.paths import cache_root  # noqa: F401  (re-exported: methods ask the cache for its root)
+
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1
-
-
-def cache_root(configured: str | None) -> Path | None:
-    """The cache folder: the configured one, else $FEDSLICE_CACHE_DIR, else ~/.cache/fedslice;
-    None when disabled (configured as '')."""
-    if configured == "":
-        return None
-    if configured is not None:
-        return Path(configured).expanduser()
-    env = os.environ.get("FEDSLICE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fedslice"
 
 
 def weights_fingerprint(model: nn.Module, skip: tuple[str, ...] = ()) -> str:

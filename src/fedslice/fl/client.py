@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +13,10 @@ import torch.nn as nn
 
 from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.measure import PeakMemory, count_flops
+from fedslice.tasks.base import batch_examples, batch_tokens
+
+#: ``loss_fn(model, batch) -> scalar`` (the task's training loss)
+LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 
 
 @dataclass
@@ -52,8 +57,12 @@ def _proximal(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor], mu:
     return 0.5 * mu * sum(((p - ref[n]) ** 2).sum() for n, p in params.items())
 
 
+def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
 def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: TokenizedSplit,
-                cfg: dict[str, Any], seed: int) -> LocalResult:
+                cfg: dict[str, Any], seed: int, loss_fn: LossFn = _hf_loss) -> LocalResult:
     """AdamW on ``params`` of ``model`` over the client's data; deterministic given ``seed``.
 
     ``cfg`` holds the strategy's train config (lr, weight_decay, local_epochs/local_steps,
@@ -77,11 +86,11 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem:
         for step, batch in enumerate(_batches(data, cfg, gen)):
             with count_flops(enabled=step == 0) as fc:
-                loss = model(**batch).loss
+                loss = loss_fn(model, batch)
                 total = loss + _proximal(params, ref, mu) if ref is not None else loss
                 total.backward()
             if step == 0:
-                flops_per_token = fc.total / batch["input_ids"].numel()
+                flops_per_token = fc.total / batch_tokens(batch)
             if not torch.isfinite(loss):
                 nonfinite = True
                 losses.append(loss.detach())
@@ -91,29 +100,11 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
-            tokens += batch["input_ids"].numel()
-            examples += len(batch["labels"])
+            tokens += batch_tokens(batch)
+            examples += batch_examples(batch)
     model.train(was_training)
     mean_loss = float(torch.stack(losses).mean()) if losses else math.nan
     return LocalResult(loss=mean_loss if not nonfinite else math.nan, steps=len(losses),
                        examples=examples, tokens=tokens, flops_measured=flops_per_token * tokens,
                        peak_rss_mb=mem.rss_peak_mb or 0.0, activation_mb=mem.tensor_peak_mb,
                        time_s=time.perf_counter() - t0, nonfinite=nonfinite)
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: TokenizedSplit, batch_size: int) -> dict[str, float]:
-    """Accuracy and mean cross-entropy; batches of similar length (sorted) keep padding small."""
-    if len(data) == 0:
-        return {"accuracy": math.nan, "loss": math.nan}
-    was_training = model.training
-    model.eval()
-    order = torch.argsort(data.lengths, stable=True)
-    correct = 0
-    loss_sum = 0.0
-    for batch in iter_batches(data, order, batch_size, shuffle=False, generator=None):
-        out = model(**batch)
-        correct += int((out.logits.argmax(-1) == batch["labels"]).sum())
-        loss_sum += float(out.loss) * len(batch["labels"])
-    model.train(was_training)
-    return {"accuracy": correct / len(data), "loss": loss_sum / len(data)}

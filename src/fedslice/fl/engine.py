@@ -17,19 +17,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedslice.config import ExperimentConfig
-from fedslice.data import (TokenCache, TokenizedSplit, num_labels, partition_indices,
-                           partition_report, sample_rows)
+from fedslice.data import TokenizedSplit, partition_indices, partition_report
 from fedslice.errors import DataError
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Reply, RoundResult, State
 
 if TYPE_CHECKING:
     from fedslice.methods.base import Method
+    from fedslice.tasks import Task
 
 log = logging.getLogger(__name__)
-
-_TOKENS = TokenCache()
-
 
 @dataclass
 class FederatedData:
@@ -38,29 +35,23 @@ class FederatedData:
     test: TokenizedSplit
     partitions: list[np.ndarray]
     report: dict[str, Any]
-    num_labels: int
 
     def client(self, cid: int) -> TokenizedSplit:
         return self.train.subset(self.partitions[cid])
 
 
-def _limit(split: TokenizedSplit, n: int | None, seed: int) -> TokenizedSplit:
-    return split if n is None or n >= len(split) else split.subset(sample_rows(len(split), n, seed))
-
-
-def prepare_data(cfg: ExperimentConfig, tokenizer, raw: dict) -> FederatedData:
-    """Tokenize once (cached per process), subsample if configured, partition the train split."""
+def prepare_data(cfg: ExperimentConfig, task: Task, splits: dict) -> FederatedData:
+    """Subsample the task's encoded splits if configured, partition the train split."""
     d, seed = cfg.data, cfg.seed
-    splits = {name: _TOKENS.get(raw[name], name, tokenizer, d.max_length) for name in raw}
-    train = _limit(splits["train"], d.max_train_examples, seed)
+    train = task.limit(splits["train"], d.max_train_examples, seed)
     parts = partition_indices(train.labels.tolist(), num_partitions=cfg.federation.num_clients,
                               scheme=d.partition, seed=seed, alpha=d.alpha,
                               shards_per_partition=d.shards_per_client,
                               min_partition_size=d.min_partition_size)
     report = partition_report(parts, train.labels.tolist())
-    return FederatedData(train=train, dev=_limit(splits["dev"], d.max_dev_examples, seed),
-                         test=_limit(splits["test"], d.max_test_examples, seed), partitions=parts,
-                         report=report, num_labels=num_labels(raw))
+    return FederatedData(train=train, dev=task.limit(splits["dev"], d.max_dev_examples, seed),
+                         test=task.limit(splits["test"], d.max_test_examples, seed),
+                         partitions=parts, report=report)
 
 
 def client_seed(seed: int, server_round: int, client: int) -> int:
@@ -146,7 +137,8 @@ def finalize(cfg: ExperimentConfig, method: Method, data: FederatedData, state: 
     """After the last round: test evaluation, the run's summary and the method's own results.
     Shared by the engine and the Flower ServerApp."""
     test = method.evaluate(state, data.test, cfg.evaluation.batch_size)
-    summary = summarize(cfg, records, test, time.perf_counter() - t_start, data)
+    summary = summarize(cfg, records, test, time.perf_counter() - t_start, data,
+                        primary=method.task.primary_metric)
     summary.update(method.final_metrics(state, data, records, cfg.evaluation.batch_size))
     return summary
 
@@ -155,27 +147,33 @@ def finish_round(cfg: ExperimentConfig, method: Method, data: FederatedData, sel
                  server_round: int, state: State, record: dict[str, Any]) -> None:
     """After aggregation: evaluate on dev every E rounds (and test if tracked), then feed the
     clients' losses and the global dev loss to the selector. Shared by the engine and Flower."""
-    record["dev_accuracy"] = record["dev_loss"] = None
+    record[f"dev_{method.task.primary_metric}"] = record["dev_loss"] = None
     ev_cfg = cfg.evaluation
     if server_round % ev_cfg.every == 0 or server_round == cfg.federation.rounds:
-        ev = method.evaluate(state, data.dev, ev_cfg.batch_size)
-        record["dev_accuracy"], record["dev_loss"] = ev["accuracy"], ev["loss"]
+        ev = method.evaluate(state, data.dev, ev_cfg.batch_size, ev_cfg.dev_generations)
+        record.update({f"dev_{k}": v for k, v in ev.items()})
         if ev_cfg.track_test:
             ev = method.evaluate(state, data.test, ev_cfg.batch_size)
-            record["test_accuracy"], record["test_loss"] = ev["accuracy"], ev["loss"]
+            record.update({f"test_{k}": v for k, v in ev.items()})
     losses = {m["client"]: m["loss"] for m in record["client_metrics"]}
     selector.observe(server_round, losses, record["dev_loss"])
 
 
 def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: float,
-              data: FederatedData) -> dict[str, Any]:
-    target = cfg.evaluation.target_accuracy
-    reached = [r["round"] for r in records if (r["dev_accuracy"] or 0) >= target]
+              data: FederatedData, primary: str = "accuracy") -> dict[str, Any]:
+    """The run's summary: every test metric (``test_<name>``), the primary metric's name, the
+    final dev value and the round it reached its target, and the mean per-client costs."""
+    ev = cfg.evaluation
+    target = ev.target_accuracy if primary == "accuracy" else ev.target
+    key = f"dev_{primary}"
+    reached = [r["round"] for r in records
+               if target is not None and (r.get(key) or 0) >= target]
     per_client = [m for r in records for m in r["client_metrics"]]
     return {
         "name": cfg.run_name, "method": cfg.method.name, "seed": cfg.seed,
-        "test_accuracy": test["accuracy"], "test_loss": test["loss"],
-        "final_dev_accuracy": records[-1]["dev_accuracy"] if records else None,
+        "task": cfg.task.kind, "primary_metric": primary,
+        **{f"test_{k}": v for k, v in test.items()},
+        f"final_dev_{primary}": records[-1].get(key) if records else None,
         "rounds": len(records), "target_accuracy": target,
         "rounds_to_target": reached[0] if reached else None,
         **{f"{k}_mean": _mean([m[k] for m in per_client])

@@ -32,8 +32,8 @@ CLIENT_STATE = "fedslice_client_state"  # what a method keeps between participat
 
 def _setup(experiment: dict[str, Any]):
     """``(cfg, method, data)`` for an experiment config dict, kept for the next message."""
-    from fedslice.config import validate_config
     from fedslice.api import setup
+    from fedslice.config import validate_config
 
     key = json.dumps(experiment, sort_keys=True)
     if _CACHE.get("key") != key:

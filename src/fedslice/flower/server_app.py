@@ -50,9 +50,8 @@ def main(grid: Grid, context: Context) -> None:
 
 def run(grid: Grid, settings: RunSettings) -> Path:
     """Load the experiment, find the SuperNodes, train, write the run folder; return its path."""
-    from fedslice.api import _run_name, save_results
+    from fedslice.api import _run_name, save_results, setup
     from fedslice.config import load_config
-    from fedslice.api import setup
     from fedslice.fl.engine import finalize
     from fedslice.flower.codec import record_to_state, state_to_record
     from fedslice.flower.discovery import PartitionMap
@@ -89,7 +88,7 @@ def run(grid: Grid, settings: RunSettings) -> Path:
 
 
 def _central_evaluation(cfg, method, data, adapter, on_round):
-    """Flower's ``evaluate_fn``: dev accuracy after the rounds ``fedslice run`` evaluates, and the
+    """Flower's ``evaluate_fn``: the dev metrics after the rounds ``fedslice run`` evaluates, and the
     round's finished record to ``on_round`` (metrics.jsonl)."""
     from fedslice.fl.engine import finish_round
     from fedslice.flower.codec import record_to_state
@@ -100,10 +99,12 @@ def _central_evaluation(cfg, method, data, adapter, on_round):
         record = adapter.records[-1]
         finish_round(cfg, method, data, adapter.selector, server_round, record_to_state(arrays), record)
         on_round(record)
-        log.info("round %d: train loss %s, dev accuracy %s", server_round, record["train_loss"],
-                 record["dev_accuracy"])
-        if record["dev_accuracy"] is None:
+        primary = method.task.primary_metric
+        value = record[f"dev_{primary}"]
+        log.info("round %d: train loss %s, dev %s %s", server_round, record["train_loss"], primary,
+                 value)
+        if value is None:
             return None
-        return MetricRecord({"dev-accuracy": record["dev_accuracy"], "dev-loss": record["dev_loss"]})
+        return MetricRecord({f"dev-{primary}": value, "dev-loss": record["dev_loss"]})
 
     return evaluate

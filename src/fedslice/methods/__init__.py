@@ -11,12 +11,14 @@ from fedslice.methods.fedpft import FedPFT
 from fedslice.methods.heads import Heads
 from fedslice.methods.raffm import RaFFM
 from fedslice.models.loading import LoadedModel
+from fedslice.tasks import Task
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedPETuning, RaFFM, Heads, FedPFT, FedOT)}
 
 
-def build_method(cfg: ExperimentConfig, loaded: LoadedModel, role: Role = "both") -> Method:
-    return METHODS[cfg.method.name](cfg, loaded, role)
+def build_method(cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
+                 role: Role = "both") -> Method:
+    return METHODS[cfg.method.name](cfg, loaded, task, role)
 
 
 __all__ = ["METHODS", "Method", "Role", "build_method"]

@@ -19,12 +19,14 @@ import torch
 import torch.nn as nn
 
 from fedslice.config import ExperimentConfig
+from fedslice.errors import ConfigError
 from fedslice.data.batching import TokenizedSplit
 from fedslice import measure
-from fedslice.fl.client import LocalResult, evaluate, train_local
+from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
+from fedslice.tasks import Task
 
 
 Role = Literal["both", "client"]
@@ -33,10 +35,24 @@ Role = Literal["both", "client"]
 class Method:
     name = "base"
 
-    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, role: Role = "both"):
+    #: True: the method reshapes the model (slices heads/neurons, drops layers) and so far handles
+    #: single-stack encoders with separate q/k/v and a classification head only
+    needs_simple_encoder = False
+
+    @classmethod
+    def check_supported(cls, arch: ArchSpec, task: Task) -> None:
+        """A ConfigError, before any weight is loaded, when the method cannot run this pair."""
+        if cls.needs_simple_encoder and not (arch.is_simple_encoder and task.head == "sequence_classification"):
+            raise ConfigError(
+                f"method {cls.name!r} slices single-stack encoder classifiers (bert, roberta, "
+                f"distilbert, vit); it does not run on a {arch.model_type} {task.kind} model yet: "
+                f"use fedavg or fedpetuning")
+
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
+                 role: Role = "both"):
         if role not in ("both", "client"):
             raise ValueError(f"role must be 'both' or 'client', got {role!r}")
-        self.cfg, self.role = cfg, role
+        self.cfg, self.role, self.task = cfg, role, task
         self.arch: ArchSpec = loaded.arch
         self.dims = loaded.arch.dims(loaded.model.config)
         self.model = self.prepare_model(loaded.model)
@@ -86,7 +102,7 @@ class Method:
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of one client: returns the trained tensors and measured costs."""
         model, params = self.client_model(payload)
-        result = train_local(model, params, data, payload.config, seed)
+        result = train_local(model, params, data, payload.config, seed, loss_fn=self.task.loss)
         arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
         metrics = self.client_metrics(model, params, payload, arrays, result)
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
@@ -119,8 +135,11 @@ class Method:
         self.load_state(self.trainable(), state)
         return self.model
 
-    def evaluate(self, state: State, data: TokenizedSplit, batch_size: int) -> dict[str, Any]:
-        return evaluate(self.eval_model(state), data, batch_size)
+    def evaluate(self, state: State, data: TokenizedSplit, batch_size: int,
+                 max_generations: int | None = None) -> dict[str, Any]:
+        """The task's metrics of the global model (generation tasks: BLEU/ROUGE on at most
+        ``max_generations`` prompts)."""
+        return self.task.evaluate(self.eval_model(state), data, batch_size, max_generations)
 
     # -- server work between rounds ----------------------------------------------------------
     def on_round_end(self, server_round: int, state: State,

@@ -40,6 +40,7 @@ from fedslice.distill.losses import hidden_loss
 from fedslice.distill.report import write_curves
 from fedslice.errors import ConfigError
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.tasks import Task
 from fedslice.methods.base import Method, Role
 from fedslice.methods.submodel import (Corpus, cached_distill, named_params, sub_accuracy,
                                        transformer_params)
@@ -142,11 +143,13 @@ class SubModelStrategy(Strategy):
 
 class FedOT(Method):
     name = "fedot"
+    needs_simple_encoder = True
 
-    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, role: Role = "both"):
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
+                 role: Role = "both"):
         self.tokenizer = loaded.tokenizer
         self.opts: FedOTMethod = cfg.method
-        super().__init__(cfg, loaded, role)
+        super().__init__(cfg, loaded, task, role)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         o = self.opts
@@ -255,7 +258,7 @@ class FedOT(Method):
                       batch_size: int) -> dict[str, Any]:
         self.eval_model(state)  # the adapter is shared: the sub-model holds it too
         full_p, sub_p = transformer_params(self.model, self.arch), transformer_params(self.sub, self.arch)
-        out = {**sub_accuracy(self.sub, data, batch_size), "full_transformer_params": full_p,
+        out = {**sub_accuracy(self.task, self.sub, data, batch_size), "full_transformer_params": full_p,
                "proxy_transformer_params": sub_p, "proxy_param_fraction": sub_p / full_p,
                "adapter_layers": self.bottom + self.top, "emulator_layers": self.emulator,
                "emulator_distilled": self.kd_log is not None, "kd_before_cached": self.kd_cached}

@@ -51,6 +51,7 @@ from fedslice.distill.report import write_curves
 from fedslice.errors import ConfigError
 from fedslice import measure
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.tasks import Task
 from fedslice.methods.base import Method, Role
 from fedslice.methods.submodel import (Corpus, cached_distill, concat_logs, named_params,
                                        sub_accuracy, sub_seed, transformer_params)
@@ -223,14 +224,16 @@ class FedPFTStrategy(Strategy):
 
 class FedPFT(Method):
     name = "fedpft"
+    needs_simple_encoder = True
 
-    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, role: Role = "both"):
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
+                 role: Role = "both"):
         self.tokenizer = loaded.tokenizer
         self.opts: FedPFTMethod = cfg.method
         self.align_logs: list[DistillLog] = []
         self.align_records: list[dict[str, Any]] = []
         self.held_version: int | None = None  # proxy version of this worker's copy (client side)
-        super().__init__(cfg, loaded, role)
+        super().__init__(cfg, loaded, task, role)
 
     # -- construction ----------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -425,7 +428,7 @@ class FedPFT(Method):
                       batch_size: int) -> dict[str, Any]:
         full_p, proxy_p = transformer_params(self.model, self.arch), transformer_params(self.proxy, self.arch)
         during = concat_logs(self.align_logs)
-        out = {**sub_accuracy(self.proxy_model(state), data, batch_size),
+        out = {**sub_accuracy(self.task, self.proxy_model(state), data, batch_size),
                "full_transformer_params": full_p, "proxy_transformer_params": proxy_p,
                "proxy_param_fraction": proxy_p / full_p, "compressed_layers": self.compressed,
                "proxy_ffn": [len(n) for n in self.spec.neurons], "kd": self.opts.kd,

@@ -38,6 +38,7 @@ from fedslice import measure
 from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.paper_ops import paper_ops
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.tasks import Task
 from fedslice.methods.base import Role
 from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.models.loading import LoadedModel
@@ -123,11 +124,13 @@ def special_token_ids(tokenizer) -> list[int]:
 
 class Heads(FedPETuning):
     name = "heads"
+    needs_simple_encoder = True
 
-    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, role: Role = "both"):
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
+                 role: Role = "both"):
         self.opts: HeadsMethod = cfg.method
         self.special_ids = special_token_ids(loaded.tokenizer)
-        super().__init__(cfg, loaded, role)
+        super().__init__(cfg, loaded, task, role)
         self._check_heads()
 
     # -- construction ------------------------------------------------------------------------
@@ -205,7 +208,7 @@ class Heads(FedPETuning):
         kept = self.keep(alpha, seed)
         sub = self.model if bool(kept.all()) else extract_model(self.model, mask_spec(kept, self.dims), self.arch)
         params = self.local_params(sub, kept)
-        result = train_local(sub, params, data, payload.config, seed)
+        result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss)
         for p in sub.parameters():
             p.grad = None  # headless layers' o lora_B got a (zero) gradient outside the optimizer
         arrays = {n: p.detach().clone() for n, p in params.items()}

@@ -32,8 +32,9 @@ import torch.nn as nn
 from fedslice.config import ExperimentConfig, FederationConfig, RaFFMMethod
 from fedslice.errors import ConfigError
 from fedslice import measure
-from fedslice.fl.client import LocalResult, evaluate
+from fedslice.fl.client import LocalResult
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.tasks import Task
 from fedslice.methods.base import Method, Role
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
@@ -116,11 +117,13 @@ class RaFFMStrategy(Strategy):
 
 class RaFFM(Method):
     name = "raffm"
+    needs_simple_encoder = True
 
-    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, role: Role = "both"):
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
+                 role: Role = "both"):
         self.opts: RaFFMMethod = cfg.method
         self._submodels: dict[SliceSpec, nn.Module] = {}
-        super().__init__(cfg, loaded, role)
+        super().__init__(cfg, loaded, task, role)
 
     # -- construction ------------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -265,7 +268,8 @@ class RaFFM(Method):
             with torch.no_grad(), measure.count_flops() as fc:
                 model.eval()
                 model(**rows)
-            res = {"dev": evaluate(model, data.dev, batch_size), "test": evaluate(model, data.test, batch_size)}
+            res = {"dev": self.task.evaluate(model, data.dev, batch_size),
+                   "test": self.task.evaluate(model, data.test, batch_size)}
             out.append({"size": size, **plan.spec.describe(), "params": plan.cost.params,
                         "train_flops_ratio": plan.cost.flops_ratio,
                         "forward_gflops_per_example": fc.total / 1e9 / len(rows["input_ids"]),

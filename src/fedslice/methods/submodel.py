@@ -15,7 +15,7 @@ from fedslice.data.batching import TokenizedSplit
 from fedslice.distill import cache
 from fedslice.distill.corpus import fingerprint, iter_passages, pack_chunks, resolve_checked
 from fedslice.distill.loop import DistillLog
-from fedslice.fl.client import evaluate
+from fedslice.tasks import Task
 from fedslice.models.arch import ArchSpec
 
 
@@ -82,11 +82,11 @@ def cached_distill(root, inputs: dict[str, Any], params: dict[str, nn.Parameter]
     return log, False
 
 
-def sub_accuracy(model: nn.Module, data: Any, batch_size: int) -> dict[str, float]:
+def sub_accuracy(task: Task, model: nn.Module, data: Any, batch_size: int) -> dict[str, float]:
     """Dev and test accuracy of a client-side model (proxy / emulator)."""
     out = {}
     for split in ("dev", "test"):
-        ev = evaluate(model, getattr(data, split), batch_size)
+        ev = task.evaluate(model, getattr(data, split), batch_size)
         out[f"proxy_{split}_accuracy"] = ev["accuracy"]
     return out
 

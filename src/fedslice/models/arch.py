@@ -1,18 +1,23 @@
 """The architecture table: where each architecture keeps its layers, attention and FFN.
 
 This is the ONE place that knows module names of a model family. Everything else (LoRA targets,
-salience, slicing, cost formulas) asks an :class:`ArchSpec` for logical parts: ``q``, ``k``,
-``v``, ``o`` (attention), ``ffn_in``, ``ffn_out`` (feed-forward), the layer list and the classifier.
+salience, slicing, cost formulas, tasks) asks an :class:`ArchSpec` for logical parts: ``q``,
+``k``, ``v``, ``o`` (attention), ``ffn_in``, ``ffn_out`` (feed-forward; a gated FFN has a
+``gate`` beside ``ffn_in``), the layer stacks and the heads a model can carry.
 
-All entries here store linear weights as ``nn.Linear`` (out_features, in_features), with separate
-q/k/v projections. GPT-2 (fused ``c_attn``, Conv1D with transposed weights), T5 and BART
-(encoder/decoder/cross families) need the fields ``fused_qkv``/``weight_layout`` and several layer
-lists; they are not in the table yet, and loading one fails with the list of supported ones.
+A model has one or two :class:`Stack` s (encoder, decoder) of identical blocks; each block has
+one or more attention *families* (``self``; the decoder of an encoder-decoder also ``cross``) and
+one FFN. Fused projections (GPT-2's ``c_attn`` giving q|k|v), grouped key/value heads and gated
+FFNs are fields of an entry, not branches in the code that uses the table.
+
+The single-stack view (``layers``, ``parts``, ``blocks``, ``part``, ``dims``) is the first stack's
+self-attention and FFN: what the encoder-only slicing methods use.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch.nn as nn
 
@@ -20,41 +25,137 @@ from fedslice.errors import ModelError
 
 PART_NAMES = ("q", "k", "v", "o", "ffn_in", "ffn_out")
 
+#: The HF head classes a model can be loaded with (``AutoModelFor...``).
+Head = Literal["sequence_classification", "causal_lm", "seq2seq_lm"]
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One attention family of a block: module paths inside the block.
+
+    A fused projection is named for each of q, k and v (the same path): its output rows are
+    ``[q | k | v]`` (``fused_qkv``)."""
+
+    family: Literal["self", "cross"]
+    q: str
+    k: str
+    v: str
+    o: str
+
+    @property
+    def fused_qkv(self) -> bool:
+        return self.q == self.k == self.v
+
+    @property
+    def module(self) -> str:
+        """Path of the attention module (the parent of ``q``)."""
+        return self.q.rpartition(".")[0]
+
+
+@dataclass(frozen=True)
+class FFN:
+    """The feed-forward network of a block: ``out(act(gate(x)) * in(x))`` when gated
+    (SwiGLU, T5's gated-GELU), else ``out(act(in(x)))``."""
+
+    ffn_in: str
+    ffn_out: str
+    gate: str | None = None
+    activation: str = "gelu"  # informational (APoZ thresholds, docs); the model applies it
+
+    @property
+    def gated(self) -> bool:
+        return self.gate is not None
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A list of identical blocks (an encoder or a decoder) and where its sizes live in the config."""
+
+    name: Literal["encoder", "decoder"]
+    layers: str  # dotted path of the nn.ModuleList of blocks, in the unwrapped HF model
+    attention: tuple[Attention, ...]
+    ffn: FFN
+    num_layers_attr: str
+    num_heads_attr: str
+    ffn_attr: str
+
 
 @dataclass(frozen=True)
 class ArchSpec:
     model_type: str
-    layers: str  # dotted path of the nn.ModuleList of transformer blocks
-    parts: dict[str, str]  # logical part -> dotted path inside one block
-    classifier: tuple[str, ...]  # top-level modules of the task head (trained by every method)
-    embeddings: str  # dotted path of the embeddings module
-    num_layers_attr: str
-    num_heads_attr: str
+    kind: Literal["encoder", "decoder", "encoder-decoder"]
+    stacks: tuple[Stack, ...]
+    heads: tuple[Head, ...]  # HF heads supported (a T5 classifier head lives under another prefix)
+    classifier: tuple[str, ...]  # top-level modules of the sequence-classification head
+    embeddings: str  # dotted path of the (input) embeddings module
     hidden_attr: str
-    ffn_attr: str
-    # attributes of the attention module (the parent of ``q``) that hold its head count and its
-    # width: a sliced sub-model sets them per layer (HF reads the head count off the weights'
-    # shapes at forward time; these are kept truthful for code that reads them).
-    heads_attr: str = "num_attention_heads"
+    kv_heads_attr: str | None = None  # grouped-query attention: key/value heads (None: = heads)
+    head_dim_attr: str | None = None  # None: hidden // heads
+    weight_layout: Literal["linear", "conv1d"] = "linear"  # conv1d: weight (in, out), GPT-2
+    position: Literal["absolute", "rotary", "relative_bias"] = "absolute"
+    # attributes of the attention module that hold its head count and width: a sliced sub-model
+    # sets them per layer (HF reads the head count off the weights' shapes at forward time).
+    heads_attr: str | None = "num_attention_heads"
     heads_width_attr: str | None = "all_head_size"
 
+    # -- the single-stack view (first stack, self-attention) ---------------------------------
+    @property
+    def layers(self) -> str:
+        return self.stacks[0].layers
+
+    @property
+    def parts(self) -> dict[str, str]:
+        """Logical part -> dotted path inside one block of the first stack."""
+        att, ffn = self.stacks[0].attention[0], self.stacks[0].ffn
+        out = {"q": att.q, "k": att.k, "v": att.v, "o": att.o,
+               "ffn_in": ffn.ffn_in, "ffn_out": ffn.ffn_out}
+        if ffn.gate:
+            out["gate"] = ffn.gate
+        return out
+
+    @property
+    def is_generative(self) -> bool:
+        return "causal_lm" in self.heads or "seq2seq_lm" in self.heads
+
+    @property
+    def lm_head(self) -> Head | None:
+        """The generative head of this family (causal LM for decoders, seq2seq otherwise)."""
+        return next((h for h in self.heads if h != "sequence_classification"), None)
+
+    @property
+    def is_simple_encoder(self) -> bool:
+        """One stack, one attention family, separate q/k/v, plain FFN, Linear weights, no key/value
+        head groups: what the sub-model slicing methods handle today."""
+        st = self.stacks
+        return (len(st) == 1 and len(st[0].attention) == 1 and not st[0].attention[0].fused_qkv
+                and not st[0].ffn.gated and self.weight_layout == "linear"
+                and self.kv_heads_attr is None and self.head_dim_attr is None)
+
     # -- dimensions ------------------------------------------------------------------------
-    def dims(self, config) -> dict[str, int]:
-        """(L, H, d, d_ff, head_dim) of a HF config."""
+    def dims(self, config, stack: int = 0) -> dict[str, int]:
+        """(L, H, KV heads, d, d_ff, head_dim) of one stack of a HF config."""
+        s = self.stacks[stack]
         d = getattr(config, self.hidden_attr)
-        h = getattr(config, self.num_heads_attr)
-        return {"num_layers": getattr(config, self.num_layers_attr), "num_heads": h,
-                "hidden": d, "ffn": getattr(config, self.ffn_attr), "head_dim": d // h}
+        h = getattr(config, s.num_heads_attr)
+        kv = getattr(config, self.kv_heads_attr, None) if self.kv_heads_attr else None
+        head_dim = getattr(config, self.head_dim_attr, None) if self.head_dim_attr else None
+        ffn = getattr(config, s.ffn_attr, None) or 4 * d  # GPT-2: n_inner None means 4 d
+        return {"num_layers": getattr(config, s.num_layers_attr), "num_heads": h,
+                "num_kv_heads": kv or h, "hidden": d, "ffn": ffn, "head_dim": head_dim or d // h}
+
+    def num_layers(self, config) -> int:
+        """Blocks over all stacks."""
+        return sum(getattr(config, s.num_layers_attr) for s in self.stacks)
 
     # -- module access ---------------------------------------------------------------------
-    def blocks(self, model: nn.Module) -> nn.ModuleList:
-        return _get(_unwrap(model), self.layers)
+    def blocks(self, model: nn.Module, stack: int = 0) -> nn.ModuleList:
+        return _get(_unwrap(model), self.stacks[stack].layers)
 
-    def part(self, model: nn.Module, layer: int, part: str) -> nn.Linear:
+    def part(self, model: nn.Module, layer: int, part: str) -> nn.Module:
         return _get(self.blocks(model)[layer], self.parts[part])
 
     def attention(self, model: nn.Module, layer: int) -> nn.Module:
-        """The attention module of a block: the parent of its ``q`` projection."""
+        """The self-attention module of a block of the first stack: the parent of its ``q``."""
         parent = self.parts["q"].rpartition(".")[0]
         block = self.blocks(model)[layer]
         return _get(block, parent) if parent else block
@@ -63,12 +164,30 @@ class ArchSpec:
         """Full dotted name of a part in the *unwrapped* HF model, e.g. 'bert.encoder.layer.0...'."""
         return f"{self.layers}.{layer}.{self.parts[part]}"
 
-    def part_regex(self, parts: list[str], layers: list[int] | None = None) -> str:
-        """A regex that fully matches the module names of these parts in every layer, or only in
-        ``layers`` (for peft)."""
-        alts = "|".join(self.parts[p].replace(".", r"\.") for p in parts)
-        num = r"\d+" if layers is None else "(?:" + "|".join(str(i) for i in sorted(layers)) + ")"
-        return rf"(?:.*\.)?{self.layers.replace('.', chr(92) + '.')}\.{num}\.(?:{alts})"
+    def part_paths(self, stack: Stack, part: str) -> list[str]:
+        """Paths inside one block of ``stack`` of a logical part, over its attention families
+        (``ffn_in`` of a gated FFN includes the gate; a fused q/k/v is named once)."""
+        if part in ("q", "k", "v", "o"):
+            return list(dict.fromkeys(getattr(a, part) for a in stack.attention))
+        if part == "ffn_in":
+            return [p for p in (stack.ffn.gate, stack.ffn.ffn_in) if p]
+        if part == "ffn_out":
+            return [stack.ffn.ffn_out]
+        raise ModelError(f"unknown part {part!r}: expected one of {', '.join(PART_NAMES)}")
+
+    def module_names(self, model: nn.Module, parts: list[str],
+                     layers: list[int] | None = None) -> list[str]:
+        """Full names (in the unwrapped HF model) of the modules of ``parts`` in every block of
+        every stack of ``model``, or only in blocks numbered ``layers`` (of each stack); no
+        duplicates."""
+        names: dict[str, None] = {}
+        for k, s in enumerate(self.stacks):
+            n = len(self.blocks(model, k))
+            for i in range(n) if layers is None else sorted(l for l in set(layers) if l < n):
+                for part in parts:
+                    for path in self.part_paths(s, part):
+                        names[f"{s.layers}.{i}.{path}"] = None
+        return list(names)
 
 
 def _get(root: nn.Module, path: str) -> nn.Module:
@@ -84,35 +203,108 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def _encoder(model_type: str, layers: str, parts: dict[str, str], classifier: tuple[str, ...],
+             embeddings: str, n_layers: str, n_heads: str, hidden: str, ffn: str,
+             **kw) -> ArchSpec:
+    att = Attention("self", parts["q"], parts["k"], parts["v"], parts["o"])
+    stack = Stack("encoder", layers, (att,), FFN(parts["ffn_in"], parts["ffn_out"]),
+                  n_layers, n_heads, ffn)
+    return ArchSpec(model_type, "encoder", (stack,), ("sequence_classification",), classifier,
+                    embeddings, hidden, **kw)
+
+
 _BERT_PARTS = {"q": "attention.self.query", "k": "attention.self.key",
                "v": "attention.self.value", "o": "attention.output.dense",
                "ffn_in": "intermediate.dense", "ffn_out": "output.dense"}
 
+_T5_SELF = Attention("self", *(f"layer.0.SelfAttention.{p}" for p in "qkvo"))
+_T5_CROSS = Attention("cross", *(f"layer.1.EncDecAttention.{p}" for p in "qkvo"))
+# T5 v1.0 (t5-small): ReLU `wi`; flan-t5 / T5 v1.1: gated-GELU `wi_0` (gate) * `wi_1`. The FFN
+# entry is picked from the config's `is_gated_act` by `arch_for`.
+_T5_FFN = {False: lambda i: FFN(f"layer.{i}.DenseReluDense.wi", f"layer.{i}.DenseReluDense.wo",
+                                activation="relu"),
+           True: lambda i: FFN(f"layer.{i}.DenseReluDense.wi_1", f"layer.{i}.DenseReluDense.wo",
+                               gate=f"layer.{i}.DenseReluDense.wi_0", activation="gelu_new")}
+
+
+def _t5(gated: bool) -> ArchSpec:
+    enc = Stack("encoder", "encoder.block", (_T5_SELF,), _T5_FFN[gated](1), "num_layers",
+                "num_heads", "d_ff")
+    dec = Stack("decoder", "decoder.block", (_T5_SELF, _T5_CROSS), _T5_FFN[gated](2),
+                "num_decoder_layers", "num_heads", "d_ff")
+    return ArchSpec("t5", "encoder-decoder", (enc, dec), ("seq2seq_lm",), (), "shared", "d_model",
+                    head_dim_attr="d_kv", position="relative_bias", heads_attr="n_heads",
+                    heads_width_attr="inner_dim")
+
+
+def _bart_attention(family: Literal["self", "cross"], module: str) -> Attention:
+    return Attention(family, f"{module}.q_proj", f"{module}.k_proj", f"{module}.v_proj",
+                     f"{module}.out_proj")
+
+
+_BART_FFN = FFN("fc1", "fc2")
+_LLAMA_ATT = Attention("self", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                       "self_attn.o_proj")
+_GPT2_ATT = Attention("self", "attn.c_attn", "attn.c_attn", "attn.c_attn", "attn.c_proj")
+
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "bert": ArchSpec("bert", "bert.encoder.layer", _BERT_PARTS, ("classifier",),
+    "bert": _encoder("bert", "bert.encoder.layer", _BERT_PARTS, ("classifier",),
                      "bert.embeddings", "num_hidden_layers", "num_attention_heads",
                      "hidden_size", "intermediate_size"),
-    "roberta": ArchSpec("roberta", "roberta.encoder.layer", _BERT_PARTS, ("classifier",),
+    "roberta": _encoder("roberta", "roberta.encoder.layer", _BERT_PARTS, ("classifier",),
                         "roberta.embeddings", "num_hidden_layers", "num_attention_heads",
                         "hidden_size", "intermediate_size"),
-    "distilbert": ArchSpec("distilbert", "distilbert.transformer.layer",
+    "distilbert": _encoder("distilbert", "distilbert.transformer.layer",
                            {"q": "attention.q_lin", "k": "attention.k_lin", "v": "attention.v_lin",
                             "o": "attention.out_lin", "ffn_in": "ffn.lin1", "ffn_out": "ffn.lin2"},
                            ("pre_classifier", "classifier"), "distilbert.embeddings",
-                           "n_layers", "n_heads", "dim", "hidden_dim", "n_heads", None),
-    "vit": ArchSpec("vit", "vit.encoder.layer",
+                           "n_layers", "n_heads", "dim", "hidden_dim", heads_attr="n_heads",
+                           heads_width_attr=None),
+    "vit": _encoder("vit", "vit.encoder.layer",
                     {**_BERT_PARTS, "q": "attention.attention.query",
                      "k": "attention.attention.key", "v": "attention.attention.value"},
                     ("classifier",), "vit.embeddings", "num_hidden_layers",
                     "num_attention_heads", "hidden_size", "intermediate_size"),
+    # LLaMA family (SmolLM2, LLaMA 2/3, Qwen2, Mistral shapes): GQA, SwiGLU, RMSNorm, RoPE.
+    "llama": ArchSpec(
+        "llama", "decoder",
+        (Stack("decoder", "model.layers", (_LLAMA_ATT,),
+               FFN("mlp.up_proj", "mlp.down_proj", gate="mlp.gate_proj", activation="silu"),
+               "num_hidden_layers", "num_attention_heads", "intermediate_size"),),
+        ("causal_lm", "sequence_classification"), ("score",), "model.embed_tokens", "hidden_size",
+        kv_heads_attr="num_key_value_heads", head_dim_attr="head_dim", position="rotary",
+        heads_attr=None, heads_width_attr=None),
+    # GPT-2: fused q|k|v in one Conv1D (weight stored (in, out)), learned positions.
+    "gpt2": ArchSpec(
+        "gpt2", "decoder",
+        (Stack("decoder", "transformer.h", (_GPT2_ATT,), FFN("mlp.c_fc", "mlp.c_proj",
+                                                             activation="gelu_new"),
+               "n_layer", "n_head", "n_inner"),),
+        ("causal_lm", "sequence_classification"), ("score",), "transformer.wte", "n_embd",
+        weight_layout="conv1d", heads_attr="num_heads", heads_width_attr="embed_dim"),
+    "t5": _t5(gated=False),
+    "bart": ArchSpec(
+        "bart", "encoder-decoder",
+        (Stack("encoder", "model.encoder.layers", (_bart_attention("self", "self_attn"),), _BART_FFN,
+               "encoder_layers", "encoder_attention_heads", "encoder_ffn_dim"),
+         Stack("decoder", "model.decoder.layers", (_bart_attention("self", "self_attn"),
+                                                   _bart_attention("cross", "encoder_attn")),
+               _BART_FFN, "decoder_layers", "decoder_attention_heads", "decoder_ffn_dim")),
+        ("seq2seq_lm", "sequence_classification"), ("classification_head",), "model.shared",
+        "d_model", heads_attr="num_heads", heads_width_attr=None),
 }
+#: Model types that are the same family as a table entry (same module names).
+ALIASES = {"qwen2": "llama", "mistral": "llama"}
 
 
 def arch_for(model_or_config) -> ArchSpec:
     """The table entry of a HF model or config; unsupported architectures name the supported ones."""
     config = getattr(_unwrap(model_or_config), "config", model_or_config)
     model_type = getattr(config, "model_type", None)
+    model_type = ALIASES.get(model_type, model_type)
     if model_type not in ARCHITECTURES:
         raise ModelError(f"unsupported architecture {model_type!r}: supported are "
-                         f"{', '.join(sorted(ARCHITECTURES))}")
+                         f"{', '.join(sorted([*ARCHITECTURES, *ALIASES]))}")
+    if model_type == "t5" and getattr(config, "is_gated_act", False):
+        return _t5(gated=True)
     return ARCHITECTURES[model_type]

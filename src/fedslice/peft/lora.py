@@ -1,12 +1,12 @@
 """HF ``peft`` LoRA wiring, with a check that the targets matched what was intended.
 
-peft silently accepts a target list of which only some names match; here every logical target
-must match exactly one module per layer, and every raw ``target_modules`` entry at least one.
+Logical targets (``q``, ``v``, ``ffn_in``, ..., or ``all-linear``) are resolved through the
+architecture table to the exact module names of every block of every stack (encoder, decoder,
+cross-attention); raw ``target_modules`` entries must each match at least one module (peft
+silently accepts a list of which only some names match).
 """
 
 from __future__ import annotations
-
-import re
 
 import torch.nn as nn
 from peft import LoraConfig as PeftLoraConfig
@@ -14,18 +14,26 @@ from peft import get_peft_model
 
 from fedslice.config import LoraConfig
 from fedslice.errors import ConfigError
-from fedslice.models.arch import ArchSpec
+from fedslice.models.arch import PART_NAMES, ArchSpec
 
 
-def _matching_modules(model: nn.Module, target_modules: str | list[str]) -> list[str]:
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if isinstance(target_modules, str):
-        return [n for n in names if re.fullmatch(target_modules, n)]
+def _is_linear(module: nn.Module) -> bool:
+    """nn.Linear, or HF's Conv1D (GPT-2: a linear layer with its weight stored (in, out))."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _matching_modules(model: nn.Module, target_modules: list[str]) -> list[str]:
+    names = [n for n, m in model.named_modules() if _is_linear(m)]
     return [n for n in names if any(n == t or n.endswith("." + t) for t in target_modules)]
 
 
+def logical_targets(cfg: LoraConfig) -> list[str]:
+    """``lora.targets`` with ``all-linear`` expanded to every part of the table."""
+    return list(PART_NAMES) if "all-linear" in cfg.targets else list(cfg.targets)
+
+
 def resolve_targets(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
-                    layers: list[int] | None = None) -> str | list[str]:
+                    layers: list[int] | None = None) -> list[str]:
     """peft ``target_modules`` for this config, validated against the model's modules.
 
     ``layers`` restricts the logical targets to those layers (raw ``target_modules`` cannot be
@@ -38,31 +46,34 @@ def resolve_targets(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
                 raise ConfigError(f"lora.target_modules: {t!r} matches no linear module of the "
                                   f"model (e.g. {arch.parts['q']!r}, {arch.parts['ffn_in']!r})")
         return list(cfg.target_modules)
-    regex = arch.part_regex(list(cfg.targets), layers)
-    n_layers = len(arch.blocks(model)) if layers is None else len(set(layers))
-    found = _matching_modules(model, regex)
-    if len(found) != n_layers * len(cfg.targets):
-        raise ConfigError(f"lora.targets {cfg.targets} matched {len(found)} modules, expected "
-                          f"{n_layers * len(cfg.targets)} ({len(cfg.targets)} per layer x {n_layers})")
-    return regex
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = arch.module_names(base, logical_targets(cfg), layers)
+    modules = dict(base.named_modules())
+    missing = [n for n in names if n not in modules or not _is_linear(modules[n])]
+    if missing or not names:
+        raise ConfigError(f"lora.targets {cfg.targets}: no linear module at "
+                          f"{missing[:3] or 'any layer'} in this {arch.model_type} model")
+    return names
 
 
 def apply_lora(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
                layers: list[int] | None = None) -> nn.Module:
-    """Wrap ``model`` with LoRA adapters (in every layer, or only in ``layers``); the classifier
-    stays trainable if configured.
+    """Wrap ``model`` with LoRA adapters (in every layer, or only in ``layers``); the
+    sequence-classification head stays trainable if configured.
 
     The classifier is made trainable in place (not via peft's ``modules_to_save`` copies), so its
     parameter names stay those of the HF checkpoint.
     """
     targets = resolve_targets(model, arch, cfg, layers)
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                              target_modules=targets, bias="none")
+                              target_modules=targets, bias="none",
+                              fan_in_fan_out=arch.weight_layout == "conv1d")
     model = get_peft_model(model, peft_cfg)
     if cfg.train_classifier:
         base = model.get_base_model()
         for name in arch.classifier:
-            for p in getattr(base, name).parameters():
+            head = getattr(base, name, None)  # absent on a language-model head
+            for p in head.parameters() if head is not None else ():
                 p.requires_grad_(True)
     return model
 

@@ -1,0 +1,45 @@
+"""Tasks: what a model learns from the data, independent of the federated method.
+
+``make_task(cfg, arch)`` picks the task and the model head it needs from ``[task]`` and the
+architecture table:
+
+============================  ======================  ==========================================
+``task``                      model                   task (head)
+============================  ======================  ==========================================
+classification                encoder / decoder /     :class:`Classification` (sequence-
+                              BART                    classification head)
+classification + label_words  decoder / enc-decoder   :class:`LabelWordClassification` (LM head)
+generation                    decoder / enc-decoder   :class:`Generation` (LM head)
+============================  ======================  ==========================================
+"""
+
+from __future__ import annotations
+
+from fedslice.config import ExperimentConfig
+from fedslice.errors import ConfigError
+from fedslice.models.arch import ArchSpec
+from fedslice.tasks.base import Task, batch_examples, batch_tokens
+from fedslice.tasks.classification import Classification, evaluate_classifier
+from fedslice.tasks.generation import Generation, check_partition
+from fedslice.tasks.label_words import LabelWordClassification
+
+
+def make_task(cfg: ExperimentConfig, arch: ArchSpec) -> Task:
+    t = cfg.task
+    if t.kind == "classification" and t.label_words is None:
+        if "sequence_classification" not in arch.heads:
+            raise ConfigError(f"task: a {arch.model_type} model classifies text-to-text here: set "
+                              "task.label_words (e.g. {0 = 'negative', 1 = 'positive'})")
+        return Classification(cfg, arch, "sequence_classification")
+    if arch.lm_head is None:
+        what = "task.label_words" if t.kind == "classification" else "task.kind = 'generation'"
+        raise ConfigError(f"{what} needs a generative model (decoder or encoder-decoder); "
+                          f"{cfg.model.name!r} is a {arch.model_type} encoder")
+    if t.kind == "generation":
+        check_partition(cfg)
+        return Generation(cfg, arch, arch.lm_head)
+    return LabelWordClassification(cfg, arch, arch.lm_head)
+
+
+__all__ = ["Classification", "Generation", "LabelWordClassification", "Task", "batch_examples",
+           "batch_tokens", "evaluate_classifier", "make_task"]

@@ -1,0 +1,76 @@
+"""What a task is: the model head it needs, how its data is encoded and batched, its training
+loss and its evaluation. Methods, the engine and the Flower adapter see only this interface."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from fedslice.config import ExperimentConfig
+from fedslice.data.partition import sample_rows
+from fedslice.models.arch import ArchSpec, Head
+
+
+class Task:
+    kind = "base"
+    #: the metric plotted, compared and aimed at (``evaluation.target_accuracy``)
+    primary_metric = "accuracy"
+    #: the split type's "label" is a class (partitioners may skew by it)
+    has_classes = True
+
+    def __init__(self, cfg: ExperimentConfig, arch: ArchSpec, head: Head):
+        self.cfg, self.arch, self.head = cfg, arch, head
+
+    # -- data --------------------------------------------------------------------------------
+    def load_raw(self) -> dict[str, Any]:
+        """The raw train/dev/test splits this task reads."""
+        raise NotImplementedError
+
+    def num_labels(self, raw: dict[str, Any]) -> int | None:
+        """Classes of a sequence-classification head (None: no such head)."""
+        return None
+
+    def encode(self, raw: dict[str, Any], loaded) -> dict[str, Any]:
+        """Tokenized splits (with ``subset``, ``collate``, ``lengths``, ``labels``)."""
+        raise NotImplementedError
+
+    def limit(self, split, n: int | None, seed: int):
+        """A seeded subset of ``n`` examples (quick runs)."""
+        return split if n is None or n >= len(split) else split.subset(sample_rows(len(split), n, seed))
+
+    # -- training ----------------------------------------------------------------------------
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(**batch).loss
+
+    # -- evaluation --------------------------------------------------------------------------
+    def evaluate(self, model: nn.Module, split, batch_size: int,
+                 max_generations: int | None = None) -> dict[str, float]:
+        raise NotImplementedError
+
+
+def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens a batch makes the model process (encoder + decoder for seq2seq), padding included."""
+    return int(batch["input_ids"].numel() + (batch["decoder_input_ids"].numel()
+                                             if "decoder_input_ids" in batch else 0))
+
+
+def batch_examples(batch: dict[str, torch.Tensor]) -> int:
+    return int(batch["labels"].shape[0])
+
+
+def nan_metrics(*names: str) -> dict[str, float]:
+    return {n: math.nan for n in names}
+
+
+def length_order(split) -> torch.Tensor:
+    """Example order by length (stable), so evaluation batches carry little padding."""
+    return torch.argsort(split.lengths, stable=True)
+
+
+def seeded_choice(n: int, k: int | None, seed: int) -> np.ndarray:
+    """``k`` of ``range(n)`` (all when k is None), seeded and sorted."""
+    return np.arange(n) if k is None or k >= n else np.sort(sample_rows(n, k, seed))

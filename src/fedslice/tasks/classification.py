@@ -1,0 +1,50 @@
+"""``classification`` with a sequence-classification head (encoders, or decoders' ``score`` head)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from fedslice.data import TokenCache, iter_batches, num_labels
+from fedslice.data.sources import load_raw_splits
+from fedslice.tasks.base import Task, length_order
+
+_TOKENS = TokenCache()
+
+
+class Classification(Task):
+    kind = "classification"
+    primary_metric = "accuracy"
+
+    def load_raw(self):
+        return load_raw_splits(self.cfg.data)
+
+    def num_labels(self, raw) -> int:
+        return num_labels(raw)
+
+    def encode(self, raw, loaded):
+        return {name: _TOKENS.get(split, name, loaded.tokenizer, self.cfg.data.max_length)
+                for name, split in raw.items()}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, split, batch_size: int, max_generations=None):
+        return evaluate_classifier(model, split, batch_size)
+
+
+@torch.no_grad()
+def evaluate_classifier(model: nn.Module, data, batch_size: int) -> dict[str, float]:
+    """Accuracy and mean cross-entropy; batches of similar length (sorted) keep padding small."""
+    if len(data) == 0:
+        return {"accuracy": math.nan, "loss": math.nan}
+    was_training = model.training
+    model.eval()
+    correct = 0
+    loss_sum = 0.0
+    for batch in iter_batches(data, length_order(data), batch_size, shuffle=False, generator=None):
+        out = model(**batch)
+        correct += int((out.logits.argmax(-1) == batch["labels"]).sum())
+        loss_sum += float(out.loss) * len(batch["labels"])
+    model.train(was_training)
+    return {"accuracy": correct / len(data), "loss": loss_sum / len(data)}
