@@ -65,7 +65,7 @@ def setup(cfg: ExperimentConfig, role: Role = "both") -> tuple[Method, Federated
     (``role="client"``: as a Flower ClientApp needs it, without the server-only work)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    raw = load_raw_splits(cfg.data)
+    raw = load_raw_splits(cfg.data, cfg.seed)
     loaded = load_model(cfg.model, num_labels=num_labels(raw), seed=cfg.seed)
     data = prepare_data(cfg, loaded.tokenizer, raw)
     return build_method(cfg, loaded, role), data
@@ -85,6 +85,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
         run.write_config(cfg.model_dump(mode="json"))
         run.write_json("partition.json", {k: v for k, v in data.report.items() if k != "label_histograms"}
                        if isinstance(data.report, dict) else data.report)
+        if data.label_map():
+            run.write_json("labels.json", data.label_map())
         with _Progress(cfg, show) as bar:
             state, _, summary = sim.run(on_round=run.append_metrics, progress=bar)
         save_results(run, cfg, method, state, summary)

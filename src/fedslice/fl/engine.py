@@ -39,6 +39,15 @@ class FederatedData:
     partitions: list[np.ndarray]
     report: dict[str, Any]
     num_labels: int
+    label_names: list[str] | None = None
+
+    def label_map(self) -> dict[str, Any] | None:
+        """What ``labels.json`` of a run folder holds: each class name and its id (None when
+        the labels are plain ids without names)."""
+        if not self.label_names:
+            return None
+        return {"names": list(self.label_names),
+                "ids": {name: i for i, name in enumerate(self.label_names)}}
 
     def client(self, cid: int) -> TokenizedSplit:
         return self.train.subset(self.partitions[cid])
@@ -60,7 +69,8 @@ def prepare_data(cfg: ExperimentConfig, tokenizer, raw: dict) -> FederatedData:
     report = partition_report(parts, train.labels.tolist())
     return FederatedData(train=train, dev=_limit(splits["dev"], d.max_dev_examples, seed),
                          test=_limit(splits["test"], d.max_test_examples, seed), partitions=parts,
-                         report=report, num_labels=num_labels(raw))
+                         report=report, num_labels=num_labels(raw),
+                         label_names=raw["train"].label_names)
 
 
 def client_seed(seed: int, server_round: int, client: int) -> int:
