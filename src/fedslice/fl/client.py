@@ -10,7 +10,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fedslice.data.batching import TokenizedSplit, iter_batches
+from fedslice import progress
+from fedslice.data.batching import TokenizedSplit, iter_batches, num_batches
 from fedslice.measure import PeakMemory, count_flops
 
 
@@ -47,6 +48,11 @@ def _batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator):
                 return
 
 
+def _num_steps(data: TokenizedSplit, cfg: dict[str, Any]) -> int:
+    steps = int(cfg.get("local_steps") or 0)
+    return steps or int(cfg.get("local_epochs") or 1) * num_batches(len(data), int(cfg["batch_size"]))
+
+
 def _proximal(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
     """FedProx term mu/2 * ||w - w_global||^2 over the trained tensors."""
     return 0.5 * mu * sum(((p - ref[n]) ** 2).sum() for n, p in params.items())
@@ -74,8 +80,10 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     nonfinite = False
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
-    with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem:
+    with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem, \
+            progress.task("local training steps", _num_steps(data, cfg)) as advance:
         for step, batch in enumerate(_batches(data, cfg, gen)):
+            advance()
             with count_flops(enabled=step == 0) as fc:
                 loss = model(**batch).loss
                 total = loss + _proximal(params, ref, mu) if ref is not None else loss
@@ -111,9 +119,11 @@ def evaluate(model: nn.Module, data: TokenizedSplit, batch_size: int) -> dict[st
     order = torch.argsort(data.lengths, stable=True)
     correct = 0
     loss_sum = 0.0
-    for batch in iter_batches(data, order, batch_size, shuffle=False, generator=None):
-        out = model(**batch)
-        correct += int((out.logits.argmax(-1) == batch["labels"]).sum())
-        loss_sum += float(out.loss) * len(batch["labels"])
+    with progress.task("evaluation", num_batches(len(data), batch_size)) as advance:
+        for batch in iter_batches(data, order, batch_size, shuffle=False, generator=None):
+            advance()
+            out = model(**batch)
+            correct += int((out.logits.argmax(-1) == batch["labels"]).sum())
+            loss_sum += float(out.loss) * len(batch["labels"])
     model.train(was_training)
     return {"accuracy": correct / len(data), "loss": loss_sum / len(data)}

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedslice import progress as progress_display
 from fedslice.config import ExperimentConfig
 from fedslice.data import (TokenCache, TokenizedSplit, num_labels, partition_indices,
                            partition_report, sample_rows)
@@ -122,8 +123,12 @@ class Simulation:
         strategy, method = self.method.strategy, self.method
         clients = self.selector.select(server_round, self.candidates)
         payloads = strategy.configure_train(server_round, state, clients)
-        replies = {c: method.fit(payloads[c], self.data.client(c),
-                                 client_seed(self.cfg.seed, server_round, c)) for c in clients}
+        replies = {}
+        with progress_display.task(f"round {server_round}: clients", len(clients)) as advance:
+            for c in clients:
+                replies[c] = method.fit(payloads[c], self.data.client(c),
+                                        client_seed(self.cfg.seed, server_round, c))
+                advance()
         result = strategy.aggregate_train(server_round, state, payloads, replies)
         if result.skipped:
             log.warning("round %d: only %d valid replies (< min_replies): global state unchanged",
@@ -148,6 +153,7 @@ class Simulation:
                 on_round(record)
             if progress:
                 progress(record)
+            progress_display.round_done(record)
         return state, records, finalize(cfg, self.method, self.data, state, records, t_start)
 
 

@@ -57,8 +57,10 @@ def load_model(cfg: ModelConfig, num_labels: int, seed: int) -> LoadedModel:
     hf_logging.set_verbosity_error()  # "newly initialized classifier" is expected: we fine-tune it
     hf_logging.disable_progress_bar()
     try:
+        # A checkpoint's own classifier for another number of classes is replaced by a new one.
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, attn_implementation=cfg.attn_implementation)
+            path, config=config, attn_implementation=cfg.attn_implementation,
+            ignore_mismatched_sizes=True)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model {cfg.name!r} ({path}): {str(e).splitlines()[0]}") from None
