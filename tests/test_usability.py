@@ -73,7 +73,13 @@ def test_headerless_word_label_tsv_runs_with_a_ten_line_config(tmp_path, tiny_mo
     labels = json.loads((run / "labels.json").read_text())
     assert labels["names"] == ["Business", "Sci/Tech", "Sports", "World"]
     assert labels["ids"]["World"] == 3
-    assert json.loads((run / "summary.json").read_text())["rounds"] == 3
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rounds"] == 3
+    per_class = summary["test_accuracy_per_class"]  # reports use the label names
+    assert list(per_class) == labels["names"] and all(0 <= a <= 1 for a in per_class.values())
+    assert (run / "classes.png").is_file()
+    log_text = (tmp_path / "log.txt").read_text()
+    assert "test accuracy per class" in log_text and "Sci/Tech" in log_text
 
 
 def test_quiet_prints_no_round_lines(tmp_path, tiny_cfg_dict, capsys):

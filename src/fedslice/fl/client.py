@@ -111,7 +111,8 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: TokenizedSplit, batch_size: int) -> dict[str, float]:
-    """Accuracy and mean cross-entropy; batches of similar length (sorted) keep padding small."""
+    """Accuracy, mean cross-entropy and the accuracy on each class's examples (``None`` for a
+    class without examples); batches of similar length (sorted) keep padding small."""
     if len(data) == 0:
         return {"accuracy": math.nan, "loss": math.nan}
     was_training = model.training
@@ -119,11 +120,20 @@ def evaluate(model: nn.Module, data: TokenizedSplit, batch_size: int) -> dict[st
     order = torch.argsort(data.lengths, stable=True)
     correct = 0
     loss_sum = 0.0
+    hits = totals = None
     with progress.task("evaluation", num_batches(len(data), batch_size)) as advance:
         for batch in iter_batches(data, order, batch_size, shuffle=False, generator=None):
             advance()
             out = model(**batch)
-            correct += int((out.logits.argmax(-1) == batch["labels"]).sum())
+            right = out.logits.argmax(-1) == batch["labels"]
+            correct += int(right.sum())
+            k = out.logits.shape[-1]
+            if hits is None:
+                hits, totals = torch.zeros(k, dtype=torch.int64), torch.zeros(k, dtype=torch.int64)
+            hits += torch.bincount(batch["labels"][right], minlength=k)[:k]
+            totals += torch.bincount(batch["labels"], minlength=k)[:k]
             loss_sum += float(out.loss) * len(batch["labels"])
     model.train(was_training)
-    return {"accuracy": correct / len(data), "loss": loss_sum / len(data)}
+    per_class = [h / t if t else None for h, t in zip(hits.tolist(), totals.tolist())]
+    return {"accuracy": correct / len(data), "loss": loss_sum / len(data),
+            "per_class_accuracy": per_class}

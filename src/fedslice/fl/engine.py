@@ -202,4 +202,14 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
         "excluded_replies": sum(len(r["excluded"]) for r in records),
         "empty_partitions": len(data.report.get("empty_partitions", [])),
         "wall_time_s": wall,
+        **_per_class(test, data),
     }
+
+
+def _per_class(test: dict, data: FederatedData) -> dict[str, Any]:
+    """Test accuracy on each class's examples, keyed by the class name (or id)."""
+    accs = test.get("per_class_accuracy")
+    if accs is None:
+        return {}
+    names = data.label_names or [str(i) for i in range(len(accs))]
+    return {"test_accuracy_per_class": {n: a for n, a in zip(names, accs)}}
