@@ -19,6 +19,7 @@ from fedslice.data import (
     iter_batches,
     load_hub_splits,
     load_local_splits,
+    load_tables,
     num_batches,
     num_labels,
     partition_indices,
@@ -481,3 +482,186 @@ def test_real_sst2():
         assert set(split.labels) == {0, 1}
     assert num_labels(splits) == 2
     assert elapsed < 2.0  # ~0.3 s in practice; generous bound for slow CI machines
+
+
+# --------------------------------------------------------------------------- users' files (issue 17)
+
+from fedslice.config import DataConfig  # noqa: E402
+from fedslice.data.loading import carve, label_ids  # noqa: E402
+from fedslice.data.sources import load_raw_splits  # noqa: E402
+
+E2E = SST2.parent / "e2e_nlg"
+TOPICS = ["World", "Sports", "Business", "Sci/Tech"]
+
+
+def news_rows(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    rng = np.random.default_rng(seed)
+    return [(f"story {i} about {TOPICS[k].lower()}", TOPICS[k])
+            for i, k in enumerate(rng.integers(0, 4, n))]
+
+
+def data_cfg(path, **kw) -> DataConfig:
+    return DataConfig(path=str(path), **kw)
+
+
+def test_headerless_tsv_with_word_labels_alone_is_carved(tmp_path, caplog):
+    rows = news_rows(200)
+    write(tmp_path, "news.tsv", "".join(f"{t}\t{y}\n" for t, y in rows))
+    d = data_cfg(tmp_path / "news.tsv", header=False, columns=["text", "label"],
+                 text_columns=["text"])
+    with caplog.at_level(logging.INFO, logger="fedslice.data.loading"):
+        splits = load_raw_splits(d, seed=0)
+    assert {k: len(v) for k, v in splits.items()} == {"train": 160, "dev": 20, "test": 20}
+    assert "carved dev (20 rows), test (20 rows) off train" in caplog.text and "seed 0" in caplog.text
+    names = sorted(TOPICS)  # ids in sorted order of the train labels
+    assert all(s.label_names == names for s in splits.values())
+    text_of = dict(rows)
+    for s in splits.values():  # every example keeps its own label
+        assert all(names[y] == text_of[t[0]] for t, y in zip(s.texts, s.labels))
+    seen = [t for s in splits.values() for t in s.texts]
+    assert sorted(seen) == sorted((t,) for t, _ in rows)  # disjoint and complete
+    assert load_raw_splits(d, seed=0)["test"].texts == splits["test"].texts
+    assert load_raw_splits(d, seed=1)["test"].texts != splits["test"].texts
+    assert num_labels(splits) == 4
+
+
+def test_columns_by_index_and_quoted_csv(tmp_path):
+    write(tmp_path, "train.csv", '"Sports","a ""big"" win, at last"\n"World","talks, again"\n')
+    write(tmp_path, "dev.csv", '"World","peace"\n')
+    write(tmp_path, "test.csv", '"Sports","a goal"\n')
+    splits = load_raw_splits(data_cfg(tmp_path, header=False, text_columns=[1], label_column=0), 0)
+    assert splits["train"].texts == [('a "big" win, at last',), ("talks, again",)]
+    assert splits["train"].labels == [0, 1] and splits["dev"].labels == [1]
+    named = data_cfg(tmp_path, header=False, columns=["topic", "text"], text_columns=["text"],
+                     label_column=0)
+    assert named.label_column == "topic"
+    assert load_raw_splits(named, 0)["test"].label_names == ["Sports", "World"]
+
+
+def test_labels_in_config_fix_the_order_and_unknown_labels_are_named(tmp_path):
+    write(tmp_path, "train.tsv", "text\tlabel\na\tpos\nb\tneg\n")
+    write(tmp_path, "dev.tsv", "text\tlabel\nc\tneg\n")
+    write(tmp_path, "test.tsv", "text\tlabel\nd\tneutral\n")
+    d = data_cfg(tmp_path, text_columns=["text"], labels=["pos", "neg", "neutral"])
+    splits = load_raw_splits(d, 0)
+    assert splits["train"].labels == [0, 1] and splits["test"].labels == [2]
+    assert num_labels(splits) == 3
+    with pytest.raises(DataError) as info:  # train lacks 'neutral'
+        load_raw_splits(data_cfg(tmp_path, text_columns=["text"]), 0)
+    assert all(x in str(info.value) for x in ("test.tsv", "line 2", "'neutral'", "train"))
+    with pytest.raises(DataError, match=r"line 3: label 'neg' is not one of data.labels"):
+        load_raw_splits(data_cfg(tmp_path, text_columns=["text"], labels=["pos", "neutral"]), 0)
+    # integer ids with names from the config
+    write(tmp_path, "train.tsv", "text\tlabel\na\t1\nb\t0\n")
+    write(tmp_path, "dev.tsv", "text\tlabel\nc\t0\n")
+    write(tmp_path, "test.tsv", "text\tlabel\nd\t2\n")
+    splits = load_raw_splits(d, 0)
+    assert splits["train"].labels == [1, 0] and splits["train"].label_names == d.labels
+    with pytest.raises(DataError, match="line 2: label 2 is not an id into"):
+        load_raw_splits(data_cfg(tmp_path, text_columns=["text"], labels=["a", "b"]), 0)
+
+
+def test_one_class_is_an_error(tmp_path):
+    write_tsv_splits(tmp_path, {s: "x\tgood\n" for s in ("train", "dev", "test")})
+    with pytest.raises(DataError, match="every label is 'good'.*at least two classes"):
+        load_raw_splits(data_cfg(tmp_path), 0)
+
+
+def test_split_column_in_one_jsonl_file(tmp_path):
+    recs = [{"q": "a?", "p": "x", "y": "yes", "part": "train"},
+            {"q": "b?", "p": "z", "y": "no", "part": "train"},
+            {"q": "c?", "p": "w", "y": "no", "part": "validation"},
+            {"q": "d?", "p": "v", "y": "yes", "part": "test"}]
+    path = write(tmp_path, "all.jsonl", "\n".join(json.dumps(r) for r in recs) + "\n")
+    d = data_cfg(path, text_columns=["q", "p"], label_column="y", split_column="part")
+    splits = load_raw_splits(d, 0)
+    assert splits["dev"].texts == [("c?", "w")] and splits["dev"].labels == [0]
+    assert splits["train"].is_pair and splits["test"].labels == [1]
+    recs[2]["part"] = "holdout"
+    write(tmp_path, "all.jsonl", "\n".join(json.dumps(r) for r in recs) + "\n")
+    with pytest.raises(DataError, match=r"all.jsonl, line 3: split 'holdout' in column 'part'"):
+        load_raw_splits(d, 0)
+    with pytest.raises(ConfigError, match="split_column.*folder"):
+        load_raw_splits(data_cfg(tmp_path, split_column="part"), 0)
+
+
+def test_missing_fields_error_or_skip(tmp_path, caplog):
+    body = "a\tWorld\nb\n\tSports\nc\tSports\nd\tWorld\n"
+    write(tmp_path, "train.tsv", body)
+    d = dict(header=False, columns=["text", "label"], text_columns=["text"])
+    with pytest.raises(DataError, match=r"train.tsv, line 2: expected 2 fields"):
+        load_raw_splits(data_cfg(tmp_path, **d), 0)
+    write(tmp_path, "train.tsv", body.replace("b\n", "b\t\n"))
+    with pytest.raises(DataError, match=r"train.tsv, line 2: row has an empty field 'label'"):
+        load_raw_splits(data_cfg(tmp_path, **d), 0)
+    for text in (body, body.replace("b\n", "b\t\n")):
+        write(tmp_path, "train.tsv", text * 5)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fedslice.data.loading"):
+            tables = load_tables(data_cfg(tmp_path, bad_rows="skip", **d), 0)
+        assert sum(map(len, tables.values())) == 15
+        assert "skipped 10 row(s)" in caplog.text and "lines 2, 3, 7, 8" in caplog.text
+    write(tmp_path, "train.jsonl", '{"text": "a", "label": "x"}\n{"text": "b"}\n')
+    (tmp_path / "train.tsv").unlink()
+    with pytest.raises(DataError, match=r"train.jsonl, line 2: row has no field 'label'"):
+        load_raw_splits(data_cfg(tmp_path, text_columns=["text"]), 0)
+
+
+def test_delimiter_quotes_and_format(tmp_path):
+    path = write(tmp_path, "data.txt", 'label|text\n' + 'A|"one | two"\nB|three\n' * 4)
+    with pytest.raises(ConfigError, match="data.format"):
+        load_tables(data_cfg(path, text_columns=["text"]), 0)
+    tables = load_tables(data_cfg(path, text_columns=["text"], delimiter="|", quotes=True), 0)
+    cells = [c for t in tables.values() for c in t.column("text")]
+    assert sorted(set(cells)) == ["one | two", "three"]
+    comma = write(tmp_path, "c.tsv", "text,label\na,B\n")
+    with pytest.raises(DataError, match="missing column"):
+        load_tables(data_cfg(comma, text_columns=["text"]), 0)
+    with pytest.raises(DataError, match=r"c.tsv, line 1: expected 2 fields.*holds a comma"):
+        load_tables(data_cfg(comma, header=False, columns=["text", "label"],
+                             text_columns=["text"]), 0)
+
+
+def test_carve_keeps_groups_together():
+    from fedslice.data.loading import RawTable
+    keys = [f"g{i // 3}" for i in range(300)]  # 100 groups of 3 rows
+    table = RawTable({"g": keys, "x": list(range(300))}, list(range(2, 302)), "t.csv")
+    parts = carve(table, {"dev": 0.1, "test": 0.1}, seed=0, group_column="g")
+    sets = {k: set(v.column("g")) for k, v in parts.items()}
+    assert sum(map(len, parts.values())) == 300
+    assert all(not (sets[a] & sets[b]) for a in sets for b in sets if a < b)
+    assert len(parts["dev"]) == len(parts["test"]) == 30
+    assert parts["dev"].column("x") == sorted(parts["dev"].column("x"))  # file order kept
+    assert "carved off, seed 0" in parts["dev"].source and parts["dev"].where(0).startswith("t.csv")
+    with pytest.raises(DataError, match="2 groups of 'g' cannot be split"):
+        carve(RawTable({"g": ["a", "a", "b"]}, [1, 2, 3], "t"), {"dev": 0.1, "test": 0.1}, 0, "g")
+
+
+@pytest.mark.skipif(not E2E.is_dir(), reason="shared E2E NLG data not present")
+def test_e2e_train_and_test_dev_carved_by_meaning_representation():
+    d = data_cfg(E2E, group_column="mr")
+    tables = load_tables(d, 0, required=[("mr", "x"), ("ref", "y")])
+    train_mrs = set(tables["train"].column("mr"))
+    assert not train_mrs & set(tables["dev"].column("mr"))
+    n = len(tables["train"]) + len(tables["dev"])
+    assert abs(len(tables["dev"]) - 0.1 * n) < 50
+    assert tables["test"].source.endswith("test.csv")
+    with pytest.raises(DataError, match=r"\['sentence'\] \(set by data.text_columns\).*\['mr', 'ref'\]"):
+        load_tables(d, 0)
+
+
+def test_config_rejects_columns_with_a_header():
+    from fedslice.config import validate_config
+    with pytest.raises(ConfigError, match="data: .*header = false"):
+        validate_config({"data": {"columns": ["a", "label"]}})
+    with pytest.raises(ConfigError, match=r"\['sentence'\] are not among columns"):
+        validate_config({"data": {"header": False, "columns": ["a", "label"]}})
+
+
+def test_token_cache_tells_carved_splits_apart(tokenizer):
+    a = RawSplit([("a",), ("b",)], [0, 1], "f.tsv")
+    b = RawSplit([("c",), ("d",)], [0, 1], "f.tsv")
+    c = RawSplit([("a",), ("b",)], [1, 0], "f.tsv")
+    cache = TokenCache()
+    toks = [cache.get(x, "dev", tokenizer, 8) for x in (a, b, c)]
+    assert cache.misses == 3 and toks[2].labels.tolist() == [1, 0]

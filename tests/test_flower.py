@@ -201,6 +201,26 @@ def test_serverapp_matches_in_process_engine(tiny_cfg_dict, tmp_path, method):
                                                    "partition.json", "final_trainable.safetensors"}
 
 
+@pytest.mark.parametrize("model_type, method", [("llama", "fedpetuning"), ("t5", "fedpetuning"),
+                                               ("gpt2", "fedavg")])
+def test_serverapp_matches_in_process_engine_on_generative_models(tiny_gen_cfg_dict, tiny_lm_dirs,
+                                                                  tmp_path, model_type, method):
+    """Generation (BLEU/ROUGE evaluation) through the ServerApp/ClientApp code: the in-process
+    engine's weights, selections and dev metrics."""
+    tiny_gen_cfg_dict["model"]["name"] = str(tiny_lm_dirs[model_type])
+    tiny_gen_cfg_dict["method"]["name"] = method
+    tiny_gen_cfg_dict["federation"].update(rounds=2)
+    state, records, summary = _in_process(tiny_gen_cfg_dict)
+    path = _write_config(tiny_gen_cfg_dict, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(3)), _settings(path, tmp_path / "fl"))
+    _assert_same_state(_weights(run_dir), state)
+    _, metrics, fl_summary = read_run(run_dir)
+    assert [m["clients"] for m in metrics] == [r["clients"] for r in records]
+    assert [m["dev_rougeL"] for m in metrics] == pytest.approx([r["dev_rougeL"] for r in records])
+    assert fl_summary["test_bleu"] == pytest.approx(summary["test_bleu"])
+    assert fl_summary["primary_metric"] == "rougeL"
+
+
 @pytest.mark.parametrize("method, reason", [("fedpft", "this worker holds version None"),
                                             ("fedot", "no distilled emulator")])
 def test_node_that_lost_its_kept_state_recovers(tiny_cfg_dict, tmp_path, method, reason):
@@ -342,6 +362,21 @@ def test_deploy_local_two_supernodes_matches_in_process(tiny_cfg_dict, tmp_path,
                            connect_timeout=60, timeout=240, workdir=tmp_path / "work")
     assert [p.name for p in started] == ["superlink", "supernode-0", "supernode-1"]
     _check_deployed_run(run_dir, tiny_cfg_dict)
+
+
+@needs_flower
+def test_deploy_local_generation_on_a_decoder_matches_in_process(tiny_gen_cfg_dict, tmp_path, started):
+    """A decoder LLM (tiny LLaMA, grouped-query attention) generating on SuperLink + 2
+    SuperNodes: the in-process weights, and BLEU/ROUGE in the summary."""
+    from fedslice.flower.deploy import deploy_local
+
+    tiny_gen_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=2)
+    path = _write_config(tiny_gen_cfg_dict, tmp_path / "gen.json")
+    run_dir = deploy_local(path, nodes=2, out_dir=tmp_path / "runs", round_timeout=90,
+                           connect_timeout=60, timeout=240, workdir=tmp_path / "work")
+    _check_deployed_run(run_dir, tiny_gen_cfg_dict)
+    _, _, summary = read_run(run_dir)
+    assert summary["primary_metric"] == "rougeL" and "test_bleu" in summary
 
 
 @needs_flower

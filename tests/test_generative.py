@@ -220,11 +220,12 @@ def test_text_to_text_classification_by_label_words(tmp_path, tiny_lm_dirs, mode
 
 def test_template_field_the_data_lacks_is_a_config_error(tiny_gen_cfg_dict):
     tiny_gen_cfg_dict["task"]["prompt"] = "Describe: {meaning}\n"
-    with pytest.raises(ConfigError, match=r"task.prompt.*\['meaning'\].*\['mr', 'ref'\]"):
+    # at load, before any training, naming the field, the column and the columns found
+    with pytest.raises((ConfigError, DataError), match=r"\['meaning'\].*task.prompt.*\['mr', 'ref'\]"):
         setup(validate_config(tiny_gen_cfg_dict))
     tiny_gen_cfg_dict["task"]["prompt"] = "{mr}"
     tiny_gen_cfg_dict["task"]["target"] = "{reference}"
-    with pytest.raises(ConfigError, match="task.target.*reference"):
+    with pytest.raises((ConfigError, DataError), match="reference.*task.target"):
         setup(validate_config(tiny_gen_cfg_dict))
 
 
@@ -246,7 +247,7 @@ def test_label_missing_from_label_words_names_the_row(tmp_path, tiny_lm_dirs):
     cfg = validate_config({"data": {"path": str(data)}, "model": {"name": str(tiny_lm_dirs["llama"])},
                            "task": {"label_words": {"0": " bad", "7": " good"}},
                            "federation": {"num_clients": 2, "clients_per_round": 1}})
-    with pytest.raises(DataError, match=r"train.tsv, row \d+: label 1 has no word"):
+    with pytest.raises(DataError, match=r"train.tsv, row \d+: label .1. has no word"):
         setup(cfg)
 
 
@@ -280,3 +281,65 @@ def test_decoder_classification_head_pads_with_eos(tmp_path, tiny_lm_dirs, tiny_
     assert any(n.endswith("score.weight") for n in method.trainable())  # the head trains
     _, _, summary = Simulation(cfg, method, data).run()
     assert 0 <= summary["test_accuracy"] <= 1
+
+
+# --- prompts: chat template, Alpaca instruction data, truncation, padding ----------------------------
+
+def test_alpaca_jsonl_with_the_chat_template(tmp_path, tiny_lm_dirs, caplog):
+    folder = tmp_path / "alpaca"
+    folder.mkdir()
+    rows = [{"instruction": "Name a colour.", "input": "", "output": "Blue."},
+            {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5 " * 40}]
+    for split in ("train", "dev", "test"):
+        (folder / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows * 4) + "\n")
+    cfg = validate_config({"seed": 0, "threads": 1, "data": {"path": str(folder), "max_length": 40},
+                           "model": {"name": str(tiny_lm_dirs["llama"])},
+                           "task": {"kind": "generation", "preset": "alpaca", "chat_template": True,
+                                    "max_target_length": 16, "max_new_tokens": 4},
+                           "federation": {"num_clients": 2, "clients_per_round": 2, "rounds": 1,
+                                          "local_steps": 1, "batch_size": 4},
+                           "output": {"dir": str(tmp_path / "runs"), "progress": False, "plots": False}})
+    with caplog.at_level("INFO", logger="fedslice"):
+        method, data = setup(cfg)
+    tok = method.task.tokenizer
+    prompt = tok.decode(data.train.prompts[1])
+    assert "### Input:\n2 and 3" in prompt and "<|im_start|>assistant" in prompt  # chat-wrapped
+    assert "### Input" not in tok.decode(data.train.prompts[0])  # no input section when empty
+    # the long answer is cut to 16 tokens (15 + end token) and counted in the log
+    assert len(data.train.targets[1]) == 16 and data.train.targets[1][-1] == tok.eos_token_id
+    assert any("truncated 12 of 24 targets" in r.getMessage() for r in caplog.records)
+    assert any("truncated" in r.getMessage() and "prompts" in r.getMessage() for r in caplog.records)
+
+
+def test_a_tokenizer_without_pad_token_gets_eos_logged(caplog):
+    from fedslice.models.loading import ensure_pad_token
+
+    tok = __import__("conftest").smollm2_tokenizer()
+    tok.pad_token = None
+    with caplog.at_level("INFO", logger="fedslice.models.loading"):
+        ensure_pad_token(tok)
+    assert tok.pad_token_id == tok.eos_token_id
+    assert any("no pad token" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_cli_runs_the_e2e_config_unchanged_on_another_data_to_text_csv(tiny_d2t_dir, tmp_path):
+    """`fedslice run configs/e2e_smollm2.toml --set data.path=...` on real SmolLM2: BLEU and
+    ROUGE-L in every evaluation's log line and in summary.json (small overrides for time)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    sets = [f"data.path={tiny_d2t_dir}", "threads=1", "federation.rounds=2", "federation.local_steps=1",
+            "federation.num_clients=4", "federation.clients_per_round=2", "evaluation.every=1",
+            "task.max_new_tokens=8", f"output.dir={tmp_path / 'runs'}", "output.plots=false"]
+    proc = subprocess.run([sys.executable, "-m", "fedslice.cli", "run", str(repo / "configs/e2e_smollm2.toml"),
+                           *[a for s in sets for a in ("--set", s)]],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [l for l in proc.stdout.splitlines() if "round " in l and "/2 |" in l]  # "name: round 1/2 | ..."
+    assert len(lines) == 2 and all("dev ROUGE-L" in l and "dev BLEU" in l for l in lines)
+    run = next((tmp_path / "runs").iterdir())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["test_rougeL"] >= 0 and summary["test_bleu"] >= 0 and summary["task"] == "generation"

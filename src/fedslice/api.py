@@ -18,6 +18,7 @@ from fedslice.models.arch import arch_for
 from fedslice.models.loading import load_config, load_model
 from fedslice.tasks import make_task
 from fedslice.output import RunDir, write_json_atomic
+from fedslice.progress import activate, make_display
 from fedslice.report import markdown_table, plot_compare, plot_run, render_table, summary_row
 
 log = logging.getLogger(__name__)
@@ -25,40 +26,6 @@ log = logging.getLogger(__name__)
 
 def _run_name(cfg: ExperimentConfig) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.run_name).strip(".-") or "run"
-
-
-class _Progress:
-    """A rich progress bar over rounds showing loss, accuracy and ETA (no-op when disabled)."""
-
-    def __init__(self, cfg: ExperimentConfig, enabled: bool, primary: str = "accuracy"):
-        self.primary = primary
-        self.bar = None
-        if enabled:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeElapsedColumn, TimeRemainingColumn)
-            self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                                MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
-            self.task = self.bar.add_task(f"{cfg.run_name} round", total=cfg.federation.rounds,
-                                          stats="")
-
-    def __enter__(self):
-        if self.bar:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar:
-            self.bar.stop()
-
-    def __call__(self, record: dict[str, Any]) -> None:
-        if not self.bar:
-            return
-        loss, value = record.get("train_loss"), record.get(f"dev_{self.primary}")
-        stats = f"loss {loss:.3f}" if loss is not None else "loss -"
-        if value is not None:
-            stats += f"  dev {self.primary} {value:.3f}"
-        self.bar.update(self.task, advance=1, stats=stats)
 
 
 def setup(cfg: ExperimentConfig, role: Role = "both") -> tuple[Method, FederatedData]:
@@ -76,22 +43,28 @@ def setup(cfg: ExperimentConfig, role: Role = "both") -> tuple[Method, Federated
 
 
 def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
-                   progress: bool | None = None, setup_result=None) -> Path:
+                   progress: bool | None = None, setup_result=None, verbose: bool = False) -> Path:
     """Run one experiment into a new run folder and return its path.
 
     The folder appears only when the run has finished (written in a staging folder first).
+    ``progress`` (default ``output.progress``): bars on a terminal, else one line per round on
+    stdout (``verbose``: with bytes and each client's loss).
     """
     out = Path(out_dir or cfg.output.dir)
-    method, data = setup_result or setup(cfg)
-    sim = Simulation(cfg, method, data)
     show = cfg.output.progress if progress is None else progress
-    with RunDir.create(out, _run_name(cfg)) as run:
-        run.write_config(cfg.model_dump(mode="json"))
-        run.write_json("partition.json", {k: v for k, v in data.report.items() if k != "label_histograms"}
-                       if isinstance(data.report, dict) else data.report)
-        with _Progress(cfg, show, method.task.primary_metric) as bar:
-            state, _, summary = sim.run(on_round=run.append_metrics, progress=bar)
-        save_results(run, cfg, method, state, summary)
+    display = make_display(cfg.federation.rounds, cfg.run_name, enabled=show, verbose=verbose)
+    with activate(display):
+        method, data = setup_result or setup(cfg)
+        sim = Simulation(cfg, method, data)
+        with RunDir.create(out, _run_name(cfg)) as run:
+            run.write_config(cfg.model_dump(mode="json"))
+            run.write_json("partition.json", {k: v for k, v in data.report.items()
+                                              if k != "label_histograms"}
+                           if isinstance(data.report, dict) else data.report)
+            if data.label_map():
+                run.write_json("labels.json", data.label_map())
+            state, _, summary = sim.run(on_round=run.append_metrics)
+            save_results(run, cfg, method, state, summary)
     path = run.final_path
     if cfg.output.plots:
         plot_run(path)
@@ -120,7 +93,8 @@ def _same_setting(cfgs: list[ExperimentConfig]) -> list[ExperimentConfig]:
 
 
 def compare_experiments(cfgs: list[ExperimentConfig], out_dir: str | Path | None = None, *,
-                        progress: bool | None = None, name: str | None = None) -> tuple[Path, str]:
+                        progress: bool | None = None, name: str | None = None,
+                        verbose: bool = False) -> tuple[Path, str]:
     """Run several experiments on the same partition and seed into one folder; return its path
     and the results table."""
     if not cfgs:
@@ -132,7 +106,7 @@ def compare_experiments(cfgs: list[ExperimentConfig], out_dir: str | Path | None
     out = Path(out_dir or cfgs[0].output.dir)
     folder_name = name or f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     with RunDir.create(out, folder_name) as parent:
-        runs = [run_experiment(c, parent.path, progress=progress) for c in cfgs]
+        runs = [run_experiment(c, parent.path, progress=progress, verbose=verbose) for c in cfgs]
         rows = [summary_row(_read_summary(r)) for r in runs]
         table = render_table(rows, f"fedslice compare ({len(runs)} runs)")
         (parent.path / "results.md").write_text(markdown_table(rows) + "\n")

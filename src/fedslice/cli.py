@@ -1,4 +1,4 @@
-"""``fedslice run | compare | report | deploy``.
+"""``fedslice run | validate | compare | report | deploy``.
 
 User errors (config, data, model) print one message and exit with code 2, no traceback.
 """
@@ -10,29 +10,56 @@ import logging
 import sys
 import warnings
 
+from fedslice import __version__
 from fedslice.errors import FedsliceError
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedslice", description=__doc__.splitlines()[0])
-    p.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug logs")
-    sub = p.add_subparsers(dest="command", required=True)
+def _output_options(suppress: bool) -> argparse.ArgumentParser:
+    """-q/-v, accepted before and after the subcommand (``fedslice run -q CONFIG``)."""
+    p = argparse.ArgumentParser(add_help=False)
+    default = {"default": argparse.SUPPRESS} if suppress else {}
+    p.add_argument("-v", "--verbose", action="count", **({"default": 0} | default),
+                   help="more detail: -v per-client round details and debug logs of fedslice, "
+                        "-vv debug logs of every library")
+    p.add_argument("-q", "--quiet", action="store_true", **({"default": False} | default),
+                   help="no progress and no informational logs: warnings, errors and results only")
+    return p
 
-    run = sub.add_parser("run", help="run one experiment from a TOML/YAML config")
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedslice", description=__doc__.splitlines()[0],
+                                parents=[_output_options(False)])
+    p.add_argument("--version", action="version", version=f"fedslice {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    common = [_output_options(True)]
+
+    run = sub.add_parser("run", help="run one experiment from a TOML/YAML config", parents=common)
     run.add_argument("config")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config field, e.g. --set federation.rounds=5 (repeatable)")
     run.add_argument("--out", help="parent folder of the run folder (default: output.dir)")
-    run.add_argument("--no-progress", action="store_true")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no bars (terminal) or per-round lines (otherwise)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="check everything and print the plan, as `fedslice validate`; no training")
 
-    cmp = sub.add_parser("compare", help="run several configs on the same partition and seed")
+    val = sub.add_parser("validate", parents=common,
+                         help="load the config, data and model config (no weights); print the plan")
+    val.add_argument("config")
+    val.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    val.add_argument("--no-timing", action="store_true",
+                     help="skip timing one training step of a randomly initialised model")
+
+    cmp = sub.add_parser("compare", help="run several configs on the same partition and seed",
+                         parents=common)
     cmp.add_argument("configs", nargs="+", help="config files, or one file with [[variants]]")
     cmp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     cmp.add_argument("--out")
     cmp.add_argument("--name", help="name of the compare folder")
     cmp.add_argument("--no-progress", action="store_true")
 
-    rep = sub.add_parser("report", help="re-render the table and plots of finished runs")
+    rep = sub.add_parser("report", help="re-render the table and plots of finished runs",
+                         parents=common)
     rep.add_argument("run_dirs", nargs="+")
 
     from fedslice.flower.deploy import add_parser as add_deploy_parser
@@ -40,10 +67,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _configure_logging(verbosity: int) -> None:
-    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbosity, 2)]
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    if verbosity == 0:
+def _configure_logging(verbosity: int, quiet: bool) -> None:
+    """fedslice's own messages at INFO (what it does: data carved, distillation started, ...),
+    other libraries at WARNING; -q: warnings only; -v: fedslice DEBUG; -vv: everything DEBUG."""
+    if quiet:
+        verbosity = -1
+    root = [logging.WARNING, logging.WARNING, logging.INFO, logging.DEBUG][min(verbosity, 2) + 1]
+    own = [logging.WARNING, logging.INFO, logging.DEBUG, logging.DEBUG][min(verbosity, 2) + 1]
+    logging.basicConfig(level=root, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("fedslice").setLevel(own)
+    if verbosity <= 0:
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -58,18 +91,25 @@ def _main(args: argparse.Namespace) -> int:
     if args.command == "deploy":
         from fedslice.flower.deploy import main as deploy_main
         return deploy_main(args)
+    if args.command == "validate" or (args.command == "run" and args.dry_run):
+        from fedslice.plan import make_plan
+        cfg = load_config(args.config, args.overrides)
+        print(make_plan(cfg, timing=not getattr(args, "no_timing", False)).render())
+        return 0
     from fedslice.api import compare_experiments, run_experiment
 
-    progress = False if args.no_progress else None
+    progress = False if args.no_progress or args.quiet else None
+    verbose = args.verbose > 0
     if args.command == "run":
         cfg = load_config(args.config, args.overrides)
-        path = run_experiment(cfg, args.out, progress=progress)
+        path = run_experiment(cfg, args.out, progress=progress, verbose=verbose)
         from fedslice.report import report
         print(report(path, plots=False))
         print(f"results: {path}")
         return 0
     cfgs = [c for f in args.configs for c in load_variants(f, args.overrides)]
-    path, table = compare_experiments(cfgs, args.out, progress=progress, name=args.name)
+    path, table = compare_experiments(cfgs, args.out, progress=progress, name=args.name,
+                                      verbose=verbose)
     print(table)
     print(f"results: {path}")
     return 0
@@ -77,7 +117,7 @@ def _main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _configure_logging(args.verbose)
+    _configure_logging(args.verbose, args.quiet)
     try:
         return _main(args)
     except FedsliceError as e:

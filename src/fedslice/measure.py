@@ -88,19 +88,24 @@ def linear_param_counts(model: nn.Module) -> dict[str, int]:
     Returns ``{"total", "trainable", "head_total", "head_trainable"}``: ``total``/``trainable``
     are the per-token linear layers (the transformer body, including LoRA ``lora_A``/``lora_B``
     linears of a peft model); ``head_*`` are the linears of the classification head (module
-    names containing ``pooler``, ``classifier`` or ``score``), which run once per example.
+    names containing ``pooler``, ``classifier`` or ``score``), which run once per example, and
+    the LM head (the output embedding), which runs at the positions where a loss is taken.
+    GPT-2's ``Conv1D`` counts as a linear layer.
     Biases are not counted (they cost no multiply-adds). The unused ``original_module`` copy that
     peft keeps for ``modules_to_save`` is skipped.
     """
     counts = {"total": 0, "trainable": 0, "head_total": 0, "head_trainable": 0}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_out = getattr(base, "get_output_embeddings", None)
+    lm_head = get_out() if callable(get_out) else None
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
             continue
         w = module.weight
         segments = name.split(".")
         if "original_module" in segments:
             continue  # peft modules_to_save keeps an unused copy of the original head
-        is_head = any(part in seg for seg in segments for part in _HEAD_NAME_PARTS)
+        is_head = module is lm_head or any(part in seg for seg in segments for part in _HEAD_NAME_PARTS)
         prefix = "head_" if is_head else ""
         counts[prefix + "total"] += w.numel()
         if w.requires_grad:

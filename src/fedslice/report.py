@@ -327,6 +327,18 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="lower right")
     acc_path = _save(fig, run_dir / f"{primary}.png")
+    per = summary.get("test_accuracy_per_class")
+    if per:
+        fig, (ax,) = _figure()
+        names = list(per)
+        ax.bar(range(len(names)), [_num(per[n]) or 0.0 for n in names], color="tab:blue")
+        ax.set_xticks(range(len(names)), names, rotation=30 if len(names) > 4 else 0, ha="right"
+                      if len(names) > 4 else "center")
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("test accuracy on the class's examples")
+        ax.set_title(title)
+        ax.grid(True, axis="y", alpha=0.3)
+        _save(fig, run_dir / "classes.png")
 
     fig, (ax,) = _figure()
     xs, down, up = _bytes_series(metrics)
@@ -552,4 +564,15 @@ def report(
 
     if title is None:
         title = f"fedslice results: {roots[0].name}" if len(roots) == 1 else "fedslice results"
-    return render_table(rows, title, color=color)
+    return render_table(rows, title, color=color) + "".join(per_class_lines(runs))
+
+
+def per_class_lines(runs: Sequence[Path]) -> list[str]:
+    """One line per run with its test accuracy on each class, by class name."""
+    out = []
+    for run in runs:
+        per = read_run(run)[2].get("test_accuracy_per_class")
+        if per:
+            cells = ", ".join(f"{name} {_fmt(acc, '.3f')}" for name, acc in per.items())
+            out.append(f"\ntest accuracy per class ({run.name}): {cells}")
+    return out

@@ -2,8 +2,8 @@
 
 Typical flow::
 
-    source = resolve_source(cfg_path, base_dirs)            # Path (local) or "glue/sst2" (hub)
-    splits = load_local_splits(source, text_columns=["sentence"], label_column="label")
+    tables = load_tables(cfg.data, seed)                    # train/dev/test RawTable (files or hub)
+    splits = tables_to_splits(tables, text_columns=["sentence"], label_column="label")
     rows = sample_rows(len(splits["train"]), max_rows, seed)  # optional quick-run subset
     parts = partition_indices(train_labels, num_partitions=10, scheme="dirichlet", seed=0)
     train = cache.get(splits["train"], "train", tokenizer, max_length=128)
@@ -20,10 +20,14 @@ from fedslice.data.batching import (
 )
 from fedslice.data.loading import (
     RawSplit,
+    RawTable,
     load_hub_splits,
     load_local_splits,
+    load_tables,
     num_labels,
+    read_table,
     resolve_source,
+    tables_to_splits,
 )
 from fedslice.data.partition import (
     SCHEMES,
@@ -35,17 +39,21 @@ from fedslice.data.partition import (
 __all__ = [
     "SCHEMES",
     "RawSplit",
+    "RawTable",
     "TokenCache",
     "TokenizedSplit",
     "collate",
     "iter_batches",
     "load_hub_splits",
     "load_local_splits",
+    "load_tables",
     "num_batches",
     "num_labels",
     "partition_indices",
     "partition_report",
+    "read_table",
     "resolve_source",
     "sample_rows",
+    "tables_to_splits",
     "tokenize_split",
 ]

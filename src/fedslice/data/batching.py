@@ -215,7 +215,10 @@ class TokenCache:
     def key(raw: RawSplit, split_name: str, tokenizer: Any, max_length: int) -> tuple[Any, ...]:
         """The cache key of a request."""
         name = getattr(tokenizer, "name_or_path", None) or repr(type(tokenizer))
-        return (raw.source, split_name, str(name), max_length, len(raw))
+        # The content, not just the source: splits carved off one file by different seeds, or
+        # labels mapped in another order, share source and length.
+        content = hash((tuple(raw.texts), tuple(raw.labels)))
+        return (raw.source, split_name, str(name), max_length, len(raw), content)
 
     def get(
         self, raw: RawSplit, split_name: str, tokenizer: Any, max_length: int

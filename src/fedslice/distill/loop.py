@@ -24,6 +24,7 @@ import torch.nn as nn
 from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.measure import count_flops
 from fedslice.models.arch import ArchSpec
+from fedslice import progress
 
 #: loss_fn(student_layers, teacher_layers, batch) -> (loss, parts); *_layers[i] = output of block i.
 LossFn = Callable[[list[torch.Tensor], list[torch.Tensor], dict[str, torch.Tensor]],
@@ -130,8 +131,9 @@ def distill(student: nn.Module, teacher: nn.Module, arch: ArchSpec, params: dict
     batches = _cycle(corpus, batch_size, gen)
     t0 = time.perf_counter()
     flops_per_token = 0.0
-    with train_only([student, teacher], params):
+    with train_only([student, teacher], params), progress.task("distillation", steps) as advance:
         for step in range(steps):
+            advance()
             batch = next(batches)
             with count_flops(enabled=step == 0) as fc:
                 with torch.no_grad():

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fedslice.data.batching import TokenizedSplit, iter_batches
+from fedslice import progress
+from fedslice.data.batching import TokenizedSplit, iter_batches, num_batches
 from fedslice.measure import PeakMemory, count_flops
-from fedslice.tasks.base import batch_examples, batch_tokens
+from fedslice.tasks.base import batch_examples, batch_head_positions, batch_tokens
 
 #: ``loss_fn(model, batch) -> scalar`` (the task's training loss)
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
@@ -24,6 +25,7 @@ class LocalResult:
     loss: float  # mean training loss over the local steps (nan if a step diverged)
     steps: int
     examples: int  # examples trained on, repeats included (FedAvg weights use the partition size)
+    head_positions: int  # where the output head ran: examples, or target tokens of an LM task
     tokens: int  # padded tokens processed (what the FLOPs scale with)
     flops_measured: float  # FlopCounterMode on the first step, scaled by padded tokens
     peak_rss_mb: float
@@ -52,6 +54,11 @@ def _batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator):
                 return
 
 
+def _num_steps(data: TokenizedSplit, cfg: dict[str, Any]) -> int:
+    steps = int(cfg.get("local_steps") or 0)
+    return steps or int(cfg.get("local_epochs") or 1) * num_batches(len(data), int(cfg["batch_size"]))
+
+
 def _proximal(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
     """FedProx term mu/2 * ||w - w_global||^2 over the trained tensors."""
     return 0.5 * mu * sum(((p - ref[n]) ** 2).sum() for n, p in params.items())
@@ -78,13 +85,15 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     was_training = model.training
     model.train()
     losses: list[torch.Tensor] = []
-    tokens = examples = 0
+    tokens = examples = head_positions = 0
     flops_per_token = 0.0
     nonfinite = False
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
-    with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem:
+    with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem, \
+            progress.task("local training steps", _num_steps(data, cfg)) as advance:
         for step, batch in enumerate(_batches(data, cfg, gen)):
+            advance()
             with count_flops(enabled=step == 0) as fc:
                 loss = loss_fn(model, batch)
                 total = loss + _proximal(params, ref, mu) if ref is not None else loss
@@ -102,9 +111,10 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
             losses.append(loss.detach())
             tokens += batch_tokens(batch)
             examples += batch_examples(batch)
+            head_positions += batch_head_positions(batch)
     model.train(was_training)
     mean_loss = float(torch.stack(losses).mean()) if losses else math.nan
     return LocalResult(loss=mean_loss if not nonfinite else math.nan, steps=len(losses),
-                       examples=examples, tokens=tokens, flops_measured=flops_per_token * tokens,
+                       examples=examples, head_positions=head_positions, tokens=tokens, flops_measured=flops_per_token * tokens,
                        peak_rss_mb=mem.rss_peak_mb or 0.0, activation_mb=mem.tensor_peak_mb,
                        time_s=time.perf_counter() - t0, nonfinite=nonfinite)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedslice import progress as progress_display
 from fedslice.config import ExperimentConfig
 from fedslice.data import TokenizedSplit, partition_indices, partition_report
 from fedslice.errors import DataError
@@ -35,6 +36,15 @@ class FederatedData:
     test: TokenizedSplit
     partitions: list[np.ndarray]
     report: dict[str, Any]
+    label_names: list[str] | None = None
+
+    def label_map(self) -> dict[str, Any] | None:
+        """What ``labels.json`` of a run folder holds: each class name and its id (None when
+        the labels are plain ids without names)."""
+        if not self.label_names:
+            return None
+        return {"names": list(self.label_names),
+                "ids": {name: i for i, name in enumerate(self.label_names)}}
 
     def client(self, cid: int) -> TokenizedSplit:
         return self.train.subset(self.partitions[cid])
@@ -51,7 +61,7 @@ def prepare_data(cfg: ExperimentConfig, task: Task, splits: dict) -> FederatedDa
     report = partition_report(parts, train.labels.tolist())
     return FederatedData(train=train, dev=task.limit(splits["dev"], d.max_dev_examples, seed),
                          test=task.limit(splits["test"], d.max_test_examples, seed),
-                         partitions=parts, report=report)
+                         partitions=parts, report=report, label_names=task.label_names)
 
 
 def client_seed(seed: int, server_round: int, client: int) -> int:
@@ -103,8 +113,12 @@ class Simulation:
         strategy, method = self.method.strategy, self.method
         clients = self.selector.select(server_round, self.candidates)
         payloads = strategy.configure_train(server_round, state, clients)
-        replies = {c: method.fit(payloads[c], self.data.client(c),
-                                 client_seed(self.cfg.seed, server_round, c)) for c in clients}
+        replies = {}
+        with progress_display.task(f"round {server_round}: clients", len(clients)) as advance:
+            for c in clients:
+                replies[c] = method.fit(payloads[c], self.data.client(c),
+                                        client_seed(self.cfg.seed, server_round, c))
+                advance()
         result = strategy.aggregate_train(server_round, state, payloads, replies)
         if result.skipped:
             log.warning("round %d: only %d valid replies (< min_replies): global state unchanged",
@@ -129,6 +143,7 @@ class Simulation:
                 on_round(record)
             if progress:
                 progress(record)
+            progress_display.round_done(record)
         return state, records, finalize(cfg, self.method, self.data, state, records, t_start)
 
 
@@ -151,10 +166,10 @@ def finish_round(cfg: ExperimentConfig, method: Method, data: FederatedData, sel
     ev_cfg = cfg.evaluation
     if server_round % ev_cfg.every == 0 or server_round == cfg.federation.rounds:
         ev = method.evaluate(state, data.dev, ev_cfg.batch_size, ev_cfg.dev_generations)
-        record.update({f"dev_{k}": v for k, v in ev.items()})
+        record.update({f"dev_{k}": v for k, v in _scalars(ev).items()})
         if ev_cfg.track_test:
             ev = method.evaluate(state, data.test, ev_cfg.batch_size)
-            record.update({f"test_{k}": v for k, v in ev.items()})
+            record.update({f"test_{k}": v for k, v in _scalars(ev).items()})
     losses = {m["client"]: m["loss"] for m in record["client_metrics"]}
     selector.observe(server_round, losses, record["dev_loss"])
 
@@ -172,7 +187,7 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
     return {
         "name": cfg.run_name, "method": cfg.method.name, "seed": cfg.seed,
         "task": cfg.task.kind, "primary_metric": primary,
-        **{f"test_{k}": v for k, v in test.items()},
+        **{f"test_{k}": v for k, v in _scalars(test).items()},
         f"final_dev_{primary}": records[-1].get(key) if records else None,
         "rounds": len(records), "target_accuracy": target,
         "rounds_to_target": reached[0] if reached else None,
@@ -184,4 +199,19 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
         "excluded_replies": sum(len(r["excluded"]) for r in records),
         "empty_partitions": len(data.report.get("empty_partitions", [])),
         "wall_time_s": wall,
+        **_per_class(test, data),
     }
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The single-number metrics of an evaluation (per-class lists are reported apart)."""
+    return {k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}
+
+
+def _per_class(test: dict, data: FederatedData) -> dict[str, Any]:
+    """Test accuracy on each class's examples, keyed by the class name (or id)."""
+    accs = test.get("per_class_accuracy")
+    if accs is None:
+        return {}
+    names = data.label_names or [str(i) for i in range(len(accs))]
+    return {"test_accuracy_per_class": {n: a for n, a in zip(names, accs)}}

@@ -68,6 +68,8 @@ def run(grid: Grid, settings: RunSettings) -> Path:
         run_dir.write_config(cfg.model_dump(mode="json"))
         run_dir.write_json("partition.json", {k: v for k, v in data.report.items()
                                               if k != "label_histograms"})
+        if data.label_map():
+            run_dir.write_json("labels.json", data.label_map())
         adapter = FlowerAdapter(cfg, method, data, partitions, settings.round_timeout)
         evaluate = _central_evaluation(cfg, method, data, adapter, run_dir.append_metrics)
         result = adapter.start(grid, state_to_record(method.initial_state()),

@@ -112,11 +112,12 @@ class Method:
         counts = measure.linear_param_counts(model)
         seq = result.tokens / max(result.examples, 1)
         analytic = measure.analytic_train_flops(
-            num_layers=len(self.arch.blocks(model)),  # a sub-model may have fewer layers
+            # a sub-model may have fewer layers; an encoder-decoder counts both stacks
+            num_layers=sum(len(self.arch.blocks(model, k)) for k in range(len(self.arch.stacks))),
             hidden=self.dims["hidden"], ffn=self.dims["ffn"],
             num_heads=self.dims["num_heads"], tokens=result.tokens, seq_len=seq,
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
-            examples=result.examples, head_linear_params=counts["head_total"],
+            examples=result.head_positions, head_linear_params=counts["head_total"],
             head_trainable_linear_params=counts["head_trainable"])
         return {
             "loss": result.loss, "steps": result.steps, "examples_trained": result.examples,

@@ -146,8 +146,10 @@ def load_model(cfg: ModelConfig, num_labels: int | None, seed: int,
     hf_logging.disable_progress_bar()
     try:
         auto = getattr(transformers, _AUTO[head])
+        # A checkpoint's own classifier for another number of classes is replaced by a new one.
         model = auto.from_pretrained(path, config=config, attn_implementation=cfg.attn_implementation,
-                                     dtype=torch.float32)
+                                     dtype=torch.float32,
+                                     ignore_mismatched_sizes=head == "sequence_classification")
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model {cfg.name!r} ({path}): {str(e).splitlines()[0]}") from None

@@ -21,6 +21,8 @@ class Task:
     primary_metric = "accuracy"
     #: the split type's "label" is a class (partitioners may skew by it)
     has_classes = True
+    #: class names by id, when the data names its classes (set by ``encode``)
+    label_names: list[str] | None = None
 
     def __init__(self, cfg: ExperimentConfig, arch: ArchSpec, head: Head):
         self.cfg, self.arch, self.head = cfg, arch, head
@@ -60,6 +62,13 @@ def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 def batch_examples(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["labels"].shape[0])
+
+
+def batch_head_positions(batch: dict[str, torch.Tensor]) -> int:
+    """Where the output head runs: once per example (classification), or at each target token
+    (language-model tasks: their labels are per token, -100 elsewhere)."""
+    labels = batch["labels"]
+    return int(labels.shape[0]) if labels.dim() == 1 else int((labels != -100).sum())
 
 
 def nan_metrics(*names: str) -> dict[str, float]:

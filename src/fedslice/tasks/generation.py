@@ -14,12 +14,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from fedslice.data.sources import load_tables
+from fedslice.data.loading import load_tables
 from fedslice.errors import ConfigError
 import fedslice.tasks.lm as lm
 from fedslice.tasks.base import seeded_choice
 from fedslice.tasks.metrics import generation_scores
-from fedslice.tasks.text import Truncation, check_columns, render, task_prompts
+from fedslice.tasks.text import Truncation, check_columns, render, task_prompts, template_fields
 from fedslice.tasks.text2text import TextToText, eval_mode, first_rows, groups_of, perplexity
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,15 @@ class Generation(TextToText):
     has_classes = False
 
     def load_raw(self):
-        return load_tables(self.cfg.data, self.cfg.seed)
+        """Every column of the data (the templates pick theirs); template fields the data lacks
+        are errors naming them, before any training."""
+        t = self.cfg.task
+        need = [] if t.preset == "alpaca" else [(f, "task.prompt") for f in template_fields(
+            t.prompt or "\n".join("{" + c + "}" for c in self.cfg.data.text_columns))]
+        need += [(f, "task.target") for f in template_fields(t.target or "{output}")]
+        if t.preset == "alpaca":
+            need += [("instruction", "task.preset"), ("output", "task.preset")]
+        return load_tables(self.cfg.data, self.cfg.seed, required=list(dict.fromkeys(need)))
 
     def encode(self, raw, loaded):
         self.bind(loaded)
@@ -44,7 +52,8 @@ class Generation(TextToText):
         for name, table in raw.items():
             columns = list(table.columns)
             check_columns(target_template, columns, "task.target", table.source)
-            rows = [dict(zip(columns, cells)) for cells in zip(*table.columns.values())]
+            rows = [dict(zip(columns, ("" if c is None else c for c in cells)))
+                    for cells in zip(*table.columns.values())]
             prompts = task_prompts(t, rows, columns, self.cfg.data.text_columns, table.source)
             targets = [render(target_template, r) for r in rows]
             out[name] = self.pair_split(self.prompt_ids(prompts, trunc),

@@ -24,7 +24,7 @@ class LabelWordClassification(TextToText):
     primary_metric = "accuracy"
 
     def load_raw(self):
-        return load_raw_splits(self.cfg.data)
+        return load_raw_splits(self.cfg.data, self.cfg.seed)
 
     def encode(self, raw, loaded):
         self.bind(loaded)
@@ -35,6 +35,7 @@ class LabelWordClassification(TextToText):
             raise ConfigError(f"task.label_words: two label words have the same tokens "
                               f"({ {k: w.tolist() for k, w in zip(words, word_ids)} })")
         self.classes = list(words)  # label as written in the data -> position = candidate index
+        self.label_names = self.classes
         self.candidates = word_ids
         for k, w in zip(words, word_ids):
             pieces = self.tokenizer.convert_ids_to_tokens(w.tolist())
@@ -45,10 +46,11 @@ class LabelWordClassification(TextToText):
             rows = [dict(zip(columns, t)) for t in split.texts]
             prompts = task_prompts(self.cfg.task, rows, columns, columns, split.source)
             cls = []
+            names = split.label_names
             for i, label in enumerate(split.labels):
-                key = str(label)
+                key = names[label] if names else str(label)
                 if key not in words:
-                    raise DataError(f"{split.source}, row {i + 1}: label {label!r} has no word in "
+                    raise DataError(f"{split.source}, row {i + 1}: label {key!r} has no word in "
                                     f"task.label_words ({sorted(words)})")
                 cls.append(self.classes.index(key))
             out[name] = self.pair_split(self.prompt_ids(prompts, trunc),

@@ -1,0 +1,208 @@
+"""``fedslice validate``: everything a run checks before it trains, and the plan it would follow.
+
+Loads the config, the data (sizes, labels, the partition among clients, token lengths) and the
+model's config, and builds the method on a weightless copy of the model (PyTorch's ``meta``
+device: shapes without memory), so the plan's sizes are those the run will use: what each
+client receives and sends back, per-client sub-model sizes for the slicing methods. Server work
+that needs weights (distillation before FL, salience ordering) is not done. The time per round
+is estimated from one timed training step of a randomly initialised model (skippable).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fedslice import measure
+from fedslice.config import ExperimentConfig
+from fedslice.errors import FedsliceError
+from fedslice.fl.engine import FederatedData, prepare_data
+from fedslice.methods import METHODS, build_method
+from fedslice.models.arch import Head, arch_for
+from fedslice.models.loading import LoadedModel, ensure_pad_token, load_config
+from fedslice.tasks import make_task
+
+
+@dataclass
+class Plan:
+    """What ``fedslice validate`` prints (``render``) and tests check (the fields)."""
+
+    name: str
+    method: str
+    splits: dict[str, int]
+    sources: dict[str, str]
+    label_names: list[str] | None
+    num_labels: int
+    client_sizes: list[int]
+    model: str
+    total_params: int
+    rounds: int
+    clients_per_round: int
+    bytes_down: dict[int, int] = field(default_factory=dict)  # per client, round 1
+    bytes_up: dict[int, int] = field(default_factory=dict)
+    submodel_params: dict[int, int] = field(default_factory=dict)  # per client, slicing methods
+    steps_per_client: dict[int, int] = field(default_factory=dict)
+    mean_tokens: float = 0.0
+    step_seconds: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def round_bytes(self) -> float:
+        """Expected bytes per round (down + up, all clients of a round): the mean client's
+        times clients per round."""
+        per = [self.bytes_down.get(c, 0) + self.bytes_up.get(c, 0) for c in self.bytes_down]
+        return statistics.fmean(per) * self.clients_per_round if per else 0.0
+
+    @property
+    def round_seconds(self) -> float | None:
+        """Estimated time per round: clients per round x mean local steps x one full-model step
+        (an upper bound for methods that train a smaller model)."""
+        if self.step_seconds is None or not self.steps_per_client:
+            return None
+        return self.clients_per_round * statistics.fmean(self.steps_per_client.values()) \
+            * self.step_seconds
+
+    def render(self) -> str:
+        from fedslice.progress import fmt_duration
+
+        sizes = self.client_sizes
+        lines = [f"plan for {self.name} (method {self.method}): config, data and model are valid",
+                 "data:"]
+        for split, n in self.splits.items():
+            lines.append(f"  {split:5s} {n:>8d} examples  ({self.sources[split]})")
+        labels = ", ".join(self.label_names) if self.label_names else "ids 0.." + str(self.num_labels - 1)
+        lines.append(f"  labels: {self.num_labels} ({labels}); mean {self.mean_tokens:.1f} tokens "
+                     "per training example")
+        lines.append(f"clients: {len(sizes)}, {self.clients_per_round} per round, {self.rounds} "
+                     f"rounds; examples per client min {min(sizes)}, median "
+                     f"{statistics.median(sizes):g}, max {max(sizes)}")
+        if len(sizes) <= 20:
+            lines.append("  sizes: " + " ".join(str(s) for s in sizes))
+        lines.append(f"model: {self.model}, {self.total_params / 1e6:.2f} M parameters")
+        if self.submodel_params:
+            by_size: dict[int, list[int]] = {}
+            for c, n in sorted(self.submodel_params.items()):
+                by_size.setdefault(n, []).append(c)
+            lines.append("sub-models (parameters, share of the full model: clients):")
+            for n, cs in sorted(by_size.items(), reverse=True):
+                shown = ", ".join(map(str, cs[:12])) + (", ..." if len(cs) > 12 else "")
+                lines.append(f"  {n / 1e6:8.2f} M  {n / self.total_params:6.1%}: {len(cs)} "
+                             f"client(s) [{shown}]")
+        if self.bytes_down:
+            down = statistics.fmean(self.bytes_down.values())
+            up = statistics.fmean(self.bytes_up.values())
+            lines.append(f"bytes per client per round: down {down / 1e6:.3f} MB, up "
+                         f"{up / 1e6:.3f} MB; per round ({self.clients_per_round} clients): "
+                         f"{self.round_bytes / 1e6:.3f} MB")
+        if self.round_seconds is not None:
+            steps = statistics.fmean(self.steps_per_client.values())
+            lines.append(f"time per round: about {fmt_duration(self.round_seconds)} "
+                         f"({self.clients_per_round} clients x {steps:.1f} local steps x "
+                         f"{self.step_seconds:.3f} s per full-model step on this machine; "
+                         f"evaluation not included); {self.rounds} rounds: about "
+                         f"{fmt_duration(self.round_seconds * self.rounds)}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _model(config, cfg: ExperimentConfig, head: Head, num_labels: int | None, *, meta: bool):
+    """A randomly initialised model with the task's head (on the meta device: shapes only)."""
+    import transformers
+
+    if num_labels is not None:
+        config.num_labels = num_labels
+    auto = getattr(transformers, {"sequence_classification": "AutoModelForSequenceClassification",
+                                  "causal_lm": "AutoModelForCausalLM",
+                                  "seq2seq_lm": "AutoModelForSeq2SeqLM"}[head])
+    with torch.device("meta") if meta else torch.device("cpu"):
+        return auto.from_config(config, attn_implementation=cfg.model.attn_implementation)
+
+
+def _steps(cfg: ExperimentConfig, n: int) -> int:
+    fed = cfg.federation
+    return fed.local_steps or fed.local_epochs * -(-n // fed.batch_size)
+
+
+def _time_step(config, cfg: ExperimentConfig, task, data: FederatedData, num_labels: int | None,
+               tokenizer) -> float:
+    """Seconds of one training step of the full model (random weights) on a batch of the
+    client data (the task's loss)."""
+    model = _model(config, cfg, task.head, num_labels, meta=False)
+    ensure_pad_token(tokenizer, model)
+    order = torch.argsort(data.train.lengths, stable=True)
+    mid = max(0, len(order) // 2 - cfg.federation.batch_size // 2)  # a typical length
+    batch = data.train.collate(order[mid:mid + cfg.federation.batch_size])
+    times = []
+    for _ in range(3):  # the first step warms up
+        t0 = time.perf_counter()
+        task.loss(model, batch).backward()
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def make_plan(cfg: ExperimentConfig, *, timing: bool = True) -> Plan:
+    """Check config, data and model as a run would, without weights; return the plan.
+
+    Raises the errors a run would raise at start (ConfigError, DataError, ModelError).
+    """
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    from transformers import AutoTokenizer
+
+    config, path = load_config(cfg.model)
+    arch = arch_for(config)
+    task = make_task(cfg, arch)
+    METHODS[cfg.method.name].check_supported(arch, task)
+    raw = task.load_raw()
+    k = task.num_labels(raw)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = _model(config, cfg, task.head, k, meta=True)
+    ensure_pad_token(tokenizer, model)
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, arch=arch, head=task.head)
+    data: FederatedData = prepare_data(cfg, task, task.encode(raw, loaded))
+    sizes = [len(p) for p in data.partitions]
+    mean_tokens = float(data.train.lengths.float().mean()) if len(data.train) else 0.0
+    plan = Plan(name=cfg.run_name, method=cfg.method.name,
+                splits={s: len(getattr(data, s)) for s in ("train", "dev", "test")},
+                sources={s: raw[s].source for s in ("train", "dev", "test")},
+                label_names=task.label_names, num_labels=k or 0, client_sizes=sizes,
+                model=str(path), total_params=0, rounds=cfg.federation.rounds,
+                clients_per_round=cfg.federation.clients_per_round, mean_tokens=mean_tokens)
+    _method_sizes(cfg, plan, loaded, task, sizes)
+    plan.steps_per_client = {c: _steps(cfg, n) for c, n in enumerate(sizes) if n}
+    if timing:
+        plan.step_seconds = _time_step(config, cfg, task, data, k, tokenizer)
+    return plan
+
+
+def _method_sizes(cfg: ExperimentConfig, plan: Plan, loaded: LoadedModel, task,
+                  sizes: list[int]) -> None:
+    """Build the method on a weightless model; record what each client receives and sends."""
+    plan.total_params = sum(p.numel() for p in loaded.model.parameters())
+    try:
+        method = build_method(cfg, loaded, task, role="client")
+        state = method.initial_state()
+        clients = [c for c, n in enumerate(sizes) if n]
+        payloads = method.strategy.configure_train(1, state, clients)
+        for c, payload in payloads.items():
+            client_model, params = method.client_model(payload)
+            up = {n: p for n, p in params.items() if n in payload.arrays}
+            plan.bytes_down[c] = measure.tensor_bytes(payload.arrays)
+            plan.bytes_up[c] = measure.tensor_bytes(up)
+            if client_model is not method.model:
+                plan.submodel_params[c] = sum(p.numel() for p in client_model.parameters())
+        if cfg.method.name in ("fedpft", "fedot"):
+            plan.notes.append(f"{cfg.method.name}: the server builds the client model (proxy / "
+                              "emulator) from the weights before round 1; its size and bytes "
+                              "are not in this plan (sizes above are the client's trainable part)")
+            plan.submodel_params.clear()
+    except FedsliceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a method whose set-up needs real weights
+        plan.notes.append(f"{cfg.method.name}: sizes per client need the model's weights "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                          "they are measured in the run")
