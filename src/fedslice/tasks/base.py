@@ -3,7 +3,6 @@ loss and its evaluation. Methods, the engine and the Flower adapter see only thi
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -19,8 +18,6 @@ class Task:
     kind = "base"
     #: the metric plotted, compared and aimed at (``evaluation.target_accuracy``)
     primary_metric = "accuracy"
-    #: the split type's "label" is a class (partitioners may skew by it)
-    has_classes = True
     #: class names by id, when the data names its classes (set by ``encode``)
     label_names: list[str] | None = None
 
@@ -69,10 +66,6 @@ def batch_head_positions(batch: dict[str, torch.Tensor]) -> int:
     (language-model tasks: their labels are per token, -100 elsewhere)."""
     labels = batch["labels"]
     return int(labels.shape[0]) if labels.dim() == 1 else int((labels != -100).sum())
-
-
-def nan_metrics(*names: str) -> dict[str, float]:
-    return {n: math.nan for n in names}
 
 
 def length_order(split) -> torch.Tensor:

@@ -30,7 +30,6 @@ METRICS = ("bleu", "rouge1", "rouge2", "rougeL", "loss", "perplexity")
 class Generation(TextToText):
     kind = "generation"
     primary_metric = "rougeL"
-    has_classes = False
 
     def load_raw(self):
         """Every column of the data (the templates pick theirs); template fields the data lacks
@@ -77,7 +76,7 @@ class Generation(TextToText):
         if len(split) == 0:
             return dict.fromkeys(METRICS, float("nan"))
         with eval_mode(model):
-            loss, _ = self.target_nll(model, split, batch_size)
+            loss = self.target_nll(model, split, batch_size)
             firsts = first_rows(split.groups)  # one prompt per group
             firsts = firsts[seeded_choice(len(firsts), max_generations, self.cfg.seed)]
             hyps = self.generate(model, split, firsts.tolist(), batch_size)

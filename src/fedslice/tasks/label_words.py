@@ -59,9 +59,6 @@ class LabelWordClassification(TextToText):
         trunc.log({"prompts": str(self.cfg.data.max_length), "targets": "label word"})
         return out
 
-    def num_labels(self, raw):
-        return None
-
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split, batch_size: int, max_generations=None):
         """Accuracy of the most likely label word and the mean per-token NLL of the true one."""

@@ -67,16 +67,15 @@ class TextToText(Task):
         return lm.lm_loss(model, batch, self.layout)
 
     @torch.no_grad()
-    def target_nll(self, model: nn.Module, split: PairSplit, batch_size: int) -> tuple[float, float]:
-        """(mean NLL per target token, per example mean) over the split."""
-        nll = tokens = per_example = 0.0
+    def target_nll(self, model: nn.Module, split: PairSplit, batch_size: int) -> float:
+        """Mean negative log-likelihood per target token over the split (the training loss)."""
+        nll = tokens = 0.0
         for batch in iter_batches(split, length_order(split), batch_size, shuffle=False,
                                   generator=None):
             sums, counts = lm.sequence_logprobs(model, batch, self.layout)
             nll -= float(sums.sum())
             tokens += float(counts.sum())
-            per_example -= float((sums / counts.clamp(min=1)).sum())
-        return nll / max(tokens, 1.0), per_example / max(len(split), 1)
+        return nll / max(tokens, 1.0)
 
 
 def groups_of(prompts: list[str]) -> list[int]:
