@@ -224,7 +224,7 @@ def main() -> None:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     head = (f"date {time.strftime('%Y-%m-%d %H:%M')}, {platform.processor() or platform.machine()}, "
-            f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+            f"{args.threads} thread(s) per run, torch {torch.__version__}")
     for part in args.parts:
         t0 = time.perf_counter()
         text = PARTS[part](args)
