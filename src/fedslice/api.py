@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedslice.config import ExperimentConfig
+from fedslice.checkpoint import (CHECKPOINT, Checkpoint, check_same_config, find_resumable,
+                                 read_checkpoint, write_checkpoint)
+from fedslice.config import ExperimentConfig, apply_overrides, load_config, validate_config
 from fedslice.errors import ConfigError
 import torch
 
@@ -30,7 +32,7 @@ def _run_name(cfg: ExperimentConfig) -> str:
 class _Progress:
     """A rich progress bar over rounds showing loss, accuracy and ETA (no-op when disabled)."""
 
-    def __init__(self, cfg: ExperimentConfig, enabled: bool):
+    def __init__(self, cfg: ExperimentConfig, enabled: bool, done: int = 0):
         self.bar = None
         if enabled:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
@@ -39,7 +41,7 @@ class _Progress:
                                 MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
             self.task = self.bar.add_task(f"{cfg.run_name} round", total=cfg.federation.rounds,
-                                          stats="")
+                                          completed=done, stats="")
 
     def __enter__(self):
         if self.bar:
@@ -75,19 +77,61 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
                    progress: bool | None = None, setup_result=None) -> Path:
     """Run one experiment into a new run folder and return its path.
 
-    The folder appears only when the run has finished (written in a staging folder first).
+    The folder appears only when the run has finished (written in a staging folder first). With
+    ``output.checkpoint_every`` set, a run that fails or is killed leaves its staging folder with
+    the last checkpoint, for :func:`resume_experiment`.
     """
     out = Path(out_dir or cfg.output.dir)
     method, data = setup_result or setup(cfg)
+    run = RunDir.create(out, _run_name(cfg))
+    run.write_config(cfg.model_dump(mode="json"))
+    run.write_json("partition.json", {k: v for k, v in data.report.items() if k != "label_histograms"}
+                   if isinstance(data.report, dict) else data.report)
+    return _run_into(run, cfg, method, data, progress)
+
+
+def resume_experiment(run_dir: str | Path, config: str | Path | None = None,
+                      overrides: list[str] | None = None, *, progress: bool | None = None) -> Path:
+    """Continue an interrupted run from its checkpoint; return the finished run folder.
+
+    ``run_dir`` is the staging folder (``.NAME.partial-PID``) or the run's final path. The config
+    is the checkpoint's (with ``overrides``), or the file ``config``; any difference from the
+    checkpoint's config outside ``output`` is refused, naming the fields.
+    """
+    staging = find_resumable(Path(run_dir))
+    ckpt = read_checkpoint(staging)
+    if config is None:
+        cfg = validate_config(apply_overrides(ckpt.config, overrides or []), f"(checkpoint of {staging})")
+    else:
+        cfg = load_config(config, overrides)
+    check_same_config(ckpt.config, cfg.model_dump(mode="json"), staging)
+    run = RunDir.reopen(staging)
+    method, data = setup(cfg)
+    run.rewrite_metrics(ckpt.records)
+    log.warning("resuming %s after round %d of %d", staging, ckpt.round, cfg.federation.rounds)
+    return _run_into(run, cfg, method, data, progress, resume=ckpt)
+
+
+def _run_into(run: RunDir, cfg: ExperimentConfig, method: Method, data: FederatedData,
+              progress: bool | None, resume: Checkpoint | None = None) -> Path:
     sim = Simulation(cfg, method, data)
     show = cfg.output.progress if progress is None else progress
-    with RunDir.create(out, _run_name(cfg)) as run:
-        run.write_config(cfg.model_dump(mode="json"))
-        run.write_json("partition.json", {k: v for k, v in data.report.items() if k != "label_histograms"}
-                       if isinstance(data.report, dict) else data.report)
-        with _Progress(cfg, show) as bar:
-            state, _, summary = sim.run(on_round=run.append_metrics, progress=bar)
-        save_results(run, cfg, method, state, summary)
+    run.keep_if = CHECKPOINT if cfg.output.checkpoint_every else None
+
+    def checkpoint(ckpt: Checkpoint) -> None:
+        write_checkpoint(run.path, ckpt)
+
+    try:
+        with run:
+            with _Progress(cfg, show, done=resume.round if resume else 0) as bar:
+                state, _, summary = sim.run(on_round=run.append_metrics, progress=bar,
+                                            resume=resume, on_checkpoint=checkpoint)
+            save_results(run, cfg, method, state, summary)
+            (run.path / CHECKPOINT).unlink(missing_ok=True)
+    finally:
+        if run.keep_if and not run.committed and (run.staging_path / CHECKPOINT).is_file():
+            log.warning("the run was interrupted; continue it with: fedslice run --resume %s",
+                        run.staging_path)
     path = run.final_path
     if cfg.output.plots:
         plot_run(path)

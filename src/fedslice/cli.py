@@ -19,7 +19,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run one experiment from a TOML/YAML config")
-    run.add_argument("config")
+    run.add_argument("config", nargs="?", help="the experiment config (optional with --resume)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its "
+                     "checkpoint (output.checkpoint_every); RUN_DIR is its .NAME.partial-PID "
+                     "folder or its final path")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config field, e.g. --set federation.rounds=5 (repeatable)")
     run.add_argument("--out", help="parent folder of the run folder (default: output.dir)")
@@ -62,8 +65,14 @@ def _main(args: argparse.Namespace) -> int:
 
     progress = False if args.no_progress else None
     if args.command == "run":
-        cfg = load_config(args.config, args.overrides)
-        path = run_experiment(cfg, args.out, progress=progress)
+        if args.resume:
+            from fedslice.api import resume_experiment
+            path = resume_experiment(args.resume, args.config, args.overrides, progress=progress)
+        elif args.config is None:
+            raise FedsliceError("fedslice run needs a config file (or --resume RUN_DIR)")
+        else:
+            cfg = load_config(args.config, args.overrides)
+            path = run_experiment(cfg, args.out, progress=progress)
         from fedslice.report import report
         print(report(path, plots=False))
         print(f"results: {path}")

@@ -338,6 +338,9 @@ class OutputConfig(_Section):
     save_weights: bool = True
     plots: bool = True
     progress: bool = True
+    checkpoint_every: int = Field(0, ge=0, description="Write a checkpoint (global and server "
+                                  "state, RNGs, metrics) into the run folder every N rounds, "
+                                  "kill-safe; `fedslice run --resume RUN_DIR` continues. 0: never.")
 
 
 class ExperimentConfig(_Section):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedslice.checkpoint import Checkpoint, capture, restore
 from fedslice.config import ExperimentConfig
 from fedslice.data import (TokenCache, TokenizedSplit, num_labels, partition_indices,
                            partition_report, sample_rows)
@@ -124,12 +125,20 @@ class Simulation:
         record["round_time_s"] = time.perf_counter() - t0
         return new_state, record
 
-    def run(self, on_round=None, progress=None) -> tuple[State, list[dict[str, Any]], dict[str, Any]]:
+    def run(self, on_round=None, progress=None, *, resume: Checkpoint | None = None,
+            on_checkpoint=None) -> tuple[State, list[dict[str, Any]], dict[str, Any]]:
+        """All rounds (after ``resume``'s round when given); ``on_checkpoint(checkpoint)`` every
+        ``output.checkpoint_every`` rounds."""
         cfg = self.cfg
-        state = self.method.initial_state()
-        records = []
-        t_start = time.perf_counter()
-        for rnd in range(1, cfg.federation.rounds + 1):
+        if resume is not None:
+            state = restore(resume, self.method, self.selector)
+            records, first = list(resume.records), resume.round + 1
+            t_start = time.perf_counter() - resume.elapsed_s
+        else:
+            state, records, first = self.method.initial_state(), [], 1
+            t_start = time.perf_counter()
+        every = cfg.output.checkpoint_every
+        for rnd in range(first, cfg.federation.rounds + 1):
             state, record = self.run_round(rnd, state)
             finish_round(cfg, self.method, self.data, self.selector, rnd, state, record)
             record["elapsed_s"] = time.perf_counter() - t_start
@@ -138,6 +147,9 @@ class Simulation:
                 on_round(record)
             if progress:
                 progress(record)
+            if on_checkpoint and every and rnd % every == 0:
+                on_checkpoint(capture(rnd, cfg.model_dump(mode="json"), self.method, self.selector,
+                                      state, records, time.perf_counter() - t_start))
         return state, records, finalize(cfg, self.method, self.data, state, records, t_start)
 
 

@@ -75,6 +75,14 @@ class Strategy:
         """A client sent a payload did not reply (failed node, refused payload): drop what the
         server assumed it now holds, so its next payload is whole. Default: nothing is assumed."""
 
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Server-side state a resumed run needs (nested JSON with tensors). Default: none."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
     # -- aggregate ---------------------------------------------------------------------------
     def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
         """Why a reply must be excluded, or None. Flower averages NaN silently: we do not."""

@@ -130,6 +130,14 @@ class Method:
         are the valid replies used in the aggregation. Default: nothing."""
         return state, {}
 
+    def server_state(self) -> dict[str, Any]:
+        """Method state a resumed run needs beyond the global state and the strategy's (e.g.
+        FedPFT's distillation logs), as nested JSON with tensors. Default: none."""
+        return {}
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`server_state`."""
+
     # -- after training ----------------------------------------------------------------------
     def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],
                       batch_size: int) -> dict[str, Any]:

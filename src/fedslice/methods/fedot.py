@@ -126,6 +126,12 @@ class SubModelStrategy(Strategy):
     def forget(self, client: int) -> None:
         self.holders.discard(client)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"holders": sorted(self.holders)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.holders = {int(c) for c in state["holders"]}
+
     def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
                   replies: dict[int, Reply]) -> State:
         deltas, weights = [], []

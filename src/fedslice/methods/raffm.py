@@ -74,6 +74,14 @@ class RaFFMStrategy(Strategy):
         self.perm = self.perm.then(rel)
         return permute_state(state, rel, self.arch)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"perm": {"heads": [list(h) for h in self.perm.heads],
+                         "neurons": [list(f) for f in self.perm.neurons]}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        p = state["perm"]
+        self.perm = Permutation.from_orders(p["heads"], p["neurons"], self.dims["head_dim"])
+
     # -- configure ---------------------------------------------------------------------------
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
         cp = self.plans[client]
