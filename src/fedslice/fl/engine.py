@@ -82,7 +82,7 @@ def round_record(server_round: int, clients: list[int], replies: dict[int, Reply
     used = [m for m in client_metrics if m["client"] in result.used]
     return {
         "round": server_round, "clients": clients, "excluded": result.excluded,
-        "skipped": result.skipped,
+        "skipped": result.skipped, "rejected": result.rejected,
         "train_loss": _mean([m["loss"] for m in used]),
         **{f"{k}_mean": _mean([m[k] for m in client_metrics])
            for k in ("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
@@ -107,6 +107,7 @@ class Simulation:
                         len(empty), empty[:20])
         if not self.candidates:
             raise DataError("every client partition is empty: reduce federation.num_clients")
+        method.strategy.client_sizes = {c: len(p) for c, p in enumerate(data.partitions)}
 
     def run_round(self, server_round: int, state: State) -> tuple[State, dict[str, Any]]:
         t0 = time.perf_counter()
@@ -196,6 +197,7 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
         "peak_rss_mb_max": max((m["peak_rss_mb"] for m in per_client), default=None),
         "activation_mb_max": max((m["activation_mb"] for m in per_client), default=None),
         "excluded_replies": sum(len(r["excluded"]) for r in records),
+        "rejected_replies": sum(r.get("rejected", 0) for r in records),
         "empty_partitions": len(data.report.get("empty_partitions", [])),
         "wall_time_s": wall,
     }

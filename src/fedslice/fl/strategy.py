@@ -9,14 +9,17 @@ call the same functions.
 
 from __future__ import annotations
 
-import math
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from fedslice.config import FederationConfig
-from fedslice.slicing.aggregate import fedavg, finite_update
+from fedslice.fl.validation import check_update
+from fedslice.slicing.aggregate import fedavg
+
+log = logging.getLogger(__name__)
 
 State = dict[str, torch.Tensor]
 
@@ -44,6 +47,7 @@ class RoundResult:
     used: list[int]
     excluded: list[dict[str, Any]]
     skipped: bool = False  # fewer than min_replies valid replies: the state is unchanged
+    rejected: int = 0  # replies that failed validation (part of ``excluded``)
 
 
 class Strategy:
@@ -52,6 +56,8 @@ class Strategy:
     def __init__(self, fed: FederationConfig):
         self.fed = fed
         self.sent: list[int] = []  # clients of the round being trained
+        #: client -> size of its partition, when the server knows it (num_examples is checked)
+        self.client_sizes: dict[int, int] = {}
 
     # -- configure ---------------------------------------------------------------------------
     def train_config(self, server_round: int) -> dict[str, Any]:
@@ -84,21 +90,21 @@ class Strategy:
         """Restore :meth:`state_dict`."""
 
     # -- aggregate ---------------------------------------------------------------------------
-    def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
-        """Why a reply must be excluded, or None. Flower averages NaN silently: we do not."""
-        loss = reply.metrics.get("loss", 0.0)
-        if not math.isfinite(loss):
-            return f"non-finite local loss ({loss})"
-        if reply.num_examples <= 0:
-            return "no training examples"
-        for k, t in reply.arrays.items():
-            if k not in payload.arrays:
-                return f"unexpected tensor {k}"
-            if t.shape != payload.arrays[k].shape:
-                return f"tensor {k} has shape {tuple(t.shape)}, sent {tuple(payload.arrays[k].shape)}"
-        if not finite_update(reply.arrays):
-            return "non-finite values in the update"
+    def expected_update(self, state: State, payload: Payload, reply: Reply) -> dict[str, torch.Tensor]:
+        """The tensors a client may send back (its slice of the trainable state), by name, as
+        it was sent them: the shapes and dtypes a reply must have. Default: the payload."""
+        return payload.arrays
+
+    def absent(self, payload: Payload) -> str | None:
+        """Why a client was not expected to train this round (e.g. it sat out), or None."""
         return None
+
+    def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
+        """Why a reply must be rejected, or None (:mod:`fedslice.fl.validation`). Flower
+        averages NaN silently: we do not."""
+        return check_update(self.expected_update(state, payload, reply), reply.arrays,
+                            reply.num_examples, float(reply.metrics.get("loss", 0.0)),
+                            self.client_sizes.get(payload.config.get("client")))
 
     def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
                   replies: dict[int, Reply]) -> State:
@@ -114,13 +120,19 @@ class Strategy:
                 self.forget(c)
         valid: dict[int, Reply] = {}
         excluded = []
+        rejected = 0
         for c in sorted(replies):
-            reason = self.check_reply(state, payloads[c], replies[c])
+            reason = self.absent(payloads[c])
+            if reason is None:
+                reason = self.check_reply(state, payloads[c], replies[c])
+                if reason is not None:
+                    rejected += 1
+                    log.warning("round %d: update of client %d rejected: %s", server_round, c, reason)
             if reason is None:
                 valid[c] = replies[c]
             else:
                 excluded.append({"client": c, "reason": reason})
         if len(valid) < self.fed.min_replies:
-            return RoundResult(state, sorted(valid), excluded, skipped=True)
+            return RoundResult(state, sorted(valid), excluded, skipped=True, rejected=rejected)
         new_state = self.aggregate(server_round, state, payloads, valid)
-        return RoundResult(new_state, sorted(valid), excluded)
+        return RoundResult(new_state, sorted(valid), excluded, rejected=rejected)

@@ -64,6 +64,7 @@ class FlowerAdapter(FlowerStrategy):
         self.experiment = cfg.model_dump(mode="json")
         self.records: list[dict[str, Any]] = []
         self._round: _Round | None = None
+        self.inner.client_sizes = {c: len(p) for c, p in enumerate(data.partitions)}
         self.offset = 0  # rounds done before this start (a resumed run): Flower counts from 1
 
     def candidates(self, grid: Grid) -> list[int]:

@@ -126,6 +126,9 @@ class SubModelStrategy(Strategy):
     def forget(self, client: int) -> None:
         self.holders.discard(client)
 
+    def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
+        return {k: t for k, t in payload.arrays.items() if not k.startswith(FROZEN_PREFIX)}
+
     def state_dict(self) -> dict[str, Any]:
         return {"holders": sorted(self.holders)}
 

@@ -207,6 +207,11 @@ class FedPFTStrategy(Strategy):
         """Record a re-alignment: ``update[layer]`` = bool mask of the re-distilled neurons."""
         self.updates.append({l: m.clone() for l, m in update.items()})
 
+    def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
+        """LoRA + classifier: not the proxy tensors or neuron updates the payload carried."""
+        return {k: t for k, t in payload.arrays.items()
+                if k not in self.proxy_keys and not k.startswith(UPDATE_PREFIX)}
+
     def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
         model, apoz = split_report(reply.arrays)
         if apoz and not payload.config.get("report_apoz"):

@@ -38,6 +38,7 @@ from fedslice import measure
 from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.paper_ops import paper_ops
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.fl.validation import check_num_examples, check_update
 from fedslice.methods.base import Role
 from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.models.loading import LoadedModel
@@ -74,33 +75,29 @@ class HeadsStrategy(Strategy):
             return reply.arrays[KEPT].bool()
         return torch.ones(self.dims["num_layers"], self.dims["num_heads"], dtype=torch.bool)
 
+    def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
+        """The LoRA slices of the heads the client kept (it reports which, in ``KEPT``)."""
+        return extract_state(state, mask_spec(self._kept(reply), self.dims), self.arch)
+
     def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
-        if reply.num_examples <= 0:
-            return "no training examples"
-        loss = reply.metrics.get("loss", 0.0)
-        if not math.isfinite(loss):
-            return f"non-finite local loss ({loss})"
+        size = self.client_sizes.get(payload.config.get("client"))
+        if reason := check_num_examples(reply.num_examples, size):
+            return reason
         shape = (self.dims["num_layers"], self.dims["num_heads"])
         for key in (KEPT, ALPHA):
             if key in reply.arrays and tuple(reply.arrays[key].shape) != shape:
                 return f"{key} has shape {tuple(reply.arrays[key].shape)}, expected {shape}"
+        if KEPT in reply.arrays and reply.arrays[KEPT].dtype != torch.bool:
+            return f"{KEPT} has dtype {reply.arrays[KEPT].dtype}, expected torch.bool"
         if self.opts.aggregation == "head_weighted":
             alpha = reply.arrays.get(ALPHA)
             if alpha is None:
                 return f"no importance vector ({ALPHA}) for head-weighted aggregation"
             if not bool(torch.isfinite(alpha).all()) or bool((alpha < 0).any()):
                 return "importance vector is not finite and non-negative"
-        expected = extract_state(state, mask_spec(self._kept(reply), self.dims), self.arch)
-        for k, t in reply.arrays.items():
-            if k in (KEPT, ALPHA):
-                continue
-            if k not in expected:
-                return f"unexpected tensor {k}"
-            if t.shape != expected[k].shape:
-                return f"tensor {k} has shape {tuple(t.shape)}, expected {tuple(expected[k].shape)}"
-            if not bool(torch.isfinite(t).all()):
-                return "non-finite values in the update"
-        return None
+        model = {k: t for k, t in reply.arrays.items() if k not in (KEPT, ALPHA)}
+        return check_update(self.expected_update(state, payload, reply), model, reply.num_examples,
+                            float(reply.metrics.get("loss", 0.0)), size)
 
     def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
                   replies: dict[int, Reply]) -> State:

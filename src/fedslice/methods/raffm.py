@@ -20,6 +20,7 @@ that permutations and slices are pure functions over it; the shared model is a s
 from __future__ import annotations
 
 import logging
+import re
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -60,9 +61,12 @@ class RaFFMStrategy(Strategy):
     permutation of the global state (relative to the checkpoint's order)."""
 
     def __init__(self, fed: FederationConfig, opts: RaFFMMethod, arch: ArchSpec,
-                 dims: Mapping[str, int], plans: dict[int, ClientPlan], lora_scale: float | None):
+                 dims: Mapping[str, int], plans: dict[int, ClientPlan], lora_scale: float | None,
+                 trainable: set[str] | None = None):
         super().__init__(fed)
         self.opts, self.arch, self.dims, self.plans = opts, arch, dims, plans
+        #: trainable tensor names with the layer index replaced by '#' (None: every tensor)
+        self.trainable = None if trainable is None else {_generic(k) for k in trainable}
         self.lora_scale = lora_scale
         self.perm = Permutation.identity(dims)
 
@@ -91,10 +95,16 @@ class RaFFMStrategy(Strategy):
         return Payload(arrays=extract_state(state, cp.plan.spec, self.arch),
                        config={**cfg, "spec": cp.plan.spec.to_dict()})
 
-    def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
+    def absent(self, payload: Payload) -> str | None:
         if payload.config.get("sit_out"):
             return f"sat out: {payload.config['sit_out']}"
-        return super().check_reply(state, payload, reply)
+        return None
+
+    def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
+        """The trainable tensors of the client's slice (the frozen slices are sent, not returned)."""
+        if self.trainable is None:
+            return payload.arrays
+        return {k: t for k, t in payload.arrays.items() if _generic(k) in self.trainable}
 
     # -- aggregate ---------------------------------------------------------------------------
     def size_factor(self, client: int) -> float:
@@ -149,7 +159,7 @@ class RaFFM(Method):
         plans = {c: ClientPlan(tier, b, self.planner.plan(b)) for c, (tier, b) in enumerate(budgets)}
         self._check_feasible(plans)
         lora_scale = self.cfg.lora.alpha / self.cfg.lora.r if opts.tuning == "lora" else None
-        return RaFFMStrategy(fed, opts, self.arch, self.dims, plans, lora_scale)
+        return RaFFMStrategy(fed, opts, self.arch, self.dims, plans, lora_scale, set(self.trainable()))
 
     def _check_feasible(self, plans: dict[int, ClientPlan]) -> None:
         out: dict[str, list[int]] = defaultdict(list)
@@ -311,6 +321,11 @@ class RaFFM(Method):
                 "sat_out_replies": sum(1 for m in per_client if m.get("sat_out")),
                 "memory_mb_mean": _mean([m.get("memory_mb") for m in per_client if not m.get("sat_out")]),
                 "permutation_applied": not self.strategy.perm.is_identity}
+
+
+def _generic(name: str) -> str:
+    """A tensor name without its layer index (a sub-model with fewer layers renumbers them)."""
+    return re.sub(r"\.\d+\.", ".#.", name)
 
 
 def _mean(vals):
