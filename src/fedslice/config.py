@@ -355,6 +355,20 @@ class ExperimentConfig(_Section):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
+    @model_validator(mode="after")
+    def _compatible(self) -> "ExperimentConfig":
+        """Method x PEFT combinations that cannot work, named by field (architecture-dependent
+        checks, e.g. layer counts, happen when the model is loaded)."""
+        lora, name = self.lora, self.method.name
+        attention = {"q", "k", "v", "o"}
+        if name == "fedpft" and (lora.target_modules is not None or set(lora.targets) - attention):
+            raise ValueError(f"lora.targets: method fedpft trains LoRA on attention only (q, k, v, "
+                             f"o); got {lora.target_modules or lora.targets}")
+        if name == "heads" and lora.target_modules is None and not set(lora.targets) & attention:
+            raise ValueError(f"lora.targets {lora.targets}: method heads needs LoRA on at least "
+                             "one attention projection (q, k, v or o)")
+        return self
+
     @property
     def run_name(self) -> str:
         return self.output.name or self.name or self.method.name
