@@ -21,6 +21,7 @@ from fedslice.config import ExperimentConfig
 from fedslice.data import (TokenCache, TokenizedSplit, num_labels, partition_indices,
                            partition_report, sample_rows)
 from fedslice.errors import DataError
+from fedslice.fl.faults import corrupt, missed_deadline, plan_faults
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Reply, RoundResult, State
 
@@ -76,19 +77,21 @@ def _mean(values: list[float]) -> float | None:
 
 def round_record(server_round: int, clients: list[int], replies: dict[int, Reply],
                  result: RoundResult) -> dict[str, Any]:
-    """The metrics record of one round: selection, exclusions, mean costs, per-client metrics."""
-    client_metrics = [{"client": c, "num_examples": r.num_examples, **r.metrics}
-                      for c, r in replies.items()]
-    used = [m for m in client_metrics if m["client"] in result.used]
+    """The metrics record of one round: selection, exclusions, per-client metrics (``used``:
+    whether the reply went into the aggregation) and mean costs over the used replies."""
+    client_metrics = [{"client": c, "num_examples": r.num_examples, **r.metrics,
+                       "used": c in result.used} for c, r in replies.items()]
+    used = [m for m in client_metrics if m["used"]]
     return {
         "round": server_round, "clients": clients, "excluded": result.excluded,
         "skipped": result.skipped, "rejected": result.rejected,
         "train_loss": _mean([m["loss"] for m in used]),
-        **{f"{k}_mean": _mean([m[k] for m in client_metrics])
+        "examples_used": sum(m["num_examples"] for m in used),
+        **{f"{k}_mean": _mean([m[k] for m in used])
            for k in ("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
                      "trainable_params", "params_up")},
-        "peak_rss_mb_max": max((m["peak_rss_mb"] for m in client_metrics), default=None),
-        "activation_mb_max": max((m["activation_mb"] for m in client_metrics), default=None),
+        "peak_rss_mb_max": max((m["peak_rss_mb"] for m in used), default=None),
+        "activation_mb_max": max((m["activation_mb"] for m in used), default=None),
         "client_metrics": client_metrics,
     }
 
@@ -111,18 +114,34 @@ class Simulation:
 
     def run_round(self, server_round: int, state: State) -> tuple[State, dict[str, Any]]:
         t0 = time.perf_counter()
-        strategy, method = self.method.strategy, self.method
+        strategy, method, f = self.method.strategy, self.method, self.cfg.faults
         clients = self.selector.select(server_round, self.candidates)
+        faults = plan_faults(f, self.cfg.seed, server_round, clients)
         payloads = strategy.configure_train(server_round, state, clients)
-        replies = {c: method.fit(payloads[c], self.data.client(c),
-                                 client_seed(self.cfg.seed, server_round, c)) for c in clients}
-        result = strategy.aggregate_train(server_round, state, payloads, replies)
+        replies: dict[int, Reply] = {}
+        for c in clients:
+            if c in faults.dropped:
+                continue
+            reply = method.fit(payloads[c], self.data.client(c), client_seed(self.cfg.seed, server_round, c))
+            if kind := faults.kind(c):
+                sent = strategy.expected_update(state, payloads[c], reply)
+                reply = corrupt(f, kind, reply, sent, self.cfg.seed, server_round, c)
+            replies[c] = reply
+        late = missed_deadline(f, faults)
+        arrived = {c: r for c, r in replies.items() if c not in late}
+        result = strategy.aggregate_train(server_round, state, payloads, arrived)
         if result.skipped:
-            log.warning("round %d: only %d valid replies (< min_replies): global state unchanged",
-                        server_round, len(result.used))
+            log.warning("round %d: only %d valid replies (< federation.min_replies=%d): skipped, "
+                        "global state unchanged", server_round, len(result.used), self.cfg.federation.min_replies)
         new_state, server_metrics = method.on_round_end(server_round, result.state,
                                                         {c: replies[c] for c in result.used})
         record = {**round_record(server_round, clients, replies, result), **server_metrics}
+        lost = [{"client": c, "reason": "dropped out (injected)"} for c in sorted(faults.dropped)]
+        lost += [{"client": c, "reason": f"reply {d:g} s after the round started, past the "
+                  f"{f.deadline_s:g} s deadline (injected straggler)"} for c, d in sorted(late.items())]
+        if lost:
+            record["excluded"] = sorted(record["excluded"] + lost, key=lambda e: e["client"])
+        record.update(dropped=len(faults.dropped), late=len(late), attackers=sorted(faults.attackers))
         record["round_time_s"] = time.perf_counter() - t0
         return new_state, record
 
@@ -176,7 +195,7 @@ def finish_round(cfg: ExperimentConfig, method: Method, data: FederatedData, sel
         if ev_cfg.track_test:
             ev = method.evaluate(state, data.test, ev_cfg.batch_size)
             record["test_accuracy"], record["test_loss"] = ev["accuracy"], ev["loss"]
-    losses = {m["client"]: m["loss"] for m in record["client_metrics"]}
+    losses = {m["client"]: m["loss"] for m in record["client_metrics"] if m.get("used", True)}
     selector.observe(server_round, losses, record["dev_loss"])
 
 
@@ -184,7 +203,7 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
               data: FederatedData) -> dict[str, Any]:
     target = cfg.evaluation.target_accuracy
     reached = [r["round"] for r in records if (r["dev_accuracy"] or 0) >= target]
-    per_client = [m for r in records for m in r["client_metrics"]]
+    per_client = [m for r in records for m in r["client_metrics"] if m.get("used", True)]
     return {
         "name": cfg.run_name, "method": cfg.method.name, "seed": cfg.seed,
         "test_accuracy": test["accuracy"], "test_loss": test["loss"],
@@ -198,6 +217,8 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
         "activation_mb_max": max((m["activation_mb"] for m in per_client), default=None),
         "excluded_replies": sum(len(r["excluded"]) for r in records),
         "rejected_replies": sum(r.get("rejected", 0) for r in records),
+        "examples_used": sum(r.get("examples_used", 0) for r in records),
+        "skipped_rounds": sum(1 for r in records if r.get("skipped")),
         "empty_partitions": len(data.report.get("empty_partitions", [])),
         "wall_time_s": wall,
     }
