@@ -47,10 +47,15 @@ def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", sorted(METHODS) + ["fedpetuning+dp+faults"])
 def test_resume_is_bit_identical(tiny_cfg_dict, tmp_path, monkeypatch, method):
     """Crash in round 3 of 3 after the round-2 checkpoint; the resumed run ends with exactly the
-    weights, selections and losses of an uninterrupted run."""
+    weights, selections and losses of an uninterrupted run (DP: the accountant and the noise
+    too; faults: the same clients drop out)."""
+    if method == "fedpetuning+dp+faults":
+        method = "fedpetuning"
+        tiny_cfg_dict["dp"] = {"enabled": True, "clip_norm": 0.05, "noise_multiplier": 0.5}
+        tiny_cfg_dict["faults"] = {"dropout": 0.3}
     tiny_cfg_dict["method"] = {"name": method, **method_options(method, tmp_path)}
     tiny_cfg_dict["federation"]["rounds"] = 3
     if method == "heads":
@@ -79,6 +84,7 @@ def test_resume_is_bit_identical(tiny_cfg_dict, tmp_path, monkeypatch, method):
     assert [r["clients"] for r in a] == [r["clients"] for r in b]
     assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
     assert [r["dev_accuracy"] for r in a] == [r["dev_accuracy"] for r in b]
+    assert [r.get("dp_epsilon") for r in a] == [r.get("dp_epsilon") for r in b]
 
 
 def test_changed_config_is_refused_naming_fields(tiny_cfg_dict, tmp_path, monkeypatch, capsys):

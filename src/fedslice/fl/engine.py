@@ -93,6 +93,7 @@ def round_record(server_round: int, clients: list[int], replies: dict[int, Reply
         "peak_rss_mb_max": max((m["peak_rss_mb"] for m in used), default=None),
         "activation_mb_max": max((m["activation_mb"] for m in used), default=None),
         "client_metrics": client_metrics,
+        **result.metrics,
     }
 
 

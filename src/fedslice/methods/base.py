@@ -22,6 +22,7 @@ from fedslice.config import ExperimentConfig
 from fedslice.data.batching import TokenizedSplit
 from fedslice import measure
 from fedslice.fl.client import LocalResult, evaluate, train_local
+from fedslice.fl.privacy import Privacy
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
@@ -41,6 +42,11 @@ class Method:
         self.dims = loaded.arch.dims(loaded.model.config)
         self.model = self.prepare_model(loaded.model)
         self.strategy = self.make_strategy()
+        self.strategy.rule = cfg.aggregation
+        if cfg.dp.enabled and role != "client":
+            fed = cfg.federation
+            self.strategy.privacy = Privacy(cfg.dp, fed.clients_per_round, fed.num_clients,
+                                            fed.rounds, cfg.seed)
 
     # -- construction hooks ------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:

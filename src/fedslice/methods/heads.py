@@ -42,8 +42,8 @@ from fedslice.fl.validation import check_num_examples, check_update
 from fedslice.methods.base import Role
 from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.models.loading import LoadedModel
-from fedslice.slicing.heads import (HeadUpdate, _ensure_eager, aggregate_heads, head_axes,
-                                    head_importance, keep_mask, mask_spec)
+from fedslice.slicing.heads import (HeadUpdate, _ensure_eager, combine_heads, head_axes,
+                                    head_deltas, head_importance, keep_mask, mask_spec)
 from fedslice.slicing.spec import HEAD_PARTS, extract_model, extract_state, key_info
 
 log = logging.getLogger(__name__)
@@ -99,13 +99,18 @@ class HeadsStrategy(Strategy):
         return check_update(self.expected_update(state, payload, reply), model, reply.num_examples,
                             float(reply.metrics.get("loss", 0.0)), size)
 
-    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
-                  replies: dict[int, Reply]) -> State:
+    def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
+                       replies: dict[int, Reply]) -> tuple[list[State], list]:
+        """Head-pruned updates scattered to full shape; weights α_hc (Eq. 8) or |D_c| on the
+        kept heads, |D_c| elsewhere."""
         updates = [HeadUpdate({k: t for k, t in r.arrays.items() if k not in (KEPT, ALPHA)},
                               self._kept(r), r.arrays.get(ALPHA), r.num_examples)
                    for _, r in sorted(replies.items())]
-        return aggregate_heads(state, updates, self.arch, self.dims, mode=self.opts.aggregation,
-                               eta=self.fed.server_lr, eps=self.opts.eps)
+        return head_deltas(state, updates, self.arch, self.dims, self.opts.aggregation)
+
+    def mean(self, server_round: int, state: State, deltas: list[State], weights: list) -> State:
+        return combine_heads(state, deltas, weights, self.arch, self.dims, eta=self.fed.server_lr,
+                             eps=self.opts.eps)
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,7 +39,6 @@ from fedslice.methods.base import Method, Role
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import apply_lora
-from fedslice.slicing.aggregate import aggregate_deltas
 from fedslice.slicing.permute import Permutation, permute_state, unpermute_state
 from fedslice.slicing.planner import (Budget, Plan, Planner, assign_budgets, measure_training_step,
                                       profile_batch, width_candidates)
@@ -112,9 +111,10 @@ class RaFFMStrategy(Strategy):
         p = self.opts.size_weight
         return 1.0 if p == 0 else self.plans[client].plan.cost.flops_ratio ** p
 
-    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
-                  replies: dict[int, Reply]) -> State:
-        """Slice aggregation: scatter each client's delta into full shape with a held-mask weight."""
+    def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
+                       replies: dict[int, Reply]) -> tuple[list[State], list]:
+        """Slice aggregation: each client's delta scattered into full shape, weighted by its
+        examples (x f^p) times its held-mask."""
         shapes = {k: t.shape for k, t in state.items()}
         deltas, weights = [], []
         for c in sorted(replies):
@@ -125,7 +125,11 @@ class RaFFMStrategy(Strategy):
             deltas.append(full)
             w = float(reply.num_examples) * self.size_factor(c)
             weights.append({k: w * m for k, m in masks.items()})
-        new = aggregate_deltas(state, deltas, weights, eta=self.fed.server_lr)
+        return deltas, weights
+
+    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
+                  replies: dict[int, Reply]) -> State:
+        new = super().aggregate(server_round, state, payloads, replies)
         every = self.opts.reorder_every
         if self.opts.reorder and every and server_round % every == 0:
             new = self.reorder(new)
