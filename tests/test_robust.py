@@ -187,6 +187,10 @@ def test_dp_fedavg_clips_adds_calibrated_noise_and_accounts():
     for k in glob:
         torch.testing.assert_close(out[k], glob[k] + sum(c[k] for c in clipped) / 4)
     assert metrics["dp_clipped"] == 4
+    glob["proxy"] = torch.randn(3)  # no client updates it (FedPFT's proxy): not released, unchanged
+    out, _ = p.aggregate(2, glob, deltas, eta=1.0)
+    assert torch.equal(out["proxy"], glob["proxy"])
+    del glob["proxy"]
     p = Privacy(DPConfig(enabled=True, clip_norm=0.5, noise_multiplier=1.3), 4, 16, 3, seed=0)
     ref = RDPAccountant()
     eps = []

@@ -73,8 +73,11 @@ class Privacy:
             c, norm = clip_update(d, self.clip)
             clipped.append(c)
             norms.append(norm)
-        out = {}
-        for k, g in global_state.items():
+        out = dict(global_state)
+        sent = {k for d in deltas for k in d}  # what clients update (others, e.g. a server-made
+        for k, g in global_state.items():       # proxy, are not released and stay unchanged)
+            if k not in sent:
+                continue
             total = sum((c[k].float() for c in clipped if k in c), torch.zeros(g.shape))
             noise = torch.randn(g.shape, generator=gen) * self.std
             out[k] = (g.float() + eta * (total / self.n + noise)).to(g.dtype)

@@ -130,9 +130,10 @@ class SubModelStrategy(Strategy):
         return {k: t for k, t in payload.arrays.items() if not k.startswith(FROZEN_PREFIX)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"holders": sorted(self.holders)}
+        return {**super().state_dict(), "holders": sorted(self.holders)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         self.holders = {int(c) for c in state["holders"]}
 
     def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],

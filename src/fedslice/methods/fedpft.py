@@ -181,10 +181,11 @@ class FedPFTStrategy(Strategy):
         self.client_version.pop(client, None)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"updates": [{str(l): m for l, m in u.items()} for u in self.updates],
+        return {**super().state_dict(), "updates": [{str(l): m for l, m in u.items()} for u in self.updates],
                 "client_version": {str(c): v for c, v in self.client_version.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         self.updates = [{int(l): m.clone() for l, m in u.items()} for u in state["updates"]]
         self.client_version = {int(c): int(v) for c, v in state["client_version"].items()}
 

@@ -78,10 +78,11 @@ class RaFFMStrategy(Strategy):
         return permute_state(state, rel, self.arch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"perm": {"heads": [list(h) for h in self.perm.heads],
+        return {**super().state_dict(), "perm": {"heads": [list(h) for h in self.perm.heads],
                          "neurons": [list(f) for f in self.perm.neurons]}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         p = state["perm"]
         self.perm = Permutation.from_orders(p["heads"], p["neurons"], self.dims["head_dim"])
 
