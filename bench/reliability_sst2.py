@@ -51,7 +51,8 @@ def runs(args) -> list[tuple[str, str, dict]]:
     if "dropout" in args.groups:
         out.append(("dropout", "dropout-0.3", {"faults": {"dropout": 0.3}}))
     if "attack" in args.groups:
-        for attack, scale in ATTACKS.items():
+        for attack in args.attacks:
+            scale = ATTACKS[attack]
             for rule in args.rules:
                 opts = RULES[rule]
                 out.append(("attack", f"{attack}-{rule}", {
@@ -98,6 +99,7 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=0.5, help="DP clipping norm C")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
     p.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES))
     p.add_argument("--clean-from", type=Path, help="the clean run folder of another invocation "
                    "with the same settings (read when the table is made) instead of a clean run")

@@ -84,9 +84,13 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
     out = Path(out_dir or cfg.output.dir)
     method, data = setup_result or setup(cfg)
     run = RunDir.create(out, _run_name(cfg))
-    run.write_config(cfg.model_dump(mode="json"))
-    run.write_json("partition.json", {k: v for k, v in data.report.items() if k != "label_histograms"}
-                   if isinstance(data.report, dict) else data.report)
+    try:
+        run.write_config(cfg.model_dump(mode="json"))
+        run.write_json("partition.json", {k: v for k, v in data.report.items() if k != "label_histograms"}
+                       if isinstance(data.report, dict) else data.report)
+    except BaseException:
+        run.abort()
+        raise
     return _run_into(run, cfg, method, data, progress)
 
 
