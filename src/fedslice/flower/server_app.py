@@ -75,9 +75,6 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     adapter = FlowerAdapter(cfg, method, data, partitions, settings.round_timeout)
     if ckpt is None:
         run_dir = RunDir.create(out, _run_name(cfg))
-        run_dir.write_config(cfg.model_dump(mode="json"))
-        run_dir.write_json("partition.json", {k: v for k, v in data.report.items()
-                                              if k != "label_histograms"})
         state, t_start = method.initial_state(), time.perf_counter()
     else:
         run_dir = RunDir.reopen(staging)
@@ -89,6 +86,10 @@ def run(grid: Grid, settings: RunSettings) -> Path:
         log.warning("resuming %s after round %d of %d", staging, ckpt.round, cfg.federation.rounds)
     run_dir.keep_if = CHECKPOINT if cfg.output.checkpoint_every else None
     with run_dir:
+        if ckpt is None:
+            run_dir.write_config(cfg.model_dump(mode="json"))
+            run_dir.write_json("partition.json", {k: v for k, v in data.report.items()
+                                                  if k != "label_histograms"})
         evaluate = _central_evaluation(cfg, method, data, adapter, run_dir, t_start)
         result = adapter.start(grid, state_to_record(state),
                                num_rounds=cfg.federation.rounds - adapter.offset,
