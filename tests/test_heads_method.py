@@ -75,7 +75,8 @@ def test_client_with_empty_dataset_is_skipped_not_crashed(heads_setup, caplog):
     assert "no training data" in caplog.text and reply.num_examples == 0
     ok = method.fit(method.strategy.configure_train(1, state, [1])[1], data.client(1), 0)
     result = method.strategy.aggregate_train(1, state, {0: payload, 1: payload}, {0: reply, 1: ok})
-    assert result.used == [1] and result.excluded == [{"client": 0, "reason": "no training examples"}]
+    assert result.used == [1] and result.excluded == [{"client": 0, "reason": "num_examples=0 (no training examples)"}]
+    assert result.rejected == 1
 
 
 def test_strategy_rejects_inconsistent_replies(heads_setup):

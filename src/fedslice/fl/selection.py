@@ -26,6 +26,13 @@ class UniformSelector:
     def observe(self, server_round: int, client_losses: dict[int, float], global_loss: float | None) -> None:
         """Uniform selection ignores feedback."""
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (the RNG state) so a resumed run draws the same clients."""
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+
 
 class LossGapSelector(UniformSelector):
     """Eq. 9 of the heads paper: the K clients with the largest (last local loss - global loss).
@@ -55,6 +62,15 @@ class LossGapSelector(UniformSelector):
             self.global_loss = global_loss
         elif finite:
             self.global_loss = float(np.mean(list(finite.values())))
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "last_loss": {str(c): v for c, v in self.last_loss.items()},
+                "global_loss": self.global_loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.last_loss = {int(c): float(v) for c, v in state["last_loss"].items()}
+        self.global_loss = float(state["global_loss"])
 
 
 SELECTORS = {"uniform": UniformSelector, "random": UniformSelector, "loss_gap": LossGapSelector}

@@ -23,6 +23,7 @@ from fedslice.errors import ConfigError
 from fedslice.data.batching import TokenizedSplit
 from fedslice import measure
 from fedslice.fl.client import LocalResult, train_local
+from fedslice.fl.privacy import Privacy
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
@@ -57,6 +58,11 @@ class Method:
         self.dims = loaded.arch.dims(loaded.model.config)
         self.model = self.prepare_model(loaded.model)
         self.strategy = self.make_strategy()
+        self.strategy.rule = cfg.aggregation
+        if cfg.dp.enabled and role != "client":
+            fed = cfg.federation
+            self.strategy.privacy = Privacy(cfg.dp, fed.clients_per_round, fed.num_clients,
+                                            fed.rounds, cfg.seed)
 
     # -- construction hooks ------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -149,6 +155,14 @@ class Method:
         global state for the next round and metrics merged into the round record. ``replies``
         are the valid replies used in the aggregation. Default: nothing."""
         return state, {}
+
+    def server_state(self) -> dict[str, Any]:
+        """Method state a resumed run needs beyond the global state and the strategy's (e.g.
+        FedPFT's distillation logs), as nested JSON with tensors. Default: none."""
+        return {}
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`server_state`."""
 
     # -- after training ----------------------------------------------------------------------
     def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],

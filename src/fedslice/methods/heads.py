@@ -39,11 +39,12 @@ from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.paper_ops import paper_ops
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.tasks import Task
+from fedslice.fl.validation import check_num_examples, check_update
 from fedslice.methods.base import Role
 from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.models.loading import LoadedModel
-from fedslice.slicing.heads import (HeadUpdate, _ensure_eager, aggregate_heads, head_axes,
-                                    head_importance, keep_mask, mask_spec)
+from fedslice.slicing.heads import (HeadUpdate, _ensure_eager, combine_heads, head_axes,
+                                    head_deltas, head_importance, keep_mask, mask_spec)
 from fedslice.slicing.spec import HEAD_PARTS, extract_model, extract_state, key_info
 
 log = logging.getLogger(__name__)
@@ -75,41 +76,42 @@ class HeadsStrategy(Strategy):
             return reply.arrays[KEPT].bool()
         return torch.ones(self.dims["num_layers"], self.dims["num_heads"], dtype=torch.bool)
 
+    def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
+        """The LoRA slices of the heads the client kept (it reports which, in ``KEPT``)."""
+        return extract_state(state, mask_spec(self._kept(reply), self.dims), self.arch)
+
     def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
-        if reply.num_examples <= 0:
-            return "no training examples"
-        loss = reply.metrics.get("loss", 0.0)
-        if not math.isfinite(loss):
-            return f"non-finite local loss ({loss})"
+        size = self.client_sizes.get(payload.config.get("client"))
+        if reason := check_num_examples(reply.num_examples, size):
+            return reason
         shape = (self.dims["num_layers"], self.dims["num_heads"])
         for key in (KEPT, ALPHA):
             if key in reply.arrays and tuple(reply.arrays[key].shape) != shape:
                 return f"{key} has shape {tuple(reply.arrays[key].shape)}, expected {shape}"
+        if KEPT in reply.arrays and reply.arrays[KEPT].dtype != torch.bool:
+            return f"{KEPT} has dtype {reply.arrays[KEPT].dtype}, expected torch.bool"
         if self.opts.aggregation == "head_weighted":
             alpha = reply.arrays.get(ALPHA)
             if alpha is None:
                 return f"no importance vector ({ALPHA}) for head-weighted aggregation"
             if not bool(torch.isfinite(alpha).all()) or bool((alpha < 0).any()):
                 return "importance vector is not finite and non-negative"
-        expected = extract_state(state, mask_spec(self._kept(reply), self.dims), self.arch)
-        for k, t in reply.arrays.items():
-            if k in (KEPT, ALPHA):
-                continue
-            if k not in expected:
-                return f"unexpected tensor {k}"
-            if t.shape != expected[k].shape:
-                return f"tensor {k} has shape {tuple(t.shape)}, expected {tuple(expected[k].shape)}"
-            if not bool(torch.isfinite(t).all()):
-                return "non-finite values in the update"
-        return None
+        model = {k: t for k, t in reply.arrays.items() if k not in (KEPT, ALPHA)}
+        return check_update(self.expected_update(state, payload, reply), model, reply.num_examples,
+                            float(reply.metrics.get("loss", 0.0)), size)
 
-    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
-                  replies: dict[int, Reply]) -> State:
+    def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
+                       replies: dict[int, Reply]) -> tuple[list[State], list]:
+        """Head-pruned updates scattered to full shape; weights α_hc (Eq. 8) or |D_c| on the
+        kept heads, |D_c| elsewhere."""
         updates = [HeadUpdate({k: t for k, t in r.arrays.items() if k not in (KEPT, ALPHA)},
                               self._kept(r), r.arrays.get(ALPHA), r.num_examples)
                    for _, r in sorted(replies.items())]
-        return aggregate_heads(state, updates, self.arch, self.dims, mode=self.opts.aggregation,
-                               eta=self.fed.server_lr, eps=self.opts.eps)
+        return head_deltas(state, updates, self.arch, self.dims, self.opts.aggregation)
+
+    def mean(self, server_round: int, state: State, deltas: list[State], weights: list) -> State:
+        return combine_heads(state, deltas, weights, self.arch, self.dims, eta=self.fed.server_lr,
+                             eps=self.opts.eps)
 
 
 # --------------------------------------------------------------------------------------------
