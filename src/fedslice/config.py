@@ -153,6 +153,12 @@ class FederationConfig(_Section):
     selection: Literal["uniform", "random", "loss_gap"] = Field(
         "uniform", description="'uniform'/'random': seeded uniform sampling; 'loss_gap': Eq. 9 of "
         "the heads paper (largest last local loss minus global loss first, unseen clients first).")
+    cold_start: Literal["unseen_first", "probe"] = Field(
+        "unseen_first", description="loss_gap before a client's first loss is known: "
+        "'unseen_first' tries every client once (uniform order) before ranking; 'probe' asks every "
+        "client without a loss for the global model's loss on `probe_examples` of its examples "
+        "(forward only, simulation only) and ranks by Eq. 9 from round 1.")
+    probe_examples: int = Field(32, gt=0, description="Examples per client of a cold-start probe.")
     min_replies: int = Field(1, gt=0, description="A round with fewer valid replies keeps the "
                              "global state unchanged.")
 
