@@ -146,9 +146,27 @@ def probe(out: Path) -> dict:
             feats.append(o.pooler_output if o.pooler_output is not None else o.last_hidden_state[:, 0])
         x, y = torch.cat(feats).double(), torch.cat(labels)
         result[mode] = {**_spread(x), "probe_accuracy": _linear_probe(x, y)}
+    result["trained"] = trained_views(out, method, data, kept)
     (out / "probe.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return result
+
+
+def trained_views(out: Path, method, data, kept: torch.Tensor) -> dict:
+    """Test accuracy of each run's final global state seen two ways: the full model (what the
+    server evaluates) and the 'forward' sub-model of one client's keep-mask (what it trained)."""
+    from safetensors.torch import load_file
+    views = {}
+    for name in ("heads90-forward", "heads90-parameters"):
+        weights = out / "runs" / name / "final_trainable.safetensors"
+        if not weights.exists():
+            continue
+        method.load_state(method.trainable(), load_file(str(weights)))
+        method.opts.prune = "forward"
+        views[name] = {
+            "full_model": method.task.evaluate(method.model, data.test, 64)["accuracy"],
+            "forward_submodel": method.task.evaluate(method.local_model(kept), data.test, 64)["accuracy"]}
+    return views
 
 
 def _spread(x: torch.Tensor) -> dict:
