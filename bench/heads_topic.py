@@ -69,6 +69,8 @@ def write_data(out: Path, sizes=(6000, 500, 1000), seed: int = 0) -> Path:
 
 
 def config(out: Path, name: str, method: dict, rounds: int = 10) -> dict:
+    method = dict(method)
+    federation = method.pop("_federation", {})
     return {
         "name": name, "seed": 0, "threads": 1,
         "data": {"path": str(out / "data"), "header": False, "columns": ["text", "label"],
@@ -77,7 +79,7 @@ def config(out: Path, name: str, method: dict, rounds: int = 10) -> dict:
         "model": {"name": "minilm"},
         "lora": {"r": 16, "alpha": 32, "targets": ["q", "v"]},
         "federation": {"num_clients": 50, "clients_per_round": 5, "rounds": rounds,
-                       "local_steps": 6, "batch_size": 16, "lr": 1e-3},
+                       "local_steps": 6, "batch_size": 16, "lr": 1e-3, **federation},
         "method": method,
         "evaluation": {"every": 1, "batch_size": 64},
         "output": {"dir": str(out / "runs"), "progress": False, "plots": False},
@@ -90,6 +92,11 @@ VARIANTS = {
                            "importance_max_examples": 64},
     "heads90-forward": {"name": "heads", "sparsity": 0.9, "prune": "forward",
                         "importance_max_examples": 64},
+    # Eq. 9 cold start: every client once first (default) vs a forward-only loss probe
+    "heads90-lossgap": {"name": "heads", "sparsity": 0.9, "importance_max_examples": 64,
+                        "_federation": {"selection": "loss_gap"}},
+    "heads90-lossgap-probe": {"name": "heads", "sparsity": 0.9, "importance_max_examples": 64,
+                              "_federation": {"selection": "loss_gap", "cold_start": "probe"}},
 }
 
 
@@ -111,6 +118,8 @@ def run(out: Path, names: list[str], rounds: int) -> dict:
             "flops_analytic_mean": summary["flops_analytic_mean"],
             "heads_kept_mean": summary.get("heads_kept_mean"),
             "headless_layers_mean": summary.get("headless_layers_mean"),
+            "dev_accuracy": [r.get("dev_accuracy") for r in records],
+            "probe_flops": sum(r.get("probe_flops", 0.0) for r in records),
         }
         print(name, json.dumps(results[name]), flush=True)
     (out / "runs.json").write_text(json.dumps(results, indent=1))
@@ -146,10 +155,41 @@ def probe(out: Path) -> dict:
             feats.append(o.pooler_output if o.pooler_output is not None else o.last_hidden_state[:, 0])
         x, y = torch.cat(feats).double(), torch.cat(labels)
         result[mode] = {**_spread(x), "probe_accuracy": _linear_probe(x, y)}
+    result["across_clients"] = across_clients(method, data, sample)
     result["trained"] = trained_views(out, method, data, kept)
     (out / "probe.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return result
+
+
+@torch.no_grad()
+def across_clients(method, data, sample, n: int = 5) -> dict:
+    """Do the 'forward' sub-models of different clients compute the same features? Each client's
+    keep-mask (Eq. 6-7 on its own data), the overlap of the kept heads (Jaccard), and a linear
+    probe fitted on client i's sub-model features, tested on client j's features of the same
+    held-out sentences: FedAvg averages classifier/LoRA updates across these sub-models."""
+    from fedslice.data.batching import iter_batches
+    clients = sorted(range(len(data.partitions)), key=lambda c: -len(data.partitions[c]))[:n]
+    method.opts.prune = "forward"
+    masks, feats, y = [], [], None
+    for c in clients:
+        alpha, _ = method.importance(data.client(c), seed=0)
+        masks.append(method.keep(alpha, seed=0))
+        model = method.local_model(masks[-1]).eval()
+        hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+        enc = getattr(hf, hf.base_model_prefix)
+        xs, ys = [], []
+        for batch in iter_batches(sample, range(len(sample)), 64, shuffle=False, generator=None):
+            ys.append(batch.pop("labels"))
+            xs.append(enc(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).pooler_output)
+        feats.append(torch.cat(xs).double())
+        y = torch.cat(ys)
+    jac = [float((a & b).sum() / (a | b).sum()) for i, a in enumerate(masks) for b in masks[i + 1:]]
+    self_acc = [_linear_probe(f, y) for f in feats]
+    cross = [_linear_probe(feats[i], y, test_x=feats[j]) for i in range(n) for j in range(n) if i != j]
+    return {"clients": clients, "kept_heads_jaccard_mean": sum(jac) / len(jac),
+            "headless_layers": [int((~m.any(1)).sum()) for m in masks],
+            "probe_same_submodel": sum(self_acc) / n, "probe_other_clients_submodel": sum(cross) / len(cross)}
 
 
 def trained_views(out: Path, method, data, kept: torch.Tensor) -> dict:
@@ -179,14 +219,19 @@ def _spread(x: torch.Tensor) -> dict:
     return {"variance_over_mean_norm2": float(var / (mean @ mean)), "mean_cosine": float(cos)}
 
 
-def _linear_probe(x: torch.Tensor, y: torch.Tensor, ridge: float = 1e-3) -> float:
-    """Ridge least squares onto one-hot labels, fitted on the first half, accuracy on the second."""
+def _linear_probe(x: torch.Tensor, y: torch.Tensor, ridge: float = 1e-3,
+                  test_x: torch.Tensor | None = None) -> float:
+    """Ridge least squares onto one-hot labels, fitted on the first half, accuracy on the second
+    (of ``test_x``, e.g. another model's features of the same sentences, when given)."""
     n = len(x) // 2
-    x = torch.cat([(x - x[:n].mean(0)) / (x[:n].std(0) + 1e-8), torch.ones(len(x), 1, dtype=x.dtype)], 1)
+    test_x = x if test_x is None else test_x
+    mu, sd = x[:n].mean(0), x[:n].std(0) + 1e-8
+    ones = torch.ones(len(x), 1, dtype=x.dtype)
+    x, t = torch.cat([(x - mu) / sd, ones], 1), torch.cat([(test_x - mu) / sd, ones], 1)
     onehot = torch.nn.functional.one_hot(y, int(y.max()) + 1).double()
     a = x[:n]
     w = torch.linalg.solve(a.T @ a + ridge * n * torch.eye(a.shape[1], dtype=x.dtype), a.T @ onehot[:n])
-    return float(((x[n:] @ w).argmax(1) == y[n:]).double().mean())
+    return float(((t[n:] @ w).argmax(1) == y[n:]).double().mean())
 
 
 def main(argv=None) -> int:

@@ -11,8 +11,9 @@ local training, since it decides what the client trains):
      still run forward; their weight gradients and optimizer state are saved;
    - ``prune='forward'``: a really smaller model: q/k/v rows and o columns of the pruned heads
      are sliced away (:func:`fedslice.slicing.spec.extract_model`), so forward and backward
-     FLOPs fall; a layer left without heads outputs o's bias only. At 90% sparsity this
-     model cannot learn a topic task (see README: the [CLS] token no longer reads the text);
+     FLOPs fall; a layer left without heads outputs o's bias only. At 90% sparsity every
+     client trains a different network whose updates FedAvg cannot reconcile (README, "Head
+     pruning": 0.64 vs 0.82 test accuracy on a 4-class topic task);
 3. uploads the LoRA tensors of its sub-model only (q/k/v ``lora_B`` rows and o ``lora_A``
    columns of the kept heads, the head-free LoRA tensors of layers that kept a head, the
    classifier), its keep-mask and its importance vector α_c (counted in the upload bytes).
