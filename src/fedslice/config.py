@@ -153,6 +153,12 @@ class FederationConfig(_Section):
     selection: Literal["uniform", "random", "loss_gap"] = Field(
         "uniform", description="'uniform'/'random': seeded uniform sampling; 'loss_gap': Eq. 9 of "
         "the heads paper (largest last local loss minus global loss first, unseen clients first).")
+    cold_start: Literal["unseen_first", "probe"] = Field(
+        "unseen_first", description="loss_gap before a client's first loss is known: "
+        "'unseen_first' tries every client once (uniform order) before ranking; 'probe' asks every "
+        "client without a loss for the global model's loss on `probe_examples` of its examples "
+        "(forward only, simulation only) and ranks by Eq. 9 from round 1.")
+    probe_examples: int = Field(32, gt=0, description="Examples per client of a cold-start probe.")
     min_replies: int = Field(1, gt=0, description="A round with fewer valid replies keeps the "
                              "global state unchanged.")
 
@@ -296,6 +302,12 @@ class HeadsMethod(_Section):
         "random ones (baseline B2), or all (baseline B1).")
     scope: Literal["global", "per_layer"] = Field(
         "global", description="Rank heads over all layers (a layer may keep none) or per layer.")
+    prune: Literal["parameters", "forward"] = Field(
+        "parameters", description="'parameters' (the paper's §3.1): a pruned head's trainable "
+        "tensors are neither trained nor sent, the frozen head stays in the forward pass (saves "
+        "their backward/optimizer work); 'forward': pruned heads leave the sub-model (saves "
+        "forward and backward, but at high sparsity each client trains a different network and "
+        "accuracy falls far behind: README, 'Head pruning').")
     aggregation: Literal["head_weighted", "fedavg"] = Field(
         "head_weighted", description="Head-tied LoRA slices: importance-weighted mean (Eq. 8) or "
         "example-weighted mean over the clients that kept the head (Eq. 5).")

@@ -114,9 +114,25 @@ class Simulation:
             raise DataError("every client partition is empty: reduce federation.num_clients")
         method.strategy.client_sizes = {c: len(p) for c, p in enumerate(data.partitions)}
 
+    def cold_start_probe(self, state: State) -> dict[str, Any]:
+        """``federation.cold_start='probe'``: the global model's loss on a few examples of every
+        client the selector has no loss for (forward only; its FLOPs are in the round record)."""
+        fed = self.cfg.federation
+        unknown = self.selector.unknown(self.candidates) if fed.cold_start == "probe" else []
+        if not unknown:
+            return {}
+        losses, flops = {}, 0.0
+        for c in unknown:
+            losses[c], f = self.method.probe_loss(state, self.data.client(c), fed.probe_examples,
+                                                  client_seed(self.cfg.seed, 0, c))
+            flops += f
+        self.selector.observe_probe(losses)
+        return {"probe_clients": len(unknown), "probe_flops": flops}
+
     def run_round(self, server_round: int, state: State) -> tuple[State, dict[str, Any]]:
         t0 = time.perf_counter()
         strategy, method, f = self.method.strategy, self.method, self.cfg.faults
+        probe = self.cold_start_probe(state)
         clients = self.selector.select(server_round, self.candidates)
         faults = plan_faults(f, self.cfg.seed, server_round, clients)
         payloads = strategy.configure_train(server_round, state, clients)
@@ -139,7 +155,7 @@ class Simulation:
                         "global state unchanged", server_round, len(result.used), self.cfg.federation.min_replies)
         new_state, server_metrics = method.on_round_end(server_round, result.state,
                                                         {c: replies[c] for c in result.used})
-        record = {**round_record(server_round, clients, replies, result), **server_metrics}
+        record = {**round_record(server_round, clients, replies, result), **server_metrics, **probe}
         lost = [{"client": c, "reason": "dropped out (injected)"} for c in sorted(faults.dropped)]
         lost += [{"client": c, "reason": f"reply {d:g} s after the round started, past the "
                   f"{f.deadline_s:g} s deadline (injected straggler)"} for c, d in sorted(late.items())]

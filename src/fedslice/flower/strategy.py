@@ -24,6 +24,7 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedslice.config import ExperimentConfig
 from fedslice.fl.engine import FederatedData, round_record
+from fedslice.errors import ConfigError
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Payload, Reply, State
 from fedslice.fl.strategy import Strategy as FedsliceStrategy
@@ -61,6 +62,9 @@ class FlowerAdapter(FlowerStrategy):
         self.round_timeout = round_timeout
         self.selector = make_selector(cfg.federation.selection, cfg.federation.clients_per_round,
                                       cfg.seed)
+        if cfg.federation.selection == "loss_gap" and cfg.federation.cold_start == "probe":
+            raise ConfigError("federation.cold_start='probe' runs in the in-process simulation "
+                              "only (fedslice run); on Flower use 'unseen_first'")
         self.experiment = cfg.model_dump(mode="json")
         self.records: list[dict[str, Any]] = []
         self._round: _Round | None = None

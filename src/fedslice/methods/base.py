@@ -20,7 +20,8 @@ import torch.nn as nn
 
 from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError
-from fedslice.data.batching import TokenizedSplit
+from fedslice.data.batching import TokenizedSplit, iter_batches
+from fedslice.data.partition import sample_rows
 from fedslice import measure
 from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.privacy import Privacy
@@ -28,6 +29,7 @@ from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.tasks import Task
+from fedslice.tasks.base import batch_examples
 
 
 Role = Literal["both", "client"]
@@ -147,6 +149,23 @@ class Method:
         """The task's metrics of the global model (generation tasks: BLEU/ROUGE on at most
         ``max_generations`` prompts)."""
         return self.task.evaluate(self.eval_model(state), data, batch_size, max_generations)
+
+    @torch.no_grad()
+    def probe_loss(self, state: State, data: TokenizedSplit, max_examples: int,
+                   seed: int) -> tuple[float, float]:
+        """The global model's mean task loss on (a seeded sample of) a client's data and its
+        measured FLOPs: the cold-start probe of loss-gap selection (forward only)."""
+        if max_examples < len(data):
+            data = data.subset(sample_rows(len(data), max_examples, seed))
+        model = self.eval_model(state)
+        was_training = model.training
+        model.eval()
+        total = 0.0
+        with measure.count_flops() as fc:
+            for batch in iter_batches(data, range(len(data)), 32, shuffle=False, generator=None):
+                total += float(self.task.loss(model, batch)) * batch_examples(batch)
+        model.train(was_training)
+        return total / max(len(data), 1), float(fc.total)
 
     # -- server work between rounds ----------------------------------------------------------
     def on_round_end(self, server_round: int, state: State,
