@@ -198,3 +198,18 @@ def tiny_gen_cfg_dict(tiny_lm_dirs, tiny_d2t_dir, tmp_path) -> dict:
         "evaluation": {"every": 1, "batch_size": 8},
         "output": {"dir": str(tmp_path / "runs"), "progress": False, "plots": False},
     }
+
+
+def method_options(method: str, tmp_path: Path) -> dict:
+    """Options that fit the 2-layer tiny model and exercise each method's server-side state:
+    FedPFT re-aligns every round, FedOT distils its emulator, RaFFM slices (two tiers) and
+    re-orders every round, heads prunes."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"a plot about {i} actors in a film" for i in range(50)))
+    distill = {"corpus": str(corpus), "steps": 2, "batch_size": 4, "max_length": 16, "cache_dir": ""}
+    return {"fedot": {"bottom_layers": 1, "top_layers": 0, "distill_emulator": True, "distill": distill},
+            "fedpft": {"whole_layers": [0], "align_every": 1, "align_steps": 2, "distill": distill},
+            "raffm": {"tiers": [{"share": 0.5, "flops": 0.5}, {"share": 0.5, "flops": 1.0}],
+                      "reorder_every": 1, "width_steps": 4},
+            "heads": {"sparsity": 0.5},
+            }.get(method, {})

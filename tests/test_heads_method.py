@@ -35,8 +35,9 @@ def _fit(method, data, client=0, alpha=None, seed=3):
     return state, payload, method.fit(payload, data.client(client), seed)
 
 
-def test_upload_holds_only_kept_heads_and_headless_layer_is_skipped(heads_setup):
-    cfg, method, data = heads_setup
+@pytest.mark.parametrize("prune", ["parameters", "forward"])
+def test_upload_holds_only_kept_heads_and_headless_layer_is_skipped(tiny_cfg_dict, prune):
+    method, data = setup(_cfg(tiny_cfg_dict, sparsity=0.75, prune=prune))
     arch, hd = method.arch, method.dims["head_dim"]
     alpha = torch.tensor([[0.9, 0.1, 0.8, 0.2], [0.3, 0.2, 0.1, 0.05]])  # layer 1 keeps none
     state, payload, reply = _fit(method, data, alpha=alpha)
@@ -75,7 +76,8 @@ def test_client_with_empty_dataset_is_skipped_not_crashed(heads_setup, caplog):
     assert "no training data" in caplog.text and reply.num_examples == 0
     ok = method.fit(method.strategy.configure_train(1, state, [1])[1], data.client(1), 0)
     result = method.strategy.aggregate_train(1, state, {0: payload, 1: payload}, {0: reply, 1: ok})
-    assert result.used == [1] and result.excluded == [{"client": 0, "reason": "no training examples"}]
+    assert result.used == [1] and result.excluded == [{"client": 0, "reason": "num_examples=0 (no training examples)"}]
+    assert result.rejected == 1
 
 
 def test_strategy_rejects_inconsistent_replies(heads_setup):
@@ -147,7 +149,7 @@ def test_heads_prunes_compute_and_upload_against_dense(tiny_cfg_dict):
     """pruning='none' + fedavg is FedPETuning (B1); 50% pruning costs less compute and upload."""
     sims = {}
     for name, method in (("dense", {"pruning": "none", "aggregation": "fedavg"}),
-                         ("pruned", {"sparsity": 0.5, "scope": "per_layer"})):
+                         ("pruned", {"sparsity": 0.5, "scope": "per_layer", "prune": "forward"})):
         cfg = _cfg(tiny_cfg_dict, **method)
         tiny_cfg_dict["federation"]["rounds"] = 1
         m, data = setup(_cfg(tiny_cfg_dict, **method))
@@ -158,3 +160,59 @@ def test_heads_prunes_compute_and_upload_against_dense(tiny_cfg_dict):
     assert pruned["bytes_up_mean"] < dense["bytes_up_mean"]
     assert pruned["flops_analytic_mean"] < dense["flops_analytic_mean"]
     assert dense["sparsity_mean"] == 0.0
+
+
+# --- prune = "parameters" (paper §3.1) vs "forward" --------------------------------------------
+
+def test_partial_model_runs_the_full_forward_and_trains_only_kept_slices(heads_setup):
+    from fedslice.slicing.heads import mask_spec
+    from fedslice.slicing.partial import PartialLinear, partial_model
+    from fedslice.slicing.spec import extract_state
+    _, method, data = heads_setup
+    torch.manual_seed(0)
+    for p in method.trainable().values():  # LoRA B is zero at init: make every slice matter
+        p.data.normal_(0, 0.2)
+    kept = torch.tensor([[True, False, True, False], [False, False, False, False]])
+    spec = mask_spec(kept, method.dims)
+    sub = partial_model(method.model, spec, method.arch)
+    batch = next(iter(__import__("fedslice.data.batching", fromlist=["x"]).iter_batches(
+        data.client(0), range(len(data.client(0))), 8, shuffle=False, generator=None)))
+    batch.pop("labels")
+    method.model.eval(), sub.eval()
+    with torch.no_grad():
+        full, part = method.model(**batch).logits, sub(**batch).logits
+    assert (full - part).abs().max() <= 1e-6
+    assert sum(isinstance(m, PartialLinear) for m in sub.modules()) == 3  # layer 0: q, v B rows; o A cols
+    trainable = {n: p for n, p in sub.named_parameters() if p.requires_grad}
+    expected = extract_state(method.initial_state(), spec, method.arch)
+    headless = method.arch.part_name(1, "q").rpartition(".")[0].rpartition(".")[0]  # layer 1 attention
+    assert not any(headless + "." in n for n in trainable)
+    for n, p in trainable.items():
+        assert n in expected and p.shape == expected[n].shape, n
+    assert set(expected) - set(trainable) == {n for n in expected if headless + "." in n}
+    # the full model's tensors are untouched by training the partial one
+    before = {n: p.detach().clone() for n, p in method.trainable().items()}
+    sum(p.sum() for p in trainable.values()).backward()
+    torch.optim.SGD(trainable.values(), lr=1.0).step()
+    q_b = next(n for n in before if f"{method.arch.part_name(0, 'q')}.lora_B" in n)
+    assert torch.equal(method.trainable()[q_b], before[q_b])
+
+
+def test_two_prune_modes_send_the_same_bytes_and_differ_in_flops(tiny_cfg_dict):
+    alpha = torch.tensor([[0.9, 0.1, 0.8, 0.2], [0.3, 0.2, 0.1, 0.05]])
+    replies = {}
+    for name, method_opts in (("dense", {"pruning": "none", "aggregation": "fedavg"}),
+                              ("parameters", {"sparsity": 0.75, "prune": "parameters"}),
+                              ("forward", {"sparsity": 0.75, "prune": "forward"})):
+        method, data = setup(_cfg(tiny_cfg_dict, **method_opts))
+        state, payload, reply = _fit(method, data, alpha=alpha)
+        assert method.strategy.check_reply(state, payload, reply) is None
+        replies[name] = reply
+    dense, par, fwd = (replies[k].metrics for k in ("dense", "parameters", "forward"))
+    assert par["bytes_up"] == fwd["bytes_up"] < dense["bytes_up"]
+    assert {k: t.shape for k, t in replies["parameters"].arrays.items()} == \
+        {k: t.shape for k, t in replies["forward"].arrays.items()}
+    # forward drops 6 of 8 heads from both passes; parameters only the pruned slices' weight grads
+    assert fwd["flops_measured"] < 0.9 * par["flops_measured"]
+    assert par["flops_measured"] < dense["flops_measured"]
+    assert fwd["flops_analytic"] < par["flops_analytic"] < dense["flops_analytic"]

@@ -8,18 +8,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedslice.config import ExperimentConfig
-from fedslice.errors import ConfigError
 import torch
 
+from fedslice.checkpoint import (CHECKPOINT, Checkpoint, check_same_config, find_resumable,
+                                 read_checkpoint, write_checkpoint)
+from fedslice.config import ExperimentConfig, apply_overrides, load_config, validate_config
+from fedslice.errors import ConfigError
 from fedslice.fl.engine import FederatedData, Simulation, prepare_data
 from fedslice.methods import METHODS, Method, Role, build_method
 from fedslice.models.arch import arch_for
-from fedslice.models.loading import load_config, load_model
-from fedslice.tasks import make_task
+from fedslice.models.loading import load_config as load_model_config
+from fedslice.models.loading import load_model
 from fedslice.output import RunDir, write_json_atomic
 from fedslice.progress import activate, make_display
 from fedslice.report import markdown_table, plot_compare, plot_run, render_table, summary_row
+from fedslice.tasks import make_task
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,7 @@ def setup(cfg: ExperimentConfig, role: Role = "both") -> tuple[Method, Federated
     (``role="client"``: as a Flower ClientApp needs it, without the server-only work)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    arch = arch_for(load_config(cfg.model)[0])  # the model's config only: no weights yet
+    arch = arch_for(load_model_config(cfg.model)[0])  # the model's config only: no weights yet
     task = make_task(cfg, arch)
     METHODS[cfg.method.name].check_supported(arch, task)
     raw = task.load_raw()
@@ -48,23 +51,74 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
 
     The folder appears only when the run has finished (written in a staging folder first).
     ``progress`` (default ``output.progress``): bars on a terminal, else one line per round on
-    stdout (``verbose``: with bytes and each client's loss).
+    stdout (``verbose``: with bytes and each client's loss). With ``output.checkpoint_every``
+    set, a run that fails or is killed leaves its staging folder with the last checkpoint, for
+    :func:`resume_experiment`.
     """
     out = Path(out_dir or cfg.output.dir)
-    show = cfg.output.progress if progress is None else progress
-    display = make_display(cfg.federation.rounds, cfg.run_name, enabled=show, verbose=verbose)
-    with activate(display):
+    with _display(cfg, progress, verbose):
         method, data = setup_result or setup(cfg)
-        sim = Simulation(cfg, method, data)
-        with RunDir.create(out, _run_name(cfg)) as run:
+        run = RunDir.create(out, _run_name(cfg))
+        try:
             run.write_config(cfg.model_dump(mode="json"))
             run.write_json("partition.json", {k: v for k, v in data.report.items()
                                               if k != "label_histograms"}
                            if isinstance(data.report, dict) else data.report)
             if data.label_map():
                 run.write_json("labels.json", data.label_map())
-            state, _, summary = sim.run(on_round=run.append_metrics)
+        except BaseException:
+            run.abort()
+            raise
+        return _run_into(run, cfg, method, data)
+
+
+def _display(cfg: ExperimentConfig, progress: bool | None, verbose: bool):
+    show = cfg.output.progress if progress is None else progress
+    return activate(make_display(cfg.federation.rounds, cfg.run_name, enabled=show, verbose=verbose))
+
+
+def resume_experiment(run_dir: str | Path, config: str | Path | None = None,
+                      overrides: list[str] | None = None, *, progress: bool | None = None,
+                      verbose: bool = False) -> Path:
+    """Continue an interrupted run from its checkpoint; return the finished run folder.
+
+    ``run_dir`` is the staging folder (``.NAME.partial-PID``) or the run's final path. The config
+    is the checkpoint's (with ``overrides``), or the file ``config``; any difference from the
+    checkpoint's config outside ``output`` is refused, naming the fields.
+    """
+    staging = find_resumable(Path(run_dir))
+    ckpt = read_checkpoint(staging)
+    if config is None:
+        cfg = validate_config(apply_overrides(ckpt.config, overrides or []), f"(checkpoint of {staging})")
+    else:
+        cfg = load_config(config, overrides)
+    check_same_config(ckpt.config, cfg.model_dump(mode="json"), staging)
+    run = RunDir.reopen(staging)
+    with _display(cfg, progress, verbose):
+        method, data = setup(cfg)
+        run.rewrite_metrics(ckpt.records)
+        log.warning("resuming %s after round %d of %d", staging, ckpt.round, cfg.federation.rounds)
+        return _run_into(run, cfg, method, data, resume=ckpt)
+
+
+def _run_into(run: RunDir, cfg: ExperimentConfig, method: Method, data: FederatedData,
+              resume: Checkpoint | None = None) -> Path:
+    sim = Simulation(cfg, method, data)
+    run.keep_if = CHECKPOINT if cfg.output.checkpoint_every else None
+
+    def checkpoint(ckpt: Checkpoint) -> None:
+        write_checkpoint(run.path, ckpt)
+
+    try:
+        with run:
+            state, _, summary = sim.run(on_round=run.append_metrics, resume=resume,
+                                        on_checkpoint=checkpoint)
             save_results(run, cfg, method, state, summary)
+            (run.path / CHECKPOINT).unlink(missing_ok=True)
+    finally:
+        if run.keep_if and not run.committed and (run.staging_path / CHECKPOINT).is_file():
+            log.warning("the run was interrupted; continue it with: fedslice run --resume %s",
+                        run.staging_path)
     path = run.final_path
     if cfg.output.plots:
         plot_run(path)

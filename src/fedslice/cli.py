@@ -34,7 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     common = [_output_options(True)]
 
     run = sub.add_parser("run", help="run one experiment from a TOML/YAML config", parents=common)
-    run.add_argument("config")
+    run.add_argument("config", nargs="?", help="the experiment config (optional with --resume)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its "
+                     "checkpoint (output.checkpoint_every); RUN_DIR is its .NAME.partial-PID "
+                     "folder or its final path")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config field, e.g. --set federation.rounds=5 (repeatable)")
     run.add_argument("--out", help="parent folder of the run folder (default: output.dir)")
@@ -91,6 +94,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.command == "deploy":
         from fedslice.flower.deploy import main as deploy_main
         return deploy_main(args)
+    if args.command == "run" and args.config is None and not args.resume:
+        raise FedsliceError("fedslice run needs a config file (or --resume RUN_DIR)")
     if args.command == "validate" or (args.command == "run" and args.dry_run):
         from fedslice.plan import make_plan
         cfg = load_config(args.config, args.overrides)
@@ -101,8 +106,13 @@ def _main(args: argparse.Namespace) -> int:
     progress = False if args.no_progress or args.quiet else None
     verbose = args.verbose > 0
     if args.command == "run":
-        cfg = load_config(args.config, args.overrides)
-        path = run_experiment(cfg, args.out, progress=progress, verbose=verbose)
+        if args.resume:
+            from fedslice.api import resume_experiment
+            path = resume_experiment(args.resume, args.config, args.overrides, progress=progress,
+                                     verbose=verbose)
+        else:
+            cfg = load_config(args.config, args.overrides)
+            path = run_experiment(cfg, args.out, progress=progress, verbose=verbose)
         from fedslice.report import report
         print(report(path, plots=False))
         print(f"results: {path}")

@@ -153,6 +153,12 @@ class FederationConfig(_Section):
     selection: Literal["uniform", "random", "loss_gap"] = Field(
         "uniform", description="'uniform'/'random': seeded uniform sampling; 'loss_gap': Eq. 9 of "
         "the heads paper (largest last local loss minus global loss first, unseen clients first).")
+    cold_start: Literal["unseen_first", "probe"] = Field(
+        "unseen_first", description="loss_gap before a client's first loss is known: "
+        "'unseen_first' tries every client once (uniform order) before ranking; 'probe' asks every "
+        "client without a loss for the global model's loss on `probe_examples` of its examples "
+        "(forward only, simulation only) and ranks by Eq. 9 from round 1.")
+    probe_examples: int = Field(32, gt=0, description="Examples per client of a cold-start probe.")
     min_replies: int = Field(1, gt=0, description="A round with fewer valid replies keeps the "
                              "global state unchanged.")
 
@@ -296,6 +302,12 @@ class HeadsMethod(_Section):
         "random ones (baseline B2), or all (baseline B1).")
     scope: Literal["global", "per_layer"] = Field(
         "global", description="Rank heads over all layers (a layer may keep none) or per layer.")
+    prune: Literal["parameters", "forward"] = Field(
+        "parameters", description="'parameters' (the paper's §3.1): a pruned head's trainable "
+        "tensors are neither trained nor sent, the frozen head stays in the forward pass (saves "
+        "their backward/optimizer work); 'forward': pruned heads leave the sub-model (saves "
+        "forward and backward, but at high sparsity each client trains a different network and "
+        "accuracy falls far behind: README, 'Head pruning').")
     aggregation: Literal["head_weighted", "fedavg"] = Field(
         "head_weighted", description="Head-tied LoRA slices: importance-weighted mean (Eq. 8) or "
         "example-weighted mean over the clients that kept the head (Eq. 5).")
@@ -444,6 +456,78 @@ class TaskConfig(_Section):
         return self
 
 
+class FaultsConfig(_Section):
+    """Faults injected into the in-process simulation (`fedslice run`; never on Flower), drawn
+    per round from the seed: a run with faults is as reproducible as one without."""
+
+    dropout: float = Field(0.0, ge=0, lt=1, description="Probability that a selected client "
+                           "drops out of a round (never replies; nothing of it is counted).")
+    stragglers: float = Field(0.0, ge=0, le=1, description="Probability that a selected client "
+                              "replies `straggler_delay_s` late (it trains; the reply is used "
+                              "only if it arrives before `deadline_s`).")
+    straggler_delay_s: float = Field(60.0, gt=0, description="Simulated delay of a straggler's "
+                                     "reply (the others arrive at 0 s: local training time is "
+                                     "not simulated, so runs stay reproducible).")
+    deadline_s: float | None = Field(None, gt=0, description="Round deadline in simulated "
+                                     "seconds: later replies are discarded. None: wait for all.")
+    nan: float = Field(0.0, ge=0, le=1, description="Probability that a client's update is NaN.")
+    overreport: float = Field(0.0, ge=0, le=1, description="Probability that a client reports "
+                              "`overreport_factor` x its number of examples.")
+    overreport_factor: float = Field(10.0, gt=1)
+    attack: Literal["none", "sign_flip", "gaussian"] = Field(
+        "none", description="What the attackers send: sign_flip = global - scale x their update; "
+        "gaussian = global + N(0, scale^2) noise.")
+    attackers: float = Field(0.0, ge=0, lt=0.5, description="Fraction of each round's clients "
+                             "that attack: round(fraction x selected) of them, drawn per round.")
+    attack_scale: float = Field(1.0, gt=0, description="Sign flip: the update's multiplier "
+                                "(-scale); gaussian: the noise's standard deviation.")
+
+    @model_validator(mode="after")
+    def _attack(self) -> "FaultsConfig":
+        if (self.attack == "none") != (self.attackers == 0):
+            raise ValueError(f"attack={self.attack!r} with attackers={self.attackers}: set both "
+                             "(an attack and a fraction > 0) or neither")
+        return self
+
+
+class AggregationConfig(_Section):
+    """How the server combines the valid updates of a round (robust rules against a malicious
+    minority; see fedslice/slicing/robust.py)."""
+
+    rule: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum"] = Field(
+        "mean", description="mean: the method's own weighted mean (FedAvg, slice or head-weighted "
+        "aggregation); median / trimmed_mean: per element, over the clients holding it; krum / "
+        "multi_krum: same-shaped updates only (not raffm, heads).")
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: fraction cut at "
+                                 "each end (per element, of the clients holding it).")
+    byzantine: int = Field(1, ge=0, description="krum / multi_krum: f, the number of malicious "
+                           "clients tolerated; needs clients_per_round >= 2f + 3.")
+    multi_krum_keep: int | None = Field(None, gt=0, description="multi_krum: m, the clients "
+                                        "averaged (default n - f).")
+    clip_norm: float | None = Field(None, gt=0, description="Clip every client's update to this "
+                                    "L2 norm before aggregating (FlatClip). None: no clipping.")
+
+
+class DPConfig(_Section):
+    """Central DP-FedAvg (McMahan et al. 2018): each client's update clipped to `clip_norm`, the
+    uniform mean over the clients_per_round sampled, Gaussian noise of std
+    noise_multiplier * clip_norm / clients_per_round on the aggregate; an RDP accountant (Opacus)
+    reports epsilon at `delta` after each round."""
+
+    enabled: bool = False
+    clip_norm: float = Field(0.1, gt=0, description="C: L2 bound of each client's update.")
+    noise_multiplier: float | None = Field(None, gt=0, description="z; or set target_epsilon.")
+    target_epsilon: float | None = Field(None, gt=0, description="Calibrate z so that epsilon "
+                                         "after federation.rounds rounds is this (at delta).")
+    delta: float = Field(1e-5, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _one_noise(self) -> "DPConfig":
+        if self.enabled and (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("set exactly one of noise_multiplier and target_epsilon")
+        return self
+
+
 class EvaluationConfig(_Section):
     every: int = Field(1, gt=0, description="Evaluate on dev every E rounds (and after the last).")
     batch_size: int = Field(128, gt=0)
@@ -464,6 +548,9 @@ class OutputConfig(_Section):
     save_weights: bool = True
     plots: bool = True
     progress: bool = True
+    checkpoint_every: int = Field(0, ge=0, description="Write a checkpoint (global and server "
+                                  "state, RNGs, metrics) into the run folder every N rounds, "
+                                  "kill-safe; `fedslice run --resume RUN_DIR` continues. 0: never.")
 
 
 class ExperimentConfig(_Section):
@@ -476,8 +563,45 @@ class ExperimentConfig(_Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
     method: MethodConfig = Field(default_factory=FedPETuningMethod)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
+    dp: DPConfig = Field(default_factory=DPConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @model_validator(mode="after")
+    def _compatible(self) -> "ExperimentConfig":
+        """Method x PEFT combinations that cannot work, named by field (architecture-dependent
+        checks, e.g. layer counts, happen when the model is loaded)."""
+        lora, name = self.lora, self.method.name
+        attention = {"q", "k", "v", "o"}
+        if name == "fedpft" and (lora.target_modules is not None or set(lora.targets) - attention):
+            raise ValueError(f"lora.targets: method fedpft trains LoRA on attention only (q, k, v, "
+                             f"o); got {lora.target_modules or lora.targets}")
+        if name == "heads" and lora.target_modules is None and not set(lora.targets) & attention:
+            raise ValueError(f"lora.targets {lora.targets}: method heads needs LoRA on at least "
+                             "one attention projection (q, k, v or o)")
+        agg, n = self.aggregation, self.federation.clients_per_round
+        sliced = name in ("raffm", "heads")
+        if agg.rule in ("krum", "multi_krum"):
+            if sliced:
+                raise ValueError(f"aggregation.rule={agg.rule!r} needs same-shaped updates; method "
+                                 f"{name} sends slices: use median or trimmed_mean")
+            if n < 2 * agg.byzantine + 3:
+                raise ValueError(f"aggregation.byzantine={agg.byzantine}: krum needs "
+                                 f"federation.clients_per_round >= 2f + 3 = {2 * agg.byzantine + 3}, "
+                                 f"got {n}")
+            if agg.multi_krum_keep is not None and agg.multi_krum_keep > n - agg.byzantine:
+                raise ValueError(f"aggregation.multi_krum_keep={agg.multi_krum_keep} is more than "
+                                 f"clients_per_round - byzantine = {n - agg.byzantine}")
+        if self.dp.enabled:
+            if sliced:
+                raise ValueError(f"dp.enabled: DP-FedAvg needs same-shaped updates; method {name} "
+                                 "sends slices")
+            if agg.rule != "mean" or agg.clip_norm is not None:
+                raise ValueError("dp.enabled: DP-FedAvg is the clipped mean (dp.clip_norm); "
+                                 "aggregation.rule must be 'mean' without aggregation.clip_norm")
+        return self
 
     @property
     def run_name(self) -> str:

@@ -107,7 +107,8 @@ def linear_param_counts(model: nn.Module) -> dict[str, int]:
             continue  # peft modules_to_save keeps an unused copy of the original head
         is_head = module is lm_head or any(part in seg for seg in segments for part in _HEAD_NAME_PARTS)
         prefix = "head_" if is_head else ""
-        counts[prefix + "total"] += w.numel()
+        frozen = getattr(module, "frozen", None)  # PartialLinear: the frozen slice runs forward too
+        counts[prefix + "total"] += w.numel() + (frozen.numel() if isinstance(frozen, torch.Tensor) else 0)
         if w.requires_grad:
             counts[prefix + "trainable"] += w.numel()
     return counts

@@ -156,7 +156,9 @@ class RunDir:
         self.staging_path = staging
         self.final_path: Path | None = None
         self._metrics_file: IO[str] | None = None
-        self._state = "open"  # open | committed | aborted
+        self._state = "open"  # open | committed | aborted | kept
+        #: on an exception, keep the staging folder if this file is in it (a checkpoint to resume)
+        self.keep_if: str | None = None
 
     @classmethod
     def create(cls, out_dir: str | os.PathLike, name: str) -> RunDir:
@@ -177,6 +179,18 @@ class RunDir:
             shutil.rmtree(staging)
         staging.mkdir()
         return cls(out, name, staging)
+
+    @classmethod
+    def reopen(cls, staging: str | os.PathLike) -> RunDir:
+        """Continue writing into the staging folder of an interrupted run (``--resume``)."""
+        staging = Path(staging)
+        m = _PARTIAL_RE.match(staging.name)
+        if not m or not staging.is_dir():
+            raise FedsliceError(f"{staging} is not the staging folder of an unfinished run")
+        pid = int(m["pid"])
+        if pid != os.getpid() and _pid_alive(pid):
+            raise FedsliceError(f"{staging} belongs to process {pid}, which is still running")
+        return cls(staging.parent, m["name"], staging)
 
     # -- state ----------------------------------------------------------------------------
 
@@ -222,6 +236,16 @@ class RunDir:
             self._metrics_file = open(self.staging_path / METRICS, "a", encoding="utf-8")
         self._metrics_file.write(line + "\n")
         self._metrics_file.flush()
+
+    def rewrite_metrics(self, records: list[Mapping[str, Any]]) -> None:
+        """Replace ``metrics.jsonl`` by ``records`` (a resumed run drops the rounds after its
+        checkpoint)."""
+        self._check_open()
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
+        _write_text_atomic(self.staging_path / METRICS,
+                           "".join(dumps_json(r, indent=None) + "\n" for r in records))
 
     def write_summary(self, summary: Mapping[str, Any]) -> Path:
         """Write ``summary.json`` (temporary file + :func:`os.replace`)."""
@@ -322,9 +346,21 @@ class RunDir:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is None:
             self.commit()
+        elif self.keep_if and (self.staging_path / self.keep_if).is_file():
+            self.keep()
         else:
             self.abort()
         return False
+
+    def keep(self) -> None:
+        """Close the files and leave the staging folder (it holds a checkpoint to resume)."""
+        if self._state != "open":
+            return
+        try:
+            self._close()
+        except OSError:
+            pass
+        self._state = "kept"
 
     def __del__(self) -> None:
         f = getattr(self, "_metrics_file", None)
@@ -333,6 +369,16 @@ class RunDir:
                 f.close()
             except Exception:
                 pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _plain_filename(filename: str) -> str:

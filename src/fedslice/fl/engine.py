@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedslice import progress as progress_display
+from fedslice.checkpoint import Checkpoint, capture, restore
 from fedslice.config import ExperimentConfig
 from fedslice.data import TokenizedSplit, partition_indices, partition_report
 from fedslice.errors import DataError
+from fedslice.fl.faults import corrupt, missed_deadline, plan_faults
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Reply, RoundResult, State
 
@@ -76,20 +78,23 @@ def _mean(values: list[float]) -> float | None:
 
 def round_record(server_round: int, clients: list[int], replies: dict[int, Reply],
                  result: RoundResult) -> dict[str, Any]:
-    """The metrics record of one round: selection, exclusions, mean costs, per-client metrics."""
-    client_metrics = [{"client": c, "num_examples": r.num_examples, **r.metrics}
-                      for c, r in replies.items()]
-    used = [m for m in client_metrics if m["client"] in result.used]
+    """The metrics record of one round: selection, exclusions, per-client metrics (``used``:
+    whether the reply went into the aggregation) and mean costs over the used replies."""
+    client_metrics = [{"client": c, "num_examples": r.num_examples, **r.metrics,
+                       "used": c in result.used} for c, r in replies.items()]
+    used = [m for m in client_metrics if m["used"]]
     return {
         "round": server_round, "clients": clients, "excluded": result.excluded,
-        "skipped": result.skipped,
+        "skipped": result.skipped, "rejected": result.rejected,
         "train_loss": _mean([m["loss"] for m in used]),
-        **{f"{k}_mean": _mean([m[k] for m in client_metrics])
+        "examples_used": sum(m["num_examples"] for m in used),
+        **{f"{k}_mean": _mean([m[k] for m in used])
            for k in ("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
                      "trainable_params", "params_up")},
-        "peak_rss_mb_max": max((m["peak_rss_mb"] for m in client_metrics), default=None),
-        "activation_mb_max": max((m["activation_mb"] for m in client_metrics), default=None),
+        "peak_rss_mb_max": max((m["peak_rss_mb"] for m in used), default=None),
+        "activation_mb_max": max((m["activation_mb"] for m in used), default=None),
         "client_metrics": client_metrics,
+        **result.metrics,
     }
 
 
@@ -107,34 +112,73 @@ class Simulation:
                         len(empty), empty[:20])
         if not self.candidates:
             raise DataError("every client partition is empty: reduce federation.num_clients")
+        method.strategy.client_sizes = {c: len(p) for c, p in enumerate(data.partitions)}
+
+    def cold_start_probe(self, state: State) -> dict[str, Any]:
+        """``federation.cold_start='probe'``: the global model's loss on a few examples of every
+        client the selector has no loss for (forward only; its FLOPs are in the round record)."""
+        fed = self.cfg.federation
+        unknown = self.selector.unknown(self.candidates) if fed.cold_start == "probe" else []
+        if not unknown:
+            return {}
+        losses, flops = {}, 0.0
+        for c in unknown:
+            losses[c], f = self.method.probe_loss(state, self.data.client(c), fed.probe_examples,
+                                                  client_seed(self.cfg.seed, 0, c))
+            flops += f
+        self.selector.observe_probe(losses)
+        return {"probe_clients": len(unknown), "probe_flops": flops}
 
     def run_round(self, server_round: int, state: State) -> tuple[State, dict[str, Any]]:
         t0 = time.perf_counter()
-        strategy, method = self.method.strategy, self.method
+        strategy, method, f = self.method.strategy, self.method, self.cfg.faults
+        probe = self.cold_start_probe(state)
         clients = self.selector.select(server_round, self.candidates)
+        faults = plan_faults(f, self.cfg.seed, server_round, clients)
         payloads = strategy.configure_train(server_round, state, clients)
-        replies = {}
+        replies: dict[int, Reply] = {}
         with progress_display.task(f"round {server_round}: clients", len(clients)) as advance:
             for c in clients:
-                replies[c] = method.fit(payloads[c], self.data.client(c),
-                                        client_seed(self.cfg.seed, server_round, c))
+                if c not in faults.dropped:
+                    reply = method.fit(payloads[c], self.data.client(c),
+                                       client_seed(self.cfg.seed, server_round, c))
+                    if kind := faults.kind(c):
+                        sent = strategy.expected_update(state, payloads[c], reply)
+                        reply = corrupt(f, kind, reply, sent, self.cfg.seed, server_round, c)
+                    replies[c] = reply
                 advance()
-        result = strategy.aggregate_train(server_round, state, payloads, replies)
+        late = missed_deadline(f, faults)
+        arrived = {c: r for c, r in replies.items() if c not in late}
+        result = strategy.aggregate_train(server_round, state, payloads, arrived)
         if result.skipped:
-            log.warning("round %d: only %d valid replies (< min_replies): global state unchanged",
-                        server_round, len(result.used))
+            log.warning("round %d: only %d valid replies (< federation.min_replies=%d): skipped, "
+                        "global state unchanged", server_round, len(result.used), self.cfg.federation.min_replies)
         new_state, server_metrics = method.on_round_end(server_round, result.state,
                                                         {c: replies[c] for c in result.used})
-        record = {**round_record(server_round, clients, replies, result), **server_metrics}
+        record = {**round_record(server_round, clients, replies, result), **server_metrics, **probe}
+        lost = [{"client": c, "reason": "dropped out (injected)"} for c in sorted(faults.dropped)]
+        lost += [{"client": c, "reason": f"reply {d:g} s after the round started, past the "
+                  f"{f.deadline_s:g} s deadline (injected straggler)"} for c, d in sorted(late.items())]
+        if lost:
+            record["excluded"] = sorted(record["excluded"] + lost, key=lambda e: e["client"])
+        record.update(dropped=len(faults.dropped), late=len(late), attackers=sorted(faults.attackers))
         record["round_time_s"] = time.perf_counter() - t0
         return new_state, record
 
-    def run(self, on_round=None, progress=None) -> tuple[State, list[dict[str, Any]], dict[str, Any]]:
+    def run(self, on_round=None, progress=None, *, resume: Checkpoint | None = None,
+            on_checkpoint=None) -> tuple[State, list[dict[str, Any]], dict[str, Any]]:
+        """All rounds (after ``resume``'s round when given); ``on_checkpoint(checkpoint)`` every
+        ``output.checkpoint_every`` rounds."""
         cfg = self.cfg
-        state = self.method.initial_state()
-        records = []
-        t_start = time.perf_counter()
-        for rnd in range(1, cfg.federation.rounds + 1):
+        if resume is not None:
+            state = restore(resume, self.method, self.selector)
+            records, first = list(resume.records), resume.round + 1
+            t_start = time.perf_counter() - resume.elapsed_s
+        else:
+            state, records, first = self.method.initial_state(), [], 1
+            t_start = time.perf_counter()
+        every = cfg.output.checkpoint_every
+        for rnd in range(first, cfg.federation.rounds + 1):
             state, record = self.run_round(rnd, state)
             finish_round(cfg, self.method, self.data, self.selector, rnd, state, record)
             record["elapsed_s"] = time.perf_counter() - t_start
@@ -144,6 +188,9 @@ class Simulation:
             if progress:
                 progress(record)
             progress_display.round_done(record)
+            if on_checkpoint and every and rnd % every == 0:
+                on_checkpoint(capture(rnd, cfg.model_dump(mode="json"), self.method, self.selector,
+                                      state, records, time.perf_counter() - t_start))
         return state, records, finalize(cfg, self.method, self.data, state, records, t_start)
 
 
@@ -170,7 +217,7 @@ def finish_round(cfg: ExperimentConfig, method: Method, data: FederatedData, sel
         if ev_cfg.track_test:
             ev = method.evaluate(state, data.test, ev_cfg.batch_size)
             record.update({f"test_{k}": v for k, v in _scalars(ev).items()})
-    losses = {m["client"]: m["loss"] for m in record["client_metrics"]}
+    losses = {m["client"]: m["loss"] for m in record["client_metrics"] if m.get("used", True)}
     selector.observe(server_round, losses, record["dev_loss"])
 
 
@@ -183,7 +230,7 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
     key = f"dev_{primary}"
     reached = [r["round"] for r in records
                if target is not None and (r.get(key) or 0) >= target]
-    per_client = [m for r in records for m in r["client_metrics"]]
+    per_client = [m for r in records for m in r["client_metrics"] if m.get("used", True)]
     return {
         "name": cfg.run_name, "method": cfg.method.name, "seed": cfg.seed,
         "task": cfg.task.kind, "primary_metric": primary,
@@ -197,6 +244,9 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
         "peak_rss_mb_max": max((m["peak_rss_mb"] for m in per_client), default=None),
         "activation_mb_max": max((m["activation_mb"] for m in per_client), default=None),
         "excluded_replies": sum(len(r["excluded"]) for r in records),
+        "rejected_replies": sum(r.get("rejected", 0) for r in records),
+        "examples_used": sum(r.get("examples_used", 0) for r in records),
+        "skipped_rounds": sum(1 for r in records if r.get("skipped")),
         "empty_partitions": len(data.report.get("empty_partitions", [])),
         "wall_time_s": wall,
         **_per_class(test, data),

@@ -26,13 +26,31 @@ class UniformSelector:
     def observe(self, server_round: int, client_losses: dict[int, float], global_loss: float | None) -> None:
         """Uniform selection ignores feedback."""
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (the RNG state) so a resumed run draws the same clients."""
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+
+    def unknown(self, candidates: Sequence[int]) -> list[int]:
+        """Candidates whose loss the selector needs and lacks (none: it uses no losses)."""
+        return []
+
+    def observe_probe(self, losses: dict[int, float]) -> None:
+        """Losses of the global model on clients' data, asked for before their first selection."""
+
 
 class LossGapSelector(UniformSelector):
     """Eq. 9 of the heads paper: the K clients with the largest (last local loss - global loss).
 
-    A client never seen has loss +inf, so every client is tried before any is picked twice; ties
-    (e.g. among unseen clients) are broken by the seeded RNG. The global loss is the latest one
-    observed (the server's evaluation loss, else the mean of the clients' reported losses).
+    Cold start (``federation.cold_start``): a client whose loss is unknown has loss +inf, so
+    every client is tried before any is picked twice ('unseen_first': with N clients and K per
+    round the first N/K rounds are uniform sampling without replacement); ties are broken by the
+    seeded RNG. With 'probe' the engine first asks the clients of :meth:`unknown` for the global
+    model's loss on a few of their examples (:meth:`observe_probe`), so Eq. 9 ranks from round 1.
+    The global loss is the latest one observed (the server's evaluation loss, else the mean of
+    the clients' reported losses).
     """
 
     def __init__(self, k: int, seed: int):
@@ -48,6 +66,15 @@ class LossGapSelector(UniformSelector):
         ranked = sorted(shuffled, key=self.gap, reverse=True)  # stable: RNG order breaks ties
         return sorted(ranked[: min(self.k, len(ranked))])
 
+    def unknown(self, candidates: Sequence[int]) -> list[int]:
+        return [int(c) for c in candidates if int(c) not in self.last_loss]
+
+    def observe_probe(self, losses: dict[int, float]) -> None:
+        self.last_loss.update({c: v for c, v in losses.items() if math.isfinite(v)})
+        if losses and not self.global_loss:
+            vals = [v for v in losses.values() if math.isfinite(v)]
+            self.global_loss = float(np.mean(vals)) if vals else 0.0
+
     def observe(self, server_round: int, client_losses: dict[int, float], global_loss: float | None) -> None:
         finite = {c: v for c, v in client_losses.items() if math.isfinite(v)}
         self.last_loss.update(finite)
@@ -55,6 +82,15 @@ class LossGapSelector(UniformSelector):
             self.global_loss = global_loss
         elif finite:
             self.global_loss = float(np.mean(list(finite.values())))
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "last_loss": {str(c): v for c, v in self.last_loss.items()},
+                "global_loss": self.global_loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.last_loss = {int(c): float(v) for c, v in state["last_loss"].items()}
+        self.global_loss = float(state["global_loss"])
 
 
 SELECTORS = {"uniform": UniformSelector, "random": UniformSelector, "loss_gap": LossGapSelector}

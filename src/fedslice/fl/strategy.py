@@ -9,14 +9,19 @@ call the same functions.
 
 from __future__ import annotations
 
-import math
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from fedslice.config import FederationConfig
-from fedslice.slicing.aggregate import fedavg, finite_update
+from fedslice.config import AggregationConfig, FederationConfig
+from fedslice.fl.privacy import Privacy
+from fedslice.fl.validation import check_update
+from fedslice.slicing.aggregate import aggregate_deltas, client_delta
+from fedslice.slicing.robust import clip_update, robust_aggregate
+
+log = logging.getLogger(__name__)
 
 State = dict[str, torch.Tensor]
 
@@ -44,6 +49,8 @@ class RoundResult:
     used: list[int]
     excluded: list[dict[str, Any]]
     skipped: bool = False  # fewer than min_replies valid replies: the state is unchanged
+    rejected: int = 0  # replies that failed validation (part of ``excluded``)
+    metrics: dict[str, Any] = field(default_factory=dict)  # of the aggregation (clipping, DP)
 
 
 class Strategy:
@@ -52,6 +59,11 @@ class Strategy:
     def __init__(self, fed: FederationConfig):
         self.fed = fed
         self.sent: list[int] = []  # clients of the round being trained
+        #: client -> size of its partition, when the server knows it (num_examples is checked)
+        self.client_sizes: dict[int, int] = {}
+        self.rule = AggregationConfig()  # robust rules and clipping (set by the method)
+        self.privacy: Privacy | None = None  # DP-FedAvg (set by the method)
+        self.agg_metrics: dict[str, Any] = {}
 
     # -- configure ---------------------------------------------------------------------------
     def train_config(self, server_round: int) -> dict[str, Any]:
@@ -75,29 +87,71 @@ class Strategy:
         """A client sent a payload did not reply (failed node, refused payload): drop what the
         server assumed it now holds, so its next payload is whole. Default: nothing is assumed."""
 
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Server-side state a resumed run needs (nested JSON with tensors): here the privacy
+        accountant; variants add theirs."""
+        return {"privacy": self.privacy.state_dict()} if self.privacy else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        if self.privacy and "privacy" in state:
+            self.privacy.load_state_dict(state["privacy"])
+
     # -- aggregate ---------------------------------------------------------------------------
-    def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
-        """Why a reply must be excluded, or None. Flower averages NaN silently: we do not."""
-        loss = reply.metrics.get("loss", 0.0)
-        if not math.isfinite(loss):
-            return f"non-finite local loss ({loss})"
-        if reply.num_examples <= 0:
-            return "no training examples"
-        for k, t in reply.arrays.items():
-            if k not in payload.arrays:
-                return f"unexpected tensor {k}"
-            if t.shape != payload.arrays[k].shape:
-                return f"tensor {k} has shape {tuple(t.shape)}, sent {tuple(payload.arrays[k].shape)}"
-        if not finite_update(reply.arrays):
-            return "non-finite values in the update"
+    def expected_update(self, state: State, payload: Payload, reply: Reply) -> dict[str, torch.Tensor]:
+        """The tensors a client may send back (its slice of the trainable state), by name, as
+        it was sent them: the shapes and dtypes a reply must have. Default: the payload."""
+        return payload.arrays
+
+    def absent(self, payload: Payload) -> str | None:
+        """Why a client was not expected to train this round (e.g. it sat out), or None."""
         return None
+
+    def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
+        """Why a reply must be rejected, or None (:mod:`fedslice.fl.validation`). Flower
+        averages NaN silently: we do not."""
+        return check_update(self.expected_update(state, payload, reply), reply.arrays,
+                            reply.num_examples, float(reply.metrics.get("loss", 0.0)),
+                            self.client_sizes.get(payload.config.get("client")))
+
+    def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
+                       replies: dict[int, Reply]) -> tuple[list[State], list]:
+        """Each valid client's update as a full-shape delta and its aggregation weight (a float
+        or per key a tensor; 0 where it holds nothing), in client order. Default: the deltas of
+        the tensors it sent, weighted by its examples (FedAvg)."""
+        clients = sorted(replies)
+        return ([client_delta(state, replies[c].arrays) for c in clients],
+                [float(replies[c].num_examples) for c in clients])
+
+    def mean(self, server_round: int, state: State, deltas: list[State], weights: list) -> State:
+        """The method's weighted mean (the hook variants override: e.g. Eq. 8)."""
+        return aggregate_deltas(state, deltas, weights, eta=self.fed.server_lr)
 
     def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
                   replies: dict[int, Reply]) -> State:
-        """Example-weighted FedAvg of the valid replies (the hook variants override)."""
-        clients = sorted(replies)
-        return fedavg(state, [replies[c].arrays for c in clients],
-                      [replies[c].num_examples for c in clients], eta=self.fed.server_lr)
+        """Clip, then the method's mean, a robust rule or DP-FedAvg (``aggregation``, ``dp``)."""
+        deltas, weights = self.client_updates(server_round, state, payloads, replies)
+        eta, rule = self.fed.server_lr, self.rule
+        self.agg_metrics = {}
+        if self.privacy is not None:
+            new, self.agg_metrics = self.privacy.aggregate(server_round, state, deltas, eta)
+            return new
+        if rule.clip_norm is not None:
+            clipped = [clip_update(d, rule.clip_norm) for d in deltas]
+            deltas = [d for d, _ in clipped]
+            self.agg_metrics["clipped"] = sum(n > rule.clip_norm for _, n in clipped)
+        if rule.rule == "mean":
+            return self.mean(server_round, state, deltas, weights)
+        return robust_aggregate(state, deltas, weights, rule.rule, eta=eta,
+                                trim_fraction=rule.trim_fraction, byzantine=rule.byzantine,
+                                keep=rule.multi_krum_keep,
+                                num_examples=[replies[c].num_examples for c in sorted(replies)])
+
+    def min_valid(self) -> int:
+        """Valid replies a round needs: min_replies, and 2f + 3 for Krum."""
+        krum = self.rule.rule in ("krum", "multi_krum")
+        return max(self.fed.min_replies, 2 * self.rule.byzantine + 3 if krum else 0)
 
     def aggregate_train(self, server_round: int, state: State, payloads: dict[int, Payload],
                         replies: dict[int, Reply]) -> RoundResult:
@@ -106,13 +160,23 @@ class Strategy:
                 self.forget(c)
         valid: dict[int, Reply] = {}
         excluded = []
+        rejected = 0
         for c in sorted(replies):
-            reason = self.check_reply(state, payloads[c], replies[c])
+            reason = self.absent(payloads[c])
+            if reason is None:
+                reason = self.check_reply(state, payloads[c], replies[c])
+                if reason is not None:
+                    rejected += 1
+                    log.warning("round %d: update of client %d rejected: %s", server_round, c, reason)
             if reason is None:
                 valid[c] = replies[c]
             else:
                 excluded.append({"client": c, "reason": reason})
-        if len(valid) < self.fed.min_replies:
-            return RoundResult(state, sorted(valid), excluded, skipped=True)
+        if len(valid) < self.min_valid():
+            if len(valid) >= self.fed.min_replies:
+                log.warning("round %d: %d valid replies, %s needs 2f + 3 = %d: skipped", server_round,
+                            len(valid), self.rule.rule, self.min_valid())
+            return RoundResult(state, sorted(valid), excluded, skipped=True, rejected=rejected)
         new_state = self.aggregate(server_round, state, payloads, valid)
-        return RoundResult(new_state, sorted(valid), excluded)
+        return RoundResult(new_state, sorted(valid), excluded, rejected=rejected,
+                           metrics=dict(self.agg_metrics))

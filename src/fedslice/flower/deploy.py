@@ -93,6 +93,9 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
             f"--nodes {n} but federation.num_clients={cfg.federation.num_clients}: in a deployment "
             f"each SuperNode holds one partition; add --set federation.num_clients={n} (and "
             f"federation.clients_per_round <= {n})")
+    if cfg.federation.selection == "loss_gap" and cfg.federation.cold_start == "probe":
+        raise ConfigError("federation.cold_start='probe' runs in the in-process simulation only "
+                          "(fedslice run); on Flower use 'unseen_first'")
     if simulation is not None:
         _check_ray()
     tmp = workdir is None

@@ -49,8 +49,11 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def run(grid: Grid, settings: RunSettings) -> Path:
-    """Load the experiment, find the SuperNodes, train, write the run folder; return its path."""
+    """Load the experiment, find the SuperNodes, train, write the run folder; return its path.
+    With ``settings.resume`` (run config ``resume``), continue that run from its checkpoint."""
     from fedslice.api import _run_name, save_results, setup
+    from fedslice.checkpoint import (CHECKPOINT, check_same_config, find_resumable,
+                                     read_checkpoint, restore)
     from fedslice.config import load_config
     from fedslice.fl.engine import finalize
     from fedslice.flower.codec import record_to_state, state_to_record
@@ -59,27 +62,45 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     from fedslice.output import RunDir
 
     cfg = load_config(settings.config, settings.overrides)
+    ckpt = staging = None
+    if settings.resume:
+        staging = find_resumable(settings.resume)
+        ckpt = read_checkpoint(staging)
+        check_same_config(ckpt.config, cfg.model_dump(mode="json"), staging)
     method, data = setup(cfg)
     partitions = PartitionMap(cfg.federation.num_clients)
     partitions.discover(grid, settings.connect_timeout)
     out = Path(settings.out_dir or cfg.output.dir)
-    t_start = time.perf_counter()
-    with RunDir.create(out, _run_name(cfg)) as run_dir:
-        run_dir.write_config(cfg.model_dump(mode="json"))
-        run_dir.write_json("partition.json", {k: v for k, v in data.report.items()
-                                              if k != "label_histograms"})
-        if data.label_map():
-            run_dir.write_json("labels.json", data.label_map())
-        adapter = FlowerAdapter(cfg, method, data, partitions, settings.round_timeout)
-        evaluate = _central_evaluation(cfg, method, data, adapter, run_dir.append_metrics)
-        result = adapter.start(grid, state_to_record(method.initial_state()),
-                               num_rounds=cfg.federation.rounds, timeout=settings.round_timeout,
-                               evaluate_fn=evaluate)
+    adapter = FlowerAdapter(cfg, method, data, partitions, settings.round_timeout)
+    if ckpt is None:
+        run_dir = RunDir.create(out, _run_name(cfg))
+        state, t_start = method.initial_state(), time.perf_counter()
+    else:
+        run_dir = RunDir.reopen(staging)
+        run_dir.rewrite_metrics(ckpt.records)
+        state, t_start = restore(ckpt, method, adapter.selector), time.perf_counter() - ckpt.elapsed_s
+        adapter.records, adapter.offset = list(ckpt.records), ckpt.round
+        for c in range(cfg.federation.num_clients):  # a new Flower run: nodes kept nothing
+            method.strategy.forget(c)
+        log.warning("resuming %s after round %d of %d", staging, ckpt.round, cfg.federation.rounds)
+    run_dir.keep_if = CHECKPOINT if cfg.output.checkpoint_every else None
+    with run_dir:
+        if ckpt is None:
+            run_dir.write_config(cfg.model_dump(mode="json"))
+            run_dir.write_json("partition.json", {k: v for k, v in data.report.items()
+                                                  if k != "label_histograms"})
+            if data.label_map():
+                run_dir.write_json("labels.json", data.label_map())
+        evaluate = _central_evaluation(cfg, method, data, adapter, run_dir, t_start)
+        result = adapter.start(grid, state_to_record(state),
+                               num_rounds=cfg.federation.rounds - adapter.offset,
+                               timeout=settings.round_timeout, evaluate_fn=evaluate)
         state = record_to_state(result.arrays)
         summary = finalize(cfg, method, data, state, adapter.records, t_start)
         summary["engine"] = "flower"
-        summary["failed_nodes"] = sum(r["failed_nodes"] for r in adapter.records)
+        summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in adapter.records)
         save_results(run_dir, cfg, method, state, summary)
+        (run_dir.path / CHECKPOINT).unlink(missing_ok=True)
     path = run_dir.final_path
     if cfg.output.plots:
         from fedslice.report import plot_run
@@ -89,18 +110,28 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     return path
 
 
-def _central_evaluation(cfg, method, data, adapter, on_round):
-    """Flower's ``evaluate_fn``: the dev metrics after the rounds ``fedslice run`` evaluates, and the
-    round's finished record to ``on_round`` (metrics.jsonl)."""
+def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float):
+    """Flower's ``evaluate_fn``: the dev metrics after the rounds ``fedslice run`` evaluates, the
+    round's finished record to metrics.jsonl, and a checkpoint every
+    ``output.checkpoint_every`` rounds."""
+    from fedslice.checkpoint import capture, write_checkpoint
     from fedslice.fl.engine import finish_round
     from fedslice.flower.codec import record_to_state
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if server_round == 0:
             return None  # fedslice run does not evaluate the initial state
+        server_round += adapter.offset
         record = adapter.records[-1]
-        finish_round(cfg, method, data, adapter.selector, server_round, record_to_state(arrays), record)
-        on_round(record)
+        state = record_to_state(arrays)
+        finish_round(cfg, method, data, adapter.selector, server_round, state, record)
+        record["elapsed_s"] = time.perf_counter() - t_start
+        run_dir.append_metrics(record)
+        every = cfg.output.checkpoint_every
+        if every and server_round % every == 0:
+            write_checkpoint(run_dir.path, capture(server_round, cfg.model_dump(mode="json"), method,
+                                                   adapter.selector, state, adapter.records,
+                                                   time.perf_counter() - t_start))
         primary = method.task.primary_metric
         value = record[f"dev_{primary}"]
         log.info("round %d: train loss %s, dev %s %s", server_round, record["train_loss"], primary,

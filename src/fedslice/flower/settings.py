@@ -6,7 +6,9 @@
 - ``out-dir``: parent folder of the run folder (default: the config's ``output.dir``);
 - ``result-file``: if set, the ServerApp writes the run folder's path there;
 - ``round-timeout``: seconds to wait for the replies of a round (a missing reply is a failure);
-- ``connect-timeout``: seconds to wait at the start for the SuperNode of every partition.
+- ``connect-timeout``: seconds to wait at the start for the SuperNode of every partition;
+- ``resume``: a run folder to continue from its checkpoint (``output.checkpoint_every``), like
+  ``fedslice run --resume``; the config must be the checkpoint's.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
     "result-file": "",
     "round-timeout": 600.0,
     "connect-timeout": 120.0,
+    "resume": "",
 }
 
 
@@ -38,6 +41,7 @@ class RunSettings:
     result_file: Path | None
     round_timeout: float
     connect_timeout: float
+    resume: Path | None = None
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunSettings:
@@ -52,4 +56,5 @@ class RunSettings:
                    out_dir=str(rc["out-dir"]) or None,
                    result_file=Path(str(rc["result-file"])) if rc["result-file"] else None,
                    round_timeout=float(rc["round-timeout"]),
-                   connect_timeout=float(rc["connect-timeout"]))
+                   connect_timeout=float(rc["connect-timeout"]),
+                   resume=Path(str(rc["resume"])).expanduser() if rc["resume"] else None)

@@ -24,6 +24,7 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedslice.config import ExperimentConfig
 from fedslice.fl.engine import FederatedData, round_record
+from fedslice.errors import ConfigError
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Payload, Reply, State
 from fedslice.fl.strategy import Strategy as FedsliceStrategy
@@ -61,9 +62,14 @@ class FlowerAdapter(FlowerStrategy):
         self.round_timeout = round_timeout
         self.selector = make_selector(cfg.federation.selection, cfg.federation.clients_per_round,
                                       cfg.seed)
+        if cfg.federation.selection == "loss_gap" and cfg.federation.cold_start == "probe":
+            raise ConfigError("federation.cold_start='probe' runs in the in-process simulation "
+                              "only (fedslice run); on Flower use 'unseen_first'")
         self.experiment = cfg.model_dump(mode="json")
         self.records: list[dict[str, Any]] = []
         self._round: _Round | None = None
+        self.inner.client_sizes = {c: len(p) for c, p in enumerate(data.partitions)}
+        self.offset = 0  # rounds done before this start (a resumed run): Flower counts from 1
 
     def candidates(self, grid: Grid) -> list[int]:
         """Clients with a connected SuperNode and a non-empty partition, in id order."""
@@ -73,6 +79,7 @@ class FlowerAdapter(FlowerStrategy):
     # -- train -----------------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        server_round += self.offset
         state = record_to_state(arrays)
         clients = self.selector.select(server_round, self.candidates(grid))
         payloads = self.inner.configure_train(server_round, state, clients)
@@ -108,6 +115,7 @@ class FlowerAdapter(FlowerStrategy):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        server_round += self.offset
         sent, self._round = self._round, None
         assert sent is not None and sent.number == server_round, "aggregate without configure"
         received, failures = self._collect(sent, replies)

@@ -20,13 +20,16 @@ import torch.nn as nn
 
 from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError
-from fedslice.data.batching import TokenizedSplit
+from fedslice.data.batching import TokenizedSplit, iter_batches
+from fedslice.data.partition import sample_rows
 from fedslice import measure
 from fedslice.fl.client import LocalResult, train_local
+from fedslice.fl.privacy import Privacy
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.tasks import Task
+from fedslice.tasks.base import batch_examples
 
 
 Role = Literal["both", "client"]
@@ -57,6 +60,11 @@ class Method:
         self.dims = loaded.arch.dims(loaded.model.config)
         self.model = self.prepare_model(loaded.model)
         self.strategy = self.make_strategy()
+        self.strategy.rule = cfg.aggregation
+        if cfg.dp.enabled and role != "client":
+            fed = cfg.federation
+            self.strategy.privacy = Privacy(cfg.dp, fed.clients_per_round, fed.num_clients,
+                                            fed.rounds, cfg.seed)
 
     # -- construction hooks ------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -142,6 +150,23 @@ class Method:
         ``max_generations`` prompts)."""
         return self.task.evaluate(self.eval_model(state), data, batch_size, max_generations)
 
+    @torch.no_grad()
+    def probe_loss(self, state: State, data: TokenizedSplit, max_examples: int,
+                   seed: int) -> tuple[float, float]:
+        """The global model's mean task loss on (a seeded sample of) a client's data and its
+        measured FLOPs: the cold-start probe of loss-gap selection (forward only)."""
+        if max_examples < len(data):
+            data = data.subset(sample_rows(len(data), max_examples, seed))
+        model = self.eval_model(state)
+        was_training = model.training
+        model.eval()
+        total = 0.0
+        with measure.count_flops() as fc:
+            for batch in iter_batches(data, range(len(data)), 32, shuffle=False, generator=None):
+                total += float(self.task.loss(model, batch)) * batch_examples(batch)
+        model.train(was_training)
+        return total / max(len(data), 1), float(fc.total)
+
     # -- server work between rounds ----------------------------------------------------------
     def on_round_end(self, server_round: int, state: State,
                      replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
@@ -149,6 +174,14 @@ class Method:
         global state for the next round and metrics merged into the round record. ``replies``
         are the valid replies used in the aggregation. Default: nothing."""
         return state, {}
+
+    def server_state(self) -> dict[str, Any]:
+        """Method state a resumed run needs beyond the global state and the strategy's (e.g.
+        FedPFT's distillation logs), as nested JSON with tensors. Default: none."""
+        return {}
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`server_state`."""
 
     # -- after training ----------------------------------------------------------------------
     def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],

@@ -47,7 +47,7 @@ from fedslice.methods.submodel import (Corpus, cached_distill, named_params, sub
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import apply_lora
-from fedslice.slicing.aggregate import aggregate_deltas, client_delta
+from fedslice.slicing.aggregate import client_delta
 from fedslice.slicing.spec import SliceSpec, extract_model, extract_state, scatter
 
 log = logging.getLogger(__name__)
@@ -127,14 +127,24 @@ class SubModelStrategy(Strategy):
     def forget(self, client: int) -> None:
         self.holders.discard(client)
 
-    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
-                  replies: dict[int, Reply]) -> State:
+    def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
+        return {k: t for k, t in payload.arrays.items() if not k.startswith(FROZEN_PREFIX)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "holders": sorted(self.holders)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.holders = {int(c) for c in state["holders"]}
+
+    def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
+                       replies: dict[int, Reply]) -> tuple[list[State], list]:
         deltas, weights = [], []
         for c in sorted(replies):
             full, masks = scatter(replies[c].arrays, self.spec, self.arch, self.shapes)
             deltas.append(client_delta(state, full))
             weights.append({k: replies[c].num_examples * m for k, m in masks.items()})
-        return aggregate_deltas(state, deltas, weights, eta=self.fed.server_lr)
+        return deltas, weights
 
 
 # --------------------------------------------------------------------------------------------

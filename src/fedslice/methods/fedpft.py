@@ -181,6 +181,15 @@ class FedPFTStrategy(Strategy):
         """A client that did not reply (failed node, stale copy) gets the whole proxy next time."""
         self.client_version.pop(client, None)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "updates": [{str(l): m for l, m in u.items()} for u in self.updates],
+                "client_version": {str(c): v for c, v in self.client_version.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.updates = [{int(l): m.clone() for l, m in u.items()} for u in state["updates"]]
+        self.client_version = {int(c): int(v) for c, v in state["client_version"].items()}
+
     def neuron_update(self, state: State, updates: list[dict[int, torch.Tensor]]) -> State:
         """The re-distilled neurons of ``updates`` (their union), sliced from the proxy tensors."""
         out: State = {}
@@ -199,6 +208,11 @@ class FedPFTStrategy(Strategy):
     def proxy_changed(self, update: dict[int, torch.Tensor]) -> None:
         """Record a re-alignment: ``update[layer]`` = bool mask of the re-distilled neurons."""
         self.updates.append({l: m.clone() for l, m in update.items()})
+
+    def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
+        """LoRA + classifier: not the proxy tensors or neuron updates the payload carried."""
+        return {k: t for k, t in payload.arrays.items()
+                if k not in self.proxy_keys and not k.startswith(UPDATE_PREFIX)}
 
     def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
         model, apoz = split_report(reply.arrays)
@@ -396,9 +410,18 @@ class FedPFT(Method):
         n = int(sum(int(m.sum()) for m in update.values()))
         self.align_logs.append(lg)
         rec = {"round": server_round, "neurons": n, **lg.summary("align"),
-               "apoz_mean": {l: float(a.mean()) for l, a in apoz.items()}}
+               "apoz_mean": {str(l): float(a.mean()) for l, a in apoz.items()}}
         self.align_records.append(rec)
         return new_state, {"align_neurons": n, **lg.summary("align")}
+
+    def server_state(self) -> dict[str, Any]:
+        return {"align_logs": [lg.to_dict() for lg in self.align_logs],
+                "align_records": self.align_records, "held_version": self.held_version}
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        self.align_logs = [DistillLog.from_dict(d) for d in state["align_logs"]]
+        self.align_records = list(state["align_records"])
+        self.held_version = state["held_version"]
 
     def _neuron_kd(self, update: dict[int, torch.Tensor], seed: int) -> DistillLog:
         """Re-distil the selected neurons (W1 rows, b1, W2 columns); everything else fixed."""

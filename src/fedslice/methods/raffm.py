@@ -20,6 +20,7 @@ that permutations and slices are pure functions over it; the shared model is a s
 from __future__ import annotations
 
 import logging
+import re
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,7 +40,6 @@ from fedslice.methods.base import Method, Role
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import apply_lora
-from fedslice.slicing.aggregate import aggregate_deltas
 from fedslice.slicing.permute import Permutation, permute_state, unpermute_state
 from fedslice.slicing.planner import (Budget, Plan, Planner, assign_budgets, measure_training_step,
                                       profile_batch, width_candidates)
@@ -61,9 +61,12 @@ class RaFFMStrategy(Strategy):
     permutation of the global state (relative to the checkpoint's order)."""
 
     def __init__(self, fed: FederationConfig, opts: RaFFMMethod, arch: ArchSpec,
-                 dims: Mapping[str, int], plans: dict[int, ClientPlan], lora_scale: float | None):
+                 dims: Mapping[str, int], plans: dict[int, ClientPlan], lora_scale: float | None,
+                 trainable: set[str] | None = None):
         super().__init__(fed)
         self.opts, self.arch, self.dims, self.plans = opts, arch, dims, plans
+        #: trainable tensor names with the layer index replaced by '#' (None: every tensor)
+        self.trainable = None if trainable is None else {_generic(k) for k in trainable}
         self.lora_scale = lora_scale
         self.perm = Permutation.identity(dims)
 
@@ -75,6 +78,15 @@ class RaFFMStrategy(Strategy):
         self.perm = self.perm.then(rel)
         return permute_state(state, rel, self.arch)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "perm": {"heads": [list(h) for h in self.perm.heads],
+                         "neurons": [list(f) for f in self.perm.neurons]}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        p = state["perm"]
+        self.perm = Permutation.from_orders(p["heads"], p["neurons"], self.dims["head_dim"])
+
     # -- configure ---------------------------------------------------------------------------
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
         cp = self.plans[client]
@@ -84,10 +96,16 @@ class RaFFMStrategy(Strategy):
         return Payload(arrays=extract_state(state, cp.plan.spec, self.arch),
                        config={**cfg, "spec": cp.plan.spec.to_dict()})
 
-    def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
+    def absent(self, payload: Payload) -> str | None:
         if payload.config.get("sit_out"):
             return f"sat out: {payload.config['sit_out']}"
-        return super().check_reply(state, payload, reply)
+        return None
+
+    def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
+        """The trainable tensors of the client's slice (the frozen slices are sent, not returned)."""
+        if self.trainable is None:
+            return payload.arrays
+        return {k: t for k, t in payload.arrays.items() if _generic(k) in self.trainable}
 
     # -- aggregate ---------------------------------------------------------------------------
     def size_factor(self, client: int) -> float:
@@ -95,9 +113,10 @@ class RaFFMStrategy(Strategy):
         p = self.opts.size_weight
         return 1.0 if p == 0 else self.plans[client].plan.cost.flops_ratio ** p
 
-    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
-                  replies: dict[int, Reply]) -> State:
-        """Slice aggregation: scatter each client's delta into full shape with a held-mask weight."""
+    def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
+                       replies: dict[int, Reply]) -> tuple[list[State], list]:
+        """Slice aggregation: each client's delta scattered into full shape, weighted by its
+        examples (x f^p) times its held-mask."""
         shapes = {k: t.shape for k, t in state.items()}
         deltas, weights = [], []
         for c in sorted(replies):
@@ -108,7 +127,11 @@ class RaFFMStrategy(Strategy):
             deltas.append(full)
             w = float(reply.num_examples) * self.size_factor(c)
             weights.append({k: w * m for k, m in masks.items()})
-        new = aggregate_deltas(state, deltas, weights, eta=self.fed.server_lr)
+        return deltas, weights
+
+    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
+                  replies: dict[int, Reply]) -> State:
+        new = super().aggregate(server_round, state, payloads, replies)
         every = self.opts.reorder_every
         if self.opts.reorder and every and server_round % every == 0:
             new = self.reorder(new)
@@ -144,7 +167,7 @@ class RaFFM(Method):
         plans = {c: ClientPlan(tier, b, self.planner.plan(b)) for c, (tier, b) in enumerate(budgets)}
         self._check_feasible(plans)
         lora_scale = self.cfg.lora.alpha / self.cfg.lora.r if opts.tuning == "lora" else None
-        return RaFFMStrategy(fed, opts, self.arch, self.dims, plans, lora_scale)
+        return RaFFMStrategy(fed, opts, self.arch, self.dims, plans, lora_scale, set(self.trainable()))
 
     def _check_feasible(self, plans: dict[int, ClientPlan]) -> None:
         out: dict[str, list[int]] = defaultdict(list)
@@ -307,6 +330,11 @@ class RaFFM(Method):
                 "sat_out_replies": sum(1 for m in per_client if m.get("sat_out")),
                 "memory_mb_mean": _mean([m.get("memory_mb") for m in per_client if not m.get("sat_out")]),
                 "permutation_applied": not self.strategy.perm.is_identity}
+
+
+def _generic(name: str) -> str:
+    """A tensor name without its layer index (a sub-model with fewer layers renumbers them)."""
+    return re.sub(r"\.\d+\.", ".#.", name)
 
 
 def _mean(vals):

@@ -97,6 +97,7 @@ class ArchSpec:
     # sets them per layer (HF reads the head count off the weights' shapes at forward time).
     heads_attr: str | None = "num_attention_heads"
     heads_width_attr: str | None = "all_head_size"
+    inputs: Literal["text", "image"] = "text"  # what the model reads (image: pixel_values)
 
     # -- the single-stack view (first stack, self-attention) ---------------------------------
     @property
@@ -264,7 +265,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                     {**_BERT_PARTS, "q": "attention.attention.query",
                      "k": "attention.attention.key", "v": "attention.attention.value"},
                     ("classifier",), "vit.embeddings", "num_hidden_layers",
-                    "num_attention_heads", "hidden_size", "intermediate_size"),
+                    "num_attention_heads", "hidden_size", "intermediate_size", inputs="image"),
     # LLaMA family (SmolLM2, LLaMA 2/3, Qwen2, Mistral shapes): GQA, SwiGLU, RMSNorm, RoPE.
     "llama": ArchSpec(
         "llama", "decoder",

@@ -207,6 +207,15 @@ def aggregate_heads(global_state: Mapping[str, torch.Tensor], updates: Sequence[
     over the clients that kept head h (``fedavg``). A head that no client kept is unchanged.
     Every other tensor: Eq. 5 over the clients that sent it (eps = 0).
     """
+    deltas, weights = head_deltas(global_state, updates, arch, dims, mode)
+    return combine_heads(global_state, deltas, weights, arch, dims, eta=eta, eps=eps)
+
+
+def head_deltas(global_state: Mapping[str, torch.Tensor], updates: Sequence[HeadUpdate], arch,
+                dims: Mapping[str, int], mode: Literal["head_weighted", "fedavg"]
+                ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor | float]]]:
+    """Each client's update scattered to full shape (zeros where not held) and its per-element
+    weights (α on head-tied rows/columns, or |D_c| x held-mask)."""
     if mode == "head_weighted" and any(u.alpha is None for u in updates):
         raise ValueError("head_weighted aggregation needs every client's importance alpha")
     shapes = {k: t.shape for k, t in global_state.items()}
@@ -219,6 +228,13 @@ def aggregate_heads(global_state: Mapping[str, torch.Tensor], updates: Sequence[
         full, masks = scatter(delta, spec, arch, shapes)
         deltas.append(full)
         weights.append(head_client_weights(u, full, masks, axes, dims["head_dim"], mode))
+    return deltas, weights
+
+
+def combine_heads(global_state: Mapping[str, torch.Tensor], deltas, weights, arch,
+                  dims: Mapping[str, int], *, eta: float = 1.0, eps: float = 1e-8) -> dict[str, torch.Tensor]:
+    """Eq. 8 (eps) on the head-tied tensors, Eq. 5 (no eps) on the others."""
+    axes = head_axes(global_state, arch, dims["num_layers"])
     tied = {k: t for k, t in global_state.items() if k in axes}
     rest = {k: t for k, t in global_state.items() if k not in axes}
     new = aggregate_deltas(tied, deltas, weights, eta=eta, eps=eps)

@@ -26,6 +26,10 @@ from fedslice.tasks.label_words import LabelWordClassification
 
 def make_task(cfg: ExperimentConfig, arch: ArchSpec) -> Task:
     t = cfg.task
+    if arch.inputs != "text":
+        raise ConfigError(f"model.name: a {arch.model_type} model reads {arch.inputs}s; the task "
+                          "layer has text tasks only (classification, generation), so no method "
+                          f"runs on {arch.model_type} yet")
     if t.kind == "classification" and t.label_words is None:
         if "sequence_classification" not in arch.heads:
             raise ConfigError(f"task: a {arch.model_type} model classifies text-to-text here: set "

@@ -1,0 +1,267 @@
+"""Checkpoints of a running experiment, written kill-safe, and the checks for resuming one.
+
+A checkpoint is one file, ``checkpoint.safetensors`` in the (staging) run folder, holding:
+
+- ``state/<key>``: the global state after round ``round``;
+- ``meta``: a JSON document (as a uint8 tensor) with the round, the resolved config and its hash,
+  the metrics records so far, the elapsed time, the RNG states and the server-side state of the
+  strategy, the method and the selector (nested JSON whose tensors are stored beside it as
+  ``t/<n>`` and referenced by ``{"__tensor__": "t/<n>"}``).
+
+It is written like NVFlare persists: the bytes go to a temporary file in the same folder, which is
+fsync'ed, renamed over the previous checkpoint with :func:`os.replace` (atomic on POSIX) and the
+folder fsync'ed. A process killed at any point leaves either the previous checkpoint or the new
+one, never a torn file; a stale ``.checkpoint.safetensors.tmp-*`` is ignored and removed by the
+next write.
+
+Resuming restores everything a round depends on, so the rest of the run is bit-identical to an
+uninterrupted one; a config that differs from the checkpoint's (outside ``output``, which does not
+change the result) is refused, naming the fields.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedslice.errors import ConfigError, FedsliceError
+
+CHECKPOINT = "checkpoint.safetensors"
+FORMAT = 1
+#: Config sections that do not change what a run computes (may differ on resume).
+NEUTRAL_SECTIONS = ("output",)
+_CHUNK = 1 << 20
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass
+class Checkpoint:
+    round: int
+    config: dict[str, Any]
+    state: State
+    server: dict[str, Any]  # {"strategy": ..., "method": ..., "selector": ...}
+    rng: dict[str, Any]
+    records: list[dict[str, Any]]
+    elapsed_s: float
+
+
+# --------------------------------------------------------------------------------------------
+# Config identity
+# --------------------------------------------------------------------------------------------
+
+def result_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config (``model_dump(mode="json")``) that determines the results."""
+    return {k: v for k, v in config.items() if k not in NEUTRAL_SECTIONS}
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    text = json.dumps(result_config(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: d}
+
+
+def config_diff(saved: dict[str, Any], given: dict[str, Any]) -> list[str]:
+    """``field: checkpoint value -> given value`` for every result-relevant field that differs."""
+    a, b = _flatten(result_config(saved)), _flatten(result_config(given))
+    missing = object()
+    return [f"{k}: {a.get(k, missing)!r} in the checkpoint, {b.get(k, missing)!r} now".replace(
+            repr(missing), "<absent>")
+            for k in sorted(set(a) | set(b)) if a.get(k, missing) != b.get(k, missing)]
+
+
+def check_same_config(saved: dict[str, Any], given: dict[str, Any], where: Path) -> None:
+    diff = config_diff(saved, given)
+    if diff:
+        raise ConfigError(f"cannot resume {where}: the config differs from the checkpoint's in "
+                          f"{len(diff)} field(s):\n  " + "\n  ".join(diff))
+
+
+# --------------------------------------------------------------------------------------------
+# Nested JSON with tensors
+# --------------------------------------------------------------------------------------------
+
+def _pack(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        name = f"t/{len(tensors)}"
+        tensors[name] = obj.detach().cpu().contiguous().clone()
+        return {"__tensor__": name}
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": _pack(torch.from_numpy(np.ascontiguousarray(obj)), tensors),
+                "dtype": str(obj.dtype)}
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise TypeError(f"checkpoint state keys must be strings, got {list(obj)[:3]}")
+        return {k: _pack(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_pack(v, tensors) for v in obj]
+    if isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return obj.item()
+    return obj
+
+
+def _unpack(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"__tensor__"}:
+            return tensors[obj["__tensor__"]]
+        if set(obj) == {"__ndarray__", "dtype"}:
+            return _unpack(obj["__ndarray__"], tensors).numpy().astype(obj["dtype"])
+        return {k: _unpack(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unpack(v, tensors) for v in obj]
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# RNG states
+# --------------------------------------------------------------------------------------------
+
+def capture_rng() -> dict[str, Any]:
+    """The process-wide RNG states (torch, numpy's legacy global, Python's)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "numpy": {"kind": kind, "keys": keys.astype(np.int64), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "gauss": float(gauss)},
+            "python": random.getstate()}
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    n = rng["numpy"]
+    np.random.set_state((n["kind"], np.asarray(n["keys"]).astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["gauss"]))
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+# --------------------------------------------------------------------------------------------
+# Writing and reading
+# --------------------------------------------------------------------------------------------
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """``data`` to ``path``: temporary file, fsync, rename over ``path``, fsync the folder."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        stale.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view[:_CHUNK])
+            view = view[written:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_checkpoint(folder: Path, ckpt: Checkpoint) -> Path:
+    from safetensors.torch import save
+
+    tensors: dict[str, torch.Tensor] = {}
+    meta = {"format": FORMAT, "round": ckpt.round, "config": ckpt.config,
+            "config_hash": config_hash(ckpt.config), "records": ckpt.records,
+            "elapsed_s": ckpt.elapsed_s, "state_keys": list(ckpt.state),
+            "server": _pack(ckpt.server, tensors), "rng": _pack(ckpt.rng, tensors)}
+    from fedslice.output import dumps_json
+    text = dumps_json(meta, indent=None).encode()
+    for k, t in ckpt.state.items():
+        tensors[f"state/{k}"] = t.detach().cpu().contiguous().clone()
+    tensors["meta"] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    path = Path(folder) / CHECKPOINT
+    write_bytes_atomic(path, save(tensors, metadata={"fedslice": "checkpoint"}))
+    return path
+
+
+def read_checkpoint(folder: Path) -> Checkpoint:
+    """The checkpoint of a run folder; a missing or unreadable one is a :class:`FedsliceError`."""
+    from safetensors.torch import load
+
+    path = Path(folder) / CHECKPOINT
+    if not path.is_file():
+        raise FedsliceError(f"{folder} has no checkpoint ({CHECKPOINT}): was the run started "
+                            "with output.checkpoint_every > 0?")
+    try:
+        tensors = load(path.read_bytes())
+        meta = json.loads(bytes(tensors.pop("meta").numpy()).decode())
+    except Exception as e:  # a file that is not ours / damaged on disk
+        raise FedsliceError(f"{path} cannot be read: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise FedsliceError(f"{path}: checkpoint format {meta.get('format')} (expected {FORMAT})")
+    if meta["config_hash"] != config_hash(meta["config"]):
+        raise FedsliceError(f"{path}: the config hash does not match the saved config")
+    state = {k: tensors[f"state/{k}"] for k in meta["state_keys"]}
+    return Checkpoint(round=meta["round"], config=meta["config"], state=state,
+                      server=_unpack(meta["server"], tensors), rng=_unpack(meta["rng"], tensors),
+                      records=meta["records"], elapsed_s=meta["elapsed_s"])
+
+
+# --------------------------------------------------------------------------------------------
+# Capturing and restoring a run (duck-typed: method, its strategy, the selector)
+# --------------------------------------------------------------------------------------------
+
+def capture(server_round: int, config: dict[str, Any], method, selector, state: State,
+            records: list[dict[str, Any]], elapsed_s: float) -> Checkpoint:
+    server = {"strategy": method.strategy.state_dict(), "method": method.server_state(),
+              "selector": selector.state_dict()}
+    return Checkpoint(server_round, config, dict(state), server, capture_rng(),
+                      [json.loads(json.dumps(r, default=str)) for r in records], elapsed_s)
+
+
+def restore(ckpt: Checkpoint, method, selector) -> State:
+    """Put the server-side state and the RNGs of ``ckpt`` back; return the global state."""
+    method.strategy.load_state_dict(ckpt.server["strategy"])
+    method.load_server_state(ckpt.server["method"])
+    selector.load_state_dict(ckpt.server["selector"])
+    restore_rng(ckpt.rng)
+    state = {k: t.clone() for k, t in ckpt.state.items()}
+    # the shared model holds the global state, as after the round (FedPFT's simulated clients
+    # patch the proxy they hold with the re-distilled neurons only)
+    method.eval_model(state)
+    return state
+
+
+def find_resumable(path: Path) -> Path:
+    """The staging folder to resume: ``path`` itself, or the unfinished run of that name."""
+    path = Path(path)
+    if path.is_dir() and (path / CHECKPOINT).is_file():
+        if (path / "summary.json").is_file():
+            raise FedsliceError(f"{path} is a finished run: nothing to resume")
+        return path
+    partial = sorted((p for p in path.parent.glob(f".{path.name}.partial-*")
+                      if (p / CHECKPOINT).is_file()), key=lambda p: p.stat().st_mtime)
+    if partial:
+        return partial[-1]
+    if path.is_dir() and (path / "summary.json").is_file():
+        raise FedsliceError(f"{path} is a finished run: nothing to resume")
+    raise FedsliceError(f"no checkpoint to resume in {path} (nor an unfinished run of that name)")

@@ -1,0 +1,95 @@
+"""Parameter pruning: a model whose forward pass is the full model's, of which only some slices train.
+
+The heads paper (§3.1) prunes *parameters*: "the trainable parameters of a pruned head are neither
+trained nor sent" -- the frozen head still runs in the forward pass. :func:`partial_model` builds
+that model from a :class:`~fedslice.slicing.spec.SliceSpec` that keeps every layer:
+
+* a head-tied trainable tensor (q/k/v LoRA ``B`` rows, o LoRA ``A`` columns: the axis a
+  :class:`~fedslice.slicing.spec.KeyInfo` reports) becomes a :class:`PartialLinear`: its kept
+  slice is a trainable parameter (same name and shape as :func:`extract_state` gives), the pruned
+  slice a frozen buffer, both in the forward pass;
+* in a layer that keeps no head every trainable attention tensor (q/k/v/o, also the ones that mix
+  heads) is frozen: that layer's attention trains nothing and sends nothing;
+* every other module is the same object as in ``model``.
+
+The saved work is the pruned slices' weight gradients and optimizer state (and, in a headless
+layer, the attention LoRA's): forward FLOPs are those of the full model. Compare
+:func:`fedslice.slicing.spec.extract_model` (the pruned heads leave the forward pass).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fedslice.models.arch import ArchSpec
+from fedslice.slicing.spec import HEAD_PARTS, SliceSpec, _clone, _rebuild, key_info
+
+
+class PartialLinear(nn.Linear):
+    """A bias-free linear map (a LoRA ``A`` or ``B``) of which only the rows (``axis=0``, outputs)
+    or columns (``axis=1``, inputs) ``idx`` train; the others are a frozen buffer.
+
+    ``weight`` is the kept slice, in the order of ``idx``; the output equals that of the original
+    ``(out, in)`` matrix. Only the kept slice gets a weight gradient.
+    """
+
+    def __init__(self, lin: nn.Linear, idx: torch.Tensor, axis: int):
+        nn.Module.__init__(self)
+        if lin.bias is not None:
+            raise NotImplementedError("PartialLinear handles bias-free linears (LoRA A/B) only")
+        w = lin.weight.detach()                                           # (out, in)
+        rest = torch.ones(w.shape[axis], dtype=torch.bool)
+        rest[idx] = False
+        rest = torch.nonzero(rest).flatten()
+        self.in_features, self.out_features, self.axis = lin.in_features, lin.out_features, axis
+        self.weight = nn.Parameter(w.index_select(axis, idx).clone(), requires_grad=lin.weight.requires_grad)
+        self.bias = None
+        self.register_buffer("frozen", w.index_select(axis, rest).clone(), persistent=False)
+        self.register_buffer("idx", idx.clone(), persistent=False)
+        self.register_buffer("rest", rest, persistent=False)
+        # [kept | rest] order -> original order (output rows)
+        self.register_buffer("inverse", torch.argsort(torch.cat([idx, rest])), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.axis == 0:
+            y = torch.cat([F.linear(x, self.weight), F.linear(x, self.frozen)], -1)  # (..., out) permuted
+            return y.index_select(-1, self.inverse)                                # (..., out)
+        return (F.linear(x.index_select(-1, self.idx), self.weight)              # (..., out)
+                + F.linear(x.index_select(-1, self.rest), self.frozen))
+
+
+def _frozen(module: nn.Module) -> nn.Module:
+    """A copy of a (bias-free or not) linear sharing its tensors, with no trainable parameter."""
+    new = _clone(module)
+    for name, p in module._parameters.items():
+        if p is not None:
+            new._parameters[name] = nn.Parameter(p.detach(), requires_grad=False)
+    return new
+
+
+def partial_model(model: nn.Module, spec: SliceSpec, arch: ArchSpec) -> nn.Module:
+    """``model`` (HF or peft-wrapped) with the trainable tensors of the heads ``spec`` prunes frozen.
+
+    ``spec`` keeps every layer in order (a keep-mask, :func:`fedslice.slicing.heads.mask_spec`).
+    The trainable parameters of the result have the names and shapes of
+    :func:`~fedslice.slicing.spec.extract_state` on ``model``'s trainable state, less the attention
+    tensors of headless layers; its outputs equal ``model``'s.
+    """
+    if spec.layers != tuple(range(spec.num_layers)):
+        raise ValueError("parameter pruning keeps every layer (a head keep-mask)")
+    modules = dict(model.named_modules())
+    replace: dict[str, nn.Module] = {}
+    for name, p in model.named_parameters():
+        info = key_info(arch, name)
+        if not p.requires_grad or info is None or info.part not in HEAD_PARTS:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        if spec.no_heads(info.layer):
+            replace[owner] = _frozen(modules[owner])
+        elif info.axis is not None and not spec.is_identity(info.layer, "heads"):
+            if leaf != "weight":
+                raise NotImplementedError(f"cannot freeze part of {name}: only LoRA weights")
+            replace[owner] = PartialLinear(modules[owner], spec.index(info.layer, "heads"), info.axis)
+    return _rebuild(model, "", replace, {}, {})
