@@ -172,7 +172,21 @@ def make_plan(cfg: ExperimentConfig, *, timing: bool = True) -> Plan:
                 label_names=task.label_names, num_labels=k or 0, client_sizes=sizes,
                 model=str(path), total_params=0, rounds=cfg.federation.rounds,
                 clients_per_round=cfg.federation.clients_per_round, mean_tokens=mean_tokens)
-    _method_sizes(cfg, plan, loaded, task, sizes)
+    try:
+        _method_sizes(cfg, plan, loaded, task, sizes)
+    except _NeedsValues as e:
+        # e.g. raffm's planner reads values (.item()): random weights have the same shapes, and
+        # what each client's budget buys depends on shapes only
+        random = _model(config, cfg, task.head, k, meta=False)
+        ensure_pad_token(tokenizer, random)
+        try:
+            _method_sizes(cfg, plan, LoadedModel(model=random, tokenizer=tokenizer, arch=arch,
+                                                 head=task.head), task, sizes)
+            plan.notes.append(f"{cfg.method.name}: sizes measured on randomly initialised weights "
+                              "(the shapes of the real ones)")
+        except _NeedsValues:
+            plan.notes.append(f"{cfg.method.name}: sizes per client need the model's weights "
+                              f"({e}); they are measured in the run")
     plan.steps_per_client = {c: _steps(cfg, n) for c, n in enumerate(sizes) if n}
     if timing:
         plan.step_seconds = _time_step(config, cfg, task, data, k, tokenizer)
@@ -202,7 +216,9 @@ def _method_sizes(cfg: ExperimentConfig, plan: Plan, loaded: LoadedModel, task,
             plan.submodel_params.clear()
     except FedsliceError:
         raise
-    except Exception as e:  # noqa: BLE001 - a method whose set-up needs real weights
-        plan.notes.append(f"{cfg.method.name}: sizes per client need the model's weights "
-                          f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                          "they are measured in the run")
+    except Exception as e:  # noqa: BLE001 - a method whose set-up needs tensor values
+        raise _NeedsValues(f"{type(e).__name__}: {str(e).splitlines()[0][:120]}") from e
+
+
+class _NeedsValues(Exception):
+    """Building the method read tensor values, which a weightless (meta) model does not have."""
