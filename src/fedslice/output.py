@@ -331,14 +331,9 @@ class RunDir:
 
     def abort(self) -> None:
         """Delete the staging folder; nothing of the run is left."""
-        if self._state != "open":
-            return
-        try:
-            self._close()
-        except OSError:
-            pass
-        shutil.rmtree(self.staging_path, ignore_errors=True)
-        self._state = "aborted"
+        if self._close_quietly():
+            shutil.rmtree(self.staging_path, ignore_errors=True)
+            self._state = "aborted"
 
     def __enter__(self) -> RunDir:
         return self
@@ -354,13 +349,18 @@ class RunDir:
 
     def keep(self) -> None:
         """Close the files and leave the staging folder (it holds a checkpoint to resume)."""
+        if self._close_quietly():
+            self._state = "kept"
+
+    def _close_quietly(self) -> bool:
+        """Close the open files of an open run (errors ignored); False if it is not open."""
         if self._state != "open":
-            return
+            return False
         try:
             self._close()
         except OSError:
             pass
-        self._state = "kept"
+        return True
 
     def __del__(self) -> None:
         f = getattr(self, "_metrics_file", None)

@@ -23,7 +23,7 @@ from fedslice.errors import FedsliceError
 from fedslice.fl.engine import FederatedData, prepare_data
 from fedslice.methods import METHODS, build_method
 from fedslice.models.arch import Head, arch_for
-from fedslice.models.loading import LoadedModel, ensure_pad_token, load_config
+from fedslice.models.loading import AUTO_CLASSES, LoadedModel, ensure_pad_token, load_config
 from fedslice.tasks import make_task
 
 
@@ -115,9 +115,7 @@ def _model(config, cfg: ExperimentConfig, head: Head, num_labels: int | None, *,
 
     if num_labels is not None:
         config.num_labels = num_labels
-    auto = getattr(transformers, {"sequence_classification": "AutoModelForSequenceClassification",
-                                  "causal_lm": "AutoModelForCausalLM",
-                                  "seq2seq_lm": "AutoModelForSeq2SeqLM"}[head])
+    auto = getattr(transformers, AUTO_CLASSES[head])
     with torch.device("meta") if meta else torch.device("cpu"):
         return auto.from_config(config, attn_implementation=cfg.model.attn_implementation)
 

