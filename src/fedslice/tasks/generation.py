@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from fedslice.data.loading import load_tables
+from fedslice.data.loading import drop_incomplete, load_tables
 from fedslice.errors import ConfigError
 import fedslice.tasks.lm as lm
 from fedslice.tasks.base import seeded_choice
@@ -40,7 +40,17 @@ class Generation(TextToText):
         need += [(f, "task.target") for f in template_fields(t.target or "{output}")]
         if t.preset == "alpaca":
             need += [("instruction", "task.preset"), ("output", "task.preset")]
-        return load_tables(self.cfg.data, self.cfg.seed, required=list(dict.fromkeys(need)))
+        need = list(dict.fromkeys(need))
+        d = self.cfg.data
+        tables = load_tables(d, self.cfg.seed, required=[])
+        for name, table in tables.items():
+            missing = [(c, f) for c, f in need if c not in table.columns]
+            if missing:  # the config names columns the data lacks: a config error
+                raise ConfigError(f"{', '.join(sorted({f for _, f in missing}))}: column(s) "
+                                  f"{[c for c, _ in missing]} not in {table.source} (columns: "
+                                  f"{list(table.columns)})")
+            tables[name], _ = drop_incomplete(table, need, skip=d.bad_rows == "skip")
+        return tables
 
     def encode(self, raw, loaded):
         self.bind(loaded)
