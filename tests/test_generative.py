@@ -252,8 +252,9 @@ def test_label_missing_from_label_words_names_the_row(tmp_path, tiny_lm_dirs):
 
 
 def test_unsupported_pairs_fail_at_config_load(tiny_gen_cfg_dict, tiny_lm_dirs, tiny_model_dir, tiny_data_dir):
-    cfg = dict(tiny_gen_cfg_dict, method={"name": "raffm"})
-    with pytest.raises(ConfigError, match="method 'raffm'.*llama generation.*fedavg or fedpetuning"):
+    cfg = dict(tiny_gen_cfg_dict, model={"name": str(tiny_lm_dirs["t5"])},
+               method={"name": "raffm", "elastic_depth": True})
+    with pytest.raises(ConfigError, match="method.elastic_depth.*t5 has 2 stack"):
         setup(validate_config(cfg))
     enc = dict(tiny_gen_cfg_dict, model={"name": str(tiny_model_dir)})
     with pytest.raises(ConfigError, match="needs a generative model.*bert encoder"):

@@ -150,7 +150,7 @@ class Heads(FedPETuning):
         """Fail early, naming the problem: no separable heads, no head-tied LoRA tensor, a
         sparsity that keeps no head, no eager attention for the importance scores."""
         d = self.dims
-        if not all(p in self.arch.parts for p in HEAD_PARTS) or d["hidden"] != d["num_heads"] * d["head_dim"]:
+        if not all(p in self.arch.parts for p in ("q", "k", "v", "o")) or d["hidden"] != d["num_heads"] * d["head_dim"]:
             raise ModelError(f"method heads needs separable attention heads (q/k/v/o projections "
                              f"of num_heads x head_dim); {self.arch.model_type} with hidden "
                              f"{d['hidden']} and {d['num_heads']} heads has none")

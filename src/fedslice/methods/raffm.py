@@ -43,8 +43,9 @@ from fedslice.peft import apply_lora
 from fedslice.slicing.permute import Permutation, permute_state, unpermute_state
 from fedslice.slicing.planner import (Budget, Plan, Planner, assign_budgets, measure_training_step,
                                       profile_batch, width_candidates)
-from fedslice.slicing.salience import salience, salience_order
-from fedslice.slicing.spec import SliceSpec, extract_model, extract_state, scatter, sliceable_keys
+from fedslice.slicing.salience import model_salience, salience_order
+from fedslice.slicing.spec import (Spec, extract_model, extract_state, scatter, sliceable_keys,
+                                   spec_from_dict, spec_sizes, stack_list)
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,8 @@ class RaFFMStrategy(Strategy):
     permutation of the global state (relative to the checkpoint's order)."""
 
     def __init__(self, fed: FederationConfig, opts: RaFFMMethod, arch: ArchSpec,
-                 dims: Mapping[str, int], plans: dict[int, ClientPlan], lora_scale: float | None,
-                 trainable: set[str] | None = None):
+                 dims: list[Mapping[str, int]], plans: dict[int, ClientPlan],
+                 lora_scale: float | None, trainable: set[str] | None = None):
         super().__init__(fed)
         self.opts, self.arch, self.dims, self.plans = opts, arch, dims, plans
         #: trainable tensor names with the layer index replaced by '#' (None: every tensor)
@@ -73,19 +74,17 @@ class RaFFMStrategy(Strategy):
     # -- ordering ----------------------------------------------------------------------------
     def reorder(self, state: State) -> State:
         """Salience-order heads and neurons of ``state``; tracks the cumulative permutation."""
-        sal = salience(state, self.arch, self.dims, self.opts.salience, self.lora_scale)
-        rel = salience_order(sal, self.dims["head_dim"])
+        sal = model_salience(state, self.arch, self.dims, self.opts.salience, self.lora_scale)
+        rel = salience_order(sal, self.dims, self.arch)
         self.perm = self.perm.then(rel)
         return permute_state(state, rel, self.arch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "perm": {"heads": [list(h) for h in self.perm.heads],
-                         "neurons": [list(f) for f in self.perm.neurons]}}
+        return {**super().state_dict(), "perm": self.perm.to_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        p = state["perm"]
-        self.perm = Permutation.from_orders(p["heads"], p["neurons"], self.dims["head_dim"])
+        self.perm = Permutation.from_dict(state["perm"])
 
     # -- configure ---------------------------------------------------------------------------
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
@@ -121,7 +120,7 @@ class RaFFMStrategy(Strategy):
         deltas, weights = [], []
         for c in sorted(replies):
             sent, reply = payloads[c], replies[c]
-            spec = SliceSpec.from_dict(sent.config["spec"])
+            spec = spec_from_dict(sent.config["spec"])
             delta = {k: t.float() - sent.arrays[k].float() for k, t in reply.arrays.items()}
             full, masks = scatter(delta, spec, self.arch, shapes)
             deltas.append(full)
@@ -140,12 +139,18 @@ class RaFFMStrategy(Strategy):
 
 class RaFFM(Method):
     name = "raffm"
-    needs_simple_encoder = True
+
+    @classmethod
+    def check_supported(cls, arch: ArchSpec, task: Task) -> None:
+        if task.cfg.method.elastic_depth and (len(arch.stacks) > 1 or arch.head_bias):
+            raise ConfigError(f"method.elastic_depth: dropping layers is for one-stack models "
+                              f"without a shared position-bias table; {arch.model_type} has "
+                              f"{len(arch.stacks)} stack(s): set it to false")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both"):
         self.opts: RaFFMMethod = cfg.method
-        self._submodels: dict[SliceSpec, nn.Module] = {}
+        self._submodels: dict[Spec, nn.Module] = {}
         super().__init__(cfg, loaded, task, role)
 
     # -- construction ------------------------------------------------------------------------
@@ -158,16 +163,20 @@ class RaFFM(Method):
 
     def make_strategy(self) -> Strategy:
         opts, fed = self.opts, self.cfg.federation
+        self.all_dims = self.arch.all_dims(self.model.config)
         self.profile = profile_batch(self.model.config.vocab_size,
                                      opts.profile_batch_size or fed.batch_size,
-                                     opts.profile_seq_len or self.cfg.data.max_length, self.cfg.seed)
-        self.planner = Planner(width_candidates(self.dims, opts.width_steps, opts.elastic_depth),
-                               lambda spec: measure_training_step(self.submodel(spec), self.profile))
+                                     opts.profile_seq_len or self.cfg.data.max_length, self.cfg.seed,
+                                     self.task.head)
+        self.planner = Planner(width_candidates(self.all_dims, opts.width_steps, opts.elastic_depth),
+                               lambda spec: measure_training_step(self.submodel(spec), self.profile,
+                                                                  loss_fn=self.task.loss))
         budgets = assign_budgets(opts.tiers, opts.budget_distribution, fed.num_clients, self.cfg.seed)
         plans = {c: ClientPlan(tier, b, self.planner.plan(b)) for c, (tier, b) in enumerate(budgets)}
         self._check_feasible(plans)
         lora_scale = self.cfg.lora.alpha / self.cfg.lora.r if opts.tuning == "lora" else None
-        return RaFFMStrategy(fed, opts, self.arch, self.dims, plans, lora_scale, set(self.trainable()))
+        return RaFFMStrategy(fed, opts, self.arch, self.all_dims, plans, lora_scale,
+                             set(self.trainable()))
 
     def _check_feasible(self, plans: dict[int, ClientPlan]) -> None:
         out: dict[str, list[int]] = defaultdict(list)
@@ -188,7 +197,7 @@ class RaFFM(Method):
             log.warning("raffm: these clients sit out: %s", line)
 
     # -- sub-models --------------------------------------------------------------------------
-    def submodel(self, spec: SliceSpec) -> nn.Module:
+    def submodel(self, spec: Spec) -> nn.Module:
         """The sub-model of ``spec`` (built once per spec: it shares every unsliced module with the
         full model and holds its own sliced tensors; clients load their payload into it)."""
         if spec not in self._submodels:
@@ -203,7 +212,7 @@ class RaFFM(Method):
     def initial_state(self) -> State:
         params = dict(self.model.named_parameters())
         state = {n: params[n].detach().clone() for n in self.state_keys()}
-        self.strategy.perm = Permutation.identity(self.dims)
+        self.strategy.perm = Permutation.identity(self.all_dims)
         return self.strategy.reorder(state) if self.opts.reorder else state
 
     @staticmethod
@@ -216,7 +225,7 @@ class RaFFM(Method):
 
     # -- client ------------------------------------------------------------------------------
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
-        model = self.submodel(SliceSpec.from_dict(payload.config["spec"]))
+        model = self.submodel(spec_from_dict(payload.config["spec"]))
         params = self._load(model, payload.arrays)
         return model, {n: p for n, p in params.items() if p.requires_grad}
 
@@ -235,7 +244,7 @@ class RaFFM(Method):
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
         m = super().client_metrics(model, params, payload, arrays, result)
-        spec = SliceSpec.from_dict(payload.config["spec"])
+        spec = spec_from_dict(payload.config["spec"])
         trained = {k: t for k, t in payload.arrays.items() if k in params}
         frozen = {k: t for k, t in payload.arrays.items() if k not in params}
         model_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
@@ -247,25 +256,27 @@ class RaFFM(Method):
             "flops_analytic": self._analytic_flops(spec, model, result),
             "flops_ratio_planned": self.planner.cost(spec).flops_ratio,
             "model_mb": model_bytes / 2**20, "memory_mb": model_bytes / 2**20 + result.activation_mb,
-            "heads_mean": float(np.mean([len(h) for h in spec.heads])),
-            "ffn_mean": float(np.mean([len(f) for f in spec.neurons])), "layers": len(spec.layers),
+            **spec_sizes(spec),
         })
         return m
 
-    def _analytic_flops(self, spec: SliceSpec, model: nn.Module, result: LocalResult) -> float:
+    def _analytic_flops(self, spec: Spec, model: nn.Module, result: LocalResult) -> float:
         """:func:`measure.analytic_train_flops` of the sub-model: its linears are counted from the
         model; the attention term uses each kept layer's attention width, not the hidden size."""
         counts = measure.linear_param_counts(model)
         d, T = self.dims["hidden"], result.tokens
         s = T / max(result.examples, 1)
+        specs = [x for x in stack_list(spec) if x is not None]
         base = measure.analytic_train_flops(
-            num_layers=len(spec.layers), hidden=d, ffn=self.dims["ffn"], num_heads=self.dims["num_heads"],
-            tokens=T, seq_len=s, trainable_linear_params=counts["trainable"],
-            total_linear_params=counts["total"], examples=result.examples,
-            head_linear_params=counts["head_total"], head_trainable_linear_params=counts["head_trainable"])
-        widths = [len(h) * spec.head_dim for h in spec.heads]
+            num_layers=sum(len(x.layers) for x in specs), hidden=d, ffn=self.dims["ffn"],
+            num_heads=self.dims["num_heads"], tokens=T, seq_len=s,
+            trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
+            examples=result.examples, head_linear_params=counts["head_total"],
+            head_trainable_linear_params=counts["head_trainable"])
+        widths = [len(h) * x.head_dim for x in specs for h in x.heads]
         attn_excess = 12.0 * s * T * sum(d - w for w in widths)  # 4 forward + 8 backward
-        first_qkv = 6.0 * d * (d - widths[0]) * T if spec.layers[0] == 0 else 0.0
+        first = specs[0]
+        first_qkv = 6.0 * d * (d - len(first.heads[0]) * first.head_dim) * T if first.layers[0] == 0 else 0.0
         return base["total"] - attn_excess + first_qkv
 
     # -- server evaluation -------------------------------------------------------------------
@@ -278,7 +289,8 @@ class RaFFM(Method):
         return unpermute_state(state, self.strategy.perm, self.arch)
 
     def elastic(self, state: State, data, batch_size: int) -> list[dict[str, Any]]:
-        """Accuracy of the global model at every ``elastic_sizes`` FLOPs fraction."""
+        """The primary metric (accuracy, ROUGE-L) of the global model at every ``elastic_sizes``
+        FLOPs fraction."""
         out = []
         for size in sorted(set(self.opts.elastic_sizes) | {1.0}):
             plan = self.planner.plan(Budget(flops=size))
@@ -293,10 +305,12 @@ class RaFFM(Method):
                 model(**rows)
             res = {"dev": self.task.evaluate(model, data.dev, batch_size),
                    "test": self.task.evaluate(model, data.test, batch_size)}
+            metric = self.task.primary_metric
             out.append({"size": size, **plan.spec.describe(), "params": plan.cost.params,
                         "train_flops_ratio": plan.cost.flops_ratio,
                         "forward_gflops_per_example": fc.total / 1e9 / len(rows["input_ids"]),
-                        "dev_accuracy": res["dev"]["accuracy"], "test_accuracy": res["test"]["accuracy"]})
+                        "metric": metric, f"dev_{metric}": res["dev"][metric],
+                        f"test_{metric}": res["test"][metric]})
         full = next((e for e in out if e["size"] == 1.0), None)
         for e in out:
             if full and "forward_gflops_per_example" in e:

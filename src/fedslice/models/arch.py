@@ -98,6 +98,9 @@ class ArchSpec:
     heads_attr: str | None = "num_attention_heads"
     heads_width_attr: str | None = "all_head_size"
     inputs: Literal["text", "image"] = "text"  # what the model reads (image: pixel_values)
+    # a table with one column per self-attention head, in the first block of each stack and read
+    # by every layer of it (T5's relative-position bias): sliced and permuted with the heads
+    head_bias: str | None = None
 
     # -- the single-stack view (first stack, self-attention) ---------------------------------
     @property
@@ -142,7 +145,12 @@ class ArchSpec:
         head_dim = getattr(config, self.head_dim_attr, None) if self.head_dim_attr else None
         ffn = getattr(config, s.ffn_attr, None) or 4 * d  # GPT-2: n_inner None means 4 d
         return {"num_layers": getattr(config, s.num_layers_attr), "num_heads": h,
-                "num_kv_heads": kv or h, "hidden": d, "ffn": ffn, "head_dim": head_dim or d // h}
+                "num_kv_heads": kv or h, "hidden": d, "ffn": ffn, "head_dim": head_dim or d // h,
+                "families": len(s.attention)}
+
+    def all_dims(self, config) -> list[dict[str, int]]:
+        """:meth:`dims` of every stack."""
+        return [self.dims(config, k) for k in range(len(self.stacks))]
 
     def num_layers(self, config) -> int:
         """Blocks over all stacks."""
@@ -191,6 +199,11 @@ class ArchSpec:
         return list(names)
 
 
+def module_at(root: nn.Module, path: str) -> nn.Module:
+    """The submodule of ``root`` at a dotted ``path`` (list items by number)."""
+    return _get(root, path)
+
+
 def _get(root: nn.Module, path: str) -> nn.Module:
     mod = root
     for attr in path.split("."):
@@ -235,7 +248,8 @@ def _t5(gated: bool) -> ArchSpec:
                 "num_decoder_layers", "num_heads", "d_ff")
     return ArchSpec("t5", "encoder-decoder", (enc, dec), ("seq2seq_lm",), (), "shared", "d_model",
                     head_dim_attr="d_kv", position="relative_bias", heads_attr="n_heads",
-                    heads_width_attr="inner_dim")
+                    heads_width_attr="inner_dim",
+                    head_bias="layer.0.SelfAttention.relative_attention_bias")
 
 
 def _bart_attention(family: Literal["self", "cross"], module: str) -> Attention:
@@ -282,7 +296,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                                              activation="gelu_new"),
                "n_layer", "n_head", "n_inner"),),
         ("causal_lm", "sequence_classification"), ("score",), "transformer.wte", "n_embd",
-        weight_layout="conv1d", heads_attr="num_heads", heads_width_attr="embed_dim"),
+        weight_layout="conv1d", heads_attr="num_heads", heads_width_attr="split_size"),
     "t5": _t5(gated=False),
     "bart": ArchSpec(
         "bart", "encoder-decoder",

@@ -1,83 +1,117 @@
 """Function-preserving permutations of heads and FFN neurons, tracked for un-permuting on export.
 
-A :class:`Permutation` gives, per layer, the original index held at each new position, for heads
-and for FFN neurons. Applying it moves every tensor that a head or neuron touches (q/k/v rows,
-weights + biases + LoRA ``B``; o columns + LoRA ``A``; ffn_in rows + bias; ffn_out columns), so
-the model computes the same function: attention is a sum over heads and the FFN a sum over
-neurons, and both sums are order-free.
+A :class:`Permutation` gives, per stack and layer, the original index held at each new position,
+for self-attention heads, cross-attention heads and FFN neurons. Applying it moves every tensor
+that a head or neuron touches (q/k/v rows, weights + biases + LoRA ``B``, inside each section of
+a fused q|k|v; o columns + LoRA ``A``; gate and ffn_in rows + bias; ffn_out columns; T5's
+relative-bias columns), so the model computes the same function: attention is a sum over heads
+and the FFN a sum over neurons, and both sums are order-free. Two constraints keep it so:
 
-It is a full-size :class:`~fedslice.slicing.spec.SliceSpec` whose index lists are permutations,
+* grouped-query attention: query heads move within their key/value group and groups move
+  together (the heads order is group-blocked; the key/value heads follow the groups' order);
+* T5 reads one relative-bias table in every layer of a stack: every layer of a T5 stack gets the
+  same head order (checked by :func:`~fedslice.slicing.spec.stack_specs`).
+
+It is a full-size :class:`~fedslice.slicing.spec.ModelSlice` whose index lists are permutations,
 so permuting is :func:`~fedslice.slicing.spec.extract_state` (one code path for both).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 
 from fedslice.models.arch import ArchSpec
-from fedslice.slicing.spec import SliceSpec, State, extract_state
+from fedslice.slicing.spec import ModelSlice, SliceSpec, State, extract_state
+
+
+def _orders(spec: SliceSpec) -> dict[str, tuple]:
+    return {"heads": spec.heads, "neurons": spec.neurons, "cross": spec.cross}
 
 
 @dataclass(frozen=True)
 class Permutation:
-    """Per layer: ``heads[l][p]`` / ``neurons[l][p]`` = the original index now at position p."""
+    """Per stack, a full-size :class:`SliceSpec` whose ``heads[l][p]`` / ``cross[l][p]`` /
+    ``neurons[l][p]`` is the original index now at position p of layer l."""
 
-    heads: tuple[tuple[int, ...], ...]
-    neurons: tuple[tuple[int, ...], ...]
-    head_dim: int
+    stacks: tuple[SliceSpec, ...]
 
+    def __post_init__(self):
+        for k, s in enumerate(self.stacks):
+            if s.layers != tuple(range(s.num_layers)):
+                raise ValueError(f"stack {k}: a permutation keeps every layer")
+            for name, orders in _orders(s).items():
+                n = s.ffn if name == "neurons" else s.num_heads
+                for l, order in enumerate(orders or ()):
+                    if sorted(order) != list(range(n)):
+                        raise ValueError(f"stack {k} layer {l}: {name} order {order} is not a permutation")
+            g = s.queries_per_kv
+            for l, order in enumerate(s.heads):
+                if any(order[p] // g != order[p - p % g] // g for p in range(len(order))):
+                    raise ValueError(f"stack {k} layer {l}: heads order {order} moves query heads "
+                                     f"out of their key/value group of {g}")
+
+    # -- constructors ----------------------------------------------------------------------
     @classmethod
-    def identity(cls, dims: Mapping[str, int]) -> Permutation:
-        return cls(tuple(tuple(range(dims["num_heads"])) for _ in range(dims["num_layers"])),
-                   tuple(tuple(range(dims["ffn"])) for _ in range(dims["num_layers"])), dims["head_dim"])
+    def identity(cls, dims: Mapping[str, int] | Sequence[Mapping[str, int]]) -> Permutation:
+        dims = [dims] if isinstance(dims, Mapping) else list(dims)
+        return cls(tuple(SliceSpec.full(d) for d in dims))
 
     @classmethod
     def from_orders(cls, heads: Sequence[Sequence[int]], neurons: Sequence[Sequence[int]],
-                    head_dim: int) -> Permutation:
-        perm = cls(tuple(tuple(int(x) for x in h) for h in heads),
-                   tuple(tuple(int(x) for x in f) for f in neurons), head_dim)
-        for name, orders in (("heads", perm.heads), ("neurons", perm.neurons)):
-            for l, order in enumerate(orders):
-                if sorted(order) != list(range(len(order))):
-                    raise ValueError(f"layer {l}: {name} order {order} is not a permutation")
-        return perm
+                    head_dim: int, num_kv_heads: int = 0,
+                    cross: Sequence[Sequence[int]] | None = None) -> Permutation:
+        """A one-stack permutation from per-layer head and neuron orders."""
+        def tup(orders):
+            return tuple(tuple(int(x) for x in o) for o in orders)
+        n = len(heads)
+        spec = SliceSpec(tuple(range(n)), tup(heads), tup(neurons), n, len(heads[0]), head_dim,
+                         len(neurons[0]), num_kv_heads, None if cross is None else tup(cross))
+        return cls((spec,))
 
+    # -- algebra ---------------------------------------------------------------------------
     @property
     def is_identity(self) -> bool:
-        return all(h == tuple(range(len(h))) for h in self.heads) and \
-            all(f == tuple(range(len(f))) for f in self.neurons)
+        return all(s.is_full for s in self.stacks)
 
-    def as_spec(self) -> SliceSpec:
-        n = len(self.heads)
-        return SliceSpec(tuple(range(n)), self.heads, self.neurons, n, len(self.heads[0]),
-                         self.head_dim, len(self.neurons[0]))
+    def as_spec(self) -> ModelSlice:
+        return ModelSlice(self.stacks)
+
+    def _map(self, other: Permutation | None, fn) -> Permutation:
+        out = []
+        for k, s in enumerate(self.stacks):
+            o = _orders(other.stacks[k]) if other is not None else None
+            new = {}
+            for name, orders in _orders(s).items():
+                if orders is None:
+                    new[name] = None
+                else:
+                    new[name] = tuple(fn(a, o[name][l] if o else None) for l, a in enumerate(orders))
+            out.append(replace(s, **new))
+        return Permutation(tuple(out))
 
     def then(self, rel: Permutation) -> Permutation:
         """Apply ``self`` first, then ``rel`` (relative to the order ``self`` produced)."""
-        return Permutation(tuple(tuple(a[i] for i in b) for a, b in zip(self.heads, rel.heads)),
-                           tuple(tuple(a[i] for i in b) for a, b in zip(self.neurons, rel.neurons)),
-                           self.head_dim)
+        return self._map(rel, lambda a, b: tuple(a[i] for i in b))
 
     def inverse(self) -> Permutation:
-        def inv(order):
+        def inv(order, _):
             out = [0] * len(order)
             for p, i in enumerate(order):
                 out[i] = p
             return tuple(out)
-        return Permutation(tuple(inv(h) for h in self.heads), tuple(inv(f) for f in self.neurons),
-                           self.head_dim)
+        return self._map(None, inv)
 
+    # -- JSON --------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"heads": [list(h) for h in self.heads], "neurons": [list(f) for f in self.neurons],
-                "head_dim": self.head_dim}
+        return {"stacks": [s.to_dict() for s in self.stacks]}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Permutation:
-        return cls.from_orders(d["heads"], d["neurons"], d["head_dim"])
+        return cls(tuple(SliceSpec.from_dict(s) for s in d["stacks"]))
 
 
 def permute_state(state: Mapping[str, torch.Tensor], perm: Permutation, arch: ArchSpec) -> State:

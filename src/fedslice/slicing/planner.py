@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from fedslice.measure import PeakMemory, count_flops
-from fedslice.slicing.spec import SliceSpec
+from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec, stack_list
 
 _MIB = float(1 << 20)
 
@@ -54,7 +54,7 @@ class SpecCost:
 
 @dataclass(frozen=True)
 class Plan:
-    spec: SliceSpec | None
+    spec: Spec | None
     cost: SpecCost | None
     reason: str | None = None  # why there is no spec
 
@@ -73,28 +73,57 @@ def _linear_params(dims: Mapping[str, int], spec: SliceSpec) -> int:
     return sum(4 * d * len(h) * spec.head_dim + 2 * d * len(f) for h, f in zip(spec.heads, spec.neurons))
 
 
-def width_candidates(dims: Mapping[str, int], steps: int, depth: bool = False) -> list[SliceSpec]:
-    """Leading-slice specs, smallest first (by encoder linear parameters); the last is the full model."""
+def _size(dims: Sequence[Mapping[str, int]], spec: Spec) -> int:
+    return sum(_linear_params(d, s) for d, s in zip(dims, stack_list(spec)) if s is not None)
+
+
+def width_candidates(dims: Mapping[str, int] | Sequence[Mapping[str, int]], steps: int,
+                     depth: bool = False) -> list[Spec]:
+    """Leading-slice specs, smallest first (by linear parameters); the last is the full model.
+
+    One stack's ``dims``: :class:`SliceSpec` s (``depth``: also fewer layers); every stack's
+    (an encoder-decoder): :class:`ModelSlice` s of the same width in every stack."""
+    if not isinstance(dims, Mapping) and len(dims) == 1:
+        dims = dims[0]
+    if not isinstance(dims, Mapping):
+        if depth:
+            raise ValueError("depth candidates are for one-stack models")
+        specs = {ModelSlice.leading(dims, j / steps): None for j in range(1, steps + 1)}
+        return sorted(specs, key=lambda s: _size(dims, s))
     H, F, L = dims["num_heads"], dims["ffn"], dims["num_layers"]
-    specs: dict[SliceSpec, None] = {}
+    out: dict[SliceSpec, None] = {}
     for keep in (range(1, L + 1) if depth else [L]):
         layers = depth_layers(L, keep)
         for j in range(1, steps + 1):
             w = j / steps
-            specs[SliceSpec.leading(dims, max(1, round(w * H)), max(1, round(w * F)), layers)] = None
-    return sorted(specs, key=lambda s: (_linear_params(dims, s), len(s.layers)))
+            out[SliceSpec.leading(dims, max(1, round(w * H)), max(1, round(w * F)), layers)] = None
+    return sorted(out, key=lambda s: (_linear_params(dims, s), len(s.layers)))
 
 
-def profile_batch(vocab_size: int, batch_size: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A synthetic training batch of the given shape (costs depend on shapes, not on tokens)."""
+def profile_batch(vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
+                  head: str = "sequence_classification") -> dict[str, torch.Tensor]:
+    """A synthetic training batch of the given shape (costs depend on shapes, not on tokens):
+    class labels (``sequence_classification``), the second half of every row as the target
+    (``causal_lm``), or a decoder half as long as the input (``seq2seq_lm``)."""
     g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(0, vocab_size, (batch_size, seq_len), generator=g),
-            "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
-            "labels": torch.zeros(batch_size, dtype=torch.long)}
+    ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long)}
+    if head == "sequence_classification":
+        batch["labels"] = torch.zeros(batch_size, dtype=torch.long)
+    elif head == "causal_lm":
+        labels = ids.clone()
+        labels[:, : seq_len // 2] = -100
+        batch["labels"] = labels
+    else:
+        dec = torch.randint(0, vocab_size, (batch_size, max(1, seq_len // 2)), generator=g)
+        batch.update(decoder_input_ids=dec, labels=dec.clone())
+    return batch
 
 
 def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
-                          measure_rows: int | None = 2) -> tuple[float, float, int, int]:
+                          measure_rows: int | None = 2,
+                          loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None
+                          ) -> tuple[float, float, int, int]:
     """(FLOPs, memory MiB, params, trainable params) of one training step of ``model`` on ``batch``.
 
     Memory = every parameter + gradient and two AdamW moments per trainable parameter + the peak
@@ -102,7 +131,8 @@ def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
     ``measure_rows`` rows of the batch and its FLOPs and saved-activation bytes are scaled to the
     whole batch: every matmul and every saved activation of an encoder is linear in the batch
     dimension, and the measurement is then ~16x cheaper (``None``: run the whole batch). The
-    RNG state and train/eval mode are restored and the gradients left as None.
+    RNG state and train/eval mode are restored and the gradients left as None. ``loss_fn``
+    (a task's loss: e.g. logits at target positions only) replaces ``model(**batch).loss``.
     """
     rows = len(batch["input_ids"])
     if measure_rows is not None and measure_rows < rows:
@@ -121,7 +151,8 @@ def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
     try:
         with torch.random.fork_rng(), torch.enable_grad():
             with PeakMemory(model, interval_s=1.0) as mem, count_flops() as fc:
-                model(**batch).loss.backward()
+                loss = loss_fn(model, dict(batch)) if loss_fn else model(**batch).loss
+                loss.backward()
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
@@ -132,13 +163,13 @@ def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
 class Planner:
     """Largest candidate whose measured cost fits a budget; measurements are cached per spec."""
 
-    def __init__(self, candidates: Sequence[SliceSpec],
-                 measure: Callable[[SliceSpec], tuple[float, float, int, int]]):
+    def __init__(self, candidates: Sequence[Spec],
+                 measure: Callable[[Spec], tuple[float, float, int, int]]):
         if not candidates:
             raise ValueError("the planner needs at least one candidate")
         self.candidates = list(candidates)
         self._measure = measure
-        self._costs: dict[SliceSpec, SpecCost] = {}
+        self._costs: dict[Spec, SpecCost] = {}
         self._full_flops: float | None = None
         self._plans: dict[Budget, Plan] = {}
 
@@ -148,7 +179,7 @@ class Planner:
             self._full_flops = self._measure(self.candidates[-1])[0]
         return self._full_flops
 
-    def cost(self, spec: SliceSpec) -> SpecCost:
+    def cost(self, spec: Spec) -> SpecCost:
         if spec not in self._costs:
             flops, mem, params, train = self._measure(spec)
             self._costs[spec] = SpecCost(params, train, flops, flops / self.full_flops, mem)

@@ -1,76 +1,147 @@
-"""L1 / L2 salience of attention heads and FFN neurons, per layer, from a state dict.
+"""L1 / L2 salience of attention heads and FFN neurons, per stack and layer, from a state dict.
 
-Head h of a layer is the group of rows ``h*head_dim:(h+1)*head_dim`` of W_q, W_k, W_v and the same
-columns of W_o; its salience is the norm of that whole group (L1: sum of |w|; L2: sqrt of the sum
-of w^2). FFN neuron j is row j of W_in and column j of W_out. Biases are not counted.
+Query head h of an attention family is the group of rows ``h*head_dim:(h+1)*head_dim`` of W_q
+and the same columns of W_o, plus its key/value rows: its own rows of W_k and W_v, or under
+grouped-query attention a ``1/g`` share of its group's (g query heads per key/value head), so a
+group's salience is the sum of its query heads'. A fused q|k|v (GPT-2) is split into its three
+sections first. Salience is the norm of that whole group (L1: sum of |w|; L2: sqrt of the sum of
+w^2). FFN neuron j is row j of W_in (and of the gate of a gated FFN) and column j of W_out.
+Biases are not counted. With LoRA in the state, the effective weight ``W + scale * B @ A`` is
+scored (``lora_scale`` = alpha / r); without it, the base weight.
 
-With LoRA in the state, the effective weight ``W + scale * B @ A`` is scored (``lora_scale``
-= alpha / r); without it, the base weight.
+:func:`salience_order` turns salience into a function-preserving :class:`Permutation`: under
+grouped-query attention groups are ordered by salience and query heads within their group; T5
+stacks (one relative-bias table for every layer) get one head order per stack, by salience
+summed over the layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fedslice.models.arch import ArchSpec
 from fedslice.slicing.permute import Permutation
-from fedslice.slicing.spec import key_info
+from fedslice.slicing.spec import SliceSpec, key_info, kv_groups
 
 
 @dataclass
 class LayerSalience:
-    heads: torch.Tensor  # (H,)
+    heads: torch.Tensor  # (H,) self-attention query heads
     neurons: torch.Tensor  # (F,)
+    cross: torch.Tensor | None = None  # (H,) cross-attention heads of a decoder block
 
 
-def part_weights(state: Mapping[str, torch.Tensor], arch: ArchSpec,
-                 lora_scale: float | None = None) -> dict[tuple[int, str], torch.Tensor]:
-    """(layer, part) -> the effective (out, in) weight of that part, float32."""
-    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+def part_weights(state: Mapping[str, torch.Tensor], arch: ArchSpec, lora_scale: float | None = None
+                 ) -> dict[tuple[int, int, str, int], torch.Tensor]:
+    """(stack, layer, part, family) -> the effective (out, in) weight of that part, float32."""
+    found: dict[tuple, dict[str, torch.Tensor]] = {}
     for key, t in state.items():
         info = key_info(arch, key)
-        if info is None or info.part is None:
+        if info is None or info.part is None or info.part == "bias":
             continue
-        leaf = info.rest[len(arch.parts[info.part]) + 1:]
+        leaf = info.leaf
         slot = "A" if "lora_A" in leaf else "B" if "lora_B" in leaf else \
             "W" if leaf.rsplit(".", 1)[-1] == "weight" else None
         if slot is not None:
-            found.setdefault((info.layer, info.part), {})[slot] = t.float()
+            found.setdefault((info.stack, info.layer, info.part, info.family), {})[slot] = t.float()
     out = {}
     for where, w in found.items():
         if "W" not in w:
-            raise KeyError(f"no weight for layer {where[0]} part {where[1]} in the state")
-        out[where] = w["W"]
+            raise KeyError(f"no weight for stack {where[0]} layer {where[1]} part {where[2]} in the state")
+        W = w["W"].T if arch.weight_layout == "conv1d" else w["W"]  # (out, in)
         if "A" in w and "B" in w and lora_scale:
-            out[where] = w["W"] + lora_scale * (w["B"] @ w["A"])
+            W = W + lora_scale * (w["B"] @ w["A"])
+        out[where] = W
     return out
+
+
+def _head_scores(W, k: int, l: int, f: int, dims: Mapping[str, int], elem) -> torch.Tensor:
+    """(H,) summed element norms of every query head of one attention family (see module doc)."""
+    H, hd = dims["num_heads"], dims["head_dim"]
+    if (k, l, "qkv", f) in W:
+        q, kk, v = W[k, l, "qkv", f].split(H * hd)  # (H*hd, in) each
+    else:
+        q, kk, v = (W[k, l, p, f] for p in ("q", "k", "v"))
+    g = H // (kv_groups(dims) or H) if f == 0 else 1
+    own = elem(q).sum(1) + elem(W[k, l, "o", f]).sum(0)  # (H*hd,)
+    kv = (elem(kk).sum(1) + elem(v).sum(1)).view(-1, hd).sum(1)  # (KV,)
+    return own.view(H, hd).sum(1) + kv.repeat_interleave(g) / g  # (H,)
 
 
 def salience(state: Mapping[str, torch.Tensor], arch: ArchSpec, dims: Mapping[str, int],
-             norm: str = "l1", lora_scale: float | None = None) -> list[LayerSalience]:
-    """Salience of every head and FFN neuron of every layer (see module doc)."""
+             norm: str = "l1", lora_scale: float | None = None, stack: int = 0) -> list[LayerSalience]:
+    """Salience of every head and FFN neuron of every layer of one stack (see module doc)."""
     if norm not in ("l1", "l2"):
         raise ValueError(f"norm must be 'l1' or 'l2', got {norm!r}")
     W = part_weights(state, arch, lora_scale)
-    H, hd = dims["num_heads"], dims["head_dim"]
     elem = torch.abs if norm == "l1" else torch.square
+    finish = (lambda x: x) if norm == "l1" else torch.sqrt
+    families = len(arch.stacks[stack].attention)
     out = []
     for l in range(dims["num_layers"]):
-        rows = sum(elem(W[l, p]).sum(1) for p in ("q", "k", "v"))  # (H*hd,)
-        cols = elem(W[l, "o"]).sum(0)  # (H*hd,)
-        heads = (rows + cols).view(H, hd).sum(1)  # (H,)
-        neurons = elem(W[l, "ffn_in"]).sum(1) + elem(W[l, "ffn_out"]).sum(0)  # (F,)
-        if norm == "l2":
-            heads, neurons = heads.sqrt(), neurons.sqrt()
-        out.append(LayerSalience(heads, neurons))
+        heads = [finish(_head_scores(W, stack, l, f, dims, elem)) for f in range(families)]
+        neurons = elem(W[stack, l, "ffn_in", 0]).sum(1) + elem(W[stack, l, "ffn_out", 0]).sum(0)
+        if (stack, l, "gate", 0) in W:
+            neurons = neurons + elem(W[stack, l, "gate", 0]).sum(1)
+        out.append(LayerSalience(heads[0], finish(neurons), heads[1] if families > 1 else None))
     return out
 
 
-def salience_order(sal: list[LayerSalience], head_dim: int) -> Permutation:
-    """The permutation that puts the most salient heads and neurons first (stable on ties)."""
-    def desc(x: torch.Tensor) -> list[int]:
-        return torch.argsort(x, descending=True, stable=True).tolist()
-    return Permutation.from_orders([desc(s.heads) for s in sal], [desc(s.neurons) for s in sal], head_dim)
+def model_salience(state: Mapping[str, torch.Tensor], arch: ArchSpec,
+                   dims: Sequence[Mapping[str, int]], norm: str = "l1",
+                   lora_scale: float | None = None) -> list[list[LayerSalience]]:
+    """:func:`salience` of every stack."""
+    return [salience(state, arch, d, norm, lora_scale, k) for k, d in enumerate(dims)]
+
+
+def _desc(x: torch.Tensor) -> list[int]:
+    return torch.argsort(x, descending=True, stable=True).tolist()
+
+
+def _grouped_desc(x: torch.Tensor, g: int) -> list[int]:
+    """Most salient first, moving query heads only within their group of ``g`` and groups whole."""
+    if g == 1:
+        return _desc(x)
+    groups = x.view(-1, g)  # (KV, g)
+    return [grp * g + i for grp in _desc(groups.sum(1)) for i in _desc(groups[grp])]
+
+
+def stack_order(sal: list[LayerSalience], dims: Mapping[str, int], shared_heads: bool = False
+                ) -> SliceSpec:
+    """The full-size spec (a permutation) that puts one stack's most salient units first (stable
+    on ties); ``shared_heads``: one self-attention head order for every layer (T5)."""
+    g = dims["num_heads"] // (kv_groups(dims) or dims["num_heads"])
+    if shared_heads:
+        order = _grouped_desc(sum(s.heads for s in sal), g)
+        heads = [order] * len(sal)
+    else:
+        heads = [_grouped_desc(s.heads, g) for s in sal]
+    cross = [_desc(s.cross) for s in sal] if sal[0].cross is not None else None
+    n = len(sal)
+    tup = lambda orders: tuple(tuple(o) for o in orders)  # noqa: E731
+    return SliceSpec(tuple(range(n)), tup(heads), tup(_desc(s.neurons) for s in sal), n,
+                     dims["num_heads"], dims["head_dim"], dims["ffn"], kv_groups(dims),
+                     None if cross is None else tup(cross))
+
+
+def salience_order(sal: list[LayerSalience] | list[list[LayerSalience]],
+                   dims: Mapping[str, int] | Sequence[Mapping[str, int]] | int,
+                   arch: ArchSpec | None = None) -> Permutation:
+    """The permutation that puts the most salient heads and neurons first, per stack.
+
+    ``sal`` is :func:`salience` of one stack (with its ``dims``) or :func:`model_salience`
+    (with every stack's dims). A bare ``head_dim`` int is accepted for a one-stack model without
+    key/value groups."""
+    if sal and isinstance(sal[0], LayerSalience):
+        sal = [sal]
+    if isinstance(dims, int):
+        first = sal[0][0]
+        dims = [{"num_heads": len(first.heads), "head_dim": dims, "ffn": len(first.neurons),
+                 "num_layers": len(sal[0])}]
+    elif isinstance(dims, Mapping):
+        dims = [dims]
+    shared = arch is not None and arch.head_bias is not None
+    return Permutation(tuple(stack_order(s, d, shared) for s, d in zip(sal, dims)))

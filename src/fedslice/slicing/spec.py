@@ -1,18 +1,30 @@
 """Sub-models as explicit index maps: ``SliceSpec``, ``extract_state``, ``scatter``, ``extract_model``.
 
-A :class:`SliceSpec` says, for every kept layer of the full model, which attention heads and which
-FFN neurons the sub-model keeps (indices into the full model, in sub-model order). Everything else
-follows from the architecture table:
+A :class:`SliceSpec` says, for every kept layer of one stack of blocks, which attention heads
+(per attention family: ``heads`` for self-attention, ``cross`` for a decoder's cross-attention)
+and which FFN neurons the sub-model keeps (indices into the full model, in sub-model order). A
+model with two stacks (an encoder-decoder) is sliced by a :class:`ModelSlice` (one spec per
+stack; ``None`` keeps a stack whole). Everything else follows from the architecture table:
 
-* heads are whole blocks of ``head_dim`` rows of q/k/v (weights, biases, LoRA ``B``) and the same
-  block of columns of o (weight, LoRA ``A``): head h is rows ``h*head_dim:(h+1)*head_dim``, so head
-  boundaries never shift (the RaFFM public code slices single query rows);
-* FFN neuron j is row j of ``ffn_in`` (weight, bias, LoRA ``B``) and column j of ``ffn_out``
-  (weight, LoRA ``A``);
+* query head h is the block of ``head_dim`` rows ``h*head_dim:(h+1)*head_dim`` of q (weight,
+  bias, LoRA ``B``) and the same block of columns of o (weight, LoRA ``A``), so head boundaries
+  never shift (the RaFFM public code slices single query rows);
+* key/value heads: without groups they follow the query heads; with grouped-query attention
+  (``num_kv_heads`` < ``num_heads``) a key/value head is kept while any query head of its group
+  is (:meth:`SliceSpec.kv_heads`), and the sub-model maps each kept query head to its group;
+* a fused q|k|v projection (GPT-2's ``c_attn``) is sliced inside each of its three sections;
+* FFN neuron j is row j of ``ffn_in`` (and of the ``gate`` of a gated FFN: SwiGLU, gated-GELU)
+  and column j of ``ffn_out``;
+* T5's relative-position bias table (one per stack, in its first block, read by every layer)
+  has one column per head: it is sliced with the heads, so a T5 stack keeps the same heads in
+  every layer;
 * a depth spec keeps some layers (``layers``), renumbered 0.. in the sub-model;
 * a kept layer may keep no head (head pruning ranked over all layers): its q/k/v are dropped, o
   keeps zero input columns, and the attention outputs o's bias only (:class:`NoHeadsAttention`);
 * every other tensor (embeddings, LayerNorms, the o/ffn_out biases, the classifier) is whole.
+
+Weights are ``(out, in)`` (``nn.Linear``) or ``(in, out)`` (GPT-2's ``Conv1D``, the table's
+``weight_layout``); LoRA ``A`` is ``(r, in)`` and ``B`` is ``(out, r)`` in both layouts.
 
 Server side, pure functions over state dicts::
 
@@ -27,21 +39,28 @@ unsliced module with the full model and holds copies of the sliced tensors only.
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
 
-from fedslice.models.arch import ArchSpec
+from fedslice.models.arch import ArchSpec, Attention, module_at as _get
 
 State = dict[str, torch.Tensor]
+Index = tuple[tuple[int, ...], ...]
 
 #: Parts whose *outputs* are heads / neurons (rows are sliced) and parts whose *inputs* are.
-OUT_PARTS = ("q", "k", "v", "ffn_in")
+OUT_PARTS = ("q", "k", "v", "qkv", "ffn_in", "gate")
 IN_PARTS = ("o", "ffn_out")
-HEAD_PARTS = ("q", "k", "v", "o")
-QKV_PARTS = ("q", "k", "v")
+#: Parts indexed by attention heads (``qkv``: a fused q|k|v; ``bias``: T5's relative-bias table).
+HEAD_PARTS = ("q", "k", "v", "qkv", "o", "bias")
+QKV_PARTS = ("q", "k", "v", "qkv")
+#: What indexes a part's sliced axis (see :meth:`SliceSpec.index`).
+SLOTS = {"q": "heads", "o": "heads", "k": "kv", "v": "kv", "qkv": "qkv", "bias": "bias",
+         "ffn_in": "ffn", "gate": "ffn", "ffn_out": "ffn"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -50,32 +69,44 @@ QKV_PARTS = ("q", "k", "v")
 
 @dataclass(frozen=True)
 class SliceSpec:
-    """Kept layers, and per kept layer the kept heads and FFN neurons (indices into the full model).
+    """One stack's kept layers, and per kept layer the kept heads (self-attention; ``cross``:
+    cross-attention) and FFN neurons (indices into the full model).
 
-    ``heads[j]``/``neurons[j]`` belong to the full layer ``layers[j]``; the order of the indices is
-    the order in the sub-model. Full-model sizes are kept for validation and index expansion.
+    ``heads[j]``/``cross[j]``/``neurons[j]`` belong to the full layer ``layers[j]``; the order of
+    the indices is the order in the sub-model. ``num_kv_heads`` > 0 marks grouped-query
+    attention (query head h reads key/value head ``h // (num_heads // num_kv_heads)``); 0 means
+    one key/value head per query head. Full-model sizes are kept for validation and expansion.
     """
 
     layers: tuple[int, ...]
-    heads: tuple[tuple[int, ...], ...]
-    neurons: tuple[tuple[int, ...], ...]
+    heads: Index
+    neurons: Index
     num_layers: int
     num_heads: int
     head_dim: int
     ffn: int
+    num_kv_heads: int = 0
+    cross: Index | None = None
 
     def __post_init__(self):
         if not self.layers:
             raise ValueError("a SliceSpec keeps at least one layer")
         if len(self.heads) != len(self.layers) or len(self.neurons) != len(self.layers):
             raise ValueError("heads and neurons need one entry per kept layer")
+        if self.cross is not None and len(self.cross) != len(self.layers):
+            raise ValueError("cross needs one entry per kept layer")
         if len(set(self.layers)) != len(self.layers) or not all(0 <= i < self.num_layers for i in self.layers):
             raise ValueError(f"layers {self.layers} must be distinct indices < {self.num_layers}")
-        for i, h, f in zip(self.layers, self.heads, self.neurons):
+        if self.num_kv_heads and (self.num_kv_heads >= self.num_heads or self.num_heads % self.num_kv_heads):
+            raise ValueError(f"num_kv_heads {self.num_kv_heads} must divide num_heads {self.num_heads}"
+                             f" (0: no groups)")
+        for j, i in enumerate(self.layers):
             # HF infers the head count from the projection width (view(..., -1, head_dim)), so a
             # layer without heads gets a different attention module (NoHeadsAttention), not a slice.
-            if len(set(h)) != len(h) or not all(0 <= x < self.num_heads for x in h):
-                raise ValueError(f"layer {i}: heads {h} must be distinct indices < {self.num_heads}")
+            for what, h in (("heads", self.heads[j]), ("cross", self.cross[j] if self.cross else ())):
+                if len(set(h)) != len(h) or not all(0 <= x < self.num_heads for x in h):
+                    raise ValueError(f"layer {i}: {what} {h} must be distinct indices < {self.num_heads}")
+            f = self.neurons[j]
             if not f or len(set(f)) != len(f) or not all(0 <= x < self.ffn for x in f):
                 raise ValueError(f"layer {i}: neurons must be 1+ distinct indices < {self.ffn}")
 
@@ -87,55 +118,197 @@ class SliceSpec:
     @classmethod
     def leading(cls, dims: Mapping[str, int], heads: int | Sequence[int], ffn: int | Sequence[int],
                 layers: Sequence[int] | None = None) -> SliceSpec:
-        """The leading ``heads`` heads and ``ffn`` neurons of each kept layer (salience order)."""
+        """The leading ``heads`` heads (of every attention family) and ``ffn`` neurons of each kept
+        layer (salience order)."""
         layers = tuple(range(dims["num_layers"])) if layers is None else tuple(layers)
         hs = [heads] * len(layers) if isinstance(heads, int) else list(heads)
         fs = [ffn] * len(layers) if isinstance(ffn, int) else list(ffn)
-        return cls(layers, tuple(tuple(range(h)) for h in hs), tuple(tuple(range(f)) for f in fs),
-                   dims["num_layers"], dims["num_heads"], dims["head_dim"], dims["ffn"])
+        kept = tuple(tuple(range(h)) for h in hs)
+        return cls(layers, kept, tuple(tuple(range(f)) for f in fs), dims["num_layers"],
+                   dims["num_heads"], dims["head_dim"], dims["ffn"], kv_groups(dims),
+                   kept if dims.get("families", 1) > 1 else None)
+
+    def _replace_heads(self, heads: Sequence[int]) -> SliceSpec:
+        """The same spec keeping ``heads`` (self-attention) in every kept layer."""
+        return SliceSpec(self.layers, (tuple(heads),) * len(self.layers), self.neurons,
+                         self.num_layers, self.num_heads, self.head_dim, self.ffn,
+                         self.num_kv_heads, self.cross)
 
     # -- JSON (payload config) ---------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"layers": list(self.layers), "heads": [list(h) for h in self.heads],
-                "neurons": [list(f) for f in self.neurons], "num_layers": self.num_layers,
-                "num_heads": self.num_heads, "head_dim": self.head_dim, "ffn": self.ffn}
+        d = {"layers": list(self.layers), "heads": [list(h) for h in self.heads],
+             "neurons": [list(f) for f in self.neurons], "num_layers": self.num_layers,
+             "num_heads": self.num_heads, "head_dim": self.head_dim, "ffn": self.ffn}
+        if self.num_kv_heads:
+            d["num_kv_heads"] = self.num_kv_heads
+        if self.cross is not None:
+            d["cross"] = [list(h) for h in self.cross]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> SliceSpec:
+        cross = d.get("cross")
         return cls(tuple(d["layers"]), tuple(tuple(h) for h in d["heads"]),
                    tuple(tuple(f) for f in d["neurons"]), d["num_layers"], d["num_heads"],
-                   d["head_dim"], d["ffn"])
+                   d["head_dim"], d["ffn"], d.get("num_kv_heads", 0),
+                   None if cross is None else tuple(tuple(h) for h in cross))
 
     # -- queries ---------------------------------------------------------------------------
     @property
     def is_full(self) -> bool:
         return (self.layers == tuple(range(self.num_layers))
-                and all(h == tuple(range(self.num_heads)) for h in self.heads)
-                and all(f == tuple(range(self.ffn)) for f in self.neurons))
+                and all(self.is_identity(j, k, f) for j in range(len(self.layers))
+                        for k, f in (("heads", 0), ("heads", 1), ("ffn", 0))))
 
     def describe(self) -> dict:
         """Sizes per kept layer (for logs and summaries)."""
-        return {"layers": list(self.layers), "heads": [len(h) for h in self.heads],
-                "ffn": [len(f) for f in self.neurons]}
+        d = {"layers": list(self.layers), "heads": [len(h) for h in self.heads],
+             "ffn": [len(f) for f in self.neurons]}
+        if self.cross is not None:
+            d["cross"] = [len(h) for h in self.cross]
+        return d
 
     def sub_layer(self, full_layer: int) -> int | None:
         return self.layers.index(full_layer) if full_layer in self.layers else None
 
-    def index(self, sub_layer: int, kind: str) -> torch.Tensor:
-        """Full-model indices along a sliced axis of sub-layer ``sub_layer``: head indices expanded
-        to their ``head_dim`` rows (``kind='heads'``) or neuron indices (``kind='ffn'``)."""
-        if kind == "heads":
-            return expand_heads(self.heads[sub_layer], self.head_dim)
-        return torch.tensor(self.neurons[sub_layer], dtype=torch.long)
+    def heads_of(self, sub_layer: int, family: int = 0) -> tuple[int, ...]:
+        """Kept query heads of an attention family (0: self, 1: cross) of a kept layer."""
+        if family == 0:
+            return self.heads[sub_layer]
+        return self.cross[sub_layer] if self.cross is not None else tuple(range(self.num_heads))
 
-    def no_heads(self, sub_layer: int) -> bool:
-        """True if the layer keeps no attention head (its attention is skipped)."""
-        return not self.heads[sub_layer]
+    @property
+    def queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads if self.num_kv_heads else 1
 
-    def is_identity(self, sub_layer: int, kind: str) -> bool:
-        if kind == "heads":
-            return self.heads[sub_layer] == tuple(range(self.num_heads))
-        return self.neurons[sub_layer] == tuple(range(self.ffn))
+    def kv_heads(self, sub_layer: int, family: int = 0) -> tuple[int, ...]:
+        """Kept key/value heads: with groups, every group with a kept query head, in the order of
+        its first kept query head; without, the query heads."""
+        heads = self.heads_of(sub_layer, family)
+        if family or not self.num_kv_heads:
+            return heads
+        return tuple(dict.fromkeys(h // self.queries_per_kv for h in heads))
+
+    def index(self, sub_layer: int, kind: str, family: int = 0) -> torch.Tensor:
+        """Full-model indices along a sliced axis of sub-layer ``sub_layer`` for ``kind``:
+        'heads' (query heads -> their ``head_dim`` rows), 'kv' (key/value heads -> rows), 'qkv'
+        (a fused q|k|v: the query-head rows in each of the three sections), 'bias' (head indices
+        themselves: a table with one column per head) or 'ffn' (neurons)."""
+        if kind == "ffn":
+            return torch.tensor(self.neurons[sub_layer], dtype=torch.long)
+        heads = self.heads_of(sub_layer, family)
+        if kind == "bias":
+            return torch.tensor(heads, dtype=torch.long)
+        if kind == "kv":
+            return expand_heads(self.kv_heads(sub_layer, family), self.head_dim)
+        rows = expand_heads(heads, self.head_dim)
+        if kind == "qkv":
+            width = self.num_heads * self.head_dim
+            return torch.cat([rows, rows + width, rows + 2 * width])
+        return rows
+
+    def no_heads(self, sub_layer: int, family: int = 0) -> bool:
+        """True if the layer keeps no head of that family (its attention is skipped)."""
+        return not self.heads_of(sub_layer, family)
+
+    def is_identity(self, sub_layer: int, kind: str, family: int = 0) -> bool:
+        if kind == "ffn":
+            return self.neurons[sub_layer] == tuple(range(self.ffn))
+        if kind == "kv":
+            n = self.num_kv_heads if self.num_kv_heads and not family else self.num_heads
+            return self.kv_heads(sub_layer, family) == tuple(range(n))
+        return self.heads_of(sub_layer, family) == tuple(range(self.num_heads))
+
+
+def kv_groups(dims: Mapping[str, int]) -> int:
+    """``num_kv_heads`` of a SliceSpec for a stack's dims (0 when every query head has its own)."""
+    kv = dims.get("num_kv_heads", dims["num_heads"])
+    return 0 if kv == dims["num_heads"] else kv
+
+
+@dataclass(frozen=True)
+class ModelSlice:
+    """One :class:`SliceSpec` per stack of a model (``None``: that stack is kept whole)."""
+
+    stacks: tuple[SliceSpec | None, ...]
+
+    @classmethod
+    def full(cls, dims: Sequence[Mapping[str, int]]) -> ModelSlice:
+        return cls(tuple(SliceSpec.full(d) for d in dims))
+
+    @classmethod
+    def leading(cls, dims: Sequence[Mapping[str, int]], width: float,
+                layers: Sequence[Sequence[int] | None] | None = None) -> ModelSlice:
+        """The leading ``round(width * H)`` heads and ``round(width * F)`` neurons of every layer
+        of every stack (at least one of each)."""
+        layers = layers or [None] * len(dims)
+        return cls(tuple(SliceSpec.leading(d, max(1, round(width * d["num_heads"])),
+                                           max(1, round(width * d["ffn"])), l)
+                         for d, l in zip(dims, layers)))
+
+    @property
+    def is_full(self) -> bool:
+        return all(s is None or s.is_full for s in self.stacks)
+
+    def describe(self) -> dict:
+        return {"stacks": [None if s is None else s.describe() for s in self.stacks]}
+
+    def to_dict(self) -> dict:
+        return {"stacks": [None if s is None else s.to_dict() for s in self.stacks]}
+
+
+Spec = SliceSpec | ModelSlice
+
+
+def spec_from_dict(d: Mapping) -> Spec:
+    """A :class:`SliceSpec` or :class:`ModelSlice` from its ``to_dict``."""
+    if "stacks" in d:
+        return ModelSlice(tuple(None if s is None else SliceSpec.from_dict(s) for s in d["stacks"]))
+    return SliceSpec.from_dict(d)
+
+
+def stack_list(spec: Spec) -> tuple[SliceSpec | None, ...]:
+    """The per-stack specs of ``spec`` (a bare SliceSpec is the first stack's)."""
+    return spec.stacks if isinstance(spec, ModelSlice) else (spec,)
+
+
+def spec_sizes(spec: Spec) -> dict[str, float]:
+    """Mean kept heads and neurons per kept layer, and kept layers, over every sliced stack."""
+    specs = [s for s in stack_list(spec) if s is not None]
+    heads = [len(h) for s in specs for h in s.heads]
+    ffn = [len(f) for s in specs for f in s.neurons]
+    return {"heads_mean": sum(heads) / len(heads), "ffn_mean": sum(ffn) / len(ffn),
+            "layers": len(heads)}
+
+
+def stack_specs(spec: Spec, arch: ArchSpec) -> tuple[SliceSpec | None, ...]:
+    """One entry per stack of ``arch`` (a bare SliceSpec slices the first stack only), checked
+    against what the architecture allows."""
+    specs = stack_list(spec)
+    if len(specs) > len(arch.stacks):
+        raise ValueError(f"{len(specs)} stack specs for a {arch.model_type} with {len(arch.stacks)} stack(s)")
+    specs = tuple(specs) + (None,) * (len(arch.stacks) - len(specs))
+    for k, s in enumerate(specs):
+        if s is not None:
+            _check_stack(arch, k, s)
+    return specs
+
+
+def _check_stack(arch: ArchSpec, k: int, s: SliceSpec) -> None:
+    if len(arch.stacks[k].attention) < 2 and s.cross is not None:
+        raise ValueError(f"stack {arch.stacks[k].name} of {arch.model_type} has no cross-attention")
+    if arch.head_bias is None:
+        return
+    # one relative-bias table in the first block, read by every layer of the stack
+    if s.layers[0] != 0:
+        raise ValueError(f"{arch.model_type} keeps its relative-position bias in the first block "
+                         f"of a stack: a sub-model keeps layer 0 (layers {s.layers})")
+    if any(h != s.heads[0] for h in s.heads) or not s.heads[0]:
+        raise ValueError(f"{arch.model_type} shares one relative-position bias table across the "
+                         f"layers of a stack: every layer keeps the same (1+) self-attention heads")
+    if s.cross is not None and len({len(h) for h in s.cross}) > 1:
+        raise ValueError(f"{arch.model_type} passes one cross-attention bias through the layers of "
+                         f"a stack: every layer keeps the same number of cross-attention heads")
 
 
 def expand_heads(heads: Sequence[int], head_dim: int) -> torch.Tensor:
@@ -145,56 +318,73 @@ def expand_heads(heads: Sequence[int], head_dim: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# State-dict keys -> (layer, part, sliced axis)
+# State-dict keys -> (stack, layer, part, family, sliced axis)
 # --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class KeyInfo:
-    """Where a state-dict key sits: its layer, and for a sliceable tensor the axis and kind."""
+    """Where a state-dict key sits: its stack and layer, and for a sliceable tensor the part, the
+    attention family (0 self, 1 cross), the sliced axis and what indexes it (``slot``)."""
 
     prefix: str  # up to and including the layer list, e.g. 'base_model.model.bert.encoder.layer'
     layer: int
     rest: str  # inside the block, e.g. 'attention.self.query.lora_B.default.weight'
-    part: str | None  # q/k/v/o/ffn_in/ffn_out, or None (LayerNorm inside a block, ...)
+    part: str | None  # q/k/v/qkv/o/bias/ffn_in/gate/ffn_out, or None (a LayerNorm in a block, ...)
     axis: int | None  # axis indexed by heads/neurons, or None (tensor kept whole)
+    stack: int = 0
+    family: int = 0
+    leaf: str = ""  # after the part's path: 'weight', 'base_layer.weight', 'lora_A.default.weight'
 
     @property
     def kind(self) -> str | None:
-        if self.axis is None:
-            return None
-        return "heads" if self.part in HEAD_PARTS else "ffn"
+        """'heads', 'kv', 'qkv', 'bias' or 'ffn' (see :meth:`SliceSpec.index`); None if whole."""
+        return None if self.axis is None else SLOTS[self.part]
 
     def renamed(self, layer: int) -> str:
         return f"{self.prefix}.{layer}.{self.rest}"
 
 
-_REGEX: dict[tuple, re.Pattern] = {}
+def _attention_parts(att: Attention) -> list[tuple[str, str]]:
+    """(part, path) of an attention family: a fused q|k|v is one part 'qkv'."""
+    qkv = [("qkv", att.q)] if att.fused_qkv else [("q", att.q), ("k", att.k), ("v", att.v)]
+    return [*qkv, ("o", att.o)]
 
 
-def _key_regex(arch: ArchSpec) -> re.Pattern:
-    cache_key = (arch.layers, tuple(sorted(arch.parts.items())))
-    if cache_key not in _REGEX:
-        _REGEX[cache_key] = _build_regex(arch)
-    return _REGEX[cache_key]
+def block_parts(arch: ArchSpec, stack: int) -> list[tuple[str, int, str]]:
+    """(part, family, path inside a block) of every sliceable part of a stack's blocks."""
+    s = arch.stacks[stack]
+    out = [(part, f, path) for f, att in enumerate(s.attention) for part, path in _attention_parts(att)]
+    out += [(part, 0, path) for part, path in (("gate", s.ffn.gate), ("ffn_in", s.ffn.ffn_in),
+                                               ("ffn_out", s.ffn.ffn_out)) if path]
+    if arch.head_bias:
+        out.append(("bias", 0, arch.head_bias))
+    return out
 
 
-def _build_regex(arch: ArchSpec) -> re.Pattern:
-    parts = sorted(arch.parts.items(), key=lambda kv: -len(kv[1]))
-    alts = "|".join(f"(?P<{p}>{re.escape(path)})" for p, path in parts)
-    return re.compile(rf"^(?P<prefix>(?:.*\.)?{re.escape(arch.layers)})\.(?P<layer>\d+)\."
-                      rf"(?P<rest>(?:(?:{alts})\.)?(?P<leaf>.+))$")
+@lru_cache(maxsize=64)
+def _stack_regexes(arch: ArchSpec) -> tuple[tuple[re.Pattern, list[tuple[str, int]]], ...]:
+    out = []
+    for k, s in enumerate(arch.stacks):
+        parts = sorted(block_parts(arch, k), key=lambda x: -len(x[2]))
+        alts = "|".join(f"(?P<p{i}>{re.escape(path)})" for i, (_, _, path) in enumerate(parts))
+        rx = re.compile(rf"^(?P<prefix>(?:.*\.)?{re.escape(s.layers)})\.(?P<layer>\d+)\."
+                        rf"(?P<rest>(?:(?:{alts})\.)?(?P<leaf>.+))$")
+        out.append((rx, [(part, f) for part, f, _ in parts]))
+    return tuple(out)
 
 
-def _axis(part: str, leaf: str) -> int | None:
+def _axis(part: str, leaf: str, layout: str) -> int | None:
     """The sliced axis of a tensor of ``part`` named ``leaf`` ('weight', 'bias',
     'base_layer.weight', 'lora_A.default.weight', ...); None if it is kept whole."""
     last = leaf.rsplit(".", 1)[-1]
+    if part == "bias":
+        return 1 if last == "weight" else None  # embedding (buckets, H)
     if "lora_A" in leaf:
         out_axis, in_axis = None, 1  # (r, in)
     elif "lora_B" in leaf:
         out_axis, in_axis = 0, None  # (out, r)
     elif last == "weight":
-        out_axis, in_axis = 0, 1  # nn.Linear (out, in)
+        out_axis, in_axis = (0, 1) if layout == "linear" else (1, 0)  # Linear (out, in); Conv1D (in, out)
     elif last == "bias":
         out_axis, in_axis = 0, None
     else:
@@ -204,16 +394,22 @@ def _axis(part: str, leaf: str) -> int | None:
 
 def key_info(arch: ArchSpec, key: str) -> KeyInfo | None:
     """Parse a state-dict key of an HF model (or a peft-wrapped one); None outside the blocks."""
-    m = _key_regex(arch).match(key)
-    if m is None:
-        return None
-    part = next((p for p in arch.parts if m.group(p) is not None), None)
-    axis = _axis(part, m.group("leaf")) if part is not None else None
-    return KeyInfo(m.group("prefix"), int(m.group("layer")), m.group("rest"), part, axis)
+    for k, (rx, parts) in enumerate(_stack_regexes(arch)):
+        m = rx.match(key)
+        if m is None:
+            continue
+        hit = next((i for i in range(len(parts)) if m.group(f"p{i}") is not None), None)
+        if hit is None:
+            return KeyInfo(m.group("prefix"), int(m.group("layer")), m.group("rest"), None, None, k)
+        part, family = parts[hit]
+        leaf = m.group("leaf")
+        return KeyInfo(m.group("prefix"), int(m.group("layer")), m.group("rest"), part,
+                       _axis(part, leaf, arch.weight_layout), k, family, leaf)
+    return None
 
 
 def sliceable_keys(arch: ArchSpec, keys: Iterable[str]) -> list[str]:
-    """The keys of tensors of q/k/v/o/ffn_in/ffn_out (the ones a permutation or slice touches)."""
+    """The keys of tensors of sliceable parts (the ones a permutation or slice touches)."""
     out = []
     for k in keys:
         info = key_info(arch, k)
@@ -226,26 +422,36 @@ def sliceable_keys(arch: ArchSpec, keys: Iterable[str]) -> list[str]:
 # Extract / scatter (pure, over state dicts)
 # --------------------------------------------------------------------------------------------
 
-def extract_state(state: Mapping[str, torch.Tensor], spec: SliceSpec, arch: ArchSpec) -> State:
+def _locate(specs, info: KeyInfo) -> tuple[SliceSpec | None, int | None]:
+    """(the stack's spec, the sub-layer of the key) -- (None, None): the stack is kept whole."""
+    s = specs[info.stack]
+    return (None, None) if s is None else (s, s.sub_layer(info.layer))
+
+
+def extract_state(state: Mapping[str, torch.Tensor], spec: Spec, arch: ArchSpec) -> State:
     """The sub-model's tensors: sliced copies for sliced tensors, the same tensor objects otherwise
     (never a copy of a whole tensor). Keys of dropped layers are left out, kept layers renumbered;
-    so are the q/k/v tensors of a layer that keeps no head."""
+    so are the q/k/v tensors of an attention family that keeps no head in a layer."""
+    specs = stack_specs(spec, arch)
     out: State = {}
     for key, t in state.items():
         info = key_info(arch, key)
         if info is None:
             out[key] = t
             continue
-        j = spec.sub_layer(info.layer)
-        if j is None or (info.part in QKV_PARTS and spec.no_heads(j)):
+        s, j = _locate(specs, info)
+        if s is None:
+            out[key] = t
             continue
-        if info.axis is not None and not spec.is_identity(j, info.kind):
-            t = t.index_select(info.axis, spec.index(j, info.kind))
+        if j is None or (info.part in QKV_PARTS and s.no_heads(j, info.family)):
+            continue
+        if info.axis is not None and not s.is_identity(j, info.kind, info.family):
+            t = t.index_select(info.axis, s.index(j, info.kind, info.family))
         out[info.renamed(j)] = t
     return out
 
 
-def scatter(sub_state: Mapping[str, torch.Tensor], spec: SliceSpec, arch: ArchSpec,
+def scatter(sub_state: Mapping[str, torch.Tensor], spec: Spec, arch: ArchSpec,
             full_shapes: Mapping[str, torch.Size]) -> tuple[State, dict[str, torch.Tensor]]:
     """Sub-model tensors -> full-shape tensors (zeros where not held) and per-key masks.
 
@@ -253,20 +459,22 @@ def scatter(sub_state: Mapping[str, torch.Tensor], spec: SliceSpec, arch: ArchSp
     full tensor (e.g. ``(out, 1)`` for a row slice), so ``num_examples * mask`` is the client's
     weight for :func:`fedslice.slicing.aggregate.aggregate_deltas`.
     """
+    specs = stack_specs(spec, arch)
     full: State = {}
     masks: dict[str, torch.Tensor] = {}
     for key, t in sub_state.items():
         info = key_info(arch, key)
-        if info is None:
+        s = None if info is None else specs[info.stack]
+        if s is None:
             full[key], masks[key] = t, torch.ones(())
             continue
         j = info.layer
-        full_key = info.renamed(spec.layers[j])
+        full_key = info.renamed(s.layers[j])
         shape = full_shapes[full_key]
-        if info.axis is None or spec.is_identity(j, info.kind):
+        if info.axis is None or s.is_identity(j, info.kind, info.family):
             full[full_key], masks[full_key] = t, torch.ones(())
             continue
-        idx = spec.index(j, info.kind)
+        idx = s.index(j, info.kind, info.family)
         full[full_key] = torch.zeros(shape, dtype=t.dtype).index_copy_(info.axis, idx, t)
         mshape = [1] * len(shape)
         mshape[info.axis] = shape[info.axis]
@@ -297,32 +505,34 @@ def _slice_param(p: nn.Parameter | None, axis: int | None, idx: torch.Tensor) ->
     return nn.Parameter(t, requires_grad=p.requires_grad) if axis is not None else p
 
 
-def _slice_linear(lin: nn.Linear, idx: torch.Tensor, side: str) -> nn.Linear:
-    """An ``nn.Linear`` keeping output rows (``side='out'``) or input columns (``side='in'``)."""
+def _slice_linear(lin: nn.Module, idx: torch.Tensor, side: str, layout: str = "linear") -> nn.Module:
+    """An ``nn.Linear`` (or a ``Conv1D``, ``layout='conv1d'``: weight (in, out)) keeping output
+    rows (``side='out'``) or input columns (``side='in'``)."""
     new = _clone(lin)
-    if side == "out":
-        new.weight = _slice_param(lin.weight, 0, idx)  # (out', in)
-        if lin.bias is not None:
-            new.bias = _slice_param(lin.bias, 0, idx)  # (out',)
-        new.out_features = len(idx)
-    else:
-        new.weight = _slice_param(lin.weight, 1, idx)  # (out, in')
-        new.in_features = len(idx)
+    w_axis = (0 if side == "out" else 1) if layout == "linear" else (1 if side == "out" else 0)
+    new.weight = _slice_param(lin.weight, w_axis, idx)
+    if side == "out" and lin.bias is not None:
+        new.bias = _slice_param(lin.bias, 0, idx)  # (out',)
+    size = "out_features" if side == "out" else "in_features"
+    if layout == "conv1d":
+        size = "nf" if side == "out" else "nx"
+    if hasattr(lin, size):
+        setattr(new, size, len(idx))
     return new
 
 
-def _slice_part(module: nn.Module, idx: torch.Tensor, side: str) -> nn.Module:
-    """Slice a part: a plain ``nn.Linear`` or a peft LoRA layer (``base_layer`` + ``lora_A``/``lora_B``).
+def _slice_part(module: nn.Module, idx: torch.Tensor, side: str, layout: str = "linear") -> nn.Module:
+    """Slice a part: a plain linear map or a peft LoRA layer (``base_layer`` + ``lora_A``/``lora_B``).
 
     For an output slice LoRA ``B`` loses rows and ``A`` is shared; for an input slice ``A`` loses
     columns and ``B`` is shared.
     """
-    if isinstance(module, nn.Linear) and not hasattr(module, "base_layer"):
-        return _slice_linear(module, idx, side)
     if not hasattr(module, "base_layer"):
-        raise TypeError(f"cannot slice {type(module).__name__}: expected nn.Linear or a peft LoRA layer")
+        if not hasattr(module, "weight"):
+            raise TypeError(f"cannot slice {type(module).__name__}: expected a linear map or a peft LoRA layer")
+        return _slice_linear(module, idx, side, layout)
     new = _clone(module)
-    new.base_layer = _slice_part(module.base_layer, idx, side)
+    new.base_layer = _slice_part(module.base_layer, idx, side, layout)
     sliced = "lora_B" if side == "out" else "lora_A"
     adapters = getattr(module, sliced)
     new_adapters = _clone(adapters)
@@ -331,6 +541,45 @@ def _slice_part(module: nn.Module, idx: torch.Tensor, side: str) -> nn.Module:
     setattr(new, sliced, new_adapters)
     setattr(new, "out_features" if side == "out" else "in_features", len(idx))
     return new
+
+
+def _slice_table(emb: nn.Embedding, idx: torch.Tensor) -> nn.Embedding:
+    """A per-head table (T5's relative-position bias, (buckets, H)) keeping the columns ``idx``."""
+    new = _clone(emb)
+    new.weight = _slice_param(emb.weight, 1, idx)
+    new.embedding_dim = len(idx)
+    return new
+
+
+class _TakeRows:
+    """A forward hook: the module's output keeps the features ``rows`` of its last axis."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def __call__(self, module, args, output):
+        return output.index_select(-1, self.rows)
+
+
+def _gather_out(module: nn.Module, rows: torch.Tensor) -> nn.Module:
+    """A copy of ``module`` (sharing its tensors) whose output keeps ``rows`` of its last axis."""
+    new = _clone(module)
+    for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        setattr(new, hooks, OrderedDict(getattr(module, hooks)))
+    new.register_forward_hook(_TakeRows(rows))
+    return new
+
+
+def _kv_repeat(s: SliceSpec, j: int) -> int | None:
+    """Grouped-query attention in a sub-model: the queries per key/value head when the kept query
+    heads come in equal blocks, one per kept key/value head in its order (HF's ``repeat_kv``
+    then maps them); None when they do not (each key/value head is then gathered per query)."""
+    heads, kv = s.heads[j], s.kv_heads(j)
+    if len(heads) % len(kv):
+        return None
+    m = len(heads) // len(kv)
+    ok = all(kv.index(h // s.queries_per_kv) == p // m for p, h in enumerate(heads))
+    return m if ok else None
 
 
 def _rebuild(module: nn.Module, path: str, replace: dict[str, nn.Module], lists: dict[str, list[int]],
@@ -365,9 +614,10 @@ class NoHeadsAttention(nn.Module):
     """The attention module of a layer that keeps no head: no q/k/v, an empty context.
 
     Returns ``(context, None)`` like HF attention modules: the context is ``(B, T, 0)``, or, when
-    the output projection lives inside the attention module (DistilBERT's ``out_lin``), that
-    projection applied to it (with zero input columns it outputs its bias). Outside (BERT's
-    ``attention.output.dense``) the sliced o does the same. The projection keeps its name.
+    the output projection lives inside the attention module (DistilBERT's ``out_lin``, LLaMA's
+    ``o_proj``), that projection applied to it (with zero input columns it outputs its bias, or
+    zeros). Outside (BERT's ``attention.output.dense``) the sliced o does the same. The
+    projection keeps its name.
     """
 
     def __init__(self, out_name: str | None = None, out: nn.Module | None = None):
@@ -383,54 +633,94 @@ class NoHeadsAttention(nn.Module):
         return ctx, None
 
 
-def _attention_path(arch: ArchSpec) -> str:
-    return arch.parts["q"].rpartition(".")[0]
+def _no_heads(att: Attention, o: nn.Module) -> NoHeadsAttention:
+    """The stub for a headless attention, hosting o when o lives inside the attention module."""
+    parent = att.module
+    if parent and not att.o.startswith(parent + "."):
+        return NoHeadsAttention()
+    rel = att.o[len(parent) + 1:] if parent else att.o
+    if "." in rel:
+        raise NotImplementedError(f"o at {att.o!r} is nested in the attention module")
+    return NoHeadsAttention(rel, o)
 
 
-def extract_model(model: nn.Module, spec: SliceSpec, arch: ArchSpec) -> nn.Module:
+def extract_model(model: nn.Module, spec: Spec, arch: ArchSpec) -> nn.Module:
     """A sub-model of ``model`` (HF or peft-wrapped) for ``spec``.
 
-    Sliced q/k/v/o/ffn parts get new, smaller tensors copied from ``model``; every other module
-    (embeddings, LayerNorms, classifier, parts kept whole) is the same object as in ``model``.
-    Parameter names equal those of :func:`extract_state` on ``model``'s state dict. The attention
-    modules' head-count attributes are set per layer (HF infers heads from the weights' width);
-    the attention of a layer without heads becomes a :class:`NoHeadsAttention`.
+    Sliced parts get new, smaller tensors copied from ``model``; every other module (embeddings,
+    LayerNorms, classifier, parts kept whole) is the same object as in ``model``. Parameter names
+    equal those of :func:`extract_state` on ``model``'s state dict. The attention modules'
+    head-count attributes are set per layer (HF infers heads from the weights' width); the
+    attention of a layer without heads becomes a :class:`NoHeadsAttention`; renumbered layers get
+    their new ``layer_idx`` (key/value caches are indexed by it).
     """
+    specs = stack_specs(spec, arch)
     names = {id(m): n for n, m in model.named_modules()}
-    blocks = arch.blocks(model)
     replace: dict[str, nn.Module] = {}
     hooks: dict[str, dict] = {}
-    for j, i in enumerate(spec.layers):
-        sliced = {}
-        for part in arch.parts:
-            kind = "heads" if part in HEAD_PARTS else "ffn"
-            if spec.is_identity(j, kind) or (part in QKV_PARTS and spec.no_heads(j)):
-                continue
-            module = arch.part(model, i, part)
-            side = "out" if part in OUT_PARTS else "in"
-            sliced[part] = replace[names[id(module)]] = _slice_part(module, spec.index(j, kind), side)
-        attn_name = names[id(arch.attention(model, i))]
-        if spec.no_heads(j):
-            replace[attn_name] = _no_heads(arch, sliced["o"])
+    lists: dict[str, list[int]] = {}
+    layout = arch.weight_layout
+    for k, s in enumerate(specs):
+        if s is None:
             continue
-        n_heads = len(spec.heads[j])
-        attrs = {arch.heads_attr: n_heads}
-        if arch.heads_width_attr:
-            attrs[arch.heads_width_attr] = n_heads * spec.head_dim
-        hooks[attn_name] = attrs
-    lists = {}
-    if spec.layers != tuple(range(len(blocks))):
-        lists[names[id(blocks)]] = list(spec.layers)
+        stack, blocks = arch.stacks[k], arch.blocks(model, k)
+        depth = s.layers != tuple(range(len(blocks)))
+        for j, i in enumerate(s.layers):
+            block = blocks[i]
+
+            def cut(path: str, kind: str, side: str, family: int = 0) -> nn.Module:
+                mod = _get(block, path)
+                new = replace[names[id(mod)]] = _slice_part(mod, s.index(j, kind, family), side, layout)
+                return new
+
+            for f, att in enumerate(stack.attention):
+                attn = _get(block, att.module) if att.module else block
+                attn_name = names[id(attn)]
+                o = _get(block, att.o)
+                if not s.is_identity(j, "heads", f):
+                    o = cut(att.o, "heads", "in", f)
+                if s.no_heads(j, f):
+                    replace[attn_name] = _no_heads(att, o)
+                    continue
+                for part, path in _attention_parts(att)[:-1]:
+                    if not s.is_identity(j, SLOTS[part], f):
+                        cut(path, SLOTS[part], "out", f)
+                attrs: dict = {}
+                if not s.is_identity(j, "heads", f):
+                    n = len(s.heads_of(j, f))
+                    if arch.heads_attr:
+                        attrs[arch.heads_attr] = n
+                    if arch.heads_width_attr:
+                        attrs[arch.heads_width_attr] = n * s.head_dim
+                    if f == 0 and s.num_kv_heads:
+                        attrs.update(_group_queries(s, j, block, att, names, replace))
+                if depth and hasattr(attn, "layer_idx"):
+                    attrs["layer_idx"] = j
+                if attrs:
+                    hooks[attn_name] = attrs
+            if arch.head_bias and s.layers[j] == 0 and not s.is_identity(j, "heads"):
+                table = _get(block, arch.head_bias)
+                replace[names[id(table)]] = _slice_table(table, s.index(j, "bias"))
+            if not s.is_identity(j, "ffn"):
+                for path, side in ((stack.ffn.gate, "out"), (stack.ffn.ffn_in, "out"),
+                                   (stack.ffn.ffn_out, "in")):
+                    if path:
+                        cut(path, "ffn", side)
+        if depth:
+            lists[names[id(blocks)]] = list(s.layers)
     return _rebuild(model, "", replace, lists, hooks)
 
 
-def _no_heads(arch: ArchSpec, o: nn.Module) -> NoHeadsAttention:
-    """The stub for a headless layer, hosting o when o lives inside the attention module."""
-    attn = _attention_path(arch)
-    inside = arch.parts["o"].startswith(attn + ".") if attn else True
-    if not inside:
-        return NoHeadsAttention()
-    rel = arch.parts["o"][len(attn) + 1:] if attn else arch.parts["o"]
-    if "." in rel:
-        raise NotImplementedError(f"o at {arch.parts['o']!r} is nested in the attention module")
-    return NoHeadsAttention(rel, o)
+def _group_queries(s: SliceSpec, j: int, block: nn.Module, att: Attention, names: dict,
+                   replace: dict[str, nn.Module]) -> dict:
+    """The attention attributes (and k/v output gathers) mapping a sub-model's kept query heads
+    to their key/value heads under grouped-query attention."""
+    m = _kv_repeat(s, j)
+    if m is not None:
+        return {"num_key_value_groups": m}
+    kv = s.kv_heads(j)
+    rows = expand_heads([kv.index(h // s.queries_per_kv) for h in s.heads[j]], s.head_dim)
+    for path in (att.k, att.v):
+        name = names[id(_get(block, path))]
+        replace[name] = _gather_out(replace.get(name, _get(block, path)), rows)
+    return {"num_key_value_groups": 1}
