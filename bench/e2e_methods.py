@@ -1,0 +1,139 @@
+"""Benchmark (issue 15, part 7): every method on SmolLM2-135M-Instruct + E2E NLG.
+
+The federated set-up of ``configs/e2e_smollm2.toml`` (20 IID clients, 4 per round, 6 LoRA steps
+x 8 examples) for ``--rounds`` rounds, the final model scored once on ``--test-mrs`` test MRs
+against all their references. One row per method variant, FedPETuning (LoRA on the full model)
+measured in the same invocation as the baseline every ratio refers to:
+
+* ``heads-{parameters,forward}-{50,90}``: per-client head pruning, both modes;
+* ``raffm``: four equal tiers at 0.25 / 0.5 / 0.75 / 1.0 of the full model's training FLOPs,
+  elastic inference of the global model at those sizes;
+* ``fedpft`` / ``fedot``: the proxy / emulator methods with their defaults.
+
+Columns: ROUGE-L, BLEU, upload and download MB per client-round, measured training GFLOPs per
+client-round, peak memory per client (parameters + optimizer + saved activations where the
+method plans it, else the process' peak RSS). Results accumulate in ``results.json`` (re-run
+with other ``--variants`` to add rows); ``results.md`` is rewritten from it.
+
+    .venv/bin/python bench/e2e_methods.py --variants fedpetuning raffm --rounds 4 --out bench/results/e2e_methods
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from fedslice.api import run_experiment
+from fedslice.config import load_config, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+QUARTERS = [0.25, 0.5, 0.75, 1.0]
+VARIANTS = {
+    "fedpetuning": {"name": "fedpetuning"},
+    **{f"heads-{mode}-{s}": {"name": "heads", "prune": mode, "sparsity": s / 100}
+       for mode in ("parameters", "forward") for s in (50, 90)},
+    "raffm": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
+              "elastic_sizes": QUARTERS},
+    "fedpft": {"name": "fedpft"},
+    "fedot": {"name": "fedot"},
+}
+#: what each row tests (the seed papers' claims)
+CLAIMS = {
+    "fedpetuning": "baseline (FedPETuning: LoRA on the full model)",
+    "heads-parameters-50": "heads paper: 50% sparsity ~ dense quality, less upload",
+    "heads-parameters-90": "heads paper: 90% sparsity within 2 pt of dense, 1.8x less communication",
+    "heads-forward-50": "heads as a real sub-model: forward + backward saved",
+    "heads-forward-90": "heads as a real sub-model at 90%",
+    "raffm": "RaFFM: resource-aware sub-models close to the full model's quality; one model serves every size",
+    "fedpft": "FedPFT: a proxy (FFN neurons dropped + KD) tuned, plugged back, close to FedPETuning",
+    "fedot": "FedOT baseline: emulator + adapter, below FedPFT",
+}
+
+
+def config(variant: str, args) -> dict:
+    cfg = load_config(ROOT / "configs/e2e_smollm2.toml").model_dump(mode="json")
+    cfg["name"] = f"e2e-{variant}"
+    cfg["threads"] = args.threads
+    cfg["method"] = VARIANTS[variant]
+    cfg["federation"]["rounds"] = args.rounds
+    cfg["data"]["max_test_examples"] = args.test_mrs
+    cfg["evaluation"].update(every=args.rounds, dev_generations=10)
+    cfg["data"]["max_dev_examples"] = 64
+    cfg["output"].update(dir=str(args.out), progress=False, plots=False, save_weights=False)
+    return cfg
+
+
+def run(variant: str, args) -> dict:
+    t0 = time.perf_counter()
+    path = run_experiment(validate_config(config(variant, args)), progress=False)
+    s = json.loads((path / "summary.json").read_text())
+    s.update(variant=variant, run_dir=str(path), bench_wall_s=time.perf_counter() - t0)
+    return s
+
+
+def _mb(v):
+    return None if v is None else v / 2**20
+
+
+def row(s: dict, base: dict | None) -> list:
+    mem = s.get("memory_mb_mean") or s.get("peak_rss_mb_max")
+    up, flops = s.get("bytes_up_mean"), s.get("flops_measured_mean")
+    ratio = lambda a, b: None if not a or not b else b / a  # noqa: E731  (baseline / this)
+    return [s["variant"], s.get("test_rougeL"), s.get("test_bleu"), _mb(up), _mb(s.get("bytes_down_mean")),
+            None if flops is None else flops / 1e9, mem,
+            ratio(up, base and base.get("bytes_up_mean")), ratio(flops, base and base.get("flops_measured_mean")),
+            None if base is None else s.get("test_rougeL", 0) - base.get("test_rougeL", 0),
+            s.get("bench_wall_s", 0) / 60]
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def write(results: dict, args) -> None:
+    base = results.get("fedpetuning")
+    cols = ["variant", "ROUGE-L", "BLEU", "up MB", "down MB", "train GFLOPs", "memory MiB",
+            "up: base/this", "FLOPs: base/this", "ΔROUGE-L vs base", "wall min"]
+    lines = [f"E2E NLG, SmolLM2-135M-Instruct, {args.rounds} rounds x 4 clients x 6 steps x 8, "
+             f"test = {args.test_mrs} MRs (all references); per client-round means.", "",
+             "| " + " | ".join(cols) + " | claim tested |", "|" + "---|" * (len(cols) + 1)]
+    for v in VARIANTS:
+        if v in results:
+            lines.append("| " + " | ".join(_fmt(x) for x in row(results[v], base)) + f" | {CLAIMS[v]} |")
+    raffm = results.get("raffm")
+    if raffm and raffm.get("elastic"):
+        lines += ["", "raffm elastic inference (the one global model at several sizes):", "",
+                  "| size | heads/layer | FFN/layer | test ROUGE-L | forward GFLOPs/example |", "|---|---|---|---|---|"]
+        for e in raffm["elastic"]:
+            st = (e.get("stacks") or [e])[0] if "stacks" in e else e
+            heads = st.get("heads", [None])[0] if st else None
+            ffn = st.get("ffn", [None])[0] if st else None
+            lines.append(f"| {e['size']} | {heads} | {ffn} | {_fmt(e.get('test_rougeL'))} | "
+                         f"{_fmt(e.get('forward_gflops_per_example'))} |")
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--test-mrs", type=int, default=100)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("bench/results/e2e_methods"))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    store = args.out / "results.json"
+    results = json.loads(store.read_text()) if store.exists() else {}
+    for v in args.variants:
+        results[v] = run(v, args)
+        store.write_text(json.dumps(results, indent=1, default=str))
+        write(results, args)
+        print(f"{v}: ROUGE-L {results[v].get('test_rougeL')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
