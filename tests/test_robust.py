@@ -210,8 +210,13 @@ def test_dp_fedavg_clips_adds_calibrated_noise_and_accounts():
     assert acc.get_epsilon(1e-5) == pytest.approx(4.0, rel=0.05)
 
 
-def test_dp_run_reports_epsilon_each_round_and_matches_on_flower(tiny_cfg_dict, tmp_path):
-    from test_flower import InProcessGrid, _assert_same_state, _in_process, _nodes, _settings, _weights, _write_config
+def test_dp_run_reports_epsilon_each_round_and_runs_flowers_dp_wrapper(tiny_cfg_dict, tmp_path,
+                                                                      monkeypatch):
+    """On Flower, DP-FedAvg is Flower's DifferentialPrivacyServerSideFixedClipping around our
+    adapter: the same epsilon per round as the simulation, reproducible (numpy's RNG seeded),
+    weights off the simulation's by noise of the configured scale (two independent draws)."""
+    from test_flower import InProcessGrid, _in_process, _nodes, _settings, _weights, _write_config
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping as FlowerDP
     from fedslice.flower.server_app import run as server_run
     from fedslice.output import read_run
 
@@ -220,11 +225,43 @@ def test_dp_run_reports_epsilon_each_round_and_matches_on_flower(tiny_cfg_dict, 
     state, records, _ = _in_process(tiny_cfg_dict)
     eps = [r["dp_epsilon"] for r in records]
     assert 0 < eps[0] < eps[1] == pytest.approx(8.0, rel=0.05)
+    calls = []
+    clip = FlowerDP.aggregate_train
+    monkeypatch.setattr(FlowerDP, "aggregate_train",
+                        lambda self, r, replies: calls.append(r) or clip(self, r, replies))
     path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
-    run_dir = server_run(InProcessGrid(_nodes(3)), _settings(path, tmp_path / "fl"))
-    _assert_same_state(_weights(run_dir), state)
-    _, metrics, _ = read_run(run_dir)
+    runs = [_weights(server_run(InProcessGrid(_nodes(3)), _settings(path, tmp_path / f"fl{i}")))
+            for i in range(2)]
+    assert calls == [1, 2, 1, 2]  # Flower's wrapper clipped and noised every round
+    for k in state:
+        assert torch.equal(runs[0][k], runs[1][k]), k
+    _, metrics, _ = read_run(next((tmp_path / "fl0").iterdir()))
     assert [m["dp_epsilon"] for m in metrics] == pytest.approx(eps)
+    std, rounds = metrics[0]["dp_noise_std"], len(metrics)
+    diff = torch.cat([(runs[0][k] - state[k]).flatten() for k in state])
+    assert 0.3 < float(diff.std()) / (std * (2 * rounds) ** 0.5) < 3.0
     for bad in ({"method": {"name": "raffm"}}, {"aggregation": {"rule": "median"}}):
         with pytest.raises(ConfigError, match="dp.enabled"):
             validate_config({**tiny_cfg_dict, **bad})
+
+
+def test_dp_on_flower_skips_a_round_with_a_failed_node_and_records_it(tiny_cfg_dict, tmp_path):
+    """Flower's DP wrapper does not aggregate a round with an error reply: the round is recorded
+    as skipped (the failure named), the state and the privacy spent stay unchanged."""
+    from test_flower import InProcessGrid, _assert_same_state, _nodes, _settings, _weights, _write_config
+    from fedslice.api import setup
+    from fedslice.flower.server_app import run as server_run
+    from fedslice.output import read_run
+
+    tiny_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, min_replies=1)
+    tiny_cfg_dict["dp"] = {"enabled": True, "clip_norm": 0.05, "noise_multiplier": 1.0}
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(2), fail={101}), _settings(path, tmp_path / "fl"))
+    _, metrics, _ = read_run(run_dir)
+    for m in metrics:
+        assert m["skipped"] and m["failed_nodes"] == 1 and m.get("dp_epsilon") is None
+        assert {e["client"]: e["reason"] for e in m["excluded"]} == {
+            0: "a node failed: Flower's DP wrapper skips rounds with error replies",
+            1: "node 101 failed: node down (error code 5)"}
+    initial = setup(validate_config(tiny_cfg_dict))[0].initial_state()
+    _assert_same_state(_weights(run_dir), initial, atol=0)

@@ -10,8 +10,10 @@ round (Opacus' ``RDPAccountant``: Poisson subsampling, an approximation of our f
 sampling without replacement, as in the DP-FedAvg paper) and reports epsilon at ``delta``.
 
 The noise comes from a generator seeded with (seed, round): a run is reproducible and resumes
-bit-identically (Flower's wrappers draw from numpy's global RNG). The same functions run in the
-Flower ServerApp, whose strategy is this one.
+bit-identically. On Flower the ServerApp wraps its strategy in Flower's own
+``DifferentialPrivacyServerSideFixedClipping`` (:class:`fedslice.flower.strategy.CentralDP`):
+Flower clips and adds the noise (from numpy's global RNG, seeded once per run), and
+``external_noise`` makes :meth:`Privacy.aggregate` take the mean and account only.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Privacy:
         self.z = dp.noise_multiplier if dp.noise_multiplier is not None else \
             calibrate(dp.target_epsilon, dp.delta, self.q, rounds)
         self.accountant = RDPAccountant()
+        self.external_noise = False  # True: a wrapper (Flower's) clips and adds the noise
 
     @property
     def std(self) -> float:
@@ -79,7 +82,7 @@ class Privacy:
             if k not in sent:
                 continue
             total = sum((c[k].float() for c in clipped if k in c), torch.zeros(g.shape))
-            noise = torch.randn(g.shape, generator=gen) * self.std
+            noise = 0.0 if self.external_noise else torch.randn(g.shape, generator=gen) * self.std
             out[k] = (g.float() + eta * (total / self.n + noise)).to(g.dtype)
         self.accountant.step(noise_multiplier=self.z, sample_rate=self.q)
         return out, {"dp_epsilon": self.epsilon(), "dp_delta": self.delta,

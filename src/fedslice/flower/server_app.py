@@ -92,7 +92,7 @@ def run(grid: Grid, settings: RunSettings) -> Path:
             if data.label_map():
                 run_dir.write_json("labels.json", data.label_map())
         evaluate = _central_evaluation(cfg, method, data, adapter, run_dir, t_start)
-        result = adapter.start(grid, state_to_record(state),
+        result = _with_dp(cfg, method, adapter).start(grid, state_to_record(state),
                                num_rounds=cfg.federation.rounds - adapter.offset,
                                timeout=settings.round_timeout, evaluate_fn=evaluate)
         state = record_to_state(result.arrays)
@@ -108,6 +108,20 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     if settings.result_file:
         settings.result_file.write_text(str(path) + "\n")
     return path
+
+
+def _with_dp(cfg, method, adapter):
+    """The adapter, inside Flower's central-DP wrapper when ``dp.enabled`` (DP-FedAvg on Flower:
+    Flower clips and adds noise; numpy's global RNG, which it draws from, is seeded here)."""
+    privacy = method.strategy.privacy
+    if privacy is None:
+        return adapter
+    import numpy as np
+
+    from fedslice.flower.strategy import CentralDP
+    np.random.seed(cfg.seed)
+    privacy.external_noise = True
+    return CentralDP(adapter, privacy.z, privacy.clip, privacy.n)
 
 
 def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float):
