@@ -30,7 +30,7 @@ ARCHS = (*ENCODERS, "vit", *GENERATIVE)
 SLICING = ("heads", "raffm", "fedpft", "fedot")
 #: the pairs that run today (the README table); every other pair is a ConfigError at load
 WORKS = {(m, a) for m in METHODS for a in ENCODERS} | \
-        {(m, a) for m in ("fedavg", "fedpetuning", "raffm") for a in GENERATIVE}
+        {(m, a) for m in ("fedavg", "fedpetuning", "raffm", "fedpft", "fedot") for a in GENERATIVE}
 
 
 @pytest.fixture(scope="module")

@@ -26,33 +26,74 @@ from fedslice.measure import count_flops
 from fedslice.models.arch import ArchSpec
 from fedslice import progress
 
-#: loss_fn(student_layers, teacher_layers, batch) -> (loss, parts); *_layers[i] = output of block i.
+#: loss_fn(student_layers, teacher_layers, batch) -> (loss, parts); *_layers[i] = output of block i
+#: (global index over the stacks, :func:`block_units`).
 LossFn = Callable[[list[torch.Tensor], list[torch.Tensor], dict[str, torch.Tensor]],
                   tuple[torch.Tensor, dict[str, float]]]
 
 
+def block_units(model: nn.Module, arch: ArchSpec) -> list[tuple[int, int]]:
+    """(stack, layer) of every block of ``model``, stacks in table order: the position in this
+    list is a block's *global* index (an encoder-decoder's decoder blocks follow its encoder's)."""
+    return [(k, l) for k in range(len(arch.stacks)) for l in range(len(arch.blocks(model, k)))]
+
+
 def block_outputs(model: nn.Module, arch: ArchSpec, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The output hidden states (B, T, d) of every transformer block of ``model`` on ``batch``.
+    """The output hidden states (B, T_k, d) of every block of every stack of ``model`` on
+    ``batch``, in :func:`block_units` order.
 
     Captured with temporary forward hooks, not HF's ``output_hidden_states``: transformers 5
     records hidden states through hooks installed once per module, which double-count modules
     that a proxy shares with its full model.
     """
-    blocks = arch.blocks(model)
-    outs: list[torch.Tensor | None] = [None] * len(blocks)
+    units = block_units(model, arch)
+    outs: list[torch.Tensor | None] = [None] * len(units)
 
     def hook_for(i: int):
         def hook(_module, _inputs, output):
             outs[i] = output[0] if isinstance(output, tuple) else output
         return hook
 
-    handles = [b.register_forward_hook(hook_for(i)) for i, b in enumerate(blocks)]
+    handles = [arch.blocks(model, k)[l].register_forward_hook(hook_for(i))
+               for i, (k, l) in enumerate(units)]
     try:
         model(**batch)
     finally:
         for h in handles:
             h.remove()
     return outs  # type: ignore[return-value]
+
+
+def stack_mask(arch: ArchSpec, stack: int, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, T_k) 0/1 mask of the real tokens a stack reads: the decoder of an encoder-decoder reads
+    the decoder inputs (``decoder_attention_mask``, when the batch has one), any other stack the
+    inputs (``attention_mask``)."""
+    if arch.kind == "encoder-decoder" and arch.stacks[stack].name == "decoder":
+        return batch.get("decoder_attention_mask", batch["attention_mask"])
+    return batch["attention_mask"]
+
+
+def block_masks(model: nn.Module, arch: ArchSpec, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`stack_mask` of every block, in :func:`block_units` order."""
+    return [stack_mask(arch, k, batch) for k, _ in block_units(model, arch)]
+
+
+def teacher_forced(batch: dict[str, torch.Tensor], arch: ArchSpec, start_id: int | None) -> dict[str, torch.Tensor]:
+    """A corpus batch for ``arch``: an encoder-decoder's decoder reads the chunk itself shifted
+    right behind ``start_id`` (teacher forcing: the decoder reproduces what the encoder read), so
+    its real positions are the chunk's (``decoder_attention_mask`` = ``attention_mask``); other
+    architectures read the chunk as it is (a decoder with its causal attention)."""
+    if arch.kind != "encoder-decoder" or "decoder_input_ids" in batch or start_id is None:
+        return batch
+    ids, mask = batch["input_ids"], batch["attention_mask"]  # (B, T)
+    start = torch.full_like(ids[:, :1], start_id)
+    return {**batch, "decoder_input_ids": torch.cat([start, ids[:, :-1]], 1),  # (B, T)
+            "decoder_attention_mask": mask}
+
+
+def decoder_start(model: nn.Module) -> int | None:
+    """The HF config's ``decoder_start_token_id`` (None for models without a decoder start)."""
+    return getattr(getattr(model, "config", None), "decoder_start_token_id", None)
 
 
 @dataclass
@@ -118,7 +159,8 @@ def distill(student: nn.Module, teacher: nn.Module, arch: ArchSpec, params: dict
             batch_size: int, seed: int, grad_masks: dict[str, torch.Tensor] | None = None,
             max_grad_norm: float = 1.0) -> DistillLog:
     """Train ``params`` of ``student`` for ``steps`` steps so that ``loss_fn(student_layers,
-    teacher_layers, batch)`` falls (the block outputs of :func:`block_outputs`).
+    teacher_layers, batch)`` falls (the block outputs of :func:`block_outputs` over every stack;
+    an encoder-decoder reads each corpus chunk in both stacks, :func:`teacher_forced`).
 
     ``grad_masks[name]`` (broadcastable to the parameter) zeroes the gradient of frozen elements.
     """
@@ -129,12 +171,13 @@ def distill(student: nn.Module, teacher: nn.Module, arch: ArchSpec, params: dict
     opt = torch.optim.AdamW(params.values(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(steps, warmup))
     batches = _cycle(corpus, batch_size, gen)
+    start_id = decoder_start(teacher)
     t0 = time.perf_counter()
     flops_per_token = 0.0
     with train_only([student, teacher], params), progress.task("distillation", steps) as advance:
         for step in range(steps):
             advance()
-            batch = next(batches)
+            batch = teacher_forced(next(batches), arch, start_id)
             with count_flops(enabled=step == 0) as fc:
                 with torch.no_grad():
                     t_out = block_outputs(teacher, arch, batch)

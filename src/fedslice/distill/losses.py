@@ -6,7 +6,10 @@ the same: the squared error of a layer's output is divided by the teacher's mean
 teacher's product ``W1 W2``.
 
 Unlike the public code, the weight term is built from the student's parameters themselves (not
-``.data``), so it has a gradient and actually pulls ``W1'W2'`` towards ``W1W2``.
+``.data``), so it has a gradient and actually pulls ``W1'W2'`` towards ``W1W2``. A gated FFN
+(SwiGLU, gated-GELU) has two input matrices: the term is the mean of ``||W_gate W2 - ...||`` and
+``||W_up W2 - ...||`` (weights in ``nn.Linear`` orientation; GPT-2's Conv1D weights are
+transposed by the caller).
 """
 
 from __future__ import annotations
@@ -39,19 +42,38 @@ def weight_loss(student: tuple[torch.Tensor, torch.Tensor],
     return ((ffn_product(*student) - target) ** 2).sum() / (target ** 2).sum().clamp_min(1e-12)
 
 
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def _pairs(ffn: Pair | Sequence[Pair]) -> list[Pair]:
+    """The (w_in, w_out) pairs of one FFN: one for a plain FFN, gate and up for a gated one."""
+    return [ffn] if isinstance(ffn[0], torch.Tensor) else list(ffn)  # type: ignore[list-item]
+
+
+def ffn_weight_loss(student: Pair | Sequence[Pair], teacher: Pair | Sequence[Pair]) -> torch.Tensor:
+    """:func:`weight_loss` of one FFN: the mean over its input matrices (a gated FFN's gate and
+    up projection, each with the down projection), so gated and plain FFNs weigh the same."""
+    s, t = _pairs(student), _pairs(teacher)
+    return sum(weight_loss(a, b) for a, b in zip(s, t)) / len(s)
+
+
 def layer_kd_loss(student_layers: Sequence[torch.Tensor], teacher_layers: Sequence[torch.Tensor],
-                  mask: torch.Tensor, student_ffn: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                  teacher_ffn: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                  mask: torch.Tensor | Sequence[torch.Tensor],
+                  student_ffn: dict[int, Pair | Sequence[Pair]],
+                  teacher_ffn: dict[int, Pair | Sequence[Pair]],
                   mu: float) -> tuple[torch.Tensor, dict[str, float]]:
     """Eq. 13: (1/L) sum_i [ ||O_i - O'_i||^2 + mu ||W1W2 - W1'W2'||^2_i ] (normalised terms).
 
-    ``*_layers[i]`` is the output (B, T, d) of layer i (all L layers); the weight term runs over
-    the compressed layers (``student_ffn``: layer -> (w_in, w_out)), whole layers contribute 0.
+    ``*_layers[i]`` is the output (B, T_i, d) of layer i (all L layers of every stack); ``mask``
+    is one (B, T) mask or one per layer (an encoder-decoder's decoder layers read other tokens).
+    The weight term runs over the compressed layers (``student_ffn``: layer -> (w_in, w_out),
+    or for a gated FFN [(gate, w_out), (w_in, w_out)]); whole layers contribute 0.
     """
     L = len(teacher_layers)
-    hid = sum(hidden_loss(s, t, mask) for s, t in zip(student_layers, teacher_layers)) / L
+    masks = [mask] * L if isinstance(mask, torch.Tensor) else list(mask)
+    hid = sum(hidden_loss(s, t, m) for s, t, m in zip(student_layers, teacher_layers, masks)) / L
     if mu > 0 and student_ffn:
-        wt = sum(weight_loss(student_ffn[i], teacher_ffn[i]) for i in student_ffn) / L
+        wt = sum(ffn_weight_loss(student_ffn[i], teacher_ffn[i]) for i in student_ffn) / L
     else:
         wt = torch.zeros((), dtype=hid.dtype)
     total = hid + mu * wt

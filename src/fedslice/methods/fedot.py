@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from fedslice.config import ExperimentConfig, FedOTMethod
 from fedslice.distill import cache
-from fedslice.distill.loop import DistillLog, distill
+from fedslice.distill.loop import DistillLog, distill, stack_mask
 from fedslice.distill.losses import hidden_loss
 from fedslice.distill.report import write_curves
 from fedslice.errors import ConfigError
@@ -48,7 +48,7 @@ from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import apply_lora
 from fedslice.slicing.aggregate import client_delta
-from fedslice.slicing.spec import SliceSpec, extract_model, extract_state, scatter
+from fedslice.slicing.spec import ModelSlice, SliceSpec, extract_model, extract_state, scatter
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class SubModelStrategy(Strategy):
     checkpoint (the distilled emulator): they go to a client at its first participation, as
     ``emulator.<name>``, and again after a round it did not reply to (it may have lost them)."""
 
-    def __init__(self, fed, spec: SliceSpec, arch: ArchSpec, shapes: dict[str, torch.Size],
+    def __init__(self, fed, spec: SliceSpec | ModelSlice, arch: ArchSpec, shapes: dict[str, torch.Size],
                  frozen: State | None = None):
         super().__init__(fed)
         self.spec, self.arch, self.shapes = spec, arch, shapes
@@ -153,7 +153,6 @@ class SubModelStrategy(Strategy):
 
 class FedOT(Method):
     name = "fedot"
-    needs_simple_encoder = True
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both"):
@@ -163,11 +162,15 @@ class FedOT(Method):
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         o = self.opts
-        self.bottom, self.emulator, self.top = fedot_layout(
-            self.dims["num_layers"], o.bottom_layers, o.top_layers, o.emulator_layers)
-        full = self._adapter(model, self.bottom + self.top)
-        self.spec = SliceSpec.leading(self.dims, self.dims["num_heads"], self.dims["ffn"],
-                                      layers=self.bottom + self.emulator + self.top)
+        all_dims = self.arch.all_dims(model.config)
+        #: (bottom adapter, emulator, top adapter) layers of every stack
+        self.layouts = [fedot_layout(d["num_layers"], o.bottom_layers, o.top_layers, o.emulator_layers)
+                        for d in all_dims]
+        self.bottom, self.emulator, self.top = self.layouts[0]  # the first (an encoder's or decoder's only) stack
+        self._check_layout()
+        full = self._adapter(model, [b + t for b, _, t in self.layouts])
+        self.spec = ModelSlice(tuple(SliceSpec.leading(d, d["num_heads"], d["ffn"], layers=b + e + t)
+                                     for d, (b, e, t) in zip(all_dims, self.layouts)))
         self.sub = extract_model(full, self.spec, self.arch)
         self.kd_log, self.kd_cached = None, False
         self.emulator_params: dict[str, nn.Parameter] = {}  # the distilled copies (sub-model names)
@@ -178,9 +181,17 @@ class FedOT(Method):
                 self.kd_log, self.kd_cached = self._distill_emulator(full)
         return full
 
-    def _adapter(self, model: nn.Module, layers: list[int]) -> nn.Module:
-        """Freeze everything, then make the adapter layers (LoRA on them, or all their
-        parameters) and the classifier trainable."""
+    def _check_layout(self) -> None:
+        """A stack whose first block holds a table every layer reads (T5's relative-position
+        bias) needs its first layer in the sub-model."""
+        if self.arch.head_bias and not self.bottom:
+            raise ConfigError(f"method.bottom_layers: a {self.arch.model_type} model keeps its "
+                              "relative-position bias in the first layer of each stack, which the "
+                              "client model needs: use at least 1")
+
+    def _adapter(self, model: nn.Module, layers: list[list[int]]) -> nn.Module:
+        """Freeze everything, then make the adapter layers (``layers[k]``: of stack k; LoRA on
+        them, or all their parameters) and the classifier trainable."""
         for p in model.parameters():
             p.requires_grad_(False)
         if self.opts.adapter_tuning == "lora":
@@ -188,10 +199,11 @@ class FedOT(Method):
             if r is not None:  # another rank, the same scaling alpha / r
                 lora = lora.model_copy(update={"r": r, "alpha": lora.alpha * r / lora.r})
             return apply_lora(model, self.arch, lora, layers=layers)
-        blocks = self.arch.blocks(model)
-        for l in layers:
-            for p in blocks[l].parameters():
-                p.requires_grad_(True)
+        for k, stack_layers in enumerate(layers):
+            blocks = self.arch.blocks(model, k)
+            for l in stack_layers:
+                for p in blocks[l].parameters():
+                    p.requires_grad_(True)
         for name in self.arch.classifier:
             for p in getattr(model, name).parameters():
                 p.requires_grad_(True)
@@ -203,31 +215,47 @@ class FedOT(Method):
         return SubModelStrategy(self.cfg.federation, self.spec, self.arch, shapes, frozen)
 
     def _own_emulator(self) -> dict[str, nn.Parameter]:
-        """Give the sub-model its own copies of the emulator layers (the full model's middle
-        layers stay untouched) and return their parameters by sub-model name."""
-        nb, k = len(self.bottom), len(self.emulator)
-        blocks = self.arch.blocks(self.sub)  # the sub-model's own list
-        for j in range(nb, nb + k):
-            blocks[j] = copy.deepcopy(blocks[j])
-        return named_params(self.sub, [blocks[j] for j in range(nb, nb + k)])
+        """Give the sub-model its own copies of the emulator layers of every stack (the full
+        model's middle layers stay untouched) and return their parameters by sub-model name."""
+        copies = []
+        for k, (b, e, _) in enumerate(self.layouts):
+            blocks = self.arch.blocks(self.sub, k)  # the sub-model's own list
+            for j in range(len(b), len(b) + len(e)):
+                blocks[j] = copy.deepcopy(blocks[j])
+                copies.append(blocks[j])
+        return named_params(self.sub, copies)
+
+    def _emulator_pairs(self) -> list[tuple[int, int, int]]:
+        """(stack, global index of its last emulator layer in the sub-model, global index of its
+        last middle layer in the full model): the outputs the emulator distillation matches."""
+        sub_at = full_at = 0
+        out = []
+        for k, (b, e, t) in enumerate(self.layouts):
+            L = self.spec.stacks[k].num_layers
+            out.append((k, sub_at + len(b) + len(e) - 1, full_at + L - len(t) - 1))
+            sub_at, full_at = sub_at + len(b) + len(e) + len(t), full_at + L
+        return out
 
     def _distill_emulator(self, full: nn.Module) -> tuple[DistillLog, bool]:
-        """The emulator copies, trained so that their output matches the middle layers'."""
-        d, nb, k = self.opts.distill, len(self.bottom), len(self.emulator)
-        params = self.emulator_params
-        t_index = self.dims["num_layers"] - len(self.top) - 1  # the last middle layer
+        """The emulator copies, trained so that their output matches the middle layers' (per
+        stack; an encoder-decoder's decoder reads the corpus teacher-forced, the mean over stacks)."""
+        d = self.opts.distill
+        params, pairs = self.emulator_params, self._emulator_pairs()
         corpus = Corpus(self.cfg, d, self.tokenizer, d.steps, "method.distill.corpus")
 
         def loss(s_layers, t_layers, batch):  # emulator output vs the middle layers' output
-            value = hidden_loss(s_layers[nb + k - 1], t_layers[t_index], batch["attention_mask"])
+            value = sum(hidden_loss(s_layers[s], t_layers[t], stack_mask(self.arch, k, batch))
+                        for k, s, t in pairs) / len(pairs)
             return value, {"loss": float(value.detach())}
 
         def run() -> DistillLog:
             log.info("fedot: emulator distillation, %d steps", d.steps)
             return distill(self.sub, full, self.arch, params, corpus.split, loss, steps=d.steps, lr=d.lr,
                            warmup=d.warmup, batch_size=d.batch_size, seed=d.seed_or(self.cfg.seed))
+        layers = [list(x) for x in self.layouts[0]] if len(self.layouts) == 1 else \
+            [[list(x) for x in lay] for lay in self.layouts]
         inputs = {"kind": "fedot-emulator-kd", "model": cache.weights_fingerprint(full, ("lora_", "classifier")),
-                  "layers": [self.bottom, self.emulator, self.top], "steps": d.steps,
+                  "layers": layers, "steps": d.steps,
                   "seed": d.seed_or(self.cfg.seed), **corpus.cache_inputs()}
         return cached_distill(cache.cache_root(d.cache_dir), inputs, params, run)
 

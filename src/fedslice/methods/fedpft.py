@@ -45,7 +45,7 @@ from fedslice.data.batching import TokenizedSplit
 from fedslice.distill import cache
 from fedslice.distill.apoz import (aggregate_apoz, apoz_report, count_near_zero, select_neurons,
                                    split_report)
-from fedslice.distill.loop import DistillLog, distill
+from fedslice.distill.loop import DistillLog, block_masks, distill
 from fedslice.distill.losses import layer_kd_loss
 from fedslice.distill.report import write_curves
 from fedslice.errors import ConfigError
@@ -58,8 +58,8 @@ from fedslice.methods.submodel import (Corpus, cached_distill, concat_logs, name
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import apply_lora
-from fedslice.slicing.salience import salience
-from fedslice.slicing.spec import SliceSpec, extract_model, key_info
+from fedslice.slicing.salience import model_salience
+from fedslice.slicing.spec import ModelSlice, SliceSpec, extract_model, key_info
 
 log = logging.getLogger(__name__)
 
@@ -109,22 +109,64 @@ def proxy_spec(neuron_saliency: list[torch.Tensor], dims: dict[str, int], keep_r
     return SliceSpec(tuple(range(L)), heads, neurons, L, dims["num_heads"], dims["head_dim"], F)
 
 
-def build_proxy(model: nn.Module, spec: SliceSpec, arch: ArchSpec) -> nn.Module:
+def proxy_slice(saliency: list[list[torch.Tensor]], all_dims: list[dict[str, int]], keep_ratio: float,
+                whole_layers: list[int]) -> ModelSlice:
+    """One :func:`proxy_spec` per stack: every stack keeps ``whole_layers`` (its own layer
+    numbers: by default its first and last layer) whole and compresses the others.
+    ``saliency[k][l]``: (F,) neuron saliency of layer l of stack k."""
+    return ModelSlice(tuple(proxy_spec(sal, d, keep_ratio, compressed_layers(whole_layers, d["num_layers"]))
+                            for sal, d in zip(saliency, all_dims)))
+
+
+def global_layer(offsets: tuple[int, ...], stack: int, layer: int) -> int:
+    """The global index of a block (stacks in table order: see ``block_units``)."""
+    return offsets[stack] + layer
+
+
+def stack_offsets(spec: ModelSlice) -> tuple[int, ...]:
+    """Global index of each stack's first block."""
+    sizes = [s.num_layers for s in spec.stacks]
+    return tuple(sum(sizes[:k]) for k in range(len(sizes)))
+
+
+def compressed_units(spec: ModelSlice) -> dict[int, tuple[int, int]]:
+    """Global layer -> (stack, layer) of every layer whose FFN the proxy compresses."""
+    offsets = stack_offsets(spec)
+    return {global_layer(offsets, k, l): (k, l) for k, s in enumerate(spec.stacks)
+            for j, l in enumerate(s.layers) if not s.is_identity(j, "ffn")}
+
+
+def build_proxy(model: nn.Module, spec: ModelSlice, arch: ArchSpec) -> nn.Module:
     """The proxy of ``model``: shares everything but the sliced FFNs, whose ``b2`` is unshared
     too (so distilling the proxy never changes the full model)."""
     proxy = extract_model(model, spec, arch)
-    for j, layer in enumerate(spec.layers):
-        if not spec.is_identity(j, "ffn"):
-            out = arch.part(proxy, layer, "ffn_out")
-            if out.bias is not None:
-                out.bias = nn.Parameter(out.bias.detach().clone(), requires_grad=False)
+    for k, l in compressed_units(spec).values():
+        out = arch.ffn_part(proxy, k, l, "ffn_out")
+        if out.bias is not None:
+            out.bias = nn.Parameter(out.bias.detach().clone(), requires_grad=False)
     return proxy
 
 
-def ffn_weights(model: nn.Module, arch: ArchSpec, layers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """layer -> (ffn_in.weight (F, d), ffn_out.weight (d, F)), the live parameters."""
-    return {l: (arch.part(model, l, "ffn_in").weight, arch.part(model, l, "ffn_out").weight)
-            for l in layers}
+def ffn_modules(model: nn.Module, arch: ArchSpec, stack: int, layer: int) -> list[nn.Module]:
+    """The gate (if any), ``ffn_in`` and ``ffn_out`` modules of one block."""
+    parts = [arch.ffn_part(model, stack, layer, p) for p in ("gate", "ffn_in", "ffn_out")]
+    return [m for m in parts if m is not None]
+
+
+def _linear(weight: torch.Tensor, arch: ArchSpec) -> torch.Tensor:
+    """A weight in ``nn.Linear`` orientation (out, in): GPT-2's Conv1D stores (in, out)."""
+    return weight.T if arch.weight_layout == "conv1d" else weight
+
+
+def ffn_weights(model: nn.Module, arch: ArchSpec, units: dict[int, tuple[int, int]]) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """global layer -> [(W_in (F, d), W_out (d, F))] per input matrix (gate first, then ffn_in),
+    the live parameters (views keep their gradient)."""
+    out = {}
+    for g, (k, l) in units.items():
+        w_out = _linear(arch.ffn_part(model, k, l, "ffn_out").weight, arch)  # (d, F)
+        ins = [arch.ffn_part(model, k, l, p) for p in ("gate", "ffn_in")]
+        out[g] = [(_linear(m.weight, arch), w_out) for m in ins if m is not None]  # (F, d), (d, F)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,9 +183,11 @@ class FedPFTStrategy(Strategy):
     as the paper's communication analysis assumes."""
 
     def __init__(self, fed, method: FedPFTMethod, arch: ArchSpec, proxy_keys: list[str],
-                 widths: dict[int, int]):
+                 widths: dict[int, int],
+                 offsets: tuple[int, ...] = (0,)):
         super().__init__(fed)
         self.method, self.arch, self.proxy_keys, self.widths = method, arch, set(proxy_keys), widths
+        self.offsets = offsets  # global index of each stack's first layer (widths' keys)
         self.updates: list[dict[int, torch.Tensor]] = []  # neuron masks of each re-alignment
         self.client_version: dict[int, int] = {}  # re-alignments included in the client's copy
 
@@ -201,7 +245,7 @@ class FedPFTStrategy(Strategy):
             out[f"{UPDATE_PREFIX}{layer}.index"] = idx
             for key in self.proxy_keys:
                 info = key_info(self.arch, key)
-                if info.layer == layer and info.axis is not None:
+                if global_layer(self.offsets, info.stack, info.layer) == layer and info.axis is not None:
                     out[f"{UPDATE_PREFIX}{key}"] = state[key].index_select(info.axis, idx)
         return out
 
@@ -238,7 +282,6 @@ class FedPFTStrategy(Strategy):
 
 class FedPFT(Method):
     name = "fedpft"
-    needs_simple_encoder = True
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both"):
@@ -254,15 +297,14 @@ class FedPFT(Method):
         """LoRA on attention of the full model, then the proxy and its layer-level KD."""
         o = self.opts
         self._check_lora_targets()
-        layers = compressed_layers(o.whole_layers, self.dims["num_layers"])
-        sal = [s.neurons for s in salience(model.state_dict(), self.arch, self.dims, "l2")]  # Eq. 8
+        self.spec = self._proxy_slice(model)
         for p in model.parameters():
             p.requires_grad_(False)
         full = self.teacher = apply_lora(model, self.arch, self.cfg.lora)
-        self.spec = proxy_spec(sal, self.dims, o.keep_ratio, layers)
-        self.compressed = [l for j, l in enumerate(self.spec.layers) if not self.spec.is_identity(j, "ffn")]
+        self.units = compressed_units(self.spec)  # global layer -> (stack, layer)
+        self.compressed = list(self.units)
         self.proxy = build_proxy(full, self.spec, self.arch)
-        ffns = [self.arch.part(self.proxy, l, p) for l in self.compressed for p in ("ffn_in", "ffn_out")]
+        ffns = [m for k, l in self.units.values() for m in ffn_modules(self.proxy, self.arch, k, l)]
         self.proxy_params = named_params(self.proxy, ffns)
         # a client gets the distilled proxy in its payload: no corpus, no distillation there
         self.corpus = self._corpus() if self.role != "client" else None
@@ -270,6 +312,14 @@ class FedPFT(Method):
         if o.kd in KD_BEFORE and self.compressed and o.distill.steps > 0 and self.role != "client":
             self.kd_before, self.kd_cached = self._layer_kd(full)
         return full
+
+    def _proxy_slice(self, model: nn.Module) -> ModelSlice:
+        """Eq. 8 saliency of every stack's neurons (a gated neuron: gate row + up row + down
+        column) and the proxy's slice: ``whole_layers`` of each stack whole."""
+        all_dims = self.arch.all_dims(model.config)
+        sal = model_salience(model.state_dict(), self.arch, all_dims, "l2")
+        neurons = [[s.neurons for s in stack] for stack in sal]
+        return proxy_slice(neurons, all_dims, self.opts.keep_ratio, self.opts.whole_layers)
 
     def _check_lora_targets(self) -> None:
         lora = self.cfg.lora
@@ -289,22 +339,24 @@ class FedPFT(Method):
         return corpus
 
     def make_strategy(self) -> Strategy:
-        widths = {l: len(self.spec.neurons[l]) for l in self.compressed}
-        return FedPFTStrategy(self.cfg.federation, self.opts, self.arch, list(self.proxy_params), widths)
+        widths = {g: len(self.spec.stacks[k].neurons[l]) for g, (k, l) in self.units.items()}
+        return FedPFTStrategy(self.cfg.federation, self.opts, self.arch, list(self.proxy_params), widths,
+                              offsets=stack_offsets(self.spec))
 
     def _kd_loss(self, mu: float):
-        s_ffn = ffn_weights(self.proxy, self.arch, self.compressed)
-        t_ffn = ffn_weights(self.teacher, self.arch, self.compressed)
+        s_ffn = ffn_weights(self.proxy, self.arch, self.units)
+        t_ffn = ffn_weights(self.teacher, self.arch, self.units)
 
-        def loss(s_layers, t_layers, batch):
-            return layer_kd_loss(s_layers, t_layers, batch["attention_mask"], s_ffn, t_ffn, mu)
+        def loss(s_layers, t_layers, batch):  # every layer of every stack, its stack's mask
+            masks = block_masks(self.proxy, self.arch, batch)
+            return layer_kd_loss(s_layers, t_layers, masks, s_ffn, t_ffn, mu)
         return loss
 
     def _layer_kd(self, full: nn.Module) -> tuple[DistillLog, bool]:
         """Eq. 13 on the corpus, or the cached result of the same settings."""
         d = self.opts.distill
         inputs = {"kind": "fedpft-layer-kd", "model": cache.weights_fingerprint(full, ("lora_", "classifier")),
-                  "neurons": [list(self.spec.neurons[l]) for l in self.compressed],
+                  "neurons": [list(self.spec.stacks[k].neurons[l]) for k, l in self.units.values()],
                   "layers": self.compressed, "steps": d.steps, "mu": d.mu, "seed": d.seed_or(self.cfg.seed),
                   **self.corpus.cache_inputs()}
 
@@ -334,7 +386,8 @@ class FedPFT(Method):
             elif k.startswith(UPDATE_PREFIX) and not k.endswith(".index"):
                 key = k[len(UPDATE_PREFIX):]
                 info = key_info(self.arch, key)
-                idx = arrays[f"{UPDATE_PREFIX}{info.layer}.index"]
+                g = global_layer(stack_offsets(self.spec), info.stack, info.layer)
+                idx = arrays[f"{UPDATE_PREFIX}{g}.index"]
                 self.proxy_params[key].index_copy_(info.axis, idx, t)
         return params
 
@@ -379,7 +432,7 @@ class FedPFT(Method):
                                     self.opts.apoz_max_examples, seed)
         reply = super().fit(payload, data, seed)
         if count is not None:
-            report = apoz_report(count.counts, count.tokens)
+            report = apoz_report(count.counts, count.layer_tokens)
             reply.arrays.update(report)
             m = reply.metrics
             m["bytes_up"] += measure.tensor_bytes(report)
@@ -426,13 +479,15 @@ class FedPFT(Method):
     def _neuron_kd(self, update: dict[int, torch.Tensor], seed: int) -> DistillLog:
         """Re-distil the selected neurons (W1 rows, b1, W2 columns); everything else fixed."""
         o, d = self.opts, self.opts.distill
-        names = {id(p): n for n, p in self.proxy_params.items()}
+        offsets = stack_offsets(self.spec)
         params, masks = {}, {}
-        for l, m in update.items():
-            lin_in, lin_out = self.arch.part(self.proxy, l, "ffn_in"), self.arch.part(self.proxy, l, "ffn_out")
-            for p, mask in ((lin_in.weight, m[:, None]), (lin_in.bias, m), (lin_out.weight, m[None, :])):
-                if p is not None:
-                    params[names[id(p)]], masks[names[id(p)]] = p, mask.float()
+        for name, p in self.proxy_params.items():  # W1 (and gate) rows, b1, W2 columns
+            info = key_info(self.arch, name)
+            m = update.get(global_layer(offsets, info.stack, info.layer))
+            if m is not None and info.axis is not None:
+                shape = [1] * p.dim()
+                shape[info.axis] = -1
+                params[name], masks[name] = p, m.float().reshape(shape)
         return distill(self.proxy, self.teacher, self.arch, params, self.corpus.split, self._kd_loss(o.align_mu),
                        steps=o.align_steps, lr=o.align_lr or d.lr, warmup=d.warmup,
                        batch_size=d.batch_size, seed=seed, grad_masks=masks)
@@ -454,7 +509,7 @@ class FedPFT(Method):
         out = {**sub_accuracy(self.task, self.proxy_model(state), data, batch_size),
                "full_transformer_params": full_p, "proxy_transformer_params": proxy_p,
                "proxy_param_fraction": proxy_p / full_p, "compressed_layers": self.compressed,
-               "proxy_ffn": [len(n) for n in self.spec.neurons], "kd": self.opts.kd,
+               "proxy_ffn": [len(n) for st in self.spec.stacks for n in st.neurons], "kd": self.opts.kd,
                "kd_before_cached": self.kd_cached, "kd_during_rounds": len(self.align_logs)}
         if self.kd_before is not None:
             out.update(self.kd_before.summary("kd_before"))
@@ -468,5 +523,7 @@ class FedPFT(Method):
                   "neuron-level KD during FL": concat_logs(self.align_logs)}
         write_curves(folder, "fedpft_distill", phases, plot=self.cfg.output.plots,
                      extra={"cached": self.kd_cached, "compressed_layers": self.compressed,
-                            "kept_neurons": len(self.spec.neurons[self.compressed[0]]) if self.compressed else None,
+                            "kept_neurons": len(self.spec.stacks[self.units[self.compressed[0]][0]]
+                                                .neurons[self.units[self.compressed[0]][1]])
+                            if self.compressed else None,
                             "alignments": self.align_records})

@@ -83,11 +83,13 @@ def cached_distill(root, inputs: dict[str, Any], params: dict[str, nn.Parameter]
 
 
 def sub_accuracy(task: Task, model: nn.Module, data: Any, batch_size: int) -> dict[str, float]:
-    """Dev and test accuracy of a client-side model (proxy / emulator)."""
-    out = {}
+    """Dev and test score of a client-side model (proxy / emulator) in the task's primary metric:
+    ``proxy_{dev,test}_<metric>`` (``..._accuracy`` for classification, ``..._rougeL`` for
+    generation)."""
+    out, metric = {}, task.primary_metric
     for split in ("dev", "test"):
         ev = task.evaluate(model, getattr(data, split), batch_size)
-        out[f"proxy_{split}_accuracy"] = ev["accuracy"]
+        out[f"proxy_{split}_{metric}"] = ev[metric]
     return out
 
 

@@ -163,6 +163,12 @@ class ArchSpec:
     def part(self, model: nn.Module, layer: int, part: str) -> nn.Module:
         return _get(self.blocks(model)[layer], self.parts[part])
 
+    def ffn_part(self, model: nn.Module, stack: int, layer: int, part: str) -> nn.Module | None:
+        """The ``gate``, ``ffn_in`` or ``ffn_out`` module of a block of any stack (``gate``: None
+        for a plain FFN)."""
+        path = getattr(self.stacks[stack].ffn, part)
+        return _get(self.blocks(model, stack)[layer], path) if path else None
+
     def attention(self, model: nn.Module, layer: int) -> nn.Module:
         """The self-attention module of a block of the first stack: the parent of its ``q``."""
         parent = self.parts["q"].rpartition(".")[0]
@@ -185,14 +191,15 @@ class ArchSpec:
         raise ModelError(f"unknown part {part!r}: expected one of {', '.join(PART_NAMES)}")
 
     def module_names(self, model: nn.Module, parts: list[str],
-                     layers: list[int] | None = None) -> list[str]:
+                     layers: list[int] | list[list[int]] | None = None) -> list[str]:
         """Full names (in the unwrapped HF model) of the modules of ``parts`` in every block of
-        every stack of ``model``, or only in blocks numbered ``layers`` (of each stack); no
-        duplicates."""
+        every stack of ``model``, or only in blocks numbered ``layers`` (of each stack, or one
+        list per stack); no duplicates."""
         names: dict[str, None] = {}
         for k, s in enumerate(self.stacks):
             n = len(self.blocks(model, k))
-            for i in range(n) if layers is None else sorted(l for l in set(layers) if l < n):
+            mine = layers[k] if layers and isinstance(layers[0], (list, tuple)) else layers
+            for i in range(n) if mine is None else sorted(l for l in set(mine) if l < n):
                 for part in parts:
                     for path in self.part_paths(s, part):
                         names[f"{s.layers}.{i}.{path}"] = None

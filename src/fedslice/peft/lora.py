@@ -33,7 +33,7 @@ def logical_targets(cfg: LoraConfig) -> list[str]:
 
 
 def resolve_targets(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
-                    layers: list[int] | None = None) -> list[str]:
+                    layers: list[int] | list[list[int]] | None = None) -> list[str]:
     """peft ``target_modules`` for this config, validated against the model's modules.
 
     ``layers`` restricts the logical targets to those layers (raw ``target_modules`` cannot be
@@ -57,7 +57,7 @@ def resolve_targets(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
 
 
 def apply_lora(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
-               layers: list[int] | None = None) -> nn.Module:
+               layers: list[int] | list[list[int]] | None = None) -> nn.Module:
     """Wrap ``model`` with LoRA adapters (in every layer, or only in ``layers``); the
     sequence-classification head stays trainable if configured.
 
