@@ -57,7 +57,10 @@ def method_opts(name: str, corpus, cache, arch: str = "bert") -> dict:
             "heads": {"sparsity": 0.5, "importance_max_examples": 8},
             # a tiny LM's FLOPs are mostly its 49k-word output layer: slices save a few percent
             "raffm": {"tiers": [{"share": 0.5, "flops": 0.99}, {"share": 0.5, "flops": 1.0}]}
-            if arch in GENERATIVE else {}, "fedot": {"distill_emulator": True, "distill": distill},
+            if arch in GENERATIVE else {}, "fedot": {"distill_emulator": True, "distill": distill,
+                                                     # 2 layers per stack: adapter 1 + emulator 1
+                                                     **({"bottom_layers": 1, "top_layers": 0}
+                                                        if arch in GENERATIVE else {})},
             "fedpft": {"keep_ratio": 0.5, "align_every": 1, "align_steps": 1, "distill": distill},
             }[name]
 
