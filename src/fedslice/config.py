@@ -367,8 +367,9 @@ class FedPFTMethod(_Section):
     align_lr: float | None = Field(None, gt=0, description="Default: distill.lr.")
     align_mu: float = Field(0.0, ge=0, description="Weight term during neuron-level KD (the "
                             "public code uses hidden states only).")
-    apoz_tau: float = Field(0.05, ge=0, description="A GELU activation counts as zero when "
-                            "|a| < tau (Eq. 14 counts exact zeros, which GELU almost never gives).")
+    apoz_tau: float = Field(0.05, ge=0, description="An FFN activation (gated: act(gate x) * up x) "
+                            "counts as zero when |a| <= tau (Eq. 14 counts exact zeros, which GELU/SiLU "
+                            "almost never give; 0: exact zeros, e.g. ReLU).")
     apoz_max_examples: int | None = Field(None, gt=0, description="APoZ on a seeded sample of "
                                           "this many local examples (default: all, as the paper).")
 

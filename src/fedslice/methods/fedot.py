@@ -11,6 +11,13 @@ Defaults scale the paper's 12-layer setting (adapter 2 + 2, middle 8 -> 3) to th
 ``max(1, round(L / 6))`` adapter layers at each end and ``max(1, round(3 m / 8))`` emulator layers
 (MiniLM, 6 layers: adapter 1 + 1, emulator 2 of the 4 middle layers).
 
+Every stack gets this layout (an encoder-decoder: adapter and emulator in the encoder and in the
+decoder, defaults scaled to each stack's depth; ``bottom``/``emulator``/``top`` are the first
+stack's, ``layouts`` all of them). Not decoder-only: a client would then hold the whole encoder,
+the full-size part Offsite-Tuning keeps from it. The emulator distillation matches each stack's
+last emulator output to its last middle layer's (mean over stacks; an encoder-decoder's decoder
+reads the corpus teacher-forced).
+
 The client model is :func:`~fedslice.slicing.spec.extract_model` of the full model for the depth
 :class:`~fedslice.slicing.spec.SliceSpec` of adapter + emulator layers: it shares the adapter
 (and its LoRA), embeddings and classifier with the full model. With ``distill_emulator`` the

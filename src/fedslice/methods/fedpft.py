@@ -2,7 +2,8 @@
 
 1. **Sub-FM construction** (Sec. 3.4). Each FFN neuron's saliency is the L2 norm of its ``W1`` row
    and ``W2`` column (Eq. 8: :func:`fedslice.slicing.salience.salience` with ``norm='l2'``). In the
-   compressed layers (all but ``method.whole_layers``, default the first and the last) the top
+   compressed layers (all but ``method.whole_layers``, default the first and the last, counted
+   in each stack: an encoder-decoder keeps the first/last encoder and decoder layers whole) the top
    ``keep_ratio`` of the neurons are kept, in their original order; attention is untouched. The
    proxy is :func:`~fedslice.slicing.spec.extract_model` of the full model for that
    :class:`~fedslice.slicing.spec.SliceSpec`: it shares the embeddings, attention (and its LoRA),
@@ -10,7 +11,9 @@
    FFN tensors (``W1``, ``b1``, ``W2`` and, unshared so it can be distilled, ``b2``).
 2. **Layer-level KD before FL** (Eq. 13): on the server's unlabeled corpus, the compressed FFNs are
    trained so that every layer's output matches the full model's, plus ``mu * ||W1W2 - W1'W2'||^2``
-   with a real gradient (:mod:`fedslice.distill.losses`). Cached on disk; the loss curve goes to
+   with a real gradient (:mod:`fedslice.distill.losses`). Every layer = every block of every stack
+   (:func:`~fedslice.distill.loop.block_units`): an encoder-decoder's decoder reads the corpus
+   teacher-forced, each stack's padding masked. Cached on disk; the loss curve goes to
    ``fedpft_distill.json``/``.png`` in the run folder.
 3. **FL**: clients receive only the proxy's tensors (LoRA + classifier every round; the compressed
    FFN tensors at first participation, and the re-distilled neurons when a re-alignment happened
@@ -26,6 +29,12 @@
    proxy's.
 
 Ablations (``method.kd``): ``none`` (FedPFT_N), ``before`` (FedPFT_B), ``during`` (FedPFT_D).
+
+Any architecture of the table: the proxy is a :class:`~fedslice.slicing.spec.ModelSlice` (one
+spec per stack); a gated FFN's neuron (SwiGLU, gated-GELU) is one gate·up unit (gate row, up
+row, down column; saliency sums the three, the gate is sliced, distilled and re-aligned with
+``ffn_in``). Compressed layers are numbered globally over the stacks (encoder layers first), the
+numbering of APoZ reports, neuron updates and ``compressed_layers``.
 
 The global state holds LoRA + classifier (full-model names, also the proxy's) and the proxy's
 compressed FFN tensors (proxy names; same keys as the full model's FFN but of the kept width).
@@ -339,9 +348,13 @@ class FedPFT(Method):
         return corpus
 
     def make_strategy(self) -> Strategy:
-        widths = {g: len(self.spec.stacks[k].neurons[l]) for g, (k, l) in self.units.items()}
+        widths = self._widths()
         return FedPFTStrategy(self.cfg.federation, self.opts, self.arch, list(self.proxy_params), widths,
                               offsets=stack_offsets(self.spec))
+
+    def _widths(self) -> dict[int, int]:
+        """Global layer -> kept neurons, of every compressed layer."""
+        return {g: len(self.spec.stacks[k].neurons[l]) for g, (k, l) in self.units.items()}
 
     def _kd_loss(self, mu: float):
         s_ffn = ffn_weights(self.proxy, self.arch, self.units)
@@ -523,7 +536,5 @@ class FedPFT(Method):
                   "neuron-level KD during FL": concat_logs(self.align_logs)}
         write_curves(folder, "fedpft_distill", phases, plot=self.cfg.output.plots,
                      extra={"cached": self.kd_cached, "compressed_layers": self.compressed,
-                            "kept_neurons": len(self.spec.stacks[self.units[self.compressed[0]][0]]
-                                                .neurons[self.units[self.compressed[0]][1]])
-                            if self.compressed else None,
+                            "kept_neurons": self._widths()[self.compressed[0]] if self.compressed else None,
                             "alignments": self.align_records})

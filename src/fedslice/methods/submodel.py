@@ -20,11 +20,13 @@ from fedslice.models.arch import ArchSpec
 
 
 def transformer_params(model: nn.Module, arch: ArchSpec) -> int:
-    """Parameters of the transformer blocks (LoRA adapters excluded), each tensor counted once."""
+    """Parameters of the transformer blocks of every stack (LoRA adapters excluded), each tensor
+    counted once."""
     seen: dict[int, int] = {}
-    for name, p in arch.blocks(model).named_parameters(remove_duplicate=False):
-        if "lora_" not in name:
-            seen[id(p)] = p.numel()
+    for k in range(len(arch.stacks)):
+        for name, p in arch.blocks(model, k).named_parameters(remove_duplicate=False):
+            if "lora_" not in name:
+                seen[id(p)] = p.numel()
     return sum(seen.values())
 
 
