@@ -54,7 +54,7 @@ def test_head_importance_on_tiny_model(tiny_model_dir, tiny_data_dir):
     raw = load_local_splits(tiny_data_dir, text_columns=["sentence"], label_column="label")
     data = tokenize_split(raw["dev"], loaded.tokenizer, 16)
     tok = loaded.tokenizer
-    imp = head_importance(loaded.model, data, [tok.sep_token_id, tok.cls_token_id])["encoder"]
+    imp = head_importance(loaded.model, data, [tok.sep_token_id, tok.cls_token_id])["encoder.self"]
     assert imp.shape == (2, 4) and bool(((imp > 0) & (imp <= 1)).all())
     assert loaded.model.config._attn_implementation == "sdpa"  # restored
 

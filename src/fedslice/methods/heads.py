@@ -1,5 +1,11 @@
 """``heads``: FedPETuning with per-client attention-head pruning ("Assortment of Attention Heads").
 
+Runs on every architecture of the table. A head is a query head of one attention family (encoder
+self, decoder self, decoder cross) of one layer: the keep-mask is (R, H) with one row per
+(family, layer) (:func:`fedslice.slicing.heads.mask_rows`). Under grouped-query attention query
+heads are scored and pruned one by one and a key/value head stays while any query head of its
+group does; GPT-2's fused q|k|v is sliced in each of its sections.
+
 Each round, a selected client (Algorithm 1 of the paper, with the importance computed *before*
 local training, since it decides what the client trains):
 
@@ -49,20 +55,22 @@ from fedslice.methods.base import Role
 from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.models.loading import LoadedModel
 from fedslice.slicing.heads import (HeadUpdate, _ensure_eager, combine_heads, head_axes,
-                                    head_deltas, head_importance, keep_mask, mask_spec)
+                                    head_deltas, head_importance, keep_mask, mask_rows, mask_spec,
+                                    num_rows)
 from fedslice.slicing.partial import partial_model
 from fedslice.slicing.spec import HEAD_PARTS, extract_model, extract_state, key_info
 
 log = logging.getLogger(__name__)
 
-#: Reserved reply keys (not model tensors): the client's keep-mask and importance, both (L, H).
+#: Reserved reply keys (not model tensors): the client's keep-mask and importance, both (R, H):
+#: one row per (attention family, layer), stack by stack (:func:`mask_rows`).
 KEPT = "heads.kept"
 ALPHA = "heads.alpha"
 
 
-def kept_count(num_layers: int, num_heads: int, sparsity: float, scope: str) -> int:
-    """Heads kept per pool (all layers for 'global', one layer for 'per_layer')."""
-    pool = num_layers * num_heads if scope == "global" else num_heads
+def kept_count(num_rows: int, num_heads: int, sparsity: float, scope: str) -> int:
+    """Heads kept per pool (every (family, layer) row for 'global', one row for 'per_layer')."""
+    pool = num_rows * num_heads if scope == "global" else num_heads
     return int(np.round((1 - sparsity) * pool))
 
 
@@ -73,14 +81,18 @@ def kept_count(num_layers: int, num_heads: int, sparsity: float, scope: str) -> 
 class HeadsStrategy(Strategy):
     """Validates head-pruned replies and aggregates them with Eq. 8 (or FedAvg per head)."""
 
-    def __init__(self, fed, opts: HeadsMethod, arch, dims: dict[str, int]):
+    def __init__(self, fed, opts: HeadsMethod, arch, dims: list[dict[str, int]]):
         super().__init__(fed)
-        self.opts, self.arch, self.dims = opts, arch, dims
+        self.opts, self.arch, self.dims = opts, arch, dims  # dims: one dict per stack
+
+    @property
+    def mask_shape(self) -> tuple[int, int]:
+        return num_rows(self.dims), self.dims[0]["num_heads"]
 
     def _kept(self, reply: Reply) -> torch.Tensor:
         if KEPT in reply.arrays:
             return reply.arrays[KEPT].bool()
-        return torch.ones(self.dims["num_layers"], self.dims["num_heads"], dtype=torch.bool)
+        return torch.ones(self.mask_shape, dtype=torch.bool)
 
     def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
         """The LoRA slices of the heads the client kept (it reports which, in ``KEPT``)."""
@@ -90,7 +102,7 @@ class HeadsStrategy(Strategy):
         size = self.client_sizes.get(payload.config.get("client"))
         if reason := check_num_examples(reply.num_examples, size):
             return reason
-        shape = (self.dims["num_layers"], self.dims["num_heads"])
+        shape = self.mask_shape
         for key in (KEPT, ALPHA):
             if key in reply.arrays and tuple(reply.arrays[key].shape) != shape:
                 return f"{key} has shape {tuple(reply.arrays[key].shape)}, expected {shape}"
@@ -124,22 +136,43 @@ class HeadsStrategy(Strategy):
 # Method (client side)
 # --------------------------------------------------------------------------------------------
 
-def special_token_ids(tokenizer) -> list[int]:
-    """[CLS]/[SEP] (BOS/EOS): excluded as keys of the importance score (Eq. 6, Voita et al.)."""
-    ids = (getattr(tokenizer, f"{t}_token_id", None) for t in ("sep", "cls", "eos", "bos"))
-    return sorted({int(i) for i in ids if i is not None})
+def special_token_ids(tokenizer, config=None) -> list[int]:
+    """[CLS]/[SEP], BOS/EOS, padding and the decoder start token (of ``config``): excluded as keys
+    of the importance score (Eq. 6, Voita et al.)."""
+    ids = [getattr(tokenizer, f"{t}_token_id", None) for t in ("sep", "cls", "eos", "bos", "pad")]
+    ids.append(getattr(config, "decoder_start_token_id", None))
+    return sorted({int(i) for i in ids if isinstance(i, int)})
 
 
 class Heads(FedPETuning):
     name = "heads"
-    needs_simple_encoder = True
+
+    @classmethod
+    def check_supported(cls, arch, task: Task) -> None:
+        """T5 shares one relative-position bias table (one column per head) across the layers of a
+        stack: a forward sub-model must keep the same heads in every layer, which a keep-mask
+        does not. Parameter pruning keeps every head in the forward pass and works."""
+        super().check_supported(arch, task)
+        opts = task.cfg.method
+        if arch.head_bias and opts.prune == "forward" and opts.pruning != "none":
+            raise ConfigError(f"method.prune='forward' cannot run on {arch.model_type}: its "
+                              f"relative-position bias table is shared by every layer of a stack, "
+                              f"so a sub-model would keep the same heads in every layer; use "
+                              f"method.prune='parameters' (the default: pruned heads stay in the "
+                              f"forward pass, frozen)")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both"):
         self.opts: HeadsMethod = cfg.method
-        self.special_ids = special_token_ids(loaded.tokenizer)
+        self.special_ids = special_token_ids(loaded.tokenizer, loaded.model.config)
+        self.all_dims = loaded.arch.all_dims(loaded.model.config)
         super().__init__(cfg, loaded, task, role)
         self._check_heads()
+
+    @property
+    def mask_shape(self) -> tuple[int, int]:
+        """(R, H): one row per (attention family, layer), one column per query head."""
+        return num_rows(self.all_dims), self.all_dims[0]["num_heads"]
 
     # -- construction ------------------------------------------------------------------------
     @property
@@ -149,17 +182,20 @@ class Heads(FedPETuning):
     def _check_heads(self) -> None:
         """Fail early, naming the problem: no separable heads, no head-tied LoRA tensor, a
         sparsity that keeps no head, no eager attention for the importance scores."""
-        d = self.dims
-        if not all(p in self.arch.parts for p in ("q", "k", "v", "o")) or d["hidden"] != d["num_heads"] * d["head_dim"]:
+        d, (rows, heads) = self.dims, self.mask_shape
+        if self.arch.head_dim_attr is None and d["hidden"] != d["num_heads"] * d["head_dim"]:
             raise ModelError(f"method heads needs separable attention heads (q/k/v/o projections "
                              f"of num_heads x head_dim); {self.arch.model_type} with hidden "
                              f"{d['hidden']} and {d['num_heads']} heads has none")
-        if not head_axes(self.trainable(), self.arch, d["num_layers"]):
+        if len({x["num_heads"] for x in self.all_dims}) > 1:
+            raise ModelError(f"method heads ranks heads over every stack: {self.arch.model_type} "
+                             f"with {[x['num_heads'] for x in self.all_dims]} heads per stack differs")
+        if not head_axes(self.trainable(), self.arch):
             raise ConfigError(f"lora.targets {self.cfg.lora.targets}: method heads needs LoRA on "
                               "at least one attention projection (q, k, v or o)")
         o = self.opts
-        if kept_count(d["num_layers"], d["num_heads"], o.sparsity, o.scope) < 1 and o.pruning != "none":
-            pool = d["num_layers"] * d["num_heads"] if o.scope == "global" else d["num_heads"]
+        if kept_count(rows, heads, o.sparsity, o.scope) < 1 and o.pruning != "none":
+            pool = rows * heads if o.scope == "global" else heads
             raise ConfigError(f"method.sparsity={o.sparsity} keeps no head (round((1 - s) * {pool}) "
                               f"= 0 with scope={o.scope!r}): lower it")
         if self.needs_importance:
@@ -172,24 +208,24 @@ class Heads(FedPETuning):
         return get() if callable(get) else self.model
 
     def make_strategy(self) -> Strategy:
-        return HeadsStrategy(self.cfg.federation, self.cfg.method, self.arch, self.dims)
+        return HeadsStrategy(self.cfg.federation, self.cfg.method, self.arch, self.all_dims)
 
     # -- client ------------------------------------------------------------------------------
     def importance(self, data: TokenizedSplit, seed: int) -> tuple[torch.Tensor, float]:
-        """(L, H) head importance on (a sample of) the local data, and its measured FLOPs."""
+        """(R, H) head importance on (a sample of) the local data, and its measured FLOPs."""
         n = self.opts.importance_max_examples
         if n is not None and n < len(data):
             data = data.subset(sample_rows(len(data), n, seed))
         with measure.count_flops() as fc:
             scores = head_importance(self.model, data, self.special_ids, self.opts.importance_batch_size)
-        if "encoder" not in scores:
-            raise ModelError(f"no encoder attention scores (got {sorted(scores)})")
-        return scores["encoder"].float(), float(fc.total)
+        names = [f.name for f in self.arch.attention_outputs]
+        if missing := [n for n in names if n not in scores]:
+            raise ModelError(f"no attention scores for {missing} (got {sorted(scores)})")
+        return torch.cat([scores[n].float() for n in names]), float(fc.total)  # (R, H)
 
     def keep(self, alpha: torch.Tensor | None, seed: int) -> torch.Tensor:
-        """The (L, H) keep-mask of this client for this round (Eq. 7)."""
-        d = self.dims
-        scores = alpha if alpha is not None else torch.zeros(d["num_layers"], d["num_heads"])
+        """The (R, H) keep-mask of this client for this round (Eq. 7)."""
+        scores = alpha if alpha is not None else torch.zeros(self.mask_shape)
         return keep_mask(scores, self.opts.sparsity, mode=self.opts.pruning, scope=self.opts.scope,
                          generator=torch.Generator().manual_seed(seed % (2**63)))
 
@@ -199,18 +235,19 @@ class Heads(FedPETuning):
         if bool(kept.all()):
             return self.model
         build = extract_model if self.opts.prune == "forward" else partial_model
-        return build(self.model, mask_spec(kept, self.dims), self.arch)
+        return build(self.model, mask_spec(kept, self.all_dims), self.arch)
 
     def local_params(self, sub: nn.Module, kept: torch.Tensor) -> dict[str, nn.Parameter]:
         """Trainable tensors of the sub-model that the client really trains and uploads: not the
-        empty slices, nor the attention LoRA of a layer without heads (it gets no gradient)."""
-        headless = {i for i in range(kept.shape[0]) if not bool(kept[i].any())}
+        empty slices, nor the attention LoRA of a (family, layer) without heads (no gradient)."""
+        rows = mask_rows(self.all_dims)
         out = {}
         for n, p in sub.named_parameters():
             if not p.requires_grad or p.numel() == 0:
                 continue
             info = key_info(self.arch, n)
-            if info is not None and info.layer in headless and info.part in HEAD_PARTS:
+            if info is not None and info.part in HEAD_PARTS and \
+                    not bool(kept[rows[(info.stack, info.family)] + info.layer].any()):
                 continue
             out[n] = p
         return out
@@ -248,21 +285,22 @@ class Heads(FedPETuning):
     def _kept_of(self, arrays: State) -> torch.Tensor:
         if KEPT in arrays:
             return arrays[KEPT].bool()
-        return torch.ones(self.dims["num_layers"], self.dims["num_heads"], dtype=torch.bool)
+        return torch.ones(self.mask_shape, dtype=torch.bool)
 
     def analytic_flops(self, model: nn.Module, result: LocalResult, kept: torch.Tensor) -> float:
-        """:func:`measure.analytic_train_flops` of the sub-model, with the attention term (and the
-        skipped input-gradient of layer 0's q/k/v) over the kept heads only."""
+        """:func:`measure.analytic_train_flops` of the sub-model, with the attention term (one per
+        (family, layer) row, each at the mean sequence length) and the skipped input-gradient of
+        the first row's q/k/v over the kept heads only."""
         d, counts = self.dims, measure.linear_param_counts(model)
         seq = result.tokens / max(result.examples, 1)
         base = measure.analytic_train_flops(
-            num_layers=d["num_layers"], hidden=d["hidden"], ffn=d["ffn"], num_heads=d["num_heads"],
+            num_layers=sum(x["num_layers"] for x in self.all_dims), hidden=d["hidden"], ffn=d["ffn"], num_heads=d["num_heads"],
             tokens=result.tokens, seq_len=seq, trainable_linear_params=counts["trainable"],
             total_linear_params=counts["total"], examples=result.examples,
             head_linear_params=counts["head_total"], head_trainable_linear_params=counts["head_trainable"])
         T, hd, width = float(result.tokens), d["head_dim"], d["hidden"]
-        kept_width = float(kept.sum()) * hd                                  # sum_l kept_l * head_dim
-        attention = 12.0 * seq * T * (kept_width - d["num_layers"] * width)  # fwd 4 + bwd 8
+        kept_width = float(kept.sum()) * hd                                  # sum_r kept_r * head_dim
+        attention = 12.0 * seq * T * (kept_width - kept.shape[0] * width)    # fwd 4 + bwd 8
         first_qkv = 6.0 * T * width * (width - float(kept[0].sum()) * hd)
         return base["total"] + attention + first_qkv
 
@@ -271,8 +309,9 @@ class Heads(FedPETuning):
         d = self.dims
         per_layer = (kept.float().sum(1) / d["num_heads"]).tolist()
         seq = result.tokens / max(result.examples, 1)
-        ops = paper_ops(d["num_layers"], d["hidden"], seq, rank=self.cfg.lora.r, kept=per_layer)
-        dense = paper_ops(d["num_layers"], d["hidden"], seq, rank=self.cfg.lora.r)
+        rows = kept.shape[0]  # the paper counts T5-small as 18 = 6 + 2 x 6 attention layers
+        ops = paper_ops(rows, d["hidden"], seq, rank=self.cfg.lora.r, kept=per_layer)
+        dense = paper_ops(rows, d["hidden"], seq, rank=self.cfg.lora.r)
         out: dict[str, Any] = {
             "sparsity": 1.0 - float(kept.float().mean()), "heads_kept": int(kept.sum()),
             "headless_layers": int((~kept.any(1)).sum()), "flops_importance": importance_flops,
@@ -301,10 +340,10 @@ class Heads(FedPETuning):
             vals = [m[k] for m in ms if k in m]
             out[f"{k}_mean"] = float(np.mean(vals)) if vals else None
         d = self.dims
-        kept = [np.reshape(m["head_kept"], (d["num_layers"], d["num_heads"])).mean(1) for m in ms
-                if "head_kept" in m]
+        rows, heads = self.mask_shape
+        kept = [np.reshape(m["head_kept"], (rows, heads)).mean(1) for m in ms if "head_kept" in m]
         per_layer = np.mean(kept, 0).tolist() if kept else 1.0
         r = self.cfg.lora.r
-        out["paper_ops_T512_dense"] = paper_ops(d["num_layers"], d["hidden"], 512, rank=r)["total"]
-        out["paper_ops_T512"] = paper_ops(d["num_layers"], d["hidden"], 512, rank=r, kept=per_layer)["total"]
+        out["paper_ops_T512_dense"] = paper_ops(rows, d["hidden"], 512, rank=r)["total"]
+        out["paper_ops_T512"] = paper_ops(rows, d["hidden"], 512, rank=r, kept=per_layer)["total"]
         return out

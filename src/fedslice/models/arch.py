@@ -81,6 +81,21 @@ class Stack:
 
 
 @dataclass(frozen=True)
+class AttentionOutput:
+    """Where a HF forward with ``output_attentions=True`` puts the weights of one attention family
+    (one tensor (B, H, Tq, Tk) per layer), and which tokens are its queries and keys: ``input``
+    (``input_ids``/``attention_mask``) or ``decoder`` (``decoder_input_ids``/...)."""
+
+    stack: int
+    family: int  # index into the stack's ``attention``
+    name: str  # 'encoder.self', 'decoder.self', 'decoder.cross'
+    output: str  # 'attentions', 'encoder_attentions', 'decoder_attentions', 'cross_attentions'
+    causal: bool  # a query sees only itself and earlier keys
+    queries: Literal["input", "decoder"]
+    keys: Literal["input", "decoder"]
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     model_type: str
     kind: Literal["encoder", "decoder", "encoder-decoder"]
@@ -134,6 +149,23 @@ class ArchSpec:
         return (len(st) == 1 and len(st[0].attention) == 1 and not st[0].attention[0].fused_qkv
                 and not st[0].ffn.gated and self.weight_layout == "linear"
                 and self.kv_heads_attr is None and self.head_dim_attr is None)
+
+    @property
+    def attention_outputs(self) -> tuple[AttentionOutput, ...]:
+        """Every attention family of the model, stack by stack (the rows of a head keep-mask)."""
+        out = []
+        for k, st in enumerate(self.stacks):
+            for f, att in enumerate(st.attention):
+                name = f"{st.name}.{att.family}"
+                if len(self.stacks) == 1:
+                    out.append(AttentionOutput(k, f, name, "attentions", st.name == "decoder",
+                                               "input", "input"))
+                    continue
+                side = "decoder" if st.name == "decoder" else "input"
+                attr = "cross_attentions" if att.family == "cross" else f"{st.name}_attentions"
+                out.append(AttentionOutput(k, f, name, attr, side == "decoder" and att.family == "self",
+                                           side, "input" if att.family == "cross" else side))
+        return tuple(out)
 
     # -- dimensions ------------------------------------------------------------------------
     def dims(self, config, stack: int = 0) -> dict[str, int]:

@@ -1,10 +1,20 @@
-"""Attention-head importance (confidence) and head keep-masks.
+"""Attention-head importance (confidence) and head keep-masks, on every architecture of the table.
 
-Importance follows Voita et al. (2019), as used by Eq. 6 of the heads paper: for each layer and
-head, the max attention probability over keys for each query token, averaged over the real
-(non-padding) query tokens of an example, then over the examples. Special tokens ([SEP]/EOS, and
-padding) are excluded as keys: attention parked on [SEP] is a "no-op" and would make every head
-look confident. transformers 5 has no ``head_mask``; attention weights need eager attention.
+Importance follows Voita et al. (2019), as used by Eq. 6 of the heads paper: for each attention
+family (encoder self, decoder self, decoder cross: :attr:`ArchSpec.attention_outputs`), layer
+and head, the max attention probability over the allowed keys for each query token, averaged
+over the counted query tokens of an example, then over the examples. Allowed keys are real
+(non-padding) tokens that are not special (the tokenizer's [CLS]/[SEP], BOS/EOS, padding and
+the decoder start token): attention parked on them is a "no-op" and would make every head look
+confident. Causal self-attention: a query sees only itself and earlier keys, so its max runs over
+the allowed keys among those; a query that sees one real token only (the first one: its softmax
+has one entry, probability 1 whatever the head) or no allowed key is not counted. Grouped-query
+attention returns one weight map per *query* head: query heads are scored one by one.
+transformers 5 has no ``head_mask``; attention weights need eager attention.
+
+A keep-mask is one boolean (R, H) tensor whose rows are every (attention family, layer) pair,
+stack by stack, family by family (:func:`mask_rows`): R = L for an encoder or a decoder-only
+model, L_enc + 2 L_dec for an encoder-decoder. Every stack has the same head count H.
 """
 
 from __future__ import annotations
@@ -19,28 +29,38 @@ import torch.nn as nn
 
 from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.errors import ConfigError, ModelError
+from fedslice.models.arch import arch_for
 from fedslice.slicing.aggregate import aggregate_deltas
-from fedslice.slicing.spec import SliceSpec, extract_state, scatter
+from fedslice.slicing.spec import (KeyInfo, ModelSlice, SliceSpec, extract_state, key_info,
+                                   kv_groups, scatter)
 
-#: Attention families an output may carry (encoder-decoder models have all three).
-FAMILIES = {"encoder": "attentions", "decoder": "decoder_attentions", "cross": "cross_attentions"}
+Dims = Mapping[str, int] | Sequence[Mapping[str, int]]
 
 
 def confidence(attentions: Iterable[torch.Tensor], query_mask: torch.Tensor,
-               key_mask: torch.Tensor) -> torch.Tensor:
+               key_mask: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """Per-example head confidence.
 
     attentions: one (B, H, Tq, Tk) tensor of probabilities per layer.
-    query_mask: (B, Tq), 1 on query tokens to average over.
+    query_mask: (B, Tq), 1 on real query tokens.
     key_mask:   (B, Tk), 1 on keys that may be attended (not padding, not special).
-    Returns (B, L, H): mean over real queries of the max over allowed keys.
+    causal:     self-attention where query i sees keys <= i (then Tq = Tk and the real keys are
+                the real queries).
+    Returns (B, L, H): mean over counted queries of the max over allowed keys; a query is counted
+    if it is real, has an allowed key and (causal) sees 2+ real tokens.
     """
-    q = query_mask.float()
+    q, k = query_mask.bool(), key_mask.bool()
+    allowed = k[:, None, :].expand(-1, q.shape[1], -1)                   # (B, Tq, Tk)
+    counted = q & allowed.any(-1)                                        # (B, Tq)
+    if causal:
+        seen = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()  # (Tq, Tk)
+        allowed = allowed & seen
+        counted = q & allowed.any(-1) & ((q[:, None, :] & seen).sum(-1) >= 2)
+    w = counted.float()
     out = []
     for att in attentions:
-        allowed = att * key_mask[:, None, None, :].to(att.dtype)        # (B, H, Tq, Tk)
-        peak = allowed.amax(dim=-1)                                      # (B, H, Tq)
-        out.append((peak * q[:, None, :]).sum(-1) / q.sum(-1).clamp_min(1)[:, None])  # (B, H)
+        peak = (att * allowed[:, None].to(att.dtype)).amax(dim=-1)         # (B, H, Tq)
+        out.append((peak * w[:, None, :]).sum(-1) / w.sum(-1).clamp_min(1)[:, None])  # (B, H)
     return torch.stack(out, dim=1)                                       # (B, L, H)
 
 
@@ -57,16 +77,32 @@ def _ensure_eager(model: nn.Module) -> str:
     return previous
 
 
+def _tokens(batch: dict[str, torch.Tensor], side: str, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of one side of a batch. A decoder given no ``decoder_input_ids`` (BART's
+    sequence classifier) reads the input shifted right after the decoder start token."""
+    if side == "input":
+        return batch["input_ids"], batch["attention_mask"]
+    if "decoder_input_ids" in batch:
+        ids = batch["decoder_input_ids"]
+        return ids, batch.get("decoder_attention_mask", torch.ones_like(ids))
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    start = getattr(config, "decoder_start_token_id", None)
+    start = ids.new_full((ids.shape[0], 1), -1 if start is None else int(start))
+    return torch.cat([start, ids[:, :-1]], 1), torch.cat([torch.ones_like(mask[:, :1]), mask[:, :-1]], 1)
+
+
 @torch.no_grad()
 def head_importance(model: nn.Module, data: TokenizedSplit, special_token_ids: Iterable[int],
                     batch_size: int = 64) -> dict[str, torch.Tensor]:
-    """Mean head confidence over ``data``: {family: (L, H)} for each attention family present.
+    """Mean head confidence over ``data``: {family name: (L, H)} for each attention family of
+    the model (``'encoder.self'``, ``'decoder.self'``, ``'decoder.cross'``).
 
     Runs in inference mode with eager attention (restored afterwards).
     """
     if len(data) == 0:
         raise ValueError("head importance of an empty dataset")
     special = torch.tensor(sorted(set(special_token_ids)), dtype=torch.int64)
+    families = arch_for(model).attention_outputs
     previous = _ensure_eager(model)
     was_training = model.training
     model.eval()
@@ -74,15 +110,17 @@ def head_importance(model: nn.Module, data: TokenizedSplit, special_token_ids: I
     try:
         order = torch.argsort(data.lengths, stable=True)
         for batch in iter_batches(data, order, batch_size, shuffle=False, generator=None):
-            batch.pop("labels")
+            batch.pop("labels", None)
             out = model(**batch, output_attentions=True)
-            real = batch["attention_mask"].bool()                        # (B, T)
-            keys = real & ~torch.isin(batch["input_ids"], special)
-            for family, attr in FAMILIES.items():
-                atts = getattr(out, attr, None)
-                if atts:
-                    conf = confidence(atts, real, keys).sum(0)            # (L, H)
-                    sums[family] = sums.get(family, 0) + conf
+            for fam in families:
+                atts = getattr(out, fam.output, None)
+                if not atts:
+                    continue
+                q_ids, q_mask = _tokens(batch, fam.queries, model.config)
+                k_ids, k_mask = _tokens(batch, fam.keys, model.config)
+                keys = k_mask.bool() & ~torch.isin(k_ids, special)       # (B, Tk)
+                conf = confidence(atts, q_mask, keys, fam.causal).sum(0)  # (L, H)
+                sums[fam.name] = sums.get(fam.name, 0) + conf
     finally:
         model.train(was_training)
         if previous != "eager":
@@ -128,46 +166,92 @@ def keep_mask(importance: torch.Tensor, sparsity: float, *,
     return torch.cat(masks).view(n_layers, n_heads)
 
 
-def head_axes(names: Iterable[str], arch, num_layers: int) -> dict[str, tuple[int, str, int]]:
-    """Which LoRA tensors are split by attention head: name -> (layer, part, axis).
+def _stacks(dims: Dims) -> list[Mapping[str, int]]:
+    """Per-stack dims (a single Mapping is a one-stack model)."""
+    return [dims] if isinstance(dims, Mapping) else list(dims)
 
-    For q/k/v, ``lora_B`` (out, r) has one block of head_dim rows per head (axis 0); for the
-    attention output projection the heads index its input, i.e. the columns of ``lora_A``
-    (r, in) (axis 1). ``lora_A`` of q/k/v and ``lora_B`` of o mix all heads: not head-tied.
-    """
-    names = list(names)
-    out = {}
-    for layer in range(num_layers):
-        for part, side, axis in (("q", "lora_B", 0), ("k", "lora_B", 0), ("v", "lora_B", 0),
-                                 ("o", "lora_A", 1)):
-            tag = f"{arch.part_name(layer, part)}.{side}."
-            for n in names:
-                if tag in n:
-                    out[n] = (layer, part, axis)
+
+def mask_rows(dims: Dims) -> dict[tuple[int, int], int]:
+    """(stack, attention family) -> first row of its block of ``num_layers`` rows in a keep-mask."""
+    out, r = {}, 0
+    for k, d in enumerate(_stacks(dims)):
+        for f in range(d.get("families", 1)):
+            out[(k, f)] = r
+            r += d["num_layers"]
     return out
 
 
-def head_weight(alpha_layer: torch.Tensor, head_dim: int, axis: int) -> torch.Tensor:
-    """A per-head weight vector (H,) expanded to a broadcastable (H*head_dim, 1) or (1, H*head_dim)."""
-    w = alpha_layer.float().repeat_interleave(head_dim)                  # (H * head_dim,)
-    return w[:, None] if axis == 0 else w[None, :]
+def num_rows(dims: Dims) -> int:
+    """Rows R of a keep-mask: one per (attention family, layer)."""
+    return sum(d["num_layers"] * d.get("families", 1) for d in _stacks(dims))
+
+
+def head_axes(names: Iterable[str], arch) -> dict[str, KeyInfo]:
+    """Which LoRA tensors are split by attention head: name -> its :class:`KeyInfo` (stack,
+    layer, family, part, axis).
+
+    For q/k/v (and a fused q|k|v), ``lora_B`` (out, r) has one block of head_dim rows per query
+    (or key/value) head, per section of a fused one (axis 0); for the attention output projection
+    the heads index its input, the columns of ``lora_A`` (r, in) (axis 1). ``lora_A`` of q/k/v and
+    ``lora_B`` of o mix all heads: not head-tied.
+    """
+    out = {}
+    for n in names:
+        info = key_info(arch, n)
+        if info is not None and info.part in ("q", "k", "v", "qkv", "o") and info.axis is not None \
+                and "lora_" in info.leaf:
+            out[n] = info
+    return out
+
+
+def head_weight(per_head: torch.Tensor, info: KeyInfo, dims: Mapping[str, int],
+                kv_reduce: Literal["sum", "max"] = "sum") -> torch.Tensor:
+    """A per-query-head weight vector (H,) laid out along the head axis of the tensor ``info``
+    describes, broadcastable against it: (rows, 1) or (1, cols).
+
+    A key/value head of grouped-query attention gets the ``kv_reduce`` of its query heads' weights;
+    a fused q|k|v repeats the vector in each of its three sections.
+    """
+    w = per_head.float()                                                 # (H,)
+    kv = kv_groups(dims)
+    if info.kind == "kv" and kv and info.family == 0:
+        groups = w.view(kv, -1)                                          # (KV, H / KV)
+        w = groups.sum(1) if kv_reduce == "sum" else groups.amax(1)      # (KV,)
+    elif info.kind == "qkv":
+        w = torch.cat([w, w, w])                                         # (3 H,)
+    w = w.repeat_interleave(dims["head_dim"])                            # (rows,)
+    return w[:, None] if info.axis == 0 else w[None, :]
 
 
 # --------------------------------------------------------------------------------------------
 # Masks as slice specs, and head-weighted aggregation (Eq. 8)
 # --------------------------------------------------------------------------------------------
 
-def mask_spec(mask: torch.Tensor, dims: Mapping[str, int]) -> SliceSpec:
-    """The SliceSpec of a (L, H) keep-mask: every layer, its kept heads, every FFN neuron."""
-    heads = tuple(tuple(int(h) for h in torch.nonzero(row).flatten()) for row in mask.bool())
-    full = tuple(range(dims["ffn"]))
-    return SliceSpec(tuple(range(dims["num_layers"])), heads, (full,) * dims["num_layers"],
-                     dims["num_layers"], dims["num_heads"], dims["head_dim"], dims["ffn"])
+def mask_spec(mask: torch.Tensor, dims: Dims) -> ModelSlice:
+    """The slice of a (R, H) keep-mask (:func:`mask_rows`): every layer of every stack, its kept
+    heads per attention family (key/value heads follow their query heads), every FFN neuron."""
+    stacks, rows = _stacks(dims), mask_rows(dims)
+    if tuple(mask.shape) != (num_rows(dims), stacks[0]["num_heads"]):
+        raise ValueError(f"keep-mask of shape {tuple(mask.shape)}, expected "
+                         f"{(num_rows(dims), stacks[0]['num_heads'])}")
+    out = []
+    for k, d in enumerate(stacks):
+        L = d["num_layers"]
+
+        def heads(f: int) -> tuple[tuple[int, ...], ...]:
+            block = mask[rows[(k, f)]:rows[(k, f)] + L].bool()          # (L, H)
+            return tuple(tuple(int(h) for h in torch.nonzero(row).flatten()) for row in block)
+
+        full = tuple(range(d["ffn"]))
+        out.append(SliceSpec(tuple(range(L)), heads(0), (full,) * L, L, d["num_heads"],
+                             d["head_dim"], d["ffn"], kv_groups(d),
+                             heads(1) if d.get("families", 1) > 1 else None))
+    return ModelSlice(tuple(out))
 
 
 @dataclass
 class HeadUpdate:
-    """One client's upload: its sub-state (full-model names, kept heads only), its (L, H) keep
+    """One client's upload: its sub-state (full-model names, kept heads only), its (R, H) keep
     mask, its importance α_c (Eq. 7: 0 on pruned heads; None under FedAvg) and |D_c|."""
 
     arrays: Mapping[str, torch.Tensor]
@@ -177,27 +261,31 @@ class HeadUpdate:
 
 
 def head_client_weights(update: HeadUpdate, keys: Iterable[str], masks: Mapping[str, torch.Tensor],
-                        axes: Mapping[str, tuple[int, str, int]], head_dim: int,
+                        axes: Mapping[str, KeyInfo], dims: Dims,
                         mode: Literal["head_weighted", "fedavg"]) -> dict[str, torch.Tensor | float]:
     """Per-key weights of one client: α_hc on the rows/columns of head h of a head-tied tensor
-    (``head_weighted``, Eq. 8) or |D_c| on the kept heads (``fedavg``); |D_c| times the held-mask
-    on every other tensor (Eq. 5)."""
+    (``head_weighted``, Eq. 8; a key/value head: the sum of α over its kept query heads) or |D_c|
+    on the kept heads (``fedavg``; a key/value head: while any query head of its group is kept);
+    |D_c| times the held-mask on every other tensor (Eq. 5)."""
     n = float(update.num_examples)
-    kept = update.kept.bool()
+    kept, stacks, rows = update.kept.bool(), _stacks(dims), mask_rows(dims)
     out: dict[str, torch.Tensor | float] = {}
     for k in keys:
-        if k in axes:
-            layer, _, axis = axes[k]
-            per_head = (update.alpha[layer].float() * kept[layer] if mode == "head_weighted"
-                        else n * kept[layer].float())                    # (H,)
-            out[k] = head_weight(per_head, head_dim, axis)
-        else:
+        info = axes.get(k)
+        if info is None:
             out[k] = n * masks[k]
+            continue
+        r = rows[(info.stack, info.family)] + info.layer
+        if mode == "head_weighted":
+            per_head, reduce = update.alpha[r].float() * kept[r], "sum"     # (H,)
+        else:
+            per_head, reduce = n * kept[r].float(), "max"
+        out[k] = head_weight(per_head, info, stacks[info.stack], reduce) * masks[k]
     return out
 
 
 def aggregate_heads(global_state: Mapping[str, torch.Tensor], updates: Sequence[HeadUpdate],
-                    arch, dims: Mapping[str, int], *,
+                    arch, dims: Dims, *,
                     mode: Literal["head_weighted", "fedavg"] = "head_weighted",
                     eta: float = 1.0, eps: float = 1e-8) -> dict[str, torch.Tensor]:
     """Server update of the global trainable state from head-pruned clients (pure function).
@@ -212,14 +300,14 @@ def aggregate_heads(global_state: Mapping[str, torch.Tensor], updates: Sequence[
 
 
 def head_deltas(global_state: Mapping[str, torch.Tensor], updates: Sequence[HeadUpdate], arch,
-                dims: Mapping[str, int], mode: Literal["head_weighted", "fedavg"]
+                dims: Dims, mode: Literal["head_weighted", "fedavg"]
                 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor | float]]]:
     """Each client's update scattered to full shape (zeros where not held) and its per-element
     weights (α on head-tied rows/columns, or |D_c| x held-mask)."""
     if mode == "head_weighted" and any(u.alpha is None for u in updates):
         raise ValueError("head_weighted aggregation needs every client's importance alpha")
     shapes = {k: t.shape for k, t in global_state.items()}
-    axes = head_axes(global_state, arch, dims["num_layers"])
+    axes = head_axes(global_state, arch)
     deltas, weights = [], []
     for u in updates:
         spec = mask_spec(u.kept, dims)
@@ -227,14 +315,14 @@ def head_deltas(global_state: Mapping[str, torch.Tensor], updates: Sequence[Head
         delta = {k: u.arrays[k].float() - g_sub[k].float() for k in u.arrays}  # sliced shapes
         full, masks = scatter(delta, spec, arch, shapes)
         deltas.append(full)
-        weights.append(head_client_weights(u, full, masks, axes, dims["head_dim"], mode))
+        weights.append(head_client_weights(u, full, masks, axes, dims, mode))
     return deltas, weights
 
 
 def combine_heads(global_state: Mapping[str, torch.Tensor], deltas, weights, arch,
-                  dims: Mapping[str, int], *, eta: float = 1.0, eps: float = 1e-8) -> dict[str, torch.Tensor]:
+                  dims: Dims, *, eta: float = 1.0, eps: float = 1e-8) -> dict[str, torch.Tensor]:
     """Eq. 8 (eps) on the head-tied tensors, Eq. 5 (no eps) on the others."""
-    axes = head_axes(global_state, arch, dims["num_layers"])
+    axes = head_axes(global_state, arch)
     tied = {k: t for k, t in global_state.items() if k in axes}
     rest = {k: t for k, t in global_state.items() if k not in axes}
     new = aggregate_deltas(tied, deltas, weights, eta=eta, eps=eps)

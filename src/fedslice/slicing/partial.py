@@ -4,12 +4,14 @@ The heads paper (§3.1) prunes *parameters*: "the trainable parameters of a prun
 trained nor sent" -- the frozen head still runs in the forward pass. :func:`partial_model` builds
 that model from a :class:`~fedslice.slicing.spec.SliceSpec` that keeps every layer:
 
-* a head-tied trainable tensor (q/k/v LoRA ``B`` rows, o LoRA ``A`` columns: the axis a
-  :class:`~fedslice.slicing.spec.KeyInfo` reports) becomes a :class:`PartialLinear`: its kept
+* a head-tied trainable tensor (q/k/v LoRA ``B`` rows -- per key/value head under grouped-query
+  attention, per section of a fused q|k|v --, o LoRA ``A`` columns: the axis a
+  :class:`~fedslice.slicing.spec.KeyInfo` reports) of any stack and attention family becomes a
+  :class:`PartialLinear`: its kept
   slice is a trainable parameter (same name and shape as :func:`extract_state` gives), the pruned
   slice a frozen buffer, both in the forward pass;
-* in a layer that keeps no head every trainable attention tensor (q/k/v/o, also the ones that mix
-  heads) is frozen: that layer's attention trains nothing and sends nothing;
+* in a layer that keeps no head of an attention family, every trainable tensor of that family
+  (q/k/v/o, also the ones that mix heads) is frozen: it trains nothing and sends nothing;
 * every other module is the same object as in ``model``.
 
 The saved work is the pruned slices' weight gradients and optimizer state (and, in a headless
@@ -24,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fedslice.models.arch import ArchSpec
-from fedslice.slicing.spec import HEAD_PARTS, SliceSpec, _clone, _rebuild, key_info
+from fedslice.slicing.spec import HEAD_PARTS, Spec, _clone, _rebuild, key_info, stack_specs
 
 
 class PartialLinear(nn.Linear):
@@ -69,15 +71,19 @@ def _frozen(module: nn.Module) -> nn.Module:
     return new
 
 
-def partial_model(model: nn.Module, spec: SliceSpec, arch: ArchSpec) -> nn.Module:
+def partial_model(model: nn.Module, spec: Spec, arch: ArchSpec) -> nn.Module:
     """``model`` (HF or peft-wrapped) with the trainable tensors of the heads ``spec`` prunes frozen.
 
-    ``spec`` keeps every layer in order (a keep-mask, :func:`fedslice.slicing.heads.mask_spec`).
-    The trainable parameters of the result have the names and shapes of
-    :func:`~fedslice.slicing.spec.extract_state` on ``model``'s trainable state, less the attention
-    tensors of headless layers; its outputs equal ``model``'s.
+    ``spec`` keeps every layer of each sliced stack in order (a keep-mask,
+    :func:`fedslice.slicing.heads.mask_spec`). A head-tied tensor keeps the rows of its kept heads
+    along its slot (:meth:`SliceSpec.index`): query heads for q and o, key/value heads (every
+    group with a kept query head) for k and v, the three sections of a fused q|k|v. The trainable
+    parameters of the result have the names and shapes of
+    :func:`~fedslice.slicing.spec.extract_state` on ``model``'s trainable state, less the
+    attention tensors of headless (layer, family) pairs; its outputs equal ``model``'s.
     """
-    if spec.layers != tuple(range(spec.num_layers)):
+    specs = stack_specs(spec, arch)
+    if any(s is not None and s.layers != tuple(range(s.num_layers)) for s in specs):
         raise ValueError("parameter pruning keeps every layer (a head keep-mask)")
     modules = dict(model.named_modules())
     replace: dict[str, nn.Module] = {}
@@ -85,11 +91,14 @@ def partial_model(model: nn.Module, spec: SliceSpec, arch: ArchSpec) -> nn.Modul
         info = key_info(arch, name)
         if not p.requires_grad or info is None or info.part not in HEAD_PARTS:
             continue
+        s, j = specs[info.stack], info.layer
+        if s is None:
+            continue
         owner, _, leaf = name.rpartition(".")
-        if spec.no_heads(info.layer):
+        if s.no_heads(j, info.family):
             replace[owner] = _frozen(modules[owner])
-        elif info.axis is not None and not spec.is_identity(info.layer, "heads"):
+        elif info.axis is not None and not s.is_identity(j, info.kind, info.family):
             if leaf != "weight":
                 raise NotImplementedError(f"cannot freeze part of {name}: only LoRA weights")
-            replace[owner] = PartialLinear(modules[owner], spec.index(info.layer, "heads"), info.axis)
+            replace[owner] = PartialLinear(modules[owner], s.index(j, info.kind, info.family), info.axis)
     return _rebuild(model, "", replace, {}, {})

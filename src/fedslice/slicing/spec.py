@@ -297,6 +297,11 @@ def stack_specs(spec: Spec, arch: ArchSpec) -> tuple[SliceSpec | None, ...]:
 def _check_stack(arch: ArchSpec, k: int, s: SliceSpec) -> None:
     if len(arch.stacks[k].attention) < 2 and s.cross is not None:
         raise ValueError(f"stack {arch.stacks[k].name} of {arch.model_type} has no cross-attention")
+
+
+def _check_forward(arch: ArchSpec, s: SliceSpec) -> None:
+    """What a sub-model's forward pass needs beyond a valid slice of the state (a state may keep
+    different heads per layer: only the tensors are sliced)."""
     if arch.head_bias is None:
         return
     # one relative-bias table in the first block, read by every layer of the stack
@@ -663,6 +668,7 @@ def extract_model(model: nn.Module, spec: Spec, arch: ArchSpec) -> nn.Module:
     for k, s in enumerate(specs):
         if s is None:
             continue
+        _check_forward(arch, s)
         stack, blocks = arch.stacks[k], arch.blocks(model, k)
         depth = s.layers != tuple(range(len(blocks)))
         for j, i in enumerate(s.layers):
