@@ -16,8 +16,9 @@ stack; ``None`` keeps a stack whole). Everything else follows from the architect
 * FFN neuron j is row j of ``ffn_in`` (and of the ``gate`` of a gated FFN: SwiGLU, gated-GELU)
   and column j of ``ffn_out``;
 * T5's relative-position bias table (one per stack, in its first block, read by every layer)
-  has one column per head: it is sliced with the heads, so a T5 stack keeps the same heads in
-  every layer;
+  has one column per head: it is sliced with the heads, so a T5 sub-model (:func:`extract_model`)
+  keeps the same heads in every layer of a stack (a state slice, :func:`extract_state`, may
+  differ per layer: the heads method's parameter pruning keeps every head in the forward pass);
 * a depth spec keeps some layers (``layers``), renumbered 0.. in the sub-model;
 * a kept layer may keep no head (head pruning ranked over all layers): its q/k/v are dropped, o
   keeps zero input columns, and the attention outputs o's bias only (:class:`NoHeadsAttention`);
@@ -622,23 +623,30 @@ class NoHeadsAttention(nn.Module):
     the output projection lives inside the attention module (DistilBERT's ``out_lin``, LLaMA's
     ``o_proj``), that projection applied to it (with zero input columns it outputs its bias, or
     zeros). Outside (BERT's ``attention.output.dense``) the sliced o does the same. The
-    projection keeps its name.
+    projection keeps its name. A ``Conv1D`` o (GPT-2's ``c_proj``, ``layout='conv1d'``) cannot
+    read a zero-width input: its bias (or zeros) is taken directly.
     """
 
-    def __init__(self, out_name: str | None = None, out: nn.Module | None = None):
+    def __init__(self, out_name: str | None = None, out: nn.Module | None = None,
+                 layout: str = "linear"):
         super().__init__()
-        self._out_name = out_name
+        self._out_name, self._layout = out_name, layout
         if out_name is not None:
             self.add_module(out_name, out)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         ctx = hidden_states.new_zeros(*hidden_states.shape[:-1], 0)  # (B, T, 0)
-        if self._out_name is not None:
-            ctx = getattr(self, self._out_name)(ctx)  # (B, T, d): o's bias
-        return ctx, None
+        if self._out_name is None:
+            return ctx, None
+        o = getattr(self, self._out_name)
+        if self._layout != "conv1d":
+            return o(ctx), None  # (B, T, d): o's bias
+        base = getattr(o, "base_layer", o)                            # Conv1D, weight (0, d)
+        out = ctx.new_zeros(*ctx.shape[:-1], base.weight.shape[1])    # (B, T, d)
+        return (out if base.bias is None else out + base.bias), None
 
 
-def _no_heads(att: Attention, o: nn.Module) -> NoHeadsAttention:
+def _no_heads(att: Attention, o: nn.Module, layout: str = "linear") -> NoHeadsAttention:
     """The stub for a headless attention, hosting o when o lives inside the attention module."""
     parent = att.module
     if parent and not att.o.startswith(parent + "."):
@@ -646,7 +654,7 @@ def _no_heads(att: Attention, o: nn.Module) -> NoHeadsAttention:
     rel = att.o[len(parent) + 1:] if parent else att.o
     if "." in rel:
         raise NotImplementedError(f"o at {att.o!r} is nested in the attention module")
-    return NoHeadsAttention(rel, o)
+    return NoHeadsAttention(rel, o, layout)
 
 
 def extract_model(model: nn.Module, spec: Spec, arch: ArchSpec) -> nn.Module:
@@ -686,7 +694,7 @@ def extract_model(model: nn.Module, spec: Spec, arch: ArchSpec) -> nn.Module:
                 if not s.is_identity(j, "heads", f):
                     o = cut(att.o, "heads", "in", f)
                 if s.no_heads(j, f):
-                    replace[attn_name] = _no_heads(att, o)
+                    replace[attn_name] = _no_heads(att, o, layout)
                     continue
                 for part, path in _attention_parts(att)[:-1]:
                     if not s.is_identity(j, SLOTS[part], f):

@@ -1,0 +1,249 @@
+"""The ``heads`` method on every generative architecture (issue 15, part 1): importance per
+attention family, grouped-query key/value heads, GPT-2's fused q|k|v, both pruning modes, and
+head-weighted aggregation with a key/value head shared by two query heads."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from test_slicing_arch import _inputs, _with_lora, _zeroed_reference
+from fedslice.api import setup
+from fedslice.config import validate_config
+from fedslice.errors import ConfigError
+from fedslice.methods.heads import ALPHA, KEPT
+from fedslice.models.arch import arch_for
+from fedslice.slicing.heads import (HeadUpdate, aggregate_heads, confidence, head_importance,
+                                    mask_rows, mask_spec, num_rows)
+from fedslice.slicing.partial import PartialLinear, partial_model
+from fedslice.slicing.spec import extract_model, extract_state, key_info
+
+ARCHS = ("gpt2", "llama", "t5", "bart")
+
+
+def _cfg(tiny_gen_cfg_dict, tiny_lm_dirs, arch, **method):
+    d = dict(tiny_gen_cfg_dict)
+    d["model"] = {"name": str(tiny_lm_dirs[arch])}
+    d["lora"] = {"r": 4, "alpha": 8, "targets": ["q", "k", "v", "o"]}
+    d["method"] = {"name": "heads", "sparsity": 0.5, "importance_max_examples": 8, **method}
+    return validate_config(d)
+
+
+def _lm(tiny_lm_dirs, arch):
+    import transformers as T
+    auto = T.AutoModelForSeq2SeqLM if arch in ("t5", "bart") else T.AutoModelForCausalLM
+    return auto.from_pretrained(tiny_lm_dirs[arch], attn_implementation="eager").eval()
+
+
+def _mask(dims, seed=0, headless=True):
+    """A random (R, H) keep-mask; with ``headless`` the last row of every family keeps no head."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(num_rows(dims), dims[0]["num_heads"], generator=g) < 0.5
+    m[torch.arange(m.shape[0]), torch.randint(0, m.shape[1], (m.shape[0],), generator=g)] = True
+    if headless:
+        for (k, f), r in mask_rows(dims).items():
+            m[r + dims[k]["num_layers"] - 1] = False
+    return m
+
+
+def test_causal_confidence_skips_the_first_query_and_sees_earlier_keys_only():
+    # 1 example, 1 head, 3 tokens: BOS a b; BOS (0) is no valid key
+    att = torch.tensor([[[[1.0, 0.0, 0.0], [0.7, 0.3, 0.0], [0.2, 0.5, 0.3]]]])  # (1, 1, 3, 3)
+    real, keys = torch.tensor([[1, 1, 1]]), torch.tensor([[0, 1, 1]])
+    # query 0 sees one token (and no allowed key): not counted; query 1: max over {a}; query 2: {a, b}
+    torch.testing.assert_close(confidence([att], real, keys, causal=True), torch.tensor([[[(0.3 + 0.5) / 2]]]))
+    # without BOS the first token attends to itself with probability 1 whatever the head: skipped
+    torch.testing.assert_close(confidence([att], real, torch.ones(1, 3), causal=True),
+                               torch.tensor([[[(0.7 + 0.5) / 2]]]))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_importance_per_family(arch, tiny_gen_cfg_dict, tiny_lm_dirs):
+    method, data = setup(_cfg(tiny_gen_cfg_dict, tiny_lm_dirs, arch))
+    split = data.client(0)
+    scores = head_importance(method.model, split, method.special_ids, 4)
+    want = [f.name for f in method.arch.attention_outputs]
+    assert list(scores) == want
+    assert want == {"gpt2": ["decoder.self"], "llama": ["decoder.self"],
+                    "t5": ["encoder.self", "decoder.self", "decoder.cross"],
+                    "bart": ["encoder.self", "decoder.self", "decoder.cross"]}[arch]
+    for s in scores.values():
+        assert s.shape == (2, 4) and bool(((s > 0) & (s <= 1)).all())
+    alpha, flops = method.importance(split, 0)
+    assert alpha.shape == method.mask_shape == (2 * len(want), 4) and flops > 0
+    kept = method.keep(alpha, 0)
+    assert int(kept.sum()) == round(0.5 * kept.numel())
+
+
+def test_grouped_query_kv_head_kept_iff_a_query_head_of_its_group_is(tiny_lm_dirs):
+    model = _with_lora(_lm(tiny_lm_dirs, "llama"))
+    arch = arch_for(model)
+    dims = arch.all_dims(model.config)  # 4 query heads in 2 key/value groups
+    hd = dims[0]["head_dim"]
+    kept = torch.tensor([[True, False, False, False], [False, False, True, True]])
+    spec = mask_spec(kept, dims).stacks[0]
+    assert spec.kv_heads(0) == (0,) and spec.kv_heads(1) == (1,)
+    sub = partial_model(model, mask_spec(kept, dims), arch)
+    trainable = {n: p for n, p in sub.named_parameters() if p.requires_grad}
+    for layer, kv in ((0, 0), (1, 1)):
+        k_b = next(n for n in trainable if f"layers.{layer}.self_attn.k_proj.lora_B" in n)
+        q_b = next(n for n in trainable if f"layers.{layer}.self_attn.q_proj.lora_B" in n)
+        assert trainable[k_b].shape[0] == hd and trainable[q_b].shape[0] == int(kept[layer].sum()) * hd
+        full = dict(model.named_parameters())[k_b]
+        assert torch.equal(trainable[k_b], full[kv * hd:(kv + 1) * hd])
+    both = torch.tensor([[True, False, True, False], [True, True, False, False]])
+    s = mask_spec(both, dims).stacks[0]
+    assert s.kv_heads(0) == (0, 1) and s.kv_heads(1) == (0,)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bart"])
+def test_forward_submodel_equals_full_model_with_pruned_heads_zeroed(arch, tiny_lm_dirs):
+    """GPT-2's c_attn sliced in its q, k and v sections, GQA, BART's cross-attention; one layer of
+    every family keeps no head (NoHeadsAttention)."""
+    model = _with_lora(_lm(tiny_lm_dirs, arch))
+    a = arch_for(model)
+    dims = a.all_dims(model.config)
+    mask = _mask(dims, 1)
+    spec = mask_spec(mask, dims)
+    sub = extract_model(model, spec, a)
+    with torch.no_grad():
+        got = sub(**_inputs(model)).logits
+        want = _zeroed_reference(model, spec)(**_inputs(model)).logits
+    assert (got - want).abs().max() <= 1e-5
+    assert {k: v.shape for k, v in sub.state_dict().items()} == \
+        {k: v.shape for k, v in extract_state(model.state_dict(), spec, a).items()}
+    if arch == "gpt2":
+        hd = dims[0]["head_dim"]
+        w = dict(sub.named_parameters())["base_model.model.transformer.h.0.attn.c_attn.base_layer.weight"]
+        assert w.shape[1] == 3 * int(mask[0].sum()) * hd  # Conv1D (in, out): q|k|v sections
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_parameters_mode_keeps_outputs_and_trains_only_kept_slices(arch, tiny_lm_dirs):
+    model = _with_lora(_lm(tiny_lm_dirs, arch))
+    a = arch_for(model)
+    dims = a.all_dims(model.config)
+    mask = _mask(dims, 2)
+    spec = mask_spec(mask, dims)
+    sub = partial_model(model, spec, a)
+    with torch.no_grad():  # the same function (sums in another order: float rounding)
+        diff = float((sub(**_inputs(model)).logits - model(**_inputs(model)).logits).abs().max())
+    assert diff <= 1e-5
+    assert any(isinstance(m, PartialLinear) for m in sub.modules())
+    state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    expected = extract_state(state, spec, a)
+    rows = mask_rows(dims)
+
+    def headless(n):
+        info = key_info(a, n)
+        return info is not None and info.part in ("q", "k", "v", "qkv", "o") and \
+            not bool(mask[rows[(info.stack, info.family)] + info.layer].any())
+    trainable = {n: p for n, p in sub.named_parameters() if p.requires_grad}
+    assert set(trainable) == {n for n in expected if not headless(n)}
+    for n, p in trainable.items():
+        assert p.shape == expected[n].shape, n
+    model.zero_grad()
+    sub(**_inputs(model)).logits.square().mean().backward()
+    assert all(p.grad is not None for p in trainable.values())
+    # nothing of a pruned slice or of a headless family gets a gradient
+    grads = {n for n, p in sub.named_parameters() if p.grad is not None}
+    assert grads <= set(trainable)
+    model.zero_grad()
+
+
+def test_t5_forward_mode_is_a_config_error(tiny_gen_cfg_dict, tiny_lm_dirs):
+    with pytest.raises(ConfigError, match="method.prune"):
+        setup(_cfg(tiny_gen_cfg_dict, tiny_lm_dirs, "t5", prune="forward"))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bart"])
+def test_forward_mode_with_headless_layers_trains_and_aggregates(arch, tiny_gen_cfg_dict, tiny_lm_dirs):
+    method, data = setup(_cfg(tiny_gen_cfg_dict, tiny_lm_dirs, arch, prune="forward", sparsity=0.75))
+    rows = method.mask_shape[0]
+    alpha = torch.linspace(1.0, 0.01, rows * 4).view(rows, 4)  # the last rows keep no head
+    method.importance = lambda d, s: (alpha, 0.0)
+    state = method.initial_state()
+    payload = method.strategy.configure_train(1, state, [0])[0]
+    reply = method.fit(payload, data.client(0), 0)
+    kept = reply.arrays[KEPT]
+    assert int(kept.sum()) == rows and not bool(kept[-1].any()) and reply.metrics["headless_layers"] >= 1
+    assert method.strategy.check_reply(state, payload, reply) is None
+    result = method.strategy.aggregate_train(1, state, {0: payload}, {0: reply})
+    assert result.used == [0]
+    torch.testing.assert_close(reply.arrays[ALPHA], alpha * kept)
+
+
+def _gqa_state(arch, dims, r, gen):
+    d, hd = dims["hidden"], dims["head_dim"]
+    rows = {"q": dims["num_heads"] * hd, "k": dims["num_kv_heads"] * hd, "v": dims["num_kv_heads"] * hd}
+    st = {}
+    for l in range(dims["num_layers"]):
+        for part, out in (*rows.items(), ("o", d)):
+            name = f"base_model.model.{arch.part_name(l, part)}"
+            width = d if part != "o" else dims["num_heads"] * hd
+            st[f"{name}.lora_A.default.weight"] = torch.randn(r, width, generator=gen)
+            st[f"{name}.lora_B.default.weight"] = torch.randn(out, r, generator=gen)
+    return st
+
+
+@pytest.mark.parametrize("mode", ["head_weighted", "fedavg"])
+def test_gqa_aggregation_against_numpy_reference(mode):
+    """Key/value head 0 is shared by query heads 0 and 1: its rows get the sum of their α (or
+    |D_c| while either is kept)."""
+    from fedslice.models.arch import ARCHITECTURES
+    arch = ARCHITECTURES["llama"]
+    H, KV, hd, r = 4, 2, 2, 3
+    dims = {"num_layers": 2, "num_heads": H, "num_kv_heads": KV, "head_dim": hd, "hidden": 8,
+            "ffn": 5, "families": 1}
+    gen = torch.Generator().manual_seed(0)
+    g = _gqa_state(arch, dims, r, gen)
+    kept = [torch.tensor([[1, 1, 0, 0], [0, 0, 1, 0]]).bool(),  # kv 0 by two query heads
+            torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0]]).bool(),  # layer 1 headless
+            torch.tensor([[0, 1, 0, 0], [1, 0, 0, 1]]).bool()]  # kv head 1 of layer 0: nobody
+    alphas = [torch.rand(2, H, generator=gen) * k for k in kept]
+    sizes = [10, 30, 7]
+    locs = [{k: v + torch.randn(v.shape, generator=gen) for k, v in g.items()} for _ in kept]
+    ups = [HeadUpdate(extract_state(l, mask_spec(m, [dims]), arch), m, a if mode == "head_weighted" else None, n)
+           for l, m, a, n in zip(locs, kept, alphas, sizes)]
+    # the headless layer's attention LoRA is not sent (Heads.local_params)
+    ups[1] = HeadUpdate({k: v for k, v in ups[1].arrays.items() if "layers.1.self_attn" not in k},
+                        kept[1], ups[1].alpha, 30)
+    out = aggregate_heads(g, ups, arch, dims, mode=mode, eta=1.0, eps=1e-3 if mode == "head_weighted" else 1e-8)
+
+    def weight(c, layer, heads):  # client c's weight of a block shared by query heads ``heads``
+        if not any(bool(kept[c][layer, h]) for h in heads):
+            return 0.0
+        if mode == "fedavg":
+            return float(sizes[c])
+        return sum(float(alphas[c][layer, h]) for h in heads if kept[c][layer, h])
+    eps = 1e-3 if mode == "head_weighted" else 1e-8
+    for key, g0 in g.items():
+        G = g0.numpy().astype(np.float64)
+        ref = G.copy()
+        deltas = [l[key].numpy() - G for l in locs]
+        layer = int(key.split("layers.")[1].split(".")[0])
+        part = next(p for p in ("q_proj", "k_proj", "v_proj", "o_proj") if p in key)
+        tied = ("lora_B" in key and part != "o_proj") or ("lora_A" in key and part == "o_proj")
+        if tied:
+            groups = [(h, (h,)) for h in range(H)] if part in ("q_proj", "o_proj") else \
+                [(j, tuple(range(j * H // KV, (j + 1) * H // KV))) for j in range(KV)]
+            for blk, heads in groups:
+                sl = slice(blk * hd, (blk + 1) * hd)
+                w = [weight(c, layer, heads) for c in range(3)]
+                if sum(w) == 0:
+                    continue
+                e = eps if mode == "head_weighted" else 0.0
+                if part == "o_proj":
+                    ref[:, sl] = G[:, sl] + sum(w[c] * deltas[c][:, sl] for c in range(3)) / (sum(w) + e)
+                else:
+                    ref[sl] = G[sl] + sum(w[c] * deltas[c][sl] for c in range(3)) / (sum(w) + e)
+        else:
+            holders = [c for c in range(3) if key in ups[c].arrays]
+            n = [sizes[c] for c in holders]
+            ref = G + sum(nc * deltas[c] for nc, c in zip(n, holders)) / sum(n)
+        np.testing.assert_allclose(out[key].numpy(), ref, rtol=1e-5, atol=1e-5, err_msg=key)
+    k0 = f"base_model.model.{arch.part_name(0, 'k')}.lora_B.default.weight"
+    assert torch.equal(out[k0][hd:], g[k0][hd:])  # kv head 1 of layer 0: no query head kept
