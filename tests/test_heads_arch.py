@@ -247,3 +247,39 @@ def test_gqa_aggregation_against_numpy_reference(mode):
         np.testing.assert_allclose(out[key].numpy(), ref, rtol=1e-5, atol=1e-5, err_msg=key)
     k0 = f"base_model.model.{arch.part_name(0, 'k')}.lora_B.default.weight"
     assert torch.equal(out[k0][hd:], g[k0][hd:])  # kv head 1 of layer 0: no query head kept
+
+
+@pytest.mark.parametrize("prune", ["parameters", "forward"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_decoder_classification_head_runs_a_round(arch, prune, tmp_path, tiny_lm_dirs, tiny_data_dir):
+    from fedslice.fl.engine import Simulation
+    cfg = validate_config({"seed": 0, "threads": 1, "data": {"path": str(tiny_data_dir), "max_length": 16},
+                           "model": {"name": str(tiny_lm_dirs[arch])},
+                           "lora": {"r": 4, "alpha": 8, "targets": ["q", "k", "v", "o"]},
+                           "method": {"name": "heads", "sparsity": 0.75, "prune": prune},
+                           "federation": {"num_clients": 2, "clients_per_round": 2, "rounds": 1,
+                                          "local_steps": 2, "batch_size": 8},
+                           "output": {"dir": str(tmp_path), "progress": False, "plots": False}})
+    method, data = setup(cfg)
+    assert method.task.head == "sequence_classification"
+    _, records, summary = Simulation(cfg, method, data).run()
+    assert 0 <= summary["test_accuracy"] <= 1 and summary["sparsity_mean"] == 0.75
+    assert not records[0].get("excluded")
+
+
+def test_bart_classifier_importance_reads_the_shifted_decoder_input(tiny_lm_dirs):
+    """BART's sequence classifier has no decoder_input_ids in its batch: the decoder reads the
+    input shifted right after the start token, and its families are scored on those tokens."""
+    import transformers as T
+    from conftest import smollm2_tokenizer, tiny_lm_config
+    from fedslice.data.batching import TokenizedSplit
+    tok = smollm2_tokenizer()
+    model = T.BartForSequenceClassification(tiny_lm_config("bart", len(tok), tok.pad_token_id,
+                                                           tok.eos_token_id)).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.cat([torch.randint(5, 400, (n,), generator=g), torch.tensor([tok.eos_token_id])])
+           for n in (6, 6, 6)]  # one <eos> per row: the classifier reads it (pad may be <eos>)
+    split = TokenizedSplit(ids, None, torch.tensor([0, 1, 0]), tok.pad_token_id)
+    scores = head_importance(model, split, [tok.eos_token_id, tok.pad_token_id], 2)
+    assert set(scores) == {"encoder.self", "decoder.self", "decoder.cross"}
+    assert all(s.shape == (2, 4) and bool(((s > 0) & (s <= 1)).all()) for s in scores.values())

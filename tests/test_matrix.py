@@ -126,3 +126,14 @@ def test_method_on_architecture(method_name, arch, model_dirs, corpus, tiny_cfg_
     if arch in GENERATIVE:
         ev = method.evaluate(new, data.dev, 8, max_generations=2)
         assert {"bleu", "rougeL"} <= set(ev) and all(math.isfinite(ev[m]) for m in ("bleu", "rougeL"))
+
+
+def test_readme_table_is_works():
+    """The README's method x architecture table says what ``WORKS`` tests (✓ runs, ✗ refused)."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = text.split("## Which method runs on which architecture", 1)[1]
+    for m in METHODS:
+        row = next(l for l in table.splitlines() if l.startswith(f"| `{m}`"))
+        cells = [c.strip() for c in row.strip("|").split("|")[1:]]
+        assert [c.startswith("✓") for c in cells] == [(m, a) in WORKS for a in ARCHS], m
