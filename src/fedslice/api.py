@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from fedslice.checkpoint import (CHECKPOINT, Checkpoint, check_same_config, find_resumable,
-                                 read_checkpoint, write_checkpoint)
+from fedslice.checkpoint import (CHECKPOINT, Checkpoint, check_same_architecture,
+                                 check_same_config, config_diff, find_resumable, read_checkpoint,
+                                 write_checkpoint)
 from fedslice.config import ExperimentConfig, apply_overrides, load_config, validate_config
 from fedslice.errors import ConfigError
 from fedslice.fl.engine import FederatedData, Simulation, prepare_data
@@ -92,10 +93,16 @@ def resume_experiment(run_dir: str | Path, config: str | Path | None = None,
         cfg = validate_config(apply_overrides(ckpt.config, overrides or []), f"(checkpoint of {staging})")
     else:
         cfg = load_config(config, overrides)
-    check_same_config(ckpt.config, cfg.model_dump(mode="json"), staging)
-    run = RunDir.reopen(staging)
+    given = cfg.model_dump(mode="json")
+    if not any(d.startswith("model.") for d in config_diff(ckpt.config, given)):
+        check_same_config(ckpt.config, given, staging)  # before loading anything
     with _display(cfg, progress, verbose):
         method, data = setup(cfg)
+        # another model: name both architectures (also when the config names the same path but
+        # the files there changed); then any other field that differs
+        check_same_architecture(ckpt, method, staging)
+        check_same_config(ckpt.config, given, staging)
+        run = RunDir.reopen(staging)
         run.rewrite_metrics(ckpt.records)
         log.warning("resuming %s after round %d of %d", staging, ckpt.round, cfg.federation.rounds)
         return _run_into(run, cfg, method, data, resume=ckpt)

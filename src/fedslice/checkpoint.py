@@ -52,6 +52,8 @@ class Checkpoint:
     rng: dict[str, Any]
     records: list[dict[str, Any]]
     elapsed_s: float
+    #: the model the state belongs to (:func:`architecture_of`); None in older checkpoints
+    architecture: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,6 +93,52 @@ def check_same_config(saved: dict[str, Any], given: dict[str, Any], where: Path)
     if diff:
         raise ConfigError(f"cannot resume {where}: the config differs from the checkpoint's in "
                           f"{len(diff)} field(s):\n  " + "\n  ".join(diff))
+
+
+# --------------------------------------------------------------------------------------------
+# Model identity
+# --------------------------------------------------------------------------------------------
+
+def architecture_of(method) -> dict[str, Any]:
+    """The model a method's global state belongs to: model path, type and shape."""
+    arch, dims = getattr(method, "arch", None), getattr(method, "dims", None) or {}
+    cfg = getattr(method, "cfg", None)
+    return {"model": getattr(getattr(cfg, "model", None), "name", None),
+            "model_type": getattr(arch, "model_type", None),
+            **{k: int(v) for k, v in dims.items()}}
+
+
+def describe_architecture(a: dict[str, Any] | None) -> str:
+    if not a:
+        return "an architecture the checkpoint does not record"
+    shape = ", ".join(f"{v} {k.replace('num_', '').replace('_', ' ')}" for k, v in a.items()
+                      if k not in ("model", "model_type"))
+    return f"{a.get('model_type')} ({shape}) from model.name={a.get('model')!r}"
+
+
+def check_same_architecture(ckpt: Checkpoint, method, where: Path | str = "the checkpoint") -> None:
+    """A :class:`ConfigError` naming both architectures when the checkpoint's global state was
+    trained on another model than the one ``method`` was built on (its recorded model type and
+    shape differ, or its tensors' names or shapes do not match the method's global state)."""
+    now = architecture_of(method)
+    ident = lambda a: {k: v for k, v in (a or {}).items() if k != "model"}  # noqa: E731
+    saved = ckpt.architecture
+    if saved is not None and ckpt.config.get("model", {}).get("name") is not None:
+        saved = {**saved, "model": saved.get("model") or ckpt.config["model"]["name"]}
+    differs = saved is not None and ident(saved) != ident(now)
+    # the model's parameters (and a proxy's, FedPFT) as named in global states; every trainable
+    # one must be in the checkpoint (initial_state() is not used: RaFFM's re-orders the model)
+    shapes = {k: tuple(p.shape) for k, p in method.model.named_parameters()}
+    shapes.update({k: tuple(p.shape) for k, p in (getattr(method, "proxy_params", None) or {}).items()})
+    got = {k: tuple(t.shape) for k, t in ckpt.state.items()}
+    diff = [f"{k}: {got.get(k, '<absent>')} in the checkpoint, {shapes.get(k, '<absent>')} now"
+            for k in sorted(set(got) | set(method.trainable())) if shapes.get(k) != got.get(k)]
+    if not differs and not diff:
+        return
+    lines = "".join(f"\n  {d}" for d in diff[:5]) + (f"\n  ... {len(diff) - 5} more" if len(diff) > 5 else "")
+    raise ConfigError(f"cannot resume {where}: the checkpoint's architecture differs from the "
+                      f"config's: checkpoint {describe_architecture(saved)}; config "
+                      f"{describe_architecture(now)}" + (f"; global-state tensors differ:{lines}" if diff else ""))
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,6 +240,7 @@ def write_checkpoint(folder: Path, ckpt: Checkpoint) -> Path:
     meta = {"format": FORMAT, "round": ckpt.round, "config": ckpt.config,
             "config_hash": config_hash(ckpt.config), "records": ckpt.records,
             "elapsed_s": ckpt.elapsed_s, "state_keys": list(ckpt.state),
+            "architecture": ckpt.architecture,
             "server": _pack(ckpt.server, tensors), "rng": _pack(ckpt.rng, tensors)}
     from fedslice.output import dumps_json
     text = dumps_json(meta, indent=None).encode()
@@ -223,7 +272,8 @@ def read_checkpoint(folder: Path) -> Checkpoint:
     state = {k: tensors[f"state/{k}"] for k in meta["state_keys"]}
     return Checkpoint(round=meta["round"], config=meta["config"], state=state,
                       server=_unpack(meta["server"], tensors), rng=_unpack(meta["rng"], tensors),
-                      records=meta["records"], elapsed_s=meta["elapsed_s"])
+                      records=meta["records"], elapsed_s=meta["elapsed_s"],
+                      architecture=meta.get("architecture"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,11 +285,13 @@ def capture(server_round: int, config: dict[str, Any], method, selector, state: 
     server = {"strategy": method.strategy.state_dict(), "method": method.server_state(),
               "selector": selector.state_dict()}
     return Checkpoint(server_round, config, dict(state), server, capture_rng(),
-                      [json.loads(json.dumps(r, default=str)) for r in records], elapsed_s)
+                      [json.loads(json.dumps(r, default=str)) for r in records], elapsed_s,
+                      architecture_of(method))
 
 
 def restore(ckpt: Checkpoint, method, selector) -> State:
     """Put the server-side state and the RNGs of ``ckpt`` back; return the global state."""
+    check_same_architecture(ckpt, method)
     method.strategy.load_state_dict(ckpt.server["strategy"])
     method.load_server_state(ckpt.server["method"])
     selector.load_state_dict(ckpt.server["selector"])

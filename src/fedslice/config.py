@@ -376,8 +376,12 @@ class FedPFTMethod(_Section):
     @field_validator("keep_ratio", "align_proportion")
     @classmethod
     def _fraction(cls, v, info):
+        what = {"keep_ratio": "keeps no FFN neuron (any ratio > 0 keeps at least one per layer)",
+                "align_proportion": "re-distils no neuron"}
         if not 0 < v <= 1:
-            raise ValueError(f"{info.field_name} must be in (0, 1]")
+            bound = (f"{v:g} {what[info.field_name]}" if v <= 0 else
+                     f"{v:g} is more than every neuron; the largest valid value is 1 (all of them)")
+            raise ValueError(f"{info.field_name} must be in (0, 1]: {bound}")
         return v
 
 

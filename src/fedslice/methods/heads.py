@@ -74,6 +74,12 @@ def kept_count(num_rows: int, num_heads: int, sparsity: float, scope: str) -> in
     return int(np.round((1 - sparsity) * pool))
 
 
+def max_sparsity(pool: int) -> float:
+    """The largest sparsity, at 4 decimals, that keeps a head of a pool of ``pool`` (1 - 1/pool,
+    rounded down so that the value printed in messages is valid as written)."""
+    return math.floor((1 - 1 / pool) * 1e4) / 1e4
+
+
 # --------------------------------------------------------------------------------------------
 # Server
 # --------------------------------------------------------------------------------------------
@@ -197,7 +203,8 @@ class Heads(FedPETuning):
         if kept_count(rows, heads, o.sparsity, o.scope) < 1 and o.pruning != "none":
             pool = rows * heads if o.scope == "global" else heads
             raise ConfigError(f"method.sparsity={o.sparsity} keeps no head (round((1 - s) * {pool}) "
-                              f"= 0 with scope={o.scope!r}): lower it")
+                              f"= 0 with scope={o.scope!r}): the largest valid method.sparsity is "
+                              f"{max_sparsity(pool)} (keeps 1 of {pool} heads)")
         if self.needs_importance:
             previous = _ensure_eager(self.model)  # raises ModelError when unavailable
             if previous != "eager":

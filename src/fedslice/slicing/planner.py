@@ -202,7 +202,7 @@ class Planner:
             what = (f"{smallest.flops_ratio:.3g}x FLOPs" if budget.flops is not None
                     else f"{smallest.memory_mb:.1f} MiB")
             plan = Plan(None, None, f"budget {budget.describe()} is below the smallest sub-model "
-                        f"({what})")
+                        f"({what}): the smallest valid value is {smallest_valid(budget, smallest):g}")
         else:
             lo, hi = 0, len(self.candidates) - 1  # candidates[lo] fits
             while lo < hi:
@@ -215,6 +215,19 @@ class Planner:
             plan = Plan(spec, self.cost(spec))
         self._plans[key] = plan
         return plan
+
+
+def smallest_valid(budget: Budget, smallest: SpecCost) -> float:
+    """The smallest budget of ``budget``'s kind that fits ``smallest``, rounded *up* (4 decimals
+    of a FLOPs fraction, 0.1 MiB) so that the value a message prints is valid as written."""
+    flops = budget.flops is not None
+    digits = 4 if flops else 1
+    units = math.ceil(round((smallest.flops_ratio if flops else smallest.memory_mb) * 10**digits, 6))
+    while not Planner.fits(Budget(flops=units / 10**digits) if flops
+                           else Budget(memory_mb=units / 10**digits), smallest):
+        units += 1
+    value = units / 10**digits
+    return min(1.0, value) if flops else value
 
 
 def assign_budgets(tiers: Sequence, distribution, num_clients: int, seed: int) -> list[tuple[int | None, Budget]]:
