@@ -22,13 +22,15 @@ from conftest import save_tiny_model
 from fedslice import measure
 from fedslice.api import setup
 from fedslice.config import validate_config
+from fedslice.flower.client_app import CLIENT_STATE, KEPT_MODEL, load_kept, store_kept
 from fedslice.flower.codec import MODEL
 from fedslice.flower.server_app import run as server_run
 from fedslice.output import read_run
 
 from test_flower import (InProcessGrid, _assert_same_state, _check_deployed_run, _in_process,
                          _nodes, _settings, _weights, _write_config, needs_flower)
-from test_flower import started  # noqa: F401  (fixture: the deployment's processes, stopped)
+from test_flower import flwr_home, started  # noqa: F401  (fixtures: a private FLWR_HOME; the
+#                                              deployment's processes, stopped afterwards)
 
 PROXY_METHODS = ("fedpft", "fedot")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
@@ -173,7 +175,7 @@ class RecordingGrid(InProcessGrid):
 
 @pytest.mark.parametrize("method", PROXY_METHODS)
 def test_serverapp_sends_the_proxy_once_and_clients_load_no_model(tiny_cfg_dict, model_dir, tmp_path,
-                                                                  monkeypatch, method):
+                                                                  monkeypatch, flwr_home, method):
     """The ServerApp over an in-process grid: the full-model loader runs once (the server's), each
     node's first train message carries its model once (later ones only LoRA and the classifier,
     plus re-distilled neurons), and the weights equal the in-process engine's."""
@@ -197,6 +199,48 @@ def test_serverapp_sends_the_proxy_once_and_clients_load_no_model(tiny_cfg_dict,
     first = [c["bytes_down"] for c in metrics[0]["client_metrics"]]
     assert first == [r["bytes_down"] for r in records[0]["client_metrics"]]  # counted the same
     assert all(b == _model_bytes(_client_model(server)) < _full_model_bytes(server) for b in first)
+    # each node keeps the model it received in a file on its disk, not in Context.state
+    for state in grid._states.values():
+        assert not any(k.startswith("base.") for k in state.array_records[CLIENT_STATE])
+        path = Path(str(state.config_records[KEPT_MODEL]["path"]))
+        assert path.is_file() and path.is_relative_to(flwr_home)
+
+
+def test_node_keeps_the_received_model_on_its_disk(tiny_cfg_dict, model_dir, tmp_path, flwr_home):
+    """The model a node received is written once to ``$FLWR_HOME`` (or the node config's
+    ``state-dir``) and read back exactly; a file that is missing or another run's leaves the node
+    without a model (the method then fails the round clearly, and the server re-sends it)."""
+    from flwr.app import Context, RecordDict
+
+    cfg = validate_config(_cfg(tiny_cfg_dict, model_dir, "fedpft", tmp_path))
+    server, data = setup(cfg)
+    client, _ = setup(cfg, role="client")
+    first = server.strategy.configure_train(1, server.initial_state(), [0])[0]
+    client.fit(first, data.client(0), seed=0)
+    state = client.client_state()
+    ctx = Context(run_id=7, node_id=3, node_config={}, state=RecordDict(), run_config={})
+    store_kept(ctx, state, received_model=True)
+    path = Path(str(ctx.state.config_records[KEPT_MODEL]["path"]))
+    assert path == flwr_home / "fedslice-node-state" / "run-7" / "node-3.safetensors"
+    back = load_kept(ctx)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    mtime = path.stat().st_mtime_ns
+    store_kept(ctx, state, received_model=False)  # nothing new arrived: not rewritten
+    assert path.stat().st_mtime_ns == mtime
+    other = Context(run_id=8, node_id=3, node_config={"state-dir": str(tmp_path / "node")},
+                    state=RecordDict(), run_config={})
+    store_kept(other, state, received_model=True)
+    assert Path(str(other.state.config_records[KEPT_MODEL]["path"])).is_relative_to(tmp_path / "node")
+    ctx.state[KEPT_MODEL]["token"] = "another run's"
+    assert not any(k.startswith("base.") for k in load_kept(ctx))
+    path.unlink()
+    lost = load_kept(ctx)
+    assert "proxy_version" in lost and not any(k.startswith("base.") for k in lost)
+    fresh, _ = setup(cfg, role="client")
+    fresh.load_client_state(lost)
+    second = server.strategy.configure_train(2, server.initial_state(), [0])[0]
+    with pytest.raises(RuntimeError, match="not on this node"):
+        fresh.fit(second, data.client(0), seed=0)
 
 
 # --------------------------------------------------------------------------------------------
