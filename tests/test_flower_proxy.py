@@ -336,3 +336,19 @@ def test_deployed_supernodes_never_open_the_full_model(tiny_cfg_dict, model_dir,
     assert len(first) == 2 and all(b == proxy_bytes < full_bytes for b in first)
     later = [c["bytes_down"] for m in metrics[1:] for c in m["client_metrics"]]
     assert later and all(b < proxy_bytes / 20 for b in later)
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "distilbert"])
+def test_client_role_on_other_encoders(tiny_cfg_dict, tmp_path, model_type):
+    """The model built from the config takes the first payload exactly on the other encoder
+    families too (their buffers included): the client trains as the in-process one does."""
+    folder = save_tiny_model(tmp_path / model_type, model_type, num_layers=4)
+    for method in PROXY_METHODS:
+        cfg = validate_config(_cfg(copy.deepcopy(tiny_cfg_dict), folder, method, tmp_path))
+        server, data = setup(cfg)
+        client, _ = setup(cfg, role="client")
+        first = server.strategy.configure_train(1, server.initial_state(), [0])[0]
+        reply, ref = client.fit(first, data.client(0), seed=3), server.fit(first, data.client(0), seed=3)
+        assert reply.arrays.keys() == ref.arrays.keys()
+        assert all(torch.equal(reply.arrays[k], ref.arrays[k]) for k in ref.arrays), method
+        assert reply.metrics["bytes_down"] == _model_bytes(_client_model(client)) < _full_model_bytes(server)
