@@ -36,6 +36,15 @@ from fedslice.output import read_run
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def flwr_home(tmp_path, monkeypatch) -> Path:
+    """A private Flower home: where a ClientApp called in this process keeps the model its node
+    received (``$FLWR_HOME/fedslice-node-state``), never the user's ``~/.flwr``."""
+    home = tmp_path / "flwr-home"
+    monkeypatch.setenv("FLWR_HOME", str(home))
+    return home
+
+
 # --------------------------------------------------------------------------------------------
 # Records and settings
 # --------------------------------------------------------------------------------------------

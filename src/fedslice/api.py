@@ -19,7 +19,7 @@ from fedslice.fl.engine import FederatedData, Simulation, prepare_data
 from fedslice.methods import METHODS, Method, Role, build_method
 from fedslice.models.arch import arch_for
 from fedslice.models.loading import load_config as load_model_config
-from fedslice.models.loading import load_model
+from fedslice.models.loading import build_from_config, load_model
 from fedslice.output import RunDir, write_json_atomic
 from fedslice.progress import activate, make_display
 from fedslice.report import markdown_table, plot_compare, plot_run, render_table, summary_row
@@ -34,14 +34,20 @@ def _run_name(cfg: ExperimentConfig) -> str:
 
 def setup(cfg: ExperimentConfig, role: Role = "both") -> tuple[Method, FederatedData]:
     """Build the method (model, strategy) and the federated data of an experiment
-    (``role="client"``: as a Flower ClientApp needs it, without the server-only work)."""
+    (``role="client"``: as a Flower ClientApp needs it, without the server-only work; for a
+    method whose clients get their model from the server (fedpft, fedot), from the model's
+    config and tokenizer only: no weight file is read)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     arch = arch_for(load_model_config(cfg.model)[0])  # the model's config only: no weights yet
     task = make_task(cfg, arch)
-    METHODS[cfg.method.name].check_supported(arch, task)
+    kind = METHODS[cfg.method.name]
+    kind.check_supported(arch, task)
     raw = task.load_raw()
-    loaded = load_model(cfg.model, task.num_labels(raw), cfg.seed, head=task.head)
+    if role == "client" and kind.client_model_from_server:
+        loaded = build_from_config(cfg.model, task.num_labels(raw), head=task.head)
+    else:
+        loaded = load_model(cfg.model, task.num_labels(raw), cfg.seed, head=task.head)
     data = prepare_data(cfg, task, task.encode(raw, loaded))
     return build_method(cfg, loaded, task, role), data
 

@@ -200,18 +200,19 @@ def _method_sizes(cfg: ExperimentConfig, plan: Plan, loaded: LoadedModel, task,
         state = method.initial_state()
         clients = [c for c, n in enumerate(sizes) if n]
         payloads = method.strategy.configure_train(1, state, clients)
+        first_contact = []
         for c, payload in payloads.items():
             client_model, params = method.client_model(payload)
             up = {n: p for n, p in params.items() if n in payload.arrays}
             plan.bytes_down[c] = measure.tensor_bytes(payload.arrays)
             plan.bytes_up[c] = measure.tensor_bytes(up)
+            first_contact.append(measure.tensor_bytes(payload.model))
             if client_model is not method.model:
                 plan.submodel_params[c] = sum(p.numel() for p in client_model.parameters())
-        if cfg.method.name in ("fedpft", "fedot"):
-            plan.notes.append(f"{cfg.method.name}: the server builds the client model (proxy / "
-                              "emulator) from the weights before round 1; its size and bytes "
-                              "are not in this plan (sizes above are the client's trainable part)")
-            plan.submodel_params.clear()
+        if any(first_contact):
+            plan.notes.append(f"{cfg.method.name}: a client's first payload also carries the frozen "
+                              f"tensors of the model it trains, {statistics.fmean(first_contact) / 1e6:.3f}"
+                              " MB once (sub-model above): no client reads the full model")
     except FedsliceError:
         raise
     except Exception as e:  # noqa: BLE001 - a method whose set-up needs tensor values

@@ -28,10 +28,15 @@ State = dict[str, torch.Tensor]
 
 @dataclass
 class Payload:
-    """Server -> client: the tensors the client receives and JSON-able instructions."""
+    """Server -> client: the tensors the client receives and JSON-able instructions.
+
+    ``model``: at a client's first contact, the frozen tensors of the smaller model it trains
+    (fedpft's proxy, fedot's adapter + emulator) by that model's names, for a client that holds
+    no copy of the model (counted in the bytes sent); empty otherwise."""
 
     arrays: State
     config: dict[str, Any] = field(default_factory=dict)
+    model: State = field(default_factory=dict)
 
 
 @dataclass

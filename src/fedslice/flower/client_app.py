@@ -7,27 +7,49 @@ distilled emulator arrive in the payload), loads the payload and runs ``method.f
 node's partition with the in-process engine's seed ``client_seed(seed, round, partition)``.
 
 A SuperNode needs the model and the train data at the paths of the config (the ServerApp sends the
-config, not the data). Flower starts a fresh ClientApp process per message in a deployment, so
-each round loads the model and data again; the simulation engine reuses its workers, and the last
-setup is kept in memory then. What a method's client keeps between its participations
-(``Method.client_state``: FedPFT's proxy copy) lives in the node's ``Context.state``, which Flower
-keeps per node across messages of a run.
+config, not the data). For ``fedpft`` and ``fedot`` (``Method.client_model_from_server``) it needs
+the model's config and tokenizer files only, never its weights: the method is built from the HF
+config on the meta device, and the tensors of the smaller model the client trains (FedPFT's proxy,
+FedOT's adapter + emulator) arrive in its first train message (the ``model`` record of
+:mod:`fedslice.flower.codec`, counted in ``bytes_down``). Flower starts a fresh ClientApp process
+per message in a deployment, so each round loads the model (or builds it from its config) and the
+data again; the simulation engine reuses its workers, and the last setup is kept in memory then.
+What a method's client keeps between its participations (``Method.client_state``) lives in the
+node's ``Context.state``, which Flower keeps per node across messages of a run, except the model
+the node received (the ``base.*`` tensors: tens of MB for MiniLM, far more for larger models): it
+is written once, when it arrives, to a safetensors file on the node's own disk (node config
+``state-dir``, default ``$FLWR_HOME/fedslice-node-state``: ``fedslice deploy local`` removes it
+with its work folder), and ``Context.state`` holds its path and a token. Flower sends the whole
+``Context.state`` between the SuperNode and each fresh ClientApp process, in both directions, with
+a 30 s limit per call in 1.41: a model there would travel twice per message (a MiniLM proxy missed
+that limit on a loaded machine). A node that lost what it kept (state or file) fails that round
+with a clear reason, and the server sends it the whole model again at its next participation.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import secrets
+from pathlib import Path
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedslice.fl.strategy import State
 from fedslice.flower.nodes import NUM_PARTITIONS, PARTITION_ID, node_partition
+from fedslice.methods.submodel import BASE_PREFIX
+
+log = logging.getLogger(__name__)
 
 app = ClientApp()
 
 _CACHE: dict[str, Any] = {}
 CLIENT_STATE = "fedslice_client_state"  # what a method keeps between participations (Context.state)
+KEPT_MODEL = "fedslice_kept_model"  # path and token of the file with the model the node received
+STATE_DIR = "state-dir"  # node config: the folder of that file
 
 
 def _setup(experiment: dict[str, Any]):
@@ -44,6 +66,63 @@ def _setup(experiment: dict[str, Any]):
     return _CACHE["value"]
 
 
+def state_dir(context: Context) -> Path:
+    """Where this node keeps the model it received: node config ``state-dir``, else
+    ``$FLWR_HOME/fedslice-node-state`` (Flower's folder of this node, ``~/.flwr`` by default)."""
+    configured = context.node_config.get(STATE_DIR)
+    if configured:
+        return Path(str(configured)).expanduser()
+    home = os.environ.get("FLWR_HOME")
+    return (Path(home) if home else Path.home() / ".flwr") / "fedslice-node-state"
+
+
+def load_kept(context: Context) -> State:
+    """What this node kept after its last participation: ``Context.state`` and the model file."""
+    from safetensors import safe_open
+
+    from fedslice.flower.codec import record_to_state
+
+    kept = context.state.array_records.get(CLIENT_STATE)
+    state = record_to_state(kept) if kept is not None else {}
+    ref = context.state.config_records.get(KEPT_MODEL)
+    if ref is not None:
+        path = Path(str(ref["path"]))
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if (f.metadata() or {}).get("token") != str(ref["token"]):
+                    raise OSError("the file was written by another run or node")
+                state.update({BASE_PREFIX + k: f.get_tensor(k) for k in f.keys()})
+        except Exception as e:  # noqa: BLE001 - missing, truncated or foreign: the node holds no model
+            log.warning("the model this node kept in %s cannot be read (%s): it holds none", path, e)
+    return state
+
+
+def store_kept(context: Context, state: State, received_model: bool) -> None:
+    """Keep ``state`` for the node's next participation: the model (``base.*``) in a file
+    written when it was received, the rest in ``Context.state``."""
+    from safetensors.torch import save_file
+
+    from fedslice.flower.codec import state_to_record
+
+    model = {k[len(BASE_PREFIX):]: t.contiguous() for k, t in state.items() if k.startswith(BASE_PREFIX)}
+    context.state[CLIENT_STATE] = state_to_record({k: t for k, t in state.items()
+                                                   if not k.startswith(BASE_PREFIX)})
+    if not model:
+        if KEPT_MODEL in context.state.config_records:
+            del context.state[KEPT_MODEL]
+        return
+    if not received_model and KEPT_MODEL in context.state.config_records:
+        return  # the file holds it already (read at the start of this message)
+    folder = state_dir(context) / f"run-{context.run_id}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"node-{context.node_id}.safetensors"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    token = secrets.token_hex(8)
+    save_file(model, str(tmp), metadata={"token": token})
+    os.replace(tmp, path)
+    context.state[KEPT_MODEL] = ConfigRecord({"path": str(path), "token": token})
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Reply with this node's partition (validated against the server's num_clients)."""
@@ -57,7 +136,7 @@ def query(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     """Local training of this node's partition on the received payload."""
     from fedslice.fl.engine import client_seed
-    from fedslice.flower.codec import decode_payload, encode_reply, record_to_state, state_to_record
+    from fedslice.flower.codec import decode_payload, encode_reply
 
     payload, experiment = decode_payload(msg.content)
     cfg, method, data = _setup(experiment)
@@ -65,9 +144,8 @@ def train(msg: Message, context: Context) -> Message:
     client = payload.config.get("client", pid)
     if client != pid:
         raise RuntimeError(f"payload for client {client} reached the node of partition {pid}")
-    kept = context.state.array_records.get(CLIENT_STATE)
-    method.load_client_state(record_to_state(kept) if kept is not None else {})
+    method.load_client_state(load_kept(context))
     reply = method.fit(payload, data.client(pid), client_seed(cfg.seed, payload.config["round"], pid))
     if state := method.client_state():
-        context.state[CLIENT_STATE] = state_to_record(state)
+        store_kept(context, state, received_model=bool(payload.model))
     return Message(encode_reply(reply), reply_to=msg)

@@ -3,6 +3,9 @@
 A message's content is a ``RecordDict`` with
 
 - ``"arrays"``: an ``ArrayRecord`` of the tensors (a payload's or a reply's ``arrays``);
+- ``"model"`` (payloads at a client's first contact only): an ``ArrayRecord`` of the frozen
+  tensors of the model the client trains (``Payload.model``: fedpft's proxy, fedot's adapter +
+  emulator), so a SuperNode never needs the full model;
 - ``"fedslice"``: a ``ConfigRecord`` whose string fields hold JSON (the experiment config, a
   payload's ``config`` or a reply's metrics): JSON keeps any structure a method puts there
   (nested lists, ``None``), which Flower's scalar records do not;
@@ -24,7 +27,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from fedslice.fl.strategy import Payload, Reply, State
 
-ARRAYS, META, METRICS = "arrays", "fedslice", "metrics"
+ARRAYS, META, METRICS, MODEL = "arrays", "fedslice", "metrics", "model"
 
 
 def state_to_record(state: State) -> ArrayRecord:
@@ -49,12 +52,17 @@ def _json_field(content: RecordDict, key: str) -> Any:
 def encode_payload(payload: Payload, experiment: dict[str, Any]) -> RecordDict:
     """A train message's content: the payload plus the experiment config the client builds from."""
     meta = ConfigRecord({"experiment": _dumps(experiment), "payload": _dumps(payload.config)})
-    return RecordDict({ARRAYS: state_to_record(payload.arrays), META: meta})
+    content = RecordDict({ARRAYS: state_to_record(payload.arrays), META: meta})
+    if payload.model:
+        content[MODEL] = state_to_record(payload.model)
+    return content
 
 
 def decode_payload(content: RecordDict) -> tuple[Payload, dict[str, Any]]:
     """Inverse of :func:`encode_payload`: ``(payload, experiment config dict)``."""
-    payload = Payload(arrays=record_to_state(content[ARRAYS]), config=_json_field(content, "payload"))
+    model = record_to_state(content[MODEL]) if MODEL in content.array_records else {}
+    payload = Payload(arrays=record_to_state(content[ARRAYS]), config=_json_field(content, "payload"),
+                      model=model)
     return payload, _json_field(content, "experiment")
 
 

@@ -3,7 +3,10 @@
 A method is built from the experiment config on the server and on every client: the in-process
 engine builds it once (``role="both"``); a Flower ClientApp builds it with ``role="client"``,
 which skips server-only work (distillation before FL: what it produced reaches clients in the
-payload, and is counted in the bytes sent). Methods differ by
+payload, and is counted in the bytes sent). A method whose clients train a smaller model than the
+full one (``client_model_from_server``: fedpft, fedot) is built in the client role from the
+model's config only, never its weights: the server sends that smaller model's tensors in a
+client's first payload. Methods differ by
 composition: which tensors are trainable (``prepare_model``), what each client receives
 (``Strategy.payload_for``), which model a client trains (``client_model``) and how replies are
 combined (``Strategy.aggregate``). The default is FedAvg over the trainable tensors of one shared
@@ -41,6 +44,11 @@ class Method:
     #: True: the method reshapes the model (slices heads/neurons, drops layers) and so far handles
     #: single-stack encoders with separate q/k/v and a classification head only
     needs_simple_encoder = False
+
+    #: True: clients train a smaller model whose every tensor the server sends at first contact,
+    #: so the client role is built from the model's config on the meta device (no weight file
+    #: read) and materializes only that smaller model
+    client_model_from_server = False
 
     @classmethod
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:
@@ -131,8 +139,10 @@ class Method:
             "loss": result.loss, "steps": result.steps, "examples_trained": result.examples,
             "tokens": result.tokens, "flops_measured": result.flops_measured,
             "flops_analytic": analytic["total"],
-            "bytes_down": measure.tensor_bytes(payload.arrays), "bytes_up": measure.tensor_bytes(arrays),
-            "params_down": measure.num_params(payload.arrays), "params_up": measure.num_params(arrays),
+            "bytes_down": measure.tensor_bytes(payload.arrays) + measure.tensor_bytes(payload.model),
+            "bytes_up": measure.tensor_bytes(arrays),
+            "params_down": measure.num_params(payload.arrays) + measure.num_params(payload.model),
+            "params_up": measure.num_params(arrays),
             "trainable_params": sum(p.numel() for p in params.values()),
             "peak_rss_mb": result.peak_rss_mb, "activation_mb": result.activation_mb,
             "train_time_s": result.time_s,

