@@ -344,21 +344,29 @@ def test_client_role_on_other_encoders(tiny_cfg_dict, tmp_path, model_type):
     families too (their buffers included): the client trains as the in-process one does."""
     folder = save_tiny_model(tmp_path / model_type, model_type, num_layers=4)
     for method in PROXY_METHODS:
-        cfg = validate_config(_cfg(copy.deepcopy(tiny_cfg_dict), folder, method, tmp_path))
-        server, data = setup(cfg)
-        client, _ = setup(cfg, role="client")
-        first = server.strategy.configure_train(1, server.initial_state(), [0])[0]
-        reply, ref = client.fit(first, data.client(0), seed=3), server.fit(first, data.client(0), seed=3)
-        assert reply.arrays.keys() == ref.arrays.keys()
-        assert all(torch.equal(reply.arrays[k], ref.arrays[k]) for k in ref.arrays), method
-        assert reply.metrics["bytes_down"] == _model_bytes(_client_model(client)) < _full_model_bytes(server)
+        server, client = _check_client_role(validate_config(
+            _cfg(copy.deepcopy(tiny_cfg_dict), folder, method, tmp_path)))
+        assert _model_bytes(_client_model(client)) < _full_model_bytes(server)
+
+
+def _check_client_role(cfg):
+    """The client role's first fit equals the in-process client's, and what it received at
+    first contact is exactly its model; returns (server, client)."""
+    server, data = setup(cfg)
+    client, _ = setup(cfg, role="client")
+    first = server.strategy.configure_train(1, server.initial_state(), [0])[0]
+    reply, ref = client.fit(first, data.client(0), seed=3), server.fit(first, data.client(0), seed=3)
+    assert reply.arrays.keys() == ref.arrays.keys()
+    assert all(torch.equal(reply.arrays[k], ref.arrays[k]) for k in ref.arrays), cfg.method.name
+    assert reply.metrics["bytes_down"] == _model_bytes(_client_model(client))
+    return server, client
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "t5", "bart"])
 def test_client_role_on_generative_models(tiny_gen_cfg_dict, tiny_lm_dirs, tmp_path, model_type):
     """Decoders (GQA + SwiGLU, fused Conv1D) and encoder-decoders (both stacks sliced): the
     client built from the config takes the first payload exactly and trains as the in-process
-    client does, having received less than the full model."""
+    client does."""
     from test_matrix import method_opts
 
     corpus = tmp_path / "corpus.txt"
@@ -370,13 +378,6 @@ def test_client_role_on_generative_models(tiny_gen_cfg_dict, tiny_lm_dirs, tmp_p
         d["method"] = {"name": method, **method_opts(method, corpus, tmp_path / "cache", model_type)}
         if method == "fedpft":  # 2 layers per stack: compress the second
             d["method"]["whole_layers"] = [0]
-        cfg = validate_config(d)
-        server, data = setup(cfg)
-        client, _ = setup(cfg, role="client")
-        first = server.strategy.configure_train(1, server.initial_state(), [0])[0]
-        reply, ref = client.fit(first, data.client(0), seed=3), server.fit(first, data.client(0), seed=3)
-        assert reply.arrays.keys() == ref.arrays.keys()
-        assert all(torch.equal(reply.arrays[k], ref.arrays[k]) for k in ref.arrays), method
-        # (what it received is its model; on these 2-layer, 49k-word models LoRA outweighs the
-        # dropped neurons, so "less than the full model" is asserted on the encoders above)
-        assert reply.metrics["bytes_down"] == _model_bytes(_client_model(client))
+        # (on these 2-layer, 49k-word models LoRA outweighs the dropped neurons, so "less than
+        # the full model" is asserted on the encoders above)
+        _check_client_role(validate_config(d))

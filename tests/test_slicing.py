@@ -156,19 +156,25 @@ def test_extract_then_scatter_is_identity(tiny):
     arch = arch_for(tiny)
     state = dict(tiny.named_parameters())
     state = {k: v.detach() for k, v in state.items()}
-    shapes = {k: v.shape for k, v in state.items()}
     for spec in (_spec(tiny, 3), _spec(tiny, 4, layers=[1]), SliceSpec.full(arch.dims(tiny.config))):
-        sub = extract_state(state, spec, arch)
-        full, masks = scatter(sub, spec, arch, shapes)
-        for k, t in full.items():
-            m = masks[k].expand_as(t).bool()
-            assert torch.equal(t[m], state[k][m]) and torch.all(t[~m] == 0), k
-        zero = {k: torch.zeros_like(t) for k, t in full.items()}
-        out = aggregate_deltas(state, [zero], [{k: 5.0 * m for k, m in masks.items()}])
-        for k in state:
-            assert torch.equal(out[k], state[k]), k
-        held = sum(int(masks[k].expand(shapes[k]).sum()) for k in masks)
-        assert held == sum(t.numel() for t in sub.values())
+        check_extract_scatter(state, spec, arch)
+
+
+def check_extract_scatter(state, spec, arch) -> None:
+    """Scatter inverts extract on the held elements (zeros elsewhere, masks count exactly the
+    sent elements) and a zero update weighted by the masks leaves every element unchanged."""
+    shapes = {k: v.shape for k, v in state.items()}
+    sub = extract_state(state, spec, arch)
+    full, masks = scatter(sub, spec, arch, shapes)
+    for k, t in full.items():
+        m = masks[k].expand_as(t).bool()
+        assert torch.equal(t[m], state[k][m]) and torch.all(t[~m] == 0), k
+    zero = {k: torch.zeros_like(t) for k, t in full.items()}
+    out = aggregate_deltas(state, [zero], [{k: 5.0 * m for k, m in masks.items()}])
+    for k in state:
+        assert torch.equal(out[k], state[k]), k
+    held = sum(int(masks[k].expand(shapes[k]).sum()) for k in masks)
+    assert held == sum(t.numel() for t in sub.values())
 
 
 def test_lora_model_permutes_and_slices(tiny):

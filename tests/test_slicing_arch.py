@@ -12,11 +12,10 @@ import torch
 
 from conftest import GENERATIVE
 from fedslice.models.arch import arch_for
-from fedslice.slicing.aggregate import aggregate_deltas
 from fedslice.slicing.permute import Permutation, permute_model, permute_state, unpermute_state
 from fedslice.slicing.salience import model_salience, salience_order
 from fedslice.slicing.spec import (ModelSlice, SliceSpec, extract_model, extract_state, key_info,
-                                   scatter, spec_from_dict)
+                                   spec_from_dict)
 
 
 @pytest.fixture(scope="module", params=GENERATIVE)
@@ -209,18 +208,8 @@ def test_t5_stack_must_share_heads(tiny_lm_dirs):
 
 
 def test_extract_then_scatter_is_identity(lm):
+    from test_slicing import check_extract_scatter
     arch = arch_for(lm)
     state = {k: v.detach() for k, v in lm.named_parameters()}
-    shapes = {k: v.shape for k, v in state.items()}
     for spec in (_spec(lm, 4), ModelSlice.leading(_dims(lm), 0.5), ModelSlice.full(_dims(lm))):
-        sub = extract_state(state, spec, arch)
-        full, masks = scatter(sub, spec, arch, shapes)
-        for k, t in full.items():
-            m = masks[k].expand_as(t).bool()
-            assert torch.equal(t[m], state[k][m]) and torch.all(t[~m] == 0), k
-        zero = {k: torch.zeros_like(t) for k, t in full.items()}
-        out = aggregate_deltas(state, [zero], [{k: 5.0 * m for k, m in masks.items()}])
-        for k in state:
-            assert torch.equal(out[k], state[k]), k
-        held = sum(int(masks[k].expand(shapes[k]).sum()) for k in masks)
-        assert held == sum(t.numel() for t in sub.values())
+        check_extract_scatter(state, spec, arch)
