@@ -403,7 +403,7 @@ def _importance_by_round(metrics: Sequence[Mapping[str, Any]]) -> list[tuple[int
 
 def plot_head_importance(metrics: Sequence[Mapping[str, Any]], run_dir: str | os.PathLike,
                          rounds: int = 10, title: str = "", max_clients: int = 4) -> list[Path]:
-    """``head_importance.png``: a layers x heads heatmap of each selected client's importance in
+    """``head_importance.png``: a (attention family, layer) rows x heads heatmap of each selected client's importance in
     the first ``rounds`` rounds (at most ``max_clients`` per round; kept heads dotted), and
     ``head_distance.png``: the Euclidean distance between two clients' importance vectors per
     round (the heads paper's Fig. 5), with the mean pairwise distance when more clients train.
@@ -443,7 +443,7 @@ def plot_head_importance(metrics: Sequence[Mapping[str, Any]], run_dir: str | os
                 ys, xs = np.nonzero(np.reshape(kept, (L, H)))
                 ax.scatter(xs, ys, s=4, c="white", marker="o")
             ax.set_title(f"r{r} c{c}", fontsize=7)
-    fig.colorbar(image, ax=axes, shrink=0.6, label="importance (layers × heads; • kept)")
+    fig.colorbar(image, ax=axes, shrink=0.6, label="importance (rows: layers, per attention family; • kept)")
     fig.suptitle(f"{title}: head importance" if title else "head importance", fontsize=9)
     heat = _save(fig, run_dir / "head_importance.png")
 
