@@ -403,8 +403,8 @@ def _importance_by_round(metrics: Sequence[Mapping[str, Any]]) -> list[tuple[int
 
 def plot_head_importance(metrics: Sequence[Mapping[str, Any]], run_dir: str | os.PathLike,
                          rounds: int = 10, title: str = "", max_clients: int = 4) -> list[Path]:
-    """``head_importance.png``: a (attention family, layer) rows x heads heatmap of each selected client's importance in
-    the first ``rounds`` rounds (at most ``max_clients`` per round; kept heads dotted), and
+    """``head_importance.png``: a heatmap (rows: layers per attention family; columns: heads)
+    of each selected client's importance in the first ``rounds`` rounds (at most ``max_clients`` per round; kept heads dotted), and
     ``head_distance.png``: the Euclidean distance between two clients' importance vectors per
     round (the heads paper's Fig. 5), with the mean pairwise distance when more clients train.
     Returns the paths written ([] when no client reported head importance)."""
