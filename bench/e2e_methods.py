@@ -132,9 +132,11 @@ def main() -> None:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     store = args.out / "results.json"
-    results = json.loads(store.read_text()) if store.exists() else {}
     for v in args.variants:
-        results[v] = run(v, args)
+        row = run(v, args)
+        # re-read before writing: several invocations may run side by side on one store
+        results = json.loads(store.read_text()) if store.exists() else {}
+        results[v] = row
         store.write_text(json.dumps(results, indent=1, default=str))
         write(results, args)
         print(f"{v}: ROUGE-L {results[v].get('test_rougeL')}", flush=True)

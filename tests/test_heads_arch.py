@@ -13,7 +13,6 @@ import torch
 from test_slicing_arch import _inputs, _with_lora, _zeroed_reference
 from fedslice.api import setup
 from fedslice.config import validate_config
-from fedslice.errors import ConfigError
 from fedslice.methods.heads import ALPHA, KEPT
 from fedslice.models.arch import arch_for
 from fedslice.slicing.heads import (HeadUpdate, aggregate_heads, confidence, head_importance,
@@ -99,10 +98,10 @@ def test_grouped_query_kv_head_kept_iff_a_query_head_of_its_group_is(tiny_lm_dir
     assert s.kv_heads(0) == (0, 1) and s.kv_heads(1) == (0,)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "bart"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_forward_submodel_equals_full_model_with_pruned_heads_zeroed(arch, tiny_lm_dirs):
-    """GPT-2's c_attn sliced in its q, k and v sections, GQA, BART's cross-attention; one layer of
-    every family keeps no head (NoHeadsAttention)."""
+    """GPT-2's c_attn sliced in its q, k and v sections, GQA, T5's per-layer columns of the stack's
+    bias, cross-attention; one layer of every family keeps no head."""
     model = _with_lora(_lm(tiny_lm_dirs, arch))
     a = arch_for(model)
     dims = a.all_dims(model.config)
@@ -154,12 +153,7 @@ def test_parameters_mode_keeps_outputs_and_trains_only_kept_slices(arch, tiny_lm
     model.zero_grad()
 
 
-def test_t5_forward_mode_is_a_config_error(tiny_gen_cfg_dict, tiny_lm_dirs):
-    with pytest.raises(ConfigError, match="method.prune"):
-        setup(_cfg(tiny_gen_cfg_dict, tiny_lm_dirs, "t5", prune="forward"))
-
-
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "bart"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_forward_mode_with_headless_layers_trains_and_aggregates(arch, tiny_gen_cfg_dict, tiny_lm_dirs):
     method, data = setup(_cfg(tiny_gen_cfg_dict, tiny_lm_dirs, arch, prune="forward", sparsity=0.75))
     rows = method.mask_shape[0]

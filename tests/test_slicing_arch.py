@@ -130,14 +130,14 @@ def test_salience_order_sorts_and_is_exact(lm):
 
 def _spec(model, seed=0, uniform_t5=True) -> ModelSlice:
     """Arbitrary (not leading, unsorted) heads and neurons per layer of every stack; a T5 stack
-    keeps the same heads in every layer."""
+    keeps the same heads in every layer unless ``uniform_t5`` is False."""
     arch = arch_for(model)
     g = torch.Generator().manual_seed(seed)
     stacks = []
     for d in _dims(model):
         H, L = d["num_heads"], d["num_layers"]
         hs = [tuple(torch.randperm(H, generator=g)[: 1 + l % 3].tolist()) for l in range(L)]
-        if arch.head_bias:
+        if arch.head_bias and uniform_t5:
             hs = [hs[1]] * L
         cross = tuple(tuple(torch.randperm(H, generator=g)[:2].tolist()) for _ in range(L)) \
             if d["families"] > 1 else None
@@ -197,14 +197,43 @@ def test_grouped_query_submodels(tiny_lm_dirs):
         assert dict(sub.named_parameters())[f"{k_rows}.weight"].shape[0] == len(kv) * d["head_dim"]
 
 
-def test_t5_stack_must_share_heads(tiny_lm_dirs):
+@pytest.mark.parametrize("lora", [False, True])
+def test_t5_layers_may_keep_different_heads(tiny_lm_dirs, lora):
+    """T5's bias table stays whole when layers keep different heads: each layer reads its own
+    columns of the stack's bias. Layer 0 (the table's owner) and one cross-attention keep no head;
+    the sub-model equals the zeroed full model, in one pass and in cached greedy generation."""
     import transformers as T
-    model = T.AutoModelForSeq2SeqLM.from_pretrained(tiny_lm_dirs["t5"])
+    model = T.AutoModelForSeq2SeqLM.from_pretrained(tiny_lm_dirs["t5"], attn_implementation="eager").eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "relative_attention_bias" in n:
+                p.normal_(0, 0.5)
+    model = _with_lora(model) if lora else model
     arch = arch_for(model)
-    d = _dims(model)
-    bad = SliceSpec.leading(d[0], [2, 3], d[0]["ffn"])
-    with pytest.raises(ValueError, match="same"):
-        extract_model(model, ModelSlice((bad, None)), arch)
+    spec = _spec(model, 3, uniform_t5=False)
+    enc, dec = spec.stacks
+    enc = SliceSpec(enc.layers, ((),) + enc.heads[1:], *astuple_rest(enc))
+    dec = SliceSpec(dec.layers, dec.heads, dec.neurons, dec.num_layers, dec.num_heads, dec.head_dim,
+                    dec.ffn, dec.num_kv_heads, ((),) + dec.cross[1:])
+    spec = ModelSlice((enc, dec))
+    assert not enc.same_heads and not dec.same_heads
+    sub = extract_model(model, spec, arch)
+    ref = _zeroed_reference(model, spec)
+    assert (_logits(sub) - _logits(ref)).abs().max() <= 1e-5
+    table = "relative_attention_bias.weight"
+    subs, full = sub.state_dict(), extract_state(model.state_dict(), spec, arch)
+    assert {k: v.shape for k, v in subs.items()} == {k: v.shape for k, v in full.items()}
+    assert all(v.shape[1] == model.config.num_heads for k, v in subs.items() if k.endswith(table))
+    if not lora:
+        ids = _inputs(model)["input_ids"][:1]
+        kw = dict(max_new_tokens=6, do_sample=False, num_beams=1)
+        with torch.no_grad():
+            assert torch.equal(sub.generate(input_ids=ids, **kw), ref.generate(input_ids=ids, **kw))
+
+
+def astuple_rest(s: SliceSpec):
+    return (s.neurons, s.num_layers, s.num_heads, s.head_dim, s.ffn, s.num_kv_heads, s.cross)
 
 
 def test_extract_then_scatter_is_identity(lm):

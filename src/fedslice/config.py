@@ -307,8 +307,7 @@ class HeadsMethod(_Section):
         "tensors are neither trained nor sent, the frozen head stays in the forward pass (saves "
         "their backward/optimizer work); 'forward': pruned heads leave the sub-model (saves "
         "forward and backward, but at high sparsity each client trains a different network and "
-        "accuracy falls far behind: README, 'Head pruning'; not on T5, whose relative-position "
-        "bias is shared by every layer).")
+        "accuracy falls far behind: README, 'Head pruning').")
     aggregation: Literal["head_weighted", "fedavg"] = Field(
         "head_weighted", description="Head-tied LoRA slices: importance-weighted mean (Eq. 8) or "
         "example-weighted mean over the clients that kept the head (Eq. 5).")

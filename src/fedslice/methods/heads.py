@@ -153,20 +153,6 @@ def special_token_ids(tokenizer, config=None) -> list[int]:
 class Heads(FedPETuning):
     name = "heads"
 
-    @classmethod
-    def check_supported(cls, arch, task: Task) -> None:
-        """T5 shares one relative-position bias table (one column per head) across the layers of a
-        stack: a forward sub-model must keep the same heads in every layer, which a keep-mask
-        does not. Parameter pruning keeps every head in the forward pass and works."""
-        super().check_supported(arch, task)
-        opts = task.cfg.method
-        if arch.head_bias and opts.prune == "forward" and opts.pruning != "none":
-            raise ConfigError(f"method.prune='forward' cannot run on {arch.model_type}: its "
-                              f"relative-position bias table is shared by every layer of a stack, "
-                              f"so a sub-model would keep the same heads in every layer; use "
-                              f"method.prune='parameters' (the default: pruned heads stay in the "
-                              f"forward pass, frozen)")
-
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both"):
         self.opts: HeadsMethod = cfg.method

@@ -16,9 +16,9 @@ stack; ``None`` keeps a stack whole). Everything else follows from the architect
 * FFN neuron j is row j of ``ffn_in`` (and of the ``gate`` of a gated FFN: SwiGLU, gated-GELU)
   and column j of ``ffn_out``;
 * T5's relative-position bias table (one per stack, in its first block, read by every layer)
-  has one column per head: it is sliced with the heads, so a T5 sub-model (:func:`extract_model`)
-  keeps the same heads in every layer of a stack (a state slice, :func:`extract_state`, may
-  differ per layer: the heads method's parameter pruning keeps every head in the forward pass);
+  has one column per head. When every layer of the stack keeps the same heads, the table is sliced
+  with them; otherwise it is kept whole and each layer's attention reads its own heads' columns of
+  the stack's bias (:class:`SharedBiasColumns`), so layers may keep different heads, or none;
 * a depth spec keeps some layers (``layers``), renumbered 0.. in the sub-model;
 * a kept layer may keep no head (head pruning ranked over all layers): its q/k/v are dropped, o
   keeps zero input columns, and the attention outputs o's bias only (:class:`NoHeadsAttention`);
@@ -198,8 +198,8 @@ class SliceSpec:
         if kind == "ffn":
             return torch.tensor(self.neurons[sub_layer], dtype=torch.long)
         heads = self.heads_of(sub_layer, family)
-        if kind == "bias":
-            return torch.tensor(heads, dtype=torch.long)
+        if kind == "bias":  # a per-stack table: sliced only when every layer keeps the same heads
+            return torch.tensor(heads if self.same_heads else range(self.num_heads), dtype=torch.long)
         if kind == "kv":
             return expand_heads(self.kv_heads(sub_layer, family), self.head_dim)
         rows = expand_heads(heads, self.head_dim)
@@ -207,6 +207,13 @@ class SliceSpec:
             width = self.num_heads * self.head_dim
             return torch.cat([rows, rows + width, rows + 2 * width])
         return rows
+
+    @property
+    def same_heads(self) -> bool:
+        """Every layer keeps the same (1+) self-attention heads and the same number of
+        cross-attention heads: a stack-wide per-head table (T5's bias) can be sliced with them."""
+        return (all(h == self.heads[0] for h in self.heads) and bool(self.heads[0])
+                and (self.cross is None or len({len(h) for h in self.cross}) == 1))
 
     def no_heads(self, sub_layer: int, family: int = 0) -> bool:
         """True if the layer keeps no head of that family (its attention is skipped)."""
@@ -301,20 +308,11 @@ def _check_stack(arch: ArchSpec, k: int, s: SliceSpec) -> None:
 
 
 def _check_forward(arch: ArchSpec, s: SliceSpec) -> None:
-    """What a sub-model's forward pass needs beyond a valid slice of the state (a state may keep
-    different heads per layer: only the tensors are sliced)."""
-    if arch.head_bias is None:
-        return
-    # one relative-bias table in the first block, read by every layer of the stack
-    if s.layers[0] != 0:
+    """What a sub-model's forward pass needs beyond a valid slice of the state."""
+    if arch.head_bias is not None and s.layers[0] != 0:
+        # one relative-bias table in the first block, read by every layer of the stack
         raise ValueError(f"{arch.model_type} keeps its relative-position bias in the first block "
                          f"of a stack: a sub-model keeps layer 0 (layers {s.layers})")
-    if any(h != s.heads[0] for h in s.heads) or not s.heads[0]:
-        raise ValueError(f"{arch.model_type} shares one relative-position bias table across the "
-                         f"layers of a stack: every layer keeps the same (1+) self-attention heads")
-    if s.cross is not None and len({len(h) for h in s.cross}) > 1:
-        raise ValueError(f"{arch.model_type} passes one cross-attention bias through the layers of "
-                         f"a stack: every layer keeps the same number of cross-attention heads")
 
 
 def expand_heads(heads: Sequence[int], head_dim: int) -> torch.Tensor:
@@ -646,6 +644,45 @@ class NoHeadsAttention(nn.Module):
         return (out if base.bias is None else out + base.bias), None
 
 
+class SharedBiasColumns:
+    """Mixed into the attention class of a stack whose per-head position bias ``(1, H, T, K)`` is
+    computed by the first layer (from the stack's table) and passed on to every layer (T5's
+    relative-position bias; T5's cross-attention passes on a zero bias). In a sub-model whose
+    layers keep different heads, the table stays whole: each layer adds its own heads' columns
+    (``bias_columns``) to its scores and hands the whole bias on; a layer keeping no head outputs
+    ``o`` of an empty context (zeros) and still hands the bias on.
+    """
+
+    stack_heads: int
+    bias_columns: list[int]
+
+    def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None,
+                past_key_values=None, **kwargs):
+        if position_bias is None:
+            position_bias = self._stack_bias(hidden_states, key_value_states, past_key_values)
+        if not self.bias_columns:
+            ctx = hidden_states.new_zeros(*hidden_states.shape[:-1], 0)  # (B, T, 0)
+            return self.o(ctx), position_bias, None
+        out, _, weights = super().forward(hidden_states, mask, key_value_states,
+                                          position_bias[:, self.bias_columns], past_key_values, **kwargs)
+        return out, position_bias, weights                                # bias: (1, H, T, K)
+
+    def _stack_bias(self, hidden_states, key_value_states, past_key_values) -> torch.Tensor:
+        """The whole stack's bias, as the first layer computes it (before its cache update)."""
+        T = hidden_states.shape[1]
+        past = 0 if past_key_values is None or key_value_states is not None else \
+            int(past_key_values.get_seq_length(self.layer_idx))
+        K = key_value_states.shape[1] if key_value_states is not None else past + T
+        if self.has_relative_attention_bias:
+            return self.compute_bias(T, K, device=hidden_states.device, past_seen_tokens=past)
+        return hidden_states.new_zeros(1, self.stack_heads, T, K)         # (1, H, T, K)
+
+
+@lru_cache(maxsize=None)
+def _shared_bias_class(cls: type) -> type:
+    return type(f"SharedBias{cls.__name__}", (SharedBiasColumns, cls), {})
+
+
 def _no_heads(att: Attention, o: nn.Module, layout: str = "linear") -> NoHeadsAttention:
     """The stub for a headless attention, hosting o when o lives inside the attention module."""
     parent = att.module
@@ -679,6 +716,8 @@ def extract_model(model: nn.Module, spec: Spec, arch: ArchSpec) -> nn.Module:
         _check_forward(arch, s)
         stack, blocks = arch.stacks[k], arch.blocks(model, k)
         depth = s.layers != tuple(range(len(blocks)))
+        # layers keep different heads under a stack-wide bias: each reads its own columns
+        columns = arch.head_bias is not None and not s.same_heads
         for j, i in enumerate(s.layers):
             block = blocks[i]
 
@@ -693,11 +732,13 @@ def extract_model(model: nn.Module, spec: Spec, arch: ArchSpec) -> nn.Module:
                 o = _get(block, att.o)
                 if not s.is_identity(j, "heads", f):
                     o = cut(att.o, "heads", "in", f)
-                if s.no_heads(j, f):
+                if s.no_heads(j, f) and not columns:
                     replace[attn_name] = _no_heads(att, o, layout)
                     continue
                 for part, path in _attention_parts(att)[:-1]:
-                    if not s.is_identity(j, SLOTS[part], f):
+                    if s.no_heads(j, f):  # a headless SharedBiasColumns reads no q/k/v
+                        replace[names[id(_get(block, path))]] = None
+                    elif not s.is_identity(j, SLOTS[part], f):
                         cut(path, SLOTS[part], "out", f)
                 attrs: dict = {}
                 if not s.is_identity(j, "heads", f):
@@ -708,11 +749,14 @@ def extract_model(model: nn.Module, spec: Spec, arch: ArchSpec) -> nn.Module:
                         attrs[arch.heads_width_attr] = n * s.head_dim
                     if f == 0 and s.num_kv_heads:
                         attrs.update(_group_queries(s, j, block, att, names, replace))
+                if columns:
+                    attrs.update(__class__=_shared_bias_class(type(attn)), stack_heads=s.num_heads,
+                                 bias_columns=list(s.heads_of(j, f)))
                 if depth and hasattr(attn, "layer_idx"):
                     attrs["layer_idx"] = j
                 if attrs:
                     hooks[attn_name] = attrs
-            if arch.head_bias and s.layers[j] == 0 and not s.is_identity(j, "heads"):
+            if arch.head_bias and s.layers[j] == 0 and not s.is_identity(j, "heads") and not columns:
                 table = _get(block, arch.head_bias)
                 replace[names[id(table)]] = _slice_table(table, s.index(j, "bias"))
             if not s.is_identity(j, "ffn"):
