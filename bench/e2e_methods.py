@@ -13,9 +13,10 @@ measured in the same invocation as the baseline every ratio refers to:
   short distillations (40 steps of 8 x 64 WikiText-2 tokens), stated in the table.
 
 Columns: ROUGE-L, BLEU, upload and download MB per client-round, measured training GFLOPs per
-client-round, peak memory per client (parameters + optimizer + saved activations where the
-method plans it, else the process' peak RSS). Results accumulate in ``results.json`` (re-run
-with other ``--variants`` to add rows); ``results.md`` is rewritten from it.
+client-round, the largest client's tensors saved for backward (measured: one measure for every
+row; the process' RSS is kept in ``results.json`` but says little when several clients run in
+one process). Results accumulate in ``results.json`` (re-run with other ``--variants`` to add
+rows; invocations may run side by side); ``results.md`` is rewritten from it.
 
     .venv/bin/python bench/e2e_methods.py --variants fedpetuning raffm --rounds 4 --out bench/results/e2e_methods
 """
@@ -57,9 +58,15 @@ CLAIMS = {
 }
 
 
+def key(variant: str, seed: int) -> str:
+    """The results key (and run name) of a variant at a seed: seed 0 is the bare variant."""
+    return variant if seed == 0 else f"{variant}@seed{seed}"
+
+
 def config(variant: str, args) -> dict:
     cfg = load_config(ROOT / "configs/e2e_smollm2.toml").model_dump(mode="json")
-    cfg["name"] = f"e2e-{variant}"
+    cfg["name"] = f"e2e-{key(variant, args.seed)}"
+    cfg["seed"] = args.seed  # partition, client sampling, training and the test MRs
     cfg["threads"] = args.threads
     cfg["method"] = VARIANTS[variant]
     cfg["federation"]["rounds"] = args.rounds
@@ -74,7 +81,7 @@ def run(variant: str, args) -> dict:
     t0 = time.perf_counter()
     path = run_experiment(validate_config(config(variant, args)), progress=False)
     s = json.loads((path / "summary.json").read_text())
-    s.update(variant=variant, run_dir=str(path), bench_wall_s=time.perf_counter() - t0)
+    s.update(variant=key(variant, args.seed), run_dir=str(path), bench_wall_s=time.perf_counter() - t0)
     return s
 
 
@@ -83,7 +90,8 @@ def _mb(v):
 
 
 def row(s: dict, base: dict | None) -> list:
-    mem = s.get("memory_mb_mean") or s.get("peak_rss_mb_max")
+    """One table row; ratios and ΔROUGE-L against ``base`` (fedpetuning at the same seed)."""
+    mem = s.get("activation_mb_max")  # tensors saved for backward, measured (RSS is per process)
     up, flops = s.get("bytes_up_mean"), s.get("flops_measured_mean")
     ratio = lambda a, b: None if not a or not b else b / a  # noqa: E731  (baseline / this)
     return [s["variant"], s.get("test_rougeL"), s.get("test_bleu"), _mb(up), _mb(s.get("bytes_down_mean")),
@@ -100,15 +108,18 @@ def _fmt(v) -> str:
 
 
 def write(results: dict, args) -> None:
-    base = results.get("fedpetuning")
-    cols = ["variant", "ROUGE-L", "BLEU", "up MB", "down MB", "train GFLOPs", "memory MiB",
+    cols = ["variant", "ROUGE-L", "BLEU", "up MB", "down MB", "train GFLOPs", "saved activations MiB (max)",
             "up: base/this", "FLOPs: base/this", "ΔROUGE-L vs base", "wall min"]
     lines = [f"E2E NLG, SmolLM2-135M-Instruct, {args.rounds} rounds x 4 clients x 6 steps x 8, "
              f"test = {args.test_mrs} MRs (all references); per client-round means.", "",
              "| " + " | ".join(cols) + " | claim tested |", "|" + "---|" * (len(cols) + 1)]
-    for v in VARIANTS:
-        if v in results:
-            lines.append("| " + " | ".join(_fmt(x) for x in row(results[v], base)) + f" | {CLAIMS[v]} |")
+    seeds = sorted({0, *(int(k.rsplit("@seed", 1)[1]) for k in results if "@seed" in k)})
+    for seed in seeds:
+        base = results.get(key("fedpetuning", seed))
+        for v in VARIANTS:
+            if key(v, seed) in results:
+                lines.append("| " + " | ".join(_fmt(x) for x in row(results[key(v, seed)], base))
+                             + f" | {CLAIMS[v]} |")
     raffm = results.get("raffm")
     if raffm and raffm.get("elastic"):
         lines += ["", "raffm elastic inference (the one global model at several sizes):", "",
@@ -128,18 +139,20 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--test-mrs", type=int, default=100)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="rows are keyed 'variant@seedN' for N > 0; "
+                   "compare them with fedpetuning at the same seed (same partition and test MRs)")
     p.add_argument("--out", type=Path, default=Path("bench/results/e2e_methods"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     store = args.out / "results.json"
     for v in args.variants:
-        row = run(v, args)
+        summary = run(v, args)
         # re-read before writing: several invocations may run side by side on one store
         results = json.loads(store.read_text()) if store.exists() else {}
-        results[v] = row
+        results[key(v, args.seed)] = summary
         store.write_text(json.dumps(results, indent=1, default=str))
         write(results, args)
-        print(f"{v}: ROUGE-L {results[v].get('test_rougeL')}", flush=True)
+        print(f"{key(v, args.seed)}: ROUGE-L {summary.get('test_rougeL')}", flush=True)
 
 
 if __name__ == "__main__":
