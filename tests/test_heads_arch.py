@@ -59,6 +59,25 @@ def test_causal_confidence_skips_the_first_query_and_sees_earlier_keys_only():
                                torch.tensor([[[(0.7 + 0.5) / 2]]]))
 
 
+def test_sink_keys_drop_the_first_real_tokens_of_causal_self_attention(tiny_gen_cfg_dict, tiny_lm_dirs):
+    from fedslice.slicing.heads import drop_sinks
+    keys = torch.tensor([[1, 1, 1, 0], [0, 0, 1, 1], [0, 1, 0, 1]])  # right, left, special-holed
+    assert drop_sinks(keys, 1).long().tolist() == [[0, 1, 1, 0], [0, 0, 0, 1], [0, 0, 0, 1]]
+    assert not drop_sinks(keys, 2)[2].any() and torch.equal(drop_sinks(keys, 0), keys.bool())
+    # a head parking 0.9 / 0.8 on the first token looks confident, unless that key is dropped
+    att = torch.tensor([[[[1.0, 0.0, 0.0], [0.9, 0.1, 0.0], [0.8, 0.1, 0.1]]]])  # (1, 1, 3, 3)
+    real = torch.ones(1, 3)
+    torch.testing.assert_close(confidence([att], real, real, causal=True), torch.tensor([[[0.85]]]))
+    torch.testing.assert_close(confidence([att], real, drop_sinks(real, 1), causal=True),
+                               torch.tensor([[[0.1]]]))
+    # wired through the method: causal families only (here the one decoder family)
+    alphas = []
+    for n in (0, 1):
+        method, data = setup(_cfg(tiny_gen_cfg_dict, tiny_lm_dirs, "llama", sink_keys=n))
+        alphas.append(method.importance(data.client(0), 0)[0])
+    assert not torch.allclose(alphas[0], alphas[1])
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_importance_per_family(arch, tiny_gen_cfg_dict, tiny_lm_dirs):
     method, data = setup(_cfg(tiny_gen_cfg_dict, tiny_lm_dirs, arch))

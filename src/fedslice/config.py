@@ -313,6 +313,10 @@ class HeadsMethod(_Section):
         "example-weighted mean over the clients that kept the head (Eq. 5).")
     eps: float = Field(1e-8, ge=0, description="epsilon of Eq. 8.")
     importance_batch_size: int = Field(64, gt=0)
+    sink_keys: int = Field(
+        0, ge=0, description="Causal self-attention: the first N real tokens of an example are "
+        "not counted as keys of Eq. 6 (decoder heads park attention on the first token, an "
+        "attention sink, and look confident; README, 'Head pruning'). 0: the paper's rule.")
     importance_max_examples: int | None = Field(
         None, gt=0, description="Score heads on at most this many local examples (seeded sample); "
         "default: all of them, as in the paper.")

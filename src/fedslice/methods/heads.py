@@ -210,7 +210,8 @@ class Heads(FedPETuning):
         if n is not None and n < len(data):
             data = data.subset(sample_rows(len(data), n, seed))
         with measure.count_flops() as fc:
-            scores = head_importance(self.model, data, self.special_ids, self.opts.importance_batch_size)
+            scores = head_importance(self.model, data, self.special_ids, self.opts.importance_batch_size,
+                                     sink_keys=self.opts.sink_keys)
         names = [f.name for f in self.arch.attention_outputs]
         if missing := [n for n in names if n not in scores]:
             raise ModelError(f"no attention scores for {missing} (got {sorted(scores)})")
