@@ -90,6 +90,7 @@ def test_importance_per_family(arch, tiny_gen_cfg_dict, tiny_lm_dirs):
                     "bart": ["encoder.self", "decoder.self", "decoder.cross"]}[arch]
     for s in scores.values():
         assert s.shape == (2, 4) and bool(((s > 0) & (s <= 1)).all())
+        assert not s.requires_grad  # scored without autograd (LoRA tensors do require grad)
     alpha, flops = method.importance(split, 0)
     assert alpha.shape == method.mask_shape == (2 * len(want), 4) and flops > 0
     kept = method.keep(alpha, 0)

@@ -95,13 +95,13 @@ def _tokens(batch: dict[str, torch.Tensor], side: str, config) -> tuple[torch.Te
     return torch.cat([start, ids[:, :-1]], 1), torch.cat([torch.ones_like(mask[:, :1]), mask[:, :-1]], 1)
 
 
-@torch.no_grad()
 def drop_sinks(key_mask: torch.Tensor, n: int) -> torch.Tensor:
     """``key_mask`` (B, Tk) without the first ``n`` allowed keys of each row (any padding side)."""
     k = key_mask.bool()
     return k & (k.long().cumsum(-1) > n)
 
 
+@torch.no_grad()
 def head_importance(model: nn.Module, data: TokenizedSplit, special_token_ids: Iterable[int],
                     batch_size: int = 64, sink_keys: int = 0) -> dict[str, torch.Tensor]:
     """Mean head confidence over ``data``: {family name: (L, H)} for each attention family of
