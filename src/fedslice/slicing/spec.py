@@ -701,8 +701,10 @@ def extract_model(model: nn.Module, spec: Spec, arch: ArchSpec) -> nn.Module:
     LayerNorms, classifier, parts kept whole) is the same object as in ``model``. Parameter names
     equal those of :func:`extract_state` on ``model``'s state dict. The attention modules'
     head-count attributes are set per layer (HF infers heads from the weights' width); the
-    attention of a layer without heads becomes a :class:`NoHeadsAttention`; renumbered layers get
-    their new ``layer_idx`` (key/value caches are indexed by it).
+    attention of a layer without heads becomes a :class:`NoHeadsAttention` (in a stack with a
+    per-head bias table whose layers keep different heads, every attention becomes a
+    :class:`SharedBiasColumns` instead, without q/k/v where it keeps no head); renumbered layers
+    get their new ``layer_idx`` (key/value caches are indexed by it).
     """
     specs = stack_specs(spec, arch)
     names = {id(m): n for n, m in model.named_modules()}
