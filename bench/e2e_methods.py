@@ -37,6 +37,8 @@ VARIANTS = {
     "fedpetuning": {"name": "fedpetuning"},
     **{f"heads-{mode}-{s}": {"name": "heads", "prune": mode, "sparsity": s / 100}
        for mode in ("parameters", "forward") for s in (50, 90)},
+    # Eq. 6 without the first token as a key (attention sinks; bench/heads_sinks.py)
+    "heads-forward-50-sink1": {"name": "heads", "prune": "forward", "sparsity": 0.5, "sink_keys": 1},
     "raffm": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
               "elastic_sizes": QUARTERS},
     # short distillations (40 steps of 8 x 64 WikiText-2 tokens) so a 1-thread run stays < 30 min
@@ -52,6 +54,7 @@ CLAIMS = {
     "heads-parameters-90": "heads paper: 90% sparsity within 2 pt of dense, 1.8x less communication",
     "heads-forward-50": "heads as a real sub-model: forward + backward saved",
     "heads-forward-90": "heads as a real sub-model at 90%",
+    "heads-forward-50-sink1": "heads as a real sub-model at 50%, sinks not counted by Eq. 6",
     "raffm": "RaFFM: resource-aware sub-models close to the full model's quality; one model serves every size",
     "fedpft": "FedPFT: a proxy (FFN neurons dropped + KD) tuned, plugged back, close to FedPETuning",
     "fedot": "FedOT baseline: emulator + adapter, below FedPFT",
