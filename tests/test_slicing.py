@@ -177,17 +177,23 @@ def check_extract_scatter(state, spec, arch) -> None:
     assert held == sum(t.numel() for t in sub.values())
 
 
-def test_lora_model_permutes_and_slices(tiny):
+def with_lora(model, targets=("q", "k", "v", "o", "ffn_in", "ffn_out")):
+    """A copy of ``model`` with LoRA r=2 on ``targets`` and non-zero B (so LoRA changes outputs)."""
     from fedslice.config import LoraConfig
     from fedslice.peft import apply_lora
-    arch = arch_for(tiny)
-    model = apply_lora(copy.deepcopy(tiny), arch, LoraConfig(r=2, alpha=4, targets=["q", "o", "ffn_in", "ffn_out"]))
-    model.eval()
+    out = apply_lora(copy.deepcopy(model), arch_for(model), LoraConfig(r=2, alpha=4, targets=list(targets)))
+    out.eval()
     torch.manual_seed(0)
     with torch.no_grad():
-        for n, p in model.named_parameters():
+        for n, p in out.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.1)
+    return out
+
+
+def test_lora_model_permutes_and_slices(tiny):
+    arch = arch_for(tiny)
+    model = with_lora(tiny, ["q", "o", "ffn_in", "ffn_out"])
     before = _logits(model)
     perm = _random_perm(tiny, 5)
     permute_model(model, perm, arch)

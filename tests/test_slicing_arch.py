@@ -75,17 +75,8 @@ def _random_perm(model, seed=0) -> Permutation:
 
 
 def _with_lora(model):
-    from fedslice.config import LoraConfig
-    from fedslice.peft import apply_lora
-    arch = arch_for(model)
-    out = apply_lora(copy.deepcopy(model), arch, LoraConfig(r=2, alpha=4, targets=["q", "k", "v", "o", "ffn_in", "ffn_out"]))
-    out.eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for n, p in out.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)
-    return out
+    from test_slicing import with_lora
+    return with_lora(model)
 
 
 @pytest.mark.parametrize("lora", [False, True])
