@@ -26,6 +26,7 @@ from fedslice.errors import ConfigError
 from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.data.partition import sample_rows
 from fedslice import measure
+from fedslice.compute import Compute
 from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.privacy import Privacy
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
@@ -50,6 +51,15 @@ class Method:
     #: read) and materializes only that smaller model
     client_model_from_server = False
 
+    #: True: ``fit`` depends only on (payload, data, seed) and leaves nothing in this object
+    #: that the server or a later client reads, so a round's clients may train in forked worker
+    #: processes (``compute.workers``)
+    parallel_clients = True
+
+    #: True: ``fit_batched`` trains clients of the same shapes together in one batched pass
+    #: (``compute.batched_clients``); False: they train one after another
+    batched_clients = False
+
     @classmethod
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:
         """A ConfigError, before any weight is loaded, when the method cannot run this pair."""
@@ -60,12 +70,15 @@ class Method:
                 f"use fedavg or fedpetuning")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both"):
+                 role: Role = "both", compute: Compute | None = None):
         if role not in ("both", "client"):
             raise ValueError(f"role must be 'both' or 'client', got {role!r}")
         self.cfg, self.role, self.task = cfg, role, task
+        self.compute = compute or Compute.from_config(cfg.compute, cfg.federation.clients_per_round)
         self.arch: ArchSpec = loaded.arch
         self.dims = loaded.arch.dims(loaded.model.config)
+        if self.compute.device.type != "cpu" and not _on_meta(loaded.model):
+            loaded.model.to(self.compute.device)
         self.model = self.prepare_model(loaded.model)
         self.strategy = self.make_strategy()
         self.strategy.rule = cfg.aggregation
@@ -90,8 +103,9 @@ class Method:
         return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
     def initial_state(self) -> State:
-        """The global trainable state the server starts from (a copy, detached from the model)."""
-        return {n: p.detach().clone() for n, p in self.trainable().items()}
+        """The global trainable state the server starts from (a copy, detached from the model,
+        in host memory)."""
+        return {n: p.detach().cpu().clone() for n, p in self.trainable().items()}
 
     @staticmethod
     @torch.no_grad()
@@ -118,10 +132,19 @@ class Method:
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of one client: returns the trained tensors and measured costs."""
         model, params = self.client_model(payload)
-        result = train_local(model, params, data, payload.config, seed, loss_fn=self.task.loss)
+        result = train_local(model, params, data, payload.config, seed, loss_fn=self.task.loss,
+                             compute=self.compute)
         arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
         metrics = self.client_metrics(model, params, payload, arrays, result)
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
+
+    def fit_batched(self, jobs: list[tuple[int, Payload, TokenizedSplit, int]], compute: Compute,
+                    on_reply) -> None:
+        """Train ``jobs`` (client, payload, data, seed) and call ``on_reply(client, reply)`` for
+        each: the batched pass where the method supports it (``batched_clients``); here, one
+        client after another."""
+        for c, payload, data, seed in jobs:
+            on_reply(c, self.fit(payload, data, seed))
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
@@ -158,7 +181,9 @@ class Method:
                  max_generations: int | None = None) -> dict[str, Any]:
         """The task's metrics of the global model (generation tasks: BLEU/ROUGE on at most
         ``max_generations`` prompts)."""
-        return self.task.evaluate(self.eval_model(state), data, batch_size, max_generations)
+        model = self.eval_model(state)
+        with self.compute.autocast():
+            return self.task.evaluate(model, data, batch_size, max_generations)
 
     @torch.no_grad()
     def probe_loss(self, state: State, data: TokenizedSplit, max_examples: int,
@@ -205,3 +230,8 @@ class Method:
 
     def write_artifacts(self, folder: Path) -> None:
         """Write method-specific files (curves, plots) into the run folder. Default: none."""
+
+
+def _on_meta(model: nn.Module) -> bool:
+    """A model built on the meta device (a Flower client's, before its first payload)."""
+    return any(p.is_meta for p in model.parameters())

@@ -308,6 +308,9 @@ class FedPFTStrategy(Strategy):
 
 class FedPFT(Method):
     name = "fedpft"
+    #: each client's fit loads the proxy's re-distilled neurons into the proxy this process
+    #: holds (and checks its version): that copy must persist, so clients train in this process
+    parallel_clients = False
     client_model_from_server = True
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,

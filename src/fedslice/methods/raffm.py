@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from fedslice.compute import model_device, to_device
 from fedslice.config import ExperimentConfig, FederationConfig, RaFFMMethod
 from fedslice.errors import ConfigError
 from fedslice import measure
@@ -302,7 +303,7 @@ class RaFFM(Method):
             rows = {k: v[:2] for k, v in self.profile.items() if k != "labels"}  # linear in rows
             with torch.no_grad(), measure.count_flops() as fc:
                 model.eval()
-                model(**rows)
+                model(**to_device(rows, model_device(model)))
             res = {"dev": self.task.evaluate(model, data.dev, batch_size),
                    "test": self.task.evaluate(model, data.test, batch_size)}
             metric = self.task.primary_metric
