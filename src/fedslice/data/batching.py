@@ -144,6 +144,46 @@ def collate(split: TokenizedSplit, indices: Indices) -> dict[str, torch.Tensor]:
     return batch
 
 
+#: What right-pads each key of a collated batch when batches of several lengths are stacked
+#: (``None``: the split's pad token id). Keys not listed must have equal shapes past the batch.
+PAD_VALUES: dict[str, int | None] = {
+    "input_ids": None, "decoder_input_ids": None, "attention_mask": 0,
+    "decoder_attention_mask": 0, "token_type_ids": 0, "labels": -100}
+
+
+def stack_batches(batches: Sequence[dict[str, torch.Tensor]], pad_token_id: int
+                  ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:
+    """Several collated batches as one ``(sum B, max T)`` batch, each right-padded to the
+    longest (as :func:`collate` pads one batch), and the ``(start, stop)`` rows of each.
+
+    Extra right padding changes no real position's output: attention masks hide it from
+    encoders, causal decoders never look ahead, and labels there are ignored (-100)."""
+    rows, start = [], 0
+    for b in batches:
+        n = int(next(iter(b.values())).shape[0])
+        rows.append((start, start + n))
+        start += n
+    out = {}
+    for key in batches[0]:
+        parts = [b[key] for b in batches]
+        if parts[0].dim() >= 2 and len({p.shape[1] for p in parts}) > 1:
+            if key not in PAD_VALUES:
+                raise ValueError(f"cannot stack batches: {key!r} has lengths "
+                                 f"{sorted({p.shape[1] for p in parts})} and no pad value")
+            value = pad_token_id if PAD_VALUES[key] is None else PAD_VALUES[key]
+            width = max(p.shape[1] for p in parts)
+            parts = [torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value)
+                     if p.dim() == 2 else _pad_dim1(p, width, value) for p in parts]
+        out[key] = torch.cat(parts, 0)
+    return out, rows
+
+
+def _pad_dim1(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[1] = width - shape[1]
+    return torch.cat([t, t.new_full(shape, value)], 1)
+
+
 def num_batches(num_examples: int, batch_size: int, drop_last: bool = False) -> int:
     """How many batches :func:`iter_batches` yields for ``num_examples`` examples."""
     if drop_last:

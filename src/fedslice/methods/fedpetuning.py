@@ -9,6 +9,8 @@ from fedslice.peft import apply_lora
 
 class FedPETuning(Method):
     name = "fedpetuning"
+    #: every client trains the same LoRA tensors of the one shared backbone
+    batched_clients = True
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         for p in model.parameters():

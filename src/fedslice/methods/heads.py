@@ -152,6 +152,7 @@ def special_token_ids(tokenizer, config=None) -> list[int]:
 
 class Heads(FedPETuning):
     name = "heads"
+    batched_clients = False  # each client trains its own kept heads' slices
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both"):

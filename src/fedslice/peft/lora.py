@@ -8,6 +8,7 @@ silently accepts a list of which only some names match).
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
@@ -82,3 +83,50 @@ def lora_module_names(model: nn.Module) -> list[str]:
     """Names of modules that carry LoRA adapters (for tests and reports)."""
     return [n for n, m in model.named_modules() if hasattr(m, "lora_A") and isinstance(m, nn.Module)
             and len(getattr(m, "lora_A", {})) > 0]
+
+
+# -- several clients' LoRA in one pass (fl/batched.py) -------------------------------------------
+
+ADAPTER = "default"  # the peft adapter name fedslice trains
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """``{module name: peft LoRA layer}`` of every module carrying fedslice's adapter."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(getattr(m, "lora_A", None), nn.ModuleDict) and ADAPTER in m.lora_A
+            and hasattr(m, "base_layer")}
+
+
+def lora_tensor_names(name: str) -> tuple[str, str]:
+    """The ``(A, B)`` parameter names of the LoRA layer ``name`` (as ``named_parameters`` gives)."""
+    return f"{name}.lora_A.{ADAPTER}.weight", f"{name}.lora_B.{ADAPTER}.weight"
+
+
+def stacked_lora_forward(layer: nn.Module, names: tuple[str, str], stack) -> callable:
+    """A forward for ``layer`` in which the rows of each client of ``stack`` (its ``rows`` and
+    ``params``, set per step) get that client's own A and B: ``base(x) + B_k A_k dropout(x_k) *
+    scaling`` for the rows of client k, as peft's vanilla LoRA computes it for one client.
+    The frozen base runs once on the whole batch; equal-sized clients use one batched matmul
+    (``bmm``), others one matmul per client."""
+    a_name, b_name = names
+    dropout, scaling = layer.lora_dropout[ADAPTER], layer.scaling[ADAPTER]
+
+    def forward(x, *args, **kwargs):
+        result = layer.base_layer(x, *args, **kwargs)  # (N, ..., out)
+        dtype = result.dtype
+        h = dropout(x)
+        sizes = {hi - lo for lo, hi in stack.rows}
+        if len(sizes) == 1 and len(stack.rows) > 1:
+            k = len(stack.rows)
+            A = torch.stack([p[a_name] for p in stack.params])  # (K, r, in)
+            B = torch.stack([p[b_name] for p in stack.params])  # (K, out, r)
+            hk = h.reshape(k, -1, h.shape[-1])                   # (K, n*T, in)
+            delta = torch.bmm(torch.bmm(hk, A.transpose(1, 2).to(hk.dtype)),
+                              B.transpose(1, 2).to(hk.dtype))    # (K, n*T, out)
+            delta = delta.reshape(*result.shape)
+        else:
+            delta = torch.cat([nn.functional.linear(nn.functional.linear(h[lo:hi], p[a_name]), p[b_name])
+                               for (lo, hi), p in zip(stack.rows, stack.params)])
+        return (result + delta * scaling).to(dtype)
+
+    return forward

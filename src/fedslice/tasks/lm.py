@@ -63,6 +63,16 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], layout: str) -> to
     return F.cross_entropy(logits.float(), targets)
 
 
+def client_lm_losses(model: nn.Module, batch: dict[str, torch.Tensor], layout: str,
+                     rows: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """:func:`lm_loss` of each client's rows ``(start, stop)`` of a stacked batch, from one
+    forward pass: the mean cross-entropy over that client's target tokens."""
+    logits, targets, at = target_logits(model, batch, layout)  # (N, V), (N,), (N,) row-major
+    per_token = F.cross_entropy(logits.float(), targets, reduction="none")  # (N,)
+    bounds = torch.searchsorted(at, torch.tensor([r for lohi in rows for r in lohi], device=at.device))
+    return [per_token[int(bounds[2 * i]):int(bounds[2 * i + 1])].mean() for i in range(len(rows))]
+
+
 def sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], layout: str):
     """``(sum of target-token log-probabilities (B,), target tokens (B,))`` per example."""
     logits, targets, rows = target_logits(model, batch, layout)
