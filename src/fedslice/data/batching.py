@@ -8,9 +8,14 @@ per batch, to the longest sequence in that batch, in :func:`collate`.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
@@ -19,6 +24,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from fedslice.data.loading import RawSplit
 from fedslice.errors import ConfigError, ModelError
+
+logger = logging.getLogger(__name__)
 
 Indices = Union[Sequence[int], np.ndarray, torch.Tensor]
 
@@ -238,18 +245,38 @@ def _group_by_length(split: TokenizedSplit, order: torch.Tensor, batch_size: int
     return order, [starts[i] for i in torch.randperm(len(starts), generator=generator).tolist()]
 
 
-class TokenCache:
-    """In-process cache of tokenized splits.
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """What decides a tokenizer's output: its class, its full serialized definition (a fast
+    tokenizer's vocabulary, normalizer, pre-tokenizer and post-processor) and special tokens."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # without the per-call truncation/padding state it carries
+        spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+        h.update(json.dumps(spec, sort_keys=True).encode())
+    else:  # a slow tokenizer: its vocabulary and settings
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+        h.update(repr(sorted(getattr(tokenizer, "init_kwargs", {}).items())).encode())
+    h.update(repr(sorted(getattr(tokenizer, "special_tokens_map", {}).items())).encode())
+    return h.hexdigest()
 
-    Keyed by (source, split name, tokenizer ``name_or_path``, ``max_length``, number of rows),
-    so a split is tokenized once per process even when several runs (e.g. ``fedslice compare``)
-    ask for it. Cache full splits and take subsets with :meth:`TokenizedSplit.subset`.
+
+class TokenCache:
+    """Cache of tokenized splits: in the process, and on disk across runs.
+
+    Keyed by the split's content (every text and label), the tokenizer's definition
+    (:func:`tokenizer_fingerprint`) and ``max_length``, so a split is tokenized once per process
+    even when several runs (e.g. ``fedslice compare``) ask for it, and once per machine when
+    ``disk`` is a folder (a later run reads the token ids in a fraction of a second instead of
+    re-tokenizing: the largest part of a cold start). Cache full splits and take subsets with
+    :meth:`TokenizedSplit.subset`. A damaged or unwritable disk entry is ignored (tokenized anew).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, disk: Path | None = None) -> None:
         self._store: dict[tuple[Any, ...], TokenizedSplit] = {}
+        self.disk = disk
         self.hits = 0
         self.misses = 0
+        self.disk_hits = 0
 
     @staticmethod
     def key(raw: RawSplit, split_name: str, tokenizer: Any, max_length: int) -> tuple[Any, ...]:
@@ -270,9 +297,24 @@ class TokenCache:
             self.hits += 1
             return cached
         self.misses += 1
-        tokenized = tokenize_split(raw, tokenizer, max_length)
+        path = self._disk_path(raw, tokenizer, max_length)
+        tokenized = _read_tokens(path) if path is not None else None
+        if tokenized is not None:
+            self.disk_hits += 1
+        else:
+            tokenized = tokenize_split(raw, tokenizer, max_length)
+            if path is not None:
+                _write_tokens(path, tokenized)
         self._store[key] = tokenized
         return tokenized
+
+    def _disk_path(self, raw: RawSplit, tokenizer: Any, max_length: int) -> Path | None:
+        if self.disk is None:
+            return None
+        h = hashlib.sha256(f"v1|{max_length}|{tokenizer_fingerprint(tokenizer)}".encode())
+        h.update("\x1e".join("\x1f".join(t) for t in raw.texts).encode("utf-8", "surrogatepass"))
+        h.update(np.asarray(raw.labels, dtype=np.int64).tobytes())
+        return self.disk / f"{h.hexdigest()[:40]}.pt"
 
     def __len__(self) -> int:
         return len(self._store)
@@ -281,3 +323,40 @@ class TokenCache:
         """Drop every cached split."""
         self._store.clear()
         self.hits = self.misses = 0
+
+
+def _flat(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    return (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)), lengths
+
+
+def _write_tokens(path: Path, split: TokenizedSplit) -> None:
+    """Save a tokenized split as flat tensors (atomically; failures only logged)."""
+    ids, lengths = _flat(split.input_ids)
+    types = _flat(split.token_type_ids)[0] if split.token_type_ids is not None else None
+    blob = {"input_ids": ids, "lengths": lengths, "token_type_ids": types,
+            "labels": split.labels, "pad_token_id": torch.tensor(split.pad_token_id)}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(blob, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.debug("token cache: cannot write %s: %s", path, e)
+        tmp.unlink(missing_ok=True)
+
+
+def _read_tokens(path: Path) -> TokenizedSplit | None:
+    if not path.is_file():
+        return None
+    try:
+        blob = torch.load(path, weights_only=True)
+        sizes = blob["lengths"].tolist()
+        types = blob["token_type_ids"]
+        return TokenizedSplit(
+            input_ids=list(torch.split(blob["input_ids"], sizes)),
+            token_type_ids=None if types is None else list(torch.split(types, sizes)),
+            labels=blob["labels"], pad_token_id=int(blob["pad_token_id"]))
+    except Exception as e:  # noqa: BLE001 - a damaged entry is re-tokenized
+        logger.warning("token cache: ignoring unreadable %s (%s)", path, e)
+        return None

@@ -11,9 +11,10 @@ from fedslice import progress
 from fedslice.compute import model_device, to_device
 from fedslice.data import TokenCache, iter_batches, num_batches, num_labels
 from fedslice.data.sources import load_raw_splits
+from fedslice.paths import cache_root
 from fedslice.tasks.base import Task, length_order
 
-_TOKENS = TokenCache()
+_TOKENS = TokenCache(disk=None if (root := cache_root()) is None else root / "tokens")
 
 
 class Classification(Task):
