@@ -30,6 +30,48 @@ logger = logging.getLogger(__name__)
 Indices = Union[Sequence[int], np.ndarray, torch.Tensor]
 
 
+class Rows(Sequence[torch.Tensor]):
+    """Variable-length rows of token ids as views of one flat tensor: ``rows[i]`` is a 1-D
+    view, ``take(idx)`` a subset sharing the flat tensor. Building one is O(1) in Python objects
+    (a list of 67k tensors costs seconds to create; these are created as rows are read)."""
+
+    __slots__ = ("flat", "starts", "lens")
+
+    def __init__(self, flat: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor):
+        self.flat, self.starts, self.lens = flat, starts, lens
+
+    @classmethod
+    def from_lengths(cls, flat: torch.Tensor, lens: torch.Tensor) -> Rows:
+        lens = lens.to(torch.int64)
+        return cls(flat, torch.cumsum(lens, 0) - lens, lens)
+
+    def __len__(self) -> int:
+        return int(self.lens.shape[0])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.take(torch.arange(len(self))[i])
+        s = int(self.starts[i])
+        return self.flat[s:s + int(self.lens[i])]
+
+    def __iter__(self):
+        flat = self.flat
+        for s, n in zip(self.starts.tolist(), self.lens.tolist()):
+            yield flat[s:s + n]
+
+    def take(self, idx: list[int] | torch.Tensor) -> Rows:
+        idx = torch.as_tensor(idx, dtype=torch.int64)
+        return Rows(self.flat, self.starts[idx], self.lens[idx])
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(flat ids, lengths)`` of these rows in order, contiguous."""
+        n = int(self.lens.sum())
+        if len(self) and int(self.starts[0]) == 0 and \
+                bool((self.starts[1:] == (self.starts + self.lens)[:-1]).all()):
+            return self.flat[:n], self.lens
+        return (torch.cat(list(self)) if len(self) else self.flat[:0]), self.lens
+
+
 @dataclass
 class TokenizedSplit:
     """A tokenized split: unpadded token ids per example plus labels.
@@ -41,8 +83,8 @@ class TokenizedSplit:
         pad_token_id: id used to pad ``input_ids`` in :func:`collate`.
     """
 
-    input_ids: list[torch.Tensor]
-    token_type_ids: list[torch.Tensor] | None
+    input_ids: Sequence[torch.Tensor]  # a list, or Rows (views of one flat tensor)
+    token_type_ids: Sequence[torch.Tensor] | None
     labels: torch.Tensor
     pad_token_id: int
 
@@ -52,6 +94,8 @@ class TokenizedSplit:
     @property
     def lengths(self) -> torch.Tensor:
         """int64 tensor ``(N,)`` of sequence lengths."""
+        if isinstance(self.input_ids, Rows):
+            return self.input_ids.lens
         return torch.tensor([len(ids) for ids in self.input_ids], dtype=torch.int64)
 
     def collate(self, indices: Indices) -> dict[str, torch.Tensor]:
@@ -60,11 +104,13 @@ class TokenizedSplit:
     def subset(self, indices: Indices) -> TokenizedSplit:
         """The examples at ``indices``, sharing the underlying tensors (no copy of tokens)."""
         idx = _as_index_list(indices, len(self))
+
+        def pick(rows):
+            return rows.take(idx) if isinstance(rows, Rows) else [rows[i] for i in idx]
+
         return TokenizedSplit(
-            input_ids=[self.input_ids[i] for i in idx],
-            token_type_ids=None
-            if self.token_type_ids is None
-            else [self.token_type_ids[i] for i in idx],
+            input_ids=pick(self.input_ids),
+            token_type_ids=None if self.token_type_ids is None else pick(self.token_type_ids),
             labels=self.labels[torch.as_tensor(idx, dtype=torch.int64)],
             pad_token_id=self.pad_token_id,
         )
@@ -93,12 +139,10 @@ def _pad_token_id(tokenizer: Any) -> int:
     )
 
 
-def _split_flat(rows: list[list[int]]) -> list[torch.Tensor]:
-    """Turn lists of ints into 1-D int64 tensors that are views of one flat tensor."""
-    if not rows:
-        return []
+def _split_flat(rows: list[list[int]]) -> Rows:
+    """Lists of ints as :class:`Rows` over one flat int64 tensor."""
     flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64)
-    return list(torch.split(flat, [len(r) for r in rows]))
+    return Rows.from_lengths(flat, torch.tensor([len(r) for r in rows], dtype=torch.int64))
 
 
 def tokenize_split(raw: RawSplit, tokenizer: Any, max_length: int) -> TokenizedSplit:
@@ -325,7 +369,9 @@ class TokenCache:
         self.hits = self.misses = 0
 
 
-def _flat(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _flat(rows) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(rows, Rows):
+        return rows.packed()
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
     return (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)), lengths
 
@@ -351,11 +397,11 @@ def _read_tokens(path: Path) -> TokenizedSplit | None:
         return None
     try:
         blob = torch.load(path, weights_only=True)
-        sizes = blob["lengths"].tolist()
+        lens = blob["lengths"]
         types = blob["token_type_ids"]
         return TokenizedSplit(
-            input_ids=list(torch.split(blob["input_ids"], sizes)),
-            token_type_ids=None if types is None else list(torch.split(types, sizes)),
+            input_ids=Rows.from_lengths(blob["input_ids"], lens),
+            token_type_ids=None if types is None else Rows.from_lengths(types, lens),
             labels=blob["labels"], pad_token_id=int(blob["pad_token_id"]))
     except Exception as e:  # noqa: BLE001 - a damaged entry is re-tokenized
         logger.warning("token cache: ignoring unreadable %s (%s)", path, e)
