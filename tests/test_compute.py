@@ -85,3 +85,12 @@ def test_cuda_training_and_evaluation(tiny_cfg_dict, precision):
 def test_cuda_generation(tiny_gen_cfg_dict):
     method, state, records, summary = _run(tiny_gen_cfg_dict, device="cuda", precision="bf16")
     assert all(math.isfinite(m["loss"]) for r in records for m in r["client_metrics"])
+
+
+def test_gradient_checkpointing_gives_the_same_weights(tiny_cfg_dict):
+    """Recomputing activations in the backward pass changes memory, not results."""
+    _, s1, _, _ = _run(tiny_cfg_dict, workers=1)
+    method, s2, records, _ = _run(tiny_cfg_dict, workers=1, gradient_checkpointing=True)
+    assert method.model.get_base_model().is_gradient_checkpointing
+    assert all(torch.allclose(s1[k], s2[k], atol=1e-6) for k in s1)
+    assert all(m["activation_mb"] >= 0 for r in records for m in r["client_metrics"])

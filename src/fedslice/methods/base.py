@@ -80,12 +80,25 @@ class Method:
         if self.compute.device.type != "cpu" and not _on_meta(loaded.model):
             loaded.model.to(self.compute.device)
         self.model = self.prepare_model(loaded.model)
+        self._apply_compute_options()
         self.strategy = self.make_strategy()
         self.strategy.rule = cfg.aggregation
         if cfg.dp.enabled and role != "client":
             fed = cfg.federation
             self.strategy.privacy = Privacy(cfg.dp, fed.clients_per_round, fed.num_clients,
                                             fed.rounds, cfg.seed)
+
+    def _apply_compute_options(self) -> None:
+        """``compute.gradient_checkpointing`` and ``compute.compile`` on the model clients train."""
+        c = self.compute
+        if c.gradient_checkpointing:
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            if not getattr(base, "supports_gradient_checkpointing", False):
+                raise ConfigError(f"compute.gradient_checkpointing: {type(base).__name__} does not "
+                                  "support gradient checkpointing")
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if c.compile:
+            self.model.compile()  # in place: parameter names are unchanged; compiled at first use
 
     # -- construction hooks ------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
