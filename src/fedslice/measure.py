@@ -65,6 +65,16 @@ def num_params(tensors: Mapping[str, torch.Tensor]) -> int:
     return int(sum(t.numel() for t in tensors.values()))
 
 
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (each storage once: tied and shared tensors
+    count once)."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if not t.is_meta:
+            seen.setdefault(_storage_ptr(t), _storage_nbytes(t))
+    return int(sum(seen.values()))
+
+
 def trainable_state_bytes(params: Iterable[torch.Tensor] | nn.Module, optimizer_slots: int = 2) -> int:
     """Bytes of the gradients plus optimizer state of the trainable parameters.
 

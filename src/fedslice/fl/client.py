@@ -33,6 +33,7 @@ class LocalResult:
     activation_mb: float
     time_s: float
     nonfinite: bool
+    gpu_peak_mb: float | None = None  # torch.cuda.max_memory_allocated during training (CUDA)
 
 
 def _batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator):
@@ -130,4 +131,5 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     return LocalResult(loss=mean_loss if not nonfinite else math.nan, steps=len(losses),
                        examples=examples, head_positions=head_positions, tokens=tokens, flops_measured=flops_per_token * tokens,
                        peak_rss_mb=mem.rss_peak_mb or 0.0, activation_mb=mem.tensor_peak_mb,
-                       time_s=time.perf_counter() - t0, nonfinite=nonfinite)
+                       time_s=time.perf_counter() - t0, nonfinite=nonfinite,
+                       gpu_peak_mb=mem.cuda_peak_mb)

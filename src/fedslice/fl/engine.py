@@ -73,6 +73,16 @@ def client_seed(seed: int, server_round: int, client: int) -> int:
     return int(np.random.SeedSequence([seed, server_round, client]).generate_state(1)[0])
 
 
+def _rss_mb() -> float | None:
+    """This process's resident memory (MiB), recorded with every round."""
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except Exception:  # noqa: BLE001 - psutil missing or refused
+        return None
+
+
 def _mean(values: list[float]) -> float | None:
     vals = [v for v in values if v is not None and math.isfinite(v)]
     return float(np.mean(vals)) if vals else None
@@ -95,6 +105,7 @@ def round_record(server_round: int, clients: list[int], replies: dict[int, Reply
                      "trainable_params", "params_up")},
         "peak_rss_mb_max": max((m["peak_rss_mb"] for m in used), default=None),
         "activation_mb_max": max((m["activation_mb"] for m in used), default=None),
+        "memory_mb_max": max((m["memory_mb"] for m in used if m.get("memory_mb") is not None), default=None),
         "client_metrics": client_metrics,
         **result.metrics,
     }
@@ -178,6 +189,7 @@ class Simulation:
         record.update(dropped=len(faults.dropped) + len(lost), late=len(late),
                       attackers=sorted(faults.attackers), client_mode=mode)
         record["round_time_s"] = time.perf_counter() - t0
+        record["process_rss_mb"] = _rss_mb()
         return new_state, record
 
     def run(self, on_round=None, progress=None, *, resume: Checkpoint | None = None,
@@ -258,6 +270,8 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
                      "trainable_params", "params_up", "train_time_s")},
         "peak_rss_mb_max": max((m["peak_rss_mb"] for m in per_client), default=None),
         "activation_mb_max": max((m["activation_mb"] for m in per_client), default=None),
+        "memory_mb_max": max((m["memory_mb"] for m in per_client if m.get("memory_mb") is not None),
+                             default=None),
         "excluded_replies": sum(len(r["excluded"]) for r in records),
         "rejected_replies": sum(r.get("rejected", 0) for r in records),
         "examples_used": sum(r.get("examples_used", 0) for r in records),

@@ -200,6 +200,11 @@ class Method:
             "params_up": measure.num_params(arrays),
             "trainable_params": sum(p.numel() for p in params.values()),
             "peak_rss_mb": result.peak_rss_mb, "activation_mb": result.activation_mb,
+            # what the client's device holds at its peak: the model it trains, saved activations,
+            # gradients and AdamW state (deterministic; RSS deltas are not, see measure.py)
+            "model_mb": (mb := measure.module_bytes(model) / 2**20),
+            "memory_mb": mb + result.activation_mb,
+            **({"gpu_peak_mb": result.gpu_peak_mb} if result.gpu_peak_mb is not None else {}),
             "train_time_s": result.time_s,
         }
 
