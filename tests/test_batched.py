@@ -82,3 +82,27 @@ def test_stack_batches_pads_each_key_with_its_value():
     assert out["labels"].tolist() == [[-100, 6, 7], [8, -100, -100], [9, -100, -100]]
     with pytest.raises(ValueError, match="no pad value"):
         stack_batches([{"x": torch.zeros(1, 2)}, {"x": torch.zeros(1, 3)}], 0)
+
+
+@pytest.mark.parametrize("method", ["raffm", "fedot"])
+def test_submodel_methods_batch_clients_of_one_shape(tiny_cfg_dict, tiny_model_dir, tmp_path, method):
+    """RaFFM batches the clients of each sub-model size together (two tiers: two groups); FedOT
+    all clients (one adapter + emulator sub-model); both equal one-after-another training."""
+    from tests.conftest import method_options
+
+    tiny_cfg_dict["model"]["name"] = str(_no_dropout(tiny_model_dir, tmp_path / "bert"))
+    tiny_cfg_dict["method"] = {"name": method, **method_options(method, tmp_path)}
+    tiny_cfg_dict["federation"].update(num_clients=6, clients_per_round=5, rounds=2)
+    s, _ = _compare(tiny_cfg_dict)
+    _, records = _run(tiny_cfg_dict, True)
+    sizes = sorted({m.get("batched_clients", 1) for r in records for m in r["client_metrics"]})
+    assert max(sizes) > 1
+
+
+def test_methods_that_train_different_shapes_fall_back(tiny_cfg_dict, tmp_path):
+    """Heads (each client its own kept heads) trains one client after another."""
+    from tests.conftest import method_options
+
+    tiny_cfg_dict["method"] = {"name": "heads", **method_options("heads", tmp_path)}
+    _, records = _run(tiny_cfg_dict, True)
+    assert all(r["client_mode"] == "sequential" for r in records)

@@ -151,32 +151,42 @@ class Method:
         metrics = self.client_metrics(model, params, payload, arrays, result)
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
 
+    def batch_key(self, payload: Payload):
+        """Clients whose payloads have equal keys train the same tensors of the same model and
+        may share one batched pass; None: this client trains alone. Default: every client trains
+        the one shared model (when the method declares ``batched_clients``)."""
+        return "model" if self.batched_clients else None
+
     def fit_batched(self, jobs: list[tuple[int, Payload, TokenizedSplit, int]], compute: Compute,
                     on_reply) -> None:
         """Train ``jobs`` (client, payload, data, seed) and call ``on_reply(client, reply)`` for
-        each. With ``batched_clients``: the clients train the same tensors of the one shared
-        model, so they go through :func:`fedslice.fl.batched.train_batched` together (at most
-        ``compute.max_batched`` at a time); otherwise, and where the task has no per-client
-        loss, one after another."""
+        each. Clients with the same :meth:`batch_key` go through
+        :func:`fedslice.fl.batched.train_batched` together (at most ``compute.max_batched`` at a
+        time); the others, and groups whose tensors cannot stack, train one after another."""
         from fedslice.fl.batched import can_stack, train_batched
 
-        model, params = self.client_model(jobs[0][1])
-        names = [n for n in params if n in jobs[0][1].arrays]
-        if not (self.batched_clients and can_stack(model, names)):
-            for c, payload, data, seed in jobs:
-                on_reply(c, self.fit(payload, data, seed))
-            return
+        groups: dict = {}
+        for job in jobs:
+            key = self.batch_key(job[1])
+            groups.setdefault(("alone", job[0]) if key is None else ("key", key), []).append(job)
         size = compute.max_batched or len(jobs)
-        for lo in range(0, len(jobs), size):
-            chunk = jobs[lo:lo + size]
-            results = train_batched(model, names, [p.arrays for _, p, _, _ in chunk],
-                                    [d for _, _, d, _ in chunk], chunk[0][1].config,
-                                    [s for _, _, _, s in chunk], self.task.client_losses, compute)
-            for (c, payload, data, _), (tensors, result) in zip(chunk, results):
-                arrays = {n: t.clone() for n, t in tensors.items()}
-                metrics = self.client_metrics(model, tensors, payload, arrays, result)
-                metrics["batched_clients"] = len(chunk)
-                on_reply(c, Reply(arrays=arrays, num_examples=len(data), metrics=metrics))
+        for group in groups.values():
+            model, params = self.client_model(group[0][1])
+            names = [n for n in params if n in group[0][1].arrays]
+            if len(group) == 1 or not can_stack(model, names):
+                for c, payload, data, seed in group:
+                    on_reply(c, self.fit(payload, data, seed))
+                continue
+            for lo in range(0, len(group), size):
+                chunk = group[lo:lo + size]
+                results = train_batched(model, names, [p.arrays for _, p, _, _ in chunk],
+                                        [d for _, _, d, _ in chunk], chunk[0][1].config,
+                                        [s for _, _, _, s in chunk], self.task.client_losses, compute)
+                for (c, payload, data, _), (tensors, result) in zip(chunk, results):
+                    arrays = {n: t.clone() for n, t in tensors.items()}
+                    metrics = self.client_metrics(model, tensors, payload, arrays, result)
+                    metrics["batched_clients"] = len(chunk)
+                    on_reply(c, Reply(arrays=arrays, num_examples=len(data), metrics=metrics))
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:

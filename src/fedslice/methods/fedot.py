@@ -170,6 +170,7 @@ class SubModelStrategy(Strategy):
 
 class FedOT(Method):
     name = "fedot"
+    batched_clients = True  # every client trains the same adapter + emulator sub-model
     client_model_from_server = True
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,

@@ -19,6 +19,7 @@ that permutations and slices are pure functions over it; the shared model is a s
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections import defaultdict
@@ -229,6 +230,14 @@ class RaFFM(Method):
         model = self.submodel(spec_from_dict(payload.config["spec"]))
         params = self._load(model, payload.arrays)
         return model, {n: p for n, p in params.items() if p.requires_grad}
+
+    batched_clients = True  # clients of one sub-model size train together
+
+    def batch_key(self, payload: Payload):
+        """Clients training the same sub-model (same slice) share a batched pass."""
+        if payload.config.get("sit_out") or self.opts.tuning != "lora":
+            return None
+        return json.dumps(payload.config["spec"], sort_keys=True)
 
     def fit(self, payload: Payload, data, seed: int) -> Reply:
         if payload.config.get("sit_out"):
