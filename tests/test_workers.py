@@ -121,3 +121,20 @@ def test_fedpft_trains_in_process(tiny_cfg_dict, tmp_path):
     tiny_cfg_dict["federation"]["rounds"] = 1
     _, _, records = _run(tiny_cfg_dict, 2)
     assert records[0]["client_mode"] == "sequential"
+
+
+def test_an_interrupted_round_leaves_no_worker():
+    """Ctrl-C (any exception in the main process) while workers train: they are killed and reaped."""
+    import time
+
+    def task(x):
+        time.sleep(0.05 if x == 0 else 30)
+        return x
+
+    def on_result(job, result):
+        raise KeyboardInterrupt
+
+    before = _children()
+    with pytest.raises(KeyboardInterrupt):
+        run_forked(task, [0, 1, 2], 3, on_result=on_result)
+    assert _children() == before
