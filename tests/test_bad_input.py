@@ -13,7 +13,7 @@ import pytest
 from conftest import save_tiny_model
 from fedslice.api import resume_experiment, run_experiment, setup
 from fedslice.cli import main
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
 from fedslice.fl.engine import Simulation
 

@@ -21,7 +21,7 @@ from fedslice import measure
 from fedslice.config import ExperimentConfig
 from fedslice.errors import FedsliceError
 from fedslice.fl.engine import FederatedData, prepare_data
-from fedslice.methods import METHODS, build_method
+from fedslice.methods import build_method, method_class
 from fedslice.models.arch import Head, arch_for
 from fedslice.models.loading import AUTO_CLASSES, LoadedModel, ensure_pad_token, load_config
 from fedslice.tasks import make_task
@@ -154,7 +154,7 @@ def make_plan(cfg: ExperimentConfig, *, timing: bool = True) -> Plan:
     config, path = load_config(cfg.model)
     arch = arch_for(config)
     task = make_task(cfg, arch)
-    METHODS[cfg.method.name].check_supported(arch, task)
+    method_class(cfg.method.name).check_supported(arch, task)
     raw = task.load_raw()
     k = task.num_labels(raw)
     tokenizer = AutoTokenizer.from_pretrained(path)

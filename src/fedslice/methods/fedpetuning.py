@@ -1,16 +1,24 @@
 """``fedpetuning``: LoRA on the full model; FedAvg of the LoRA weights and the classifier
 (FedPETuning, Zhang et al. 2023; baseline B1 of the heads paper)."""
 
-import torch.nn as nn
+from typing import Literal
 
+from fedslice.config import MethodOptions
 from fedslice.methods.base import Method
-from fedslice.peft import apply_lora
+from fedslice.registry import register_method
+
+
+class FedPETuningMethod(MethodOptions):
+    """LoRA on the full model, FedAvg of the LoRA weights and the classifier."""
+
+    name: Literal["fedpetuning"] = "fedpetuning"
 
 
 class FedPETuning(Method):
-    name = "fedpetuning"
+    """The adapter (``peft.method``, LoRA by default) on the full model, everything else frozen."""
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        for p in model.parameters():
-            p.requires_grad_(False)
-        return apply_lora(model, self.arch, self.cfg.lora)
+    name = "fedpetuning"
+    adapters = ("lora",)
+
+
+register_method(name="fedpetuning", options_cls=FedPETuningMethod, method_cls=FedPETuning)
