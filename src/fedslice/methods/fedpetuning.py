@@ -3,9 +3,9 @@
 
 from typing import Literal
 
-from fedslice.config import MethodOptions
+from fedslice.config import ExperimentConfig, MethodOptions
 from fedslice.methods.base import Method
-from fedslice.registry import register_method
+from fedslice.registry import ADAPTERS, register_method
 
 
 class FedPETuningMethod(MethodOptions):
@@ -15,10 +15,18 @@ class FedPETuningMethod(MethodOptions):
 
 
 class FedPETuning(Method):
-    """The adapter (``peft.method``, LoRA by default) on the full model, everything else frozen."""
+    """The adapter (``peft.method``, LoRA by default) on the full model, everything else frozen:
+    any registered adapter with tensors of its own (not ``none``: that is fedavg)."""
 
     name = "fedpetuning"
-    adapters = ("lora",)
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        name = cls.adapter_name(cfg)
+        if ADAPTERS.get(name).adapter_cls.trains_base:
+            raise ValueError(f"peft.method={name!r}: method {cfg.method.name} fine-tunes an "
+                             "adapter's parameters, not the model's own (use method fedavg)")
 
 
 register_method(name="fedpetuning", options_cls=FedPETuningMethod, method_cls=FedPETuning)

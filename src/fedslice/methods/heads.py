@@ -198,6 +198,7 @@ def special_token_ids(tokenizer, config=None) -> list[int]:
 class Heads(FedPETuning):
     name = "heads"
     sends_slices = True
+    adapters = ("lora",)  # head-tied tensors: LoRA B rows of q/k/v, A columns of o
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
