@@ -487,10 +487,10 @@ class ExperimentConfig(_Section):
 # --------------------------------------------------------------------------------------------
 
 def format_validation_error(err: ValidationError, source: str) -> str:
+    """One line per error: the dotted field (``method.sparsity``), the message, the value."""
     lines = [f"invalid config {source}:"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
-        # Discriminated unions put the tag in the location (method.fedavg.x): keep it readable.
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
