@@ -309,3 +309,12 @@ def test_client_cost_is_the_typed_record_of_the_metrics_keys():
     m = cost.to_metrics()
     assert m["examples_trained"] == 5 and "examples" not in m and m["bytes_down"] == 3
     assert set(ClientCost.ROUND_MEANS) <= set(m) and set(ClientCost.PEAKS) <= set(m)
+
+
+def test_a_checkpoint_from_before_peft_still_resumes():
+    """A config saved before ``[peft]`` existed has no peft.method: unset now, not a difference."""
+    from fedslice.checkpoint import config_diff
+    now = validate_config({}).model_dump(mode="json")
+    before = {k: v for k, v in now.items() if k != "peft"}
+    assert config_diff(before, now) == []
+    assert config_diff(before, validate_config({"peft": {"method": "lora"}}).model_dump(mode="json"))
