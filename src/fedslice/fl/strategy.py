@@ -23,12 +23,11 @@ the Flower ServerApp call the same functions.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from collections.abc import Mapping
 
 from fedslice.config import FederationConfig
 from fedslice.fl.validation import check_update

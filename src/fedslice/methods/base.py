@@ -24,9 +24,9 @@ library asks (``sends_slices``, ``adapters``, ``default_adapter``, ``client_mode
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
-from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
