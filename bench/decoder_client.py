@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "perf"))
 from common import machine, save  # noqa: E402
 
 from fedslice.api import setup  # noqa: E402
-from fedslice.config import load_config  # noqa: E402
+from fedslice.experiment import load_config  # noqa: E402
 from fedslice.fl.engine import client_seed  # noqa: E402
 
 

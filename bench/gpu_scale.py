@@ -25,11 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "perf"))
 from common import machine, save  # noqa: E402
 
 from fedslice.compute import Compute  # noqa: E402
-from fedslice.config import LoraConfig  # noqa: E402
 from fedslice.fl.batched import train_batched  # noqa: E402
 from fedslice.measure import count_flops  # noqa: E402
 from fedslice.models.arch import arch_for  # noqa: E402
-from fedslice.peft import apply_lora  # noqa: E402
+from fedslice.peft import LoraAdapter, LoraConfig  # noqa: E402
 from fedslice.data.batching import TokenizedSplit  # noqa: E402
 
 
@@ -89,8 +88,9 @@ def main() -> None:
         p.requires_grad_(False)
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = apply_lora(model, arch_for(config), LoraConfig(r=16, alpha=32, targets=["q", "k", "v", "o"],
-                                                           train_classifier=False))
+    adapter = LoraAdapter(LoraConfig(r=16, alpha=32, targets=["q", "k", "v", "o"], train_classifier=False),
+                          arch_for(config))
+    model = adapter.apply(model)
     for n, p in model.named_parameters():
         if p.requires_grad:
             p.data = p.data.float()  # fp32 master LoRA weights
@@ -110,7 +110,8 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         t = time.perf_counter()
-        out = train_batched(model, names, [start] * k, datas[:k], cfg, list(range(k)), lm_losses, compute)
+        out = train_batched(model, names, [start] * k, datas[:k], cfg, list(range(k)), lm_losses,
+                            adapter, compute)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t

@@ -46,7 +46,7 @@ ALONE = textwrap.dedent("""
     proc = psutil.Process()
     before = proc.memory_info().rss
     from fedslice.api import setup
-    from fedslice.config import load_config
+    from fedslice.experiment import load_config
     from fedslice.fl.engine import client_seed
     cfg = load_config(sys.argv[1], ["compute.workers=1"])
     method, data = setup(cfg)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedslice.api import setup
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.data.batching import stack_batches
 from fedslice.fl.engine import Simulation
 

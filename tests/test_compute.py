@@ -8,7 +8,7 @@ import torch
 
 from fedslice.api import setup
 from fedslice.compute import Compute, check_precision, cpu_has_bf16, resolve_device
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
 from fedslice.fl.engine import Simulation
 

@@ -67,7 +67,7 @@ def test_a_simulation_run_imports_no_flower_ray_datasets_or_matplotlib(tiny_cfg_
     code = textwrap.dedent(f"""
         import json, sys
         from fedslice.api import run_experiment
-        from fedslice.config import load_config
+        from fedslice.experiment import load_config
         run_experiment(load_config({str(cfg)!r}))
         print(json.dumps({{m: m in sys.modules for m in
                           ("flwr", "ray", "datasets", "flwr_datasets", "matplotlib", "opacus")}}))

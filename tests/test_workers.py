@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedslice.api import setup
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.fl.engine import Simulation
 from fedslice.fl.workers import WorkerError, WorkerLost, run_forked
 from tests.conftest import method_options

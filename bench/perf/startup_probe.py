@@ -12,7 +12,7 @@ t_proc = psutil.Process().create_time()
 marks = {"python": time.time() - t_proc}
 t = time.perf_counter()
 import fedslice.api as api  # noqa: E402
-from fedslice.config import load_config  # noqa: E402
+from fedslice.experiment import load_config  # noqa: E402
 from fedslice.fl.engine import prepare_data, client_seed  # noqa: E402
 from fedslice.methods import METHODS, build_method  # noqa: E402
 from fedslice.models.arch import arch_for  # noqa: E402

@@ -32,7 +32,7 @@ from fedslice.compute import CPU, Compute
 from fedslice.data.batching import TokenizedSplit, stack_batches
 from fedslice.fl.client import LocalResult, _batches, _num_steps
 from fedslice.measure import PeakMemory, count_flops
-from fedslice.peft.lora import lora_layers, lora_tensor_names, stacked_lora_forward
+from fedslice.peft import Adapter
 from fedslice.tasks.base import batch_examples, batch_head_positions, batch_tokens
 
 #: ``client_losses(model, stacked batch, rows) -> [loss of each client]`` (the task's)
@@ -94,21 +94,33 @@ def _per_client_forward(module: nn.Module, local: dict[str, str], stack: Stack) 
     return forward
 
 
+def _adapted(model: nn.Module, names: list[str], adapter: Adapter) -> dict[str, list[str]]:
+    """Adapted module name -> the full names of its per-client tensors, for the modules whose
+    tensors are all among ``names``."""
+    todo = set(names)
+    out = {}
+    for mname, module in adapter.adapted_modules(model).items():
+        full = [f"{mname}.{t}" for t in adapter.client_tensor_names(module)]
+        if full and set(full) <= todo:
+            out[mname] = full
+    return out
+
+
 @contextlib.contextmanager
-def stacked(model: nn.Module, names: list[str], stack: Stack) -> Iterator[None]:
+def stacked(model: nn.Module, names: list[str], stack: Stack, adapter: Adapter) -> Iterator[None]:
     """Within the block, ``model`` applies the tensors ``names`` per client as ``stack`` says.
 
-    LoRA layers keep one frozen base for the batch; any other module holding a trained tensor is
-    run once per client (it must take batch-first inputs: a classification head does)."""
+    The adapter's modules keep one frozen base for the batch (:meth:`Adapter.stacked_forward`);
+    any other module holding a trained tensor runs once per client (it must take batch-first
+    inputs: a classification head does)."""
     todo = set(names)
     patched: list[nn.Module] = []
     try:
-        for lname, layer in lora_layers(model).items():
-            pair = lora_tensor_names(lname)
-            if set(pair) <= todo:
-                layer.forward = stacked_lora_forward(layer, pair, stack)
-                patched.append(layer)
-                todo -= set(pair)
+        for mname, full in _adapted(model, names, adapter).items():
+            module = model.get_submodule(mname)
+            module.forward = adapter.stacked_forward(module, full, stack)
+            patched.append(module)
+            todo -= set(full)
         owners: dict[str, dict[str, str]] = {}
         for n in sorted(todo):
             owner, _, leaf = n.rpartition(".")
@@ -129,20 +141,21 @@ def _roots(owners: dict[str, Any]) -> list[str]:
     return [o for o in owners if not any(o.startswith(p + ".") for p in owners if p != o)]
 
 
-def can_stack(model: nn.Module, names: list[str]) -> bool:
-    """Whether every trained tensor of ``names`` is a LoRA factor or lives in a module that runs
-    per client (a head: no LoRA layer below it)."""
-    lora = set()
-    for lname in lora_layers(model):
-        lora.update(lora_tensor_names(lname))
-    rest = [n for n in names if n not in lora]
-    return bool(set(names) & lora) and all(
-        not any(l.startswith(n.rpartition(".")[0] + ".") for l in lora_layers(model)) for n in rest)
+def can_stack(model: nn.Module, names: list[str], adapter: Adapter) -> bool:
+    """Whether the adapter stacks per client and owns some of ``names``, and every other trained
+    tensor lives in a module outside the adapter's modules (a head: it runs per client)."""
+    if not adapter.batched_clients:
+        return False
+    adapted = _adapted(model, names, adapter)
+    owned = {n for full in adapted.values() for n in full}
+    rest = [n for n in names if n not in owned]
+    return bool(owned) and all(not any(m.startswith(n.rpartition(".")[0] + ".") for m in adapted)
+                               for n in rest)
 
 
 def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, torch.Tensor]],
                   datas: list[TokenizedSplit], cfg: dict[str, Any], seeds: list[int],
-                  client_losses: ClientLosses, compute: Compute = CPU
+                  client_losses: ClientLosses, adapter: Adapter, compute: Compute = CPU
                   ) -> list[tuple[dict[str, torch.Tensor], LocalResult]]:
     """Train the tensors ``names`` of ``model`` for each client (its starting values ``starts[k]``,
     data ``datas[k]``, seed ``seeds[k]``) in one batched pass per step; returns each client's
@@ -170,7 +183,7 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
     optimizer_bytes = 3 * sum(t.numel() * t.element_size() for c in clients for t in c.tensors.values())
     t0 = time.perf_counter()
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem, \
-            stacked(model, names, stack):
+            stacked(model, names, stack, adapter):
         step = 0
         while True:
             active = [c for c in clients if c.steps_left > 0 and not c.nonfinite]

@@ -34,7 +34,7 @@ class ClientRunner:
 
     def mode(self, method: Method, n: int) -> str:
         """'batched', 'workers' or 'sequential' for a round of ``n`` clients of ``method``."""
-        if self.compute.batched and method.batched_clients and n > 1:
+        if self.compute.batched and method.batched_clients and method.adapter.batched_clients and n > 1:
             return "batched"
         if self.compute.workers > 1 and method.parallel_clients and n > 1 \
                 and self.compute.device.type == "cpu":
