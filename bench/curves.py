@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "perf"))
 from common import RESULTS, machine, python, run_measured, save  # noqa: E402
 
 CONFIG = "bench/perf/minilm_sst2.toml"
-SWEEPS = {"federation.clients_per_round": [2, 5, 10, 20], "federation.local_steps": [2, 4, 8, 16],
+SWEEPS = {"federation.clients_per_round": [2, 5, 10, 20], "federation.local_steps": [2, 8, 16],
           "data.max_length": [32, 64, 128]}
 MODES = {"one process": ["compute.workers=1"], "workers": []}
 POPULATION = [100, 300, 1000]
