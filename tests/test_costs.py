@@ -204,4 +204,5 @@ def test_client_cost_to_dict():
     assert set(d) == {
         "bytes_down", "bytes_up", "params_down", "params_up", "trainable_params", "flops_measured",
         "flops_analytic", "examples", "tokens", "peak_rss_mb", "activation_mb", "train_time_s",
+        "model_mb", "memory_mb", "tokens_real", "gpu_peak_mb",
     }

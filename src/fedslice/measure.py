@@ -565,6 +565,7 @@ class ClientCost:
     #: (deterministic, unlike RSS deltas); ``gpu_peak_mb``: torch.cuda.max_memory_allocated
     model_mb: float | None = None
     memory_mb: float | None = None
+    tokens_real: int | None = None  # non-padding tokens (``tokens`` counts padding too)
     gpu_peak_mb: float | None = None
 
     #: metrics keys averaged over a round's used replies (``<key>_mean`` in the round record)
