@@ -20,6 +20,8 @@ class Task:
     primary_metric = "accuracy"
     #: class names by id, when the data names its classes (set by ``encode``)
     label_names: list[str] | None = None
+    #: the data columns the text (or the default prompt) is read from, once the data is loaded
+    text_columns: list[str] | None = None
 
     def __init__(self, cfg: ExperimentConfig, arch: ArchSpec, head: Head):
         self.cfg, self.arch, self.head = cfg, arch, head

@@ -27,6 +27,7 @@ class Classification(Task):
 
     def encode(self, raw, loaded):
         self.label_names = raw["train"].label_names
+        self.text_columns = raw["train"].text_columns
         return {name: _TOKENS.get(split, name, loaded.tokenizer, self.cfg.data.max_length)
                 for name, split in raw.items()}
 

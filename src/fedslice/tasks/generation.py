@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from fedslice.data.loading import drop_incomplete, load_tables
+from fedslice.data.loading import drop_incomplete, load_tables, resolve_text_columns
 from fedslice.errors import ConfigError
 import fedslice.tasks.lm as lm
 from fedslice.tasks.base import seeded_choice
@@ -34,15 +34,17 @@ class Generation(TextToText):
     def load_raw(self):
         """Every column of the data (the templates pick theirs); template fields the data lacks
         are errors naming them, before any training."""
-        t = self.cfg.task
+        t, d = self.cfg.task, self.cfg.data
+        tables = load_tables(d, self.cfg.seed, required=[])
+        if t.preset != "alpaca" and t.prompt is None:  # the prompt is the text column(s)
+            d = resolve_text_columns(d, list(tables["train"].columns), tables["train"].source)
+        self.text_columns = d.text_columns
         need = [] if t.preset == "alpaca" else [(f, "task.prompt") for f in template_fields(
-            t.prompt or "\n".join("{" + c + "}" for c in self.cfg.data.text_columns))]
+            t.prompt or "\n".join("{" + c + "}" for c in d.text_columns))]
         need += [(f, "task.target") for f in template_fields(t.target or "{output}")]
         if t.preset == "alpaca":
             need += [("instruction", "task.preset"), ("output", "task.preset")]
         need = list(dict.fromkeys(need))
-        d = self.cfg.data
-        tables = load_tables(d, self.cfg.seed, required=[])
         for name, table in tables.items():
             missing = [(c, f) for c, f in need if c not in table.columns]
             if missing:  # the config names columns the data lacks: a config error
@@ -63,7 +65,7 @@ class Generation(TextToText):
             check_columns(target_template, columns, "task.target", table.source)
             rows = [dict(zip(columns, ("" if c is None else c for c in cells)))
                     for cells in zip(*table.columns.values())]
-            prompts = task_prompts(t, rows, columns, self.cfg.data.text_columns, table.source)
+            prompts = task_prompts(t, rows, columns, self.text_columns or [], table.source)
             targets = [render(target_template, r) for r in rows]
             out[name] = self.pair_split(self.prompt_ids(prompts, trunc),
                                         self.target_ids(targets, trunc, eos=True),

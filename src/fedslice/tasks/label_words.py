@@ -36,13 +36,14 @@ class LabelWordClassification(TextToText):
                               f"({ {k: w.tolist() for k, w in zip(words, word_ids)} })")
         self.classes = list(words)  # label as written in the data -> position = candidate index
         self.label_names = self.classes
+        self.text_columns = raw["train"].text_columns
         self.candidates = word_ids
         for k, w in zip(words, word_ids):
             pieces = self.tokenizer.convert_ids_to_tokens(w.tolist())
             log.info("label %s -> %r: %d token(s) %s", k, words[k], len(w), pieces)
         out = {}
         for name, split in raw.items():
-            columns = self.cfg.data.text_columns
+            columns = split.text_columns
             rows = [dict(zip(columns, t)) for t in split.texts]
             prompts = task_prompts(self.cfg.task, rows, columns, columns, split.source)
             cls = []
