@@ -67,16 +67,23 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
         method, data = setup_result or setup(cfg)
         run = RunDir.create(out, _run_name(cfg))
         try:
-            run.write_config(cfg.model_dump(mode="json"))
-            run.write_json("partition.json", {k: v for k, v in data.report.items()
-                                              if k != "label_histograms"}
-                           if isinstance(data.report, dict) else data.report)
-            if data.label_map():
-                run.write_json("labels.json", data.label_map())
+            start_run_folder(run, cfg, method, data)
         except BaseException:
             run.abort()
             raise
         return _run_into(run, cfg, method, data)
+
+
+def start_run_folder(run: RunDir, cfg: ExperimentConfig, method: Method, data: FederatedData) -> None:
+    """What a run folder holds from its start (engine and Flower alike): the resolved config,
+    the partition, the label names and what rebuilding the trained model needs."""
+    from fedslice.export import INFERENCE, inference_info
+    run.write_config(cfg.model_dump(mode="json"))
+    run.write_json("partition.json", {k: v for k, v in data.report.items() if k != "label_histograms"}
+                   if isinstance(data.report, dict) else data.report)
+    if data.label_map():
+        run.write_json("labels.json", data.label_map())
+    run.write_json(INFERENCE, inference_info(cfg, method, method.task))
 
 
 def _display(cfg: ExperimentConfig, progress: bool | None, verbose: bool):

@@ -1,4 +1,4 @@
-"""``fedslice run | validate | compare | report | deploy``.
+"""``fedslice run | validate | compare | report | export | predict | evaluate | deploy``.
 
 User errors (config, data, model) print one message and exit with code 2, no traceback.
 """
@@ -65,6 +65,19 @@ def _parser() -> argparse.ArgumentParser:
                          parents=common)
     rep.add_argument("run_dirs", nargs="+")
 
+    exp = sub.add_parser("export", parents=common,
+                         help="export a run's trained model: a peft adapter or a merged "
+                              "transformers folder (--size: RaFFM's elastic sub-model)")
+    exp.add_argument("run_dir")
+    exp.add_argument("--format", required=True, choices=("peft", "merged"),
+                     help="peft: adapter for PeftModel.from_pretrained(base, DIR); merged: a "
+                          "standard transformers folder (no fedslice needed to load it)")
+    exp.add_argument("--out", help="folder to write (default: RUN_DIR/export/FORMAT)")
+    exp.add_argument("--size", type=float, help="raffm: the elastic sub-model at this FLOPs "
+                     "fraction (one of method.elastic_sizes), as a smaller checkpoint")
+    exp.add_argument("--allow-partial", action="store_true",
+                     help="export an unfinished run from its latest checkpoint")
+
     from fedslice.flower.deploy import add_parser as add_deploy_parser
     add_deploy_parser(sub)
     return p
@@ -90,6 +103,12 @@ def _main(args: argparse.Namespace) -> int:
     if args.command == "report":
         from fedslice.report import report
         print(report(args.run_dirs))
+        return 0
+    if args.command == "export":
+        from fedslice.export import export_run
+        path = export_run(args.run_dir, args.format, args.out, size=args.size,
+                          allow_partial=args.allow_partial)
+        print(f"exported: {path}")
         return 0
     if args.command == "deploy":
         from fedslice.flower.deploy import main as deploy_main

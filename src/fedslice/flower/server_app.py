@@ -51,7 +51,7 @@ def main(grid: Grid, context: Context) -> None:
 def run(grid: Grid, settings: RunSettings) -> Path:
     """Load the experiment, find the SuperNodes, train, write the run folder; return its path.
     With ``settings.resume`` (run config ``resume``), continue that run from its checkpoint."""
-    from fedslice.api import _run_name, save_results, setup
+    from fedslice.api import _run_name, save_results, setup, start_run_folder
     from fedslice.checkpoint import (CHECKPOINT, check_same_config, find_resumable,
                                      read_checkpoint, restore)
     from fedslice.config import load_config
@@ -86,11 +86,7 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     run_dir.keep_if = CHECKPOINT if cfg.output.checkpoint_every else None
     with run_dir:
         if ckpt is None:
-            run_dir.write_config(cfg.model_dump(mode="json"))
-            run_dir.write_json("partition.json", {k: v for k, v in data.report.items()
-                                                  if k != "label_histograms"})
-            if data.label_map():
-                run_dir.write_json("labels.json", data.label_map())
+            start_run_folder(run_dir, cfg, method, data)
         evaluate = _central_evaluation(cfg, method, data, adapter, run_dir, t_start)
         result = _with_dp(cfg, method, adapter).start(grid, state_to_record(state),
                                num_rounds=cfg.federation.rounds - adapter.offset,

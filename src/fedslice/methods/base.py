@@ -205,3 +205,15 @@ class Method:
 
     def write_artifacts(self, folder: Path) -> None:
         """Write method-specific files (curves, plots) into the run folder. Default: none."""
+
+    # -- deployment (fedslice export / predict / evaluate) -----------------------------------
+    def deploy_exclude(self) -> list[str]:
+        """Keys of the saved state that the evaluated model does not hold (e.g. FedPFT's proxy
+        FFN tensors: the trained LoRA plugs into the full model). Default: none."""
+        return []
+
+    @classmethod
+    def state_from_checkpoint(cls, state: State, server: dict[str, Any], arch: ArchSpec) -> State:
+        """The state as :meth:`export_state` saves it, from a checkpoint's global state and
+        server state (``fedslice export --allow-partial``). Default: the state itself."""
+        return state

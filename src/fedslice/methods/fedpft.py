@@ -539,6 +539,10 @@ class FedPFT(Method):
         self._load(state)
         return self.model
 
+    def deploy_exclude(self) -> list[str]:
+        """The proxy's compressed FFN tensors: the deployed model is the full one (plug-in)."""
+        return sorted(self.proxy_params)
+
     def proxy_model(self, state: State) -> nn.Module:
         self._load(state)
         return self.proxy
