@@ -491,7 +491,8 @@ def resolve_text_columns(d: DataConfig, columns: Sequence[str], source: str) -> 
 
 
 def load_tables(d: DataConfig, seed: int = 0,
-                required: Sequence[tuple[str, str]] | None = None) -> dict[str, RawTable]:
+                required: Sequence[tuple[str, str]] | None = None,
+                carve_missing: bool = True) -> dict[str, RawTable]:
     """The train/dev/test tables of a data config.
 
     ``d.path`` is a folder (``train``/``dev``/``test`` files; ``validation``/``valid``/``val``
@@ -501,7 +502,8 @@ def load_tables(d: DataConfig, seed: int = 0,
 
     ``required`` lists ``(column, config field)`` pairs every split must have, with no missing
     or blank cells (rows with one are errors, or skipped with ``d.bad_rows = "skip"``); default:
-    the text and label columns.
+    the text and label columns. ``carve_missing=False``: only the splits the data has (one file without
+    ``split_column``: its rows as ``train``), nothing carved.
     """
     source = resolve_source(d.path, data_search_dirs(), allow_file=True)
     read = dict(fmt=d.format, header=d.header, columns=d.columns, delimiter=d.delimiter,
@@ -541,6 +543,8 @@ def load_tables(d: DataConfig, seed: int = 0,
         if not len(checked[split]):
             raise DataError(f"{table.source}: no complete data rows (every row was skipped)")
     missing = [s for s in ("dev", "test") if s not in checked]
+    if not carve_missing:
+        return {s: checked[s] for s in ("train", "dev", "test") if s in checked}
     if missing:
         train = checked["train"]
         parts = carve(train, {s: d.holdout_fraction for s in missing}, seed, d.group_column)

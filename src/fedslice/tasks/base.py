@@ -27,8 +27,9 @@ class Task:
         self.cfg, self.arch, self.head = cfg, arch, head
 
     # -- data --------------------------------------------------------------------------------
-    def load_raw(self) -> dict[str, Any]:
-        """The raw train/dev/test splits this task reads."""
+    def load_raw(self, carve_missing: bool = True) -> dict[str, Any]:
+        """The raw train/dev/test splits this task reads (``carve_missing=False``: only the splits the
+        data has, none carved off train)."""
         raise NotImplementedError
 
     def num_labels(self, raw: dict[str, Any]) -> int | None:
@@ -46,6 +47,18 @@ class Task:
     # -- training ----------------------------------------------------------------------------
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(**batch).loss
+
+    # -- inference ---------------------------------------------------------------------------
+    def input_columns(self) -> list[str]:
+        """The columns of a data row that :meth:`predict` reads."""
+        raise NotImplementedError
+
+    def predict(self, model: nn.Module, loaded, rows: list[dict[str, Any]], batch_size: int,
+                source: str) -> list[dict[str, Any]]:
+        """One prediction per row, in order: ``{"prediction": label id or text}``, plus
+        ``probabilities`` (one per class) for classification. ``loaded``: the model's
+        :class:`~fedslice.models.loading.LoadedModel` (tokenizer, config)."""
+        raise NotImplementedError
 
     # -- evaluation --------------------------------------------------------------------------
     def evaluate(self, model: nn.Module, split, batch_size: int,
