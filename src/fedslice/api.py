@@ -24,6 +24,7 @@ from fedslice.output import RunDir, write_json_atomic
 from fedslice.progress import activate, make_display
 from fedslice.report import markdown_table, plot_compare, plot_run, render_table, summary_row
 from fedslice.tasks import make_task
+from fedslice.trackers import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -129,13 +130,21 @@ def _run_into(run: RunDir, cfg: ExperimentConfig, method: Method, data: Federate
     def checkpoint(ckpt: Checkpoint) -> None:
         write_checkpoint(run.path, ckpt)
 
+    trackers = Trackers(cfg, run.staging_path, _run_name(cfg))
+
+    def on_round(record: dict[str, Any]) -> None:
+        run.append_metrics(record)
+        trackers.round(record)
+
     try:
         with run:
-            state, _, summary = sim.run(on_round=run.append_metrics, resume=resume,
+            state, _, summary = sim.run(on_round=on_round, resume=resume,
                                         on_checkpoint=checkpoint)
             save_results(run, cfg, method, state, summary)
+            trackers.finish(summary)  # before the folder is renamed
             (run.path / CHECKPOINT).unlink(missing_ok=True)
     finally:
+        trackers.finish(None)  # the run failed (no-op when finished)
         if run.keep_if and not run.committed and (run.staging_path / CHECKPOINT).is_file():
             log.warning("the run was interrupted; continue it with: fedslice run --resume %s",
                         run.staging_path)

@@ -560,6 +560,10 @@ class OutputConfig(_Section):
     save_weights: bool = True
     plots: bool = True
     progress: bool = True
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="Experiment trackers that get the config, one scalar "
+        "per metric per round and the summary (docs/trackers.md); needs "
+        "`pip install 'fedslice[trackers]'`.")
     checkpoint_every: int = Field(0, ge=0, description="Write a checkpoint (global and server "
                                   "state, RNGs, metrics) into the run folder every N rounds, "
                                   "kill-safe; `fedslice run --resume RUN_DIR` continues. 0: never.")
