@@ -22,11 +22,15 @@ from fedslice.models.loading import load_config as load_model_config
 from fedslice.models.loading import build_from_config, load_model
 from fedslice.output import RunDir, write_json_atomic
 from fedslice.progress import activate, make_display
+from fedslice.html_report import REPORT, write_compare_report, write_run_report
 from fedslice.report import markdown_table, plot_compare, plot_run, render_table, summary_row
 from fedslice.tasks import make_task
 from fedslice.trackers import Trackers
 
 log = logging.getLogger(__name__)
+
+#: partition.json keeps the per-client label histograms up to this many numbers
+HISTOGRAM_CELLS = 100_000
 
 
 def _run_name(cfg: ExperimentConfig) -> str:
@@ -80,8 +84,12 @@ def start_run_folder(run: RunDir, cfg: ExperimentConfig, method: Method, data: F
     the partition, the label names and what rebuilding the trained model needs."""
     from fedslice.export import INFERENCE, inference_info
     run.write_config(cfg.model_dump(mode="json"))
-    run.write_json("partition.json", {k: v for k, v in data.report.items() if k != "label_histograms"}
-                   if isinstance(data.report, dict) else data.report)
+    report = data.report
+    if isinstance(report, dict):  # label histograms for the HTML report, unless huge
+        hist = report.get("label_histograms") or []
+        small = sum(len(h) for h in hist) <= HISTOGRAM_CELLS
+        report = {k: v for k, v in report.items() if k != "label_histograms" or small}
+    run.write_json("partition.json", report)
     if data.label_map():
         run.write_json("labels.json", data.label_map())
     run.write_json(INFERENCE, inference_info(cfg, method, method.task))
@@ -151,6 +159,7 @@ def _run_into(run: RunDir, cfg: ExperimentConfig, method: Method, data: Federate
     path = run.final_path
     if cfg.output.plots:
         plot_run(path)
+        write_run_report(path)
     return path
 
 
@@ -197,6 +206,7 @@ def compare_experiments(cfgs: list[ExperimentConfig], out_dir: str | Path | None
     final = parent.final_path
     runs = [final / r.name for r in runs]
     plot_compare(runs, final / "compare.png")
+    write_compare_report(runs, final / REPORT, f"fedslice compare: {final.name}")
     return final, table
 
 

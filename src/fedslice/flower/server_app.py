@@ -105,8 +105,10 @@ def run(grid: Grid, settings: RunSettings) -> Path:
         trackers.finish(None)  # failed: closes them (no-op when finished)
     path = run_dir.final_path
     if cfg.output.plots:
+        from fedslice.html_report import write_run_report
         from fedslice.report import plot_run
         plot_run(path)
+        write_run_report(path)
     if settings.result_file:
         settings.result_file.write_text(str(path) + "\n")
     return path

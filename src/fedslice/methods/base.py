@@ -206,6 +206,13 @@ class Method:
     def write_artifacts(self, folder: Path) -> None:
         """Write method-specific files (curves, plots) into the run folder. Default: none."""
 
+    @classmethod
+    def report_views(cls, folder: Path, config: dict[str, Any], metrics: list[dict[str, Any]],
+                     summary: dict[str, Any]) -> list:
+        """The method's own sections of a run's HTML report (:class:`fedslice.viz.View`: a
+        figure and the data behind it), from the finished run folder. Default: none."""
+        return []
+
     # -- deployment (fedslice export / predict / evaluate) -----------------------------------
     def deploy_exclude(self) -> list[str]:
         """Keys of the saved state that the evaluated model does not hold (e.g. FedPFT's proxy

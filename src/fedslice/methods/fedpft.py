@@ -564,6 +564,12 @@ class FedPFT(Method):
                         if not k.endswith(("_start", "_end"))})
         return out
 
+    @classmethod
+    def report_views(cls, folder, config, metrics, summary) -> list:
+        from fedslice.distill.report import distill_view
+        view = distill_view(folder, "fedpft_distill", "Distillation (fedpft)")
+        return [view] if view else []
+
     def write_artifacts(self, folder: Path) -> None:
         phases = {"layer-level KD before FL": self.kd_before,
                   "neuron-level KD during FL": concat_logs(self.align_logs)}

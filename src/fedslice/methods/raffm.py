@@ -296,6 +296,25 @@ class RaFFM(Method):
     def state_from_checkpoint(cls, state: State, server: dict[str, Any], arch: ArchSpec) -> State:
         return unpermute_state(state, Permutation.from_dict(server["strategy"]["perm"]), arch)
 
+    @classmethod
+    def report_views(cls, folder, config, metrics, summary) -> list:
+        """Elastic inference: the primary metric of the global model at every evaluated size."""
+        from fedslice.viz import line_view
+        rows = [e for e in summary.get("elastic") or [] if "metric" in e]
+        if not rows:
+            return []
+        metric = rows[0]["metric"]
+        view = line_view("Elastic inference (raffm)", [e["size"] for e in rows],
+                         {f"test {metric}": [e.get(f"test_{metric}") for e in rows],
+                          f"dev {metric}": [e.get(f"dev_{metric}") for e in rows]},
+                         xlabel="size (fraction of full-model training FLOPs)", ylabel=metric,
+                         x_key="size", caption="The trained global model cut to each elastic "
+                         "size (leading heads and neurons); `fedslice export --size S` writes one.")
+        for row, e in zip(view.rows, rows):
+            row.update({k: e.get(k) for k in ("params", "forward_gflops_per_example",
+                                                "forward_flops_ratio", "heads", "ffn")})
+        return [view]
+
     def elastic_specs(self) -> list[dict[str, Any]]:
         """Every elastic size's sub-model as a spec over the saved state (the checkpoint's order
         of heads and neurons): what ``fedslice export --size`` cuts."""
