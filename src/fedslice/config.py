@@ -558,7 +558,8 @@ class OutputConfig(_Section):
     dir: str = "runs"
     name: str | None = None
     save_weights: bool = True
-    plots: bool = True
+    plots: bool = Field(True, description="PNG plots and the self-contained report.html in the "
+                        "run folder at its end (docs/results.md).")
     progress: bool = True
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list, description="Experiment trackers that get the config, one scalar "
