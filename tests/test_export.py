@@ -15,7 +15,7 @@ from peft import PeftModel
 from conftest import method_options
 from fedslice.api import run_experiment, setup
 from fedslice.cli import main
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, FedsliceError
 from fedslice.export import export_run
 from fedslice.models.loading import AUTO_CLASSES

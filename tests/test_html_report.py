@@ -13,9 +13,9 @@ import subprocess
 import pytest
 
 from fedslice.api import compare_experiments
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.html_report import REPORT
-from fedslice.methods import METHODS
+from fedslice.methods import method_class
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -90,11 +90,11 @@ def test_run_and_compare_reports_render_in_a_browser(tiny_cfg_dict, tmp_path):
 def test_method_views_of_raffm_and_fedpft(tmp_path):
     elastic = [{"size": s, "metric": "accuracy", "test_accuracy": a, "dev_accuracy": a - 0.01,
                 "params": 10, "forward_gflops_per_example": s} for s, a in ((0.5, 0.7), (1.0, 0.8))]
-    (view,) = METHODS["raffm"].report_views(tmp_path, {}, [], {"elastic": elastic})
+    (view,) = method_class("raffm").report_views(tmp_path, {}, [], {"elastic": elastic})
     assert view.svg.startswith("<svg") and [r["test accuracy"] for r in view.rows] == [0.7, 0.8]
     losses = [{"loss": 1.0 / (i + 1), "kd": 0.5} for i in range(4)]
     (tmp_path / "fedpft_distill.json").write_text(json.dumps(
         {"phases": {"layer-level KD before FL": {"losses": losses}}}))
-    (view,) = METHODS["fedpft"].report_views(tmp_path, {}, [], {})
+    (view,) = method_class("fedpft").report_views(tmp_path, {}, [], {})
     assert [r["layer-level KD before FL"] for r in view.rows] == [x["loss"] for x in losses]
-    assert METHODS["fedavg"].report_views(tmp_path, {}, [], {}) == []
+    assert method_class("fedavg").report_views(tmp_path, {}, [], {}) == []

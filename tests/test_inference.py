@@ -9,7 +9,7 @@ import pytest
 
 from fedslice.api import run_experiment, setup
 from fedslice.cli import main
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fedslice.api import run_experiment
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
 from fedslice.trackers import metric_name, scalars
 

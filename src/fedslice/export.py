@@ -35,7 +35,8 @@ import torch
 import torch.nn as nn
 
 from fedslice.checkpoint import CHECKPOINT, read_checkpoint
-from fedslice.config import ExperimentConfig, validate_config
+from fedslice.config import ExperimentConfig
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, FedsliceError
 from fedslice.models.arch import ArchSpec, arch_for
 from fedslice.models.loading import LoadedModel, load_model
@@ -108,11 +109,11 @@ def read_run(run_dir: str | Path, allow_partial: bool = False) -> TrainedRun:
     if not (path / CHECKPOINT).is_file():
         raise FedsliceError(f"{path} is not a finished run ({what}) and has no checkpoint "
                             f"({CHECKPOINT}) to export: was it run with output.checkpoint_every?")
-    from fedslice.methods import METHODS
+    from fedslice.methods import method_class
     ckpt = read_checkpoint(path)
     run = TrainedRun(path, cfg, info, {}, f"checkpoint after round {ckpt.round} of "
                      f"{cfg.federation.rounds} ({what})")
-    run.state = METHODS[cfg.method.name].state_from_checkpoint(ckpt.state, ckpt.server, run.arch)
+    run.state = method_class(cfg.method.name).state_from_checkpoint(ckpt.state, ckpt.server, run.arch)
     return run
 
 

@@ -223,10 +223,11 @@ def run_views(folder: Path) -> tuple[dict, list[dict], dict, list[View]]:
 
 
 def method_views(folder: Path, config: dict, metrics: list[dict], summary: dict) -> list[View]:
-    from fedslice.methods import METHODS
+    from fedslice.methods import METHODS, method_class
     name = (config.get("method") or {}).get("name")
-    kind = METHODS.get(name)
-    return list(kind.report_views(folder, config, metrics, summary)) if kind else []
+    if name not in METHODS:
+        return []
+    return list(method_class(name).report_views(folder, config, metrics, summary))
 
 
 def write_run_report(folder: str | Path) -> Path:

@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fedslice.config import apply_overrides, validate_config
+from fedslice.config import apply_overrides
+from fedslice.experiment import validate_config
 from fedslice.data.loading import drop_incomplete, read_table
 from fedslice.errors import ConfigError, DataError
 from fedslice.export import Rebuilt, TrainedRun, read_run, trained_model

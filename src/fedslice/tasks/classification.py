@@ -8,12 +8,14 @@ import torch
 import torch.nn as nn
 
 from fedslice import progress
+from fedslice.compute import model_device, to_device
 from fedslice.data import TokenCache, iter_batches, num_batches, num_labels, tokenize_split
 from fedslice.data.loading import RawSplit
 from fedslice.data.sources import load_raw_splits
+from fedslice.paths import cache_root
 from fedslice.tasks.base import Task, length_order
 
-_TOKENS = TokenCache()
+_TOKENS = TokenCache(disk=None if (root := cache_root()) is None else root / "tokens")
 
 
 class Classification(Task):
@@ -45,7 +47,7 @@ class Classification(Task):
         split = tokenize_split(RawSplit(texts, [0] * len(texts), source), loaded.tokenizer,
                                self.cfg.data.max_length)
         order = length_order(split)
-        probs = torch.empty(0)
+        device = model_device(model)
         was = model.training
         model.eval()
         with progress.task("predict", num_batches(len(split), batch_size)) as advance:
@@ -54,7 +56,7 @@ class Classification(Task):
                 idx = order[lo:lo + batch_size].tolist()
                 batch = split.collate(idx)
                 batch.pop("labels")
-                p = torch.softmax(model(**batch).logits.float(), -1)
+                p = torch.softmax(model(**to_device(batch, device)).logits.float().cpu(), -1)
                 out.update(zip(idx, p))
                 advance()
         model.train(was)
@@ -70,6 +72,7 @@ def evaluate_classifier(model: nn.Module, data, batch_size: int) -> dict[str, fl
         return {"accuracy": math.nan, "loss": math.nan}
     was_training = model.training
     model.eval()
+    device = model_device(model)
     correct = 0
     loss_sum = 0.0
     hits = totals = None
@@ -77,8 +80,8 @@ def evaluate_classifier(model: nn.Module, data, batch_size: int) -> dict[str, fl
         for batch in iter_batches(data, length_order(data), batch_size, shuffle=False,
                                   generator=None):
             advance()
-            out = model(**batch)
-            right = out.logits.argmax(-1) == batch["labels"]
+            out = model(**to_device(batch, device))
+            right = out.logits.argmax(-1).cpu() == batch["labels"]
             correct += int(right.sum())
             k = out.logits.shape[-1]
             if hits is None:
