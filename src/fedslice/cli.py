@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--name", help="name of the compare folder")
     cmp.add_argument("--no-progress", action="store_true")
 
-    rep = sub.add_parser("report", help="re-render the table and plots of finished runs",
+    rep = sub.add_parser("report", help="re-render the table, plots and HTML reports of finished runs",
                          parents=common)
     rep.add_argument("run_dirs", nargs="+")
 
@@ -118,8 +118,10 @@ def _main(args: argparse.Namespace) -> int:
     from fedslice.experiment import load_config, load_variants
 
     if args.command == "report":
+        from fedslice.html_report import write_reports
         from fedslice.report import report
         print(report(args.run_dirs))
+        write_reports(args.run_dirs)
         return 0
     if args.command == "export":
         from fedslice.export import export_run

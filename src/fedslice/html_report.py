@@ -304,3 +304,15 @@ def write_compare_report(runs: Sequence[Path], out: str | Path, title: str = "fe
 def _rel(path: Path, start: Path) -> str:
     import os
     return os.path.relpath(path, start)
+
+
+def write_reports(paths: Sequence[str | Path]) -> list[Path]:
+    """``report.html`` in every run folder found at ``paths`` (run folders or folders of runs),
+    and a compare report in a single folder of several runs (``fedslice report``)."""
+    from fedslice.report import find_runs
+    roots = [Path(p) for p in paths]
+    runs = [r for root in roots for r in find_runs(root)]
+    out = [write_run_report(r) for r in runs]
+    if len(runs) > 1 and len(roots) == 1 and roots[0] not in runs:
+        out.append(write_compare_report(runs, roots[0] / REPORT, f"fedslice compare: {roots[0].name}"))
+    return out

@@ -435,9 +435,9 @@ def report(
     """Re-render the results table (one row per run) and regenerate the plots; return the table.
 
     ``run_dir_or_dirs`` is a run folder, a folder of run folders (a compare folder), or a list of
-    either. Each run gets ``accuracy.png``, ``bytes.png`` and ``report.html``. With several runs,
-    ``compare.png`` is written to ``compare_path`` or, when a single folder of runs was given,
-    into that folder, with the compare ``report.html`` beside it.
+    either. Each run gets ``accuracy.png`` and ``bytes.png``. With several runs, ``compare.png``
+    is written to ``compare_path`` or, when a single folder of runs was given, into that folder.
+    (``fedslice report`` also writes the HTML reports: :func:`fedslice.html_report.write_reports`.)
     """
     if isinstance(run_dir_or_dirs, (str, os.PathLike)):
         roots = [Path(run_dir_or_dirs)]
@@ -460,17 +460,13 @@ def report(
             summary["name"] = run.name
         rows.append(summary_row(summary))
         if plots:
-            from fedslice.html_report import write_run_report
             plot_run(run)
-            write_run_report(run)
 
     if plots and len(runs) > 1:
         if compare_path is None and len(roots) == 1 and roots[0] not in runs:
             compare_path = roots[0] / "compare.png"
         if compare_path is not None:
-            from fedslice.html_report import REPORT, write_compare_report
             plot_compare(runs, compare_path)
-            write_compare_report(runs, Path(compare_path).with_name(REPORT))
 
     if title is None:
         title = f"fedslice results: {roots[0].name}" if len(roots) == 1 else "fedslice results"
