@@ -186,8 +186,10 @@ def test_documented_commands_run(tmp_path, monkeypatch, capsys):
     cmds = sorted(documented(), key=lambda pc: order.index(pc[0]) if pc[0] in order else 99)
     ran = 0
     for page, cmd in cmds:
+        if _marked(cmd):  # the mark is in the command's comment
+            continue
         cmd = _without_comment(cmd)
-        if not cmd.startswith("fedslice ") or _marked(cmd) or _covered(cmd) or cmd in seen:
+        if not cmd.startswith("fedslice ") or _covered(cmd) or cmd in seen:
             continue
         argv = [a for a in shlex.split(cmd)[1:] if a not in ("-q", "-v", "-vv")]
         if tuple(argv) in seen:  # the same command but for its verbosity
