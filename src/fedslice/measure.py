@@ -472,7 +472,7 @@ class PeakMemory:
             proc = psutil.Process(os.getpid())
             # heap pages freed by earlier work would be reused silently (an RSS delta of 0 MB):
             # give them back first, then restart the kernel's exact high-water mark
-            _trim_heap()
+            trim_heap()
             self._hwm = _reset_rss_high_water_mark()
             self._rss_base = self._rss_peak = proc.memory_info().rss
             self._stop.clear()
@@ -512,7 +512,7 @@ class PeakMemory:
         self.elapsed_s = time.perf_counter() - self._t0
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """glibc's ``malloc_trim(0)``: return freed heap pages to the kernel (no-op elsewhere)."""
     global _LIBC
     if _LIBC is None:
