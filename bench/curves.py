@@ -42,7 +42,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keep", type=Path, help="an earlier (partial) curves.json: its points are kept, "
                     "only the missing ones are measured (each point records when it was measured)")
+    ap.add_argument("--plot", action="store_true", help="only draw curves.png from curves.json")
     args = ap.parse_args()
+    if args.plot:
+        return plot(json.loads((RESULTS / "curves.json").read_text()))
     kept = json.loads(args.keep.read_text()) if args.keep and args.keep.exists() else {}
     res = {"machine": machine(), "sweeps": {}, "population": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,11 +93,13 @@ def plot(res: dict) -> None:
             ax.plot(d["x"], d["round_s"], marker="o", label=mode)
         ax.set_xlabel(key.split(".")[-1])
         ax.set_ylabel("round time (s)")
+        ax.set_ylim(bottom=0)
         ax.legend()
     pop = res["population"]
     axes[3].plot([int(n) for n in pop], [pop[n]["pss_peak_mb"] for n in pop], marker="o")
     axes[3].set_xlabel("clients in the population")
     axes[3].set_ylabel("peak PSS (MB)")
+    axes[3].set_ylim(bottom=0)
     fig.suptitle(f"MiniLM + LoRA, SST-2, CPU ({res['machine']['cores']} cores)")
     fig.tight_layout()
     fig.savefig(RESULTS / "curves.png", dpi=90)

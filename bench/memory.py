@@ -24,7 +24,7 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "perf"))
-from common import machine, python, run_measured, save  # noqa: E402
+from common import RESULTS, machine, python, run_measured, save  # noqa: E402
 
 CONFIG = "bench/perf/minilm_sst2.toml"
 
@@ -117,7 +117,13 @@ def main() -> None:
                   f"{[round(x, 1) for x in got['later_clients_peak_rss_mb']]}; memory_mb (model "
                   f"{rep['model_mb']:.0f} + tensors {rep['activation_mb']:.1f}) {rep['memory_mb']:.0f}", flush=True)
     res["machine"]["loadavg_end"] = os.getloadavg()[0]
-    print("saved", save("memory", res))
+    # parts not run this time keep their earlier figures (each part says when it was measured)
+    for part in res:
+        if isinstance(res[part], dict) and part != "machine":
+            res[part]["measured"] = res["machine"]["date"]
+    earlier = RESULTS / "memory.json"
+    merged = {**(json.loads(earlier.read_text()) if earlier.exists() else {}), **res}
+    print("saved", save("memory", merged))
 
 
 if __name__ == "__main__":
