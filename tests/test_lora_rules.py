@@ -472,3 +472,57 @@ def test_resume_is_bit_identical(tiny_cfg_dict, tmp_path, monkeypatch, aggregati
     assert a["test_accuracy"] == b["test_accuracy"]
     if agg == "fedsa":
         assert a["personal_test_accuracy_mean"] == b["personal_test_accuracy_mean"]
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedpetuning", "heads", "raffm", "fedpft", "fedot"])
+def test_ffa_runs_on_every_lora_method_and_keeps_a(tiny_cfg_dict, tmp_path, method):
+    """FFA is the adapter's (A drawn from the seed, frozen): every method that trains LoRA runs
+    it, nobody sends an A, and the global model's A is its initial one."""
+    from conftest import method_options
+
+    d = _cfg(tiny_cfg_dict, "ffa")
+    d["federation"].update(clients_per_round=2, rounds=1)
+    d["method"] = {"name": method, **method_options(method, tmp_path)}
+    cfg = validate_config(d)
+    method_, data = setup(cfg)
+    a0 = {n: p.detach().clone() for n, p in method_.model.named_parameters() if ".lora_A." in n}
+    assert (method == "fedavg") == (not a0)
+    state, records, _ = Simulation(cfg, method_, data).run()
+    assert records[-1]["train_loss"] is not None
+    if method == "raffm":  # the state holds A as a frozen, permuted tensor: in checkpoint order
+        exported = method_.export_state(state)
+        assert all(torch.equal(exported[n], t) for n, t in a0.items())
+        return
+    assert not any(".lora_A." in k for k in state)  # never sent, never aggregated
+    method_.eval_model(state)
+    now = dict(method_.model.named_parameters())
+    assert all(torch.equal(now[n], t) for n, t in a0.items())
+
+
+@pytest.mark.parametrize("case", ["ffa", "fedsa", "fedit+ranks"])
+def test_batched_pass_equals_one_after_another(tiny_cfg_dict, tiny_model_dir, tmp_path, case):
+    """The batched multi-client pass: FFA's frozen A is shared (not a per-client tensor),
+    FedSA's clients bring their own B, clients of different ranks train in separate groups
+    (fp32, dropout off: the batched pass draws its masks over the stacked batch)."""
+    from test_batched import _no_dropout
+
+    agg, _, ranks = case.partition("+")
+    d = _cfg(tiny_cfg_dict, agg)
+    d["model"]["name"] = str(_no_dropout(tiny_model_dir, tmp_path / "bert"))
+    d["federation"].update(clients_per_round=3, rounds=2)
+    if ranks:
+        _tiered(d, r=4, ranks=(2, 4))
+    finals = []
+    for batched in (False, True):
+        d["compute"] = {"workers": 1, "batched_clients": batched}
+        cfg = validate_config(d)
+        method, data = setup(cfg)
+        state, records, _ = Simulation(cfg, method, data).run()
+        assert {r["client_mode"] for r in records} == {"batched" if batched else "sequential"}
+        finals.append((state, getattr(method, "personal", {})))
+    (a, pa), (b, pb) = finals
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert (agg == "fedsa") == bool(pa) and pa.keys() == pb.keys()
+    for c in pa:  # a client's own B trained in both rounds (AdamW: float noise is normalised up)
+        assert max((pa[c][k] - pb[c][k]).abs().max().item() for k in pa[c]) < 5e-5

@@ -32,7 +32,6 @@ import torch
 
 from fedslice.config import FederationConfig
 from fedslice.fl.validation import check_update
-from fedslice.measure import count_flops
 from fedslice.slicing.aggregate import aggregate_deltas, client_delta
 
 log = logging.getLogger(__name__)
@@ -230,10 +229,7 @@ class Strategy:
                             self.min_valid_reason())
             return RoundResult(state, sorted(valid), excluded, skipped=True, rejected=rejected)
         t0 = time.perf_counter()
-        with count_flops() as fc:
-            new_state, metrics = self.aggregate(server_round, state, payloads, valid)
-        # server cost of the round's aggregation (FLOPs as torch counts them: matmuls; rules add
-        # what it cannot see, e.g. the SVD's, in their own metrics)
-        metrics = {**metrics, "aggregate_s": time.perf_counter() - t0,
-                   "aggregate_flops": float(fc.total)}
+        new_state, metrics = self.aggregate(server_round, state, payloads, valid)
+        # the server's seconds for the round's aggregation (weighting, rules, re-ordering)
+        metrics = {**metrics, "aggregate_s": time.perf_counter() - t0}
         return RoundResult(new_state, sorted(valid), excluded, rejected=rejected, metrics=metrics)

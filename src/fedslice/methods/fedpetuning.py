@@ -188,7 +188,10 @@ class FedPETuning(Method):
         return Payload({**payload.arrays, **self._kept(payload)}, payload.config, payload.model)
 
     def _keep(self, client: int, reply: Reply) -> Reply:
-        """The reply without the client's own tensors, which it keeps."""
+        """The reply without the client's own tensors, which it keeps (a reply without them, as
+        :meth:`fit` returns it, is left as it is)."""
+        if not any(k in reply.arrays for k in self.personal_names):
+            return reply
         self.personal[client] = {k: reply.arrays[k].detach().cpu().clone()
                                  for k in self.personal_names if k in reply.arrays}
         self._last_client = client

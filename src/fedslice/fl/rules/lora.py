@@ -38,6 +38,7 @@ import torch
 from fedslice.config import ExperimentConfig
 from fedslice.fl.rules.base import Rule
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.measure import count_flops
 from fedslice.models.arch import LINEAR, Layout
 from fedslice.peft.tuners.lora.aggregate import (LoraPair, discarded_energy, fresh_a, lora_pairs,
                                                  pad_rank, product, rank_axis, rank_mask,
@@ -167,13 +168,15 @@ class FedEx(LoraRule):
         new, metrics = self.inner.combine(server_round, state, deltas, weights, replies)
         new = dict(new)
         res, tgt = 0.0, 0.0
-        for pair in self.pairs(state):
-            target, _ = target_update(state, deltas, weights, pair, self.scale, self.fed.server_lr)
-            residual = target - product(new, pair, self.scale)                # (out, in)
-            self.fold(new, pair, residual)
-            res, tgt = res + _norm2(residual), tgt + _norm2(target)
+        with count_flops() as fc:
+            for pair in self.pairs(state):
+                target, _ = target_update(state, deltas, weights, pair, self.scale, self.fed.server_lr)
+                residual = target - product(new, pair, self.scale)            # (out, in)
+                self.fold(new, pair, residual)
+                res, tgt = res + _norm2(residual), tgt + _norm2(target)
         self.folded = True
-        return new, {**metrics, "fedex_residual_norm": math.sqrt(res),
+        return new, {**metrics, "aggregate_flops": float(fc.total),
+                     "fedex_residual_norm": math.sqrt(res),
                      "fedex_residual_rel": math.sqrt(res / tgt) if tgt > 0 else 0.0}
 
 
@@ -191,17 +194,18 @@ class FLoRA(LoraRule):
         clients = sorted(replies)
         ranks = [self.client_rank(c) for c in clients]
         stack = 0
-        for pair in self.pairs(state):
-            target, _ = target_update(state, deltas, weights, pair, self.scale, self.fed.server_lr)
-            self.fold(new, pair, target)
-            a, b = state[pair.a], state[pair.b]
-            new[pair.a] = fresh_a(a.shape, self.seed, f"{pair.a}#round{server_round}").to(a.dtype)
-            new[pair.b] = torch.zeros_like(b)
-            # the stacked adapter a client that trained last round would receive: every
-            # client's A and B at its rank, one after another along the rank
-            stack += sum((r or a.shape[0]) * (a.shape[1] + b.shape[0]) for r in ranks) * a.element_size()
+        with count_flops() as fc:
+            for pair in self.pairs(state):
+                target, _ = target_update(state, deltas, weights, pair, self.scale, self.fed.server_lr)
+                self.fold(new, pair, target)
+                a, b = state[pair.a], state[pair.b]
+                new[pair.a] = fresh_a(a.shape, self.seed, f"{pair.a}#round{server_round}").to(a.dtype)
+                new[pair.b] = torch.zeros_like(b)
+                # the stacked adapter a client that trained last round would receive: every
+                # client's A and B at its rank, one after another along the rank
+                stack += sum((r or a.shape[0]) * (a.shape[1] + b.shape[0]) for r in ranks) * a.element_size()
         self.folded = True
-        return new, {**metrics, "flora_stack_bytes": stack}
+        return new, {**metrics, "aggregate_flops": float(fc.total), "flora_stack_bytes": stack}
 
 
 class SVD(LoraRule):
@@ -217,17 +221,18 @@ class SVD(LoraRule):
         new = dict(new)
         ranks = sorted({r for c in replies if (r := self.client_rank(c)) is not None})
         total, dropped, flops = 0.0, {}, 0.0
-        for pair in self.pairs(state):
-            target, _ = target_update(state, deltas, weights, pair, self.scale, self.fed.server_lr)
-            rank = state[pair.a].shape[0]
-            B, A, S = svd_factors(target, rank, self.scale)
-            new[pair.a], new[pair.b] = A.to(state[pair.a].dtype), B.to(state[pair.b].dtype)
-            energy = float((S.double() ** 2).sum())
-            total += energy
-            for r in {rank, *ranks}:
-                dropped[r] = dropped.get(r, 0.0) + discarded_energy(S, r) * energy
-            flops += svd_flops(*target.shape)
-        out = {**metrics, "svd_flops_analytic": flops}
+        with count_flops() as fc:
+            for pair in self.pairs(state):
+                target, _ = target_update(state, deltas, weights, pair, self.scale, self.fed.server_lr)
+                rank = state[pair.a].shape[0]
+                B, A, S = svd_factors(target, rank, self.scale)
+                new[pair.a], new[pair.b] = A.to(state[pair.a].dtype), B.to(state[pair.b].dtype)
+                energy = float((S.double() ** 2).sum())
+                total += energy
+                for r in {rank, *ranks}:
+                    dropped[r] = dropped.get(r, 0.0) + discarded_energy(S, r) * energy
+                flops += svd_flops(*target.shape)
+        out = {**metrics, "aggregate_flops": float(fc.total), "svd_flops_analytic": flops}
         for r, d in sorted(dropped.items()):
             key = "svd_discarded_energy" if r == max(dropped) else f"svd_discarded_energy_r{r}"
             out[key] = d / total if total > 0 else 0.0
