@@ -302,6 +302,33 @@ def test_svd_on_a_model_truncates_the_averaged_update(tiny_cfg_dict, capture_rep
     assert 0 < record["svd_discarded_energy"] < 1  # 3 clients x rank 4 > 4
 
 
+@pytest.mark.parametrize("aggregation", ["fedit", "ffa", "fedex", "flora", "svd", "fedsa"])
+def test_bytes_up_and_down_per_rule(tiny_cfg_dict, aggregation):
+    """What crosses the wire, counted from the tensors: every rule sends the trained tensors up;
+    ffa never sends A, fedsa never sends B (either way); from round 2 on, fedex's and flora's
+    clients also receive the dense base weights of every adapted layer (the residual / the merged
+    stack), counted in bytes_down and reported apart as bytes_down_frozen."""
+    d = _cfg(tiny_cfg_dict, aggregation, train_classifier=False)
+    d["federation"].update(clients_per_round=2, rounds=2)
+    cfg = validate_config(d)
+    method, data = setup(cfg)
+    params = dict(method.model.named_parameters())
+    pairs = lora_pairs({n: p for n, p in params.items() if ".lora_" in n})
+    nbytes = lambda names: sum(params[n].numel() * 4 for n in names)  # noqa: E731  (float32)
+    a, b = nbytes(p.a for p in pairs), nbytes(p.b for p in pairs)
+    base = nbytes(p.base for p in pairs)
+    sent = {"ffa": b, "fedsa": a}.get(aggregation, a + b)
+    _, records, _ = Simulation(cfg, method, data).run()
+    for rnd, record in enumerate(records, 1):
+        for c in record["client_metrics"]:
+            dense = base if aggregation in ("fedex", "flora") and rnd > 1 else 0
+            assert c["bytes_up"] == sent, (rnd, c["bytes_up"], sent)
+            assert c["bytes_down_frozen"] == dense
+            assert c["bytes_down"] == sent + dense
+    if aggregation == "flora":  # the stacked adapter: every client's A and B along the rank
+        assert records[0]["flora_stack_bytes"] == 2 * (a + b)
+
+
 def test_fedsa_keeps_b_on_the_clients_and_reports_personal_metrics(tiny_cfg_dict, capture_replies):
     d = _cfg(tiny_cfg_dict, "fedsa")
     d["federation"].update(clients_per_round=2, rounds=3)
