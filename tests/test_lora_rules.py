@@ -413,6 +413,10 @@ def test_raffm_plans_width_and_rank_together(tiny_cfg_dict):
     ({"method": {"name": "fedpetuning", "tiers": [{"share": 1.0, "flops": 1.0}]}}, ["method.tiers", "lora.ranks"]),
     ({"method": {"name": "heads"}, "lora": {"ranks": [4, 8], "r": 8}}, ["lora.ranks", "heads"]),
     ({"lora": {"ranks": [4, 32], "r": 16}}, ["lora.ranks", "lora.r=16"]),
+    ({"method": {"name": "fedavg"}, "lora": {"aggregation": "ffa"}}, ["lora.aggregation='ffa'", "fedavg", "peft.method='none'"]),
+    ({"peft": {"method": "none"}, "lora": {"aggregation": "fedex"}}, ["lora.aggregation='fedex'", "peft.method='none'"]),
+    ({"method": {"name": "raffm", "tuning": "full", "tiers": [{"share": 1.0, "flops": 1.0}]},
+      "lora": {"ranks": [4, 8], "r": 8}}, ["lora.ranks", "peft.method='none'"]),
 ])
 def test_invalid_combinations_fail_at_load_naming_both(change, fields):
     d = {"federation": {"num_clients": 5, "clients_per_round": 5}}
@@ -431,8 +435,8 @@ def test_valid_combinations_build_the_rule_chain():
     assert [r.name for r in selected_rules(cfg)] == ["fedex", "clip"]
     cfg = validate_config({"lora": {"aggregation": "fedsa"}, "aggregation": {"rule": "median"}})
     assert [r.name for r in selected_rules(cfg)] == ["median", "fedsa"]
-    # LoRA rules apply only when the adapter is LoRA
-    cfg = validate_config({"method": {"name": "fedavg"}, "lora": {"aggregation": "fedex"}})
+    # LoRA rules apply only when the adapter is LoRA (the default fedit leaves [lora] harmless)
+    cfg = validate_config({"method": {"name": "fedavg"}, "lora": {"aggregation": "fedit"}})
     assert selected_rules(cfg) == []
     assert find_rule is not None
 

@@ -39,6 +39,7 @@ from fedslice import measure
 from fedslice.compute import Compute
 from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.rules import unwrap, wrap_rules
+from fedslice.fl.rules.lora import check_lora_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
 from fedslice.models.arch import ArchSpec
@@ -130,6 +131,7 @@ class Method:
         if cls.adapters is not None and name not in cls.adapters:
             raise ValueError(f"peft.method={name!r}: method {cfg.method.name} trains "
                              f"{' or '.join(repr(a) for a in cls.adapters)}")
+        check_lora_fields(cfg, name)
         option = cls.legacy_adapter_option
         if option and cfg.peft.method is not None and option in cfg.method.model_fields_set:
             value = getattr(cfg.method, option)

@@ -52,6 +52,20 @@ def trains_lora(cfg: ExperimentConfig) -> bool:
     return METHODS.get(cfg.method.name).method_cls.adapter_name(cfg) == "lora"
 
 
+def check_lora_fields(cfg: ExperimentConfig, adapter: str) -> None:
+    """``lora.aggregation`` (other than the default ``"fedit"``) and ``lora.ranks`` say how LoRA
+    factors are trained and combined: a ValueError naming them and the adapter when the method
+    trains another adapter (they would be ignored)."""
+    if adapter == "lora":
+        return
+    given = [f"lora.aggregation={cfg.lora.aggregation!r}"] if cfg.lora.aggregation != "fedit" else []
+    if cfg.lora.ranks is not None:
+        given.append(f"lora.ranks={cfg.lora.ranks}")
+    if given:
+        raise ValueError(f"{' and '.join(given)} apply to the LoRA adapter; method "
+                         f"{cfg.method.name!r} trains peft.method={adapter!r}")
+
+
 def lora_aggregations(method_cls: type) -> tuple[str, ...]:
     """The ``lora.aggregation`` values a method supports (``Method.lora_aggregations``)."""
     return tuple(getattr(method_cls, "lora_aggregations", ("fedit", "ffa")))
