@@ -63,7 +63,7 @@ def figures(run: Path) -> dict:
     primary = summary["primary_metric"]
     clients = [m for r in metrics for m in r["client_metrics"] if m.get("used", True)]
     out = {
-        "primary": primary, "test": summary.get(f"test_{primary}"),
+        "primary": primary, "test": summary.get(f"test_{primary}"), "test_loss": summary.get("test_loss"),
         "test_bleu": summary.get("test_bleu"),
         "bytes_down": _mean(m.get("bytes_down") for m in clients),
         "bytes_down_base": _mean(m.get("bytes_down_frozen") for m in clients),
@@ -73,9 +73,9 @@ def figures(run: Path) -> dict:
         "aggregate_s": _mean(r.get("aggregate_s") for r in metrics),
         "aggregate_flops": _mean(r.get("aggregate_flops") for r in metrics),
         "svd_flops": _mean(r.get("svd_flops_analytic") for r in metrics),
-        "flora_stack_bytes_per_client": _mean(
-            r["flora_stack_bytes"] / max(len(r["client_metrics"]), 1) for r in metrics
-            if r.get("flora_stack_bytes")),
+        # the stacked adapter of a round (every client's A and B): what each client would
+        # download instead of the merged dense base, were the stack broadcast
+        "flora_stack_bytes_per_client": _mean(r.get("flora_stack_bytes") for r in metrics),
         "fedex_residual_rel": _mean(r.get("fedex_residual_rel") for r in metrics),
         "svd_discarded_energy": _mean(r.get("svd_discarded_energy") for r in metrics),
         "svd_discarded_energy_by_rank": {k.rsplit("_r", 1)[1]: _mean(r.get(k) for r in metrics)
@@ -125,10 +125,10 @@ def table(experiment: str) -> str:
     order = list(variants(experiment))
     rows.sort(key=lambda r: (order.index(r["variant"]) if r["variant"] in order else 99, r["seed"]))
     lines = [f"## {experiment} ({CONFIGS[experiment]})", "",
-             "| variant | seed | test | personalised (fedsa) | down MiB / client-round (dense base) "
+             "| variant | seed | test | test loss | personalised (fedsa) | down MiB / client-round (dense base) "
              "| up MiB | server s / aggregation | server GFLOPs (+SVD analytic) | client GFLOPs "
              "| FedEx residual / update | SVD discarded energy | rounds | load | wall s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         pers = "—" if r.get("personal") is None else (
             f"{r['personal']:.4f} (global {r['personal_global']:.4f} on the same sample"
@@ -143,7 +143,7 @@ def table(experiment: str) -> str:
         energy = _f(r.get("svd_discarded_energy"))
         if r.get("svd_discarded_energy_by_rank"):
             energy += " (" + ", ".join(f"r{k}: {v:.3f}" for k, v in r["svd_discarded_energy_by_rank"].items()) + ")"
-        lines.append(f"| {r['variant']} | {r['seed']} | {_f(r['test'])} | {pers} | {down} | {_mb(r['bytes_up'])} "
+        lines.append(f"| {r['variant']} | {r['seed']} | {_f(r['test'])} | {_f(r.get('test_loss'))} | {pers} | {down} | {_mb(r['bytes_up'])} "
                      f"| {_f(r['aggregate_s'], '{:.3f}')} | {server} "
                      f"| {_f(r['flops_client'] / 1e9 if r.get('flops_client') else None, '{:.1f}')} "
                      f"| {_f(r.get('fedex_residual_rel'), '{:.3f}')} | {energy} | {r['rounds']} "
@@ -167,11 +167,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--set", nargs="*", default=[], dest="overrides", metavar="KEY=VALUE",
                     help="config overrides for every run (a smoke test: federation.rounds=1)")
-    ap.add_argument("--table", action="store_true", help="only rewrite results.md")
+    ap.add_argument("--table", action="store_true", help="only rewrite results_<experiment>.md (figures re-read from the run folders kept)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     md = OUT / f"results_{args.experiment}.md"
-    if not args.table:
+    if args.table:  # figures again from the run folders kept (a newer figures())
+        for p in OUT.glob(f"{args.experiment}--*.json"):
+            res = json.loads(p.read_text())
+            if (ROOT / res["run_dir"]).is_dir():
+                p.write_text(json.dumps({**res, **figures(ROOT / res["run_dir"])}, indent=1))
+    else:
         for seed in args.seeds:
             for v in args.variants or list(variants(args.experiment)):
                 res = run(args.experiment, v, seed, args.threads, args.overrides)
