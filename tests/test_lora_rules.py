@@ -505,7 +505,7 @@ def test_resume_is_bit_identical(tiny_cfg_dict, tmp_path, monkeypatch, aggregati
         assert a["personal_test_accuracy_mean"] == b["personal_test_accuracy_mean"]
 
 
-@pytest.mark.parametrize("method", ["fedavg", "fedpetuning", "heads", "raffm", "fedpft", "fedot"])
+@pytest.mark.parametrize("method", ["fedpetuning", "heads", "raffm", "fedpft", "fedot"])
 def test_ffa_runs_on_every_lora_method_and_keeps_a(tiny_cfg_dict, tmp_path, method):
     """FFA is the adapter's (A drawn from the seed, frozen): every method that trains LoRA runs
     it, nobody sends an A, and the global model's A is its initial one."""
@@ -517,7 +517,7 @@ def test_ffa_runs_on_every_lora_method_and_keeps_a(tiny_cfg_dict, tmp_path, meth
     cfg = validate_config(d)
     method_, data = setup(cfg)
     a0 = {n: p.detach().clone() for n, p in method_.model.named_parameters() if ".lora_A." in n}
-    assert (method == "fedavg") == (not a0)
+    assert a0  # (fedavg trains no LoRA: ffa with it fails at load, tested above)
     state, records, _ = Simulation(cfg, method_, data).run()
     assert records[-1]["train_loss"] is not None
     if method == "raffm":  # the state holds A as a frozen, permuted tensor: in checkpoint order
