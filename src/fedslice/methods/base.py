@@ -317,7 +317,8 @@ class Method:
             activation_mb=result.activation_mb, train_time_s=result.time_s,
             # what the client's device holds at its peak: the model it trains, saved activations,
             # gradients and AdamW state (deterministic; RSS deltas are not, see measure.py)
-            model_mb=mb, memory_mb=mb + result.activation_mb, gpu_peak_mb=result.gpu_peak_mb)
+            model_mb=mb, memory_mb=mb + result.activation_mb, gpu_peak_mb=result.gpu_peak_mb,
+            tokens_real=result.tokens_real)
         # of bytes_down: frozen tensors the server changed (FedEx-LoRA's and FLoRA's base weights)
         return {"loss": result.loss, "steps": result.steps, **cost.to_metrics(),
                 "bytes_down_frozen": measure.tensor_bytes(frozen)}
