@@ -200,6 +200,10 @@ class Heads(FedPETuning):
     batched_clients = False  # each client trains its own kept heads' slices
     sends_slices = True
     adapters = ("lora",)  # head-tied tensors: LoRA B rows of q/k/v, A columns of o
+    lora_aggregations = ("fedit", "ffa", "fedex", "flora", "svd")
+    lora_aggregation_hint = ("a client keeps no B of its own: the heads it prunes change every "
+                             "round, and Eq. 8 weighs the head-tied B rows it sends")
+    lora_ranks_per_client = False
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
