@@ -113,6 +113,8 @@ class Simulation:
         if not self.candidates:
             raise DataError("every client partition is empty: reduce federation.num_clients")
         method.strategy.client_sizes = {c: len(p) for c, p in enumerate(data.partitions)}
+        #: (round, global state) after the last finished round: what a failed run keeps
+        self.latest: tuple[int, State] | None = None
 
     def cold_start_probe(self, state: State) -> dict[str, Any]:
         """``federation.cold_start='probe'``: the global model's loss on a few examples of every
@@ -177,6 +179,8 @@ class Simulation:
         else:
             state, records, first = self.method.initial_state(), [], 1
             t_start = time.perf_counter()
+        if resume is not None:
+            self.latest = (resume.round, state)
         every = cfg.output.checkpoint_every
         for rnd in range(first, cfg.federation.rounds + 1):
             state, record = self.run_round(rnd, state)
@@ -185,6 +189,7 @@ class Simulation:
             records.append(record)
             if on_round:
                 on_round(record)
+            self.latest = (rnd, state)
             if progress:
                 progress(record)
             progress_display.round_done(record)

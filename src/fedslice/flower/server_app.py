@@ -12,6 +12,7 @@ for the replies of a round.
 from __future__ import annotations
 
 import logging
+import shlex
 import time
 from pathlib import Path
 
@@ -51,9 +52,8 @@ def main(grid: Grid, context: Context) -> None:
 def run(grid: Grid, settings: RunSettings) -> Path:
     """Load the experiment, find the SuperNodes, train, write the run folder; return its path.
     With ``settings.resume`` (run config ``resume``), continue that run from its checkpoint."""
-    from fedslice.api import _run_name, save_results, setup
-    from fedslice.checkpoint import (CHECKPOINT, check_same_config, find_resumable,
-                                     read_checkpoint, restore)
+    from fedslice.api import _run_name, keep_failed_run, save_results, setup
+    from fedslice.checkpoint import check_same_config, find_resumable, read_checkpoint, restore
     from fedslice.config import load_config
     from fedslice.fl.engine import finalize
     from fedslice.flower.codec import record_to_state, state_to_record
@@ -83,24 +83,29 @@ def run(grid: Grid, settings: RunSettings) -> Path:
         for c in range(cfg.federation.num_clients):  # a new Flower run: nodes kept nothing
             method.strategy.forget(c)
         log.warning("resuming %s after round %d of %d", staging, ckpt.round, cfg.federation.rounds)
-    run_dir.keep_if = CHECKPOINT if cfg.output.checkpoint_every else None
-    with run_dir:
-        if ckpt is None:
-            run_dir.write_config(cfg.model_dump(mode="json"))
-            run_dir.write_json("partition.json", {k: v for k, v in data.report.items()
-                                                  if k != "label_histograms"})
-            if data.label_map():
-                run_dir.write_json("labels.json", data.label_map())
-        evaluate = _central_evaluation(cfg, method, data, adapter, run_dir, t_start)
-        result = _with_dp(cfg, method, adapter).start(grid, state_to_record(state),
-                               num_rounds=cfg.federation.rounds - adapter.offset,
-                               timeout=settings.round_timeout, evaluate_fn=evaluate)
-        state = record_to_state(result.arrays)
-        summary = finalize(cfg, method, data, state, adapter.records, t_start)
-        summary["engine"] = "flower"
-        summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in adapter.records)
-        save_results(run_dir, cfg, method, state, summary)
-        (run_dir.path / CHECKPOINT).unlink(missing_ok=True)
+    latest: list[tuple[int, dict]] = [] if ckpt is None else [(ckpt.round, state)]
+    with run_dir:  # kept on a failure after a round, else removed
+        try:
+            if ckpt is None:
+                run_dir.write_config(cfg.model_dump(mode="json"))
+                run_dir.write_json("partition.json", {k: v for k, v in data.report.items()
+                                                      if k != "label_histograms"})
+                if data.label_map():
+                    run_dir.write_json("labels.json", data.label_map())
+            evaluate = _central_evaluation(cfg, method, data, adapter, run_dir, t_start, latest)
+            result = _with_dp(cfg, method, adapter).start(grid, state_to_record(state),
+                                   num_rounds=cfg.federation.rounds - adapter.offset,
+                                   timeout=settings.round_timeout, evaluate_fn=evaluate)
+            state = record_to_state(result.arrays)
+            summary = finalize(cfg, method, data, state, adapter.records, t_start)
+            summary["engine"] = "flower"
+            summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in adapter.records)
+            save_results(run_dir, cfg, method, state, summary)
+        except BaseException as e:
+            if run_dir.trained:
+                keep_failed_run(run_dir, method, latest[-1] if latest else None, e,
+                                resume_command(settings, run_dir.staging_path))
+            raise
     path = run_dir.final_path
     if cfg.output.plots:
         from fedslice.report import plot_run
@@ -108,6 +113,15 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     if settings.result_file:
         settings.result_file.write_text(str(path) + "\n")
     return path
+
+
+def resume_command(settings: RunSettings, staging: Path) -> str:
+    """How to continue a Flower run kept in ``staging``: ``fedslice deploy local``'s command (the
+    run's config and overrides), and the run config key for ``deploy simulation`` / ``flwr run``."""
+    sets = "".join(f" --set {shlex.quote(o)}" for o in settings.overrides)
+    return (f"fedslice deploy local {shlex.quote(str(settings.config))}{sets} --resume "
+            f"{shlex.quote(str(staging))} (or add resume=\"{staging}\" to the run config of "
+            "`fedslice deploy simulation` / `flwr run`)")
 
 
 def _with_dp(cfg, method, adapter):
@@ -124,10 +138,10 @@ def _with_dp(cfg, method, adapter):
     return CentralDP(adapter, privacy.z, privacy.clip, privacy.n)
 
 
-def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float):
+def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float, latest: list):
     """Flower's ``evaluate_fn``: the dev metrics after the rounds ``fedslice run`` evaluates, the
-    round's finished record to metrics.jsonl, and a checkpoint every
-    ``output.checkpoint_every`` rounds."""
+    round's finished record to metrics.jsonl (``latest``: its round and state appended), and a
+    checkpoint every ``output.checkpoint_every`` rounds."""
     from fedslice.checkpoint import capture, write_checkpoint
     from fedslice.fl.engine import finish_round
     from fedslice.flower.codec import record_to_state
@@ -141,6 +155,7 @@ def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float):
         finish_round(cfg, method, data, adapter.selector, server_round, state, record)
         record["elapsed_s"] = time.perf_counter() - t_start
         run_dir.append_metrics(record)
+        latest[:] = [(server_round, state)]
         every = cfg.output.checkpoint_every
         if every and server_round % every == 0:
             write_checkpoint(run_dir.path, capture(server_round, cfg.model_dump(mode="json"), method,
