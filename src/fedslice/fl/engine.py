@@ -76,23 +76,30 @@ def _mean(values: list[float]) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
+def _max(values: list) -> float | None:
+    return max((v for v in values if v is not None), default=None)
+
+
 def round_record(server_round: int, clients: list[int], replies: dict[int, Reply],
                  result: RoundResult) -> dict[str, Any]:
     """The metrics record of one round: selection, exclusions, per-client metrics (``used``:
-    whether the reply went into the aggregation) and mean costs over the used replies."""
+    whether the reply went into the aggregation; a reply that failed validation is listed
+    without what it reported) and mean costs over the used replies."""
     client_metrics = [{"client": c, "num_examples": r.num_examples, **r.metrics,
-                       "used": c in result.used} for c, r in replies.items()]
+                       "used": c in result.used} if c not in result.invalid else
+                      {"client": c, "used": False, "rejected": True}  # what it sent is not trusted
+                      for c, r in replies.items()]
     used = [m for m in client_metrics if m["used"]]
     return {
         "round": server_round, "clients": clients, "excluded": result.excluded,
         "skipped": result.skipped, "rejected": result.rejected,
         "train_loss": _mean([m["loss"] for m in used]),
         "examples_used": sum(m["num_examples"] for m in used),
-        **{f"{k}_mean": _mean([m[k] for m in used])
+        **{f"{k}_mean": _mean([m.get(k) for m in used])
            for k in ("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
                      "trainable_params", "params_up")},
-        "peak_rss_mb_max": max((m["peak_rss_mb"] for m in used), default=None),
-        "activation_mb_max": max((m["activation_mb"] for m in used), default=None),
+        "peak_rss_mb_max": _max([m.get("peak_rss_mb") for m in used]),
+        "activation_mb_max": _max([m.get("activation_mb") for m in used]),
         "client_metrics": client_metrics,
         **result.metrics,
     }
@@ -243,11 +250,11 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
         f"final_dev_{primary}": records[-1].get(key) if records else None,
         "rounds": len(records), "target_accuracy": target,
         "rounds_to_target": reached[0] if reached else None,
-        **{f"{k}_mean": _mean([m[k] for m in per_client])
+        **{f"{k}_mean": _mean([m.get(k) for m in per_client])
            for k in ("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
                      "trainable_params", "params_up", "train_time_s")},
-        "peak_rss_mb_max": max((m["peak_rss_mb"] for m in per_client), default=None),
-        "activation_mb_max": max((m["activation_mb"] for m in per_client), default=None),
+        "peak_rss_mb_max": _max([m.get("peak_rss_mb") for m in per_client]),
+        "activation_mb_max": _max([m.get("activation_mb") for m in per_client]),
         "excluded_replies": sum(len(r["excluded"]) for r in records),
         "rejected_replies": sum(r.get("rejected", 0) for r in records),
         "examples_used": sum(r.get("examples_used", 0) for r in records),

@@ -102,14 +102,17 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
     work.mkdir(parents=True, exist_ok=True)
     result_file = work / "result.txt"
     result_file.unlink(missing_ok=True)
+    out = Path(out_dir or cfg.output.dir).absolute()
     run_config = _run_config(work / "run_config.toml", {
         "config": str(config), "overrides": ";".join(overrides),
-        "out-dir": str(Path(out_dir or cfg.output.dir).absolute()), "result-file": str(result_file),
+        "out-dir": str(out), "result-file": str(result_file),
         "round-timeout": float(round_timeout), "connect-timeout": float(connect_timeout),
         **({"resume": str(Path(resume).absolute())} if resume else {})})
     limit = timeout or connect_timeout + cfg.federation.rounds * round_timeout + 600.0
-    with terminate_as_interrupt(), LocalFederation(work, n, tls=tls, auth=auth,
-                                                    simulation=simulation) as fed:
+    # the ServerApp may read and write only where this command points it (the operator's choice)
+    roots = [config.parent, out, work] + ([Path(resume).absolute().parent] if resume else [])
+    with terminate_as_interrupt(), LocalFederation(work, n, tls=tls, auth=auth, simulation=simulation,
+                                                    server_roots=roots) as fed:
         run_id = fed.submit(write_app(work / "app"), run_config)
         log.info("submitted run %d to %s", run_id, fed.address)
         try:

@@ -1,7 +1,8 @@
 """The Flower ServerApp: ``fedslice run`` with the clients on SuperNodes.
 
 The run config (``flwr run APP CONNECTION --run-config 'config="/abs/exp.toml"'``) names the
-experiment config file on the SuperLink's machine; the ServerApp loads it like ``fedslice run``,
+experiment config file on the SuperLink's machine (every path inside the operator's server root:
+:mod:`fedslice.flower.settings`); the ServerApp loads it like ``fedslice run``,
 builds the method and data (for the initial state and central evaluation), finds which partition
 each connected SuperNode holds, runs the rounds with :class:`FlowerAdapter` through Flower's
 ``Strategy.start`` and writes the usual run folder (config, partition, metrics.jsonl, summary.json,
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import shlex
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from flwr.app import ArrayRecord, Context, MetricRecord
@@ -62,6 +64,8 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     from fedslice.output import RunDir
 
     cfg = load_config(settings.config, settings.overrides)
+    out = Path(settings.out_dir) if settings.out_dir else \
+        settings.check_path(cfg.output.dir, "output.dir (of the experiment config)")
     ckpt = staging = None
     if settings.resume:
         staging = find_resumable(settings.resume)
@@ -70,7 +74,6 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     method, data = setup(cfg)
     partitions = PartitionMap(cfg.federation.num_clients)
     partitions.discover(grid, settings.connect_timeout)
-    out = Path(settings.out_dir or cfg.output.dir)
     adapter = FlowerAdapter(cfg, method, data, partitions, settings.round_timeout)
     if ckpt is None:
         run_dir = RunDir.create(out, _run_name(cfg))
@@ -84,7 +87,7 @@ def run(grid: Grid, settings: RunSettings) -> Path:
             method.strategy.forget(c)
         log.warning("resuming %s after round %d of %d", staging, ckpt.round, cfg.federation.rounds)
     latest: list[tuple[int, dict]] = [] if ckpt is None else [(ckpt.round, state)]
-    with run_dir:  # kept on a failure after a round, else removed
+    with run_dir, _ending_run(grid):  # kept on a failure after a round, else removed
         try:
             if ckpt is None:
                 run_dir.write_config(cfg.model_dump(mode="json"))
@@ -113,6 +116,21 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     if settings.result_file:
         settings.result_file.write_text(str(path) + "\n")
     return path
+
+
+@contextmanager
+def _ending_run(grid: Grid):
+    """When the run is over (done or failed; not on Ctrl-C), the SuperNodes remove its files."""
+    from fedslice.flower.discovery import end_run
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        end_run(grid)
+        raise
+    end_run(grid)
 
 
 def resume_command(settings: RunSettings, staging: Path) -> str:

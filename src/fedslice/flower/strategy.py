@@ -35,6 +35,7 @@ from fedslice.fl.strategy import Payload, Reply, RoundResult, State
 from fedslice.fl.strategy import Strategy as FedsliceStrategy
 from fedslice.flower.codec import (ARRAYS, decode_reply, encode_payload, error_reason,
                                    record_to_state, state_to_record)
+from fedslice.measure import tensor_bytes
 from fedslice.flower.discovery import PartitionMap
 from fedslice.methods.base import Method
 
@@ -99,34 +100,47 @@ class FlowerAdapter(FlowerStrategy):
         return list(messages.values())
 
     def _collect(self, sent: _Round, replies: Iterable[Message]
-                 ) -> tuple[dict[int, Reply], list[dict[str, Any]]]:
-        """Replies by client id, and the clients that failed (error reply or no reply)."""
+                 ) -> tuple[dict[int, Reply], list[dict[str, Any]], int]:
+        """Replies by client id, the clients that failed (error reply, no reply, a reply that
+        does not decode) and how many of those were malformed replies (counted as rejected)."""
         by_id = {m.metadata.message_id: c for c, m in sent.messages.items()}
         received: dict[int, Reply] = {}
         failed: dict[int, str] = {}
+        malformed = 0
         for msg in replies:
             c = by_id.get(msg.metadata.reply_to_message_id)
-            if c is None:
-                continue  # a stale reply of an earlier round
+            if c is None or c in received or c in failed:
+                continue  # a stale reply of an earlier round, or a second one
             if msg.metadata.message_id in self.dropped:
                 failed[c] = self.dropped.pop(msg.metadata.message_id)
+                malformed += failed[c].startswith("update rejected")
             elif msg.has_error():
                 failed[c] = f"node {sent.messages[c].metadata.dst_node_id} failed: {error_reason(msg)}"
             else:
-                received[c] = decode_reply(msg.content)
+                try:
+                    received[c] = decode_reply(msg.content, self.max_reply_bytes(sent.payloads[c]))
+                except Exception as e:  # noqa: BLE001 - no reply crashes the server
+                    failed[c] = f"update rejected: malformed reply: {e}"
+                    malformed += 1
         for c in sent.clients:
             if c not in received and c not in failed:
                 failed[c] = f"no reply within {self.round_timeout:g} s"
         for c, reason in sorted(failed.items()):
             log.warning("round %d: client %d excluded: %s", sent.number, c, reason)
-        return received, [{"client": c, "reason": r} for c, r in sorted(failed.items())]
+        return received, [{"client": c, "reason": r} for c, r in sorted(failed.items())], malformed
+
+    @staticmethod
+    def max_reply_bytes(payload: Payload) -> int:
+        """The most tensor bytes a reply to ``payload`` may hold before it is decoded: twice
+        what was sent, plus 1 MiB (masks, reports); anything larger is malformed."""
+        return 2 * (tensor_bytes(payload.arrays) + tensor_bytes(payload.model)) + (1 << 20)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         server_round += self.offset
         sent, self._round = self._round, None
         assert sent is not None and sent.number == server_round, "aggregate without configure"
-        received, failures = self._collect(sent, replies)
+        received, failures, malformed = self._collect(sent, replies)
         payloads = {c: sent.payloads[c] for c in received}
         result = self.inner.aggregate_train(server_round, sent.state, payloads, received)
         if result.skipped:
@@ -134,7 +148,7 @@ class FlowerAdapter(FlowerStrategy):
                         "state unchanged", server_round, len(result.used), self.cfg.federation.min_replies)
         new_state, server_metrics = self.method.on_round_end(
             server_round, result.state, {c: received[c] for c in result.used})
-        self._record(sent, received, failures, result, server_metrics)
+        self._record(sent, received, failures, result, server_metrics, malformed)
         metrics = {"num-replies": len(received), "num-failed": len(failures)}
         if self.records[-1]["train_loss"] is not None:
             metrics["train-loss"] = self.records[-1]["train_loss"]
@@ -143,16 +157,18 @@ class FlowerAdapter(FlowerStrategy):
     def skip_round(self, server_round: int, replies: Iterable[Message], reason: str) -> None:
         """Record a round that a wrapper (Flower's DP) did not aggregate: state unchanged."""
         sent, self._round = self._round, None
-        received, failures = self._collect(sent, replies)
+        received, failures, malformed = self._collect(sent, replies)
         log.warning("round %d skipped: %s", sent.number, reason)
         excluded = [{"client": c, "reason": reason} for c in sorted(received)]
-        self._record(sent, received, failures, RoundResult(sent.state, [], excluded, skipped=True), {})
+        self._record(sent, received, failures, RoundResult(sent.state, [], excluded, skipped=True),
+                     {}, malformed)
 
     def _record(self, sent: _Round, received: dict[int, Reply], failures: list[dict[str, Any]],
-                result: RoundResult, server_metrics: dict[str, Any]) -> None:
+                result: RoundResult, server_metrics: dict[str, Any], malformed: int = 0) -> None:
         record = {**round_record(sent.number, sent.clients, received, result), **server_metrics}
         record["excluded"] = sorted(failures + record["excluded"], key=lambda e: e["client"])
-        record["failed_nodes"] = len(failures)
+        record["rejected"] += malformed
+        record["failed_nodes"] = len(failures) - malformed
         record["round_time_s"] = time.perf_counter() - sent.started
         self.records.append(record)
 
@@ -200,8 +216,8 @@ class CentralDP(DifferentialPrivacyServerSideFixedClipping):
         names = list(self.current_arrays.keys())
         kept = []
         for m in replies:
-            record = m.content[ARRAYS]
-            if sorted(record.keys()) != sorted(names):
+            record = m.content.array_records.get(ARRAYS)
+            if record is None or sorted(record.keys()) != sorted(names):
                 self.adapter.dropped[m.metadata.message_id] = (
                     "update rejected: its tensors are not the global state's (DP clips whole updates)")
                 continue
