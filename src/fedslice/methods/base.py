@@ -133,6 +133,7 @@ class Method:
             hidden=self.dims["hidden"], ffn=self.dims["ffn"],
             num_heads=self.dims["num_heads"], tokens=result.tokens, seq_len=seq,
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
+            embedding_backward=measure.embeddings_train(model),
             examples=result.head_positions, head_linear_params=counts["head_total"],
             head_trainable_linear_params=counts["head_trainable"])
         return {
