@@ -133,3 +133,65 @@ def test_serverapp_ends_the_run_on_every_node(tiny_cfg_dict, tmp_path, flwr_home
     server_run(grid, _settings(path, tmp_path / "fl"))
     assert seen[-2:] == [END_RUN, END_RUN] and "files" in seen
     assert not (flwr_home / "fedslice-node-state" / "run-1").exists()
+
+
+class ChurnGrid(InProcessGrid):
+    """Nodes that die and come back: from round ``die`` on, messages to ``victims`` get no reply
+    and from the round after they are no longer connected; from round ``back`` on they are
+    connected again under new node ids (a restarted SuperNode), holding the same partitions."""
+
+    def __init__(self, nodes: dict, victims: list[int], die: int, back: int):
+        super().__init__(nodes)
+        self.victims, self.die, self.back, self.round = victims, die, back, 0
+        self.dead: set[int] = set()
+
+    def get_node_ids(self):
+        return [n for n in self.node_configs if n not in self.dead]
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        rounds = {int(m.metadata.group_id) for m in messages if m.metadata.message_type == "train"}
+        if rounds:
+            self.round = max(rounds)
+            if self.round == self.die:
+                self.dead |= set(self.victims)
+            if self.round == self.back - 1:  # restarted before the next round is configured
+                for v in self.victims:
+                    self.node_configs[v + 100] = dict(self.node_configs[v])
+        alive = [m for m in messages if m.metadata.dst_node_id not in self.dead]
+        ids = super().push_messages(alive)
+        for m in messages:
+            if m not in alive:
+                m.metadata.__dict__["_message_id"] = m.object_id
+                ids.append(m.object_id)
+        return ids
+
+
+def test_serverapp_under_node_churn(tiny_cfg_dict, tmp_path, flwr_home):
+    """The soak test's small version, in-process: 6 SuperNodes, 3 per round, 10 rounds; two die
+    in round 4 (no reply) and come back in round 7 under new node ids. Every round uses at least
+    min_replies replies, the lost replies are recorded, the dead nodes' partitions are not
+    selected while they are away and are trained again after, and the ServerApp's memory does not
+    grow after round 5 (bench/soak_flower.py runs 10 SuperNodes x 30 rounds on loopback)."""
+    from fedslice.flower.server_app import run as server_run
+    from fedslice.output import read_run
+
+    from test_flower import _settings
+
+    tiny_cfg_dict["federation"].update(num_clients=6, clients_per_round=3, rounds=10, min_replies=2,
+                                       local_steps=1)
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
+    grid = ChurnGrid(_nodes(6), victims=[101, 102], die=4, back=7)
+    run_dir = server_run(grid, _settings(path, tmp_path / "fl", **{"round-timeout": 1.0}))
+    _, metrics, summary = read_run(run_dir)
+    assert len(metrics) == 10 and summary["skipped_rounds"] == 0
+    for m in metrics:
+        assert sum(c["used"] for c in m["client_metrics"]) >= 2
+    lost = [e for e in metrics[3]["excluded"] if e["client"] in (1, 2)]
+    assert lost and all(e["reason"] == "no reply within 1 s" for e in lost)
+    assert metrics[3]["failed_nodes"] == len(lost)
+    for m in metrics[4:6]:
+        assert not {1, 2} & set(m["clients"])
+    assert {1, 2} & {c for m in metrics[6:] for c in m["clients"]}
+    rss = [m["server_rss_mb"] for m in metrics]
+    assert max(rss[4:]) <= 1.10 * rss[4], rss

@@ -338,6 +338,27 @@ class LocalFederation:
                 *(["--auth-supernode-private-key", str(key)] if key else [])]
         self.processes.append(start_process(f"supernode-{i}", argv, self.env, self.log_dir))
 
+    def kill_supernode(self, i: int) -> None:
+        """SIGKILL SuperNode ``i`` and every process below it (a machine that is gone: no
+        goodbye to the SuperLink); it stays in :attr:`processes`, dead."""
+        import psutil
+
+        for proc in self.processes:
+            if proc.name == f"supernode-{i}" and proc.alive():
+                for p in [*_descendants(proc.pid), psutil.Process(proc.pid)]:
+                    try:
+                        p.kill()
+                    except psutil.Error:
+                        pass
+                proc.popen.wait(STOP_TIMEOUT_S)
+
+    def start_supernode(self, i: int) -> None:
+        """(Re)start SuperNode ``i`` (without authentication); it joins with a new node id and
+        the ServerApp maps it to its partition before the next round."""
+        if self.auth:
+            raise DeploymentError("restarting an authenticated SuperNode is not supported here")
+        self._start_supernode(i, None)
+
     # -- the flwr CLI ------------------------------------------------------------------------
     def flwr(self, *args: str, timeout: float = CLI_TIMEOUT_S) -> str:
         """Run ``flwr ARGS`` against this federation; its stdout, or a DeploymentError."""

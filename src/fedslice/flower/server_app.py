@@ -160,6 +160,8 @@ def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float, lat
     """Flower's ``evaluate_fn``: the dev metrics after the rounds ``fedslice run`` evaluates, the
     round's finished record to metrics.jsonl (``latest``: its round and state appended), and a
     checkpoint every ``output.checkpoint_every`` rounds."""
+    import psutil
+
     from fedslice.checkpoint import capture, write_checkpoint
     from fedslice.fl.engine import finish_round
     from fedslice.flower.codec import record_to_state
@@ -172,6 +174,7 @@ def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float, lat
         state = record_to_state(arrays)
         finish_round(cfg, method, data, adapter.selector, server_round, state, record)
         record["elapsed_s"] = time.perf_counter() - t_start
+        record["server_rss_mb"] = psutil.Process().memory_info().rss / 2**20  # a leak shows here
         run_dir.append_metrics(record)
         latest[:] = [(server_round, state)]
         every = cfg.output.checkpoint_every
