@@ -612,7 +612,27 @@ class ExperimentConfig(_Section):
             if agg.rule != "mean" or agg.clip_norm is not None:
                 raise ValueError("dp.enabled: DP-FedAvg is the clipped mean (dp.clip_norm); "
                                  "aggregation.rule must be 'mean' without aggregation.clip_norm")
+            self._dp_accountable()
         return self
+
+    def _dp_accountable(self) -> None:
+        """What would make the reported epsilon wrong is refused, naming why (README, DP)."""
+        fed, method = self.federation, self.method
+        if fed.selection == "loss_gap":
+            probe = (" (and cold_start='probe' sends the server every client's loss)"
+                     if fed.cold_start == "probe" else "")
+            raise ValueError(
+                "dp.enabled with federation.selection='loss_gap': the accountant's epsilon assumes "
+                "every round samples clients_per_round of the clients uniformly at random; "
+                f"loss-gap selection picks them by the losses they report{probe}, which is neither "
+                "uniform nor private, so the epsilon would be wrong: use selection='uniform'")
+        if method.name == "fedpft" and method.kd in ("both", "during"):
+            raise ValueError(
+                f"dp.enabled with method.kd={method.kd!r}: neuron-level KD during FL re-distils "
+                "the neurons chosen by the clients' APoZ statistics of their data, which reach the "
+                "server without noise and outside the accountant, so epsilon would not cover "
+                "them: set method.kd = 'before' (layer-level KD on the server's corpus only) or "
+                "'none'")
 
     @property
     def run_name(self) -> str:

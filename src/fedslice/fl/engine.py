@@ -144,7 +144,7 @@ class Simulation:
         probe = self.cold_start_probe(state)
         clients = self.selector.select(server_round, self.candidates)
         faults = plan_faults(f, self.cfg.seed, server_round, clients)
-        payloads = strategy.configure_train(server_round, state, clients)
+        payloads = strategy.configure_train(server_round, state, clients, len(self.candidates))
         replies: dict[int, Reply] = {}
         with progress_display.task(f"round {server_round}: clients", len(clients)) as advance:
             for c in clients:

@@ -66,6 +66,7 @@ class Strategy:
     def __init__(self, fed: FederationConfig):
         self.fed = fed
         self.sent: list[int] = []  # clients of the round being trained
+        self.population: int | None = None  # clients they were sampled from
         #: client -> size of its partition, when the server knows it (num_examples is checked)
         self.client_sizes: dict[int, int] = {}
         self.rule = AggregationConfig()  # robust rules and clipping (set by the method)
@@ -85,9 +86,12 @@ class Strategy:
         """The payload of one client. Default: the whole trainable state (tensors shared, not copied)."""
         return Payload(arrays=dict(state), config={**config, "client": client})
 
-    def configure_train(self, server_round: int, state: State, clients: list[int]) -> dict[int, Payload]:
+    def configure_train(self, server_round: int, state: State, clients: list[int],
+                        population: int | None = None) -> dict[int, Payload]:
+        """One payload per client; ``population``: how many clients the selector sampled them
+        from (the DP accountant's sampling rate)."""
         config = self.train_config(server_round)
-        self.sent = list(clients)
+        self.sent, self.population = list(clients), population
         return {c: self.payload_for(server_round, state, c, config) for c in clients}
 
     def forget(self, client: int) -> None:
@@ -160,7 +164,8 @@ class Strategy:
         eta, rule = self.fed.server_lr, self.rule
         self.agg_metrics = {}
         if self.privacy is not None:
-            new, self.agg_metrics = self.privacy.aggregate(server_round, state, deltas, eta)
+            new, self.agg_metrics = self.privacy.aggregate(server_round, state, deltas, eta,
+                                                           self.population)
             return new
         if rule.clip_norm is not None:
             clipped = [clip_update(d, rule.clip_norm) for d in deltas]
