@@ -55,7 +55,8 @@ def config(method: str, rule: str, data_dir: Path, model_dir: Path, tmp: Path) -
         "model": {"name": str(model_dir)}, "lora": {"r": 4, "alpha": 8},
         "federation": {"num_clients": CLIENTS, "clients_per_round": CLIENTS, "rounds": 2,
                        "local_steps": 1, "batch_size": 8, "min_replies": 1},
-        "method": {"name": method, **method_options(method, tmp)},
+        "method": {"name": method, **method_options(method, tmp),
+                   **({"kd": "before"} if method == "fedpft" and rule == "dp" else {})},
         "aggregation": agg,
         "dp": {"enabled": True, "clip_norm": 0.5, "noise_multiplier": 1.0} if rule == "dp" else {},
         "output": {"dir": str(tmp / "runs"), "progress": False, "plots": False}}
@@ -166,7 +167,8 @@ def _heads(fn: Callable) -> Callable:
 
 
 def _fedpft(fn: Callable) -> Callable:
-    return lambda r, ctx, pick: fn(r, ctx, pick) if ctx.method == "fedpft" else None
+    """A case of FedPFT's APoZ report (rounds that ask for one; never under DP)."""
+    return lambda r, ctx, pick: fn(r, ctx, pick) if any(k.startswith("apoz.") for k in r.arrays) else None
 
 
 def _apoz_key(reply: Reply) -> str:
@@ -310,7 +312,7 @@ class FlowerHarness:
     as its round-1 replies (FedPFT's re-distillation after the round is left out: it is not
     what is tested, and it changes the method's model)."""
 
-    def __init__(self, f: Fitted):
+    def __init__(self, f: Fitted, dp: bool = False):
         from flwr.supercore.task_identity import TaskIdentity
 
         from fedslice.flower.discovery import PartitionMap
@@ -323,6 +325,11 @@ class FlowerHarness:
         f.method.on_round_end = lambda server_round, state, replies: (state, {})
         self.adapter = FlowerAdapter(f.method.cfg, f.method, f.data, parts, round_timeout=5.0)
         self.grid = _Grid(list(parts.nodes.values()))
+        self.dp = None
+        if dp:  # as the ServerApp runs DP: inside Flower's wrapper (flower/server_app._with_dp)
+            from fedslice.flower.strategy import CentralDP
+            p = f.method.strategy.privacy
+            self.dp = CentralDP(self.adapter, p.z, p.clip, p.n)
 
     def content(self, c: int):
         from fedslice.flower.codec import encode_reply
@@ -336,10 +343,18 @@ class FlowerHarness:
 
         self.f.reset()
         self.adapter.records.clear()
-        messages = self.adapter.configure_train(1, state_to_record(self.f.state), ConfigRecord(), self.grid)
+        outer = self.dp or self.adapter
+        privacy = self.f.method.strategy.privacy
+        if privacy is not None:
+            privacy.external_noise = self.dp is not None  # Flower adds the noise
+        messages = outer.configure_train(1, state_to_record(self.f.state), ConfigRecord(), self.grid)
         for m in messages:
             m.metadata.__dict__["_message_id"] = m.object_id  # as the SuperLink numbers them
         to = {m.metadata.dst_node_id: m for m in messages}
         replies = [Message(content, reply_to=to[100 + c]) for c, content in contents.items()]
-        arrays, _ = self.adapter.aggregate_train(1, replies)
+        try:
+            arrays, _ = outer.aggregate_train(1, replies)
+        finally:
+            if privacy is not None:
+                privacy.external_noise = False
         return record_to_state(arrays), self.adapter.records[-1]

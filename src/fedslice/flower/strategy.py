@@ -79,7 +79,8 @@ class FlowerAdapter(FlowerStrategy):
         self._round: _Round | None = None
         self.inner.client_sizes = {c: len(p) for c, p in enumerate(data.partitions)}
         self.offset = 0  # rounds done before this start (a resumed run): Flower counts from 1
-        self.dropped: dict[str, str] = {}  # message id -> why a wrapper dropped that reply
+        #: id of the message a reply answers -> why a wrapper (CentralDP) dropped that reply
+        self.dropped: dict[str, str] = {}
         #: under Flower's DP wrapper (dp.enabled): replies reach aggregate_train validated, as
         #: clipped updates of the global state (CentralDP, global_update)
         self.global_replies = cfg.dp.enabled
@@ -118,8 +119,8 @@ class FlowerAdapter(FlowerStrategy):
             c = by_id.get(msg.metadata.reply_to_message_id)
             if c is None or c in received or c in failed:
                 continue  # a stale reply of an earlier round, or a second one
-            if msg.metadata.message_id in self.dropped:
-                failed[c] = self.dropped.pop(msg.metadata.message_id)
+            if msg.metadata.reply_to_message_id in self.dropped:
+                failed[c] = self.dropped.pop(msg.metadata.reply_to_message_id)
                 malformed += failed[c].startswith("update rejected")
             elif msg.has_error():
                 failed[c] = f"node {sent.messages[c].metadata.dst_node_id} failed: {error_reason(msg)}"
@@ -189,7 +190,7 @@ class FlowerAdapter(FlowerStrategy):
         if reason is None:
             deltas, _ = self.inner.client_updates(sent.number, sent.state, {c: payload}, {c: reply})
             return deltas[0]
-        self.dropped[msg.metadata.message_id] = f"update rejected: {reason}"
+        self.dropped[msg.metadata.reply_to_message_id] = f"update rejected: {reason}"
         return None
 
     def _aggregate_global(self, server_round: int, state: State, received: dict[int, Reply]) -> RoundResult:
