@@ -77,6 +77,7 @@ def main() -> int:
     methods = sorted(METHODS)
     cells: dict[str, dict[str, dict[str, str]]] = {}
     for method in methods:
+        (tmp / method).mkdir()
         f = fit_round(method, "mean", data, model, tmp / method)
         flower = FlowerHarness(f)
         bad = f.clients[-1]
