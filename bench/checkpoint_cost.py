@@ -32,7 +32,7 @@ CONFIGS = {"fedavg": "fedavg_sst2.toml", "fedpetuning": "fedpetuning_sst2.toml",
 def measure(method: str, args) -> dict:
     from fedslice import checkpoint
     from fedslice.api import setup
-    from fedslice.config import load_config
+    from fedslice.experiment import load_config
     from fedslice.fl import engine
 
     overrides = [f"federation.rounds={args.rounds}", f"threads={args.threads}",

@@ -28,7 +28,7 @@ import torch
 
 from conftest import method_options
 from fedslice.api import setup
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
 from fedslice.fl.engine import Simulation
 from fedslice.fl.strategy import Payload, Reply
@@ -299,6 +299,13 @@ CONTENT_CASES: dict[str, Callable] = {
 # The ServerApp's side: FlowerAdapter over a round of message contents
 # --------------------------------------------------------------------------------------------
 
+def _privacy(f: Fitted):
+    """The DP accountant of a fitted method's strategy chain (None without DP)."""
+    from fedslice.fl.rules import DPFedAvg, find_rule
+    rule = find_rule(f.method.strategy, DPFedAvg)
+    return rule.privacy if rule is not None else None
+
+
 class _Grid:
     def __init__(self, nodes):
         self.nodes = nodes
@@ -328,7 +335,7 @@ class FlowerHarness:
         self.dp = None
         if dp:  # as the ServerApp runs DP: inside Flower's wrapper (flower/server_app._with_dp)
             from fedslice.flower.strategy import CentralDP
-            p = f.method.strategy.privacy
+            p = _privacy(f)
             self.dp = CentralDP(self.adapter, p.z, p.clip, p.n)
 
     def content(self, c: int):
@@ -344,7 +351,7 @@ class FlowerHarness:
         self.f.reset()
         self.adapter.records.clear()
         outer = self.dp or self.adapter
-        privacy = self.f.method.strategy.privacy
+        privacy = _privacy(self.f)
         if privacy is not None:
             privacy.external_noise = self.dp is not None  # Flower adds the noise
         messages = outer.configure_train(1, state_to_record(self.f.state), ConfigRecord(), self.grid)

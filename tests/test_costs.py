@@ -123,7 +123,7 @@ def test_engine_flops_match_the_analytic_count(tiny_cfg_dict, tmp_path):
     on this 2-layer model (the analytic count keeps the first layer's input-gradient of LoRA A and
     of the keys, which autograd skips under frozen embeddings: 2% here, 0.4% on MiniLM-L6)."""
     from fedslice.api import setup
-    from fedslice.config import validate_config
+    from fedslice.experiment import validate_config
     from fedslice.fl.engine import Simulation
 
     folder = tmp_path / "fixed"

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from fedslice.api import compare_experiments, run_experiment
 from fedslice.checkpoint import CHECKPOINT, read_checkpoint
 from fedslice.cli import main
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.errors import FedsliceError
 from fedslice.fl import engine
 from fedslice.fl.engine import Simulation

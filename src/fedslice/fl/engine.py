@@ -22,8 +22,11 @@ from fedslice.config import ExperimentConfig
 from fedslice.data import TokenizedSplit, partition_indices, partition_report
 from fedslice.errors import DataError
 from fedslice.fl.faults import corrupt, missed_deadline, plan_faults
+from fedslice.fl.runner import ClientRunner
 from fedslice.fl.selection import make_selector
-from fedslice.fl.strategy import Reply, RoundResult, State
+from fedslice.fl.strategy import Reply, RoundResult, State, host_state, on_host
+from fedslice.fl.workers import WorkerLost
+from fedslice.measure import ClientCost
 
 if TYPE_CHECKING:
     from fedslice.methods.base import Method
@@ -71,13 +74,24 @@ def client_seed(seed: int, server_round: int, client: int) -> int:
     return int(np.random.SeedSequence([seed, server_round, client]).generate_state(1)[0])
 
 
+def _rss_mb() -> float | None:
+    """This process's resident memory (MiB), recorded with every round."""
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except Exception:  # noqa: BLE001 - psutil missing or refused
+        return None
+
+
+def _max(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return max(vals) if vals else None
+
+
 def _mean(values: list[float]) -> float | None:
     vals = [v for v in values if v is not None and math.isfinite(v)]
     return float(np.mean(vals)) if vals else None
-
-
-def _max(values: list) -> float | None:
-    return max((v for v in values if v is not None), default=None)
 
 
 def round_record(server_round: int, clients: list[int], replies: dict[int, Reply],
@@ -95,11 +109,8 @@ def round_record(server_round: int, clients: list[int], replies: dict[int, Reply
         "skipped": result.skipped, "rejected": result.rejected,
         "train_loss": _mean([m["loss"] for m in used]),
         "examples_used": sum(m["num_examples"] for m in used),
-        **{f"{k}_mean": _mean([m.get(k) for m in used])
-           for k in ("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
-                     "trainable_params", "params_up")},
-        "peak_rss_mb_max": _max([m.get("peak_rss_mb") for m in used]),
-        "activation_mb_max": _max([m.get("activation_mb") for m in used]),
+        **{f"{k}_mean": _mean([m.get(k) for m in used]) for k in ClientCost.ROUND_MEANS},
+        **{f"{k}_max": _max(m.get(k) for m in used) for k in ClientCost.PEAKS},
         "client_metrics": client_metrics,
         **result.metrics,
     }
@@ -119,7 +130,7 @@ class Simulation:
                         len(empty), empty[:20])
         if not self.candidates:
             raise DataError("every client partition is empty: reduce federation.num_clients")
-        method.strategy.client_sizes = {c: len(p) for c, p in enumerate(data.partitions)}
+        self.runner = ClientRunner(method.compute)
         #: (round, global state) after the last finished round: what a failed run keeps
         self.latest: tuple[int, State] | None = None
 
@@ -146,16 +157,25 @@ class Simulation:
         faults = plan_faults(f, self.cfg.seed, server_round, clients)
         payloads = strategy.configure_train(server_round, state, clients, len(self.candidates))
         replies: dict[int, Reply] = {}
+        lost: dict[int, str] = {}
+        todo = [c for c in clients if c not in faults.dropped]
+        seeds = {c: client_seed(self.cfg.seed, server_round, c) for c in todo}
         with progress_display.task(f"round {server_round}: clients", len(clients)) as advance:
-            for c in clients:
-                if c not in faults.dropped:
-                    reply = method.fit(payloads[c], self.data.client(c),
-                                       client_seed(self.cfg.seed, server_round, c))
+            advance(len(clients) - len(todo))
+
+            def on_reply(c: int, reply: Reply | WorkerLost) -> None:
+                if isinstance(reply, WorkerLost):
+                    lost[c] = reply.reason
+                else:
+                    reply = on_host(reply)
                     if kind := faults.kind(c):
                         sent = strategy.expected_update(state, payloads[c], reply)
                         reply = corrupt(f, kind, reply, sent, self.cfg.seed, server_round, c)
                     replies[c] = reply
                 advance()
+
+            mode = self.runner.fit(method, todo, payloads, self.data.client, seeds, on_reply)
+        replies = {c: replies[c] for c in clients if c in replies}  # selection order, as they ran
         late = missed_deadline(f, faults)
         arrived = {c: r for c, r in replies.items() if c not in late}
         result = strategy.aggregate_train(server_round, state, payloads, arrived)
@@ -164,14 +184,18 @@ class Simulation:
                         "global state unchanged", server_round, len(result.used), self.cfg.federation.min_replies)
         new_state, server_metrics = method.on_round_end(server_round, result.state,
                                                         {c: replies[c] for c in result.used})
+        new_state = host_state(new_state)
         record = {**round_record(server_round, clients, replies, result), **server_metrics, **probe}
-        lost = [{"client": c, "reason": "dropped out (injected)"} for c in sorted(faults.dropped)]
-        lost += [{"client": c, "reason": f"reply {d:g} s after the round started, past the "
+        gone = [{"client": c, "reason": "dropped out (injected)"} for c in sorted(faults.dropped)]
+        gone += [{"client": c, "reason": f"{why}: dropped this round"} for c, why in sorted(lost.items())]
+        gone += [{"client": c, "reason": f"reply {d:g} s after the round started, past the "
                   f"{f.deadline_s:g} s deadline (injected straggler)"} for c, d in sorted(late.items())]
-        if lost:
-            record["excluded"] = sorted(record["excluded"] + lost, key=lambda e: e["client"])
-        record.update(dropped=len(faults.dropped), late=len(late), attackers=sorted(faults.attackers))
+        if gone:
+            record["excluded"] = sorted(record["excluded"] + gone, key=lambda e: e["client"])
+        record.update(dropped=len(faults.dropped) + len(lost), late=len(late),
+                      attackers=sorted(faults.attackers), client_mode=mode)
         record["round_time_s"] = time.perf_counter() - t0
+        record["process_rss_mb"] = _rss_mb()
         return new_state, record
 
     def run(self, on_round=None, progress=None, *, resume: Checkpoint | None = None,
@@ -184,7 +208,7 @@ class Simulation:
             records, first = list(resume.records), resume.round + 1
             t_start = time.perf_counter() - resume.elapsed_s
         else:
-            state, records, first = self.method.initial_state(), [], 1
+            state, records, first = host_state(self.method.initial_state()), [], 1
             t_start = time.perf_counter()
         if resume is not None:
             self.latest = (resume.round, state)
@@ -250,11 +274,8 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
         f"final_dev_{primary}": records[-1].get(key) if records else None,
         "rounds": len(records), "target_accuracy": target,
         "rounds_to_target": reached[0] if reached else None,
-        **{f"{k}_mean": _mean([m.get(k) for m in per_client])
-           for k in ("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
-                     "trainable_params", "params_up", "train_time_s")},
-        "peak_rss_mb_max": _max([m.get("peak_rss_mb") for m in per_client]),
-        "activation_mb_max": _max([m.get("activation_mb") for m in per_client]),
+        **{f"{k}_mean": _mean([m.get(k) for m in per_client]) for k in ClientCost.SUMMARY_MEANS},
+        **{f"{k}_max": _max(m.get(k) for m in per_client) for k in ClientCost.PEAKS},
         "excluded_replies": sum(len(r["excluded"]) for r in records),
         "rejected_replies": sum(r.get("rejected", 0) for r in records),
         "examples_used": sum(r.get("examples_used", 0) for r in records),

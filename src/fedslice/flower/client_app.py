@@ -59,7 +59,7 @@ DEFAULT_MAX_RUNS = 3
 def _setup(experiment: dict[str, Any]):
     """``(cfg, method, data)`` for an experiment config dict, kept for the next message."""
     from fedslice.api import setup
-    from fedslice.config import validate_config
+    from fedslice.experiment import validate_config
 
     key = json.dumps(experiment, sort_keys=True)
     if _CACHE.get("key") != key:

@@ -80,7 +80,7 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
     kept and named in the error after a failed one). ``resume``: the staging folder of a run
     that failed or was stopped, continued from its checkpoint (the config must be the run's).
     """
-    from fedslice.config import load_config
+    from fedslice.experiment import load_config
     from fedslice.flower.local import LocalFederation
 
     overrides = list(overrides or [])

@@ -32,6 +32,7 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 from fedslice.config import ExperimentConfig
 from fedslice.fl.engine import FederatedData, round_record
 from fedslice.errors import ConfigError
+from fedslice.fl.rules import DPFedAvg, find_rule
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Payload, Reply, RoundResult, State
 from fedslice.fl.strategy import Strategy as FedsliceStrategy
@@ -77,7 +78,6 @@ class FlowerAdapter(FlowerStrategy):
         self.experiment = cfg.model_dump(mode="json")
         self.records: list[dict[str, Any]] = []
         self._round: _Round | None = None
-        self.inner.client_sizes = {c: len(p) for c, p in enumerate(data.partitions)}
         self.offset = 0  # rounds done before this start (a resumed run): Flower counts from 1
         #: id of the message a reply answers -> why a wrapper (CentralDP) dropped that reply
         self.dropped: dict[str, str] = {}
@@ -203,9 +203,9 @@ class FlowerAdapter(FlowerStrategy):
         if len(clients) < self.inner.min_valid():
             return RoundResult(state, clients, [], skipped=True)
         deltas = [client_delta(state, received[c].arrays) for c in clients]
-        new, metrics = self.inner.privacy.aggregate(server_round, state, deltas,
-                                                    self.cfg.federation.server_lr,
-                                                    self.inner.population)
+        privacy = find_rule(self.inner, DPFedAvg).privacy
+        new, metrics = privacy.aggregate(server_round, state, deltas, self.cfg.federation.server_lr,
+                                         self.inner.population)
         return RoundResult(new, clients, [], metrics=metrics)
 
     def skip_round(self, server_round: int, replies: Iterable[Message], reason: str) -> None:

@@ -7,16 +7,26 @@ payload, and is counted in the bytes sent). A method whose clients train a small
 full one (``client_model_from_server``: fedpft, fedot) is built in the client role from the
 model's config only, never its weights: the server sends that smaller model's tensors in a
 client's first payload. Methods differ by
-composition: which tensors are trainable (``prepare_model``), what each client receives
-(``Strategy.payload_for``), which model a client trains (``client_model``) and how replies are
-combined (``Strategy.aggregate``). The default is FedAvg over the trainable tensors of one shared
-model: a client's state is loaded into it in place (no copy of the model per client).
+composition: which tensors are trainable (the adapter, ``prepare_model``), what each client
+receives (``Strategy.payload_for``), which model a client trains (``client_model``) and how
+replies are weighted (``Strategy.client_updates``); the aggregation rules of the config wrap the
+method's strategy (:func:`fedslice.fl.rules.wrap_rules`). The default is FedAvg over the
+trainable tensors of one shared model: a client's state is loaded into it in place (no copy of
+the model per client).
+
+A method is a plug-in: its module defines its options class (a
+:class:`~fedslice.config.MethodOptions`) and registers both
+(:func:`fedslice.registry.register_method`); what it does is declared as class attributes the
+library asks (``sends_slices``, ``adapters``, ``default_adapter``, ``client_model_from_server``,
+``needs_simple_encoder``), its config checks in :meth:`Method.check_config`, its plots in
+:meth:`Method.plots`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn as nn
@@ -26,11 +36,14 @@ from fedslice.errors import ConfigError
 from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.data.partition import sample_rows
 from fedslice import measure
+from fedslice.compute import Compute
 from fedslice.fl.client import LocalResult, train_local
-from fedslice.fl.privacy import Privacy
+from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.measure import ClientCost
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
+from fedslice.peft import Adapter, make_adapter
 from fedslice.tasks import Task
 from fedslice.tasks.base import batch_examples
 
@@ -38,8 +51,23 @@ from fedslice.tasks.base import batch_examples
 Role = Literal["both", "client"]
 
 
+def _legacy_adapter(value: str) -> str:
+    """A legacy 'lora' | 'full' option as an adapter name."""
+    return "none" if value == "full" else value
+
+
 class Method:
     name = "base"
+
+    #: True: a client sends slices of the trainable state (sub-models, pruned heads), so an
+    #: element is held by some clients only; rules that need whole vectors refuse the method
+    sends_slices: ClassVar[bool] = False
+
+    #: the adapters (``peft.method``) the method can train (None: every registered one)
+    adapters: ClassVar[tuple[str, ...] | None] = None
+
+    #: the adapter when ``peft.method`` is not set
+    default_adapter: ClassVar[str] = "lora"
 
     #: True: the method reshapes the model (slices heads/neurons, drops layers) and so far handles
     #: single-stack encoders with separate q/k/v and a classification head only
@@ -50,6 +78,23 @@ class Method:
     #: read) and materializes only that smaller model
     client_model_from_server = False
 
+    #: True: ``fit`` depends only on (payload, data, seed) and leaves nothing in this object
+    #: that the server or a later client reads, so a round's clients may train in forked worker
+    #: processes (``compute.workers``)
+    parallel_clients = True
+
+    #: True: ``fit_batched`` trains clients of the same shapes together in one batched pass
+    #: (``compute.batched_clients``); False: they train one after another
+    batched_clients = False
+
+    @classmethod
+    def client_statistics(cls, cfg: ExperimentConfig) -> str | None:
+        """What a client sends the server under ``cfg`` besides its update, its example count and
+        its costs, that steers the server's work (e.g. FedPFT's APoZ reports), named with the
+        option that asks for it and how to turn it off; None when nothing. DP-FedAvg refuses a config that has some:
+        it would reach the server without noise and outside the accountant."""
+        return None
+
     @classmethod
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:
         """A ConfigError, before any weight is loaded, when the method cannot run this pair."""
@@ -59,30 +104,83 @@ class Method:
                 f"distilbert, vit); it does not run on a {arch.model_type} {task.kind} model yet: "
                 f"use fedavg or fedpetuning")
 
+    #: an option of the method that chose between LoRA and full fine-tuning before ``[peft]``
+    #: existed (raffm's ``tuning``, fedot's ``adapter_tuning``: 'lora' or 'full' = 'none')
+    legacy_adapter_option: ClassVar[str | None] = None
+
+    @classmethod
+    def adapter_name(cls, cfg: ExperimentConfig) -> str:
+        """The adapter this config trains: ``peft.method``, else the legacy option, else the
+        method's default."""
+        if cfg.peft.method is not None:
+            return cfg.peft.method
+        if cls.legacy_adapter_option is not None:
+            return _legacy_adapter(getattr(cfg.method, cls.legacy_adapter_option))
+        return cls.default_adapter
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        """A ValueError, naming the fields, when the method cannot run this config (called when
+        the config is validated; model-dependent checks come in :meth:`check_supported`).
+        Default: the adapter is one the method trains, and ``peft.method`` does not contradict
+        the legacy option when both are given."""
+        name = cls.adapter_name(cfg)
+        if cls.adapters is not None and name not in cls.adapters:
+            raise ValueError(f"peft.method={name!r}: method {cfg.method.name} trains "
+                             f"{' or '.join(repr(a) for a in cls.adapters)}")
+        option = cls.legacy_adapter_option
+        if option and cfg.peft.method is not None and option in cfg.method.model_fields_set:
+            value = getattr(cfg.method, option)
+            if _legacy_adapter(value) != cfg.peft.method:
+                raise ValueError(f"peft.method={cfg.peft.method!r} contradicts method.{option}="
+                                 f"{value!r} (its older spelling; 'full' is 'none'): set one")
+
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both"):
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None,
+                 compute: Compute | None = None):
+        """``client_sizes``: client -> size of its partition, when the server knows it (replies
+        are checked against it); ``compute``: the device, precision and client concurrency
+        (default: the config's ``[compute]``)."""
         if role not in ("both", "client"):
             raise ValueError(f"role must be 'both' or 'client', got {role!r}")
         self.cfg, self.role, self.task = cfg, role, task
+        self.client_sizes = dict(client_sizes or {})
+        self.compute = compute or Compute.from_config(cfg.compute, cfg.federation.clients_per_round)
         self.arch: ArchSpec = loaded.arch
         self.dims = loaded.arch.dims(loaded.model.config)
+        self.adapter: Adapter = make_adapter(cfg, type(self).adapter_name(cfg), self.arch)
+        if self.compute.device.type != "cpu" and not _on_meta(loaded.model):
+            loaded.model.to(self.compute.device)
         self.model = self.prepare_model(loaded.model)
-        self.strategy = self.make_strategy()
-        self.strategy.rule = cfg.aggregation
-        if cfg.dp.enabled and role != "client":
-            fed = cfg.federation
-            self.strategy.privacy = Privacy(cfg.dp, fed.clients_per_round, fed.num_clients,
-                                            fed.rounds, cfg.seed)
+        self._apply_compute_options()
+        #: the method's own strategy, inside the aggregation rules of the config
+        self.strategy = wrap_rules(self.make_strategy(), cfg, role)
+
+    @property
+    def own_strategy(self) -> Strategy:
+        """The method's own strategy (its payloads, weighting, server state) under the rules."""
+        return unwrap(self.strategy)
+
+    def _apply_compute_options(self) -> None:
+        """``compute.gradient_checkpointing`` and ``compute.compile`` on the model clients train."""
+        c = self.compute
+        if c.gradient_checkpointing:
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            if not getattr(base, "supports_gradient_checkpointing", False):
+                raise ConfigError(f"compute.gradient_checkpointing: {type(base).__name__} does not "
+                                  "support gradient checkpointing")
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if c.compile:
+            self.model.compile()  # in place: parameter names are unchanged; compiled at first use
 
     # -- construction hooks ------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Set which parameters train (and wrap with adapters). Default: every parameter."""
-        for p in model.parameters():
-            p.requires_grad_(True)
-        return model
+        """Set which parameters train: the adapter's (LoRA's; ``none``: every parameter)."""
+        return self.adapter.apply(model)
 
     def make_strategy(self) -> Strategy:
-        return Strategy(self.cfg.federation)
+        """The method's own strategy (its payloads and weighting), before the rules wrap it."""
+        return Strategy(self.cfg.federation, self.client_sizes)
 
     # -- state -------------------------------------------------------------------------------
     def trainable(self, model: nn.Module | None = None) -> dict[str, nn.Parameter]:
@@ -90,8 +188,9 @@ class Method:
         return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
     def initial_state(self) -> State:
-        """The global trainable state the server starts from (a copy, detached from the model)."""
-        return {n: p.detach().clone() for n, p in self.trainable().items()}
+        """The global trainable state the server starts from (a copy, detached from the model,
+        in host memory)."""
+        return {n: p.detach().cpu().clone() for n, p in self.trainable().items()}
 
     @staticmethod
     @torch.no_grad()
@@ -118,10 +217,49 @@ class Method:
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of one client: returns the trained tensors and measured costs."""
         model, params = self.client_model(payload)
-        result = train_local(model, params, data, payload.config, seed, loss_fn=self.task.loss)
+        result = train_local(model, params, data, payload.config, seed, loss_fn=self.task.loss,
+                             compute=self.compute)
         arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
         metrics = self.client_metrics(model, params, payload, arrays, result)
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
+
+    def batch_key(self, payload: Payload):
+        """Clients whose payloads have equal keys train the same tensors of the same model and
+        may share one batched pass; None: this client trains alone. Default: every client trains
+        the one shared model (when the method declares ``batched_clients``)."""
+        return "model" if self.batched_clients else None
+
+    def fit_batched(self, jobs: list[tuple[int, Payload, TokenizedSplit, int]], compute: Compute,
+                    on_reply) -> None:
+        """Train ``jobs`` (client, payload, data, seed) and call ``on_reply(client, reply)`` for
+        each. Clients with the same :meth:`batch_key` go through
+        :func:`fedslice.fl.batched.train_batched` together (at most ``compute.max_batched`` at a
+        time); the others, and groups whose tensors cannot stack, train one after another."""
+        from fedslice.fl.batched import can_stack, train_batched
+
+        groups: dict = {}
+        for job in jobs:
+            key = self.batch_key(job[1])
+            groups.setdefault(("alone", job[0]) if key is None else ("key", key), []).append(job)
+        size = compute.max_batched or len(jobs)
+        for group in groups.values():
+            model, params = self.client_model(group[0][1])
+            names = [n for n in params if n in group[0][1].arrays]
+            if len(group) == 1 or not can_stack(model, names, self.adapter):
+                for c, payload, data, seed in group:
+                    on_reply(c, self.fit(payload, data, seed))
+                continue
+            for lo in range(0, len(group), size):
+                chunk = group[lo:lo + size]
+                results = train_batched(model, names, [p.arrays for _, p, _, _ in chunk],
+                                        [d for _, _, d, _ in chunk], chunk[0][1].config,
+                                        [s for _, _, _, s in chunk], self.task.client_losses,
+                                        self.adapter, compute)
+                for (c, payload, data, _), (tensors, result) in zip(chunk, results):
+                    arrays = {n: t.clone() for n, t in tensors.items()}
+                    metrics = self.client_metrics(model, tensors, payload, arrays, result)
+                    metrics["batched_clients"] = len(chunk)
+                    on_reply(c, Reply(arrays=arrays, num_examples=len(data), metrics=metrics))
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
@@ -136,18 +274,20 @@ class Method:
             embedding_backward=measure.embeddings_train(model),
             examples=result.head_positions, head_linear_params=counts["head_total"],
             head_trainable_linear_params=counts["head_trainable"])
-        return {
-            "loss": result.loss, "steps": result.steps, "examples_trained": result.examples,
-            "tokens": result.tokens, "flops_measured": result.flops_measured,
-            "flops_analytic": analytic["total"],
-            "bytes_down": measure.tensor_bytes(payload.arrays) + measure.tensor_bytes(payload.model),
-            "bytes_up": measure.tensor_bytes(arrays),
-            "params_down": measure.num_params(payload.arrays) + measure.num_params(payload.model),
-            "params_up": measure.num_params(arrays),
-            "trainable_params": sum(p.numel() for p in params.values()),
-            "peak_rss_mb": result.peak_rss_mb, "activation_mb": result.activation_mb,
-            "train_time_s": result.time_s,
-        }
+        mb = measure.module_bytes(model) / 2**20
+        cost = ClientCost(
+            bytes_down=measure.tensor_bytes(payload.arrays) + measure.tensor_bytes(payload.model),
+            bytes_up=measure.tensor_bytes(arrays),
+            params_down=measure.num_params(payload.arrays) + measure.num_params(payload.model),
+            params_up=measure.num_params(arrays),
+            trainable_params=sum(p.numel() for p in params.values()),
+            flops_measured=result.flops_measured, flops_analytic=analytic["total"],
+            examples=result.examples, tokens=result.tokens, peak_rss_mb=result.peak_rss_mb,
+            activation_mb=result.activation_mb, train_time_s=result.time_s,
+            # what the client's device holds at its peak: the model it trains, saved activations,
+            # gradients and AdamW state (deterministic; RSS deltas are not, see measure.py)
+            model_mb=mb, memory_mb=mb + result.activation_mb, gpu_peak_mb=result.gpu_peak_mb)
+        return {"loss": result.loss, "steps": result.steps, **cost.to_metrics()}
 
     # -- server evaluation -------------------------------------------------------------------
     def eval_model(self, state: State) -> nn.Module:
@@ -159,7 +299,9 @@ class Method:
                  max_generations: int | None = None) -> dict[str, Any]:
         """The task's metrics of the global model (generation tasks: BLEU/ROUGE on at most
         ``max_generations`` prompts)."""
-        return self.task.evaluate(self.eval_model(state), data, batch_size, max_generations)
+        model = self.eval_model(state)
+        with self.compute.autocast():
+            return self.task.evaluate(model, data, batch_size, max_generations)
 
     @torch.no_grad()
     def probe_loss(self, state: State, data: TokenizedSplit, max_examples: int,
@@ -206,3 +348,16 @@ class Method:
 
     def write_artifacts(self, folder: Path) -> None:
         """Write method-specific files (curves, plots) into the run folder. Default: none."""
+
+    @classmethod
+    def plots(cls, run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]],
+              summary: dict[str, Any], title: str) -> list[Path]:
+        """The method's own plots, from a finished run folder's files (``fedslice report``
+        regenerates them, :func:`fedslice.report.plot_run`); returns the paths written.
+        Default: none."""
+        return []
+
+
+def _on_meta(model: nn.Module) -> bool:
+    """A model built on the meta device (a Flower client's, before its first payload)."""
+    return any(p.is_meta for p in model.parameters())
