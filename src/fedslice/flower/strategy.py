@@ -4,14 +4,16 @@
 partitions whose SuperNode is connected, asks our strategy for one payload per client and wraps
 each in a Message to that client's node. ``aggregate_train`` maps replies back to client ids
 (replies of failed nodes are Flower errors, missing ones never came back within the round's
-timeout), then calls our strategy's ``aggregate_train``: the same pure function, on the same
-inputs in the same order as ``fedslice run``, hence the same global weights.
+timeout; a reply that does not decode is rejected and counted, never raised), then calls our
+strategy's ``aggregate_train``: the same pure function, on the same inputs in the same order as
+``fedslice run``, hence the same global weights.
 
 Evaluation is central (the ServerApp evaluates on dev), so ``configure_evaluate`` sends nothing.
 
 With ``dp.enabled`` the adapter runs inside Flower's own central-DP wrapper
-(:class:`CentralDP`, a ``DifferentialPrivacyServerSideFixedClipping``): Flower clips every
-reply and adds the Gaussian noise; our strategy takes the fixed-denominator mean and accounts.
+(:class:`CentralDP`, a ``DifferentialPrivacyServerSideFixedClipping``): each reply, validated and
+turned into the method's update of the global state, is clipped by Flower, our strategy takes the
+fixed-denominator mean and accounts, and Flower adds the Gaussian noise.
 """
 
 from __future__ import annotations
