@@ -54,7 +54,7 @@ def main(grid: Grid, context: Context) -> None:
 def run(grid: Grid, settings: RunSettings) -> Path:
     """Load the experiment, find the SuperNodes, train, write the run folder; return its path.
     With ``settings.resume`` (run config ``resume``), continue that run from its checkpoint."""
-    from fedslice.api import _run_name, keep_failed_run, save_results, setup
+    from fedslice.api import _run_name, keep_failed_run, save_results, setup, start_run_folder
     from fedslice.checkpoint import check_same_config, find_resumable, read_checkpoint, restore
     from fedslice.experiment import load_config
     from fedslice.fl.engine import finalize
@@ -62,6 +62,7 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     from fedslice.flower.discovery import PartitionMap
     from fedslice.flower.strategy import FlowerAdapter
     from fedslice.output import RunDir
+    from fedslice.trackers import Trackers
 
     cfg = load_config(settings.config, settings.overrides)
     out = Path(settings.out_dir) if settings.out_dir else \
@@ -87,32 +88,36 @@ def run(grid: Grid, settings: RunSettings) -> Path:
             method.strategy.forget(c)
         log.warning("resuming %s after round %d of %d", staging, ckpt.round, cfg.federation.rounds)
     latest: list[tuple[int, dict]] = [] if ckpt is None else [(ckpt.round, state)]
-    with run_dir, _ending_run(grid):  # kept on a failure after a round, else removed
-        try:
-            if ckpt is None:
-                run_dir.write_config(cfg.model_dump(mode="json"))
-                run_dir.write_json("partition.json", {k: v for k, v in data.report.items()
-                                                      if k != "label_histograms"})
-                if data.label_map():
-                    run_dir.write_json("labels.json", data.label_map())
-            evaluate = _central_evaluation(cfg, method, data, adapter, run_dir, t_start, latest)
-            result = _with_dp(cfg, method, adapter).start(grid, state_to_record(state),
-                                   num_rounds=cfg.federation.rounds - adapter.offset,
-                                   timeout=settings.round_timeout, evaluate_fn=evaluate)
-            state = record_to_state(result.arrays)
-            summary = finalize(cfg, method, data, state, adapter.records, t_start)
-            summary["engine"] = "flower"
-            summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in adapter.records)
-            save_results(run_dir, cfg, method, state, summary)
-        except BaseException as e:
-            if run_dir.trained:
-                keep_failed_run(run_dir, method, latest[-1] if latest else None, e,
-                                resume_command(settings, run_dir.staging_path))
-            raise
+    trackers = Trackers(cfg, run_dir.staging_path, _run_name(cfg))
+    try:
+        with run_dir, _ending_run(grid):  # kept on a failure after a round, else removed
+            try:
+                if ckpt is None:
+                    start_run_folder(run_dir, cfg, method, data)
+                evaluate = _central_evaluation(cfg, method, data, adapter, run_dir, t_start,
+                                               latest, trackers)
+                result = _with_dp(cfg, method, adapter).start(
+                    grid, state_to_record(state), num_rounds=cfg.federation.rounds - adapter.offset,
+                    timeout=settings.round_timeout, evaluate_fn=evaluate)
+                state = record_to_state(result.arrays)
+                summary = finalize(cfg, method, data, state, adapter.records, t_start)
+                summary["engine"] = "flower"
+                summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in adapter.records)
+                save_results(run_dir, cfg, method, state, summary)
+                trackers.finish(summary)
+            except BaseException as e:
+                if run_dir.trained:
+                    keep_failed_run(run_dir, method, latest[-1] if latest else None, e,
+                                    resume_command(settings, run_dir.staging_path))
+                raise
+    finally:
+        trackers.finish(None)  # failed: closes them (no-op when finished)
     path = run_dir.final_path
     if cfg.output.plots:
+        from fedslice.html_report import write_run_report
         from fedslice.report import plot_run
         plot_run(path)
+        write_run_report(path)
     if settings.result_file:
         settings.result_file.write_text(str(path) + "\n")
     return path
@@ -159,7 +164,8 @@ def _with_dp(cfg, method, adapter):
     return CentralDP(adapter, privacy.z, privacy.clip, privacy.n)
 
 
-def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float, latest: list):
+def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float, latest: list,
+                        trackers=None):
     """Flower's ``evaluate_fn``: the dev metrics after the rounds ``fedslice run`` evaluates, the
     round's finished record to metrics.jsonl (``latest``: its round and state appended), and a
     checkpoint every ``output.checkpoint_every`` rounds."""
@@ -180,6 +186,8 @@ def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float, lat
         record["server_rss_mb"] = psutil.Process().memory_info().rss / 2**20  # a leak shows here
         run_dir.append_metrics(record)
         latest[:] = [(server_round, state)]
+        if trackers is not None:
+            trackers.round(record)
         every = cfg.output.checkpoint_every
         if every and server_round % every == 0:
             write_checkpoint(run_dir.path, capture(server_round, cfg.model_dump(mode="json"), method,
