@@ -116,6 +116,14 @@ def test_without_checkpoints_a_failed_run_keeps_metrics_and_weights_and_says_it_
     assert {"config.json", "metrics.jsonl", LATEST_WEIGHTS} <= set(os.listdir(staging))
     assert not (staging / CHECKPOINT).exists()
     assert "cannot be resumed" in err.value.__notes__[0]
+    # what it kept is usable: `fedslice export --allow-partial` exports the round-1 weights
+    from fedslice.export import read_run
+    kept = read_run(staging, allow_partial=True)
+    assert kept.partial.startswith("latest weights after round 1 of 2")
+    assert _same(kept.state, load_file(str(staging / LATEST_WEIGHTS)))
+    (staging / LATEST_WEIGHTS).unlink()
+    with pytest.raises(FedsliceError, match="neither a checkpoint .* nor the latest weights"):
+        read_run(staging, allow_partial=True)
 
 
 def test_compare_keeps_the_runs_that_ended_and_names_the_failed_one(tiny_cfg_dict, tmp_path,

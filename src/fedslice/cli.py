@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--size", type=float, help="raffm: the elastic sub-model at this FLOPs "
                      "fraction (one of method.elastic_sizes), as a smaller checkpoint")
     exp.add_argument("--allow-partial", action="store_true",
-                     help="export an unfinished run from its latest checkpoint")
+                     help="export an unfinished run from its latest checkpoint (or the "
+                          "latest weights a failed run kept)")
 
     pred = sub.add_parser("predict", parents=common,
                           help="predictions of a run's trained model for a CSV/TSV/JSONL file")
