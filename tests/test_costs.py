@@ -90,9 +90,12 @@ def test_measure_step_flops_linear_is_6NB():
     assert abs(flops - expected) / expected < 0.01
 
 
-def test_measure_step_flops_bert_matches_analytic():
+@pytest.mark.parametrize("batch, seq", [(4, 16), (2, 32), (8, 8)])
+def test_measure_step_flops_bert_matches_analytic(batch, seq):
+    """Full fine-tuning on equal-length sequences: the analytic count is exact (every matmul of
+    forward and backward, the pooler and classifier once per example), so the measured FLOPs
+    equal it, far inside the 2.5% the benchmarks report on real models."""
     cfg, model = _tiny_bert()
-    batch, seq = 4, 16
     flops = measure_step_flops(model, _bert_batch(batch, seq))
     counts = linear_param_counts(model)
     per_layer = 4 * cfg.hidden_size**2 + 2 * cfg.hidden_size * cfg.intermediate_size
@@ -107,9 +110,39 @@ def test_measure_step_flops_bert_matches_analytic():
         trainable_linear_params=counts["trainable"],
         total_linear_params=counts["total"],
         embedding_backward=True,
+        examples=batch,
+        head_linear_params=counts["head_total"],
+        head_trainable_linear_params=counts["head_trainable"],
     )
     assert analytic["total"] == pytest.approx(analytic["forward"] + analytic["backward"])
-    assert abs(flops - analytic["total"]) / analytic["total"] < 0.15
+    assert flops == pytest.approx(analytic["total"], rel=1e-9)
+
+
+def test_engine_flops_match_the_analytic_count(tiny_cfg_dict, tmp_path):
+    """Through the engine, on sentences of one length (the first step's count extrapolates
+    exactly): full fine-tuning's measured FLOPs equal the analytic count; LoRA's are within 3%
+    on this 2-layer model (the analytic count keeps the first layer's input-gradient of LoRA A and
+    of the keys, which autograd skips under frozen embeddings: 2% here, 0.4% on MiniLM-L6)."""
+    from fedslice.api import setup
+    from fedslice.experiment import validate_config
+    from fedslice.fl.engine import Simulation
+
+    folder = tmp_path / "fixed"
+    folder.mkdir()
+    words = ["good", "bad", "film", "movie", "story", "plot", "great", "dull"]
+    for split, n in (("train", 64), ("dev", 8), ("test", 8)):
+        rows = [f"the {words[i % 8]} was really {words[(i * 3) % 8]}\t{i % 2}" for i in range(n)]
+        (folder / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    tiny_cfg_dict["data"]["path"] = str(folder)
+    tiny_cfg_dict["federation"]["rounds"] = 1
+    for method, tolerance in (("fedavg", 1e-9), ("fedpetuning", 0.03)):
+        tiny_cfg_dict["method"] = {"name": method}
+        cfg = validate_config(tiny_cfg_dict)
+        m, data = setup(cfg)
+        assert len(set(data.train.lengths.tolist())) == 1
+        _, records, _ = Simulation(cfg, m, data).run()
+        for c in records[0]["client_metrics"]:
+            assert c["flops_measured"] == pytest.approx(c["flops_analytic"], rel=tolerance), method
 
 
 def test_analytic_full_vs_frozen():

@@ -669,6 +669,31 @@ def test_token_cache_tells_carved_splits_apart(tokenizer):
     assert cache.misses == 3 and toks[2].labels.tolist() == [1, 0]
 
 
+def test_sst2_hub_fallback_carves_dev_off_train_and_says_so(monkeypatch, tmp_path, caplog):
+    """No local sst2 folder: GLUE's validation split is the test split (its test has no labels)
+    and dev is carved off train, never the test rows again."""
+    import datasets
+
+    from fedslice.config import DataConfig
+    from fedslice.data import loading
+
+    def fake(name, subset, split):
+        n = {"train": 50, "validation": 10}[split]
+        return datasets.Dataset.from_dict({"sentence": [f"{split} {i}" for i in range(n)],
+                                           "label": [i % 2 for i in range(n)]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    monkeypatch.setattr(loading, "data_search_dirs", lambda: [tmp_path])
+    with caplog.at_level("INFO"):
+        tables = loading.load_tables(DataConfig(path="sst2"), seed=0)
+    sentences = {s: set(t.column("sentence", "x")) for s, t in tables.items()}
+    assert sentences["test"] == {f"validation {i}" for i in range(10)}
+    assert sentences["dev"] and all(x.startswith("train") for x in sentences["dev"])
+    assert not sentences["dev"] & sentences["train"] and len(sentences["train"] | sentences["dev"]) == 50
+    assert "glue/sst2" in caplog.text and "validation split as test" in caplog.text
+    assert "carved dev" in caplog.text
+
+
 # --- issue 25, part 6: the default text column --------------------------------------------------
 
 def test_default_text_column_fits_the_data(tmp_path, caplog):

@@ -44,7 +44,8 @@ def test_training_changes_only_trainable_state_and_costs_are_sizes(tiny_cfg_dict
             assert m["bytes_down"] == expected == m["bytes_up"]
             assert m["params_up"] == sum(t.numel() for t in state.values())
             assert m["flops_measured"] > 0 and m["flops_analytic"] > 0
-            assert 0.5 < m["flops_measured"] / m["flops_analytic"] < 2.0
+            # LoRA on sentences of several lengths: test_costs.py bounds both approximations
+            assert m["flops_measured"] == pytest.approx(m["flops_analytic"], rel=0.03)
     assert summary["rounds"] == 2 and 0 <= summary["test_accuracy"] <= 1
     assert records[0]["dev_accuracy"] is not None
 

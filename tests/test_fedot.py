@@ -70,7 +70,7 @@ def test_end_to_end_adapter_only_and_emulator_frozen(ot_cfg):
     mid_before = {n: p.clone() for n, p in arch.blocks(method.model)[2].named_parameters()}
     sent = []
     real = method.strategy.configure_train
-    method.strategy.configure_train = lambda r, s, c: sent.append(real(r, s, c)) or sent[-1]
+    method.strategy.configure_train = lambda *a: sent.append(real(*a)) or sent[-1]
     state, records, summary = Simulation(cfg, method, data).run()
     # payloads use the sub-model's names: the top adapter layer 3 is layer 2 of the client model
     keys = {k for p in sent[0].values() for k in p.arrays if not k.startswith("emulator.")}

@@ -207,8 +207,8 @@ def _run(cfg_dict, capture=None):
     if capture is not None:
         real = method.strategy.configure_train
 
-        def configure(rnd, state, clients):
-            payloads = real(rnd, state, clients)
+        def configure(rnd, state, clients, population=None):
+            payloads = real(rnd, state, clients, population)
             capture.append((rnd, payloads))
             return payloads
         method.strategy.configure_train = configure

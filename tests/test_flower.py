@@ -78,13 +78,14 @@ def test_node_partition_checks():
 
 
 def test_run_settings():
-    s = RunSettings.from_run_config({"config": "/x.toml", "overrides": "seed=1; federation.rounds=2"})
+    s = RunSettings.from_run_config({"config": "/x.toml", "overrides": "seed=1; federation.rounds=2"},
+                                    roots=(Path("/"),))
     assert s.config == Path("/x.toml") and s.overrides == ["seed=1", "federation.rounds=2"]
     assert s.out_dir is None and s.round_timeout == RUN_CONFIG_DEFAULTS["round-timeout"]
     with pytest.raises(FedsliceError, match="no experiment config"):
         RunSettings.from_run_config({})
     with pytest.raises(FedsliceError, match="round-timeout"):
-        RunSettings.from_run_config({"config": "/x.toml", "round-timeout": 0})
+        RunSettings.from_run_config({"config": "/x.toml", "round-timeout": 0}, roots=(Path("/"),))
 
 
 def test_repo_pyproject_declares_the_same_app():
@@ -160,8 +161,10 @@ def _write_config(cfg_dict: dict, path: Path) -> Path:
 
 
 def _settings(path: Path, out: Path, **kw) -> RunSettings:
+    """The run config of ``path`` into ``out``, with the server root their common folder."""
+    root = Path(os.path.commonpath([path, out]))
     return RunSettings.from_run_config({"config": str(path), "out-dir": str(out),
-                                        "connect-timeout": 5.0, **kw})
+                                        "connect-timeout": 5.0, **kw}, roots=(root,))
 
 
 def _in_process(cfg_dict: dict):
@@ -445,7 +448,7 @@ def test_supernode_killed_mid_round(tiny_cfg_dict, tmp_path, started):
     from fedslice.flower.local import LocalFederation
 
     path = _e2e_config(tiny_cfg_dict, tmp_path, "fedpetuning", rounds=1)
-    with LocalFederation(tmp_path / "work", nodes=2) as fed:
+    with LocalFederation(tmp_path / "work", nodes=2, server_roots=[tmp_path]) as fed:
         run_id = _submit(fed, tmp_path, path, **{"round-timeout": 40.0, "connect-timeout": 60.0})
         victim = fed.processes[2]  # supernode-1
         _wait_for_line(victim.log_path, "Receiving: train message", timeout=120)
@@ -471,7 +474,8 @@ def test_bad_input_fails_the_run_with_a_clear_error(tiny_cfg_dict, tmp_path, sta
     from fedslice.flower.local import LocalFederation
 
     path = _e2e_config(tiny_cfg_dict, tmp_path, "fedpetuning")
-    with LocalFederation(tmp_path / "work", nodes=1, node_config={"partition-id": 5}) as fed:
+    with LocalFederation(tmp_path / "work", nodes=1, node_config={"partition-id": 5},
+                         server_roots=[tmp_path]) as fed:
         missing = _submit(fed, tmp_path, tmp_path / "missing.toml")
         assert fed.wait(missing, timeout=120) == "finished:failed"
         assert f"config file {tmp_path / 'missing.toml'} does not exist" in fed.run_log(missing)
@@ -503,11 +507,11 @@ def test_processes_are_stopped_when_the_caller_is_interrupted(tmp_path, started)
 
 
 def test_sigterm_unwinds_like_ctrl_c():
-    from fedslice.flower.deploy import _terminate_as_interrupt
+    from fedslice.interrupt import terminate_as_interrupt
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt):
-        with _terminate_as_interrupt():
+        with terminate_as_interrupt():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)
     assert signal.getsignal(signal.SIGTERM) is before

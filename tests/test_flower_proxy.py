@@ -164,13 +164,20 @@ class RecordingGrid(InProcessGrid):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.sent: list[tuple[int, int, int]] = []  # (node, bytes of "arrays", bytes of "model")
+        self.kept_files: set[Path] = set()  # the model files the nodes said they keep
 
     def _handle(self, msg):
         if msg.metadata.message_type == "train":
             records = msg.content.array_records
             size = {k: sum(a.numpy().nbytes for a in r.values()) for k, r in records.items()}
             self.sent.append((msg.metadata.dst_node_id, size.get("arrays", 0), size.get(MODEL, 0)))
-        return super()._handle(msg)
+        reply = super()._handle(msg)
+        for state in self._states.values() if msg.metadata.message_type == "train" else ():
+            if KEPT_MODEL in state.config_records:
+                path = Path(str(state.config_records[KEPT_MODEL]["path"]))
+                assert path.is_file()
+                self.kept_files.add(path)
+        return reply
 
 
 @pytest.mark.parametrize("method", PROXY_METHODS)
@@ -199,11 +206,14 @@ def test_serverapp_sends_the_proxy_once_and_clients_load_no_model(tiny_cfg_dict,
     first = [c["bytes_down"] for c in metrics[0]["client_metrics"]]
     assert first == [r["bytes_down"] for r in records[0]["client_metrics"]]  # counted the same
     assert all(b == _model_bytes(_client_model(server)) < _full_model_bytes(server) for b in first)
-    # each node keeps the model it received in a file on its disk, not in Context.state
+    # each node kept the model it received in a file on its disk (not in Context.state), and
+    # removed it when the ServerApp said the run was over
     for state in grid._states.values():
         assert not any(k.startswith("base.") for k in state.array_records[CLIENT_STATE])
-        path = Path(str(state.config_records[KEPT_MODEL]["path"]))
-        assert path.is_file() and path.is_relative_to(flwr_home)
+        assert KEPT_MODEL not in state.config_records
+    assert sorted(p.name for p in grid.kept_files) == ["node-100.safetensors", "node-101.safetensors"]
+    assert all(p.is_relative_to(flwr_home) and not p.exists() for p in grid.kept_files)
+    assert not (flwr_home / "fedslice-node-state" / "run-1").exists()
 
 
 def test_node_keeps_the_received_model_on_its_disk(tiny_cfg_dict, model_dir, tmp_path, flwr_home):

@@ -86,8 +86,8 @@ def test_strategy_rejects_inconsistent_replies(heads_setup):
     s = method.strategy
     assert s.check_reply(state, payload, reply) is None
     bad = type(reply)(dict(reply.arrays), reply.num_examples, reply.metrics)
-    bad.arrays[KEPT] = torch.ones_like(reply.arrays[KEPT])  # shapes no longer match the mask
-    assert "expected" in s.check_reply(state, payload, bad)
+    bad.arrays[KEPT] = torch.ones_like(reply.arrays[KEPT])  # more heads than the sparsity keeps
+    assert "keeps 8 heads, sparsity 0.75 (global) keeps 2" in s.check_reply(state, payload, bad)
     bad.arrays = {k: v for k, v in reply.arrays.items() if k != ALPHA}
     assert "importance" in s.check_reply(state, payload, bad)
 

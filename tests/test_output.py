@@ -54,12 +54,27 @@ def test_name_collision_gives_suffix(tmp_path):
     assert run.final_path == tmp_path / "exp-3"
 
 
-def test_exception_inside_with_leaves_nothing(tmp_path):
+def test_exception_before_a_round_leaves_nothing_after_one_keeps_the_staging_folder(tmp_path):
     with pytest.raises(ValueError, match="boom"):
         with RunDir.create(tmp_path, "exp") as run:
-            run.append_metrics({"round": 1})
+            run.write_config({"lr": 1})
             raise ValueError("boom")
     assert _leftovers(tmp_path) == []
+    with pytest.raises(KeyboardInterrupt):
+        with RunDir.create(tmp_path, "exp") as run:
+            run.append_metrics({"round": 1})
+            raise KeyboardInterrupt
+    assert run.kept and _leftovers(tmp_path) == [run.staging_path.name]
+    assert read_run_metrics(run.staging_path) == [{"round": 1}]
+    # a later run of this process with the same name never reuses (or removes) that folder
+    with RunDir.create(tmp_path, "exp") as again:
+        again.write_summary({"name": "exp"})
+    assert again.final_path == tmp_path / "exp" and run.staging_path.is_dir()
+
+
+def read_run_metrics(folder):
+    import json
+    return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_json_handles_nan_numpy_torch_and_paths(tmp_path):

@@ -225,7 +225,8 @@ def test_two_round_run_with_tiers(tiny_cfg_dict, tuning):
         f_small = by_client[small[0]]["flops_measured"]
         f_full = next(m["flops_measured"] for m in rec["client_metrics"] if m.get("tier") == 1)
         assert f_small < 0.5 * f_full
-        assert 0.5 < by_client[small[0]]["flops_measured"] / by_client[small[0]]["flops_analytic"] < 2
+        assert by_client[small[0]]["flops_measured"] == pytest.approx(
+            by_client[small[0]]["flops_analytic"], rel=0.03)
     assert summary["sat_out_replies"] == 2 * len(sat)
     sizes = [e["size"] for e in summary["elastic"]]
     assert sizes == [0.25, 0.5, 0.75, 1.0]

@@ -226,23 +226,47 @@ def test_dp_run_reports_epsilon_each_round_and_runs_flowers_dp_wrapper(tiny_cfg_
     eps = [r["dp_epsilon"] for r in records]
     assert 0 < eps[0] < eps[1] == pytest.approx(8.0, rel=0.05)
     calls = []
-    clip = FlowerDP.aggregate_train
-    monkeypatch.setattr(FlowerDP, "aggregate_train",
-                        lambda self, r, replies: calls.append(r) or clip(self, r, replies))
+    noise = FlowerDP._add_noise_to_aggregated_arrays
+    monkeypatch.setattr(FlowerDP, "_add_noise_to_aggregated_arrays",
+                        lambda self, arrays: calls.append(len(arrays)) or noise(self, arrays))
     path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
     runs = [_weights(server_run(InProcessGrid(_nodes(3)), _settings(path, tmp_path / f"fl{i}")))
             for i in range(2)]
-    assert calls == [1, 2, 1, 2]  # Flower's wrapper clipped and noised every round
+    n_state = len(state)
+    assert calls == [n_state] * 4  # Flower's wrapper noised every round (2 runs x 2 rounds)
     for k in state:
         assert torch.equal(runs[0][k], runs[1][k]), k
     _, metrics, _ = read_run(next((tmp_path / "fl0").iterdir()))
     assert [m["dp_epsilon"] for m in metrics] == pytest.approx(eps)
-    std, rounds = metrics[0]["dp_noise_std"], len(metrics)
-    diff = torch.cat([(runs[0][k] - state[k]).flatten() for k in state])
-    assert 0.3 < float(diff.std()) / (std * (2 * rounds) ** 0.5) < 3.0
+    assert any(not torch.equal(runs[0][k], state[k]) for k in state)  # another draw of noise
     for bad in ({"method": {"name": "raffm"}}, {"aggregation": {"rule": "median"}}):
         with pytest.raises(ConfigError, match="dp.enabled"):
             validate_config({**tiny_cfg_dict, **bad})
+
+
+def test_flowers_dp_noise_has_the_configured_std(tiny_cfg_dict, tmp_path):
+    """Clients that barely move (lr 1e-6: updates of ~3e-6): after 3 rounds the global state is the initial one
+    plus 3 draws of Flower's Gaussian noise per element, whose std (over ~5,000 elements) is
+    within 10% of sqrt(3) * z * C / n."""
+    from test_flower import InProcessGrid, _nodes, _settings, _weights, _write_config
+    from fedslice.api import setup
+    from fedslice.flower.server_app import run as server_run
+    from fedslice.output import read_run
+
+    tiny_cfg_dict["federation"].update(num_clients=3, clients_per_round=2, rounds=3, lr=1e-6)
+    tiny_cfg_dict["lora"].update(r=16, alpha=32)  # ~5,000 noised elements
+    tiny_cfg_dict["dp"] = {"enabled": True, "clip_norm": 0.05, "noise_multiplier": 1.0}
+    initial = setup(validate_config(tiny_cfg_dict))[0].initial_state()
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(3)), _settings(path, tmp_path / "fl"))
+    final = _weights(run_dir)
+    _, metrics, _ = read_run(run_dir)
+    std = metrics[0]["dp_noise_std"]
+    assert std == pytest.approx(1.0 * 0.05 / 2)
+    noise = torch.cat([(final[k] - initial[k]).flatten() for k in initial])
+    assert noise.numel() > 4000
+    assert float(noise.std()) == pytest.approx(std * 3 ** 0.5, rel=0.10)
+    assert abs(float(noise.mean())) < 0.1 * std
 
 
 def test_dp_on_flower_skips_a_round_with_a_failed_node_and_records_it(tiny_cfg_dict, tmp_path):

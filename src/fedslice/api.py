@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,13 @@ from fedslice.checkpoint import (CHECKPOINT, Checkpoint, check_same_architecture
                                  write_checkpoint)
 from fedslice.config import ExperimentConfig, apply_overrides
 from fedslice.experiment import load_config, validate_config
-from fedslice.errors import ConfigError
+from fedslice.errors import ConfigError, FedsliceError
 from fedslice.fl.engine import FederatedData, Simulation, prepare_data
 from fedslice.methods import Method, Role, build_method, method_class
 from fedslice.models.arch import arch_for
 from fedslice.models.loading import load_config as load_model_config
 from fedslice.models.loading import build_from_config, load_model
-from fedslice.output import RunDir, write_json_atomic
+from fedslice.output import LATEST_WEIGHTS, RunDir, reserve_folder, write_json_atomic
 from fedslice.progress import activate, make_display
 from fedslice.html_report import REPORT, write_compare_report, write_run_report
 from fedslice.report import markdown_table, plot_compare, plot_run, render_table, summary_row
@@ -65,9 +66,10 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
 
     The folder appears only when the run has finished (written in a staging folder first).
     ``progress`` (default ``output.progress``): bars on a terminal, else one line per round on
-    stdout (``verbose``: with bytes and each client's loss). With ``output.checkpoint_every``
-    set, a run that fails or is killed leaves its staging folder with the last checkpoint, for
-    :func:`resume_experiment`.
+    stdout (``verbose``: with bytes and each client's loss). A run that fails or is interrupted
+    after its first round keeps its staging folder (metrics, the latest weights and, with
+    ``output.checkpoint_every``, the last checkpoint, for :func:`resume_experiment`) and says
+    the command that resumes it; a run that never trained leaves nothing.
     """
     out = Path(out_dir or cfg.output.dir)
     with _display(cfg, progress, verbose):
@@ -135,7 +137,6 @@ def resume_experiment(run_dir: str | Path, config: str | Path | None = None,
 def _run_into(run: RunDir, cfg: ExperimentConfig, method: Method, data: FederatedData,
               resume: Checkpoint | None = None) -> Path:
     sim = Simulation(cfg, method, data)
-    run.keep_if = CHECKPOINT if cfg.output.checkpoint_every else None
 
     def checkpoint(ckpt: Checkpoint) -> None:
         write_checkpoint(run.path, ckpt)
@@ -147,17 +148,19 @@ def _run_into(run: RunDir, cfg: ExperimentConfig, method: Method, data: Federate
         trackers.round(record)
 
     try:
-        with run:
-            state, _, summary = sim.run(on_round=on_round, resume=resume,
-                                        on_checkpoint=checkpoint)
-            save_results(run, cfg, method, state, summary)
-            trackers.finish(summary)  # before the folder is renamed
-            (run.path / CHECKPOINT).unlink(missing_ok=True)
+        with run:  # kept on a failure after a round (RunDir.trained), else removed
+            try:
+                state, _, summary = sim.run(on_round=on_round, resume=resume,
+                                            on_checkpoint=checkpoint)
+                save_results(run, cfg, method, state, summary)
+                trackers.finish(summary)  # before the folder is renamed
+            except BaseException as e:
+                if run.trained:
+                    keep_failed_run(run, method, sim.latest, e,
+                                    f"fedslice run --resume {shlex.quote(str(run.staging_path))}")
+                raise
     finally:
         trackers.finish(None)  # the run failed (no-op when finished)
-        if run.keep_if and not run.committed and (run.staging_path / CHECKPOINT).is_file():
-            log.warning("the run was interrupted; continue it with: fedslice run --resume %s",
-                        run.staging_path)
     path = run.final_path
     if cfg.output.plots:
         plot_run(path)
@@ -165,12 +168,42 @@ def _run_into(run: RunDir, cfg: ExperimentConfig, method: Method, data: Federate
     return path
 
 
+def keep_failed_run(run: RunDir, method: Method, latest: tuple[int, dict] | None,
+                    error: BaseException, resume_command: str) -> str:
+    """After a failure (exception, Ctrl-C, SIGTERM) of a run that finished a round, before its
+    staging folder is left in place: write the latest global weights there, then say (log warning, and a note on
+    ``error``) what is there and the exact command that resumes it. Returns that message."""
+    what = ["metrics.jsonl"]
+    if latest is not None:
+        rnd, state = latest
+        try:
+            run.save_weights(method.export_state(state), LATEST_WEIGHTS, {"round": str(rnd)})
+            what.append(f"{LATEST_WEIGHTS} (the weights after round {rnd})")
+        except Exception as e:  # noqa: BLE001 - keep what is there; say why the weights are not
+            log.error("could not save the latest weights into %s: %s", run.staging_path, e)
+    ckpt = run.staging_path / CHECKPOINT
+    if ckpt.is_file():
+        what.append(CHECKPOINT)
+        how = f"continue it with: {resume_command}"
+    else:
+        how = ("it has no checkpoint (output.checkpoint_every = 0), so it cannot be resumed; "
+               "set output.checkpoint_every = 1 to make runs resumable")
+    kind = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+    message = f"the run {kind}; what it finished is kept in {run.staging_path} ({', '.join(what)}); {how}"
+    log.warning("%s", message)
+    error.add_note(message)
+    return message
+
+
 def save_results(run: RunDir, cfg: ExperimentConfig, method, state, summary: dict[str, Any]) -> None:
-    """Summary, method artifacts and final weights into a run folder (engine and Flower alike)."""
+    """Summary, method artifacts and final weights into a run folder (engine and Flower alike);
+    the checkpoint and the latest weights of an earlier failure go (the run is complete)."""
     run.write_summary(summary)
     method.write_artifacts(run.path)
     if cfg.output.save_weights:
         run.save_weights(method.export_state(state))
+    for name in (CHECKPOINT, LATEST_WEIGHTS):
+        (run.path / name).unlink(missing_ok=True)
 
 
 def _same_setting(cfgs: list[ExperimentConfig]) -> list[ExperimentConfig]:
@@ -190,7 +223,12 @@ def compare_experiments(cfgs: list[ExperimentConfig], out_dir: str | Path | None
                         progress: bool | None = None, name: str | None = None,
                         verbose: bool = False) -> tuple[Path, str]:
     """Run several experiments on the same partition and seed into one folder; return its path
-    and the results table."""
+    and the results table.
+
+    Each run lands in its own final folder inside it as soon as it ends, and ``results.md`` /
+    ``results.json`` are rewritten after each: a failure of a later run leaves the earlier ones
+    intact, and is raised with a note naming the failed run (a :class:`FedsliceError` of the
+    run becomes one naming it). The folder is removed only if nothing at all was kept in it."""
     if not cfgs:
         raise ConfigError("compare needs at least one config")
     names = [_run_name(c) for c in cfgs]
@@ -198,18 +236,41 @@ def compare_experiments(cfgs: list[ExperimentConfig], out_dir: str | Path | None
         raise ConfigError(f"compare: run names must differ (set `name` in each config): {names}")
     cfgs = _same_setting(cfgs)
     out = Path(out_dir or cfgs[0].output.dir)
-    folder_name = name or f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    with RunDir.create(out, folder_name) as parent:
-        runs = [run_experiment(c, parent.path, progress=progress, verbose=verbose) for c in cfgs]
-        rows = [summary_row(_read_summary(r)) for r in runs]
-        table = render_table(rows, f"fedslice compare ({len(runs)} runs)")
-        (parent.path / "results.md").write_text(markdown_table(rows) + "\n")
-        write_json_atomic(parent.path / "results.json", rows)
-    final = parent.final_path
-    runs = [final / r.name for r in runs]
-    plot_compare(runs, final / "compare.png")
-    write_compare_report(runs, final / REPORT, f"fedslice compare: {final.name}")
-    return final, table
+    folder = reserve_folder(out, name or f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    runs: list[Path] = []
+    rows: list[dict[str, Any]] = []
+    for i, cfg in enumerate(cfgs):
+        try:
+            runs.append(run_experiment(cfg, folder, progress=progress, verbose=verbose))
+        except BaseException as e:
+            failure = _compare_failed(folder, names, i, runs, e)
+            if failure is e:
+                raise
+            raise failure from e
+        rows.append(summary_row(_read_summary(runs[-1])))
+        (folder / "results.md").write_text(markdown_table(rows) + "\n")
+        write_json_atomic(folder / "results.json", rows)
+    table = render_table(rows, f"fedslice compare ({len(runs)} runs)")
+    plot_compare(runs, folder / "compare.png")
+    write_compare_report(runs, folder / REPORT, f"fedslice compare: {folder.name}")
+    return folder, table
+
+
+def _compare_failed(folder: Path, names: list[str], i: int, runs: list[Path],
+                    error: BaseException) -> BaseException:
+    """The exception a compare raises when its ``i``-th run fails: ``error`` with a note (a
+    FedsliceError: a new one whose message names the run), after the log says what is kept."""
+    kind = "was interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+    done = ", ".join(r.name for r in runs) or "none"
+    message = (f"compare: run {names[i]!r} ({i + 1} of {len(names)}) {kind}; finished runs in "
+               f"{folder}: {done}" + (f"; not run: {', '.join(names[i + 1:])}" if i + 1 < len(names) else ""))
+    log.error("%s", message)
+    if not any(folder.iterdir()):
+        folder.rmdir()  # nothing finished, nothing kept
+    if isinstance(error, FedsliceError):
+        return FedsliceError(f"{message}: {error}")
+    error.add_note(message)
+    return error
 
 
 def _read_summary(run: Path) -> dict[str, Any]:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import warnings
 
 from fedslice import __version__
 from fedslice.errors import FedsliceError
+from fedslice.interrupt import terminate_as_interrupt
 
 
 def _output_options(suppress: bool) -> argparse.ArgumentParser:
@@ -76,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--size", type=float, help="raffm: the elastic sub-model at this FLOPs "
                      "fraction (one of method.elastic_sizes), as a smaller checkpoint")
     exp.add_argument("--allow-partial", action="store_true",
-                     help="export an unfinished run from its latest checkpoint")
+                     help="export an unfinished run from its latest checkpoint (or the "
+                          "latest weights a failed run kept)")
 
     pred = sub.add_parser("predict", parents=common,
                           help="predictions of a run's trained model for a CSV/TSV/JSONL file")
@@ -182,13 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _configure_logging(args.verbose, args.quiet)
     try:
-        return _main(args)
+        with terminate_as_interrupt():  # `kill PID` unwinds like Ctrl-C: finished work is kept
+            return _main(args)
     except FedsliceError as e:
         print(f"fedslice: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("fedslice: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGTERM if str(e) == f"signal {signal.SIGTERM}" else 130
 
 
 if __name__ == "__main__":

@@ -439,9 +439,11 @@ class OutputConfig(_Section):
         default_factory=list, description="Experiment trackers that get the config, one scalar "
         "per metric per round and the summary (docs/trackers.md); needs "
         "`pip install 'fedslice[trackers]'`.")
-    checkpoint_every: int = Field(0, ge=0, description="Write a checkpoint (global and server "
+    checkpoint_every: int = Field(1, ge=0, description="Write a checkpoint (global and server "
                                   "state, RNGs, metrics) into the run folder every N rounds, "
-                                  "kill-safe; `fedslice run --resume RUN_DIR` continues. 0: never.")
+                                  "kill-safe; `fedslice run --resume RUN_DIR` continues a run that "
+                                  "failed or was stopped. 0: never (a failed run keeps its metrics "
+                                  "and latest weights, but cannot be resumed).")
 
 
 class ComputeConfig(_Section):

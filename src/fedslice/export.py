@@ -40,14 +40,14 @@ from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, FedsliceError
 from fedslice.models.arch import ArchSpec, arch_for
 from fedslice.models.loading import LoadedModel, load_model
-from fedslice.output import CONFIG_JSON, SUMMARY, WEIGHTS, write_json_atomic
+from fedslice.output import CONFIG_JSON, LATEST_WEIGHTS, SUMMARY, WEIGHTS, write_json_atomic
 from fedslice.peft.export import adapter_of, base_name
 
 log = logging.getLogger(__name__)
 
 INFERENCE = "inference.json"
 FORMATS = ("peft", "merged")
-_PARTIAL_RE = re.compile(r"^\..+\.partial-\d+$")
+_PARTIAL_RE = re.compile(r"^\..+\.partial-\d+(?:-\d+)?$")  # output.RunDir staging names
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,7 +88,8 @@ class TrainedRun:
 def read_run(run_dir: str | Path, allow_partial: bool = False) -> TrainedRun:
     """The config, inference info and trained state of a run folder. A run that did not finish
     (a staging folder, or files missing) is refused naming what is missing, unless
-    ``allow_partial``: then its latest checkpoint is read."""
+    ``allow_partial``: then its latest checkpoint is read, or the latest weights a failed run kept
+    (``LATEST_WEIGHTS``) when they are newer or there is no checkpoint."""
     path = Path(run_dir)
     if not path.is_dir():
         raise FedsliceError(f"{path} is not a run folder (no such folder)")
@@ -105,16 +106,41 @@ def read_run(run_dir: str | Path, allow_partial: bool = False) -> TrainedRun:
     what = f"{', '.join(missing) or 'nothing'} missing" + (", a staging folder" if staging else "")
     if not allow_partial:
         raise FedsliceError(f"{path} is not a finished run ({what}); with --allow-partial its "
-                            f"latest checkpoint ({CHECKPOINT}) is exported instead")
-    if not (path / CHECKPOINT).is_file():
-        raise FedsliceError(f"{path} is not a finished run ({what}) and has no checkpoint "
-                            f"({CHECKPOINT}) to export: was it run with output.checkpoint_every?")
+                            f"latest checkpoint ({CHECKPOINT}) or the latest weights a failed "
+                            f"run kept ({LATEST_WEIGHTS}) are exported instead")
+    latest = _latest_weights(path)
+    has_ckpt = (path / CHECKPOINT).is_file()
+    if not has_ckpt and latest is None:
+        raise FedsliceError(f"{path} is not a finished run ({what}) and has neither a checkpoint "
+                            f"({CHECKPOINT}) nor the latest weights ({LATEST_WEIGHTS}) to export: "
+                            "it stopped before either was written")
     from fedslice.methods import method_class
-    ckpt = read_checkpoint(path)
+    ckpt = read_checkpoint(path) if has_ckpt else None
+    if latest is not None and (ckpt is None or latest[0] > ckpt.round):
+        # a failed run's weights after its last finished round (newer than any checkpoint)
+        return TrainedRun(path, cfg, info, latest[1], f"latest weights after round {latest[0]} "
+                          f"of {cfg.federation.rounds} ({what})")
     run = TrainedRun(path, cfg, info, {}, f"checkpoint after round {ckpt.round} of "
                      f"{cfg.federation.rounds} ({what})")
     run.state = method_class(cfg.method.name).state_from_checkpoint(ckpt.state, ckpt.server, run.arch)
     return run
+
+
+def _latest_weights(path: Path) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """The round and tensors of ``LATEST_WEIGHTS`` (written by a run that failed after a round,
+    in the exported form), or None when there is none."""
+    file = path / LATEST_WEIGHTS
+    if not file.is_file():
+        return None
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    with safe_open(str(file), "pt") as f:
+        meta = f.metadata() or {}
+    try:
+        rnd = int(meta.get("round", ""))
+    except ValueError as e:
+        raise FedsliceError(f"{file} does not say after which round it was written") from e
+    return rnd, load_file(str(file))
 
 
 # --------------------------------------------------------------------------------------------

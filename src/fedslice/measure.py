@@ -38,6 +38,7 @@ __all__ = [
     "FlopCount",
     "PeakMemory",
     "analytic_train_flops",
+    "embeddings_train",
     "count_flops",
     "linear_param_counts",
     "measure_step_flops",
@@ -242,6 +243,15 @@ def measure_step_flops(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> i
         for p, g in zip(params, saved_grads):
             p.grad = g
     return flops
+
+
+def embeddings_train(model: nn.Module) -> bool:
+    """Whether ``model``'s input embeddings train (full fine-tuning): autograd then computes the
+    gradient of the first layer's input (``analytic_train_flops(embedding_backward=...)``)."""
+    try:
+        return any(p.requires_grad for p in model.get_input_embeddings().parameters())
+    except (AttributeError, NotImplementedError):
+        return False
 
 
 def analytic_train_flops(

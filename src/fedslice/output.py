@@ -3,7 +3,9 @@
 A run writes into a hidden staging folder ``<out_dir>/.<name>.partial-<pid>`` and, when it finishes,
 :meth:`RunDir.commit` renames it in one step to ``<out_dir>/<name>`` (or ``<name>-2``,
 ``<name>-3``, ... if that exists: a run never overwrites another). A crashed or interrupted run
-therefore never leaves a folder that looks finished. A committed run folder holds::
+therefore never leaves a folder that looks finished; one that finished a round keeps its staging
+folder (metrics so far, the latest weights, a checkpoint: nothing finished is lost), one that
+never trained leaves nothing. A committed run folder holds::
 
     config.json                  the resolved experiment config
     config.toml                  the same, if tomli_w is installed
@@ -29,15 +31,17 @@ from typing import IO, Any
 
 from fedslice.errors import FedsliceError
 
-__all__ = ["RunDir", "read_run", "to_jsonable", "dumps_json", "write_json_atomic"]
+__all__ = ["RunDir", "reserve_folder", "read_run", "to_jsonable", "dumps_json", "write_json_atomic"]
 
 CONFIG_JSON = "config.json"
 CONFIG_TOML = "config.toml"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 WEIGHTS = "final_trainable.safetensors"
+#: The weights after the last finished round, written into the staging folder of a failed run
+LATEST_WEIGHTS = "latest_trainable.safetensors"
 
-_PARTIAL_RE = re.compile(r"^\.(?P<name>.+)\.partial-(?P<pid>\d+)$")
+_PARTIAL_RE = re.compile(r"^\.(?P<name>.+)\.partial-(?P<pid>\d+)(?:-\d+)?$")
 _BAD_NAME_RE = re.compile(r"[/\\\x00]")
 
 
@@ -133,6 +137,39 @@ def _toml_safe(obj: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name or name in (".", "..") or _BAD_NAME_RE.search(name) or name.startswith("."):
+        raise FedsliceError(
+            f"invalid run name {name!r}: use a non-empty name without '/', '\\' or a leading '.'"
+        )
+
+
+def _make_out_dir(out_dir: str | os.PathLike) -> Path:
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FedsliceError(f"cannot create output folder {out}: {e}") from e
+    if not out.is_dir():
+        raise FedsliceError(f"output path {out} exists and is not a folder")
+    return out
+
+
+def reserve_folder(out_dir: str | os.PathLike, name: str) -> Path:
+    """Create and return ``out_dir/name`` (or ``name-2``, ``name-3``, ... if that exists): a new,
+    empty folder that no other run uses (a compare folder, filled run by run)."""
+    _check_name(name)
+    out = _make_out_dir(out_dir)
+    for i in range(1, 100_000):
+        candidate = out / (name if i == 1 else f"{name}-{i}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise FedsliceError(f"cannot find a free folder name for {name!r} in {out}")
+
+
 class RunDir:
     """A run folder that becomes visible only when the run finishes.
 
@@ -146,8 +183,9 @@ class RunDir:
             run.save_weights(trainable_state)
         run.final_path        # runs/sst2-lora (or runs/sst2-lora-2, ...)
 
-    The ``with`` block commits on success and aborts (deletes the staging folder) on any
-    exception, which is re-raised. Without ``with``, call :meth:`commit` or :meth:`abort`.
+    The ``with`` block commits on success; on any exception (re-raised) it keeps the staging
+    folder if a round finished (:attr:`trained`: ``metrics.jsonl`` has a record) and deletes it
+    otherwise. Without ``with``, call :meth:`commit`, :meth:`keep` or :meth:`abort`.
     """
 
     def __init__(self, out_dir: Path, name: str, staging: Path) -> None:
@@ -157,27 +195,19 @@ class RunDir:
         self.final_path: Path | None = None
         self._metrics_file: IO[str] | None = None
         self._state = "open"  # open | committed | aborted | kept
-        #: on an exception, keep the staging folder if this file is in it (a checkpoint to resume)
-        self.keep_if: str | None = None
 
     @classmethod
     def create(cls, out_dir: str | os.PathLike, name: str) -> RunDir:
         """Start a run named ``name`` under ``out_dir`` (created if missing)."""
-        if not isinstance(name, str) or not name or name in (".", "..") or _BAD_NAME_RE.search(name) or name.startswith("."):
-            raise FedsliceError(
-                f"invalid run name {name!r}: use a non-empty name without '/', '\\' or a leading '.'"
-            )
-        out = Path(out_dir)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise FedsliceError(f"cannot create output folder {out}: {e}") from e
-        if not out.is_dir():
-            raise FedsliceError(f"output path {out} exists and is not a folder")
+        _check_name(name)
+        out = _make_out_dir(out_dir)
         staging = out / f".{name}.partial-{os.getpid()}"
-        if staging.exists():  # left over by an earlier run in this same process
-            shutil.rmtree(staging)
-        staging.mkdir()
+        for i in range(2, 100_000):  # another run of this process kept its folder: never reuse it
+            try:
+                staging.mkdir()
+                break
+            except FileExistsError:
+                staging = out / f".{name}.partial-{os.getpid()}-{i}"
         return cls(out, name, staging)
 
     @classmethod
@@ -202,6 +232,19 @@ class RunDir:
     @property
     def committed(self) -> bool:
         return self._state == "committed"
+
+    @property
+    def kept(self) -> bool:
+        """The run failed after a round: its staging folder was left in place."""
+        return self._state == "kept"
+
+    @property
+    def trained(self) -> bool:
+        """Whether a round finished: ``metrics.jsonl`` holds a record (what a failure keeps)."""
+        try:
+            return (self.staging_path / METRICS).stat().st_size > 0
+        except OSError:
+            return False
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -341,14 +384,14 @@ class RunDir:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is None:
             self.commit()
-        elif self.keep_if and (self.staging_path / self.keep_if).is_file():
+        elif self.trained:
             self.keep()
         else:
             self.abort()
         return False
 
     def keep(self) -> None:
-        """Close the files and leave the staging folder (it holds a checkpoint to resume)."""
+        """Close the files and leave the staging folder (what a failed run had finished)."""
         if self._close_quietly():
             self._state = "kept"
 

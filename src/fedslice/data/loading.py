@@ -48,8 +48,10 @@ SPLIT_NAMES: dict[str, tuple[str, ...]] = {
     "test": ("test",),
 }
 
-#: Hub ids for short dataset names when no local folder of that name exists.
-HUB_ALIASES = {"sst2": ("glue", "sst2", {"train": "train", "dev": "validation", "test": "validation"})}
+#: Hub ids for short dataset names when no local folder of that name exists. GLUE's SST-2 test
+#: split has no labels: its validation split is our test, and dev is carved off train (a dev
+#: equal to test would tune on the test set).
+HUB_ALIASES = {"sst2": ("glue", "sst2", {"train": "train", "test": "validation"})}
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _INT = re.compile(r"[+-]?\d+")
@@ -510,6 +512,10 @@ def load_tables(d: DataConfig, seed: int = 0,
                 quotes=d.quotes, skip_bad_rows=d.bad_rows == "skip")
     if isinstance(source, str):
         dataset_id, subset, split_map = hub_split_map(source, d.hub_subset)
+        if source in HUB_ALIASES:
+            log.warning("data: %r is not a local folder: using the hub dataset %s/%s (needs "
+                        "network), its %s", source, dataset_id, subset, ", ".join(
+                            f"{hub} split as {ours}" for ours, hub in split_map.items()))
         tables = load_hub_tables(dataset_id, subset=subset, split_map=split_map)
     elif source.is_file():
         table = read_table(source, **read)

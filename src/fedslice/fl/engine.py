@@ -98,16 +98,19 @@ def _mean(values: list[float]) -> float | None:
 def round_record(server_round: int, clients: list[int], replies: dict[int, Reply],
                  result: RoundResult) -> dict[str, Any]:
     """The metrics record of one round: selection, exclusions, per-client metrics (``used``:
-    whether the reply went into the aggregation) and mean costs over the used replies."""
+    whether the reply went into the aggregation; a reply that failed validation is listed
+    without what it reported) and mean costs over the used replies."""
     client_metrics = [{"client": c, "num_examples": r.num_examples, **r.metrics,
-                       "used": c in result.used} for c, r in replies.items()]
+                       "used": c in result.used} if c not in result.invalid else
+                      {"client": c, "used": False, "rejected": True}  # what it sent is not trusted
+                      for c, r in replies.items()]
     used = [m for m in client_metrics if m["used"]]
     return {
         "round": server_round, "clients": clients, "excluded": result.excluded,
         "skipped": result.skipped, "rejected": result.rejected,
         "train_loss": _mean([m["loss"] for m in used]),
         "examples_used": sum(m["num_examples"] for m in used),
-        **{f"{k}_mean": _mean([m[k] for m in used]) for k in ClientCost.ROUND_MEANS},
+        **{f"{k}_mean": _mean([m.get(k) for m in used]) for k in ClientCost.ROUND_MEANS},
         **{f"{k}_max": _max(m.get(k) for m in used) for k in ClientCost.PEAKS},
         "client_metrics": client_metrics,
         **result.metrics,
@@ -129,6 +132,8 @@ class Simulation:
         if not self.candidates:
             raise DataError("every client partition is empty: reduce federation.num_clients")
         self.runner = ClientRunner(method.compute)
+        #: (round, global state) after the last finished round: what a failed run keeps
+        self.latest: tuple[int, State] | None = None
 
     def cold_start_probe(self, state: State) -> dict[str, Any]:
         """``federation.cold_start='probe'``: the global model's loss on a few examples of every
@@ -151,7 +156,7 @@ class Simulation:
         probe = self.cold_start_probe(state)
         clients = self.selector.select(server_round, self.candidates)
         faults = plan_faults(f, self.cfg.seed, server_round, clients)
-        payloads = strategy.configure_train(server_round, state, clients)
+        payloads = strategy.configure_train(server_round, state, clients, len(self.candidates))
         replies: dict[int, Reply] = {}
         lost: dict[int, str] = {}
         todo = [c for c in clients if c not in faults.dropped]
@@ -206,6 +211,8 @@ class Simulation:
         else:
             state, records, first = host_state(self.method.initial_state()), [], 1
             t_start = time.perf_counter()
+        if resume is not None:
+            self.latest = (resume.round, state)
         every = cfg.output.checkpoint_every
         for rnd in range(first, cfg.federation.rounds + 1):
             state, record = self.run_round(rnd, state)
@@ -214,6 +221,7 @@ class Simulation:
             records.append(record)
             if on_round:
                 on_round(record)
+            self.latest = (rnd, state)
             if progress:
                 progress(record)
             progress_display.round_done(record)
@@ -268,7 +276,7 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
         f"final_dev_{primary}": records[-1].get(key) if records else None,
         "rounds": len(records), "target_accuracy": target,
         "rounds_to_target": reached[0] if reached else None,
-        **{f"{k}_mean": _mean([m[k] for m in per_client]) for k in ClientCost.SUMMARY_MEANS},
+        **{f"{k}_mean": _mean([m.get(k) for m in per_client]) for k in ClientCost.SUMMARY_MEANS},
         **{f"{k}_max": _max(m.get(k) for m in per_client) for k in ClientCost.PEAKS},
         "excluded_replies": sum(len(r["excluded"]) for r in records),
         "rejected_replies": sum(r.get("rejected", 0) for r in records),

@@ -5,9 +5,12 @@ Per round: each valid client update is clipped to L2 norm ``C`` (Flower's FlatCl
 the number of clients sampled ``n`` (``clients_per_round``: a fixed denominator, so one client's
 influence on the mean is at most C / n), and Gaussian noise of standard deviation ``z * C / n``
 (Flower's ``compute_stdv``) is added to every element. The accountant composes one Gaussian
-mechanism of noise multiplier ``z`` with sampling rate ``q = n / num_clients`` per aggregated
-round (Opacus' ``RDPAccountant``: Poisson subsampling, an approximation of our fixed-size
-sampling without replacement, as in the DP-FedAvg paper) and reports epsilon at ``delta``.
+mechanism of noise multiplier ``z`` with sampling rate ``q = n / N`` per aggregated round, where
+``N`` is the number of clients the round was sampled from (the clients with data; on Flower, those
+connected), ``num_clients`` when unknown (Opacus' ``RDPAccountant``: Poisson subsampling, an
+approximation of our fixed-size sampling without replacement, as in the DP-FedAvg paper) and
+reports epsilon at ``delta``. It is valid only for uniform sampling and for releases that are the
+noised mean alone: the config refuses loss-gap selection and FedPFT's APoZ statistics under DP.
 
 The noise comes from a generator seeded with (seed, round): a run is reproducible and resumes
 bit-identically. On Flower the ServerApp wraps its strategy in Flower's own
@@ -18,6 +21,7 @@ Flower clips and adds the noise (from numpy's global RNG, seeded once per run), 
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,6 +31,8 @@ import torch
 
 from fedslice.config import DPConfig
 from fedslice.slicing.robust import clip_update
+
+log = logging.getLogger(__name__)
 
 State = dict[str, torch.Tensor]
 _TAG = 0xD9
@@ -47,7 +53,7 @@ class Privacy:
     def __init__(self, dp: DPConfig, clients_per_round: int, num_clients: int, rounds: int, seed: int):
         from opacus.accountants import RDPAccountant
 
-        self.clip, self.delta, self.seed = dp.clip_norm, dp.delta, seed
+        self.clip, self.delta, self.seed, self.target = dp.clip_norm, dp.delta, seed, dp.target_epsilon
         self.n, self.q = clients_per_round, clients_per_round / num_clients
         self.z = dp.noise_multiplier if dp.noise_multiplier is not None else \
             calibrate(dp.target_epsilon, dp.delta, self.q, rounds)
@@ -67,9 +73,16 @@ class Privacy:
             warnings.simplefilter("ignore")
             return float(self.accountant.get_epsilon(self.delta))
 
+    def sample_rate(self, population: int | None) -> float:
+        """q of a round: clients_per_round of the ``population`` the selector sampled from (the
+        clients with data, on Flower the connected ones), or of num_clients when unknown."""
+        return self.q if not population else min(1.0, self.n / population)
+
     def aggregate(self, server_round: int, global_state: Mapping[str, torch.Tensor],
-                  deltas: Sequence[Mapping[str, torch.Tensor]], eta: float) -> tuple[State, dict[str, Any]]:
-        """g + eta * (sum of clipped deltas / n + N(0, std^2)); one accounted release."""
+                  deltas: Sequence[Mapping[str, torch.Tensor]], eta: float,
+                  population: int | None = None) -> tuple[State, dict[str, Any]]:
+        """g + eta * (sum of clipped deltas / n + N(0, std^2)); one release, accounted at the
+        round's sampling rate (:meth:`sample_rate`)."""
         gen = torch.Generator().manual_seed(
             int(np.random.SeedSequence([self.seed, server_round, _TAG]).generate_state(1)[0]))
         clipped, norms = [], []
@@ -85,8 +98,14 @@ class Privacy:
             total = sum((c[k].float() for c in clipped if k in c), torch.zeros(g.shape))
             noise = 0.0 if self.external_noise else torch.randn(g.shape, generator=gen) * self.std
             out[k] = (g.float() + eta * (total / self.n + noise)).to(g.dtype)
-        self.accountant.step(noise_multiplier=self.z, sample_rate=self.q)
-        return out, {"dp_epsilon": self.epsilon(), "dp_delta": self.delta,
+        q = self.sample_rate(population)
+        self.accountant.step(noise_multiplier=self.z, sample_rate=q)
+        epsilon = self.epsilon()
+        if self.target is not None and epsilon > self.target * (1 + 1e-6):
+            log.warning("round %d: epsilon %.3f is above dp.target_epsilon=%g (calibrated for "
+                        "q = %.3g; this run sampled at up to %.3g)", server_round, epsilon,
+                        self.target, self.q, q)
+        return out, {"dp_epsilon": epsilon, "dp_delta": self.delta, "dp_sample_rate": q,
                      "dp_noise_multiplier": self.z, "dp_noise_std": self.std,
                      "dp_clipped": sum(n > self.clip for n in norms),
                      "update_norm_median": float(np.median(norms)) if norms else None}

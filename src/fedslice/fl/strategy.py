@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from fedslice.config import FederationConfig
-from fedslice.fl.validation import check_update
+from fedslice.fl.validation import check_num_examples, check_update
 from fedslice.slicing.aggregate import aggregate_deltas, client_delta
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,8 @@ class RoundResult:
     excluded: list[dict[str, Any]]
     skipped: bool = False  # fewer than min_replies valid replies: the state is unchanged
     rejected: int = 0  # replies that failed validation (part of ``excluded``)
+    #: the clients of those replies (what they reported is not recorded: it is not trusted)
+    invalid: list[int] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)  # of the aggregation (clipping, DP)
 
 
@@ -99,6 +101,7 @@ class Strategy:
         self.fed = fed
         self.client_sizes: dict[int, int] = dict(client_sizes or {})
         self.sent: list[int] = []  # clients of the round being trained
+        self.population: int | None = None  # clients they were sampled from
 
     # -- configure ---------------------------------------------------------------------------
     def train_config(self, server_round: int) -> dict[str, Any]:
@@ -113,9 +116,12 @@ class Strategy:
         """The payload of one client. Default: the whole trainable state (tensors shared, not copied)."""
         return Payload(arrays=dict(state), config={**config, "client": client})
 
-    def configure_train(self, server_round: int, state: State, clients: list[int]) -> dict[int, Payload]:
+    def configure_train(self, server_round: int, state: State, clients: list[int],
+                        population: int | None = None) -> dict[int, Payload]:
+        """One payload per client; ``population``: how many clients the selector sampled them
+        from (the DP accountant's sampling rate)."""
         config = self.train_config(server_round)
-        self.sent = list(clients)
+        self.sent, self.population = list(clients), population
         return {c: self.payload_for(server_round, state, c, config) for c in clients}
 
     def forget(self, client: int) -> None:
@@ -161,8 +167,26 @@ class Strategy:
         """Why a reply must be rejected, or None (:mod:`fedslice.fl.validation`). Flower
         averages NaN silently: we do not."""
         return check_update(self.expected_update(state, payload, reply), reply.arrays,
-                            reply.num_examples, float(reply.metrics.get("loss", 0.0)),
+                            reply.num_examples, reply.metrics,
                             self.client_sizes.get(payload.config.get("client")))
+
+    def validate(self, state: State, payload: Payload, reply: Any) -> str | None:
+        """:meth:`check_reply`, made total: a reply of another shape (not a :class:`Reply`, its
+        tensors or metrics not mappings) is rejected first, and a check that raises on input it
+        did not foresee rejects the reply (logged with the traceback) instead of the round."""
+        if not isinstance(reply, Reply):
+            return f"the reply is a {type(reply).__name__}, not a Reply"
+        for what, value in (("tensors", reply.arrays), ("metrics", reply.metrics)):
+            if not isinstance(value, dict):
+                return f"the reply's {what} are a {type(value).__name__}, not a mapping"
+        if reason := check_num_examples(reply.num_examples,
+                                        self.client_sizes.get(payload.config.get("client"))):
+            return reason
+        try:
+            return self.check_reply(state, payload, reply)
+        except Exception as e:  # noqa: BLE001 - a malformed reply must never end the round
+            log.warning("validation raised on a malformed reply", exc_info=True)
+            return f"malformed reply ({type(e).__name__}: {e})"
 
     def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
                        replies: dict[int, Reply]) -> tuple[list[State], list]:
@@ -211,13 +235,13 @@ class Strategy:
                 self.forget(c)
         valid: dict[int, Reply] = {}
         excluded = []
-        rejected = 0
+        invalid: list[int] = []
         for c in sorted(replies):
             reason = self.absent(payloads[c])
             if reason is None:
-                reason = self.check_reply(state, payloads[c], replies[c])
+                reason = self.validate(state, payloads[c], replies[c])
                 if reason is not None:
-                    rejected += 1
+                    invalid.append(c)
                     log.warning("round %d: update of client %d rejected: %s", server_round, c, reason)
             if reason is None:
                 valid[c] = replies[c]
@@ -227,9 +251,11 @@ class Strategy:
             if len(valid) >= self.fed.min_replies:
                 log.warning("round %d: %d valid replies, %s: skipped", server_round, len(valid),
                             self.min_valid_reason())
-            return RoundResult(state, sorted(valid), excluded, skipped=True, rejected=rejected)
+            return RoundResult(state, sorted(valid), excluded, skipped=True, rejected=len(invalid),
+                               invalid=invalid)
         t0 = time.perf_counter()
         new_state, metrics = self.aggregate(server_round, state, payloads, valid)
         # the server's seconds for the round's aggregation (weighting, rules, re-ordering)
         metrics = {**metrics, "aggregate_s": time.perf_counter() - t0}
-        return RoundResult(new_state, sorted(valid), excluded, rejected=rejected, metrics=metrics)
+        return RoundResult(new_state, sorted(valid), excluded, rejected=len(invalid),
+                           metrics=metrics, invalid=invalid)

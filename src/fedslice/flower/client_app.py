@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,8 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedslice.fl.strategy import State
-from fedslice.flower.nodes import NUM_PARTITIONS, PARTITION_ID, node_partition
+from fedslice.flower.nodes import (END_RUN, NUM_PARTITIONS, PARTITION_ID, DeploymentError,
+                                   node_partition)
 from fedslice.methods.submodel import BASE_PREFIX
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ _CACHE: dict[str, Any] = {}
 CLIENT_STATE = "fedslice_client_state"  # what a method keeps between participations (Context.state)
 KEPT_MODEL = "fedslice_kept_model"  # path and token of the file with the model the node received
 STATE_DIR = "state-dir"  # node config: the folder of that file
+MAX_RUNS = "state-max-runs"  # node config: run folders kept in it (this run's included)
+DEFAULT_MAX_RUNS = 3
 
 
 def _setup(experiment: dict[str, Any]):
@@ -113,8 +117,10 @@ def store_kept(context: Context, state: State, received_model: bool) -> None:
         return
     if not received_model and KEPT_MODEL in context.state.config_records:
         return  # the file holds it already (read at the start of this message)
+    max_runs = _max_runs(context)
     folder = state_dir(context) / f"run-{context.run_id}"
     folder.mkdir(parents=True, exist_ok=True)
+    prune_runs(folder.parent, keep=folder, max_runs=max_runs)
     path = folder / f"node-{context.node_id}.safetensors"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     token = secrets.token_hex(8)
@@ -123,10 +129,41 @@ def store_kept(context: Context, state: State, received_model: bool) -> None:
     context.state[KEPT_MODEL] = ConfigRecord({"path": str(path), "token": token})
 
 
+def _max_runs(context: Context) -> int:
+    value = context.node_config.get(MAX_RUNS, DEFAULT_MAX_RUNS)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DeploymentError(f"node config {MAX_RUNS}={value!r} must be an integer >= 1")
+    return value
+
+
+def prune_runs(root: Path, keep: Path, max_runs: int) -> list[Path]:
+    """Remove the ``run-*`` folders under ``root`` but ``keep`` and the newest ``max_runs - 1``
+    others (by modification time); return the removed ones."""
+    others = sorted((p for p in root.glob("run-*") if p.is_dir() and p != keep),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    removed = others[max_runs - 1:]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+        log.info("removed the model files of an earlier run: %s", p)
+    return removed
+
+
+def end_run(context: Context) -> None:
+    """The run is over: remove its folder of model files and forget the reference to it."""
+    shutil.rmtree(state_dir(context) / f"run-{context.run_id}", ignore_errors=True)
+    if KEPT_MODEL in context.state.config_records:
+        del context.state[KEPT_MODEL]
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Reply with this node's partition (validated against the server's num_clients)."""
-    num_clients = int(msg.content["fedslice"]["num_clients"])
+    """Reply with this node's partition (validated against the server's num_clients); an
+    ``end-run`` query removes the run's model files instead."""
+    fields = msg.content["fedslice"]
+    if END_RUN in fields:
+        end_run(context)
+        return Message(RecordDict({"fedslice": ConfigRecord({END_RUN: 1})}), reply_to=msg)
+    num_clients = int(fields["num_clients"])
     pid = node_partition(context.node_config, num_clients)
     record = ConfigRecord({PARTITION_ID: pid, NUM_PARTITIONS: num_clients})
     return Message(RecordDict({"fedslice": record}), reply_to=msg)

@@ -12,6 +12,9 @@ A message's content is a ``RecordDict`` with
 - ``"metrics"`` (replies only): a ``MetricRecord`` with ``num-examples`` and ``loss``, so Flower's
   own tools (logs, FedAvg weighting) see the usual keys.
 
+Decoding a reply never trusts it: a malformed one raises :class:`MalformedReply`, which the
+ServerApp turns into a rejected reply (logged and counted, never raised).
+
 Tensors cross as float arrays of the same dtype, so decoding gives back the exact values.
 """
 
@@ -75,11 +78,46 @@ def encode_reply(reply: Reply) -> RecordDict:
                        METRICS: MetricRecord(numeric)})
 
 
-def decode_reply(content: RecordDict) -> Reply:
-    """Inverse of :func:`encode_reply`."""
-    return Reply(arrays=record_to_state(content[ARRAYS]),
-                 num_examples=int(content[META]["num_examples"]),
-                 metrics=_json_field(content, "metrics"))
+class MalformedReply(ValueError):
+    """A reply that cannot be decoded into a :class:`Reply` (the reason is the message)."""
+
+
+def reply_size(content: Any) -> int:
+    """Bytes of a reply's tensors as they arrived (before any is decoded); 0 if it has none."""
+    try:
+        return sum(len(a.data) for a in content[ARRAYS].values())
+    except Exception:  # noqa: BLE001 - a malformed reply: decode_reply says what is wrong
+        return 0
+
+
+def decode_reply(content: Any, max_bytes: int | None = None) -> Reply:
+    """Inverse of :func:`encode_reply`. Anything else (a record missing or of the wrong kind,
+    JSON that does not parse, tensors that do not decode, more than ``max_bytes`` of tensors)
+    raises :class:`MalformedReply` with the reason; the values themselves are checked by the
+    strategy (:mod:`fedslice.fl.validation`)."""
+    try:
+        arrays, meta = content[ARRAYS], content[META]
+    except Exception as e:  # noqa: BLE001
+        raise MalformedReply(f"no {e} record") from None
+    if not isinstance(arrays, ArrayRecord) or not isinstance(meta, ConfigRecord):
+        raise MalformedReply(f"records {ARRAYS!r} / {META!r} are a {type(arrays).__name__} / "
+                             f"{type(meta).__name__}")
+    size = reply_size(content)
+    if max_bytes is not None and size > max_bytes:
+        raise MalformedReply(f"{size} bytes of tensors, more than the {max_bytes} its payload "
+                             "allows")
+    try:
+        num_examples = meta["num_examples"]
+        metrics = json.loads(str(meta["metrics"]))
+    except KeyError as e:
+        raise MalformedReply(f"no {e} in the {META!r} record") from None
+    except ValueError as e:
+        raise MalformedReply(f"its metrics are not JSON ({e})") from None
+    try:
+        state = record_to_state(arrays)
+    except Exception as e:  # noqa: BLE001 - bytes that are not an array, an unknown dtype
+        raise MalformedReply(f"a tensor does not decode ({type(e).__name__}: {e})") from None
+    return Reply(arrays=state, num_examples=num_examples, metrics=metrics)
 
 
 def error_reason(msg: Message) -> str:

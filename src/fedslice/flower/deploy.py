@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
-import signal
 import tempfile
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 from fedslice.errors import ConfigError
 from fedslice.flower.nodes import DeploymentError
 from fedslice.flower.settings import RUN_CONFIG_DEFAULTS
+from fedslice.interrupt import terminate_as_interrupt
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +70,15 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
                  out_dir: str | Path | None = None, tls: bool = False, auth: bool = False,
                  round_timeout: float = 600.0, connect_timeout: float = 120.0,
                  timeout: float | None = None, workdir: str | Path | None = None,
-                 simulation: dict | None = None) -> Path:
+                 simulation: dict | None = None, resume: str | Path | None = None) -> Path:
     """Run one experiment through Flower on loopback; return the run folder.
 
     ``nodes`` must equal ``federation.num_clients`` (one partition per SuperNode). With
     ``simulation`` (``flwr run --federation-config`` values, e.g.
     ``{"client-resources-num-cpus": 1}``) the SuperNodes are virtual, in Flower's simulation engine (Ray). Flower's files (certificates,
     keys, logs, state) go to ``workdir`` (a temporary folder, removed after a successful run;
-    kept and named in the error after a failed one).
+    kept and named in the error after a failed one). ``resume``: the staging folder of a run
+    that failed or was stopped, continued from its checkpoint (the config must be the run's).
     """
     from fedslice.experiment import load_config
     from fedslice.flower.local import LocalFederation
@@ -103,13 +102,17 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
     work.mkdir(parents=True, exist_ok=True)
     result_file = work / "result.txt"
     result_file.unlink(missing_ok=True)
+    out = Path(out_dir or cfg.output.dir).absolute()
     run_config = _run_config(work / "run_config.toml", {
         "config": str(config), "overrides": ";".join(overrides),
-        "out-dir": str(Path(out_dir or cfg.output.dir).absolute()), "result-file": str(result_file),
-        "round-timeout": float(round_timeout), "connect-timeout": float(connect_timeout)})
+        "out-dir": str(out), "result-file": str(result_file),
+        "round-timeout": float(round_timeout), "connect-timeout": float(connect_timeout),
+        **({"resume": str(Path(resume).absolute())} if resume else {})})
     limit = timeout or connect_timeout + cfg.federation.rounds * round_timeout + 600.0
-    with _terminate_as_interrupt(), LocalFederation(work, n, tls=tls, auth=auth,
-                                                    simulation=simulation) as fed:
+    # the ServerApp may read and write only where this command points it (the operator's choice)
+    roots = [config.parent, out, work] + ([Path(resume).absolute().parent] if resume else [])
+    with terminate_as_interrupt(), LocalFederation(work, n, tls=tls, auth=auth, simulation=simulation,
+                                                    server_roots=roots) as fed:
         run_id = fed.submit(write_app(work / "app"), run_config)
         log.info("submitted run %d to %s", run_id, fed.address)
         try:
@@ -124,24 +127,6 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
     if tmp:
         shutil.rmtree(work, ignore_errors=True)
     return run_dir
-
-
-@contextmanager
-def _terminate_as_interrupt():
-    """While deploying, SIGTERM (``kill PID``) unwinds like Ctrl-C, so that every process we
-    started is stopped; Python's default for SIGTERM would exit without any cleanup."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_ray() -> None:
@@ -195,6 +180,8 @@ def add_parser(sub) -> None:
                        help="how long the ServerApp waits for the SuperNodes")
         p.add_argument("--timeout", type=float, metavar="S", help="limit for the whole run")
         p.add_argument("--workdir", help="keep Flower's files (certificates, logs) here")
+        p.add_argument("--resume", metavar="RUN_DIR", help="continue a run that failed or was "
+                       "stopped from its checkpoint (its .NAME.partial-PID folder)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -202,7 +189,8 @@ def main(args: argparse.Namespace) -> int:
     from fedslice.report import report
 
     common = dict(overrides=args.overrides, out_dir=args.out, round_timeout=args.round_timeout,
-                  connect_timeout=args.connect_timeout, timeout=args.timeout, workdir=args.workdir)
+                  connect_timeout=args.connect_timeout, timeout=args.timeout, workdir=args.workdir,
+                  resume=args.resume)
     if args.target == "simulation":
         resources = {"client-resources-num-cpus": args.cpus_per_client,
                      "client-resources-num-gpus": args.gpus_per_client}

@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from fedslice.flower.nodes import PARTITION_ID, DeploymentError
+from fedslice.flower.nodes import END_RUN, PARTITION_ID, DeploymentError
 from fedslice.flower.codec import error_reason
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0
 #: The longest wait for the answers to one batch of queries.
 QUERY_TIMEOUT_S = 60.0
+#: The longest wait for the nodes' answers to the end of a run.
+END_RUN_TIMEOUT_S = 30.0
 
 _FATAL = (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.LOAD_CLIENT_APP_EXCEPTION)
 
@@ -58,7 +60,18 @@ class PartitionMap:
                     raise DeploymentError(f"SuperNode {nid}: {error_reason(reply)}")
                 log.warning("SuperNode %d did not answer: %s", nid, error_reason(reply))
                 continue
-            found[nid] = int(reply.content["fedslice"][PARTITION_ID])
+            try:
+                pid = reply.content["fedslice"][PARTITION_ID]
+                if isinstance(pid, bool) or not isinstance(pid, int):
+                    raise TypeError(f"{PARTITION_ID}={pid!r} is not an integer")
+            except Exception as e:  # noqa: BLE001 - a malformed answer: that node is left out
+                if strict:
+                    raise DeploymentError(f"SuperNode {nid} answered the partition query with a "
+                                          f"malformed message ({type(e).__name__}: {e})") from None
+                log.warning("SuperNode %d: malformed answer to the partition query (%s): not used",
+                            nid, e)
+                continue
+            found[nid] = pid
         return found
 
     def _add(self, found: dict[int, int], connected: set[int], strict: bool) -> None:
@@ -109,3 +122,26 @@ class PartitionMap:
         if lost:
             log.warning("the SuperNodes of clients %s are not connected: not selected", lost)
         return sorted(c for c, nid in self.nodes.items() if nid in connected)
+
+
+def end_run(grid: Grid, timeout: float = END_RUN_TIMEOUT_S) -> int:
+    """Tell every connected SuperNode that the run is over, so that it removes the run's model
+    files (:func:`fedslice.flower.client_app.end_run`); the number of nodes that did. Best
+    effort: a node that does not answer within ``timeout`` is logged (its files go when it next
+    keeps a model, ``state-max-runs``)."""
+    try:
+        nodes = sorted(grid.get_node_ids())
+        if not nodes:
+            return 0
+        content = RecordDict({"fedslice": ConfigRecord({END_RUN: 1})})
+        messages = [Message(content, dst_node_id=nid, message_type=MessageType.QUERY, ttl=timeout)
+                    for nid in nodes]
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+    except Exception as e:  # noqa: BLE001 - the run's results are written: never fail it here
+        log.warning("could not tell the SuperNodes that the run ended: %s", e)
+        return 0
+    done = sum(1 for r in replies if not r.has_error())
+    if done < len(nodes):
+        log.warning("%d of %d SuperNodes did not confirm the end of the run (their model files "
+                    "are removed when they next keep one)", len(nodes) - done, len(nodes))
+    return done

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fedslice.flower.nodes import NUM_PARTITIONS, PARTITION_ID, DeploymentError
+from fedslice.flower.settings import SERVER_ROOT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,22 @@ def _openssl(*args: str, cwd: Path) -> None:
         raise DeploymentError(f"openssl {args[0]} failed: {e.stderr.strip()}") from None
 
 
+def private_file(path: Path) -> Path:
+    """Create ``path`` empty with mode 0600 (or make an existing one 0600), before a private key
+    is written into it: the key is never readable by others, whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.close(fd)
+    os.chmod(path, 0o600)
+    return path
+
+
 def make_certificates(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
                       ) -> Certificates:
-    """A self-signed CA and a server certificate for ``hosts`` signed by it (openssl, EC P-256)."""
+    """A self-signed CA and a server certificate for ``hosts`` signed by it (openssl, EC P-256);
+    the private keys (``ca.key``, ``server.key``) are files of mode 0600."""
     folder.mkdir(parents=True, exist_ok=True)
+    for key in ("ca.key", "server.key"):  # openssl writes into them, keeping the mode
+        private_file(folder / key)
     san = ",".join(f"IP:{h}" if h[0].isdigit() or ":" in h else f"DNS:{h}" for h in hosts)
     (folder / "server.ext").write_text(f"subjectAltName={san}\n")
     _openssl("ecparam", "-genkey", "-name", "prime256v1", "-noout", "-out", "ca.key", cwd=folder)
@@ -100,11 +113,10 @@ def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
 
     folder.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
-    private, public = folder / name, folder / f"{name}.pub"
+    private, public = private_file(folder / name), folder / f"{name}.pub"
     private.write_bytes(key.private_bytes(serialization.Encoding.PEM,
                                           serialization.PrivateFormat.OpenSSH,
                                           serialization.NoEncryption()))
-    private.chmod(0o600)
     public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                                      serialization.PublicFormat.OpenSSH) + b"\n")
     return private, public
@@ -212,6 +224,9 @@ class LocalFederation:
     auth: bool = False
     node_config: dict[str, Any] = field(default_factory=dict)
     simulation: dict[str, Any] | None = None
+    #: the folders the ServerApp may read and write (``FEDSLICE_SERVER_ROOT``; none given: the
+    #: environment's value, else the folder the SuperLink runs in)
+    server_roots: list[Path] = field(default_factory=list)
     processes: list[Process] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -224,6 +239,8 @@ class LocalFederation:
         self.home = self.workdir / "flwr-home"
         self.log_dir = self.workdir / "logs"
         self.env = flower_env(self.home)
+        if self.server_roots:
+            self.env[SERVER_ROOT_ENV] = os.pathsep.join(str(Path(r).absolute()) for r in self.server_roots)
         self.port, *self.node_ports = free_ports(1 + (0 if self.simulation is not None else self.nodes))
         self.certs: Certificates | None = None
 
@@ -320,6 +337,27 @@ class LocalFederation:
                 *(["--root-certificates", str(self.certs.ca)] if self.certs else ["--insecure"]),
                 *(["--auth-supernode-private-key", str(key)] if key else [])]
         self.processes.append(start_process(f"supernode-{i}", argv, self.env, self.log_dir))
+
+    def kill_supernode(self, i: int) -> None:
+        """SIGKILL SuperNode ``i`` and every process below it (a machine that is gone: no
+        goodbye to the SuperLink); it stays in :attr:`processes`, dead."""
+        import psutil
+
+        for proc in self.processes:
+            if proc.name == f"supernode-{i}" and proc.alive():
+                for p in [*_descendants(proc.pid), psutil.Process(proc.pid)]:
+                    try:
+                        p.kill()
+                    except psutil.Error:
+                        pass
+                proc.popen.wait(STOP_TIMEOUT_S)
+
+    def start_supernode(self, i: int) -> None:
+        """(Re)start SuperNode ``i`` (without authentication); it joins with a new node id and
+        the ServerApp maps it to its partition before the next round."""
+        if self.auth:
+            raise DeploymentError("restarting an authenticated SuperNode is not supported here")
+        self._start_supernode(i, None)
 
     # -- the flwr CLI ------------------------------------------------------------------------
     def flwr(self, *args: str, timeout: float = CLI_TIMEOUT_S) -> str:

@@ -16,6 +16,8 @@ from typing import Any
 from fedslice.errors import FedsliceError
 
 PARTITION_ID, NUM_PARTITIONS = "partition-id", "num-partitions"
+#: The query the ServerApp sends every node when its run is over (the node removes its files)
+END_RUN = "end-run"
 
 
 class DeploymentError(FedsliceError):

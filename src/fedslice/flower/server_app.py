@@ -1,7 +1,8 @@
 """The Flower ServerApp: ``fedslice run`` with the clients on SuperNodes.
 
 The run config (``flwr run APP CONNECTION --run-config 'config="/abs/exp.toml"'``) names the
-experiment config file on the SuperLink's machine; the ServerApp loads it like ``fedslice run``,
+experiment config file on the SuperLink's machine (every path inside the operator's server root:
+:mod:`fedslice.flower.settings`); the ServerApp loads it like ``fedslice run``,
 builds the method and data (for the initial state and central evaluation), finds which partition
 each connected SuperNode holds, runs the rounds with :class:`FlowerAdapter` through Flower's
 ``Strategy.start`` and writes the usual run folder (config, partition, metrics.jsonl, summary.json,
@@ -12,7 +13,9 @@ for the replies of a round.
 from __future__ import annotations
 
 import logging
+import shlex
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from flwr.app import ArrayRecord, Context, MetricRecord
@@ -51,9 +54,8 @@ def main(grid: Grid, context: Context) -> None:
 def run(grid: Grid, settings: RunSettings) -> Path:
     """Load the experiment, find the SuperNodes, train, write the run folder; return its path.
     With ``settings.resume`` (run config ``resume``), continue that run from its checkpoint."""
-    from fedslice.api import _run_name, save_results, setup, start_run_folder
-    from fedslice.checkpoint import (CHECKPOINT, check_same_config, find_resumable,
-                                     read_checkpoint, restore)
+    from fedslice.api import _run_name, keep_failed_run, save_results, setup, start_run_folder
+    from fedslice.checkpoint import check_same_config, find_resumable, read_checkpoint, restore
     from fedslice.experiment import load_config
     from fedslice.fl.engine import finalize
     from fedslice.flower.codec import record_to_state, state_to_record
@@ -63,6 +65,8 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     from fedslice.trackers import Trackers
 
     cfg = load_config(settings.config, settings.overrides)
+    out = Path(settings.out_dir) if settings.out_dir else \
+        settings.check_path(cfg.output.dir, "output.dir (of the experiment config)")
     ckpt = staging = None
     if settings.resume:
         staging = find_resumable(settings.resume)
@@ -71,7 +75,6 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     method, data = setup(cfg)
     partitions = PartitionMap(cfg.federation.num_clients)
     partitions.discover(grid, settings.connect_timeout)
-    out = Path(settings.out_dir or cfg.output.dir)
     adapter = FlowerAdapter(cfg, method, data, partitions, settings.round_timeout)
     if ckpt is None:
         run_dir = RunDir.create(out, _run_name(cfg))
@@ -84,23 +87,29 @@ def run(grid: Grid, settings: RunSettings) -> Path:
         for c in range(cfg.federation.num_clients):  # a new Flower run: nodes kept nothing
             method.strategy.forget(c)
         log.warning("resuming %s after round %d of %d", staging, ckpt.round, cfg.federation.rounds)
-    run_dir.keep_if = CHECKPOINT if cfg.output.checkpoint_every else None
+    latest: list[tuple[int, dict]] = [] if ckpt is None else [(ckpt.round, state)]
     trackers = Trackers(cfg, run_dir.staging_path, _run_name(cfg))
     try:
-        with run_dir:
-            if ckpt is None:
-                start_run_folder(run_dir, cfg, method, data)
-            evaluate = _central_evaluation(cfg, method, data, adapter, run_dir, t_start, trackers)
-            result = _with_dp(cfg, method, adapter).start(
-                grid, state_to_record(state), num_rounds=cfg.federation.rounds - adapter.offset,
-                timeout=settings.round_timeout, evaluate_fn=evaluate)
-            state = record_to_state(result.arrays)
-            summary = finalize(cfg, method, data, state, adapter.records, t_start)
-            summary["engine"] = "flower"
-            summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in adapter.records)
-            save_results(run_dir, cfg, method, state, summary)
-            trackers.finish(summary)
-            (run_dir.path / CHECKPOINT).unlink(missing_ok=True)
+        with run_dir, _ending_run(grid):  # kept on a failure after a round, else removed
+            try:
+                if ckpt is None:
+                    start_run_folder(run_dir, cfg, method, data)
+                evaluate = _central_evaluation(cfg, method, data, adapter, run_dir, t_start,
+                                               latest, trackers)
+                result = _with_dp(cfg, method, adapter).start(
+                    grid, state_to_record(state), num_rounds=cfg.federation.rounds - adapter.offset,
+                    timeout=settings.round_timeout, evaluate_fn=evaluate)
+                state = record_to_state(result.arrays)
+                summary = finalize(cfg, method, data, state, adapter.records, t_start)
+                summary["engine"] = "flower"
+                summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in adapter.records)
+                save_results(run_dir, cfg, method, state, summary)
+                trackers.finish(summary)
+            except BaseException as e:
+                if run_dir.trained:
+                    keep_failed_run(run_dir, method, latest[-1] if latest else None, e,
+                                    resume_command(settings, run_dir.staging_path))
+                raise
     finally:
         trackers.finish(None)  # failed: closes them (no-op when finished)
     path = run_dir.final_path
@@ -112,6 +121,30 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     if settings.result_file:
         settings.result_file.write_text(str(path) + "\n")
     return path
+
+
+@contextmanager
+def _ending_run(grid: Grid):
+    """When the run is over (done or failed; not on Ctrl-C), the SuperNodes remove its files."""
+    from fedslice.flower.discovery import end_run
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        end_run(grid)
+        raise
+    end_run(grid)
+
+
+def resume_command(settings: RunSettings, staging: Path) -> str:
+    """How to continue a Flower run kept in ``staging``: ``fedslice deploy local``'s command (the
+    run's config and overrides), and the run config key for ``deploy simulation`` / ``flwr run``."""
+    sets = "".join(f" --set {shlex.quote(o)}" for o in settings.overrides)
+    return (f"fedslice deploy local {shlex.quote(str(settings.config))}{sets} --resume "
+            f"{shlex.quote(str(staging))} (or add resume=\"{staging}\" to the run config of "
+            "`fedslice deploy simulation` / `flwr run`)")
 
 
 def _with_dp(cfg, method, adapter):
@@ -131,10 +164,13 @@ def _with_dp(cfg, method, adapter):
     return CentralDP(adapter, privacy.z, privacy.clip, privacy.n)
 
 
-def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float, trackers=None):
+def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float, latest: list,
+                        trackers=None):
     """Flower's ``evaluate_fn``: the dev metrics after the rounds ``fedslice run`` evaluates, the
-    round's finished record to metrics.jsonl, and a checkpoint every
-    ``output.checkpoint_every`` rounds."""
+    round's finished record to metrics.jsonl (``latest``: its round and state appended), and a
+    checkpoint every ``output.checkpoint_every`` rounds."""
+    import psutil
+
     from fedslice.checkpoint import capture, write_checkpoint
     from fedslice.fl.engine import finish_round
     from fedslice.flower.codec import record_to_state
@@ -147,7 +183,9 @@ def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float, tra
         state = record_to_state(arrays)
         finish_round(cfg, method, data, adapter.selector, server_round, state, record)
         record["elapsed_s"] = time.perf_counter() - t_start
+        record["server_rss_mb"] = psutil.Process().memory_info().rss / 2**20  # a leak shows here
         run_dir.append_metrics(record)
+        latest[:] = [(server_round, state)]
         if trackers is not None:
             trackers.round(record)
         every = cfg.output.checkpoint_every

@@ -9,11 +9,20 @@
 - ``connect-timeout``: seconds to wait at the start for the SuperNode of every partition;
 - ``resume``: a run folder to continue from its checkpoint (``output.checkpoint_every``), like
   ``fedslice run --resume``; the config must be the checkpoint's.
+
+Whoever submits a run chooses these values, but the files are read and written on the server's
+machine: every path (``config``, ``out-dir``, ``result-file``, ``resume``, and the config's
+``output.dir`` when it decides where the run folder goes) must resolve, symbolic links followed,
+inside a server root that the operator sets with the environment variable
+``FEDSLICE_SERVER_ROOT`` of the SuperLink (several roots separated by ``:``; default: the folder
+the SuperLink was started in). Anything outside is refused, naming the key. Relative paths
+resolve from the folder the SuperLink was started in.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +40,33 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: The operator's setting (environment of the SuperLink, hence of the ServerApp): the folders the
+#: run config's paths must lie in, separated by os.pathsep.
+SERVER_ROOT_ENV = "FEDSLICE_SERVER_ROOT"
+
+
+def server_roots() -> tuple[Path, ...]:
+    """``$FEDSLICE_SERVER_ROOT`` (resolved), or the working directory when it is unset."""
+    raw = os.environ.get(SERVER_ROOT_ENV, "")
+    roots = tuple(Path(p).expanduser().resolve() for p in raw.split(os.pathsep) if p.strip())
+    return roots or (Path.cwd().resolve(),)
+
+
+def inside_roots(value: str | os.PathLike, key: str, roots: tuple[Path, ...]) -> Path:
+    """``value`` as an absolute path (relative ones from the working directory), if it resolves
+    inside one of ``roots``; else a :class:`FedsliceError` naming ``key``."""
+    path = Path(value)
+    if not path.is_absolute():
+        path = Path.cwd() / path
+    resolved = path.resolve()
+    if not any(resolved == r or resolved.is_relative_to(r) for r in roots):
+        where = " or ".join(str(r) for r in roots)
+        raise FedsliceError(f"run config {key}={str(value)!r} resolves to {resolved}, outside the "
+                            f"server root {where}: the operator of the SuperLink allows other "
+                            f"folders with {SERVER_ROOT_ENV}")
+    return path
+
+
 @dataclass
 class RunSettings:
     """The ServerApp's run config, parsed."""
@@ -42,9 +78,19 @@ class RunSettings:
     round_timeout: float
     connect_timeout: float
     resume: Path | None = None
+    #: the folders every path must lie in (:func:`server_roots`)
+    roots: tuple[Path, ...] = field(default_factory=server_roots)
+
+    def check_path(self, value: str | os.PathLike, key: str) -> Path:
+        """``value`` as an absolute path inside :attr:`roots` (else an error naming ``key``)."""
+        return inside_roots(value, key, self.roots)
 
     @classmethod
-    def from_run_config(cls, run_config: dict[str, Any]) -> RunSettings:
+    def from_run_config(cls, run_config: dict[str, Any],
+                        roots: tuple[Path, ...] | None = None) -> RunSettings:
+        """Parse and check the run config; every path must lie inside ``roots`` (default:
+        :func:`server_roots`)."""
+        roots = tuple(Path(r).resolve() for r in roots) if roots else server_roots()
         rc = {**RUN_CONFIG_DEFAULTS, **run_config}
         if not rc["config"]:
             raise FedsliceError('no experiment config: pass --run-config \'config="/abs/path.toml"\'')
@@ -52,9 +98,13 @@ class RunSettings:
         for key in ("round-timeout", "connect-timeout"):
             if not isinstance(rc[key], (int, float)) or rc[key] <= 0:
                 raise FedsliceError(f"run config {key}={rc[key]!r} must be a positive number of seconds")
-        return cls(config=Path(str(rc["config"])).expanduser(), overrides=overrides,
-                   out_dir=str(rc["out-dir"]) or None,
-                   result_file=Path(str(rc["result-file"])) if rc["result-file"] else None,
-                   round_timeout=float(rc["round-timeout"]),
-                   connect_timeout=float(rc["connect-timeout"]),
-                   resume=Path(str(rc["resume"])).expanduser() if rc["resume"] else None)
+        paths = {}
+        for key in ("config", "out-dir", "result-file", "resume"):
+            value = rc[key]
+            if not isinstance(value, str):
+                raise FedsliceError(f"run config {key}={value!r} must be a path (a string)")
+            paths[key] = inside_roots(value, key, roots) if value else None
+        return cls(config=paths["config"], overrides=overrides,
+                   out_dir=str(paths["out-dir"]) if paths["out-dir"] else None,
+                   result_file=paths["result-file"], round_timeout=float(rc["round-timeout"]),
+                   connect_timeout=float(rc["connect-timeout"]), resume=paths["resume"], roots=roots)

@@ -99,6 +99,14 @@ class Method:
     lora_ranks_per_client: ClassVar[bool] = False
 
     @classmethod
+    def client_statistics(cls, cfg: ExperimentConfig) -> str | None:
+        """What a client sends the server under ``cfg`` besides its update, its example count and
+        its costs, that steers the server's work (e.g. FedPFT's APoZ reports), named with the
+        option that asks for it and how to turn it off; None when nothing. DP-FedAvg refuses a config that has some:
+        it would reach the server without noise and outside the accountant."""
+        return None
+
+    @classmethod
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:
         """A ConfigError, before any weight is loaded, when the method cannot run this pair."""
         if cls.needs_simple_encoder and not (arch.is_simple_encoder and task.head == "sequence_classification"):
@@ -302,6 +310,7 @@ class Method:
             hidden=self.dims["hidden"], ffn=self.dims["ffn"],
             num_heads=self.dims["num_heads"], tokens=result.tokens, seq_len=seq,
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
+            embedding_backward=measure.embeddings_train(model),
             examples=result.head_positions, head_linear_params=counts["head_total"],
             head_trainable_linear_params=counts["head_trainable"])
         mb = measure.module_bytes(model) / 2**20

@@ -52,6 +52,7 @@ compressed FFN tensors (proxy names; same keys as the full model's FFN but of th
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -246,8 +247,10 @@ class FedPFTStrategy(Strategy):
 
     def __init__(self, fed, method: FedPFTMethod, arch: ArchSpec, proxy_keys: list[str],
                  widths: dict[int, int], offsets: tuple[int, ...] = (0,),
-                 base: State | None = None, client_sizes: Mapping[int, int] | None = None):
+                 base: State | None = None, client_sizes: Mapping[int, int] | None = None,
+                 max_tokens: int = 512):
         super().__init__(fed, client_sizes)
+        self.max_tokens = max_tokens  # tokens of one example at most (data.max_length)
         self.method, self.arch, self.proxy_keys, self.widths = method, arch, set(proxy_keys), widths
         self.offsets = offsets  # global index of each stack's first layer (widths' keys)
         self.base = dict(base or {})  # the proxy's other frozen tensors (Payload.model), constant
@@ -323,15 +326,39 @@ class FedPFTStrategy(Strategy):
                 if k not in self.proxy_keys and not k.startswith(UPDATE_PREFIX)}
 
     def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
+        """The generic checks, plus the APoZ report of an alignment round: one fraction in
+        [0, 1] per kept neuron of every compressed layer, weighted by ``apoz_tokens``, a count of
+        at most the client's examples (or ``apoz_max_examples``) x ``data.max_length`` tokens."""
         model, apoz = split_report(reply.arrays)
-        if apoz and not payload.config.get("report_apoz"):
+        asked = bool(payload.config.get("report_apoz"))
+        if apoz and not asked:
             return "APoZ report in a round that did not ask for one"
+        if asked and set(apoz) != set(self.widths):
+            return f"APoZ report of layers {sorted(apoz)}, expected {sorted(self.widths)}"
         for layer, a in apoz.items():
-            if layer not in self.widths or a.shape != (self.widths[layer],):
-                return f"APoZ of layer {layer} has shape {tuple(a.shape)}"
+            if a.shape != (self.widths[layer],) or not a.is_floating_point():
+                return f"APoZ of layer {layer} has shape {tuple(a.shape)} and dtype {a.dtype}"
             if not torch.isfinite(a).all() or a.min() < 0 or a.max() > 1:
                 return f"APoZ of layer {layer} is not a fraction in [0, 1]"
+        if reason := self.check_tokens(payload, reply, asked):
+            return reason
         return super().check_reply(state, payload, Reply(model, reply.num_examples, reply.metrics))
+
+    def check_tokens(self, payload: Payload, reply: Reply, asked: bool) -> str | None:
+        tokens = reply.metrics.get("apoz_tokens") if isinstance(reply.metrics, dict) else None
+        if not asked:
+            return None if tokens is None else "apoz_tokens in a round without an APoZ report"
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or \
+                not math.isfinite(tokens) or tokens <= 0 or tokens != int(tokens):
+            return f"apoz_tokens={tokens!r} is not a positive count (it weighs the APoZ report)"
+        size = self.client_sizes.get(payload.config.get("client"))
+        examples = min(n for n in (size, self.method.apoz_max_examples, reply.num_examples)
+                       if n is not None)
+        bound = examples * self.max_tokens
+        if tokens > bound:
+            return (f"apoz_tokens={tokens:g} is more than the {examples} examples it counted x "
+                    f"data.max_length={self.max_tokens} = {bound}")
+        return None
 
     def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
                        replies: dict[int, Reply]) -> tuple[list[State], list]:
@@ -352,6 +379,14 @@ class FedPFT(Method):
     parallel_clients = False
     client_model_from_server = True
     adapters = ("lora",)
+
+    @classmethod
+    def client_statistics(cls, cfg: ExperimentConfig) -> str | None:
+        if cfg.method.kd in KD_DURING:
+            return (f"method.kd={cfg.method.kd!r} (neuron-level KD during FL re-distils the "
+                    "neurons chosen by the clients' APoZ statistics of their data; set "
+                    "method.kd = 'before', layer-level KD on the server's corpus only, or 'none')")
+        return None
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -419,7 +454,7 @@ class FedPFT(Method):
         widths = self._widths()
         return FedPFTStrategy(self.cfg.federation, self.opts, self.arch, list(self.proxy_params), widths,
                               offsets=stack_offsets(self.spec), base=self.client_base.payload(),
-                              client_sizes=self.client_sizes)
+                              client_sizes=self.client_sizes, max_tokens=self.cfg.data.max_length)
 
     def _widths(self) -> dict[int, int]:
         """Global layer -> kept neurons, of every compressed layer."""

@@ -128,6 +128,18 @@ def max_sparsity(pool: int) -> float:
 # Server
 # --------------------------------------------------------------------------------------------
 
+def bounded_importance(alpha: torch.Tensor | None, kept: torch.Tensor) -> torch.Tensor | None:
+    """α of one client divided by its mean over the client's kept heads: every client's Eq. 8
+    weights average 1 on the heads it kept, so its total weight is its number of kept heads
+    whatever it reports. Eq. 8 is a ratio per head, so this changes only how clients compare,
+    not how one client ranks its heads: a client claiming α = 1 everywhere weighs as much on a
+    head as an honest one of average confidence there, instead of taking every head."""
+    if alpha is None:
+        return None
+    mean = alpha[kept].float().mean() if bool(kept.any()) else torch.tensor(1.0)
+    return alpha.float() / mean
+
+
 class HeadsStrategy(Strategy):
     """Validates head-pruned replies and aggregates them with Eq. 8 (or FedAvg per head)."""
 
@@ -146,35 +158,81 @@ class HeadsStrategy(Strategy):
         return torch.ones(self.mask_shape, dtype=torch.bool)
 
     def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
-        """The LoRA slices of the heads the client kept (it reports which, in ``KEPT``)."""
-        return extract_state(state, mask_spec(self._kept(reply), self.dims), self.arch)
+        """The LoRA slices of the heads the client kept (it reports which, in ``KEPT``): every
+        non-empty one, except the attention LoRA of a (family, layer) that kept no head (it gets
+        no gradient, and is not sent: :meth:`Heads.local_params`)."""
+        kept = self._kept(reply)
+        rows = mask_rows(self.dims)
+        out = {}
+        for k, t in extract_state(state, mask_spec(kept, self.dims), self.arch).items():
+            info = key_info(self.arch, k)
+            if t.numel() == 0 or (info is not None and info.part in HEAD_PARTS and
+                                  not bool(kept[rows[(info.stack, info.family)] + info.layer].any())):
+                continue
+            out[k] = t
+        return out
 
     def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
+        """The generic checks, plus the client's head reports: the keep-mask (bool, (R, H), as
+        many heads as the sparsity keeps, and present exactly when the method prunes), the
+        importance α of Eq. 8 (in (0, 1] on every kept head, 0 on the pruned ones) and the head
+        metrics the run's summary reads (equal to the mask)."""
         size = self.client_sizes.get(payload.config.get("client"))
         if reason := check_num_examples(reply.num_examples, size):
             return reason
-        shape = self.mask_shape
-        for key in (KEPT, ALPHA):
-            if key in reply.arrays and tuple(reply.arrays[key].shape) != shape:
-                return f"{key} has shape {tuple(reply.arrays[key].shape)}, expected {shape}"
-        if KEPT in reply.arrays and reply.arrays[KEPT].dtype != torch.bool:
-            return f"{KEPT} has dtype {reply.arrays[KEPT].dtype}, expected torch.bool"
-        if self.opts.aggregation == "head_weighted":
-            alpha = reply.arrays.get(ALPHA)
-            if alpha is None:
-                return f"no importance vector ({ALPHA}) for head-weighted aggregation"
-            if not bool(torch.isfinite(alpha).all()) or bool((alpha < 0).any()):
-                return "importance vector is not finite and non-negative"
+        if reason := self.check_heads(reply):
+            return reason
         model = {k: t for k, t in reply.arrays.items() if k not in (KEPT, ALPHA)}
         return check_update(self.expected_update(state, payload, reply), model, reply.num_examples,
-                            float(reply.metrics.get("loss", 0.0)), size)
+                            reply.metrics, size)
+
+    def check_heads(self, reply: Reply) -> str | None:
+        shape, o = self.mask_shape, self.opts
+        for key in (KEPT, ALPHA):
+            t = reply.arrays.get(key)
+            if t is not None and not isinstance(t, torch.Tensor):
+                return f"{key} is a {type(t).__name__}, not a tensor"
+            if t is not None and tuple(t.shape) != shape:
+                return f"{key} has shape {tuple(t.shape)}, expected {shape}"
+        if (KEPT in reply.arrays) != (o.pruning != "none"):
+            return (f"a keep-mask ({KEPT}) with method.pruning = 'none'" if KEPT in reply.arrays
+                    else f"no keep-mask ({KEPT}) with method.pruning = {o.pruning!r}")
+        kept = self._kept(reply) if KEPT not in reply.arrays else reply.arrays[KEPT]
+        if kept.dtype != torch.bool:
+            return f"{KEPT} has dtype {kept.dtype}, expected torch.bool"
+        want = keep_mask(torch.zeros(shape), o.sparsity, scope=o.scope,  # the count, not the draw
+                         mode="none" if o.pruning == "none" else "importance")
+        got = kept.sum(1) if o.scope == "per_layer" else kept.sum()
+        if not torch.equal(got, want.sum(1) if o.scope == "per_layer" else want.sum()):
+            return (f"{KEPT} keeps {got.tolist()} heads, sparsity {o.sparsity} ({o.scope}) "
+                    f"keeps {(want.sum(1) if o.scope == 'per_layer' else want.sum()).tolist()}")
+        alpha = reply.arrays.get(ALPHA)
+        if o.aggregation == "head_weighted":
+            if alpha is None:
+                return f"no importance vector ({ALPHA}) for head-weighted aggregation"
+            if not alpha.is_floating_point() or not bool(torch.isfinite(alpha).all()):
+                return f"importance {ALPHA} is not finite floating point"
+            if bool((alpha[~kept] != 0).any()):
+                return f"importance {ALPHA} is not 0 on a pruned head"
+            if bool(((alpha[kept] <= 0) | (alpha[kept] > 1)).any()):
+                return (f"importance {ALPHA} is outside (0, 1] on a kept head (a mean attention "
+                        "probability)")
+        elif alpha is not None:
+            return f"an importance vector ({ALPHA}) with method.aggregation = {o.aggregation!r}"
+        if "head_kept" in reply.metrics and reply.metrics["head_kept"] != kept.flatten().int().tolist():
+            return "metric head_kept differs from the keep-mask"
+        if "head_importance" in reply.metrics and \
+                len(reply.metrics["head_importance"] or []) != kept.numel():
+            return f"metric head_importance does not hold {kept.numel()} values"
+        return None
 
     def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
                        replies: dict[int, Reply]) -> tuple[list[State], list]:
         """Head-pruned updates scattered to full shape; weights α_hc (Eq. 8) or |D_c| on the
         kept heads, |D_c| elsewhere."""
         updates = [HeadUpdate({k: t for k, t in r.arrays.items() if k not in (KEPT, ALPHA)},
-                              self._kept(r), r.arrays.get(ALPHA), r.num_examples)
+                              self._kept(r), bounded_importance(r.arrays.get(ALPHA), self._kept(r)),
+                              r.num_examples)
                    for _, r in sorted(replies.items())]
         return head_deltas(state, updates, self.arch, self.dims, self.opts.aggregation)
 

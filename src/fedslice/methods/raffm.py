@@ -411,16 +411,19 @@ class RaFFM(Method):
         d, T = self.dims["hidden"], result.tokens
         s = T / max(result.examples, 1)
         specs = [x for x in stack_list(spec) if x is not None]
+        embeddings = measure.embeddings_train(model)  # full tuning: layer 0's input-gradient too
         base = measure.analytic_train_flops(
             num_layers=sum(len(x.layers) for x in specs), hidden=d, ffn=self.dims["ffn"],
             num_heads=self.dims["num_heads"], tokens=T, seq_len=s,
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
-            examples=result.examples, head_linear_params=counts["head_total"],
+            embedding_backward=embeddings, examples=result.examples,
+            head_linear_params=counts["head_total"],
             head_trainable_linear_params=counts["head_trainable"])
         widths = [len(h) * x.head_dim for x in specs for h in x.heads]
         attn_excess = 12.0 * s * T * sum(d - w for w in widths)  # 4 forward + 8 backward
         first = specs[0]
-        first_qkv = 6.0 * d * (d - len(first.heads[0]) * first.head_dim) * T if first.layers[0] == 0 else 0.0
+        first_qkv = 6.0 * d * (d - len(first.heads[0]) * first.head_dim) * T \
+            if first.layers[0] == 0 and not embeddings else 0.0
         return base["total"] - attn_excess + first_qkv
 
     # -- server evaluation -------------------------------------------------------------------

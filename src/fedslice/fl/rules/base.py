@@ -51,6 +51,7 @@ class Rule(Strategy):
                                 "by rules keeps the templates and overrides hooks")
         self.inner = inner
         self.sent: list[int] = []
+        self.population: int | None = None
 
     # -- config ------------------------------------------------------------------------------
     @classmethod

@@ -38,6 +38,26 @@ class DPFedAvg(Rule):
         if agg.rule != "mean" or agg.clip_norm is not None:
             raise ValueError("dp.enabled: DP-FedAvg is the clipped mean (dp.clip_norm); "
                              "aggregation.rule must be 'mean' without aggregation.clip_norm")
+        cls.check_accountable(cfg, method_cls)
+
+    @classmethod
+    def check_accountable(cls, cfg: ExperimentConfig, method_cls: type) -> None:
+        """What would make the reported epsilon wrong is refused, saying why
+        (docs/reliability.md, "Differential privacy")."""
+        fed = cfg.federation
+        if fed.selection == "loss_gap":
+            probe = (" (and cold_start='probe' sends the server every client's loss)"
+                     if fed.cold_start == "probe" else "")
+            raise ValueError(
+                "dp.enabled with federation.selection='loss_gap': the accountant's epsilon assumes "
+                "every round samples clients_per_round of the clients uniformly at random; "
+                f"loss-gap selection picks them by the losses they report{probe}, which is neither "
+                "uniform nor private, so the epsilon would be wrong: use selection='uniform'")
+        stats = method_cls.client_statistics(cfg)
+        if stats is not None:
+            raise ValueError(f"dp.enabled with {stats}: client statistics that reach the server "
+                             "without noise and outside the accountant, so epsilon would not "
+                             "cover them")
 
     @classmethod
     def from_config(cls, inner: Strategy, cfg: ExperimentConfig, role: str) -> Strategy:
@@ -48,7 +68,8 @@ class DPFedAvg(Rule):
 
     def combine(self, server_round: int, state: State, deltas: list[State], weights: list,
                 replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
-        return self.privacy.aggregate(server_round, state, deltas, self.fed.server_lr)
+        return self.privacy.aggregate(server_round, state, deltas, self.fed.server_lr,
+                                      self.population)
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.inner.state_dict(), "privacy": self.privacy.state_dict()}
