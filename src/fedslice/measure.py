@@ -257,6 +257,9 @@ def analytic_train_flops(
     examples: int = 0,
     head_linear_params: int = 0,
     head_trainable_linear_params: int = 0,
+    virtual_tokens: int = 0,
+    prefix_keys: int = 0,
+    adapter_flops: float = 0.0,
 ) -> dict[str, float]:
     """Analytic FLOPs of training on ``tokens`` tokens (forward + backward; optimizer excluded).
 
@@ -282,17 +285,26 @@ def analytic_train_flops(
     classification head (``head_linear_params``, ``head_trainable_linear_params``) runs once per
     example, so it is counted with ``examples`` instead of ``tokens``.
 
+    An adapter adds (:class:`fedslice.peft.AdapterCost`): ``virtual_tokens`` positions per
+    example that the whole model runs on (prompt tuning, P-tuning: ``T + P·examples`` tokens of
+    length ``s + P``; the gradient reaches the input, so the first layer's input-gradients are
+    computed), ``prefix_keys`` keys every self-attention reads at each query (prefix tuning:
+    the attention term at ``s + P`` keys), and ``adapter_flops`` of its own operations (IA3's
+    scaling, P-tuning's encoder, DoRA's norms), counted in the backward half as a whole.
+
     Returns ``{"forward", "backward", "total"}`` in FLOPs (floats).
     """
     del ffn, num_heads  # documented: they do not enter the count
-    T = float(tokens)
+    T = float(tokens) + float(virtual_tokens) * examples
+    seq_len = float(seq_len) + virtual_tokens + prefix_keys
+    embedding_backward = embedding_backward or virtual_tokens > 0
     attn_fwd = 4.0 * num_layers * float(seq_len) * hidden * T
     forward = 2.0 * total_linear_params * T + attn_fwd + 2.0 * head_linear_params * examples
     input_grads = 2.0 * total_linear_params * T + 2.0 * attn_fwd + 2.0 * head_linear_params * examples
     if not embedding_backward:
         input_grads -= 2.0 * (3 * hidden * hidden) * T
     weight_grads = 2.0 * trainable_linear_params * T + 2.0 * head_trainable_linear_params * examples
-    backward = input_grads + weight_grads
+    backward = input_grads + weight_grads + adapter_flops
     return {"forward": forward, "backward": backward, "total": forward + backward}
 
 
