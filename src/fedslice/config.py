@@ -86,8 +86,11 @@ class DataConfig(_Section):
                       "carved off train), one file (train alone, or all splits with "
                       "`split_column`), or a hub id such as 'glue/sst2'. 'sst2' resolves to "
                       "../shared/data/sst2 when present.")
-    text_columns: list[str] = Field(default_factory=lambda: ["sentence"], min_length=1, max_length=2,
-                                    description="One text column, or two for sentence pairs.")
+    text_columns: list[str] | None = Field(None, min_length=1, max_length=2,
+                                           description="One text column, or two for sentence "
+                                           "pairs. Unset: 'sentence' if the data has it, else "
+                                           "'text', else its single column besides the label "
+                                           "(and split/group) columns; the log says which.")
     label_column: str = Field("label", description="Column of class labels: integer ids >= 0 "
                               "or names (mapped to ids in sorted order of the train split).")
     labels: list[str] | None = Field(None, min_length=2, description="Class names in id order: "
@@ -159,7 +162,7 @@ class DataConfig(_Section):
             raise ValueError("`columns` names the fields of headerless files: set header = false "
                              "(files with a header line are read by their own column names)")
         if self.columns is not None:
-            named = [*self.text_columns, self.label_column]
+            named = [*(self.text_columns or []), self.label_column]
             named += [c for c in (self.split_column, self.group_column) if c is not None]
             missing = [c for c in named if c not in self.columns]
             if missing:
@@ -387,8 +390,13 @@ class OutputConfig(_Section):
     dir: str = "runs"
     name: str | None = None
     save_weights: bool = True
-    plots: bool = True
+    plots: bool = Field(True, description="PNG plots and the self-contained report.html in the "
+                        "run folder at its end (docs/results.md).")
     progress: bool = True
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="Experiment trackers that get the config, one scalar "
+        "per metric per round and the summary (docs/trackers.md); needs "
+        "`pip install 'fedslice[trackers]'`.")
     checkpoint_every: int = Field(0, ge=0, description="Write a checkpoint (global and server "
                                   "state, RNGs, metrics) into the run folder every N rounds, "
                                   "kill-safe; `fedslice run --resume RUN_DIR` continues. 0: never.")
