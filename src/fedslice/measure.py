@@ -113,13 +113,15 @@ def linear_param_counts(model: nn.Module) -> dict[str, int]:
     for name, module in model.named_modules():
         if not is_linear(module):
             continue
-        w = module.weight
+        w = module._parameters.get("weight")  # a partly trained weight: its kept slice
+        w = module.weight if w is None else w
         segments = name.split(".")
         if "original_module" in segments:
             continue  # peft modules_to_save keeps an unused copy of the original head
         is_head = module is lm_head or any(part in seg for seg in segments for part in _HEAD_NAME_PARTS)
         prefix = "head_" if is_head else ""
         frozen = getattr(module, "frozen", None)  # PartialLinear: the frozen slice runs forward too
+        frozen = getattr(module, "_partial", {}).get("weight", (frozen,))[0]  # partial_parameters
         counts[prefix + "total"] += w.numel() + (frozen.numel() if isinstance(frozen, torch.Tensor) else 0)
         if w.requires_grad:
             counts[prefix + "trainable"] += w.numel()

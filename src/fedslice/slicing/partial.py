@@ -7,7 +7,8 @@ that model from a :class:`~fedslice.slicing.spec.SliceSpec` that keeps every lay
 * a head-tied trainable tensor (q/k/v LoRA ``B`` rows -- per key/value head under grouped-query
   attention, per section of a fused q|k|v --, o LoRA ``A`` columns: the axis a
   :class:`~fedslice.slicing.spec.KeyInfo` reports) of any stack and attention family becomes a
-  :class:`PartialLinear`: its kept
+  :class:`PartialLinear` (rows; ``A`` columns use :func:`partial_parameters`, since DoRA reads
+  ``lora_A.weight``'s width): its kept
   slice is a trainable parameter (same name and shape as :func:`extract_state` gives), the pruned
   slice a frozen buffer, both in the forward pass;
 * in a layer that keeps no head of an attention family, every trainable tensor of that family
@@ -154,8 +155,9 @@ def partial_model(model: nn.Module, spec: Spec, arch: ArchSpec,
         if owner in replace:
             continue
         module = modules[owner]
-        if isinstance(module, nn.Linear) and module.bias is None and list(leaves) == ["weight"]:
-            replace[owner] = PartialLinear(module, *leaves["weight"])  # LoRA A / B
-        else:
+        if isinstance(module, nn.Linear) and module.bias is None and list(leaves) == ["weight"] \
+                and leaves["weight"][1] == 0:
+            replace[owner] = PartialLinear(module, *leaves["weight"])  # LoRA B rows
+        else:  # LoRA A columns too: DoRA reads lora_A.weight.shape[1] as the input width
             replace[owner] = partial_parameters(module, leaves)
     return _rebuild(model, "", replace, {}, {})

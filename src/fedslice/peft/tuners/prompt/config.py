@@ -23,5 +23,5 @@ class PromptConfig(AdapterOptions):
     @model_validator(mode="after")
     def _text(self) -> "PromptConfig":
         if (self.init == "text") != (self.init_text is not None):
-            raise ValueError("init = 'text' needs init_text, and init_text needs init = 'text'")
+            raise ValueError("prompt.init = 'text' needs prompt.init_text, and init_text needs init = 'text'")
         return self
