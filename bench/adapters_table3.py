@@ -75,8 +75,18 @@ def run_one(cfg, out: Path, name: str, s: float) -> dict:
             "flops_analytic": mean("flops_analytic"), "flops_importance": mean("flops_importance"),
             "tokens": mean("tokens"), "trainable_params": mean("trainable_params"),
             "heads_kept": mean("heads_kept"), "train_loss_last": records[-1].get("train_loss"),
-            "client_rounds": len(clients), "wall_s": time.perf_counter() - t0,
+            "paper_ops": mean("paper_ops"), "client_rounds": len(clients), "wall_s": time.perf_counter() - t0,
             "loadavg": os.getloadavg()[0], "lr": cfg.federation.lr}
+
+
+def paper_ops(r: dict) -> float:
+    """Mean per client-round of the heads paper's op count (Table 6, ``paper_ops``) of a run."""
+    if "paper_ops" not in r:
+        recs = [json.loads(l) for l in (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        ops = [m.get("paper_ops") or 0.0 for x in recs for m in x["client_metrics"]
+               if m.get("num_examples", 0) > 0]
+        r["paper_ops"] = sum(ops) / max(len(ops), 1)
+    return r["paper_ops"]
 
 
 def markdown(results: dict, config: Path) -> str:
@@ -84,18 +94,19 @@ def markdown(results: dict, config: Path) -> str:
     metric = "ROUGE-L" if gen else "test acc"
     cols = ["adapter", "sparsity", metric, f"Δ {metric} vs s=0", "MB up / client-round",
             "up: s=0 ÷ this", "train GFLOPs / client-round (measured)", "FLOPs: s=0 ÷ this",
-            "+ importance GFLOPs", "analytic GFLOPs", "lr"]
+            "+ importance GFLOPs", "analytic GFLOPs", "paper OPs (Table 6): s=0 ÷ this", "lr"]
     lines = [f"`{config}`; per client-round means; ratios to the same adapter at sparsity 0.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     val = lambda r: (r["test_rougeL"] if gen else 100 * (r["test_accuracy"] or 0))  # noqa: E731
     for k, r in results.items():
         base = results.get(key(r["adapter"], 0))
         ratio = lambda f: (f"{base[f] / r[f]:.2f}" if base and r[f] else "—")  # noqa: E731
+        ops = f"{paper_ops(base) / paper_ops(r):.2f}" if base and paper_ops(r) else "—"
         lines.append("| " + " | ".join([
             r["adapter"], f"{round(100 * r['sparsity'])}%", f"{val(r):.2f}",
             f"{val(r) - val(base):+.2f}" if base else "—", f"{r['bytes_up'] / 1e6:.3f}",
             ratio("bytes_up"), f"{r['flops_measured'] / 1e9:.1f}", ratio("flops_measured"),
-            f"{r['flops_importance'] / 1e9:.1f}", f"{r['flops_analytic'] / 1e9:.1f}", f"{r['lr']:g}"])
+            f"{r['flops_importance'] / 1e9:.1f}", f"{r['flops_analytic'] / 1e9:.1f}", ops, f"{r['lr']:g}"])
             + " |")
     return "\n".join(lines) + "\n"
 
@@ -107,9 +118,13 @@ def main() -> None:
     p.add_argument("--sparsities", type=float, nargs="+", default=[0.0, 0.5, 0.9])
     p.add_argument("--only", nargs="*", help="adapter variants (their [[variants]] names)")
     p.add_argument("--rerun", action="store_true")
+    p.add_argument("--table", action="store_true", help="only rewrite results.md from results.json")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     store = args.out / "results.json"
+    if args.table:
+        (args.out / "results.md").write_text(markdown(json.loads(store.read_text()), args.config))
+        return
     for name, s, cfg in runs(args.config, args.sparsities, args.only):
         done = json.loads(store.read_text()) if store.exists() else {}
         if key(name, s) in done and not args.rerun:
