@@ -5,21 +5,24 @@ default workers; and peak memory (PSS of the process tree) against the client po
 Writes bench/results/perf/curves.json and curves.png.
 
     .venv/bin/python bench/curves.py
+    .venv/bin/python bench/curves.py --keep bench/results/perf/curves.json   # measure only missing points
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "perf"))
 from common import RESULTS, machine, python, run_measured, save  # noqa: E402
 
 CONFIG = "bench/perf/minilm_sst2.toml"
-SWEEPS = {"federation.clients_per_round": [2, 5, 10, 20], "federation.local_steps": [2, 4, 8, 16],
+SWEEPS = {"federation.clients_per_round": [2, 5, 10, 20], "federation.local_steps": [2, 8, 16],
           "data.max_length": [32, 64, 128]}
 MODES = {"one process": ["compute.workers=1"], "workers": []}
 POPULATION = [100, 300, 1000]
@@ -36,6 +39,14 @@ def point(out: Path, name: str, sets: list[str]) -> dict:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keep", type=Path, help="an earlier (partial) curves.json: its points are kept, "
+                    "only the missing ones are measured (each point records when it was measured)")
+    ap.add_argument("--plot", action="store_true", help="only draw curves.png from curves.json")
+    args = ap.parse_args()
+    if args.plot:
+        return plot(json.loads((RESULTS / "curves.json").read_text()))
+    kept = json.loads(args.keep.read_text()) if args.keep and args.keep.exists() else {}
     res = {"machine": machine(), "sweeps": {}, "population": {}}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -43,17 +54,27 @@ def main() -> None:
         for key, values in SWEEPS.items():
             res["sweeps"][key] = {}
             for mode, sets in MODES.items():
-                ys = []
-                for v in values:
+                old = kept.get("sweeps", {}).get(key, {}).get(mode, {})
+                ys, when = [], []
+                for k, v in enumerate(values):
                     i += 1
+                    if v in old.get("x", []) and old["round_s"][old["x"].index(v)] is not None:
+                        j = old["x"].index(v)
+                        ys.append(old["round_s"][j])
+                        when.append(old.get("measured", [kept.get("machine", {}).get("date")] * len(old["x"]))[j])
+                        continue
                     p = point(out, f"p{i}", [*sets, f"{key}={v}"])
                     ys.append(p["round_s"])
+                    when.append(time.strftime("%Y-%m-%d %H:%M"))
                     print(f"{key}={v} {mode}: round {p['round_s']:.1f} s", flush=True)
-                res["sweeps"][key][mode] = {"x": values, "round_s": ys}
+                res["sweeps"][key][mode] = {"x": values, "round_s": ys, "measured": when}
         for n in POPULATION:
             i += 1
+            if str(n) in kept.get("population", {}):
+                res["population"][n] = kept["population"][str(n)]
+                continue
             p = point(out, f"p{i}", [f"federation.num_clients={n}"])
-            res["population"][n] = p
+            res["population"][n] = {**p, "measured": time.strftime("%Y-%m-%d %H:%M")}
             print(f"population {n}: PSS {p['pss_peak_mb']:.0f} MB", flush=True)
     res["machine"]["loadavg_end"] = os.getloadavg()[0]
     save("curves", res)
@@ -72,11 +93,13 @@ def plot(res: dict) -> None:
             ax.plot(d["x"], d["round_s"], marker="o", label=mode)
         ax.set_xlabel(key.split(".")[-1])
         ax.set_ylabel("round time (s)")
+        ax.set_ylim(bottom=0)
         ax.legend()
     pop = res["population"]
     axes[3].plot([int(n) for n in pop], [pop[n]["pss_peak_mb"] for n in pop], marker="o")
     axes[3].set_xlabel("clients in the population")
     axes[3].set_ylabel("peak PSS (MB)")
+    axes[3].set_ylim(bottom=0)
     fig.suptitle(f"MiniLM + LoRA, SST-2, CPU ({res['machine']['cores']} cores)")
     fig.tight_layout()
     fig.savefig(RESULTS / "curves.png", dpi=90)

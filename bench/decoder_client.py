@@ -72,7 +72,7 @@ def collate(pad: int):
     return fn
 
 
-def run_trainer(method, data, steps: int, batch: int, lr: float) -> dict:
+def run_trainer(method, data, steps: int, batch: int, lr: float, precision: str = "fp32") -> dict:
     from transformers import Trainer, TrainingArguments
 
     model = method.model  # the same peft model (LoRA on q/v), state reset by the caller
@@ -89,7 +89,8 @@ def run_trainer(method, data, steps: int, batch: int, lr: float) -> dict:
                                  learning_rate=lr, weight_decay=0.0, max_grad_norm=1.0,
                                  lr_scheduler_type="constant", warmup_steps=0, report_to=[],
                                  save_strategy="no", logging_strategy="no", use_cpu=True,
-                                 dataloader_num_workers=0, remove_unused_columns=False, seed=0)
+                                 dataloader_num_workers=0, remove_unused_columns=False, seed=0,
+                                 bf16=precision == "bf16")
         trainer = Trainer(model=model, args=args, train_dataset=Examples(data), data_collator=counted)
         t = time.perf_counter()
         trainer.train()
@@ -103,9 +104,7 @@ def run_fedslice(method, data, steps: int, seed: int) -> dict:
     payload.config["local_steps"] = steps
     reply = method.fit(payload, data, seed)
     m = reply.metrics
-    real = sum(int(len(data.prompts[i]) + len(data.targets[i])) for i in range(len(data)))
-    # real tokens trained: examples_trained of the client's rows at their mean real length
-    tokens = m["examples_trained"] * real / max(len(data), 1)
+    tokens = m["tokens_real"]  # non-padding tokens of the batches trained on
     return {"time_s": m["train_time_s"], "tokens": tokens, "tokens_per_s": tokens / m["train_time_s"],
             "flops_measured": m["flops_measured"], "padded_tokens": m["tokens"],
             "flops_per_s": m["flops_measured"] / m["train_time_s"]}
@@ -130,7 +129,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for name in ("trainer", "fedslice"):
             method.load_state(method.trainable(), start)
-            r = run_trainer(method, data, args.steps, 8, 2e-3) if name == "trainer" else \
+            r = run_trainer(method, data, args.steps, 8, 2e-3, args.precision) if name == "trainer" else \
                 run_fedslice(method, data, args.steps, client_seed(0, rep + 1, 0))
             rows[name].append(r)
             print(f"{name} #{rep}: {r['tokens_per_s']:.0f} real tokens/s ({r['time_s']:.1f} s)", flush=True)

@@ -5,9 +5,10 @@ process whose whole tree is sampled (RSS summed, and PSS: pages shared by forked
 * ``population``: 100 vs 1,000 clients (same rounds and clients per round); the bound is the
   100-client peak + 900 x (one client's trainable state + its tokenized data) + 5%.
 * ``growth``: 20 rounds (2 local steps each), the process RSS at every round end.
-* ``per_client``: a client's ``memory_mb`` as the run reports it (model held + saved activations +
-  gradients + AdamW state) against that client's training alone in a fresh process (peak RSS
-  during ``fit`` minus RSS after the model and data were loaded: what training adds).
+* ``per_client``: a client's ``peak_rss_mb`` as a run reports it against that client's training
+  alone in a fresh process (peak RSS during ``fit`` minus RSS after the model and data were
+  loaded, sampled every 2 ms by the script): first alone, then again after five other clients
+  trained in the same process (where a plain RSS delta reads ~0 because freed heap is reused).
 
     .venv/bin/python bench/memory.py [--parts workload population growth per_client]
 """
@@ -23,7 +24,7 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "perf"))
-from common import machine, python, run_measured, save  # noqa: E402
+from common import RESULTS, machine, python, run_measured, save  # noqa: E402
 
 CONFIG = "bench/perf/minilm_sst2.toml"
 
@@ -42,28 +43,33 @@ def fedslice_run(out: Path, name: str, *sets: str) -> dict:
 
 
 ALONE = textwrap.dedent("""
-    import json, sys, threading, time, psutil
-    proc = psutil.Process()
-    before = proc.memory_info().rss
+    import json, sys, threading, psutil
     from fedslice.api import setup
     from fedslice.experiment import load_config
     from fedslice.fl.engine import client_seed
     cfg = load_config(sys.argv[1], ["compute.workers=1"])
     method, data = setup(cfg)
-    payload = method.strategy.configure_train(1, method.initial_state(), [0])[0]
-    before = proc.memory_info().rss  # model and data loaded: what follows is training
-    peak = [before]
-    stop = threading.Event()
-    def sample():
-        while not stop.is_set():
-            peak.append(proc.memory_info().rss); stop.wait(0.005)
-    t = threading.Thread(target=sample); t.start()
-    reply = method.fit(payload, data.client(0), client_seed(cfg.seed, 1, 0))
-    stop.set(); t.join()
-    print(json.dumps({"alone_training_rss_mb": (max(peak) - before) / 2**20,
-                      "reported": {k: reply.metrics.get(k) for k in
-                                   ("memory_mb", "model_mb", "activation_mb", "peak_rss_mb")}}))
+    proc = psutil.Process()
+    def fit(c):  # one client's training; what it reports, and RSS sampled here independently
+        payload = method.strategy.configure_train(1, method.initial_state(), [c])[c]
+        before = proc.memory_info().rss
+        peak, stop = [before], threading.Event()
+        def sample():
+            while not stop.is_set():
+                peak.append(proc.memory_info().rss); stop.wait(0.002)
+        t = threading.Thread(target=sample); t.start()
+        reply = method.fit(payload, data.client(c), client_seed(cfg.seed, 1, c))
+        stop.set(); t.join()
+        return (max(peak) - before) / 2**20, {k: reply.metrics.get(k) for k in
+                                              ("memory_mb", "model_mb", "activation_mb", "peak_rss_mb")}
+    alone, first = fit(0)  # client 0 alone: the first training of a fresh process
+    later = [fit(c)[1]["peak_rss_mb"] for c in range(1, 6)]  # five more clients in the process
+    again_sampled, again = fit(0)  # client 0 again, after them: as in a run
+    print(json.dumps({"alone_training_rss_mb": alone, "reported": first,
+                      "reported_in_run": again, "sampled_delta_in_run": again_sampled,
+                      "later_clients_peak_rss_mb": later}))
 """)
+
 
 
 def main() -> None:
@@ -103,12 +109,21 @@ def main() -> None:
             r = run_measured([python(), "-c", ALONE, CONFIG])
             got = json.loads(r["tail"].strip().splitlines()[-1])
             res["per_client"] = got
-            rep = got["reported"]
-            print(f"one client: reported memory_mb {rep['memory_mb']:.0f} MB = model {rep['model_mb']:.0f} + "
-                  f"training {rep['activation_mb']:.1f} (activations, grads, AdamW); its training alone in a "
-                  f"fresh process raised RSS by {got['alone_training_rss_mb']:.1f} MB", flush=True)
+            rep, again = got["reported"], got["reported_in_run"]
+            print(f"client 0 alone in a fresh process: training raised RSS by {got['alone_training_rss_mb']:.1f} MB "
+                  f"(sampled); it reported peak_rss_mb {rep['peak_rss_mb']:.1f}; trained again after five other "
+                  f"clients in the same process it reported {again['peak_rss_mb']:.1f} "
+                  f"(a plain RSS delta read {got['sampled_delta_in_run']:.1f}); the other clients "
+                  f"{[round(x, 1) for x in got['later_clients_peak_rss_mb']]}; memory_mb (model "
+                  f"{rep['model_mb']:.0f} + tensors {rep['activation_mb']:.1f}) {rep['memory_mb']:.0f}", flush=True)
     res["machine"]["loadavg_end"] = os.getloadavg()[0]
-    print("saved", save("memory", res))
+    # parts not run this time keep their earlier figures (each part says when it was measured)
+    for part in res:
+        if isinstance(res[part], dict) and part != "machine":
+            res[part]["measured"] = res["machine"]["date"]
+    earlier = RESULTS / "memory.json"
+    merged = {**(json.loads(earlier.read_text()) if earlier.exists() else {}), **res}
+    print("saved", save("memory", merged))
 
 
 if __name__ == "__main__":

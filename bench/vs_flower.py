@@ -8,7 +8,8 @@ batches, AdamW; Ray with one CPU per actor, as many actors as cores). fedslice r
 * ``sequential``: one client after another at all cores' threads, padded batches
   (``group_by_length = false``, ``compute.workers = 1``): the equal padded work of Flower's;
 * ``workers, padded``: the default concurrency (one worker process per core), padded batches;
-* ``default``: fedslice's defaults (workers + length-grouped batches).
+* ``default``: fedslice's defaults (workers + length-grouped batches);
+* ``default-bf16``: the same with bf16 autocast (this CPU has AVX512-BF16; not the default).
 
 Each runs in a fresh process; round times are the engine's (Flower: configure -> aggregate), the
 steady round is the median of rounds 2..R; memory is summed over each run's process tree (RSS,
@@ -34,6 +35,7 @@ VARIANTS = {
     "sequential": ["compute.workers=1", "federation.group_by_length=false"],
     "workers-padded": ["federation.group_by_length=false"],
     "default": [],
+    "default-bf16": ['compute.precision="bf16"'],
 }
 
 
@@ -66,6 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default="flower," + ",".join(VARIANTS))
+    ap.add_argument("--name", default="vs_flower", help="results file bench/results/perf/NAME.json")
     args = ap.parse_args()
     info = machine()
     rows = {}
@@ -88,7 +91,7 @@ def main() -> None:
         if base and r.get("steady_round_s"):
             r["speedup_vs_flower"] = base / r["steady_round_s"]
             print(f"{name}: {r['speedup_vs_flower']:.2f}x Flower's steady round")
-    print("saved", save("vs_flower", {"machine": info, "rounds": args.rounds, "runs": rows}))
+    print("saved", save(args.name, {"machine": info, "rounds": args.rounds, "runs": rows}))
 
 
 if __name__ == "__main__":

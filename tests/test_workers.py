@@ -41,6 +41,27 @@ def test_run_forked_returns_every_result_and_reaps_workers():
     assert _children() == before
 
 
+def test_workers_fork_from_a_frozen_heap_and_leave_it_unfrozen():
+    """Objects alive at the fork are frozen for the workers (no copy-on-write by their
+    collections) and handed back to the collector afterwards, even when a job fails."""
+    import gc
+
+    def frozen(_):
+        return gc.get_freeze_count()
+
+    assert gc.get_freeze_count() == 0
+    out = run_forked(frozen, [0, 1], 2)
+    assert min(out.values()) > 1000  # the worker saw the parent's objects frozen
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(WorkerError):
+        run_forked(_fail, [0], 1)
+    assert gc.get_freeze_count() == 0
+
+
+def _fail(_):
+    raise ValueError("boom")
+
+
 def test_a_dead_worker_loses_only_its_job_and_is_replaced():
     def task(x):
         if x == 2:

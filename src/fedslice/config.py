@@ -79,6 +79,48 @@ class PeftConfig(Section):
         return v
 
 
+class DeviceTier(Section):
+    """A device tier: its share of the client population and its budget (FLOPs or memory), which
+    the budget planner turns into what the tier's clients train (raffm: a sub-model width and a
+    LoRA rank; fedpetuning: a LoRA rank, ``lora.ranks``)."""
+
+    share: float = Field(gt=0, le=1, description="Fraction of the clients in this tier.")
+    flops: float | None = Field(None, description="Budget as a fraction of the full model's "
+                                "training FLOPs per step, in (0, 1].")
+    memory_mb: float | None = Field(None, description="Budget as peak training memory in MiB "
+                                    "(parameters + gradients + AdamW state + activations).")
+    name: str | None = None
+
+    @field_validator("flops")
+    @classmethod
+    def _flops_fraction(cls, v):
+        if v is not None and not 0 < v <= 1:
+            raise ValueError("budget must be a fraction of the full model's FLOPs in (0, 1]")
+        return v
+
+    @field_validator("memory_mb")
+    @classmethod
+    def _memory_positive(cls, v):
+        if v is not None and v <= 0:
+            raise ValueError("memory limit must be > 0 MiB")
+        return v
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> "DeviceTier":
+        if (self.flops is None) == (self.memory_mb is None):
+            raise ValueError("give exactly one budget: flops (fraction) or memory_mb")
+        return self
+
+
+def check_tier_shares(tiers: list[DeviceTier] | None) -> list[DeviceTier] | None:
+    """Tier shares sum to 1 (a ValueError otherwise)."""
+    if tiers is not None:
+        total = sum(t.share for t in tiers)
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"tier shares sum to {total:g}, they must sum to 1")
+    return tiers
+
+
 class DataConfig(_Section):
     """Where the task's data lives, how its files are read, and how it is split among clients."""
 

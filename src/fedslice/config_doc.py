@@ -88,7 +88,8 @@ def rows(model: type[BaseModel] = ExperimentConfig, prefix: str = "") -> list[tu
         subs = _plugin_options(model, name) or _models_in(info.annotation)
         if subs:
             many = len(subs) > 1
-            is_list = typing.get_origin(info.annotation) is list
+            is_list = any(typing.get_origin(a) is list  # list[X] or list[X] | None
+                          for a in (info.annotation, *typing.get_args(info.annotation)))
             for sub in subs:
                 tag = sub.model_fields.get("name")
                 label = f'{key} (name = "{tag.default}")' if many and tag is not None else key

@@ -19,6 +19,7 @@ Four kinds of cost are tracked for every client and round:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 import time
@@ -353,9 +354,12 @@ class PeakMemory:
 
     Two measurements are made:
 
-    * **RSS** — a background thread samples ``psutil.Process().memory_info().rss`` every
-      ``interval_s`` (default 2 ms). It sees everything (allocator caching, Python objects, the
-      optimizer) but is noisy and can miss short spikes. It is ``None`` if psutil is missing.
+    * **RSS** — at entry, heap pages freed by earlier work are given back to the kernel
+      (glibc ``malloc_trim``; otherwise a second client in the same process reuses them and its
+      delta reads 0 MB) and the kernel's peak-RSS mark is reset; at exit the peak is the kernel's
+      ``VmHWM`` (exact), with a background thread sampling ``psutil`` RSS every ``interval_s``
+      (2 ms) where /proc is not available. It sees everything (allocator caching, Python
+      objects, the optimizer). It is ``None`` if psutil is missing.
     * **saved tensors** — :func:`torch.autograd.graph.saved_tensors_hooks` sees every tensor
       autograd keeps for backward. Each storage is counted once (by data pointer) while it is
       held, released when autograd frees it, and the running peak is reported. Parameters and
@@ -402,6 +406,7 @@ class PeakMemory:
         self._stop = threading.Event()
         self._rss_base = 0
         self._rss_peak = 0
+        self._hwm = False
         self._cuda_base = 0
         self._t0 = 0.0
 
@@ -479,6 +484,10 @@ class PeakMemory:
             psutil = None
         if psutil is not None:
             proc = psutil.Process(os.getpid())
+            # heap pages freed by earlier work would be reused silently (an RSS delta of 0 MB):
+            # give them back first, then restart the kernel's exact high-water mark
+            trim_heap()
+            self._hwm = _reset_rss_high_water_mark()
             self._rss_base = self._rss_peak = proc.memory_info().rss
             self._stop.clear()
             self._thread = threading.Thread(target=self._sample, args=(proc,), name="fedslice-peak-rss", daemon=True)
@@ -509,10 +518,50 @@ class PeakMemory:
                 self._rss_peak = max(self._rss_peak, psutil.Process(os.getpid()).memory_info().rss)
             except Exception:  # pragma: no cover
                 pass
+            if self._hwm:  # the kernel's peak misses no short spike, unlike the sampler
+                self._rss_peak = max(self._rss_peak, _rss_high_water_mark() or 0)
             self.rss_peak_mb = max(0, self._rss_peak - self._rss_base) / _MIB
         with self._lock:
             self.saved_activation_mb = self._peak / _MIB
         self.elapsed_s = time.perf_counter() - self._t0
+
+
+def trim_heap() -> None:
+    """glibc's ``malloc_trim(0)``: return freed heap pages to the kernel (no-op elsewhere)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
+
+def _reset_rss_high_water_mark() -> bool:
+    """Reset the process's peak RSS (``VmHWM``; Linux >= 4.0: ``5`` > /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _rss_high_water_mark() is not None
+    except OSError:
+        return False
+
+
+def _rss_high_water_mark() -> int | None:
+    """The kernel's peak RSS of this process since start or the last reset, in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _release(ref: weakref.ref, ptr: int) -> None:
@@ -579,6 +628,7 @@ class ClientCost:
     #: (deterministic, unlike RSS deltas); ``gpu_peak_mb``: torch.cuda.max_memory_allocated
     model_mb: float | None = None
     memory_mb: float | None = None
+    tokens_real: int | None = None  # non-padding tokens (``tokens`` counts padding too)
     gpu_peak_mb: float | None = None
 
     #: metrics keys averaged over a round's used replies (``<key>_mean`` in the round record)

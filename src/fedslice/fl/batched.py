@@ -33,7 +33,7 @@ from fedslice.data.batching import TokenizedSplit, stack_batches
 from fedslice.fl.client import LocalResult, _batches, _num_steps
 from fedslice.measure import PeakMemory, count_flops
 from fedslice.peft import Adapter
-from fedslice.tasks.base import batch_examples, batch_head_positions, batch_tokens
+from fedslice.tasks.base import batch_examples, batch_head_positions, batch_real_tokens, batch_tokens
 
 #: ``client_losses(model, stacked batch, rows) -> [loss of each client]`` (the task's)
 ClientLosses = Callable[[nn.Module, dict[str, torch.Tensor], list[tuple[int, int]]], list[torch.Tensor]]
@@ -56,6 +56,7 @@ class _Client:
     ref: dict[str, torch.Tensor] | None
     losses: list[torch.Tensor] = field(default_factory=list)
     tokens: int = 0
+    real: Any = 0
     examples: int = 0
     head_positions: int = 0
     nonfinite: bool = False
@@ -222,6 +223,7 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
                     c.opt.step()
                 c.opt.zero_grad(set_to_none=True)
                 c.tokens += batch_tokens(b)
+                c.real = c.real + batch_real_tokens(b)
                 c.examples += batch_examples(b)
                 c.head_positions += batch_head_positions(b)
             if scaler:
@@ -240,5 +242,5 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
             head_positions=c.head_positions, tokens=c.tokens,
             flops_measured=flops_per_token * c.tokens,
             peak_rss_mb=(mem.rss_peak_mb or 0.0) * share, activation_mb=mem.tensor_peak_mb * share,
-            time_s=elapsed * share, nonfinite=c.nonfinite)))
+            time_s=elapsed * share, nonfinite=c.nonfinite, tokens_real=int(c.real))))
     return out

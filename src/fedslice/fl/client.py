@@ -15,7 +15,7 @@ from fedslice import progress
 from fedslice.compute import CPU, Compute
 from fedslice.data.batching import TokenizedSplit, iter_batches, num_batches
 from fedslice.measure import PeakMemory, count_flops
-from fedslice.tasks.base import batch_examples, batch_head_positions, batch_tokens
+from fedslice.tasks.base import batch_examples, batch_head_positions, batch_real_tokens, batch_tokens
 
 #: ``loss_fn(model, batch) -> scalar`` (the task's training loss)
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
@@ -34,6 +34,7 @@ class LocalResult:
     time_s: float
     nonfinite: bool
     gpu_peak_mb: float | None = None  # torch.cuda.max_memory_allocated during training (CUDA)
+    tokens_real: int | None = None  # non-padding tokens of the batches trained on
 
 
 def _batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator):
@@ -91,6 +92,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     model.train()
     losses: list[torch.Tensor] = []
     tokens = examples = head_positions = 0
+    real = 0
     flops_per_token = 0.0
     nonfinite = False
     t0 = time.perf_counter()
@@ -124,6 +126,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
             tokens += batch_tokens(batch)
+            real = real + batch_real_tokens(batch)
             examples += batch_examples(batch)
             head_positions += batch_head_positions(batch)
     model.train(was_training)
@@ -132,4 +135,4 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
                        examples=examples, head_positions=head_positions, tokens=tokens, flops_measured=flops_per_token * tokens,
                        peak_rss_mb=mem.rss_peak_mb or 0.0, activation_mb=mem.tensor_peak_mb,
                        time_s=time.perf_counter() - t0, nonfinite=nonfinite,
-                       gpu_peak_mb=mem.cuda_peak_mb)
+                       gpu_peak_mb=mem.cuda_peak_mb, tokens_real=int(real))

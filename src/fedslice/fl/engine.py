@@ -26,6 +26,7 @@ from fedslice.fl.runner import ClientRunner
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Reply, RoundResult, State, host_state, on_host
 from fedslice.fl.workers import WorkerLost
+from fedslice.measure import trim_heap
 from fedslice.measure import ClientCost
 
 if TYPE_CHECKING:
@@ -245,6 +246,7 @@ def finish_round(cfg: ExperimentConfig, method: Method, data: FederatedData, sel
         if ev_cfg.track_test:
             ev = method.evaluate(state, data.test, ev_cfg.batch_size)
             record.update({f"test_{k}": v for k, v in _scalars(ev).items()})
+        trim_heap()  # evaluation's large batches: give the freed heap back (workers fork from here)
     losses = {m["client"]: m["loss"] for m in record["client_metrics"] if m.get("used", True)}
     selector.observe(server_round, losses, record["dev_loss"])
 

@@ -23,7 +23,8 @@ the Flower ServerApp call the same functions.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +122,22 @@ class Strategy:
         """A client sent a payload did not reply (failed node, refused payload): drop what the
         server assumed it now holds, so its next payload is whole. Default: nothing is assumed."""
 
+    # -- what the global state holds, and what clients keep --------------------------------------
+    def frozen_state_keys(self, trainable: Iterable[str], frozen: Iterable[str]) -> list[str]:
+        """Frozen model tensors (among ``frozen``) that the global state must hold because the
+        server changes them (FedEx-LoRA and FLoRA fold updates into the base weights). Default:
+        none."""
+        return []
+
+    def personal_tensors(self, names: Iterable[str]) -> set[str]:
+        """Trainable tensors (among ``names``) that each client keeps for itself: never sent,
+        never aggregated (FedSA-LoRA's B). Default: none."""
+        return set()
+
+    def client_rank(self, client: int) -> int | None:
+        """The adapter rank of ``client`` (heterogeneous LoRA ranks), None for the global one."""
+        return None
+
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Server-side state a resumed run needs (nested JSON with tensors): none here; variants
@@ -211,6 +228,8 @@ class Strategy:
                 log.warning("round %d: %d valid replies, %s: skipped", server_round, len(valid),
                             self.min_valid_reason())
             return RoundResult(state, sorted(valid), excluded, skipped=True, rejected=rejected)
+        t0 = time.perf_counter()
         new_state, metrics = self.aggregate(server_round, state, payloads, valid)
-        return RoundResult(new_state, sorted(valid), excluded, rejected=rejected,
-                           metrics=dict(metrics))
+        # the server's seconds for the round's aggregation (weighting, rules, re-ordering)
+        metrics = {**metrics, "aggregate_s": time.perf_counter() - t0}
+        return RoundResult(new_state, sorted(valid), excluded, rejected=rejected, metrics=metrics)

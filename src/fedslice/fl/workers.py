@@ -23,6 +23,7 @@ main process, as in the sequential run.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -34,6 +35,8 @@ from multiprocessing.connection import Connection, Pipe, wait
 from typing import Any
 
 import torch
+
+from fedslice.measure import trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +161,12 @@ def run_forked(task: Callable[[Any], Any], jobs: list[Any], workers: int, *,
         if on_result is not None:
             on_result(job, result)
 
+    # fork from a small, settled heap: freed pages back to the kernel, and every object alive
+    # now moved out of the collector's reach, so a worker's collections do not write to (and
+    # copy) the pages of the parent's objects (Python's gc docs: freeze before fork)
+    gc.collect()
+    trim_heap()
+    gc.freeze()
     try:
         for _ in range(min(workers, len(pending))):
             start()
@@ -191,4 +200,5 @@ def run_forked(task: Callable[[Any], Any], jobs: list[Any], workers: int, *,
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
+        gc.unfreeze()
     return results

@@ -39,12 +39,14 @@ from fedslice import measure
 from fedslice.compute import Compute
 from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.rules import unwrap, wrap_rules
+from fedslice.fl.rules.lora import check_lora_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import Adapter, make_adapter
 from fedslice.registry import ADAPTERS
+from fedslice.slicing.planner import measure_training_step
 from fedslice.tasks import Task
 from fedslice.tasks.base import batch_examples
 
@@ -88,6 +90,15 @@ class Method:
     #: (``compute.batched_clients``); False: they train one after another
     batched_clients = False
 
+    #: the ``lora.aggregation`` values the method supports (:mod:`fedslice.fl.rules.lora`):
+    #: fedit and ffa need no server change; fedex, flora and svd need the method's mean of the
+    #: factors and a global state of full-shape factors; fedsa a client that keeps tensors
+    lora_aggregations: ClassVar[tuple[str, ...]] = ("fedit", "ffa")
+    #: why the others are not supported (in the ConfigError naming both fields)
+    lora_aggregation_hint: ClassVar[str] = ""
+    #: clients may train LoRA at their own rank (``lora.ranks``, chosen by the budget planner)
+    lora_ranks_per_client: ClassVar[bool] = False
+
     @classmethod
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:
         """A ConfigError, before any weight is loaded, when the method cannot run this pair, or
@@ -129,6 +140,7 @@ class Method:
         if cls.adapters is not None and name not in cls.adapters:
             raise ValueError(f"peft.method={name!r}: method {cfg.method.name} trains "
                              f"{' or '.join(repr(a) for a in cls.adapters)}")
+        check_lora_fields(cfg, name)
         option = cls.legacy_adapter_option
         if option and cfg.peft.method is not None and option in cfg.method.model_fields_set:
             value = getattr(cfg.method, option)
@@ -155,7 +167,7 @@ class Method:
         self.model = self.prepare_model(loaded.model)
         self._apply_compute_options()
         #: the method's own strategy, inside the aggregation rules of the config
-        self.strategy = wrap_rules(self.make_strategy(), cfg, role)
+        self.strategy = wrap_rules(self.make_strategy(), cfg, role, arch=self.arch)
 
     @property
     def own_strategy(self) -> Strategy:
@@ -188,10 +200,21 @@ class Method:
         model = self.model if model is None else model
         return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
+    def state_keys(self) -> list[str]:
+        """The names of the global state: the trainable tensors, and the frozen ones the
+        strategy changes on the server (``Strategy.frozen_state_keys``: FedEx-LoRA's and FLoRA's
+        base weights), in the model's order."""
+        params = dict(self.model.named_parameters())
+        trainable = [n for n, p in params.items() if p.requires_grad]
+        frozen = [n for n, p in params.items() if not p.requires_grad]
+        keep = set(trainable) | set(self.strategy.frozen_state_keys(trainable, frozen))
+        return [n for n in params if n in keep]
+
     def initial_state(self) -> State:
-        """The global trainable state the server starts from (a copy, detached from the model,
-        in host memory)."""
-        return {n: p.detach().cpu().clone() for n, p in self.trainable().items()}
+        """The global state the server starts from (a copy, detached from the model, in host
+        memory): :meth:`state_keys`."""
+        params = dict(self.model.named_parameters())
+        return {n: params[n].detach().cpu().clone() for n in self.state_keys()}
 
     @staticmethod
     @torch.no_grad()
@@ -199,6 +222,15 @@ class Method:
         """Copy ``state`` into the parameters in place (every key must exist)."""
         for k, t in state.items():
             params[k].copy_(t)
+
+    def load_model(self, model: nn.Module, state: State, rank: int | None = None
+                   ) -> dict[str, nn.Parameter]:
+        """``state`` (trainable and frozen tensors by name) copied into ``model`` in place, its
+        adapter first given the client's size (``rank``: a client's LoRA rank, None: the global
+        one); returns the model's trainable parameters."""
+        self.adapter.resize(model, rank)
+        self.load_state(dict(model.named_parameters()), state)
+        return self.trainable(model)
 
     # -- client ------------------------------------------------------------------------------
     def client_state(self) -> State:
@@ -209,11 +241,17 @@ class Method:
     def load_client_state(self, state: State) -> None:
         """Restore :meth:`client_state` (``{}`` for a client that kept nothing yet)."""
 
+    def measure_at_rank(self, model: nn.Module, rank: int, batch: dict[str, torch.Tensor]
+                        ) -> tuple[float, float, int, int]:
+        """(FLOPs, memory MiB, params, trainable params) of a training step of ``model`` on
+        ``batch`` with its LoRA factors at ``rank`` (the budget planner's measurement)."""
+        with self.adapter.at_rank(model, rank):
+            return measure_training_step(model, batch, loss_fn=self.task.loss)
+
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
-        """The model a client trains and its trainable tensors, with the payload loaded."""
-        params = self.trainable()
-        self.load_state(params, payload.arrays)
-        return self.model, params
+        """The model a client trains and its trainable tensors, with the payload loaded (at the
+        client's LoRA rank, ``lora_rank`` of its payload, when ranks differ)."""
+        return self.model, self.load_model(self.model, payload.arrays, payload.config.get("lora_rank"))
 
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of one client: returns the trained tensors and measured costs."""
@@ -227,8 +265,9 @@ class Method:
     def batch_key(self, payload: Payload):
         """Clients whose payloads have equal keys train the same tensors of the same model and
         may share one batched pass; None: this client trains alone. Default: every client trains
-        the one shared model (when the method declares ``batched_clients``)."""
-        return "model" if self.batched_clients else None
+        the one shared model (when the method declares ``batched_clients``), clients of one LoRA
+        rank together (tensors of other shapes do not stack)."""
+        return ("model", payload.config.get("lora_rank")) if self.batched_clients else None
 
     def fit_batched(self, jobs: list[tuple[int, Payload, TokenizedSplit, int]], compute: Compute,
                     on_reply) -> None:
@@ -282,6 +321,7 @@ class Method:
             head_trainable_linear_params=counts["head_trainable"],
             **self.adapter_flops(model, result))
         mb = measure.module_bytes(model) / 2**20
+        frozen = {k: t for k, t in payload.arrays.items() if k not in params}
         cost = ClientCost(
             bytes_down=measure.tensor_bytes(payload.arrays) + measure.tensor_bytes(payload.model),
             bytes_up=measure.tensor_bytes(arrays),
@@ -293,13 +333,16 @@ class Method:
             activation_mb=result.activation_mb, train_time_s=result.time_s,
             # what the client's device holds at its peak: the model it trains, saved activations,
             # gradients and AdamW state (deterministic; RSS deltas are not, see measure.py)
-            model_mb=mb, memory_mb=mb + result.activation_mb, gpu_peak_mb=result.gpu_peak_mb)
-        return {"loss": result.loss, "steps": result.steps, **cost.to_metrics()}
+            model_mb=mb, memory_mb=mb + result.activation_mb, gpu_peak_mb=result.gpu_peak_mb,
+            tokens_real=result.tokens_real)
+        # of bytes_down: frozen tensors the server changed (FedEx-LoRA's and FLoRA's base weights)
+        return {"loss": result.loss, "steps": result.steps, **cost.to_metrics(),
+                "bytes_down_frozen": measure.tensor_bytes(frozen)}
 
     # -- server evaluation -------------------------------------------------------------------
     def eval_model(self, state: State) -> nn.Module:
         """The global model with ``state`` loaded (the shared model, in place)."""
-        self.load_state(self.trainable(), state)
+        self.load_model(self.model, state)
         return self.model
 
     def evaluate(self, state: State, data: TokenizedSplit, batch_size: int,

@@ -1,17 +1,85 @@
 """``fedpetuning``: LoRA on the full model; FedAvg of the LoRA weights and the classifier
-(FedPETuning, Zhang et al. 2023; baseline B1 of the heads paper)."""
+(FedPETuning, Zhang et al. 2023; baseline B1 of the heads paper).
 
-from typing import Literal
+With ``method.tiers`` and ``lora.ranks``, each client trains LoRA at the rank its device tier
+affords: the budget planner measures a training step of the model at every rank (FLOPs and
+memory, as RaFFM's planner measures sub-models) and gives a tier's clients the largest rank whose
+cost fits its budget; the server pads and averages the factors (:class:`fedslice.fl.rules.LoraRanks`).
 
-from fedslice.config import ExperimentConfig, MethodOptions
-from fedslice.methods.base import Method
+With ``lora.aggregation = "fedsa"`` each client keeps its own ``B`` between participations (here
+in the simulation's process, in a Flower node's ``Context.state`` on Flower) and sends only ``A``
+(and the classifier); after training the summary reports the global model's metric and the mean
+of the clients' personalised ones (docs/lora.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field, field_validator
+
+from fedslice.config import DeviceTier, ExperimentConfig, FederationConfig, MethodOptions, \
+    check_tier_shares
+from fedslice.errors import ConfigError
+from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.methods.base import Method, Role
+from fedslice.models.loading import LoadedModel
+from fedslice.peft.tuners.lora.aggregate import rank_axis, truncate_rank
 from fedslice.registry import ADAPTERS, register_method
+from fedslice.slicing.planner import (Budget, SpecCost, assign_budgets, choose_rank,
+                                      profile_batch, smallest_valid)
+from fedslice.tasks import Task
+
+log = logging.getLogger(__name__)
 
 
 class FedPETuningMethod(MethodOptions):
     """LoRA on the full model, FedAvg of the LoRA weights and the classifier."""
 
     name: Literal["fedpetuning"] = "fedpetuning"
+    tiers: list[DeviceTier] | None = Field(
+        None, description="Device tiers (share and FLOPs or memory budget, as raffm's): each "
+        "client trains LoRA at the largest of lora.ranks whose measured training step fits its "
+        "tier's budget. Unset: every client at lora.r.")
+
+    @field_validator("tiers")
+    @classmethod
+    def _shares(cls, v):
+        return check_tier_shares(v)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """A client's device tier, budget, LoRA rank and the measured cost of a step at that rank."""
+
+    tier: int
+    budget: Budget
+    rank: int
+    cost: SpecCost
+
+
+class RankedStrategy(Strategy):
+    """FedAvg whose clients train LoRA at their tier's rank (``client_rank``; the payloads are
+    truncated and the replies padded by the ``lora_ranks`` rule around it)."""
+
+    def __init__(self, fed: FederationConfig, plans: Mapping[int, RankPlan],
+                 client_sizes: Mapping[int, int] | None = None):
+        super().__init__(fed, client_sizes)
+        self.plans = dict(plans)
+
+    def client_rank(self, client: int) -> int | None:
+        return self.plans[client].rank
+
+    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
+        p = super().payload_for(server_round, state, client, config)
+        cp = self.plans[client]
+        p.config.update(tier=cp.tier, budget=cp.budget.describe())
+        return p
 
 
 class FedPETuning(Method):
@@ -21,6 +89,8 @@ class FedPETuning(Method):
     name = "fedpetuning"
     #: every client trains the same LoRA tensors of the one shared backbone
     batched_clients = True
+    lora_aggregations = ("fedit", "ffa", "fedex", "flora", "svd", "fedsa")
+    lora_ranks_per_client = True
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -29,6 +99,221 @@ class FedPETuning(Method):
         if ADAPTERS.get(name).adapter_cls.trains_base:
             raise ValueError(f"peft.method={name!r}: method {cfg.method.name} fine-tunes an "
                              "adapter's parameters, not the model's own (use method fedavg)")
+        if not cls.lora_ranks_per_client:
+            return
+        tiers = getattr(cfg.method, "tiers", None)
+        ranks = cfg.lora.ranks if name == "lora" else None
+        if tiers and not ranks:
+            raise ValueError(f"method.tiers: method {cfg.method.name} uses device tiers to choose "
+                             "each client's LoRA rank: set lora.ranks (e.g. [4, 8, 16])")
+        if ranks and not tiers:
+            raise ValueError(f"lora.ranks={ranks}: the budgets of method.tiers choose each "
+                             "client's rank: set method.tiers")
+
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None, **kw):
+        super().__init__(cfg, loaded, task, role, client_sizes, **kw)
+        #: tensors each client keeps for itself (fedsa's B), by name, and their initial values
+        self.personal_names = self.strategy.personal_tensors(list(self.trainable()))
+        self._personal_init = {k: p.detach().cpu().clone() for k, p in self.trainable().items()
+                               if k in self.personal_names}
+        #: client -> its kept tensors (the simulation keeps them here for its clients)
+        self.personal: dict[int, State] = {}
+        self._received: State | None = None  # what a Flower node kept (load_client_state)
+        self._last_client: int | None = None
+        if self.personal_names:
+            # a client's kept tensors live in this process: no forked workers
+            self.parallel_clients = False
+
+    # -- heterogeneous ranks -------------------------------------------------------------------
+    def make_strategy(self) -> Strategy:
+        tiers = getattr(self.cfg.method, "tiers", None)
+        if not tiers or self.role == "client":  # a client never configures payloads
+            return Strategy(self.cfg.federation, self.client_sizes)
+        return RankedStrategy(self.cfg.federation, self.plan_ranks(tiers), self.client_sizes)
+
+    def plan_ranks(self, tiers: list[DeviceTier]) -> dict[int, RankPlan]:
+        """Each client's rank: the largest of ``lora.ranks`` whose training step (measured on a
+        profile batch of federation.batch_size x data.max_length, as RaFFM's planner does) fits
+        its tier's budget; a FLOPs budget is a fraction of the step at ``lora.r``."""
+        lora, fed = self.cfg.lora, self.cfg.federation
+        batch = profile_batch(self.model.config.vocab_size, fed.batch_size, self.cfg.data.max_length,
+                              self.cfg.seed, self.task.head)
+        reference = self.measure_at_rank(self.model, lora.r, batch)[0]
+        costs: dict[int, SpecCost] = {}
+
+        def cost(r: int) -> SpecCost:
+            if r not in costs:
+                flops, mem, params, train = self.measure_at_rank(self.model, r, batch)
+                costs[r] = SpecCost(params, train, flops, flops / reference, mem)
+            return costs[r]
+
+        plans = {}
+        for c, (tier, budget) in enumerate(assign_budgets(tiers, None, fed.num_clients, self.cfg.seed)):
+            chosen = choose_rank(budget, lora.ranks, cost)
+            if chosen is None:
+                low = cost(lora.ranks[0])
+                raise ConfigError(
+                    f"{budget.field}: budget {budget.describe()} is below a training step at the "
+                    f"smallest LoRA rank (lora.ranks[0]={lora.ranks[0]}: {low.flops_ratio:.4g}x "
+                    f"FLOPs, {low.memory_mb:.1f} MiB): the smallest valid value is "
+                    f"{smallest_valid(budget, low):g}")
+            plans[c] = RankPlan(tier, budget, *chosen)
+        for tier in sorted({p.tier for p in plans.values()}):
+            p = next(p for p in plans.values() if p.tier == tier)
+            log.info("tier %d (%s): LoRA rank %d (%.4gx FLOPs, %.1f MiB)", tier, p.budget.describe(),
+                     p.rank, p.cost.flops_ratio, p.cost.memory_mb)
+        return plans
+
+    # -- tensors a client keeps (fedsa) --------------------------------------------------------
+    def client_state(self) -> State:
+        """What a Flower node keeps between its participations: its own B (fedsa)."""
+        if not self.personal_names or self._last_client is None:
+            return {}
+        return dict(self.personal.get(self._last_client, {}))
+
+    def load_client_state(self, state: State) -> None:
+        self._received = dict(state)
+
+    def _kept(self, payload: Payload) -> State:
+        """The client's own tensors (what it kept, else their initial values) at its rank."""
+        c = payload.config.get("client")
+        kept = self._received if self._received is not None else self.personal.get(c)
+        self._received = None
+        if not kept:
+            kept = self._personal_init
+        return {k: t.clone() for k, t in _at_rank(kept, payload.config.get("lora_rank")).items()}
+
+    def _with_kept(self, payload: Payload) -> Payload:
+        return Payload({**payload.arrays, **self._kept(payload)}, payload.config, payload.model)
+
+    def _keep(self, client: int, reply: Reply) -> Reply:
+        """The reply without the client's own tensors, which it keeps (a reply without them, as
+        :meth:`fit` returns it, is left as it is)."""
+        if not any(k in reply.arrays for k in self.personal_names):
+            return reply
+        self.personal[client] = {k: reply.arrays[k].detach().cpu().clone()
+                                 for k in self.personal_names if k in reply.arrays}
+        self._last_client = client
+        return Reply({k: t for k, t in reply.arrays.items() if k not in self.personal_names},
+                     reply.num_examples, reply.metrics)
+
+    def fit(self, payload: Payload, data, seed: int) -> Reply:
+        if not self.personal_names:
+            return super().fit(payload, data, seed)
+        reply = super().fit(self._with_kept(payload), data, seed)
+        return self._keep(payload.config.get("client"), reply)
+
+    def fit_batched(self, jobs, compute, on_reply) -> None:
+        if not self.personal_names:
+            return super().fit_batched(jobs, compute, on_reply)
+
+        def keep(c, reply):
+            on_reply(c, self._keep(c, reply) if isinstance(reply, Reply) else reply)
+
+        super().fit_batched([(c, self._with_kept(p), d, s) for c, p, d, s in jobs], compute, keep)
+
+    def client_metrics(self, model, params, payload: Payload, arrays: State, result) -> dict[str, float]:
+        """Costs; what a client keeps (fedsa's B) is neither received nor sent: not counted."""
+        if self.personal_names:
+            payload = Payload({k: t for k, t in payload.arrays.items() if k not in self.personal_names},
+                              payload.config, payload.model)
+            arrays = {k: t for k, t in arrays.items() if k not in self.personal_names}
+        return super().client_metrics(model, params, payload, arrays, result)
+
+    def server_state(self) -> dict[str, Any]:
+        """The clients' kept tensors (the simulation holds them for its clients)."""
+        if not self.personal:
+            return {}
+        return {"personal": {str(c): dict(t) for c, t in self.personal.items()}}
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        self.personal = {int(c): dict(t) for c, t in (state.get("personal") or {}).items()}
+
+    # -- after training --------------------------------------------------------------------
+    def final_metrics(self, state: State, data, records: list[dict[str, Any]],
+                      batch_size: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        own = self.own_strategy
+        if isinstance(own, RankedStrategy):
+            out["tiers"] = rank_tiers(own.plans, records)
+        if self.personal_names and self.personal:
+            out.update(self.personalised(state, data, batch_size))
+        return out
+
+    def personalised(self, state: State, data, batch_size: int) -> dict[str, Any]:
+        """The test metric of the personalised models (the global state with a client's own
+        tensors) of ``lora.personal_eval_clients`` clients (seeded sample of those that
+        trained), their mean, and the global model's on the same footing. For classification,
+        also each model's accuracy weighted by the client's label distribution (its per-class
+        test accuracy averaged with its training labels' shares: how it does on its own kind of
+        data)."""
+        n = self.cfg.lora.personal_eval_clients
+        clients = sorted(self.personal)
+        if n < len(clients):
+            rng = np.random.default_rng([self.cfg.seed, 0x5A])
+            clients = sorted(rng.choice(clients, size=n, replace=False).tolist())
+        if not clients:
+            return {}
+        metric, gen = self.task.primary_metric, self.cfg.evaluation.dev_generations
+        labels = data.train.labels.numpy() if getattr(data.train, "labels", None) is not None else None
+        glob = self.evaluate(state, data.test, batch_size, gen)
+        rows = []
+        for c in clients:  # the shared state and the client's own tensors, at its rank
+            r = self.strategy.client_rank(c)
+            self.load_model(self.model, _at_rank(state, r), r)
+            self.load_state(dict(self.model.named_parameters()), self.personal[c])
+            with self.compute.autocast():
+                ev = self.task.evaluate(self.model, data.test, batch_size, gen)
+            row = {"client": c, metric: ev.get(metric)}
+            share = _label_shares(labels, data.partitions[c], len(ev.get("per_class_accuracy") or []))
+            if share is not None:
+                row["local_accuracy"] = float(np.dot(share, ev["per_class_accuracy"]))
+                row["global_local_accuracy"] = float(np.dot(share, glob["per_class_accuracy"]))
+            rows.append(row)
+        self.eval_model(state)  # the shared model holds the global state again
+        out = {"personal_clients": rows, f"personal_test_{metric}_mean": _mean(r[metric] for r in rows),
+               f"global_test_{metric}": glob.get(metric)}
+        if rows and "local_accuracy" in rows[0]:
+            out["personal_local_accuracy_mean"] = _mean(r["local_accuracy"] for r in rows)
+            out["global_local_accuracy_mean"] = _mean(r["global_local_accuracy"] for r in rows)
+        return out
+
+
+def _at_rank(state: State, rank: int | None) -> State:
+    """``state`` with its LoRA factors truncated to ``rank`` (None: as it is)."""
+    if rank is None:
+        return state
+    return {k: truncate_rank(t, rank_axis(k), rank) if rank_axis(k) is not None and t.dim() == 2
+            else t for k, t in state.items()}
+
+
+def _label_shares(labels, part, num_classes: int):
+    if labels is None or num_classes == 0 or len(part) == 0:
+        return None
+    counts = np.bincount(labels[np.asarray(part)], minlength=num_classes)[:num_classes]
+    return counts / counts.sum()
+
+
+def _mean(values) -> float | None:
+    vals = [float(v) for v in values if v is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def rank_tiers(plans: Mapping[int, RankPlan], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per tier: its budget, rank, planned cost and the mean measured costs of its client-rounds."""
+    per_client = [m for r in records for m in r["client_metrics"] if m.get("used", True)]
+    out = []
+    for tier in sorted({p.tier for p in plans.values()}):
+        cps = {c: p for c, p in plans.items() if p.tier == tier}
+        p = next(iter(cps.values()))
+        ran = [m for m in per_client if m["client"] in cps]
+        entry = {"tier": tier, "budget": p.budget.describe(), "rank": p.rank, "clients": len(cps),
+                 "client_rounds": len(ran), "planned": p.cost.to_dict()}
+        for k in ("flops_measured", "bytes_down", "bytes_up", "trainable_params", "memory_mb"):
+            entry[f"{k}_mean"] = _mean(m.get(k) for m in ran)
+        out.append(entry)
+    return out
 
 
 register_method(name="fedpetuning", options_cls=FedPETuningMethod, method_cls=FedPETuning)

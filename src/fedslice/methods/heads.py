@@ -206,6 +206,10 @@ class Heads(FedPETuning):
     # of o (DoRA: also q/k/v magnitudes), IA3's vector entries of each head, a prefix's key/value
     # columns of each head; prompt tuning and P-tuning have none (nothing of them is pruned)
     adapters = None
+    lora_aggregations = ("fedit", "ffa", "fedex", "flora", "svd")
+    lora_aggregation_hint = ("a client keeps no B of its own: the heads it prunes change every "
+                             "round, and Eq. 8 weighs the head-tied B rows it sends")
+    lora_ranks_per_client = False
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:

@@ -36,7 +36,8 @@ import torch.nn as nn
 
 from pydantic import Field, field_validator, model_validator
 
-from fedslice.config import ExperimentConfig, FederationConfig, MethodOptions, Section
+from fedslice.config import (DeviceTier, ExperimentConfig, FederationConfig, MethodOptions,
+                             Section, check_tier_shares)
 from fedslice.compute import model_device, to_device
 from fedslice.errors import ConfigError
 from fedslice import measure
@@ -51,8 +52,9 @@ from fedslice.registry import register_method
 from fedslice.report import figure, save_figure
 from fedslice.slicing.permute import (Permutation, in_original_order, permute_state,
                                       unpermute_state)
-from fedslice.slicing.planner import (Budget, Plan, Planner, assign_budgets, measure_training_step,
-                                      profile_batch, width_candidates)
+from fedslice.slicing.planner import (Budget, Plan, Planner, SpecCost, assign_budgets,
+                                      choose_rank, measure_training_step, profile_batch,
+                                      width_candidates)
 from fedslice.slicing.salience import model_salience, salience_order
 from fedslice.slicing.spec import (Spec, extract_model, extract_state, scatter, sliceable_keys,
                                    spec_from_dict, spec_sizes, stack_list)
@@ -67,35 +69,7 @@ ELASTIC = "raffm_elastic.json"
 # Options ([method] with name = "raffm")
 # --------------------------------------------------------------------------------------------
 
-class RaFFMTier(Section):
-    """A device tier: its share of the client population and its budget (FLOPs or memory)."""
-
-    share: float = Field(gt=0, le=1, description="Fraction of the clients in this tier.")
-    flops: float | None = Field(None, description="Budget as a fraction of the full model's "
-                                "training FLOPs per step, in (0, 1].")
-    memory_mb: float | None = Field(None, description="Budget as peak training memory in MiB "
-                                    "(parameters + gradients + AdamW state + activations).")
-    name: str | None = None
-
-    @field_validator("flops")
-    @classmethod
-    def _flops_fraction(cls, v):
-        if v is not None and not 0 < v <= 1:
-            raise ValueError("budget must be a fraction of the full model's FLOPs in (0, 1]")
-        return v
-
-    @field_validator("memory_mb")
-    @classmethod
-    def _memory_positive(cls, v):
-        if v is not None and v <= 0:
-            raise ValueError("memory limit must be > 0 MiB")
-        return v
-
-    @model_validator(mode="after")
-    def _one_budget(self) -> "RaFFMTier":
-        if (self.flops is None) == (self.memory_mb is None):
-            raise ValueError("give exactly one budget: flops (fraction) or memory_mb")
-        return self
+RaFFMTier = DeviceTier  # the older name
 
 
 class BudgetDistribution(Section):
@@ -164,10 +138,7 @@ class RaFFMMethod(MethodOptions):
     @field_validator("tiers")
     @classmethod
     def _shares(cls, v):
-        total = sum(t.share for t in v)
-        if abs(total - 1.0) > 1e-6:
-            raise ValueError(f"tier shares sum to {total:g}, they must sum to 1")
-        return v
+        return check_tier_shares(v)
 
 
 @dataclass(frozen=True)
@@ -175,6 +146,9 @@ class ClientPlan:
     tier: int | None
     budget: Budget
     plan: Plan
+    #: the client's LoRA rank (``lora.ranks``; None: lora.r) and the measured cost at that rank
+    rank: int | None = None
+    rank_cost: SpecCost | None = None
 
 
 class RaFFMStrategy(Strategy):
@@ -215,6 +189,14 @@ class RaFFMStrategy(Strategy):
             return Payload(arrays={}, config={**cfg, "sit_out": cp.plan.reason})
         return Payload(arrays=extract_state(state, cp.plan.spec, self.arch),
                        config={**cfg, "spec": cp.plan.spec.to_dict()})
+
+    def client_rank(self, client: int) -> int | None:
+        return self.plans[client].rank
+
+    def frozen_state_keys(self, trainable, frozen) -> list[str]:
+        """The frozen q/k/v/o/FFN tensors: the global state holds them (permuted and sliced on
+        the server, sent as frozen slices)."""
+        return sliceable_keys(self.arch, list(frozen))
 
     def absent(self, payload: Payload) -> str | None:
         if payload.config.get("sit_out"):
@@ -262,6 +244,10 @@ class RaFFM(Method):
     sends_slices = True
     adapters = None  # any adapter whose per-head tensors sit in the modules it wraps (check_config)
     legacy_adapter_option = "tuning"
+    lora_aggregations = ("fedit", "ffa", "fedex", "flora", "svd")
+    lora_aggregation_hint = ("a client's slice of the salience-ordered model changes when the "
+                             "server re-orders it, which a B kept on the client would not follow")
+    lora_ranks_per_client = True  # the planner chooses width and rank together
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -286,6 +272,7 @@ class RaFFM(Method):
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None):
         self.opts: RaFFMMethod = cfg.method
         self._submodels: dict[Spec, nn.Module] = {}
+        self._rank_plans: dict = {}
         super().__init__(cfg, loaded, task, role, client_sizes)
 
     # -- construction ------------------------------------------------------------------------
@@ -296,14 +283,35 @@ class RaFFM(Method):
                                      opts.profile_batch_size or fed.batch_size,
                                      opts.profile_seq_len or self.cfg.data.max_length, self.cfg.seed,
                                      self.task.head)
-        self.planner = Planner(width_candidates(self.all_dims, opts.width_steps, opts.elastic_depth),
-                               lambda spec: measure_training_step(self.submodel(spec), self.profile,
-                                                                  loss_fn=self.task.loss))
+        candidates = width_candidates(self.all_dims, opts.width_steps, opts.elastic_depth)
+        ranks = self.cfg.lora.ranks if self.adapter.name == "lora" else None
+        if ranks:
+            # width and rank together: the widest sub-model at which the smallest rank fits,
+            # then the largest rank that fits at that width; FLOPs are fractions of the full
+            # model at lora.r
+            self.planner = Planner(candidates, lambda spec: self.measure_at_rank(
+                self.submodel(spec), ranks[0], self.profile), reference=lambda: self.measure_at_rank(
+                self.submodel(candidates[-1]), self.cfg.lora.r, self.profile)[0])
+        else:
+            self.planner = Planner(candidates, lambda spec: measure_training_step(
+                self.submodel(spec), self.profile, loss_fn=self.task.loss))
         budgets = assign_budgets(opts.tiers, opts.budget_distribution, fed.num_clients, self.cfg.seed)
-        plans = {c: ClientPlan(tier, b, self.planner.plan(b)) for c, (tier, b) in enumerate(budgets)}
+        plans = {c: self._client_plan(tier, b, ranks) for c, (tier, b) in enumerate(budgets)}
         self._check_feasible(plans)
         return RaFFMStrategy(fed, opts, self.arch, self.all_dims, plans, self.adapter.scale,
                              set(self.trainable()), self.client_sizes)
+
+    def _client_plan(self, tier: int | None, budget: Budget, ranks: list[int] | None) -> ClientPlan:
+        plan = self.planner.plan(budget)
+        if not ranks or plan.spec is None:
+            return ClientPlan(tier, budget, plan)
+        key = (plan.spec, budget)
+        if key not in self._rank_plans:
+            model = self.submodel(plan.spec)
+            self._rank_plans[key] = choose_rank(budget, ranks, lambda r: self.planner.cost_of(
+                self.measure_at_rank(model, r, self.profile)))
+        rank, cost = self._rank_plans[key]
+        return ClientPlan(tier, budget, plan, rank, cost)
 
     def _check_feasible(self, plans: dict[int, ClientPlan]) -> None:
         out: dict[str, list[int]] = defaultdict(list)
@@ -333,7 +341,10 @@ class RaFFM(Method):
 
     def state_keys(self) -> list[str]:
         names = [n for n, _ in self.model.named_parameters()]
-        keep = set(self.trainable()) | set(sliceable_keys(self.arch, names))
+        trainable = list(self.trainable())
+        frozen = [n for n in names if n not in set(trainable)]
+        keep = set(trainable) | set(sliceable_keys(self.arch, names)) | \
+            set(self.strategy.frozen_state_keys(trainable, frozen))
         return [n for n in names if n in keep]
 
     def initial_state(self) -> State:
@@ -342,9 +353,10 @@ class RaFFM(Method):
         self.own_strategy.perm = Permutation.identity(self.all_dims)
         return self.own_strategy.reorder(state) if self.opts.reorder else state
 
-    @staticmethod
     @torch.no_grad()
-    def _load(model: nn.Module, state: State) -> dict[str, nn.Parameter]:
+    def _load(self, model: nn.Module, state: State, rank: int | None = None) -> dict[str, nn.Parameter]:
+        """``state`` loaded into ``model`` (a sub-model), its LoRA at ``rank`` (None: lora.r)."""
+        self.adapter.resize(model, rank)
         params = dict(model.named_parameters())
         for k, t in state.items():
             params[k].copy_(t)
@@ -353,7 +365,7 @@ class RaFFM(Method):
     # -- client ------------------------------------------------------------------------------
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         model = self.submodel(spec_from_dict(payload.config["spec"]))
-        params = self._load(model, payload.arrays)
+        params = self._load(model, payload.arrays, payload.config.get("lora_rank"))
         return model, {n: p for n, p in params.items() if p.requires_grad}
 
     batched_clients = True  # clients of one sub-model size train together
@@ -362,7 +374,7 @@ class RaFFM(Method):
         """Clients training the same sub-model (same slice) share a batched pass."""
         if payload.config.get("sit_out") or not self.adapter.batched_clients:
             return None
-        return json.dumps(payload.config["spec"], sort_keys=True)
+        return json.dumps([payload.config["spec"], payload.config.get("lora_rank")], sort_keys=True)
 
     def fit(self, payload: Payload, data, seed: int) -> Reply:
         if payload.config.get("sit_out"):
@@ -390,11 +402,19 @@ class RaFFM(Method):
             # what a client without the model must also hold (counted apart)
             "bytes_down": measure.tensor_bytes(trained), "bytes_down_frozen": measure.tensor_bytes(frozen),
             "flops_analytic": self._analytic_flops(spec, model, result),
-            "flops_ratio_planned": self.planner.cost(spec).flops_ratio,
+            "flops_ratio_planned": self._planned(payload, spec).flops_ratio,
+            "lora_rank": payload.config.get("lora_rank"),
             "model_mb": model_bytes / 2**20, "memory_mb": model_bytes / 2**20 + result.activation_mb,
             **spec_sizes(spec),
         })
         return m
+
+    def _planned(self, payload: Payload, spec: Spec) -> SpecCost:
+        """The planned cost of the client's sub-model (at its LoRA rank)."""
+        cp = self.own_strategy.plans.get(payload.config.get("client"))
+        if cp is not None and cp.rank_cost is not None:
+            return cp.rank_cost
+        return self.planner.cost(spec)
 
     def _analytic_flops(self, spec: Spec, model: nn.Module, result: LocalResult) -> float:
         """:func:`measure.analytic_train_flops` of the sub-model: its linears are counted from the
@@ -515,6 +535,10 @@ class RaFFM(Method):
             if len(specs) == 1:
                 spec = next(iter(specs))
                 entry.update({"spec": spec.describe(), "planned": self.planner.cost(spec).to_dict()})
+            tier_ranks = {cp.rank for cp in cps if cp.plan.spec is not None}
+            if len(tier_ranks) == 1 and None not in tier_ranks:
+                cp = next(cp for cp in cps if cp.plan.spec is not None)
+                entry.update({"lora_rank": cp.rank, "planned": cp.rank_cost.to_dict()})
             for k in ("flops_measured", "flops_analytic", "bytes_down", "bytes_down_frozen", "bytes_up",
                       "memory_mb", "activation_mb", "peak_rss_mb"):
                 vals = [m[k] for m in ran if m.get(k) is not None]

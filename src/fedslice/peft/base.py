@@ -105,12 +105,14 @@ class Adapter:
     #: some of its tensors map to attention heads (head pruning trains/sends kept heads only)
     head_tied: ClassVar[bool] = True
 
-    def __init__(self, options: AdapterOptions | None, arch: ArchSpec):
-        self.options, self.arch = options, arch
+    def __init__(self, options: AdapterOptions | None, arch: ArchSpec, seed: int = 0):
+        """``seed``: the experiment's seed, for tensors every process must draw alike without
+        receiving them (FFA-LoRA's frozen A)."""
+        self.options, self.arch, self.seed = options, arch, seed
 
     def replace(self, **changes: Any) -> Adapter:
         """The same adapter with some options changed (e.g. another LoRA rank)."""
-        return type(self)(self.options.model_copy(update=changes), self.arch)
+        return type(self)(self.options.model_copy(update=changes), self.arch, self.seed)
 
     # -- apply ---------------------------------------------------------------------------------
     def apply(self, model: nn.Module, layers: Layers = None) -> nn.Module:
@@ -127,6 +129,13 @@ class Adapter:
     def scale(self) -> float | None:
         """The factor of :meth:`delta_weight` in the effective weight (LoRA: alpha / r)."""
         return None
+
+    def resize(self, model: nn.Module, rank: int | None) -> None:
+        """Give the adapter's tensors in ``model`` a client's size (LoRA: its rank; None: the
+        global adapter's) before a client's tensors are loaded; the effective scale stays the
+        global one. Default: adapters without a size refuse a rank."""
+        if rank is not None:
+            raise ValueError(f"adapter {self.name!r} has no rank to give a client")
 
     # -- names ---------------------------------------------------------------------------------
     @classmethod
@@ -216,7 +225,7 @@ class Adapter:
 def make_adapter(cfg: ExperimentConfig, name: str, arch: ArchSpec) -> Adapter:
     """The registered adapter ``name`` with its options from ``cfg`` (the section named after it)."""
     entry = ADAPTERS.get(name)
-    return entry.adapter_cls(cfg.adapter_options(name), arch)
+    return entry.adapter_cls(cfg.adapter_options(name), arch, cfg.seed)
 
 
 def freeze(model: nn.Module) -> None:

@@ -166,11 +166,16 @@ class Planner:
     """Largest candidate whose measured cost fits a budget; measurements are cached per spec."""
 
     def __init__(self, candidates: Sequence[Spec],
-                 measure: Callable[[Spec], tuple[float, float, int, int]]):
+                 measure: Callable[[Spec], tuple[float, float, int, int]],
+                 reference: Callable[[], float] | None = None):
+        """``reference``: the training FLOPs a FLOPs budget is a fraction of (default: the last
+        candidate's measured FLOPs; with LoRA ranks per client, the full model at the global
+        rank while candidates are measured at the smallest rank)."""
         if not candidates:
             raise ValueError("the planner needs at least one candidate")
         self.candidates = list(candidates)
         self._measure = measure
+        self._reference = reference
         self._costs: dict[Spec, SpecCost] = {}
         self._full_flops: float | None = None
         self._plans: dict[Budget, Plan] = {}
@@ -178,13 +183,18 @@ class Planner:
     @property
     def full_flops(self) -> float:
         if self._full_flops is None:
-            self._full_flops = self._measure(self.candidates[-1])[0]
+            self._full_flops = (self._reference() if self._reference is not None
+                                else self._measure(self.candidates[-1])[0])
         return self._full_flops
+
+    def cost_of(self, measured: tuple[float, float, int, int]) -> SpecCost:
+        """A :class:`SpecCost` from one measurement (FLOPs, memory MiB, params, trainable)."""
+        flops, mem, params, train = measured
+        return SpecCost(params, train, flops, flops / self.full_flops, mem)
 
     def cost(self, spec: Spec) -> SpecCost:
         if spec not in self._costs:
-            flops, mem, params, train = self._measure(spec)
-            self._costs[spec] = SpecCost(params, train, flops, flops / self.full_flops, mem)
+            self._costs[spec] = self.cost_of(self._measure(spec))
         return self._costs[spec]
 
     @staticmethod
@@ -217,6 +227,19 @@ class Planner:
             plan = Plan(spec, self.cost(spec))
         self._plans[key] = plan
         return plan
+
+
+def choose_rank(budget: Budget, ranks: Sequence[int], cost: Callable[[int], SpecCost]
+                ) -> tuple[int, SpecCost] | None:
+    """The largest of ``ranks`` (ascending) whose measured cost fits ``budget``, with that cost,
+    or None when even the smallest does not (a LoRA rank costs more with every component)."""
+    best = None
+    for r in ranks:
+        c = cost(r)
+        if not Planner.fits(budget, c):
+            break
+        best = (r, c)
+    return best
 
 
 def smallest_valid(budget: Budget, smallest: SpecCost) -> float:

@@ -86,6 +86,19 @@ def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
                                              if "decoder_input_ids" in batch else 0))
 
 
+def batch_real_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor | int:
+    """Non-padding tokens of a batch (encoder + decoder), as a tensor on the batch's device (no
+    host sync); a batch without attention masks (images) counts every token."""
+    if "attention_mask" not in batch:
+        return batch_tokens(batch)
+    real = batch["attention_mask"].sum()
+    if "decoder_attention_mask" in batch:
+        real = real + batch["decoder_attention_mask"].sum()
+    elif "decoder_input_ids" in batch:
+        real = real + batch["decoder_input_ids"].numel()
+    return real
+
+
 def batch_examples(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["labels"].shape[0])
 

@@ -40,6 +40,8 @@ class Rule(Strategy):
     needs_same_shaped: ClassVar[bool] = False
     #: what to use instead, in the message refusing a method that sends slices
     slices_hint: ClassVar[str] = ""
+    #: ``from_config`` takes the model's architecture (``arch=``: e.g. its weight layout)
+    takes_arch: ClassVar[bool] = False
 
     def __init__(self, inner: Strategy):
         if not isinstance(inner, Rule):
@@ -93,6 +95,15 @@ class Rule(Strategy):
     def forget(self, client: int) -> None:
         self.inner.forget(client)
 
+    def frozen_state_keys(self, trainable, frozen) -> list[str]:
+        return self.inner.frozen_state_keys(trainable, frozen)
+
+    def personal_tensors(self, names) -> set[str]:
+        return self.inner.personal_tensors(names)
+
+    def client_rank(self, client: int) -> int | None:
+        return self.inner.client_rank(client)
+
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
 
@@ -135,11 +146,15 @@ def selected_rules(cfg: ExperimentConfig) -> list[type[Rule]]:
     return sorted(rules, key=lambda r: r.order)
 
 
-def wrap_rules(strategy: Strategy, cfg: ExperimentConfig, role: str = "both") -> Strategy:
+def wrap_rules(strategy: Strategy, cfg: ExperimentConfig, role: str = "both", arch=None) -> Strategy:
     """``strategy`` inside every rule ``cfg`` asks for (``role='client'``: a client never
-    aggregates, rules with server state, e.g. DP's accountant, leave themselves out)."""
+    aggregates, rules with server state, e.g. DP's accountant, leave themselves out); ``arch``:
+    the model's :class:`~fedslice.models.arch.ArchSpec`, for rules that ask it (``takes_arch``)."""
     for rule in selected_rules(cfg):
-        strategy = rule.from_config(strategy, cfg, role)
+        if rule.takes_arch:
+            strategy = rule.from_config(strategy, cfg, role, arch=arch)
+        else:
+            strategy = rule.from_config(strategy, cfg, role)
     return strategy
 
 

@@ -8,7 +8,8 @@ silently accepts a list of which only some names match).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from peft import get_peft_model
 from fedslice.models.arch import ArchSpec
 from fedslice.peft import targets
 from fedslice.peft.base import Adapter, Layers, freeze, train_classifier
+from fedslice.peft.tuners.lora.aggregate import fresh_a
 from fedslice.peft.tuners.lora.config import LoraConfig
 from fedslice.peft.tuners.lora.layer import LORA_TENSORS, dora_weight, lora_delta
 
@@ -66,7 +68,11 @@ def lora_module_names(model: nn.Module) -> list[str]:
 
 class LoraAdapter(Adapter):
     """LoRA through HF peft: ``W + (alpha / r) B A`` on the targets of ``[lora]``; everything
-    else frozen, the classifier trainable if ``lora.train_classifier``."""
+    else frozen, the classifier trainable if ``lora.train_classifier``. With
+    ``lora.aggregation = "ffa"`` every ``A`` is drawn from the experiment's seed and its name
+    (:func:`~fedslice.peft.tuners.lora.aggregate.fresh_a`: the same on the server and on every
+    client, never sent) and frozen: only ``B`` trains. A client of a smaller rank
+    (``lora.ranks``) holds the leading components of each factor (:meth:`resize`)."""
 
     name = "lora"
     prefix = "lora_"
@@ -75,13 +81,70 @@ class LoraAdapter(Adapter):
     table6 = "lora"
     options: LoraConfig
 
+    def __init__(self, options, arch, seed: int = 0):
+        super().__init__(options, arch, seed)
+        #: FFA's frozen A of every module at the global rank (kept when a client's is smaller)
+        self._full_a: dict[nn.Module, torch.Tensor] = {}
+
+    @property
+    def frozen_a(self) -> bool:
+        """FFA-LoRA: A is frozen at its seeded initialisation."""
+        return self.options.aggregation == "ffa"
+
     def apply(self, model: nn.Module, layers: Layers = None) -> nn.Module:
         freeze(model)
-        return apply_lora(model, self.arch, self.options, layers=layers)
+        model = apply_lora(model, self.arch, self.options, layers=layers)
+        if self.frozen_a:
+            with torch.no_grad():
+                for mname, module in self.adapted_modules(model).items():
+                    for adapter, lin in module.lora_A.items():
+                        lin.weight.copy_(fresh_a(lin.weight.shape, self.seed,
+                                                 f"{mname}.lora_A.{adapter}.weight"))
+                        lin.weight.requires_grad_(False)
+        return model
 
     @property
     def scale(self) -> float:
         return self.options.scale
+
+    def resize(self, model: nn.Module, rank: int | None) -> None:
+        """Every LoRA factor of ``model`` at rank ``rank`` (None: ``lora.r``): new zero tensors of
+        that size (the client's payload is loaded into them next), FFA's frozen A its leading rows
+        of the global A. peft's ``scaling`` (alpha / lora.r) is kept: a client at rank r uses
+        the global adapter's effective scale, so its zero-padded factors add into the global
+        ones unchanged."""
+        r = self.options.r if rank is None else int(rank)
+        if not 0 < r <= self.options.r:
+            raise ValueError(f"LoRA rank {r} is outside 1..lora.r={self.options.r}")
+        for module in self.adapted_modules(model).values():
+            for adapter in list(module.lora_A):
+                lin_a, lin_b = module.lora_A[adapter], module.lora_B[adapter]
+                if lin_a.weight.shape[0] == r:
+                    continue
+                a, b = lin_a.weight, lin_b.weight
+                if not a.requires_grad:  # frozen (FFA): the leading rows of the global A
+                    full = self._full_a.setdefault(lin_a, a.detach().clone())
+                    new_a = full[:r].clone()
+                else:
+                    new_a = a.new_zeros(r, a.shape[1])
+                lin_a.weight = nn.Parameter(new_a, requires_grad=a.requires_grad)
+                lin_b.weight = nn.Parameter(b.new_zeros(b.shape[0], r), requires_grad=b.requires_grad)
+                lin_a.out_features = lin_b.in_features = r
+                module.r[adapter] = r
+
+    @contextlib.contextmanager
+    def at_rank(self, model: nn.Module, rank: int) -> Iterator[nn.Module]:
+        """``model`` with every LoRA factor at rank ``rank`` (zero tensors: for measuring a
+        client's training step); its own tensors are put back afterwards."""
+        saved = [(m, a, m.lora_A[a].weight, m.lora_B[a].weight, m.r[a])
+                 for m in self.adapted_modules(model).values() for a in m.lora_A]
+        try:
+            self.resize(model, rank)
+            yield model
+        finally:
+            for m, a, wa, wb, r in saved:
+                m.lora_A[a].weight, m.lora_B[a].weight, m.r[a] = wa, wb, r
+                m.lora_A[a].out_features = m.lora_B[a].in_features = wa.shape[0]
 
     @classmethod
     def owns_module(cls, module: nn.Module) -> bool:
@@ -97,10 +160,11 @@ class LoraAdapter(Adapter):
 
     def client_tensor_names(self, module: nn.Module) -> list[str]:
         """``lora_A.<adapter>.weight`` and ``lora_B.<adapter>.weight`` of each active adapter
-        (and DoRA's magnitude, where the layer has one)."""
+        (and DoRA's magnitude, where the layer has one), those that train (FFA's frozen A is
+        shared by every client: not among them)."""
         active = getattr(module, "active_adapters", None) or list(module.lora_A)
         return [f"{attr}.{a}.weight" for a in active for attr in self.module_tensors
-                if a in getattr(module, attr)]
+                if a in getattr(module, attr) and getattr(module, attr)[a].weight.requires_grad]
 
     @classmethod
     def delta_weight(cls, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -120,9 +184,13 @@ class LoraAdapter(Adapter):
         equal-sized clients share one batched matmul over their stacked A and B (``bmm``),
         others get one matmul each."""
         (adapter,) = module.active_adapters
-        a_name = next(n for n in names if f"lora_A.{adapter}." in n)
+        a_name = next((n for n in names if f"lora_A.{adapter}." in n), None)
         b_name = next(n for n in names if f"lora_B.{adapter}." in n)
         dropout, scaling = module.lora_dropout[adapter], module.scaling[adapter]
+        shared_a = module.lora_A[adapter].weight  # FFA: one frozen A for every client
+
+        def a_of(p):
+            return shared_a if a_name is None else p[a_name]
 
         def forward(x, *args, **kwargs):
             result = module.base_layer(x, *args, **kwargs)  # (N, ..., out)
@@ -130,13 +198,13 @@ class LoraAdapter(Adapter):
             h = dropout(x)
             if len({hi - lo for lo, hi in stack.rows}) == 1 and len(stack.rows) > 1:
                 k = len(stack.rows)
-                A = torch.stack([p[a_name] for p in stack.params])  # (K, r, in)
+                A = torch.stack([a_of(p) for p in stack.params])    # (K, r, in)
                 B = torch.stack([p[b_name] for p in stack.params])  # (K, out, r)
                 hk = h.reshape(k, -1, h.shape[-1])                   # (K, n*T, in)
                 delta = torch.bmm(torch.bmm(hk, A.transpose(1, 2).to(hk.dtype)),
                                   B.transpose(1, 2).to(hk.dtype)).reshape(*result.shape)
             else:
-                delta = torch.cat([nn.functional.linear(nn.functional.linear(h[lo:hi], p[a_name]), p[b_name])
+                delta = torch.cat([nn.functional.linear(nn.functional.linear(h[lo:hi], a_of(p)), p[b_name])
                                    for (lo, hi), p in zip(stack.rows, stack.params)])
             return (result + delta * scaling).to(dtype)
 
