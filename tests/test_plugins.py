@@ -292,7 +292,7 @@ def test_lora_adapter_answers_what_batched_training_needs(tiny_cfg_dict):
     lora = {n: p for n, p in method.model.named_parameters() if "lora_" in n}
     assert cost.params == sum(p.numel() for p in lora.values()) == 4 * 4 * (32 + 32)
     assert cost.bytes == 4 * cost.params and cost.train_flops_per_token == 6 * cost.params
-    assert adapter.describe() == {"adapter": "lora", "rank": 4, "alpha": 8.0}
+    assert adapter.describe() == {"adapter": "lora", "table6": "lora", "rank": 4, "alpha": 8.0}
     again = make_adapter(cfg, "lora", method.arch).replace(r=2)
     assert again.options.r == 2 and adapter.options.r == 4
 

@@ -115,13 +115,15 @@ def linear_param_counts(model: nn.Module) -> dict[str, int]:
     for name, module in model.named_modules():
         if not is_linear(module):
             continue
-        w = module.weight
+        w = module._parameters.get("weight")  # a partly trained weight: its kept slice
+        w = module.weight if w is None else w
         segments = name.split(".")
         if "original_module" in segments:
             continue  # peft modules_to_save keeps an unused copy of the original head
         is_head = module is lm_head or any(part in seg for seg in segments for part in _HEAD_NAME_PARTS)
         prefix = "head_" if is_head else ""
         frozen = getattr(module, "frozen", None)  # PartialLinear: the frozen slice runs forward too
+        frozen = getattr(module, "_partial", {}).get("weight", (frozen,))[0]  # partial_parameters
         counts[prefix + "total"] += w.numel() + (frozen.numel() if isinstance(frozen, torch.Tensor) else 0)
         if w.requires_grad:
             counts[prefix + "trainable"] += w.numel()
@@ -268,6 +270,9 @@ def analytic_train_flops(
     examples: int = 0,
     head_linear_params: int = 0,
     head_trainable_linear_params: int = 0,
+    virtual_tokens: int = 0,
+    prefix_keys: int = 0,
+    adapter_flops: float = 0.0,
 ) -> dict[str, float]:
     """Analytic FLOPs of training on ``tokens`` tokens (forward + backward; optimizer excluded).
 
@@ -293,17 +298,26 @@ def analytic_train_flops(
     classification head (``head_linear_params``, ``head_trainable_linear_params``) runs once per
     example, so it is counted with ``examples`` instead of ``tokens``.
 
+    An adapter adds (:class:`fedslice.peft.AdapterCost`): ``virtual_tokens`` positions per
+    example that the whole model runs on (prompt tuning, P-tuning: ``T + P·examples`` tokens of
+    length ``s + P``; the gradient reaches the input, so the first layer's input-gradients are
+    computed), ``prefix_keys`` keys every self-attention reads at each query (prefix tuning:
+    the attention term at ``s + P`` keys), and ``adapter_flops`` of its own operations (IA3's
+    scaling, P-tuning's encoder, DoRA's norms), counted in the backward half as a whole.
+
     Returns ``{"forward", "backward", "total"}`` in FLOPs (floats).
     """
     del ffn, num_heads  # documented: they do not enter the count
-    T = float(tokens)
+    T = float(tokens) + float(virtual_tokens) * examples
+    seq_len = float(seq_len) + virtual_tokens + prefix_keys
+    embedding_backward = embedding_backward or virtual_tokens > 0
     attn_fwd = 4.0 * num_layers * float(seq_len) * hidden * T
     forward = 2.0 * total_linear_params * T + attn_fwd + 2.0 * head_linear_params * examples
     input_grads = 2.0 * total_linear_params * T + 2.0 * attn_fwd + 2.0 * head_linear_params * examples
     if not embedding_backward:
         input_grads -= 2.0 * (3 * hidden * hidden) * T
     weight_grads = 2.0 * trainable_linear_params * T + 2.0 * head_trainable_linear_params * examples
-    backward = input_grads + weight_grads
+    backward = input_grads + weight_grads + adapter_flops
     return {"forward": forward, "backward": backward, "total": forward + backward}
 
 

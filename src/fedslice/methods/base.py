@@ -45,6 +45,7 @@ from fedslice.measure import ClientCost
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import Adapter, make_adapter
+from fedslice.registry import ADAPTERS
 from fedslice.slicing.planner import measure_training_step
 from fedslice.tasks import Task
 from fedslice.tasks.base import batch_examples
@@ -108,12 +109,20 @@ class Method:
 
     @classmethod
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:
-        """A ConfigError, before any weight is loaded, when the method cannot run this pair."""
+        """A ConfigError, before any weight is loaded, when the method cannot run this pair, or
+        the adapter cannot (:meth:`fedslice.peft.Adapter.check_supported`)."""
         if cls.needs_simple_encoder and not (arch.is_simple_encoder and task.head == "sequence_classification"):
             raise ConfigError(
                 f"method {cls.name!r} slices single-stack encoder classifiers (bert, roberta, "
                 f"distilbert, vit); it does not run on a {arch.model_type} {task.kind} model yet: "
                 f"use fedavg or fedpetuning")
+        name = cls.adapter_name(task.cfg)
+        ADAPTERS.get(name).adapter_cls.check_supported(arch, task, task.cfg.adapter_options(name))
+
+    @classmethod
+    def adapter_class(cls, cfg: ExperimentConfig) -> type[Adapter]:
+        """The class of the adapter this config trains."""
+        return ADAPTERS.get(cls.adapter_name(cfg)).adapter_cls
 
     #: an option of the method that chose between LoRA and full fine-tuning before ``[peft]``
     #: existed (raffm's ``tuning``, fedot's ``adapter_tuning``: 'lora' or 'full' = 'none')
@@ -300,6 +309,12 @@ class Method:
                     metrics["batched_clients"] = len(chunk)
                     on_reply(c, Reply(arrays=arrays, num_examples=len(data), metrics=metrics))
 
+    def adapter_flops(self, model: nn.Module, result: LocalResult) -> dict[str, float]:
+        """The adapter's share of :func:`fedslice.measure.analytic_train_flops` for one client's
+        local training (virtual tokens, prefix keys, its own operations:
+        :meth:`fedslice.peft.Adapter.cost`)."""
+        return self.adapter.cost(model).analytic_kwargs(result.tokens, result.examples, result.steps)
+
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
         counts = measure.linear_param_counts(model)
@@ -312,7 +327,8 @@ class Method:
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
             embedding_backward=measure.embeddings_train(model),
             examples=result.head_positions, head_linear_params=counts["head_total"],
-            head_trainable_linear_params=counts["head_trainable"])
+            head_trainable_linear_params=counts["head_trainable"],
+            **self.adapter_flops(model, result))
         mb = measure.module_bytes(model) / 2**20
         frozen = {k: t for k, t in payload.arrays.items() if k not in params}
         cost = ClientCost(

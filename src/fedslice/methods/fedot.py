@@ -200,8 +200,19 @@ class FedOT(Method):
     name = "fedot"
     batched_clients = True  # every client trains the same adapter + emulator sub-model
     client_model_from_server = True
-    adapters = ("lora", "none")
+    adapters = None  # an adapter that can be applied to some layers only (check_config)
     legacy_adapter_option = "adapter_tuning"
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        adapter = cls.adapter_class(cfg)
+        if not adapter.in_modules:
+            raise ValueError(f"peft.method={adapter.name!r}: method fedot trains its adapter "
+                             "layers (the bottom and top blocks) on an emulator of the middle "
+                             f"ones; the {adapter.name} adapter adds virtual tokens or keys to "
+                             "the model as a whole, not to some layers: use lora, dora, ia3 or "
+                             "none")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None):

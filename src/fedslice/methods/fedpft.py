@@ -378,7 +378,7 @@ class FedPFT(Method):
     #: holds (and checks its version): that copy must persist, so clients train in this process
     parallel_clients = False
     client_model_from_server = True
-    adapters = ("lora",)
+    adapters = None  # an adapter inside the attention modules (check_config)
 
     @classmethod
     def client_statistics(cls, cfg: ExperimentConfig) -> str | None:
@@ -391,10 +391,23 @@ class FedPFT(Method):
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
         super().check_config(cfg)
-        lora = cfg.lora
-        if lora.target_modules is not None or set(lora.targets) - {"q", "k", "v", "o"}:
-            raise ValueError(f"lora.targets: method fedpft trains LoRA on attention only (q, k, v, "
-                             f"o); got {lora.target_modules or lora.targets}")
+        adapter = cls.adapter_class(cfg)
+        name = adapter.name
+        if adapter.trains_base or not adapter.in_modules:
+            raise ValueError(f"peft.method={name!r}: method fedpft trains an adapter on the "
+                             "attention of its proxy and plugs it into the full model; the "
+                             f"{name} adapter " + ("trains the model's own weights" if
+                                                   adapter.trains_base else
+                                                   "changes the sequence every layer sees (virtual "
+                                                   "tokens or keys), which the proxy's layer-by-"
+                                                   "layer distillation does not match")
+                             + ": use lora, dora or ia3")
+        opts = cfg.adapter_options(name)
+        targets = getattr(opts, "targets", None)
+        raw = getattr(opts, "target_modules", None)
+        if raw is not None or (targets is not None and set(targets) - {"q", "k", "v", "o"}):
+            raise ValueError(f"{name}.targets: method fedpft trains its adapter on attention only "
+                             f"(q, k, v, o): the proxy drops FFN neurons; got {raw or targets}")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None):

@@ -62,10 +62,10 @@ from fedslice.models.loading import LoadedModel
 from fedslice.registry import register_method
 from fedslice.report import figure, rounds_of, save_figure
 from fedslice.slicing.heads import (HeadUpdate, _ensure_eager, combine_heads, head_axes,
-                                    head_deltas, head_importance, keep_mask, mask_rows, mask_spec,
-                                    num_rows)
+                                    head_deltas, head_importance, heads_state, keep_mask,
+                                    mask_rows, mask_spec, num_rows, position_cuts)
 from fedslice.slicing.partial import partial_model
-from fedslice.slicing.spec import HEAD_PARTS, extract_model, extract_state, key_info
+from fedslice.slicing.spec import HEAD_PARTS, HeadPositions, extract_model, key_info
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +144,12 @@ class HeadsStrategy(Strategy):
     """Validates head-pruned replies and aggregates them with Eq. 8 (or FedAvg per head)."""
 
     def __init__(self, fed, opts: HeadsMethod, arch, dims: list[dict[str, int]],
-                 client_sizes: Mapping[int, int] | None = None):
+                 client_sizes: Mapping[int, int] | None = None,
+                 positions: Mapping[str, HeadPositions] | None = None):
         super().__init__(fed, client_sizes)
         self.opts, self.arch, self.dims = opts, arch, dims  # dims: one dict per stack
+        #: adapter tensors outside the blocks that map to heads (a prefix), by name
+        self.positions = dict(positions or {})
 
     @property
     def mask_shape(self) -> tuple[int, int]:
@@ -158,13 +161,13 @@ class HeadsStrategy(Strategy):
         return torch.ones(self.mask_shape, dtype=torch.bool)
 
     def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
-        """The LoRA slices of the heads the client kept (it reports which, in ``KEPT``): every
-        non-empty one, except the attention LoRA of a (family, layer) that kept no head (it gets
-        no gradient, and is not sent: :meth:`Heads.local_params`)."""
+        """The adapter slices of the heads the client kept (it reports which, in ``KEPT``): every
+        non-empty one, except the attention adapter of a (family, layer) that kept no head (it
+        gets no gradient, and is not sent: :meth:`Heads.local_params`)."""
         kept = self._kept(reply)
         rows = mask_rows(self.dims)
         out = {}
-        for k, t in extract_state(state, mask_spec(kept, self.dims), self.arch).items():
+        for k, t in heads_state(state, kept, self.arch, self.dims, self.positions).items():
             info = key_info(self.arch, k)
             if t.numel() == 0 or (info is not None and info.part in HEAD_PARTS and
                                   not bool(kept[rows[(info.stack, info.family)] + info.layer].any())):
@@ -234,11 +237,11 @@ class HeadsStrategy(Strategy):
                               self._kept(r), bounded_importance(r.arrays.get(ALPHA), self._kept(r)),
                               r.num_examples)
                    for _, r in sorted(replies.items())]
-        return head_deltas(state, updates, self.arch, self.dims, self.opts.aggregation)
+        return head_deltas(state, updates, self.arch, self.dims, self.opts.aggregation, self.positions)
 
     def mean(self, server_round: int, state: State, deltas: list[State], weights: list) -> State:
         return combine_heads(state, deltas, weights, self.arch, self.dims, eta=self.fed.server_lr,
-                             eps=self.opts.eps)
+                             eps=self.opts.eps, positions=self.positions)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,7 +260,10 @@ class Heads(FedPETuning):
     name = "heads"
     batched_clients = False  # each client trains its own kept heads' slices
     sends_slices = True
-    adapters = ("lora",)  # head-tied tensors: LoRA B rows of q/k/v, A columns of o
+    # any adapter with tensors of its own. Head-tied tensors: LoRA B rows of q/k/v and A columns
+    # of o (DoRA: also q/k/v magnitudes), IA3's vector entries of each head, a prefix's key/value
+    # columns of each head; prompt tuning and P-tuning have none (nothing of them is pruned)
+    adapters = None
     lora_aggregations = ("fedit", "ffa", "fedex", "flora", "svd")
     lora_aggregation_hint = ("a client keeps no B of its own: the heads it prunes change every "
                              "round, and Eq. 8 weighs the head-tied B rows it sends")
@@ -266,10 +272,23 @@ class Heads(FedPETuning):
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
         super().check_config(cfg)
-        lora = cfg.lora
-        if lora.target_modules is None and not set(lora.targets) & {"q", "k", "v", "o"}:
-            raise ValueError(f"lora.targets {lora.targets}: method heads needs LoRA on at least "
-                             "one attention projection (q, k, v or o)")
+        adapter = cls.adapter_class(cfg)
+        name = adapter.name
+        if cfg.method.prune == "forward" and not (adapter.head_tied and adapter.in_modules):
+            why = ("has no per-head parameters: every client would train the whole adapter "
+                   "through a different pruned network, and FedAvg cannot reconcile them"
+                   if not adapter.head_tied else
+                   "keeps its per-head tensors outside the attention modules, sized by peft for "
+                   "every head of every layer, so a sub-model keeping different heads per layer "
+                   "cannot use it")
+            raise ValueError(f"method.prune='forward' with peft.method={name!r}: the {name} "
+                             f"adapter {why}; use method.prune='parameters' or lora, dora, ia3")
+        opts = cfg.adapter_options(name)
+        targets = getattr(opts, "targets", None)
+        if targets is not None and getattr(opts, "target_modules", None) is None \
+                and not set(targets) & {"q", "k", "v", "o", "all-linear"}:
+            raise ValueError(f"{name}.targets {targets}: method heads needs the {name} adapter "
+                             "on at least one attention projection (q, k, v or o)")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None):
@@ -300,9 +319,17 @@ class Heads(FedPETuning):
         if len({x["num_heads"] for x in self.all_dims}) > 1:
             raise ModelError(f"method heads ranks heads over every stack: {self.arch.model_type} "
                              f"with {[x['num_heads'] for x in self.all_dims]} heads per stack differs")
-        if not head_axes(self.trainable(), self.arch):
-            raise ConfigError(f"lora.targets {self.cfg.lora.targets}: method heads needs LoRA on "
-                              "at least one attention projection (q, k, v or o)")
+        if self.adapter.head_tied and not head_axes(self.trainable(), self.arch) \
+                and not self.positions:
+            name = self.adapter.name
+            targets = getattr(self.adapter.options, "target_modules", None) or \
+                getattr(self.adapter.options, "targets", None)
+            raise ConfigError(f"{name}.targets {targets}: method heads needs the {name} adapter "
+                              "on at least one attention projection (q, k, v or o)")
+        if not self.adapter.head_tied:
+            log.info("heads: the %s adapter has no per-head parameters: pruning leaves nothing of "
+                     "it untrained or unsent (the importance pass still runs for Eq. 8 and "
+                     "loss-gap selection)", self.adapter.name)
         o = self.opts
         if kept_count(rows, heads, o.sparsity, o.scope) < 1 and o.pruning != "none":
             pool = rows * heads if o.scope == "global" else heads
@@ -319,8 +346,11 @@ class Heads(FedPETuning):
         return get() if callable(get) else self.model
 
     def make_strategy(self) -> Strategy:
+        #: trainable tensors outside the blocks that map to heads (a prefix's key/value columns)
+        self.positions = {n: pos for n, p in self.trainable().items()
+                          if (pos := self.adapter.head_positions(n, p.shape, self.all_dims)) is not None}
         return HeadsStrategy(self.cfg.federation, self.cfg.method, self.arch, self.all_dims,
-                             self.client_sizes)
+                             self.client_sizes, self.positions)
 
     # -- client ------------------------------------------------------------------------------
     def importance(self, data: TokenizedSplit, seed: int) -> tuple[torch.Tensor, float]:
@@ -347,8 +377,11 @@ class Heads(FedPETuning):
         frozen (``prune='parameters'``), or the sub-model without them (``'forward'``)."""
         if bool(kept.all()):
             return self.model
-        build = extract_model if self.opts.prune == "forward" else partial_model
-        return build(self.model, mask_spec(kept, self.all_dims), self.arch)
+        spec = mask_spec(kept, self.all_dims)
+        if self.opts.prune == "forward":
+            return extract_model(self.model, spec, self.arch)
+        return partial_model(self.model, spec, self.arch,
+                             extra=position_cuts(self.positions, kept, self.all_dims))
 
     def local_params(self, sub: nn.Module, kept: torch.Tensor) -> dict[str, nn.Parameter]:
         """Trainable tensors of the sub-model that the client really trains and uploads: not the
@@ -410,7 +443,8 @@ class Heads(FedPETuning):
             num_layers=sum(x["num_layers"] for x in self.all_dims), hidden=d["hidden"], ffn=d["ffn"], num_heads=d["num_heads"],
             tokens=result.tokens, seq_len=seq, trainable_linear_params=counts["trainable"],
             total_linear_params=counts["total"], examples=result.examples,
-            head_linear_params=counts["head_total"], head_trainable_linear_params=counts["head_trainable"])
+            head_linear_params=counts["head_total"], head_trainable_linear_params=counts["head_trainable"],
+            **self.adapter_flops(model, result))
         T, hd, width = float(result.tokens), d["head_dim"], d["hidden"]
         kept_width = float(kept.sum()) * hd                                  # sum_r kept_r * head_dim
         attention = 12.0 * seq * T * (kept_width - kept.shape[0] * width)    # fwd 4 + bwd 8
@@ -436,9 +470,10 @@ class Heads(FedPETuning):
         return out
 
     def paper_peft(self) -> dict[str, Any]:
-        """The adapter as Table 6 counts it (its kind and rank)."""
+        """The adapter as Table 6 counts it (its row, rank and prompt length)."""
         about = self.adapter.describe()
-        return {"peft": about["adapter"], "rank": about.get("rank", 0)}
+        return {"peft": about.get("table6", "none"), "rank": about.get("rank", 0),
+                "prompt_tokens": about.get("virtual_tokens", 0)}
 
     def _skipped_metrics(self, payload: Payload) -> dict[str, float]:
         cost = ClientCost(bytes_down=measure.tensor_bytes(payload.arrays),

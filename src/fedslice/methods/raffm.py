@@ -242,7 +242,7 @@ class RaFFMStrategy(Strategy):
 class RaFFM(Method):
     name = "raffm"
     sends_slices = True
-    adapters = ("lora", "none")
+    adapters = None  # any adapter whose per-head tensors sit in the modules it wraps (check_config)
     legacy_adapter_option = "tuning"
     lora_aggregations = ("fedit", "ffa", "fedex", "flora", "svd")
     lora_aggregation_hint = ("a client's slice of the salience-ordered model changes when the "
@@ -250,7 +250,19 @@ class RaFFM(Method):
     lora_ranks_per_client = True  # the planner chooses width and rank together
 
     @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        adapter = cls.adapter_class(cfg)
+        if adapter.head_tied and not adapter.in_modules:
+            raise ValueError(f"peft.method={adapter.name!r}: method raffm trains sub-models that "
+                             f"keep fewer heads per layer, and the {adapter.name} adapter's "
+                             "per-head tensors sit outside the modules that are sliced (peft sizes "
+                             "them for the full model's heads): use lora, dora, ia3, prompt, "
+                             "ptuning or none")
+
+    @classmethod
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:
+        super().check_supported(arch, task)
         if task.cfg.method.elastic_depth and (len(arch.stacks) > 1 or arch.head_bias):
             raise ConfigError(f"method.elastic_depth: dropping layers is for one-stack models "
                               f"without a shared position-bias table; {arch.model_type} has "
@@ -360,7 +372,7 @@ class RaFFM(Method):
 
     def batch_key(self, payload: Payload):
         """Clients training the same sub-model (same slice) share a batched pass."""
-        if payload.config.get("sit_out") or self.opts.tuning != "lora":
+        if payload.config.get("sit_out") or not self.adapter.batched_clients:
             return None
         return json.dumps([payload.config["spec"], payload.config.get("lora_rank")], sort_keys=True)
 
@@ -418,7 +430,7 @@ class RaFFM(Method):
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
             embedding_backward=embeddings, examples=result.examples,
             head_linear_params=counts["head_total"],
-            head_trainable_linear_params=counts["head_trainable"])
+            head_trainable_linear_params=counts["head_trainable"], **self.adapter_flops(model, result))
         widths = [len(h) * x.head_dim for x in specs for h in x.heads]
         attn_excess = 12.0 * s * T * sum(d - w for w in widths)  # 4 forward + 8 backward
         first = specs[0]

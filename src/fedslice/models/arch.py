@@ -153,6 +153,9 @@ class ArchSpec:
     # a table with one column per self-attention head, in the first block of each stack and read
     # by every layer of it (T5's relative-position bias): sliced and permuted with the heads
     head_bias: str | None = None
+    # its attention takes cached keys/values from outside (HF's ``past_key_values``): what
+    # prefix tuning feeds it (DistilBERT's has no cache)
+    accepts_past: bool = True
 
     @property
     def layout(self) -> Layout:
@@ -355,12 +358,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                             "o": "attention.out_lin", "ffn_in": "ffn.lin1", "ffn_out": "ffn.lin2"},
                            ("pre_classifier", "classifier"), "distilbert.embeddings",
                            "n_layers", "n_heads", "dim", "hidden_dim", heads_attr="n_heads",
-                           heads_width_attr=None),
+                           heads_width_attr=None, accepts_past=False),
     "vit": _encoder("vit", "vit.encoder.layer",
                     {**_BERT_PARTS, "q": "attention.attention.query",
                      "k": "attention.attention.key", "v": "attention.attention.value"},
                     ("classifier",), "vit.embeddings", "num_hidden_layers",
-                    "num_attention_heads", "hidden_size", "intermediate_size", inputs="image"),
+                    "num_attention_heads", "hidden_size", "intermediate_size", inputs="image",
+                    accepts_past=False),
     # LLaMA family (SmolLM2, LLaMA 2/3, Qwen2, Mistral shapes): GQA, SwiGLU, RMSNorm, RoPE.
     "llama": ArchSpec(
         "llama", "decoder",

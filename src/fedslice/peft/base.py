@@ -21,7 +21,11 @@ named after it (:func:`fedslice.registry.register_peft_method`); a method builds
   (:meth:`client_tensor_names`).
 
 Capabilities are class attributes the library asks: ``trains_base`` (the model's own weights
-train: full fine-tuning), ``batched_clients``.
+train: full fine-tuning), ``batched_clients``, ``in_modules`` (its tensors live inside the
+modules it wraps, so a sliced sub-model slices them with the module: forward head pruning,
+RaFFM's sub-models, FedPFT's proxy), ``head_tied`` (some of its tensors map to attention heads:
+head pruning trains and sends only the kept heads' slices). Model-dependent limits (an
+architecture, a task head) are checked by :meth:`Adapter.check_supported` before weights load.
 """
 
 from __future__ import annotations
@@ -36,19 +40,49 @@ import torch.nn as nn
 from fedslice.config import AdapterOptions, ExperimentConfig
 from fedslice.models.arch import ArchSpec
 from fedslice.registry import ADAPTERS
+from fedslice.slicing.spec import HeadPositions
 
 Layers = Sequence[int] | Sequence[Sequence[int]] | None
 
 
+
 @dataclass(frozen=True)
 class AdapterCost:
-    """What an adapter adds to a model: its parameters, their bytes, and its analytic training
-    FLOPs per token (forward + backward of its own operations; already part of
-    :func:`fedslice.measure.analytic_train_flops`, which counts every linear map)."""
+    """What an adapter adds to a model: its parameters and their bytes, and the analytic
+    training FLOPs (forward + backward) that :func:`fedslice.measure.analytic_train_flops` does
+    not already count (it counts every linear map, including LoRA's ``A`` and ``B``):
+
+    * ``flops_per_token``: its own non-linear operations per real token (IA3's scaling: 3 per
+      vector element: 1 forward, 2 backward);
+    * ``flops_per_sequence``: per training sequence (P-tuning's prompt encoder, run once for
+      every row of a batch: 6 per weight per virtual token);
+    * ``flops_per_step``: per optimizer step (DoRA's weight norm);
+    * ``virtual_tokens``: positions prepended to every sequence (prompt tuning, P-tuning): the
+      whole model runs on them too;
+    * ``prefix_keys``: keys/values prepended to every self-attention (prefix tuning): attention
+      reads them at every query.
+
+    ``train_flops_per_token`` is the adapter's whole training cost per token at a sequence
+    length it is told (for reports: LoRA 6 per parameter, IA3 3 per element, ...)."""
 
     params: int
     bytes: int
     train_flops_per_token: float
+    flops_per_token: float = 0.0
+    flops_per_sequence: float = 0.0
+    flops_per_step: float = 0.0
+    virtual_tokens: int = 0
+    prefix_keys: int = 0
+
+    def extra_flops(self, tokens: float, examples: float, steps: float) -> float:
+        """The FLOPs of its own operations over a client's local training."""
+        return (self.flops_per_token * tokens + self.flops_per_sequence * examples
+                + self.flops_per_step * steps)
+
+    def analytic_kwargs(self, tokens: float, examples: float, steps: float) -> dict[str, float]:
+        """Keyword arguments of :func:`fedslice.measure.analytic_train_flops` for its share."""
+        return {"virtual_tokens": self.virtual_tokens, "prefix_keys": self.prefix_keys,
+                "adapter_flops": self.extra_flops(tokens, examples, steps)}
 
 
 class Adapter:
@@ -66,6 +100,10 @@ class Adapter:
     trains_base: ClassVar[bool] = False
     #: clients can be trained together over one frozen backbone, each with its own tensors
     batched_clients: ClassVar[bool] = False
+    #: its tensors live inside the modules it wraps (a sliced sub-model slices them too)
+    in_modules: ClassVar[bool] = True
+    #: some of its tensors map to attention heads (head pruning trains/sends kept heads only)
+    head_tied: ClassVar[bool] = True
 
     def __init__(self, options: AdapterOptions | None, arch: ArchSpec, seed: int = 0):
         """``seed``: the experiment's seed, for tensors every process must draw alike without
@@ -81,6 +119,11 @@ class Adapter:
         """Wrap ``model`` (in every layer, or only in ``layers``: one list, or one per stack) and
         set which parameters train; returns the model to train (possibly a wrapper)."""
         raise NotImplementedError
+
+    @classmethod
+    def check_supported(cls, arch: ArchSpec, task: Any, options: AdapterOptions | None) -> None:
+        """A ConfigError naming the adapter and the architecture (or task) when it cannot run on
+        this pair; called before weights load. Default: it runs everywhere."""
 
     @property
     def scale(self) -> float | None:
@@ -122,6 +165,22 @@ class Adapter:
         (by leaf name), before :attr:`scale`; None if it has none of that form."""
         return None
 
+    @classmethod
+    def effective_weight(cls, weight: torch.Tensor, tensors: Mapping[str, torch.Tensor],
+                         scale: float | None) -> torch.Tensor:
+        """The weight (out, in) the adapted module applies, from its base ``weight`` and the
+        adapter's tensors of that module (by leaf name): what salience scores. Default
+        ``W + scale * delta_weight`` (LoRA), or ``W`` without a scale or a delta."""
+        delta = cls.delta_weight(tensors) if scale else None
+        return weight if delta is None else weight + scale * delta
+
+    def head_positions(self, name: str, shape: torch.Size, dims: Sequence[Mapping[str, int]]
+                       ) -> HeadPositions | None:
+        """For a tensor of the adapter outside the model's blocks (a prefix), which (keep-mask
+        row, key/value head) each position along one axis belongs to; None when it maps to no
+        head (and for every tensor inside a block: those are found by :meth:`tensor_axes`)."""
+        return None
+
     # -- per-client tensors (batched training) ----------------------------------------------
     def adapted_modules(self, model: nn.Module) -> dict[str, nn.Module]:
         """Name -> module of every module this adapter wraps in ``model``."""
@@ -147,14 +206,20 @@ class Adapter:
 
     def cost(self, model: nn.Module) -> AdapterCost:
         """Parameters and bytes of the adapter's tensors; training FLOPs per token: 6 per
-        parameter of a per-token linear map (2 forward, 4 backward: input and weight gradient)."""
+        parameter of a per-token linear map (2 forward, 4 backward: input and weight gradient),
+        all of it counted by :func:`fedslice.measure.analytic_train_flops` with the linears."""
         ts = self.tensors(model)
         n = sum(p.numel() for p in ts.values())
         return AdapterCost(n, sum(p.numel() * p.element_size() for p in ts.values()), 6.0 * n)
 
+    #: the row of Table 6 of the heads paper that counts its operations ("lora", "ia3",
+    #: "prompt_tuning", "p_tuning" = prompts at every layer, "none")
+    table6: ClassVar[str] = "none"
+
     def describe(self) -> dict[str, Any]:
-        """What the adapter is, for reports and op counts (``{"adapter": "lora", "rank": 16}``)."""
-        return {"adapter": self.name}
+        """What the adapter is, for reports and op counts (``{"adapter": "lora", "rank": 16}``);
+        ``table6`` names its row of the heads paper's op count."""
+        return {"adapter": self.name, "table6": self.table6}
 
 
 def make_adapter(cfg: ExperimentConfig, name: str, arch: ArchSpec) -> Adapter:

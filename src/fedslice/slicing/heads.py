@@ -36,8 +36,8 @@ from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.errors import ConfigError, ModelError
 from fedslice.models.arch import arch_for
 from fedslice.slicing.aggregate import aggregate_deltas
-from fedslice.slicing.spec import (KeyInfo, ModelSlice, SliceSpec, extract_state, key_info,
-                                   kv_groups, scatter)
+from fedslice.slicing.spec import (HeadPositions, KeyInfo, ModelSlice, SliceSpec, extract_state,
+                                   key_info, kv_groups, scatter)
 
 Dims = Mapping[str, int] | Sequence[Mapping[str, int]]
 
@@ -102,6 +102,13 @@ def drop_sinks(key_mask: torch.Tensor, n: int) -> torch.Tensor:
     return k & (k.long().cumsum(-1) > n)
 
 
+def real_positions(att: torch.Tensor, tq: int, tk: int) -> torch.Tensor:
+    """The weights (B, H, Tq, Tk) of the real queries and keys of a (B, H, P+Tq, P'+Tk) map:
+    an adapter may prepend virtual tokens (prompt tuning: queries and keys) or keys (prefix
+    tuning); like special tokens, they are not keys a head is confident about."""
+    return att[..., att.shape[-2] - tq:, att.shape[-1] - tk:]
+
+
 @torch.no_grad()
 def head_importance(model: nn.Module, data: TokenizedSplit, special_token_ids: Iterable[int],
                     batch_size: int = 64, sink_keys: int = 0) -> dict[str, torch.Tensor]:
@@ -136,6 +143,7 @@ def head_importance(model: nn.Module, data: TokenizedSplit, special_token_ids: I
                 keys = k_mask.bool() & ~torch.isin(k_ids, special)       # (B, Tk)
                 if fam.causal and sink_keys:
                     keys = drop_sinks(keys, sink_keys)
+                atts = [real_positions(a, q_mask.shape[1], keys.shape[1]) for a in atts]
                 conf = confidence(atts, q_mask, keys, fam.causal).sum(0)  # (L, H)
                 sums[fam.name] = sums.get(fam.name, 0) + conf
     finally:
@@ -204,15 +212,16 @@ def num_rows(dims: Dims) -> int:
 
 
 def head_axes(names: Iterable[str], arch) -> dict[str, KeyInfo]:
-    """Which LoRA tensors are split by attention head: name -> its :class:`KeyInfo` (stack,
-    layer, family, part, axis).
+    """Which adapter tensors in the blocks are split by attention head: name -> its
+    :class:`KeyInfo` (stack, layer, family, part, axis).
 
     An adapter's tensor (:attr:`KeyInfo.adapter`) of an attention projection is head-tied when it
     has an axis along the projection's heads (:meth:`fedslice.peft.Adapter.tensor_axes`). For
     LoRA: on q/k/v (and a fused q|k|v), ``lora_B`` (out, r) has one block of head_dim rows per
     query (or key/value) head, per section of a fused one (axis 0); for the attention output
     projection the heads index its input, the columns of ``lora_A`` (r, in) (axis 1). ``lora_A``
-    of q/k/v and ``lora_B`` of o mix all heads: not head-tied.
+    of q/k/v and ``lora_B`` of o mix all heads: not head-tied. DoRA's magnitudes of q/k/v follow
+    ``lora_B``'s rows; IA3's vectors of q/k/v (out, 1) and o (1, in) are split the same way.
     """
     out = {}
     for n in names:
@@ -299,49 +308,121 @@ def head_client_weights(update: HeadUpdate, keys: Iterable[str], masks: Mapping[
             per_head, reduce = update.alpha[r].float() * kept[r], "sum"     # (H,)
         else:
             per_head, reduce = n * kept[r].float(), "max"
-        out[k] = head_weight(per_head, info, stacks[info.stack], reduce) * masks[k]
+        w = head_weight(per_head, info, stacks[info.stack], reduce)
+        if isinstance(keys, Mapping) and keys[k].dim() == 1:
+            w = w.flatten()  # a vector along the head axis (DoRA's magnitudes): (rows,)
+        out[k] = w * masks[k]
     return out
 
 
 def aggregate_heads(global_state: Mapping[str, torch.Tensor], updates: Sequence[HeadUpdate],
                     arch, dims: Dims, *,
                     mode: Literal["head_weighted", "fedavg"] = "head_weighted",
-                    eta: float = 1.0, eps: float = 1e-8) -> dict[str, torch.Tensor]:
+                    eta: float = 1.0, eps: float = 1e-8,
+                    positions: Positions | None = None) -> dict[str, torch.Tensor]:
     """Server update of the global trainable state from head-pruned clients (pure function).
 
     Head-tied LoRA tensors (q/k/v ``lora_B`` rows, o ``lora_A`` columns; :func:`head_axes`):
     ``p_h += eta * sum_c α_hc Δp_hc / (sum_c α_hc + eps)`` (Eq. 8), or the example-weighted mean
     over the clients that kept head h (``fedavg``). A head that no client kept is unchanged.
-    Every other tensor: Eq. 5 over the clients that sent it (eps = 0).
+    A tensor outside the blocks that maps to heads (``positions``: a prefix's key/value columns)
+    is weighted per key/value head the same way. Every other tensor: Eq. 5 over the clients that
+    sent it (eps = 0).
     """
-    deltas, weights = head_deltas(global_state, updates, arch, dims, mode)
-    return combine_heads(global_state, deltas, weights, arch, dims, eta=eta, eps=eps)
+    deltas, weights = head_deltas(global_state, updates, arch, dims, mode, positions)
+    return combine_heads(global_state, deltas, weights, arch, dims, eta=eta, eps=eps,
+                         positions=positions)
+
+
+Positions = Mapping[str, HeadPositions]
+
+
+def kept_positions(pos: HeadPositions, kept: torch.Tensor, dims: Dims) -> torch.Tensor:
+    """The entries along ``pos.axis`` that a client with the (R, H) keep-mask ``kept`` holds:
+    those of a key/value head with a kept query head in its row (all of them under plain
+    multi-head attention, where a key/value head is its query head)."""
+    return torch.nonzero(_kv_kept(kept, dims)[pos.row, pos.kv]).flatten()
+
+
+def _kv_kept(kept: torch.Tensor, dims: Dims) -> torch.Tensor:
+    """(R, KV): a key/value head is kept while any query head of its group is."""
+    kv = _stacks(dims)[0].get("num_kv_heads", kept.shape[1])
+    return kept.bool().view(kept.shape[0], kv, -1).any(-1)
+
+
+def position_cuts(positions: Positions, kept: torch.Tensor, dims: Dims
+                  ) -> dict[str, tuple[torch.Tensor, int]]:
+    """name -> (kept entries, axis) of each tensor outside the blocks that maps to heads (for
+    :func:`fedslice.slicing.partial.partial_model`'s ``extra``)."""
+    return {n: (kept_positions(p, kept, dims), p.axis) for n, p in positions.items()}
+
+
+def heads_state(state: Mapping[str, torch.Tensor], kept: torch.Tensor, arch, dims: Dims,
+                positions: Positions | None = None) -> dict[str, torch.Tensor]:
+    """What a client with keep-mask ``kept`` holds of ``state``: the block tensors of its kept
+    heads (:func:`extract_state` of :func:`mask_spec`), and of a tensor outside the blocks that
+    maps to heads (a prefix: ``positions``) the entries of its kept key/value heads."""
+    out = extract_state(state, mask_spec(kept, dims), arch)
+    for name, pos in (positions or {}).items():
+        if name in out:
+            out[name] = out[name].index_select(pos.axis, kept_positions(pos, kept, dims))
+    return out
+
+
+def _position_weight(per_head: torch.Tensor, pos: HeadPositions, dims: Dims, shape,
+                     reduce: Literal["sum", "max"]) -> torch.Tensor:
+    """A per-(row, query head) weight (R, H) summed (or maxed) over each key/value head's group
+    and laid out along ``pos.axis`` of a tensor of ``shape``, broadcastable against it."""
+    kv = _stacks(dims)[0].get("num_kv_heads", per_head.shape[1])
+    groups = per_head.float().view(per_head.shape[0], kv, -1)           # (R, KV, H / KV)
+    w = (groups.sum(-1) if reduce == "sum" else groups.amax(-1))[pos.row, pos.kv]  # (N,)
+    view = [1] * len(shape)
+    view[pos.axis] = shape[pos.axis]
+    return w.view(view)
 
 
 def head_deltas(global_state: Mapping[str, torch.Tensor], updates: Sequence[HeadUpdate], arch,
-                dims: Dims, mode: Literal["head_weighted", "fedavg"]
+                dims: Dims, mode: Literal["head_weighted", "fedavg"],
+                positions: Positions | None = None
                 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor | float]]]:
     """Each client's update scattered to full shape (zeros where not held) and its per-element
-    weights (α on head-tied rows/columns, or |D_c| x held-mask)."""
+    weights (α on head-tied rows/columns, or |D_c| x held-mask). ``positions``: tensors outside
+    the blocks that map to heads (a prefix), weighted per key/value head alike."""
     if mode == "head_weighted" and any(u.alpha is None for u in updates):
         raise ValueError("head_weighted aggregation needs every client's importance alpha")
+    positions = positions or {}
     shapes = {k: t.shape for k, t in global_state.items()}
     axes = head_axes(global_state, arch)
     deltas, weights = [], []
     for u in updates:
         spec = mask_spec(u.kept, dims)
-        g_sub = extract_state(global_state, spec, arch)
+        g_sub = heads_state(global_state, u.kept, arch, dims, positions)
         delta = {k: u.arrays[k].float() - g_sub[k].float() for k in u.arrays}  # sliced shapes
+        outside = {k: delta.pop(k) for k in list(delta) if k in positions}
         full, masks = scatter(delta, spec, arch, shapes)
+        w = head_client_weights(u, full, masks, axes, dims, mode)
+        n, kept = float(u.num_examples), u.kept.bool()
+        for k, d in outside.items():
+            pos = positions[k]
+            idx = kept_positions(pos, kept, dims)
+            full[k] = torch.zeros(shapes[k]).index_copy_(pos.axis, idx, d)
+            per_head = (u.alpha.float() * kept) if mode == "head_weighted" else n * kept.float()
+            held = torch.zeros(shapes[k][pos.axis])
+            held[idx] = 1.0
+            view = [1] * len(shapes[k])
+            view[pos.axis] = shapes[k][pos.axis]
+            w[k] = _position_weight(per_head, pos, dims, shapes[k],
+                                    "sum" if mode == "head_weighted" else "max") * held.view(view)
         deltas.append(full)
-        weights.append(head_client_weights(u, full, masks, axes, dims, mode))
+        weights.append(w)
     return deltas, weights
 
 
 def combine_heads(global_state: Mapping[str, torch.Tensor], deltas, weights, arch,
-                  dims: Dims, *, eta: float = 1.0, eps: float = 1e-8) -> dict[str, torch.Tensor]:
-    """Eq. 8 (eps) on the head-tied tensors, Eq. 5 (no eps) on the others."""
-    axes = head_axes(global_state, arch)
+                  dims: Dims, *, eta: float = 1.0, eps: float = 1e-8,
+                  positions: Positions | None = None) -> dict[str, torch.Tensor]:
+    """Eq. 8 (eps) on the head-tied tensors (``positions`` too), Eq. 5 (no eps) on the others."""
+    axes = {**head_axes(global_state, arch), **(positions or {})}
     tied = {k: t for k, t in global_state.items() if k in axes}
     rest = {k: t for k, t in global_state.items() if k not in axes}
     new = aggregate_deltas(tied, deltas, weights, eta=eta, eps=eps)

@@ -7,11 +7,14 @@ that model from a :class:`~fedslice.slicing.spec.SliceSpec` that keeps every lay
 * a head-tied trainable tensor (q/k/v LoRA ``B`` rows -- per key/value head under grouped-query
   attention, per section of a fused q|k|v --, o LoRA ``A`` columns: the axis a
   :class:`~fedslice.slicing.spec.KeyInfo` reports) of any stack and attention family becomes a
-  :class:`PartialLinear`: its kept
+  :class:`PartialLinear` (rows; ``A`` columns use :func:`partial_parameters`, since DoRA reads
+  ``lora_A.weight``'s width): its kept
   slice is a trainable parameter (same name and shape as :func:`extract_state` gives), the pruned
   slice a frozen buffer, both in the forward pass;
 * in a layer that keeps no head of an attention family, every trainable tensor of that family
   (q/k/v/o, also the ones that mix heads) is frozen: it trains nothing and sends nothing;
+* any other head-tied trainable tensor (an IA3 vector's entries, DoRA's magnitudes of q/k/v rows,
+  a prefix's key/value columns) trains its kept entries only (:func:`partial_parameters`);
 * every other module is the same object as in ``model``.
 
 The saved work is the pruned slices' weight gradients and optimizer state (and, in a headless
@@ -20,6 +23,9 @@ layer, the attention LoRA's): forward FLOPs are those of the full model. Compare
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -71,34 +77,87 @@ def _frozen(module: nn.Module) -> nn.Module:
     return new
 
 
-def partial_model(model: nn.Module, spec: Spec, arch: ArchSpec) -> nn.Module:
+def _assembled(leaf: str) -> property:
+    """The full tensor of a partly trained parameter: its kept slice (the parameter) and its
+    frozen rest, in the original order along the sliced axis."""
+    def get(self):
+        frozen, inverse, axis = self._partial[leaf]
+        kept = self._parameters[leaf]
+        return torch.cat([kept, frozen], axis).index_select(axis, inverse)
+    return property(get)
+
+
+@lru_cache(maxsize=None)
+def _partial_class(cls: type, leaves: tuple[str, ...]) -> type:
+    """``cls`` whose attributes ``leaves`` read the assembled tensor (:func:`_assembled`), while
+    the module's parameter of that name is the kept slice only (its name and what trains)."""
+    return type(f"Partial{cls.__name__}", (cls,), {leaf: _assembled(leaf) for leaf in leaves})
+
+
+def partial_parameters(module: nn.Module, cuts: Mapping[str, tuple[torch.Tensor, int]]) -> nn.Module:
+    """A copy of ``module`` (sharing its other tensors) in which each parameter ``leaf`` of
+    ``cuts`` trains only the entries ``idx`` along ``axis``: the parameter named ``leaf`` is that
+    slice (the name and shape :func:`extract_state` gives), the rest a frozen copy, and the
+    module reads the whole tensor, so its outputs are unchanged. For any module: an IA3
+    ``ParameterDict``, DoRA's magnitude, a prefix's embedding (LoRA's bias-free linears use
+    :class:`PartialLinear`, which skips assembling the weight)."""
+    new = _clone(module)
+    state = {}
+    for leaf, (idx, axis) in cuts.items():
+        p = module._parameters[leaf]
+        w = p.detach()
+        rest = torch.ones(w.shape[axis], dtype=torch.bool)
+        rest[idx] = False
+        rest = torch.nonzero(rest).flatten()
+        new._parameters[leaf] = nn.Parameter(w.index_select(axis, idx).clone(), requires_grad=p.requires_grad)
+        state[leaf] = (w.index_select(axis, rest).clone(), torch.argsort(torch.cat([idx, rest])), axis)
+    new.__dict__["_partial"] = state
+    new.__class__ = _partial_class(type(module), tuple(sorted(cuts)))
+    return new
+
+
+def partial_model(model: nn.Module, spec: Spec, arch: ArchSpec,
+                  extra: Mapping[str, tuple[torch.Tensor, int]] | None = None) -> nn.Module:
     """``model`` (HF or peft-wrapped) with the trainable tensors of the heads ``spec`` prunes frozen.
 
     ``spec`` keeps every layer of each sliced stack in order (a keep-mask,
     :func:`fedslice.slicing.heads.mask_spec`). A head-tied tensor keeps the rows of its kept heads
     along its slot (:meth:`SliceSpec.index`): query heads for q and o, key/value heads (every
-    group with a kept query head) for k and v, the three sections of a fused q|k|v. The trainable
-    parameters of the result have the names and shapes of
-    :func:`~fedslice.slicing.spec.extract_state` on ``model``'s trainable state, less the
-    attention tensors of headless (layer, family) pairs; its outputs equal ``model``'s.
+    group with a kept query head) for k and v, the three sections of a fused q|k|v. ``extra``:
+    trainable tensors outside the blocks that map to heads (a prefix: name -> (kept entries,
+    axis), :func:`fedslice.slicing.heads.position_cuts`). The trainable parameters of the result
+    have the names and shapes of :func:`~fedslice.slicing.spec.extract_state` on ``model``'s
+    trainable state, less the attention tensors of headless (layer, family) pairs; its outputs
+    equal ``model``'s.
     """
     specs = stack_specs(spec, arch)
     if any(s is not None and s.layers != tuple(range(s.num_layers)) for s in specs):
         raise ValueError("parameter pruning keeps every layer (a head keep-mask)")
     modules = dict(model.named_modules())
     replace: dict[str, nn.Module] = {}
+    cuts: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}
     for name, p in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        if p.requires_grad and extra and name in extra:
+            cuts.setdefault(owner, {})[leaf] = extra[name]
+            continue
         info = key_info(arch, name)
         if not p.requires_grad or info is None or info.part not in HEAD_PARTS:
             continue
         s, j = specs[info.stack], info.layer
         if s is None:
             continue
-        owner, _, leaf = name.rpartition(".")
         if s.no_heads(j, info.family):
             replace[owner] = _frozen(modules[owner])
         elif info.axis is not None and not s.is_identity(j, info.kind, info.family):
-            if leaf != "weight":
-                raise NotImplementedError(f"cannot freeze part of {name}: only LoRA weights")
-            replace[owner] = PartialLinear(modules[owner], s.index(j, info.kind, info.family), info.axis)
+            cuts.setdefault(owner, {})[leaf] = (s.index(j, info.kind, info.family), info.axis)
+    for owner, leaves in cuts.items():
+        if owner in replace:
+            continue
+        module = modules[owner]
+        if isinstance(module, nn.Linear) and module.bias is None and list(leaves) == ["weight"] \
+                and leaves["weight"][1] == 0:
+            replace[owner] = PartialLinear(module, *leaves["weight"])  # LoRA B rows
+        else:  # LoRA A columns too: DoRA reads lora_A.weight.shape[1] as the input width
+            replace[owner] = partial_parameters(module, leaves)
     return _rebuild(model, "", replace, {}, {})

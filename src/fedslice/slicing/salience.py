@@ -6,9 +6,10 @@ grouped-query attention a ``1/g`` share of its group's (g query heads per key/va
 group's salience is the sum of its query heads'. A fused q|k|v (GPT-2) is split into its three
 sections first. Salience is the norm of that whole group (L1: sum of |w|; L2: sqrt of the sum of
 w^2). FFN neuron j is row j of W_in (and of the gate of a gated FFN) and column j of W_out.
-Biases are not counted. With an adapter's tensors in the state, the effective weight
-``W + scale * delta`` is scored (``adapter_scale``: LoRA's alpha / r; ``delta``: the adapter's
-:meth:`~fedslice.peft.Adapter.delta_weight`, LoRA's ``B @ A``); without a scale, the base weight.
+Biases are not counted. With an adapter's tensors in the state, the effective weight is scored
+(:meth:`~fedslice.peft.Adapter.effective_weight`: LoRA's ``W + scale * B @ A`` with
+``adapter_scale`` = alpha / r, DoRA's normalised and magnitude-scaled weight, IA3's scaled rows
+or columns); without a scale, LoRA's base weight.
 
 :func:`salience_order` turns salience into a function-preserving :class:`Permutation`: under
 grouped-query attention groups are ordered by salience and query heads within their group; T5
@@ -54,11 +55,9 @@ def part_weights(state: Mapping[str, torch.Tensor], arch: ArchSpec,
     out = {}
     for where, w in found.items():
         W = arch.layout.as_linear(w["W"])  # (out, in)
-        if adapter_scale and where in adapters:
+        if where in adapters:  # LoRA: W + scale B A; DoRA, IA3: their own effective weight
             owner, tensors = adapters[where]
-            delta = owner.delta_weight(tensors)
-            if delta is not None:
-                W = W + adapter_scale * delta
+            W = owner.effective_weight(W, tensors, adapter_scale)
         out[where] = W
     missing = set(adapters) - set(found)
     if missing:

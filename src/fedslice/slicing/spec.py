@@ -325,6 +325,19 @@ def expand_heads(heads: Sequence[int], head_dim: int) -> torch.Tensor:
     return (h[:, None] * head_dim + torch.arange(head_dim)).reshape(-1)  # (len(heads) * head_dim,)
 
 
+@dataclass(frozen=True)
+class HeadPositions:
+    """Along ``axis`` of an adapter tensor outside the blocks (a prefix), the keep-mask row
+    (:func:`fedslice.slicing.heads.mask_rows`: one per attention family and layer) and the
+    key/value head of every position (``row[p]``, ``kv[p]``; both (N,) long). Under grouped-query
+    attention a key/value head is kept while any query head of its group is. An adapter reports
+    them (:meth:`fedslice.peft.Adapter.head_positions`)."""
+
+    axis: int
+    row: torch.Tensor
+    kv: torch.Tensor
+
+
 # --------------------------------------------------------------------------------------------
 # State-dict keys -> (stack, layer, part, family, sliced axis)
 # --------------------------------------------------------------------------------------------
@@ -529,10 +542,13 @@ def _slice_linear(lin: nn.Module, idx: torch.Tensor, side: str, layout: Layout =
 
 def _slice_part(module: nn.Module, idx: torch.Tensor, side: str, layout: Layout = LINEAR) -> nn.Module:
     """Slice a part: a plain linear map or an adapter's layer (peft: ``base_layer`` + the
-    adapter's sub-modules, e.g. LoRA's ``lora_A``/``lora_B``).
+    adapter's containers, e.g. LoRA's ``lora_A``/``lora_B``, DoRA's ``lora_magnitude_vector``,
+    IA3's ``ia3_l``).
 
-    The adapter's sub-modules that follow the sliced side (``Adapter.module_tensors``: LoRA ``B``
-    for an output slice, ``A`` for an input slice) lose those rows/columns; the others are shared.
+    Every tensor of the adapter with an axis along the sliced side
+    (:meth:`fedslice.peft.Adapter.tensor_axes`: LoRA ``B`` rows and DoRA magnitudes for an output
+    slice, LoRA ``A`` columns for an input slice, an IA3 vector on the side it scales) loses
+    those entries; the others are shared.
     """
     if not hasattr(module, "base_layer"):
         if not hasattr(module, "weight"):
@@ -544,16 +560,47 @@ def _slice_part(module: nn.Module, idx: torch.Tensor, side: str, layout: Layout 
         raise TypeError(f"cannot slice {type(module).__name__}: no registered adapter wraps it")
     new = _clone(module)
     new.base_layer = _slice_part(module.base_layer, idx, side, layout)
-    for attr, follows in adapter.module_tensors.items():
-        if follows != side:
-            continue
-        subs = getattr(module, attr)
-        new_subs = _clone(subs)
-        for name, lin in subs.items():
-            new_subs._modules[name] = _slice_linear(lin, idx, side)
-        setattr(new, attr, new_subs)
+    for attr in adapter.module_tensors:
+        container = getattr(module, attr)
+        sliced = _slice_container(container, attr, adapter, idx, side)
+        if sliced is not container:
+            setattr(new, attr, sliced)
     setattr(new, "out_features" if side == "out" else "in_features", len(idx))  # peft's sizes
     return new
+
+
+def _side_axis(adapter, leaf: str, side: str) -> int | None:
+    """The axis of the adapter's tensor ``leaf`` that follows the module's ``side``."""
+    out_axis, in_axis = adapter.tensor_axes(leaf)
+    return out_axis if side == "out" else in_axis
+
+
+def _slice_container(container: nn.Module, attr: str, adapter, idx: torch.Tensor,
+                     side: str) -> nn.Module:
+    """An adapter container (a ModuleDict of sub-modules, or a ParameterDict) with the tensors
+    that follow ``side`` sliced to ``idx``; the container itself when none does."""
+    new = _clone(container)
+    changed = False
+    for key, p in container._parameters.items():                  # ParameterDict (IA3)
+        axis = _side_axis(adapter, f"{attr}.{key}", side)
+        if p is not None and axis is not None:
+            new._parameters[key] = _slice_param(p, axis, idx)
+            changed = True
+    for key, child in container._modules.items():                 # ModuleDict (LoRA, DoRA)
+        new_child = _clone(child)
+        hit = False
+        for pname, p in child._parameters.items():
+            axis = _side_axis(adapter, f"{attr}.{key}.{pname}", side)
+            if p is not None and axis is not None:
+                new_child._parameters[pname] = _slice_param(p, axis, idx)
+                hit = True
+                size = "out_features" if side == "out" else "in_features"
+                if hasattr(child, size):
+                    setattr(new_child, size, len(idx))
+        if hit:
+            new._modules[key] = new_child
+            changed = True
+    return new if changed else container
 
 
 def _slice_table(emb: nn.Embedding, idx: torch.Tensor) -> nn.Embedding:

@@ -25,12 +25,14 @@ from fedslice.models.arch import _unwrap
 @contextmanager
 def logits_at(model: nn.Module, mask: torch.Tensor) -> Iterator[None]:
     """Within the block, the LM head of ``model`` maps only the hidden states where ``mask``
-    ``(B, T)`` is true: its output is ``(N, vocab)``, N = ``mask.sum()``, in row-major order."""
+    ``(B, T)`` is true: its output is ``(N, vocab)``, N = ``mask.sum()``, in row-major order.
+    Positions a model prepends to the sequence (an adapter's virtual tokens: prompt tuning)
+    come first and are skipped: ``mask`` covers the last T."""
     head = _unwrap(model).get_output_embeddings()
 
     def select(module, args):
-        (hidden,) = args  # (B, T, d)
-        return (hidden[mask],)  # (N, d)
+        (hidden,) = args  # (B, P + T, d)
+        return (hidden[:, hidden.shape[1] - mask.shape[1]:][mask],)  # (N, d)
 
     handle = head.register_forward_pre_hook(select)
     try:
@@ -87,11 +89,13 @@ def sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], layout: 
 def generate(model: nn.Module, split: PairSplit, indices: list[int], tokenizer,
              max_new_tokens: int) -> list[str]:
     """Greedy (deterministic) continuations of the prompts at ``indices``, decoded without
-    special tokens; an empty generation stays an empty string."""
+    special tokens; an empty generation stays an empty string. ``model.generate`` (a peft
+    wrapper's, which adds an adapter's virtual tokens or prefix), else the HF model's."""
     hf = _unwrap(model)
     batch = to_device(split.prompt_batch(indices), model_device(hf))
-    out = hf.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                      pad_token_id=split.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    gen = model.generate if callable(getattr(model, "generate", None)) else hf.generate
+    out = gen(**batch, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+              pad_token_id=split.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     if split.layout == "causal":
         out = out[:, batch["input_ids"].shape[1]:]  # (B, new)
     return [t.strip() for t in tokenizer.batch_decode(out, skip_special_tokens=True)]

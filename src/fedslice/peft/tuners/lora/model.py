@@ -17,59 +17,43 @@ import torch.nn as nn
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
-from fedslice.errors import ConfigError
-from fedslice.models.arch import PART_NAMES, ArchSpec, is_linear
+from fedslice.models.arch import ArchSpec
+from fedslice.peft import targets
 from fedslice.peft.base import Adapter, Layers, freeze, train_classifier
 from fedslice.peft.tuners.lora.aggregate import fresh_a
 from fedslice.peft.tuners.lora.config import LoraConfig
-from fedslice.peft.tuners.lora.layer import LORA_TENSORS, lora_delta
-
-
-def _matching_modules(model: nn.Module, target_modules: list[str]) -> list[str]:
-    names = [n for n, m in model.named_modules() if is_linear(m)]
-    return [n for n in names if any(n == t or n.endswith("." + t) for t in target_modules)]
+from fedslice.peft.tuners.lora.layer import LORA_TENSORS, dora_weight, lora_delta
 
 
 def logical_targets(cfg: LoraConfig) -> list[str]:
     """``lora.targets`` with ``all-linear`` expanded to every part of the table."""
-    return list(PART_NAMES) if "all-linear" in cfg.targets else list(cfg.targets)
+    return targets.logical(cfg.targets)
 
 
 def resolve_targets(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
-                    layers: list[int] | list[list[int]] | None = None) -> list[str]:
-    """peft ``target_modules`` for this config, validated against the model's modules.
+                    layers: list[int] | list[list[int]] | None = None, section: str = "lora") -> list[str]:
+    """peft ``target_modules`` for this config, validated against the model's modules
+    (:func:`fedslice.peft.targets.resolve`; errors name ``<section>.targets``).
 
     ``layers`` restricts the logical targets to those layers (raw ``target_modules`` cannot be
     restricted and are refused then)."""
-    if cfg.target_modules is not None and layers is not None:
-        raise ConfigError("lora.target_modules cannot be limited to some layers: use lora.targets")
-    if cfg.target_modules is not None:
-        for t in cfg.target_modules:
-            if not _matching_modules(model, [t]):
-                raise ConfigError(f"lora.target_modules: {t!r} matches no linear module of the "
-                                  f"model (e.g. {arch.parts['q']!r}, {arch.parts['ffn_in']!r})")
-        return list(cfg.target_modules)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = arch.module_names(base, logical_targets(cfg), layers)
-    modules = dict(base.named_modules())
-    missing = [n for n in names if n not in modules or not is_linear(modules[n])]
-    if missing or not names:
-        raise ConfigError(f"lora.targets {cfg.targets}: no linear module at "
-                          f"{missing[:3] or 'any layer'} in this {arch.model_type} model")
-    return names
+    return targets.resolve(model, arch, section, cfg.targets, cfg.target_modules, layers)
 
 
 def apply_lora(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
-               layers: list[int] | list[list[int]] | None = None) -> nn.Module:
-    """Wrap ``model`` with LoRA adapters (in every layer, or only in ``layers``); the
-    sequence-classification head stays trainable if configured.
+               layers: list[int] | list[list[int]] | None = None, *, use_dora: bool = False,
+               section: str = "lora") -> nn.Module:
+    """Wrap ``model`` with LoRA adapters (in every layer, or only in ``layers``; DoRA's
+    magnitude vectors too with ``use_dora``); the sequence-classification head stays trainable if
+    configured. A rank above a target's smaller dimension is a ConfigError naming the module.
 
     The classifier is made trainable in place (not via peft's ``modules_to_save`` copies), so its
     parameter names stay those of the HF checkpoint.
     """
-    targets = resolve_targets(model, arch, cfg, layers)
+    names = resolve_targets(model, arch, cfg, layers, section)
+    targets.check_rank(model, arch, section, cfg.r, names)
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                              target_modules=targets, bias="none",
+                              target_modules=names, bias="none", use_dora=use_dora,
                               fan_in_fan_out=arch.layout.transposed)
     model = get_peft_model(model, peft_cfg)
     if cfg.train_classifier:
@@ -94,6 +78,7 @@ class LoraAdapter(Adapter):
     prefix = "lora_"
     module_tensors = LORA_TENSORS
     batched_clients = True
+    table6 = "lora"
     options: LoraConfig
 
     def __init__(self, options, arch, seed: int = 0):
@@ -174,15 +159,24 @@ class LoraAdapter(Adapter):
         return self.adapted_modules_of(model)
 
     def client_tensor_names(self, module: nn.Module) -> list[str]:
-        """``lora_A.<adapter>.weight`` and ``lora_B.<adapter>.weight`` of each active adapter,
-        those that train (FFA's frozen A is shared by every client: not among them)."""
+        """``lora_A.<adapter>.weight`` and ``lora_B.<adapter>.weight`` of each active adapter
+        (and DoRA's magnitude, where the layer has one), those that train (FFA's frozen A is
+        shared by every client: not among them)."""
         active = getattr(module, "active_adapters", None) or list(module.lora_A)
         return [f"{attr}.{a}.weight" for a in active for attr in self.module_tensors
-                if getattr(module, attr)[a].weight.requires_grad]
+                if a in getattr(module, attr) and getattr(module, attr)[a].weight.requires_grad]
 
     @classmethod
     def delta_weight(cls, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         return lora_delta(tensors)
+
+    @classmethod
+    def effective_weight(cls, weight: torch.Tensor, tensors: Mapping[str, torch.Tensor],
+                         scale: float | None) -> torch.Tensor:
+        """``W + scale B A``; DoRA's normalised, magnitude-scaled weight when the layer holds a
+        magnitude vector (a LoRA layer with ``use_dora``)."""
+        dora = dora_weight(weight, tensors, scale) if scale else None
+        return dora if dora is not None else super().effective_weight(weight, tensors, scale)
 
     def stacked_forward(self, module: nn.Module, names: list[str], stack):
         """``base(x) + scaling * B_k A_k dropout(x_k)`` on the rows of each client k, as peft's
@@ -217,4 +211,4 @@ class LoraAdapter(Adapter):
         return forward
 
     def describe(self) -> dict[str, Any]:
-        return {"adapter": self.name, "rank": self.options.r, "alpha": self.options.alpha}
+        return {**super().describe(), "rank": self.options.r, "alpha": self.options.alpha}

@@ -13,6 +13,7 @@ class FullFineTuning(Adapter):
     name = "none"
     prefix = None
     trains_base = True
+    head_tied = False
 
     def apply(self, model: nn.Module, layers: Layers = None) -> nn.Module:
         if layers is None:

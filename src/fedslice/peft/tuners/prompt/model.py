@@ -1,0 +1,36 @@
+"""Prompt tuning through HF ``peft`` (``PromptTuningConfig``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+from peft import PromptTuningConfig, PromptTuningInit
+
+from fedslice.models.arch import ArchSpec
+from fedslice.peft.prompt_learning import PromptLearningAdapter, check_input_prompts
+from fedslice.peft.tuners.prompt.config import PromptConfig
+
+_INIT = {"random": PromptTuningInit.RANDOM, "vocab": PromptTuningInit.SAMPLE_VOCAB,
+         "text": PromptTuningInit.TEXT}
+
+
+class PromptAdapter(PromptLearningAdapter):
+    """Prompt tuning: learned virtual-token embeddings at the input; no per-head parameter, so
+    head pruning (method heads) has nothing of it to leave untrained or unsent."""
+
+    name = "prompt"
+    options: PromptConfig
+
+    @classmethod
+    def check_supported(cls, arch: ArchSpec, task: Any, options) -> None:
+        check_input_prompts(cls.name, arch, task)
+
+    def peft_config(self, common: dict[str, Any], model: nn.Module) -> PromptTuningConfig:
+        """``init = 'text'`` tokenizes ``init_text`` with the tokenizer saved beside the model."""
+        o = self.options
+        extra = {}
+        if o.init == "text":
+            extra = {"prompt_tuning_init_text": o.init_text,
+                     "tokenizer_name_or_path": model.config.name_or_path}
+        return PromptTuningConfig(prompt_tuning_init=_INIT[o.init], **extra, **common)

@@ -1,0 +1,34 @@
+"""P-tuning through HF ``peft`` (``PromptEncoderConfig``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+from peft import PromptEncoderConfig, PromptEncoderReparameterizationType
+
+from fedslice.models.arch import ArchSpec
+from fedslice.peft.prompt_learning import PromptLearningAdapter, check_input_prompts
+from fedslice.peft.tuners.ptuning.config import PTuningConfig
+
+_ENCODER = {"mlp": PromptEncoderReparameterizationType.MLP,
+            "lstm": PromptEncoderReparameterizationType.LSTM}
+
+
+class PTuningAdapter(PromptLearningAdapter):
+    """P-tuning: virtual tokens at the input from a trained prompt encoder; no per-head
+    parameter (its encoder is sent whole, more bytes than prompt tuning's table)."""
+
+    name = "ptuning"
+    options: PTuningConfig
+
+    @classmethod
+    def check_supported(cls, arch: ArchSpec, task: Any, options) -> None:
+        check_input_prompts(cls.name, arch, task)
+
+    def peft_config(self, common: dict[str, Any], model: nn.Module) -> PromptEncoderConfig:
+        o = self.options
+        return PromptEncoderConfig(encoder_reparameterization_type=_ENCODER[o.encoder],
+                                   encoder_hidden_size=o.encoder_hidden_size or common["token_dim"],
+                                   encoder_num_layers=o.encoder_num_layers,
+                                   encoder_dropout=o.encoder_dropout, **common)
