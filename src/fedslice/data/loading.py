@@ -56,12 +56,19 @@ _INT = re.compile(r"[+-]?\d+")
 _FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?")
 
 
+#: Where a system keeps data sets its package manager installed (Debian: dataset-fashion-mnist
+#: installs /usr/share/datasets/fashion-mnist/), looked at last.
+SYSTEM_DATA_DIRS: tuple[Path, ...] = (Path("/usr/share/datasets"),)
+
+
 def data_search_dirs() -> list[Path]:
-    """Where relative data paths are looked up: $FEDSLICE_DATA_DIR, ., ../shared/data, and
-    ../shared/data beside the source checkout."""
+    """Where relative data paths are looked up: $FEDSLICE_DATA_DIR, ., ../shared/data,
+    ../shared/data beside the source checkout, then the system's data folders
+    (:data:`SYSTEM_DATA_DIRS`)."""
     dirs = [Path(os.environ["FEDSLICE_DATA_DIR"])] if os.environ.get("FEDSLICE_DATA_DIR") else []
     repo = Path(__file__).resolve().parents[3]
-    return dirs + [Path.cwd(), Path.cwd().parent / "shared" / "data", repo.parent / "shared" / "data"]
+    return dirs + [Path.cwd(), Path.cwd().parent / "shared" / "data", repo.parent / "shared" / "data",
+                   *SYSTEM_DATA_DIRS]
 
 
 # --------------------------------------------------------------------------- tables
@@ -324,7 +331,10 @@ def _candidate_paths(text: str, base_dirs: Sequence[Path]) -> list[Path]:
     if path.is_absolute():
         return [path]
     bases = list(base_dirs) or [Path.cwd()]
-    return [Path(base) / path for base in bases]
+    names = [path]
+    if len(path.parts) == 1 and ("_" in text or "-" in text):  # fashion_mnist ~ fashion-mnist
+        names += [Path(text.replace("_", "-")), Path(text.replace("-", "_"))]
+    return list(dict.fromkeys(Path(base) / name for base in bases for name in names))
 
 
 def find_split_files(folder: Path, file_format: FileFormat = "auto",
@@ -497,6 +507,13 @@ def load_tables(d: DataConfig, seed: int = 0,
         if "train" not in files:
             raise _missing_split_error(source, "train", d.format)
         tables = {split: read_table(path, **read) for split, path in files.items()}
+    return check_and_carve(tables, d, seed, required, source)
+
+
+def check_and_carve(tables: Mapping[str, RawTable], d: DataConfig, seed: int,
+                    required: Sequence[tuple[str, str]], source: Path | str) -> dict[str, RawTable]:
+    """Check every split (not empty; ``required`` columns present and filled, per
+    ``d.bad_rows``) and carve the missing dev/test splits off train (see :func:`load_tables`)."""
     checked: dict[str, RawTable] = {}
     for split, table in tables.items():
         if not len(table):

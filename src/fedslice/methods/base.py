@@ -29,7 +29,7 @@ from fedslice import measure
 from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.privacy import Privacy
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
-from fedslice.models.arch import ArchSpec
+from fedslice.models.arch import CLASSIFIER_HEADS, ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.tasks import Task
 from fedslice.tasks.base import batch_examples
@@ -53,7 +53,7 @@ class Method:
     @classmethod
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:
         """A ConfigError, before any weight is loaded, when the method cannot run this pair."""
-        if cls.needs_simple_encoder and not (arch.is_simple_encoder and task.head == "sequence_classification"):
+        if cls.needs_simple_encoder and not (arch.is_simple_encoder and task.head in CLASSIFIER_HEADS):
             raise ConfigError(
                 f"method {cls.name!r} slices single-stack encoder classifiers (bert, roberta, "
                 f"distilbert, vit); it does not run on a {arch.model_type} {task.kind} model yet: "

@@ -36,14 +36,15 @@ from fedslice import measure
 from fedslice.fl.client import LocalResult
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.tasks import Task
+from fedslice.tasks.base import batch_rows
 from fedslice.methods.base import Method, Role
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import apply_lora
 from fedslice.slicing.permute import Permutation, permute_state, unpermute_state
 from fedslice.slicing.planner import (Budget, Plan, Planner, assign_budgets, measure_training_step,
-                                      profile_batch, width_candidates)
-from fedslice.slicing.salience import model_salience, salience_order
+                                      width_candidates)
+from fedslice.slicing.salience import model_salience, salience_order, scale_tensors
 from fedslice.slicing.spec import (Spec, extract_model, extract_state, scatter, sliceable_keys,
                                    spec_from_dict, spec_sizes, stack_list)
 
@@ -63,9 +64,12 @@ class RaFFMStrategy(Strategy):
 
     def __init__(self, fed: FederationConfig, opts: RaFFMMethod, arch: ArchSpec,
                  dims: list[Mapping[str, int]], plans: dict[int, ClientPlan],
-                 lora_scale: float | None, trainable: set[str] | None = None):
+                 lora_scale: float | None, trainable: set[str] | None = None,
+                 scales: State | None = None):
         super().__init__(fed)
         self.opts, self.arch, self.dims, self.plans = opts, arch, dims, plans
+        #: frozen layer scales salience reads (DINOv2); the state's own values win
+        self.scales = dict(scales or {})
         #: trainable tensor names with the layer index replaced by '#' (None: every tensor)
         self.trainable = None if trainable is None else {_generic(k) for k in trainable}
         self.lora_scale = lora_scale
@@ -74,7 +78,8 @@ class RaFFMStrategy(Strategy):
     # -- ordering ----------------------------------------------------------------------------
     def reorder(self, state: State) -> State:
         """Salience-order heads and neurons of ``state``; tracks the cumulative permutation."""
-        sal = model_salience(state, self.arch, self.dims, self.opts.salience, self.lora_scale)
+        sal = model_salience({**self.scales, **state}, self.arch, self.dims, self.opts.salience,
+                             self.lora_scale)
         rel = salience_order(sal, self.dims, self.arch)
         self.perm = self.perm.then(rel)
         return permute_state(state, rel, self.arch)
@@ -164,10 +169,9 @@ class RaFFM(Method):
     def make_strategy(self) -> Strategy:
         opts, fed = self.opts, self.cfg.federation
         self.all_dims = self.arch.all_dims(self.model.config)
-        self.profile = profile_batch(self.model.config.vocab_size,
-                                     opts.profile_batch_size or fed.batch_size,
-                                     opts.profile_seq_len or self.cfg.data.max_length, self.cfg.seed,
-                                     self.task.head)
+        self.profile = self.task.profile_batch(self.model.config, opts.profile_batch_size or fed.batch_size,
+                                               opts.profile_seq_len or self.cfg.data.max_length,
+                                               self.cfg.seed)
         self.planner = Planner(width_candidates(self.all_dims, opts.width_steps, opts.elastic_depth),
                                lambda spec: measure_training_step(self.submodel(spec), self.profile,
                                                                   loss_fn=self.task.loss))
@@ -176,7 +180,7 @@ class RaFFM(Method):
         self._check_feasible(plans)
         lora_scale = self.cfg.lora.alpha / self.cfg.lora.r if opts.tuning == "lora" else None
         return RaFFMStrategy(fed, opts, self.arch, self.all_dims, plans, lora_scale,
-                             set(self.trainable()))
+                             set(self.trainable()), scale_tensors(self.model, self.arch))
 
     def _check_feasible(self, plans: dict[int, ClientPlan]) -> None:
         out: dict[str, list[int]] = defaultdict(list)
@@ -308,7 +312,7 @@ class RaFFM(Method):
             metric = self.task.primary_metric
             out.append({"size": size, **plan.spec.describe(), "params": plan.cost.params,
                         "train_flops_ratio": plan.cost.flops_ratio,
-                        "forward_gflops_per_example": fc.total / 1e9 / len(rows["input_ids"]),
+                        "forward_gflops_per_example": fc.total / 1e9 / batch_rows(rows),
                         "metric": metric, f"dev_{metric}": res["dev"][metric],
                         f"test_{metric}": res["test"][metric]})
         full = next((e for e in out if e["size"] == 1.0), None)
