@@ -209,6 +209,20 @@ def _saved_dataset_tables(folder: Path, d: DataConfig) -> dict[str, RawTable] | 
     return out
 
 
+def _hub_image_tables(source: str, d: DataConfig) -> dict[str, RawTable]:
+    """A hub dataset's train split, and its validation/test splits where it has them (image
+    datasets often have none: CIFAR-10 has train and test); missing ones are carved off train."""
+    dataset_id, subset, split_map = hub_split_map(source, d.hub_subset)
+    out = load_hub_tables(dataset_id, subset=subset, split_map={"train": split_map["train"]})
+    for ours in ("dev", "test"):
+        try:
+            out.update(load_hub_tables(dataset_id, subset=subset, split_map={ours: split_map[ours]}))
+        except DataError as e:
+            log.info("data: %s has no %r split (%s): it is carved off train", source, split_map[ours],
+                     str(e).split(":", 1)[0])
+    return out
+
+
 # --------------------------------------------------------------------------- tables -> splits
 
 
@@ -288,8 +302,7 @@ def load_image_tables(d: DataConfig, seed: int = 0) -> tuple[dict[str, RawTable]
     base = Path.cwd() if isinstance(source, str) else source if source.is_dir() else source.parent
     tables: dict[str, RawTable] | None = None
     if isinstance(source, str):
-        dataset_id, subset, split_map = hub_split_map(source, d.hub_subset)
-        tables = load_hub_tables(dataset_id, subset=subset, split_map=split_map)
+        tables = _hub_image_tables(source, d)
     elif source.is_dir():
         for reader in (_saved_dataset_tables, idx_tables):
             tables = reader(source, d)
