@@ -160,7 +160,7 @@ def test_pixels_equal_the_processors_own_output(tmp_path, tiny_vision_dirs):
                             cache_dir=None)["train"]
         bank = splits["train"].bank
         for j, row in enumerate(splits["train"].rows):
-            image = convert_to_rgb(Image.open(bank.cells[row]))
+            image = convert_to_rgb(Image.open(bank.cells[row]), return_numpy=True)
             kw = {k: v for k, v in prep.geometry().items() if k in ("size", "crop_size")}
             want = proc(image, return_tensors="pt", **kw)["pixel_values"][0]
             got = out.collate([j])["pixel_values"][0]

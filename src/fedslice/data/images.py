@@ -431,6 +431,7 @@ def _eight_bit(im):
 def _to_mode(images: list, channels: int) -> list:
     """Every image of a chunk grayscale: kept one channel (replicated when batched); else every
     image RGB (alpha composited on white, as the processors' ``convert_rgb``)."""
+    from PIL import Image
     from transformers.image_transforms import convert_to_rgb
 
     images = [_eight_bit(im) for im in images]
@@ -438,7 +439,8 @@ def _to_mode(images: list, channels: int) -> list:
         return [im if im.mode == "L" else im.convert("L") for im in images]
     if all(im.mode == "L" for im in images):
         return images
-    return [im if im.mode == "RGB" else convert_to_rgb(im) for im in images]
+    return [im if im.mode == "RGB" else Image.fromarray(convert_to_rgb(im, return_numpy=True))
+            for im in images]
 
 
 # --------------------------------------------------------------------------- preprocessing
