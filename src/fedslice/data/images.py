@@ -51,9 +51,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fedslice.data.loading import (SPLIT_NAMES, RawTable, check_and_carve, data_search_dirs,
-                                   find_split_files, label_ids, load_hub_tables, hub_split_map,
-                                   read_table, resolve_source)
+from fedslice.data.loading import (SPLIT_NAMES, RawTable, by_split_column, check_and_carve,
+                                   data_search_dirs, find_split_files, hub_split_map, hub_table,
+                                   label_ids, load_hub_tables, read_table, resolve_source)
 from fedslice.data.partition import sample_rows
 from fedslice.errors import ConfigError, DataError
 from fedslice.paths import cache_root
@@ -140,7 +140,7 @@ def idx_tables(folder: Path, d: DataConfig) -> dict[str, RawTable] | None:
 # --------------------------------------------------------------------------- image folders
 
 
-def _images_in(folder: Path) -> list[Path]:
+def images_in(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
 
 
@@ -152,7 +152,7 @@ def folder_table(folder: Path, d: DataConfig) -> RawTable:
     """One split of an image folder: every image under each class sub-folder (sorted)."""
     paths, labels = [], []
     for cls in _class_folders(folder):
-        found = _images_in(cls)
+        found = images_in(cls)
         paths += [str(p) for p in found]
         labels += [cls.name] * len(found)
     if not paths:
@@ -177,7 +177,7 @@ def image_folder_tables(folder: Path, d: DataConfig) -> dict[str, RawTable] | No
             raise DataError(f"{folder}: split folders {sorted(p.name for p in splits.values())} but "
                             "no train/ folder")
         return {s: folder_table(p, d) for s, p in splits.items()}
-    if any(_images_in(c)[:1] for c in _class_folders(folder)):
+    if any(images_in(c)[:1] for c in _class_folders(folder)):
         return {"train": folder_table(folder, d)}
     return None
 
@@ -191,19 +191,17 @@ def _saved_dataset_tables(folder: Path, d: DataConfig) -> dict[str, RawTable] | 
         return None
     import datasets
 
-    from fedslice.data.loading import _hub_table
-
     try:
         loaded = datasets.load_from_disk(str(folder))
     except Exception as e:  # noqa: BLE001 - any failure: the folder is not a readable dataset
         raise DataError(f"{folder}: not a readable saved dataset ({type(e).__name__}: {e})") from None
     if isinstance(loaded, datasets.Dataset):
-        return {"train": _hub_table(loaded, f"{folder}")}
+        return {"train": hub_table(loaded, f"{folder}")}
     ours = {alias: split for split, aliases in SPLIT_NAMES.items() for alias in aliases}
     out = {}
     for name, part in loaded.items():
         if name in ours:
-            out[ours[name]] = _hub_table(part, f"{folder}:{name}")
+            out[ours[name]] = hub_table(part, f"{folder}:{name}")
     if "train" not in out:
         raise DataError(f"{folder}: saved dataset without a train split (splits: {list(loaded)})")
     return out
@@ -241,10 +239,10 @@ class ImageBank:
     def where(self, row: int) -> str:
         cell = self.cells[row]
         if isinstance(cell, (str, os.PathLike)):
-            return str(self._path(cell))
+            return str(self.path(cell))
         return f"{self.source}, {self.unit} {self.lines[row]}"
 
-    def _path(self, cell) -> Path:
+    def path(self, cell) -> Path:
         p = Path(cell).expanduser()
         return p if p.is_absolute() else self.base / p
 
@@ -254,7 +252,7 @@ class ImageBank:
         h = hashlib.sha256(f"{self.source}:{len(self.cells)}".encode())
         for cell in self.cells:
             if isinstance(cell, (str, os.PathLike)):
-                p = self._path(cell)
+                p = self.path(cell)
                 try:
                     st = p.stat()
                     h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -331,15 +329,13 @@ def load_image_tables(d: DataConfig, seed: int = 0) -> tuple[dict[str, RawTable]
 
 def _split_file_tables(source: Path, d: DataConfig) -> dict[str, RawTable]:
     """Split files (or one file) read like text data: the image column holds paths."""
-    from fedslice.data.loading import _by_split_column
-
     read = dict(fmt=d.format, header=d.header, columns=d.columns, delimiter=d.delimiter,
                 quotes=d.quotes, skip_bad_rows=d.bad_rows == "skip")
     if source.is_file():
         table = read_table(source, **read)
         if d.split_column is None:
             return {"train": table}
-        return _by_split_column(table, d.split_column)
+        return by_split_column(table, d.split_column)
     files = find_split_files(source, d.format)
     if "train" not in files:
         raise DataError(f"{source}: split files {sorted(p.name for p in files.values())} but no "
@@ -402,7 +398,7 @@ def open_image(cell: Any, bank: ImageBank, row: int):
         if isinstance(cell, dict) and (cell.get("bytes") or cell.get("path")):
             im = Image.open(io.BytesIO(cell["bytes"])) if cell.get("bytes") else Image.open(cell["path"])
         elif isinstance(cell, (str, os.PathLike)):
-            im = Image.open(bank._path(cell))
+            im = Image.open(bank.path(cell))
         else:
             raise BadImage(f"not an image or a path: {type(cell).__name__}")
         im.load()

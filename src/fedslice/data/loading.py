@@ -386,7 +386,7 @@ def _load_hub_split(dataset_id: str, subset: str | None, split: str) -> Any:
         raise _hub_error(dataset_id, subset, split, err) from err
 
 
-def _hub_table(dataset: Any, source: str) -> RawTable:
+def hub_table(dataset: Any, source: str) -> RawTable:
     data = dataset.to_dict()
     n = len(dataset)
     names: dict[str, list[str]] = {}
@@ -413,7 +413,7 @@ def load_hub_tables(dataset_id: str, *, subset: str | None,
     for ours, theirs in split_map.items():
         if theirs not in loaded:
             dataset = _load_hub_split(dataset_id, subset, theirs)
-            loaded[theirs] = _hub_table(dataset, f"{dataset_id}{'/' + subset if subset else ''}"
+            loaded[theirs] = hub_table(dataset, f"{dataset_id}{'/' + subset if subset else ''}"
                                                  f":{theirs}")
         result[ours] = loaded[theirs]
     return result
@@ -496,7 +496,7 @@ def load_tables(d: DataConfig, seed: int = 0,
         if d.split_column is not None:
             table, _ = drop_incomplete(table, [(d.split_column, "data.split_column")],
                                        skip=d.bad_rows == "skip")
-            tables = _by_split_column(table, d.split_column)
+            tables = by_split_column(table, d.split_column)
         else:
             tables = {"train": table}
     else:
@@ -534,7 +534,7 @@ def check_and_carve(tables: Mapping[str, RawTable], d: DataConfig, seed: int,
     return {s: checked[s] for s in ("train", "dev", "test")}
 
 
-def _by_split_column(table: RawTable, column: str) -> dict[str, RawTable]:
+def by_split_column(table: RawTable, column: str) -> dict[str, RawTable]:
     values = table.column(column, "data.split_column")
     ours = {alias: split for split, aliases in SPLIT_NAMES.items() for alias in aliases}
     rows: dict[str, list[int]] = {}

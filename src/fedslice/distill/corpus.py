@@ -173,8 +173,8 @@ def resolve_checked(cfg: DistillConfig, *, field: str, data_path: str | None = N
         if data_source is not None:
             check_not_client_data(source, data_source, field)
     if not text:
-        from fedslice.data.images import IMAGE_SUFFIXES, _images_in
-        if not isinstance(source, Path) or not source.is_dir() or not _images_in(source):
+        from fedslice.data.images import IMAGE_SUFFIXES, images_in
+        if not isinstance(source, Path) or not source.is_dir() or not images_in(source):
             raise ConfigError(f"{field}: an image backbone distils on images; {cfg.corpus!r} is no "
                               f"folder of images ({', '.join(IMAGE_SUFFIXES)}): use {HOLDOUT!r} "
                               "(with data.server_holdout > 0) or a folder of images")
@@ -189,9 +189,9 @@ def image_folder_corpus(folder: Path, prep, tokens_for, field: str):
     (undecodable ones skipped)."""
     import numpy as np
 
-    from fedslice.data.images import ImageBank, RawImageSplit, _images_in, encode_images, image_cache_dir
+    from fedslice.data.images import ImageBank, RawImageSplit, images_in, encode_images, image_cache_dir
 
-    paths = [str(p) for p in _images_in(folder)]
+    paths = [str(p) for p in images_in(folder)]
     bank = ImageBank(paths, folder, str(folder), "image", list(range(1, len(paths) + 1)))
     raw = RawImageSplit(bank, np.arange(len(paths)), [0] * len(paths), str(folder))
     return encode_images({"corpus": raw}, prep, tokens_for, skip_bad=True,
