@@ -389,3 +389,32 @@ def test_cli_validate_run_and_compare_on_images(tiny_img_cfg_dict, tmp_path, cap
     assert main(["compare", str(suite), "--out", str(tmp_path / "cmp"), "--name", "c", "--no-progress"]) == 0
     rows = json.loads((tmp_path / "cmp" / "c" / "results.json").read_text())
     assert [r["run"] for r in rows] == ["lora", "heads"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (FMNIST.is_dir() and (SHARED / "models" / "dinov2-small").is_dir()),
+                    reason="../shared Fashion-MNIST or DINOv2-S not present")
+def test_fmnist_dinov2_config_runs_on_the_shared_data(tmp_path):
+    """`fedslice run configs/fmnist_dinov2.toml` (FedPFT, real DINOv2-S, real Fashion-MNIST IDX
+    files) with small overrides for time: 10 named classes, 17 tokens per image, the layer KD on
+    the server's held-apart images."""
+    import subprocess
+    import sys
+    repo = Path(__file__).resolve().parents[1]
+    sets = ["data.max_train_examples=300", "data.max_dev_examples=64", "data.max_test_examples=100",
+            "federation.num_clients=4", "federation.clients_per_round=2", "federation.rounds=1",
+            "federation.local_steps=1", "federation.batch_size=8", "method.distill.steps=2",
+            "method.distill.batch_size=8", f"method.distill.cache_dir=\"{tmp_path / 'kd'}\"",
+            f"output.dir=\"{tmp_path / 'runs'}\"", "output.plots=false"]
+    proc = subprocess.run([sys.executable, "-m", "fedslice.cli", "run", "configs/fmnist_dinov2.toml",
+                           "--no-progress", *[a for s in sets for a in ("--set", s)]],
+                          capture_output=True, text=True, timeout=900, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "fmnist-dinov2-fedpft"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["task"] == "image_classification" and len(summary["test_accuracy_per_class"]) == 10
+    assert "Ankle boot" in json.loads((run / "labels.json").read_text())["names"]
+    metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics[0]["client_metrics"]:
+        assert m["tokens"] == 17 * m["examples_trained"]  # 4 x 4 patches of 14 px + [CLS]
+    assert summary["kd_before_steps"] == 2 and summary["proxy_param_fraction"] < 0.7

@@ -187,10 +187,9 @@ class ImageCorpus:
 
 def make_corpus(cfg: ExperimentConfig, distill: DistillConfig, task: Task, loaded, steps: int,
                 field: str):
-    """The distillation corpus of a method: text (:class:`Corpus`) for a text task, images
-    (:class:`ImageCorpus`) for an image task; a corpus of the other kind is a ConfigError."""
-    image = getattr(task, "kind", "") == "image_classification"
-    if image:
+    """The distillation corpus of a method: text (:class:`Corpus`) for a text model, images
+    (:class:`ImageCorpus`) for an image backbone; a corpus of the other kind is a ConfigError."""
+    if loaded.arch.inputs == "image":
         return ImageCorpus(cfg, distill, task, loaded, field)
     if distill.corpus.strip() == HOLDOUT:
         task.holdout(loaded)  # raises: text tasks distil on text
