@@ -6,8 +6,8 @@ tokens per image, and every cost with them, are (S / 14)^2 + 1: 10 at 42 px, 17 
 trained on 224-518 px images. This measures, for each size S: a linear probe of the frozen
 backbone's features ([CLS] ++ mean of the patch tokens, what Dinov2ForImageClassification's
 classifier reads) trained on ``--train`` images and scored on ``--test`` test images (seeded
-samples; full-batch multinomial logistic regression, L-BFGS), the forward time per image and a
-full fine-tuning step of 32 images (1 thread, the load stated). Images go through fedslice's
+samples; full-batch multinomial logistic regression, L-BFGS), the measured forward FLOPs per image,
+the forward time per image and a full fine-tuning step of 32 images (1 thread, the load stated). Images go through fedslice's
 pipeline (IDX reader, DINOv2's image processor at size S).
 
     .venv/bin/python bench/fmnist_resolution.py --sizes 42 56 112 --out bench/results/fmnist_resolution
@@ -27,6 +27,7 @@ import torch
 from fedslice.config import DataConfig, ModelConfig
 from fedslice.data.images import Preprocessor, encode_images, load_image_splits
 from fedslice.data.partition import sample_rows
+from fedslice.measure import count_flops
 from fedslice.models.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +81,8 @@ def main() -> None:
                     out.append(torch.cat([h[:, 0], h[:, 1:].mean(1)], 1))
                 feats[split] = torch.cat(out)
         per_image = (time.perf_counter() - t0) / sum(len(d) for d in data.values())
+        with torch.no_grad(), count_flops() as fc:
+            model.dinov2(data["train"].collate([0])["pixel_values"])
         acc = probe(feats["train"], data["train"].labels, feats["test"], data["test"].labels)
         model.train()
         batch = data["train"].collate(range(32))
@@ -91,15 +94,15 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         model.eval()
         rows.append({"size": size, "tokens": data["train"].tokens, "probe_test_accuracy": acc,
-                     "forward_ms_per_image": 1000 * per_image, "train_step_s_b32": min(times[1:]),
+                     "forward_ms_per_image": 1000 * per_image, "forward_gflops_per_image": fc.total / 1e9, "train_step_s_b32": min(times[1:]),
                      "loadavg": [load0, os.getloadavg()[0]]})
         print(rows[-1], flush=True)
     lines = [f"Linear probe of frozen DINOv2-S/14 features on Fashion-MNIST ({args.train} train / "
              f"{args.test} test images, seeded), 1 thread.", "",
-             "| size px | tokens | probe test acc % | forward ms/image | full FT step (32 images) s | load |",
-             "|---|---|---|---|---|---|"]
+             "| size px | tokens | probe test acc % | forward GFLOPs/image (measured) | forward ms/image "
+             "| full FT step (32 images) s | load |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['size']} | {r['tokens']} | {100 * r['probe_test_accuracy']:.1f} | "
-              f"{r['forward_ms_per_image']:.1f} | {r['train_step_s_b32']:.2f} | "
+              f"{r['forward_gflops_per_image']:.2f} | {r['forward_ms_per_image']:.1f} | {r['train_step_s_b32']:.2f} | "
               f"{r['loadavg'][0]:.1f}/{r['loadavg'][1]:.1f} |" for r in rows]
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))
