@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from fedslice.api import run_experiment
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.report import markdown_table, plot_compare, summary_row
 
 LR = {"fedavg": 1e-4, "fedpetuning": 1e-3}

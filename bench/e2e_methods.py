@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from fedslice.api import run_experiment
-from fedslice.config import load_config, validate_config
+from fedslice.experiment import load_config, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QUARTERS = [0.25, 0.5, 0.75, 1.0]

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from fedslice.api import run_experiment
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 
 NUM_LAYERS = 6  # MiniLM-L6
 METHODS = {  # name -> method section (filled in by method_section)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from fedslice.api import run_experiment, setup
-from fedslice.config import load_config, validate_config
+from fedslice.experiment import load_config, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -180,7 +180,8 @@ def part_costs(args) -> str:
 
 def part_logits(args) -> str:
     """Full logits (HF's labels loss) vs logits at the 32 target positions only."""
-    from fedslice.config import LoraConfig, ModelConfig
+    from fedslice.config import ModelConfig
+    from fedslice.peft import LoraConfig
     from fedslice.models.loading import load_model
     from fedslice.peft import apply_lora
     from fedslice.tasks.lm import lm_loss

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from heads_sst2 import _records, client_totals, config as sst2_config, markdown  # noqa: E402
 
 from fedslice.api import run_experiment  # noqa: E402
-from fedslice.config import validate_config  # noqa: E402
+from fedslice.experiment import validate_config  # noqa: E402
 from fedslice.data.loading import data_search_dirs  # noqa: E402
 
 MODES = ("parameters", "forward")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fedslice.api import setup
-from fedslice.config import load_config, validate_config
+from fedslice.experiment import load_config, validate_config
 from fedslice.slicing.heads import _ensure_eager
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from fedslice.api import run_experiment
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.api import setup
 from fedslice.fl.engine import Simulation
 from fedslice.report import _figure, _save, plot_compare

@@ -102,7 +102,7 @@ VARIANTS = {
 
 def run(out: Path, names: list[str], rounds: int) -> dict:
     from fedslice.api import run_experiment
-    from fedslice.config import validate_config
+    from fedslice.experiment import validate_config
     results = {}
     for name in names:
         folder = out / "runs" / name
@@ -130,7 +130,7 @@ def run(out: Path, names: list[str], rounds: int) -> dict:
 def probe(out: Path) -> dict:
     """Why 'forward' at 90% cannot learn: what of the input reaches the classifier."""
     from fedslice.api import setup
-    from fedslice.config import validate_config
+    from fedslice.experiment import validate_config
     from fedslice.data.batching import iter_batches
     from fedslice.slicing.heads import mask_spec
     cfg = validate_config(config(out, "probe", VARIANTS["heads90-forward"]))

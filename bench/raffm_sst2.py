@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.api import setup
 from fedslice.fl.engine import Simulation, summarize
 from fedslice.output import write_json_atomic
-from fedslice.report import plot_elastic
+from fedslice.methods.raffm import plot_elastic
 
 TIERS = (0.25, 0.5, 0.75, 1.0)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fedslice.api import run_experiment
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 
 ATTACKS = {"sign_flip": 10.0, "gaussian": 1.0}  # attack -> scale (multiplier / noise std)
 RULES = {"mean": {}, "median": {}, "trimmed_mean": {"trim_fraction": 0.2},

@@ -13,7 +13,7 @@ import pytest
 from conftest import save_tiny_model
 from fedslice.api import resume_experiment, run_experiment, setup
 from fedslice.cli import main
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
 from fedslice.fl.engine import Simulation
 
@@ -58,7 +58,7 @@ def test_heads_sparsity_error_comes_before_training(tiny_cfg_dict, tmp_path, cap
 
 
 def test_heads_sparsity_one_is_refused_at_config_load():
-    with pytest.raises(ConfigError, match=r"method\.heads\.sparsity.*less than 1"):
+    with pytest.raises(ConfigError, match=r"method\.sparsity.*less than 1"):
         validate_config({"method": {"name": "heads", "sparsity": 1.0}})
 
 
@@ -115,12 +115,12 @@ def test_raffm_budget_distribution_below_smallest_names_field(tiny_cfg_dict):
                                           (-0.5, r"\(0, 1\]: -0\.5 keeps no FFN neuron"),
                                           (1.5, r"\(0, 1\]: 1\.5 .*largest valid value is 1")])
 def test_fedpft_keep_ratio_out_of_range_names_field_and_bound(value, bound):
-    with pytest.raises(ConfigError, match=r"method\.fedpft\.keep_ratio: keep_ratio must be in " + bound):
+    with pytest.raises(ConfigError, match=r"method\.keep_ratio: keep_ratio must be in " + bound):
         validate_config({"method": {"name": "fedpft", "keep_ratio": value}})
 
 
 def test_fedot_emulator_layers_out_of_range_names_field_and_bound(tiny_cfg_dict):
-    with pytest.raises(ConfigError, match=r"method\.fedot\.emulator_layers: .*greater than 0"):
+    with pytest.raises(ConfigError, match=r"method\.emulator_layers: .*greater than 0"):
         validate_config({"method": {"name": "fedot", "emulator_layers": 0}})
     d = _with(tiny_cfg_dict, name="fedot", bottom_layers=1, top_layers=0, emulator_layers=3)
     with pytest.raises(ConfigError, match=r"method\.emulator_layers=3 is more than the 1 middle layers"):

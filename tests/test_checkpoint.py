@@ -20,7 +20,7 @@ from fedslice.api import resume_experiment, run_experiment
 from fedslice.checkpoint import (CHECKPOINT, Checkpoint, config_diff, read_checkpoint,
                                  write_checkpoint)
 from fedslice.cli import main
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, FedsliceError
 from fedslice.fl.engine import Simulation
 from fedslice.methods import METHODS

@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from fedslice.config import ExperimentConfig, load_config, load_variants, validate_config
+from fedslice.config import ExperimentConfig
+from fedslice.experiment import load_config, load_variants, validate_config
 from fedslice.errors import ConfigError
 
 

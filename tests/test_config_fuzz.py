@@ -17,10 +17,12 @@ from pydantic import BaseModel
 
 from fedslice.api import setup
 from fedslice.cli import main
-from fedslice.config import ExperimentConfig, validate_config
+from fedslice.config import ExperimentConfig
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
 from fedslice.fl.engine import Simulation
 from fedslice.methods import METHODS
+from fedslice.registry import ADAPTERS
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -28,16 +30,19 @@ FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
 
 def _sections(model: type[BaseModel], path: tuple[str, ...] = ()):
     """(dotted path, FieldInfo) of every leaf field, descending into sub-sections; the method
-    union is expanded per method name."""
+    options are expanded per registered method, and every registered adapter's section is one."""
+    if model is ExperimentConfig:
+        for entry in ADAPTERS.entries():
+            if entry.config_cls is not None:
+                yield from _sections(entry.config_cls, (entry.name,))
     for name, info in model.model_fields.items():
         ann = info.annotation
         p = path + (name,)
         if name == "method" and model is ExperimentConfig:
-            for cls in typing.get_args(typing.get_args(ann)[0]):
-                method = cls.model_fields["name"].default
-                for sub, sub_info in _sections(cls, ("method",)):
+            for entry in METHODS.entries():
+                for sub, sub_info in _sections(entry.options_cls, ("method",)):
                     if sub != ("method", "name"):
-                        yield sub + (f"@{method}",), sub_info
+                        yield sub + (f"@{entry.name}",), sub_info
             continue
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             yield from _sections(ann, p)

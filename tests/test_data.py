@@ -651,7 +651,7 @@ def test_e2e_train_and_test_dev_carved_by_meaning_representation():
 
 
 def test_config_rejects_columns_with_a_header():
-    from fedslice.config import validate_config
+    from fedslice.experiment import validate_config
     with pytest.raises(ConfigError, match="data: .*header = false"):
         validate_config({"data": {"columns": ["a", "label"]}})
     with pytest.raises(ConfigError, match=r"\['sentence'\] are not among columns"):

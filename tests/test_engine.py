@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, ModelError
 from fedslice import measure
 from fedslice.api import setup

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import save_tiny_model
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
 from fedslice.api import setup
 from fedslice.fl.engine import Simulation

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import padded_batch, save_tiny_model
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.distill.apoz import (aggregate_apoz, apoz_report, near_zero_counts, select_neurons,
                                    split_report)
 from fedslice.distill.losses import hidden_loss, layer_kd_loss, weight_loss
@@ -90,7 +90,7 @@ def test_compressed_layers_and_whole_layer_errors():
 @pytest.mark.parametrize("ratio, msg", [(0, "keep_ratio"), (1.5, "keep_ratio"), (-0.1, "keep_ratio")])
 def test_bad_keep_ratio_names_field(pft_cfg, ratio, msg):
     pft_cfg["method"]["keep_ratio"] = ratio
-    with pytest.raises(ConfigError, match=f"method.fedpft.{msg}"):
+    with pytest.raises(ConfigError, match=f"method.{msg}"):
         validate_config(pft_cfg)
 
 

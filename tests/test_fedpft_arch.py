@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fedslice.api import setup
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.data.batching import iter_batches
 from fedslice.distill.apoz import count_near_zero
 from fedslice.distill.losses import ffn_weight_loss

@@ -20,7 +20,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.errors import FedsliceError
 from fedslice.api import setup
 from fedslice.fl.engine import Simulation

@@ -21,7 +21,7 @@ import torch
 from conftest import save_tiny_model
 from fedslice import measure
 from fedslice.api import setup
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.flower.client_app import CLIENT_STATE, KEPT_MODEL, load_kept, store_kept
 from fedslice.flower.codec import MODEL
 from fedslice.flower.server_app import run as server_run

@@ -11,7 +11,9 @@ import torch
 from conftest import GENERATIVE, write_sentiment_tsv
 
 from fedslice.api import run_experiment, setup
-from fedslice.config import LoraConfig, ModelConfig, validate_config
+from fedslice.config import ModelConfig
+from fedslice.peft import LoraConfig
+from fedslice.experiment import validate_config
 from fedslice.data.pairs import IGNORE, PairSplit
 from fedslice.errors import ConfigError, DataError
 from fedslice.fl.engine import Simulation

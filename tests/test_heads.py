@@ -69,7 +69,7 @@ def tiny_lora(request, tmp_path_factory):
     from transformers import AutoModelForSequenceClassification
 
     from conftest import save_tiny_model
-    from fedslice.config import LoraConfig
+    from fedslice.peft import LoraConfig
     from fedslice.models.arch import arch_for
     from fedslice.peft import apply_lora
     folder = save_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
@@ -215,7 +215,7 @@ def test_fedavg_mode_averages_kept_heads_by_examples():
 
 
 def test_paper_ops_is_table6_as_printed():
-    from fedslice.fl.paper_ops import paper_ops
+    from fedslice.methods.heads import paper_ops
     L, d, T, r = 2, 3, 5, 2
     qkv = T * d**3 + T * d**3 + T * d**2
     att = T**2 * d**2 + T**3 * d + T**2 * d**2 + 3 * T**3 * d

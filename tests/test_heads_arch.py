@@ -12,7 +12,7 @@ import torch
 
 from test_slicing_arch import _inputs, _with_lora, _zeroed_reference
 from fedslice.api import setup
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.methods.heads import ALPHA, KEPT
 from fedslice.models.arch import arch_for
 from fedslice.slicing.heads import (HeadUpdate, aggregate_heads, confidence, head_importance,

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, ModelError
 from fedslice.api import setup
 from fedslice.fl.engine import Simulation
@@ -93,7 +93,7 @@ def test_strategy_rejects_inconsistent_replies(heads_setup):
 
 
 @pytest.mark.parametrize("method, message", [
-    ({"sparsity": 1.0}, r"method.heads.sparsity"),
+    ({"sparsity": 1.0}, r"method.sparsity"),
     ({"sparsity": 0.95}, r"method.sparsity=0.95 keeps no head"),
     ({"sparsity": 0.9, "scope": "per_layer"}, r"keeps no head .*per_layer"),
 ])

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import SHARED, VISION, stripes, write_image_folder
-from fedslice.config import DataConfig, validate_config
+from fedslice.config import DataConfig
+from fedslice.experiment import validate_config
 from fedslice.data import images as img
 from fedslice.data.images import (ImageSplit, Preprocessor, encode_images, load_image_splits,
                                   read_idx)

@@ -18,7 +18,7 @@ import torch
 
 from conftest import VISION, save_tiny_model, save_tiny_vision
 from fedslice.api import setup
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
 from fedslice.fl.engine import Simulation
 from fedslice.fl.strategy import Reply

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedslice.config import FederationConfig, RaFFMMethod, validate_config
+from fedslice.config import FederationConfig
+from fedslice.methods.raffm import RaFFMMethod
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
 from fedslice.api import setup
 from fedslice.fl.engine import Simulation
@@ -182,12 +184,12 @@ def test_assign_budgets_follows_shares():
 # ---- config errors ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method, field", [
-    ({"tiers": [{"share": 1.0, "flops": 0}]}, "method.raffm.tiers.0.flops"),
-    ({"tiers": [{"share": 1.0, "flops": 1.2}]}, "method.raffm.tiers.0.flops"),
-    ({"tiers": [{"share": 0.5, "flops": 0.5}, {"share": 0.3, "flops": 1}]}, "method.raffm.tiers"),
-    ({"tiers": [{"share": 1.0, "memory_mb": -5}]}, "method.raffm.tiers.0.memory_mb"),
-    ({"budget_distribution": {"low": 0.0, "high": 0.5}}, "method.raffm.budget_distribution.low"),
-    ({"elastic_sizes": [0.5, 1.5]}, "method.raffm.elastic_sizes"),
+    ({"tiers": [{"share": 1.0, "flops": 0}]}, "method.tiers.0.flops"),
+    ({"tiers": [{"share": 1.0, "flops": 1.2}]}, "method.tiers.0.flops"),
+    ({"tiers": [{"share": 0.5, "flops": 0.5}, {"share": 0.3, "flops": 1}]}, "method.tiers"),
+    ({"tiers": [{"share": 1.0, "memory_mb": -5}]}, "method.tiers.0.memory_mb"),
+    ({"budget_distribution": {"low": 0.0, "high": 0.5}}, "method.budget_distribution.low"),
+    ({"elastic_sizes": [0.5, 1.5]}, "method.elastic_sizes"),
 ])
 def test_bad_budgets_name_the_field(method, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

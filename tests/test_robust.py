@@ -10,7 +10,9 @@ import torch
 
 from conftest import method_options
 from fedslice.api import setup
-from fedslice.config import AggregationConfig, DPConfig, FederationConfig, validate_config
+from fedslice.config import DPConfig, FederationConfig
+from fedslice.fl.rules import Krum
+from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
 from fedslice.fl.engine import Simulation
 from fedslice.fl.privacy import Privacy
@@ -100,10 +102,8 @@ def test_clip_matches_flower_flatclip():
     assert all(torch.equal(same[k], d[k]) for k in d)
 
 
-def _strategy(rule: AggregationConfig, n=5) -> Strategy:
-    s = Strategy(FederationConfig(num_clients=n, clients_per_round=n))
-    s.rule = rule
-    return s
+def _krum(byzantine: int, n=5) -> Strategy:
+    return Krum(Strategy(FederationConfig(num_clients=n, clients_per_round=n)), byzantine)
 
 
 def test_krum_needs_2f_plus_3_replies(caplog):
@@ -111,7 +111,7 @@ def test_krum_needs_2f_plus_3_replies(caplog):
         validate_config({"federation": {"num_clients": 5, "clients_per_round": 5},
                          "aggregation": {"rule": "krum", "byzantine": 2}})
     glob, deltas = _clients(n=4)
-    s = _strategy(AggregationConfig(rule="krum", byzantine=1))
+    s = _krum(byzantine=1)
     payloads = s.configure_train(1, glob, [0, 1, 2, 3])
     replies = {c: Reply({k: glob[k] + d[k] for k in glob}, 10, {"loss": 0.1}) for c, d in enumerate(deltas)}
     with caplog.at_level("WARNING"):
@@ -132,7 +132,7 @@ def test_sliced_methods_apply_the_rule_per_element(tiny_cfg_dict, tmp_path, meth
     m, data = setup(cfg)
     Simulation(cfg, m, data)
     state = m.initial_state()
-    clients = [c for c in range(4) if method != "raffm" or m.strategy.plans[c].plan.spec is not None]
+    clients = [c for c in range(4) if method != "raffm" or m.own_strategy.plans[c].plan.spec is not None]
     payloads = m.strategy.configure_train(1, state, clients)
     replies = {c: m.fit(payloads[c], data.client(c), c) for c in clients}
     res = m.strategy.aggregate_train(1, state, payloads, replies)

@@ -179,7 +179,7 @@ def check_extract_scatter(state, spec, arch) -> None:
 
 def with_lora(model, targets=("q", "k", "v", "o", "ffn_in", "ffn_out")):
     """A copy of ``model`` with LoRA r=2 on ``targets`` and non-zero B (so LoRA changes outputs)."""
-    from fedslice.config import LoraConfig
+    from fedslice.peft import LoraConfig
     from fedslice.peft import apply_lora
     out = apply_lora(copy.deepcopy(model), arch_for(model), LoraConfig(r=2, alpha=4, targets=list(targets)))
     out.eval()

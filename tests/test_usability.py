@@ -143,7 +143,7 @@ def test_validate_prints_the_plan_without_training(tmp_path, tiny_model_dir, cap
     assert "clients: 4, 2 per round, 20 rounds; examples per client min 48, median 48, max 48" in out
     assert "bytes per client per round: down" in out
     assert not (tmp_path / "runs").exists()
-    from fedslice.config import load_config
+    from fedslice.experiment import load_config
     from fedslice.plan import make_plan
     plan = make_plan(load_config(cfg, ["federation.local_steps=3"]), timing=True)
     assert plan.client_sizes == [48] * 4 and plan.step_seconds > 0
@@ -180,7 +180,7 @@ def test_readme_config_table_is_current():
 
 def test_readme_own_data_config_is_short_and_valid(tmp_path, tiny_model_dir):
     import tomllib
-    from fedslice.config import validate_config
+    from fedslice.experiment import validate_config
     text = README.read_text().split("## Your own data", 1)[1]
     block = text.split("```toml\n", 1)[1].split("```", 1)[0]
     assert len(block.strip().splitlines()) <= 10
@@ -197,7 +197,7 @@ def test_readme_own_data_config_is_short_and_valid(tmp_path, tiny_model_dir):
 def test_validate_gives_raffm_sub_model_sizes_per_client(tiny_cfg_dict):
     """RaFFM's planner reads tensor values: validate retries on random weights (same shapes) and
     lists the sub-model of every budget tier."""
-    from fedslice.config import validate_config
+    from fedslice.experiment import validate_config
     from fedslice.plan import make_plan
 
     tiny_cfg_dict["method"] = {"name": "raffm", "width_steps": 4,

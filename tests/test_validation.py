@@ -9,7 +9,7 @@ import torch
 
 from conftest import method_options
 from fedslice.api import setup
-from fedslice.config import validate_config
+from fedslice.experiment import validate_config
 from fedslice.fl.engine import Simulation
 from fedslice.fl.strategy import Reply
 from fedslice.fl.validation import check_num_examples, check_tensors
@@ -90,7 +90,7 @@ def test_invalid_update_is_rejected_and_never_averaged(fitted, method, case, cap
     (entry,) = result.excluded
     assert entry["client"] == bad and CASES[case] in entry["reason"], entry["reason"]
     assert f"update of client {bad} rejected" in caplog.text
-    alone = s.aggregate(1, state, payloads, {good: replies[good]})
+    alone, _ = s.aggregate(1, state, payloads, {good: replies[good]})
     assert result.state.keys() == alone.keys()
     assert all(torch.equal(result.state[k], alone[k]) for k in alone)
     # the untouched reply passes

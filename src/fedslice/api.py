@@ -13,10 +13,11 @@ import torch
 from fedslice.checkpoint import (CHECKPOINT, Checkpoint, check_same_architecture,
                                  check_same_config, config_diff, find_resumable, read_checkpoint,
                                  write_checkpoint)
-from fedslice.config import ExperimentConfig, apply_overrides, load_config, validate_config
+from fedslice.config import ExperimentConfig, apply_overrides
+from fedslice.experiment import load_config, validate_config
 from fedslice.errors import ConfigError
 from fedslice.fl.engine import FederatedData, Simulation, prepare_data
-from fedslice.methods import METHODS, Method, Role, build_method
+from fedslice.methods import Method, Role, build_method, method_class
 from fedslice.models.arch import arch_for
 from fedslice.models.loading import load_config as load_model_config
 from fedslice.models.loading import build_from_config, load_model
@@ -41,7 +42,7 @@ def setup(cfg: ExperimentConfig, role: Role = "both") -> tuple[Method, Federated
         torch.set_num_threads(cfg.threads)
     arch = arch_for(load_model_config(cfg.model)[0])  # the model's config only: no weights yet
     task = make_task(cfg, arch)
-    kind = METHODS[cfg.method.name]
+    kind = method_class(cfg.method.name)
     kind.check_supported(arch, task)
     raw = task.load_raw()
     if role == "client" and kind.client_model_from_server:
@@ -49,7 +50,8 @@ def setup(cfg: ExperimentConfig, role: Role = "both") -> tuple[Method, Federated
     else:
         loaded = load_model(cfg.model, task.num_labels(raw), cfg.seed, head=task.head)
     data = prepare_data(cfg, task, task.encode(raw, loaded))
-    return build_method(cfg, loaded, task, role), data
+    sizes = {c: len(p) for c, p in enumerate(data.partitions)}
+    return build_method(cfg, loaded, task, role, client_sizes=sizes), data
 
 
 def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,

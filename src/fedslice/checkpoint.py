@@ -80,12 +80,14 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_diff(saved: dict[str, Any], given: dict[str, Any]) -> list[str]:
-    """``field: checkpoint value -> given value`` for every result-relevant field that differs."""
+    """``field: checkpoint value -> given value`` for every result-relevant field that differs
+    (a field the checkpoint does not record, unset now, is a field added since: no difference)."""
     a, b = _flatten(result_config(saved)), _flatten(result_config(given))
     missing = object()
     return [f"{k}: {a.get(k, missing)!r} in the checkpoint, {b.get(k, missing)!r} now".replace(
             repr(missing), "<absent>")
-            for k in sorted(set(a) | set(b)) if a.get(k, missing) != b.get(k, missing)]
+            for k in sorted(set(a) | set(b)) if a.get(k, missing) != b.get(k, missing)
+            and not (k not in a and b[k] is None)]
 
 
 def check_same_config(saved: dict[str, Any], given: dict[str, Any], where: Path) -> None:

@@ -85,7 +85,7 @@ def _configure_logging(verbosity: int, quiet: bool) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from fedslice.config import load_config, load_variants
+    from fedslice.experiment import load_config, load_variants
 
     if args.command == "report":
         from fedslice.report import report

@@ -1,11 +1,27 @@
-"""Experiment configuration: typed pydantic models, loaded from TOML or YAML.
+"""Experiment configuration: typed pydantic models of the generic sections.
 
-Every section forbids unknown keys, so a typo fails at load time with the field's dotted path::
+Every section forbids unknown keys, so a typo fails at load time with the field's dotted path.
+Files are read by :mod:`fedslice.experiment` (``load_config``, ``validate_config``), the layer
+above the plug-ins, which registers the built-in ones first::
 
     cfg = load_config("configs/fedpetuning_sst2.toml", overrides=["federation.rounds=5"])
 
-Methods are a discriminated union on ``method.name``: each method has its own options model, and a
-method name that does not exist fails with the list of the known ones.
+Plug-in sections are resolved through :mod:`fedslice.registry`, never imported here (this module
+sits below every plug-in):
+
+* ``[method]``: ``name`` picks a registered method, whose own options class
+  (a :class:`MethodOptions` defined in its module) validates the rest of the table; an unknown
+  name fails with the list of the known ones; errors name the field (``method.sparsity``);
+* ``[peft]``: ``method`` picks the adapter (``"lora"``, ``"none"`` = full fine-tuning, ...);
+  unset, the method's own choice (``Method.default_adapter``: fedavg trains every weight, the
+  others LoRA; raffm's ``method.tuning`` and fedot's ``method.adapter_tuning`` are older
+  spellings of the same choice, and a contradiction fails naming both fields);
+* one section per registered adapter with options, named after it: ``[lora]`` holds LoRA's
+  options (as always), read only when the adapter is LoRA: ``[peft]`` chooses, ``[lora]``
+  configures, so no key means two things;
+* ``aggregation.rule`` (and ``aggregation.clip_norm``, ``dp.enabled``) pick registered rules;
+  every plug-in checks the combination at load (``Method.check_config``,
+  ``Rule.check_config``), naming both fields when it cannot work.
 """
 
 from __future__ import annotations
@@ -13,19 +29,54 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError,
+                      field_validator, model_validator)
+from pydantic_core import InitErrorDetails
 
 from fedslice.errors import ConfigError
+from fedslice.registry import ADAPTERS, METHODS, RULES
 
-LoraTarget = Literal["q", "k", "v", "o", "ffn_in", "ffn_out", "all-linear"]
 
+class Section(BaseModel):
+    """A config section: unknown keys are errors, assignments are validated."""
 
-class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+_Section = Section  # the older private name
+
+
+class MethodOptions(Section):
+    """Base of a method's options (the ``[method]`` table): a subclass lives in the method's
+    module, declares ``name: Literal["its-name"] = "its-name"`` and its own fields, and is
+    registered with :func:`fedslice.registry.register_method`."""
+
+    name: str
+
+
+class AdapterOptions(Section):
+    """Base of an adapter's options (the config section named after the adapter, e.g.
+    ``[lora]``), registered with :func:`fedslice.registry.register_peft_method`."""
+
+
+class PeftConfig(Section):
+    """Which adapter the method trains (HF PEFT's ``peft_type``); its options are in the section
+    named after it (``[lora]``)."""
+
+    method: str | None = Field(None, description="A registered adapter: 'lora', or 'none' (full "
+                               "fine-tuning: every weight of the trained model trains). Unset: the "
+                               "method's own choice (fedavg: none; the others: lora; raffm: "
+                               "method.tuning; fedot: method.adapter_tuning).")
+
+    @field_validator("method")
+    @classmethod
+    def _registered(cls, v):
+        if v is not None and v not in ADAPTERS:
+            raise ValueError(f"unknown adapter {v!r} (known: {', '.join(ADAPTERS.names())})")
+        return v
 
 
 class DataConfig(_Section):
@@ -134,19 +185,6 @@ class ModelConfig(_Section):
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"
 
 
-class LoraConfig(_Section):
-    """LoRA settings for the methods that fine-tune with LoRA (like PEFT's ``LoraConfig``)."""
-
-    r: int = Field(16, gt=0)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    targets: list[LoraTarget] = Field(default_factory=lambda: ["q", "v"], min_length=1,
-                                      description="Logical modules from the architecture table.")
-    target_modules: list[str] | None = Field(None, description="Raw module-name suffixes; overrides "
-                                             "`targets`. Each must match at least one module.")
-    train_classifier: bool = True
-
-
 class FederationConfig(_Section):
     num_clients: int = Field(100, gt=0)
     clients_per_round: int = Field(10, gt=0)
@@ -185,158 +223,6 @@ class FederationConfig(_Section):
         return self
 
 
-class FedAvgMethod(_Section):
-    """Full fine-tuning of every parameter, FedAvg aggregation (McMahan et al.)."""
-
-    name: Literal["fedavg"] = "fedavg"
-
-
-class FedPETuningMethod(_Section):
-    """LoRA on the full model, FedAvg of the LoRA weights and the classifier."""
-
-    name: Literal["fedpetuning"] = "fedpetuning"
-
-
-class RaFFMTier(_Section):
-    """A device tier: its share of the client population and its budget (FLOPs or memory)."""
-
-    share: float = Field(gt=0, le=1, description="Fraction of the clients in this tier.")
-    flops: float | None = Field(None, description="Budget as a fraction of the full model's "
-                                "training FLOPs per step, in (0, 1].")
-    memory_mb: float | None = Field(None, description="Budget as peak training memory in MiB "
-                                    "(parameters + gradients + AdamW state + activations).")
-    name: str | None = None
-
-    @field_validator("flops")
-    @classmethod
-    def _flops_fraction(cls, v):
-        if v is not None and not 0 < v <= 1:
-            raise ValueError("budget must be a fraction of the full model's FLOPs in (0, 1]")
-        return v
-
-    @field_validator("memory_mb")
-    @classmethod
-    def _memory_positive(cls, v):
-        if v is not None and v <= 0:
-            raise ValueError("memory limit must be > 0 MiB")
-        return v
-
-    @model_validator(mode="after")
-    def _one_budget(self) -> "RaFFMTier":
-        if (self.flops is None) == (self.memory_mb is None):
-            raise ValueError("give exactly one budget: flops (fraction) or memory_mb")
-        return self
-
-
-class BudgetDistribution(_Section):
-    """Per-client FLOPs budgets drawn uniformly from [low, high] (fractions of the full model)."""
-
-    kind: Literal["uniform"] = "uniform"
-    low: float
-    high: float
-
-    @field_validator("low", "high")
-    @classmethod
-    def _fraction(cls, v):
-        if not 0 < v <= 1:
-            raise ValueError("budget must be a fraction of the full model's FLOPs in (0, 1]")
-        return v
-
-    @model_validator(mode="after")
-    def _ordered(self) -> "BudgetDistribution":
-        if self.low > self.high:
-            raise ValueError(f"low={self.low} is larger than high={self.high}")
-        return self
-
-
-def _default_tiers() -> list[RaFFMTier]:
-    return [RaFFMTier(share=0.25, flops=f) for f in (0.25, 0.5, 0.75, 1.0)]
-
-
-class RaFFMMethod(_Section):
-    """Resource-aware sub-models: salience-ordered heads/neurons, leading slices per budget,
-    slice aggregation (RaFFM, Yu et al. 2023)."""
-
-    name: Literal["raffm"] = "raffm"
-    tuning: Literal["full", "lora"] = Field("lora", description="Full fine-tuning of the "
-                                            "sub-model, or LoRA (settings in [lora]) on it.")
-    tiers: list[RaFFMTier] = Field(default_factory=_default_tiers, min_length=1)
-    budget_distribution: BudgetDistribution | None = Field(
-        None, description="If set, each client's FLOPs budget is drawn from it (tiers unused).")
-    salience: Literal["l1", "l2"] = "l1"
-    size_weight: float = Field(0.0, ge=0, description="Slice aggregation weighs a client by "
-                               "examples x f^p, f = its sub-model's planned FLOPs fraction, p = "
-                               "this (RaFFM Eq. 7's per-configuration step eta_c); 0: examples only.")
-    reorder: bool = Field(True, description="Salience-order heads/neurons before round 1 "
-                          "(false: leading slices of the checkpoint's order, an ablation).")
-    reorder_every: int = Field(0, ge=0, description="Re-order every R rounds (0: only once).")
-    width_steps: int = Field(48, gt=0, description="Width grid of the planner: sub-models keep "
-                             "round(w*H) heads and round(w*F) neurons, w = 1/steps .. 1.")
-    elastic_depth: bool = Field(False, description="The planner may also drop layers.")
-    elastic_sizes: list[float] = Field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0],
-                                       description="FLOPs fractions evaluated after training.")
-    on_infeasible: Literal["sit_out", "error"] = Field(
-        "sit_out", description="A client whose budget is below the smallest sub-model sits out "
-        "(recorded), or the run fails naming the tier and clients.")
-    profile_batch_size: int | None = Field(None, gt=0, description="Batch the planner measures "
-                                           "(default: federation.batch_size).")
-    profile_seq_len: int | None = Field(None, gt=1, description="Sequence length the planner "
-                                        "measures (default: data.max_length, the worst case).")
-
-    @field_validator("elastic_sizes")
-    @classmethod
-    def _sizes(cls, v):
-        for x in v:
-            if not 0 < x <= 1:
-                raise ValueError(f"size {x} is not a fraction of the full model's FLOPs in (0, 1]")
-        return v
-
-    @field_validator("tiers")
-    @classmethod
-    def _shares(cls, v):
-        total = sum(t.share for t in v)
-        if abs(total - 1.0) > 1e-6:
-            raise ValueError(f"tier shares sum to {total:g}, they must sum to 1")
-        return v
-
-
-
-
-class HeadsMethod(_Section):
-    """FedPETuning + per-client attention-head pruning, head-weighted aggregation ("Assortment of
-    Attention Heads": Eq. 6-8). Client selection is ``federation.selection`` ('loss_gap' = Eq. 9)."""
-
-    name: Literal["heads"] = "heads"
-    sparsity: float = Field(0.9, ge=0, lt=1, description="Fraction s of attention heads each client "
-                            "prunes (Eq. 7): it keeps round((1-s)*heads), in [0, 1).")
-    pruning: Literal["importance", "random", "none"] = Field(
-        "importance", description="Which heads a client keeps: its most important ones (Eq. 6), "
-        "random ones (baseline B2), or all (baseline B1).")
-    scope: Literal["global", "per_layer"] = Field(
-        "global", description="Rank heads over all layers (a layer may keep none) or per layer.")
-    prune: Literal["parameters", "forward"] = Field(
-        "parameters", description="'parameters' (the paper's §3.1): a pruned head's trainable "
-        "tensors are neither trained nor sent, the frozen head stays in the forward pass (saves "
-        "their backward/optimizer work); 'forward': pruned heads leave the sub-model (saves "
-        "forward and backward, but at high sparsity each client trains a different network and "
-        "accuracy falls far behind: README, 'Head pruning').")
-    aggregation: Literal["head_weighted", "fedavg"] = Field(
-        "head_weighted", description="Head-tied LoRA slices: importance-weighted mean (Eq. 8) or "
-        "example-weighted mean over the clients that kept the head (Eq. 5).")
-    eps: float = Field(1e-8, ge=0, description="epsilon of Eq. 8.")
-    importance_batch_size: int = Field(64, gt=0)
-    sink_keys: int = Field(
-        0, ge=0, description="Causal self-attention: the first N real tokens of an example are "
-        "not counted as keys of Eq. 6 (decoder heads park attention on the first token, an "
-        "attention sink, and look confident; README, 'Head pruning'). 0: the paper's rule.")
-    importance_max_examples: int | None = Field(
-        None, gt=0, description="Score heads on at most this many local examples (seeded sample); "
-        "default: all of them, as in the paper.")
-    plot_rounds: int = Field(10, ge=0, description="Rounds drawn in head_importance.png.")
-
-
-
-
 class DistillConfig(_Section):
     """Server-side distillation on an unlabeled corpus that is never a client's data."""
 
@@ -364,68 +250,6 @@ class DistillConfig(_Section):
 
     def seed_or(self, run_seed: int) -> int:
         return run_seed if self.seed is None else self.seed
-
-
-class FedPFTMethod(_Section):
-    """FedPFT (Peng et al. 2024): FFN-compressed proxy, two-step distillation, LoRA on attention."""
-
-    name: Literal["fedpft"] = "fedpft"
-    keep_ratio: float = Field(0.25, description="Fraction of FFN neurons kept (top Eq. 8 saliency) "
-                              "in each compressed layer, in (0, 1].")
-    whole_layers: list[int] = Field(default_factory=lambda: [0, -1], description="Layers kept "
-                                    "whole (negative: from the end); the others are compressed.")
-    kd: Literal["both", "before", "during", "none"] = Field(
-        "both", description="Ablations: layer-level KD before FL and/or neuron-level KD during FL "
-        "(FedPFT, FedPFT_B, FedPFT_D, FedPFT_N).")
-    distill: DistillConfig = Field(default_factory=DistillConfig)
-    align_every: int = Field(10, gt=0, description="t: neuron-level KD after every t-th round.")
-    align_proportion: float = Field(0.5, description="p: fraction of each compressed layer's "
-                                    "neurons re-distilled (highest aggregated APoZ), in (0, 1].")
-    align_steps: int = Field(50, ge=0, description="Optimizer steps of each neuron-level KD.")
-    align_lr: float | None = Field(None, gt=0, description="Default: distill.lr.")
-    align_mu: float = Field(0.0, ge=0, description="Weight term during neuron-level KD (the "
-                            "public code uses hidden states only).")
-    apoz_tau: float = Field(0.05, ge=0, description="An FFN activation (gated: act(gate x) * up x) "
-                            "counts as zero when |a| <= tau (Eq. 14 counts exact zeros, which GELU/SiLU "
-                            "almost never give; 0: exact zeros, e.g. ReLU).")
-    apoz_max_examples: int | None = Field(None, gt=0, description="APoZ on a seeded sample of "
-                                          "this many local examples (default: all, as the paper).")
-
-    @field_validator("keep_ratio", "align_proportion")
-    @classmethod
-    def _fraction(cls, v, info):
-        what = {"keep_ratio": "keeps no FFN neuron (any ratio > 0 keeps at least one per layer)",
-                "align_proportion": "re-distils no neuron"}
-        if not 0 < v <= 1:
-            bound = (f"{v:g} {what[info.field_name]}" if v <= 0 else
-                     f"{v:g} is more than every neuron; the largest valid value is 1 (all of them)")
-            raise ValueError(f"{info.field_name} must be in (0, 1]: {bound}")
-        return v
-
-
-class FedOTMethod(_Section):
-    """FedOT: Offsite-Tuning (Xiao et al. 2023) with FedAvg. Bottom/top layers are the trainable
-    adapter; the middle layers are replaced by a uniform layer-drop emulator (frozen)."""
-
-    name: Literal["fedot"] = "fedot"
-    bottom_layers: int | None = Field(None, ge=0, description="Adapter layers at the bottom "
-                                      "(default max(1, round(L/6)): 2 of 12, as in the paper).")
-    top_layers: int | None = Field(None, ge=0, description="Adapter layers at the top (same default).")
-    emulator_layers: int | None = Field(None, gt=0, description="Middle layers kept by uniform "
-                                        "layer drop (default max(1, round(3/8 * middle)): 8 -> 3).")
-    adapter_tuning: Literal["lora", "full"] = Field("lora", description="LoRA ([lora], on the "
-                                                    "adapter layers only) or full fine-tuning.")
-    lora_r: int | None = Field(None, gt=0, description="LoRA rank on the adapter (default "
-                               "lora.r; lora.alpha is scaled with it, so alpha/r is unchanged); "
-                               "raise it to match the trainable parameters of LoRA on every layer.")
-    distill_emulator: bool = Field(False, description="Distil the emulator to the middle layers "
-                                   "before FL (settings in `distill`; mu is not used).")
-    distill: DistillConfig = Field(default_factory=DistillConfig)
-
-
-MethodConfig = Annotated[Union[FedAvgMethod, FedPETuningMethod, RaFFMMethod, HeadsMethod,
-                               FedPFTMethod, FedOTMethod],
-                         Field(discriminator="name")]
 
 
 class TaskConfig(_Section):
@@ -529,10 +353,10 @@ class AggregationConfig(_Section):
     """How the server combines the valid updates of a round (robust rules against a malicious
     minority; see fedslice/slicing/robust.py)."""
 
-    rule: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum"] = Field(
-        "mean", description="mean: the method's own weighted mean (FedAvg, slice or head-weighted "
-        "aggregation); median / trimmed_mean: per element, over the clients holding it; krum / "
-        "multi_krum: same-shaped updates only (not raffm, heads).")
+    rule: str = Field(
+        "mean", description="A registered rule: mean: the method's own weighted mean (FedAvg, "
+        "slice or head-weighted aggregation); median / trimmed_mean: per element, over the clients "
+        "holding it; krum / multi_krum: same-shaped updates only (not raffm, heads).")
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: fraction cut at "
                                  "each end (per element, of the clients holding it).")
     byzantine: int = Field(1, ge=0, description="krum / multi_krum: f, the number of malicious "
@@ -541,6 +365,14 @@ class AggregationConfig(_Section):
                                         "averaged (default n - f).")
     clip_norm: float | None = Field(None, gt=0, description="Clip every client's update to this "
                                     "L2 norm before aggregating (FlatClip). None: no clipping.")
+
+    @field_validator("rule")
+    @classmethod
+    def _registered(cls, v):
+        known = [e.name for e in RULES.entries() if e.rule_cls.selected_by == "aggregation.rule"]
+        if v != "mean" and v not in known:
+            raise ValueError(f"unknown rule {v!r} (known: {', '.join(['mean', *known])})")
+        return v
 
 
 class DPConfig(_Section):
@@ -589,59 +421,98 @@ class OutputConfig(_Section):
 
 
 class ExperimentConfig(_Section):
+    """An experiment. Besides the fields below, one section per registered adapter with options,
+    named after it (``lora``: :class:`fedslice.peft.LoraConfig`), validated by its options class
+    and stored as a pydantic extra (``cfg.lora``)."""
+
+    # extras: the adapters' option sections only (``_plugin_sections`` refuses any other key)
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    __pydantic_extra__: dict[str, SerializeAsAny[AdapterOptions]] = Field(init=False)
+
+    DEFAULT_METHOD: ClassVar[str] = "fedpetuning"
+
     name: str | None = None
     seed: int = 0
     threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's).")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
-    lora: LoraConfig = Field(default_factory=LoraConfig)
+    peft: PeftConfig = Field(default_factory=PeftConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
-    method: MethodConfig = Field(default_factory=FedPETuningMethod)
+    method: SerializeAsAny[MethodOptions] = Field(
+        default_factory=lambda: {"name": ExperimentConfig.DEFAULT_METHOD}, validate_default=True,
+        description="A registered method by `name`, with its options.")
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
     dp: DPConfig = Field(default_factory=DPConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
+    @field_validator("method", mode="before")
+    @classmethod
+    def _method_options(cls, v):
+        """The registered method's own options class validates the table (its errors are
+        located under ``method``: ``method.sparsity``)."""
+        if isinstance(v, MethodOptions):
+            return v
+        if not isinstance(v, dict) or not isinstance(v.get("name"), str):
+            raise ValueError("give the method as a table with a `name`, e.g. {name = \"fedavg\"}")
+        if v["name"] not in METHODS:
+            raise ValueError(f"unknown method {v['name']!r} (known: {', '.join(METHODS.names())})")
+        return METHODS.get(v["name"]).options_cls.model_validate(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plugin_sections(cls, data: Any) -> Any:
+        """Every registered adapter's section (its defaults when absent), validated by its options
+        class; any other unknown top-level key is an error, as in every section."""
+        if not isinstance(data, dict):
+            return data
+        data, errors = dict(data), []
+        sections = {e.name: e.config_cls for e in ADAPTERS.entries() if e.config_cls is not None}
+        for key in data:
+            if key not in cls.model_fields and key not in sections:
+                errors.append(InitErrorDetails(type="extra_forbidden", loc=(key,), input=data[key]))
+        for key, options_cls in sections.items():
+            value = data.get(key, {})
+            if isinstance(value, options_cls):
+                continue
+            try:
+                data[key] = options_cls.model_validate(value)
+            except ValidationError as e:
+                errors += [InitErrorDetails(type=x["type"], loc=(key, *x["loc"]), input=x["input"],
+                                            ctx=x.get("ctx", {})) for x in e.errors()]
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
+
     @model_validator(mode="after")
-    def _compatible(self) -> "ExperimentConfig":
-        """Method x PEFT combinations that cannot work, named by field (architecture-dependent
-        checks, e.g. layer counts, happen when the model is loaded)."""
-        lora, name = self.lora, self.method.name
+    def _data_columns(self) -> "ExperimentConfig":
+        """With ``data.columns`` (headerless files), the columns the task reads must be among
+        them: its text columns, or for an image task its image column."""
         image = self.task.kind == "image_classification"
         try:
             self.data.check_columns([self.data.image_column] if image else self.data.text_columns)
         except ValueError as e:
             raise ValueError(f"data: {e}") from None
-        attention = {"q", "k", "v", "o"}
-        if name == "fedpft" and (lora.target_modules is not None or set(lora.targets) - attention):
-            raise ValueError(f"lora.targets: method fedpft trains LoRA on attention only (q, k, v, "
-                             f"o); got {lora.target_modules or lora.targets}")
-        if name == "heads" and lora.target_modules is None and not set(lora.targets) & attention:
-            raise ValueError(f"lora.targets {lora.targets}: method heads needs LoRA on at least "
-                             "one attention projection (q, k, v or o)")
-        agg, n = self.aggregation, self.federation.clients_per_round
-        sliced = name in ("raffm", "heads")
-        if agg.rule in ("krum", "multi_krum"):
-            if sliced:
-                raise ValueError(f"aggregation.rule={agg.rule!r} needs same-shaped updates; method "
-                                 f"{name} sends slices: use median or trimmed_mean")
-            if n < 2 * agg.byzantine + 3:
-                raise ValueError(f"aggregation.byzantine={agg.byzantine}: krum needs "
-                                 f"federation.clients_per_round >= 2f + 3 = {2 * agg.byzantine + 3}, "
-                                 f"got {n}")
-            if agg.multi_krum_keep is not None and agg.multi_krum_keep > n - agg.byzantine:
-                raise ValueError(f"aggregation.multi_krum_keep={agg.multi_krum_keep} is more than "
-                                 f"clients_per_round - byzantine = {n - agg.byzantine}")
-        if self.dp.enabled:
-            if sliced:
-                raise ValueError(f"dp.enabled: DP-FedAvg needs same-shaped updates; method {name} "
-                                 "sends slices")
-            if agg.rule != "mean" or agg.clip_norm is not None:
-                raise ValueError("dp.enabled: DP-FedAvg is the clipped mean (dp.clip_norm); "
-                                 "aggregation.rule must be 'mean' without aggregation.clip_norm")
         return self
+
+    @model_validator(mode="after")
+    def _plugins_agree(self) -> "ExperimentConfig":
+        """What the plug-ins check together, named by field: the method its options with the
+        adapter (``Method.check_config``), every selected rule its fit with the method
+        (``Rule.check_config``). Architecture-dependent checks (layer counts, modules) happen
+        when the model is loaded."""
+        method = METHODS.get(self.method.name).method_cls
+        method.check_config(self)
+        for entry in RULES.entries():
+            if entry.rule_cls.selected(self):
+                entry.rule_cls.check_config(self, method)
+        return self
+
+    def adapter_options(self, name: str) -> AdapterOptions | None:
+        """The options section of adapter ``name`` (None for an adapter without options)."""
+        return (self.__pydantic_extra__ or {}).get(name)
 
     @property
     def run_name(self) -> str:
@@ -649,14 +520,14 @@ class ExperimentConfig(_Section):
 
 
 # --------------------------------------------------------------------------------------------
-# Loading
+# Files and overrides (validation: fedslice.experiment, above the plug-ins)
 # --------------------------------------------------------------------------------------------
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """One line per error: the dotted field (``method.sparsity``), the message, the value."""
     lines = [f"invalid config {source}:"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
-        # Discriminated unions put the tag in the location (method.fedavg.x): keep it readable.
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -715,44 +586,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def validate_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
-    try:
-        return ExperimentConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, source)) from None
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Load and validate an experiment config file, applying ``--set`` style overrides."""
-    data = read_config_file(path)
-    data.pop("variants", None)
-    return validate_config(apply_overrides(data, overrides or []), str(path))
-
-
-def load_variants(path: str | Path, overrides: list[str] | None = None) -> list[ExperimentConfig]:
-    """A suite file: base sections plus ``[[variants]]``, each a partial config merged on the base.
-
-    A file without ``variants`` is one experiment.
-    """
-    data = read_config_file(path)
-    variants = data.pop("variants", None)
-    if variants is None:
-        return [validate_config(apply_overrides(data, overrides or []), str(path))]
-    if not isinstance(variants, list) or not variants:
-        raise ConfigError(f"config file {path}: 'variants' must be a non-empty list of tables")
-    out = []
-    for i, variant in enumerate(variants):
-        merged = _deep_merge(data, variant)
-        out.append(validate_config(apply_overrides(merged, overrides or []), f"{path} variants[{i}]"))
-    return out
-
-
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def merge_variant(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """A ``[[variants]]`` entry merged on the base config (nested tables merged key by key)."""
     out = json.loads(json.dumps(base))
     for k, v in top.items():
         # A variant's method replaces the base's: options of one method are unknown to another.
         if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "method":
-            out[k] = _deep_merge(out[k], v)
+            out[k] = merge_variant(out[k], v)
         else:
             out[k] = v
     return out

@@ -25,10 +25,12 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from fedslice.models.arch import is_linear
 
 __all__ = [
     "ClientCost",
@@ -99,7 +101,7 @@ def linear_param_counts(model: nn.Module) -> dict[str, int]:
     get_out = getattr(base, "get_output_embeddings", None)
     lm_head = get_out() if callable(get_out) else None
     for name, module in model.named_modules():
-        if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
+        if not is_linear(module):
             continue
         w = module.weight
         segments = name.split(".")
@@ -524,7 +526,8 @@ def _storage_nbytes(t: torch.Tensor) -> int:
 
 @dataclass
 class ClientCost:
-    """One client's costs for one round.
+    """One client's costs for one round: the typed record behind the cost keys of a round's
+    ``client_metrics`` (metrics.jsonl) and of summary.json.
 
     ``bytes_down``/``params_down``: what the server sent; ``bytes_up``/``params_up``: what the client
     sent back; ``trainable_params``: parameters updated locally; ``flops_measured``: FLOPs of the
@@ -533,20 +536,35 @@ class ClientCost:
     examples and (non-padding or padded, as the caller documents) tokens processed;
     ``peak_rss_mb``: :attr:`PeakMemory.peak_mb`; ``activation_mb``:
     :attr:`PeakMemory.tensor_peak_mb` (or ``saved_activation_mb``); ``train_time_s``: wall time.
+    A field is None when it was not measured (a client that sat out).
     """
 
-    bytes_down: int = 0
-    bytes_up: int = 0
-    params_down: int = 0
-    params_up: int = 0
-    trainable_params: int = 0
+    bytes_down: int | None = 0
+    bytes_up: int | None = 0
+    params_down: int | None = 0
+    params_up: int | None = 0
+    trainable_params: int | None = 0
     flops_measured: float | None = None
     flops_analytic: float | None = None
     examples: int = 0
     tokens: int = 0
     peak_rss_mb: float | None = None
     activation_mb: float | None = None
-    train_time_s: float = 0.0
+    train_time_s: float | None = 0.0
+
+    #: metrics keys averaged over a round's used replies (``<key>_mean`` in the round record)
+    ROUND_MEANS: ClassVar[tuple[str, ...]] = ("bytes_down", "bytes_up", "flops_measured",
+                                               "flops_analytic", "trainable_params", "params_up")
+    #: ... and over the whole run (``<key>_mean`` in summary.json)
+    SUMMARY_MEANS: ClassVar[tuple[str, ...]] = ROUND_MEANS + ("train_time_s",)
+    #: metrics keys whose maximum is reported (``<key>_max``)
+    PEAKS: ClassVar[tuple[str, ...]] = ("peak_rss_mb", "activation_mb")
+    #: field -> its key in a client's metrics where they differ
+    METRIC_KEYS: ClassVar[dict[str, str]] = {"examples": "examples_trained"}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def to_metrics(self) -> dict[str, Any]:
+        """The record as a client's metrics (the keys of metrics.jsonl)."""
+        return {self.METRIC_KEYS.get(k, k): v for k, v in asdict(self).items()}

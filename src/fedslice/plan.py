@@ -21,7 +21,8 @@ from fedslice import measure
 from fedslice.config import ExperimentConfig
 from fedslice.errors import FedsliceError
 from fedslice.fl.engine import FederatedData, prepare_data
-from fedslice.methods import METHODS, build_method
+from fedslice.measure import ClientCost
+from fedslice.methods import build_method, method_class
 from fedslice.models.arch import Head, arch_for
 from fedslice.models.loading import (LoadedModel, adapt_image_model, ensure_pad_token,
                                      from_config, load_config, load_preprocessor, model_class)
@@ -43,13 +44,22 @@ class Plan:
     total_params: int
     rounds: int
     clients_per_round: int
-    bytes_down: dict[int, int] = field(default_factory=dict)  # per client, round 1
-    bytes_up: dict[int, int] = field(default_factory=dict)
+    costs: dict[int, ClientCost] = field(default_factory=dict)  # per client, round 1 (sizes)
     submodel_params: dict[int, int] = field(default_factory=dict)  # per client, slicing methods
     steps_per_client: dict[int, int] = field(default_factory=dict)
     mean_tokens: float = 0.0
     step_seconds: float | None = None
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_down(self) -> dict[int, int]:
+        """Per client, the bytes of its first payload's tensors."""
+        return {c: cost.bytes_down for c, cost in self.costs.items()}
+
+    @property
+    def bytes_up(self) -> dict[int, int]:
+        """Per client, the bytes of the trained tensors it sends back."""
+        return {c: cost.bytes_up for c, cost in self.costs.items()}
 
     @property
     def round_bytes(self) -> float:
@@ -158,7 +168,7 @@ def make_plan(cfg: ExperimentConfig, *, timing: bool = True) -> Plan:
     config, path = load_config(cfg.model)
     arch = arch_for(config)
     task = make_task(cfg, arch)
-    METHODS[cfg.method.name].check_supported(arch, task)
+    method_class(cfg.method.name).check_supported(arch, task)
     raw = task.load_raw()
     k = task.num_labels(raw)
     tokenizer = load_preprocessor(path, arch, cfg.model.name)
@@ -208,8 +218,10 @@ def _method_sizes(cfg: ExperimentConfig, plan: Plan, loaded: LoadedModel, task,
         for c, payload in payloads.items():
             client_model, params = method.client_model(payload)
             up = {n: p for n, p in params.items() if n in payload.arrays}
-            plan.bytes_down[c] = measure.tensor_bytes(payload.arrays)
-            plan.bytes_up[c] = measure.tensor_bytes(up)
+            plan.costs[c] = ClientCost(
+                bytes_down=measure.tensor_bytes(payload.arrays), bytes_up=measure.tensor_bytes(up),
+                params_down=measure.num_params(payload.arrays), params_up=measure.num_params(up),
+                trainable_params=sum(p.numel() for p in params.values()))
             first_contact.append(measure.tensor_bytes(payload.model))
             if client_model is not method.model:
                 plan.submodel_params[c] = sum(p.numel() for p in client_model.parameters())

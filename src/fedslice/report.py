@@ -20,18 +20,21 @@ from typing import Any
 
 from fedslice.errors import FedsliceError
 from fedslice.output import SUMMARY, read_run
+from fedslice.registry import METHODS
 
 __all__ = [
     "COLUMNS",
     "find_runs",
+    "figure",
     "markdown_table",
+    "method_plots",
     "plot_compare",
-    "plot_elastic",
-    "plot_head_importance",
     "plot_run",
     "render_table",
     "report",
+    "rounds_of",
     "rounds_to_target",
+    "save_figure",
     "summary_row",
 ]
 
@@ -214,7 +217,8 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
+def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
+    """A matplotlib figure with ``ncols`` axes side by side (integer round ticks)."""
     # The object-oriented API with the Agg canvas: no pyplot, no global backend switch.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -229,14 +233,16 @@ def _figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
     return fig, axes
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """Write ``fig`` to ``path`` atomically (a temporary file, then a rename)."""
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     fig.savefig(tmp, dpi=120)
     os.replace(tmp, path)
     return path
 
 
-def _rounds(metrics: Sequence[Mapping[str, Any]]) -> list[int]:
+def rounds_of(metrics: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The round number of each record (its position when a record has none)."""
     return [int(m.get("round", i)) for i, m in enumerate(metrics, 1)]
 
 
@@ -251,7 +257,7 @@ def _test_metric(summary: Mapping[str, Any]) -> str:
 def _accuracy_series(metrics: Sequence[Mapping[str, Any]],
                      primary: str = "accuracy") -> tuple[list[int], list[float]]:
     xs, ys = [], []
-    for r, m in zip(_rounds(metrics), metrics):
+    for r, m in zip(rounds_of(metrics), metrics):
         acc = _num(m.get(f"dev_{primary}"))
         if acc is not None:
             xs.append(r)
@@ -263,7 +269,7 @@ def _bytes_series(metrics: Sequence[Mapping[str, Any]]) -> tuple[list[int], list
     """Rounds, cumulative MB down and cumulative MB up per client."""
     xs, down, up = [], [], []
     d = u = 0.0
-    for r, m in zip(_rounds(metrics), metrics):
+    for r, m in zip(rounds_of(metrics), metrics):
         d += _num(m.get("bytes_down_mean")) or 0.0
         u += _num(m.get("bytes_up_mean")) or 0.0
         xs.append(r)
@@ -279,7 +285,7 @@ def _label(summary: Mapping[str, Any], run_dir: Path) -> str:
 
 
 def _final_round(metrics: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> float:
-    rounds = _rounds(metrics)
+    rounds = rounds_of(metrics)
     if rounds:
         return rounds[-1]
     return _num(summary.get("rounds")) or 0
@@ -314,7 +320,7 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     config, metrics, summary = read_run(run_dir)
     title = _label(summary, run_dir)
 
-    fig, (ax,) = _figure()
+    fig, (ax,) = figure()
     _plot_accuracy(ax, metrics, summary)
     target = _num(summary.get("target_accuracy"))
     if target is not None:
@@ -326,10 +332,10 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="lower right")
-    acc_path = _save(fig, run_dir / f"{primary}.png")
+    acc_path = save_figure(fig, run_dir / f"{primary}.png")
     per = summary.get("test_accuracy_per_class")
     if per:
-        fig, (ax,) = _figure()
+        fig, (ax,) = figure()
         names = list(per)
         ax.bar(range(len(names)), [_num(per[n]) or 0.0 for n in names], color="tab:blue")
         ax.set_xticks(range(len(names)), names, rotation=30 if len(names) > 4 else 0, ha="right"
@@ -338,9 +344,9 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
         ax.set_ylabel("test accuracy on the class's examples")
         ax.set_title(title)
         ax.grid(True, axis="y", alpha=0.3)
-        _save(fig, run_dir / "classes.png")
+        save_figure(fig, run_dir / "classes.png")
 
-    fig, (ax,) = _figure()
+    fig, (ax,) = figure()
     xs, down, up = _bytes_series(metrics)
     if xs:
         ax.plot(xs, [d + u for d, u in zip(down, up)], marker="o", markersize=3, label="total")
@@ -351,123 +357,21 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     ax.set_ylabel("cumulative MB per client")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    bytes_path = _save(fig, run_dir / "bytes.png")
-    paths = [acc_path, bytes_path]
-    if summary.get("elastic"):
-        paths.append(plot_elastic(summary["elastic"], run_dir / "elastic.png", title))
-    plot_rounds = (config.get("method") or {}).get("plot_rounds", 10)
-    return paths + plot_head_importance(metrics, run_dir, plot_rounds, title)
+    bytes_path = save_figure(fig, run_dir / "bytes.png")
+    return [acc_path, bytes_path] + method_plots(run_dir, config, metrics, summary, title)
 
 
-def plot_elastic(elastic: Sequence[Mapping[str, Any]], out_path: str | os.PathLike,
-                 title: str = "", series: str | None = None, fig_axes=None) -> Path:
-    """``elastic.png``: test (and dev) primary metric of the global model evaluated at several sub-model
-    sizes, against the size (FLOPs fraction) and against forward GFLOPs per example."""
-    from matplotlib.ticker import AutoLocator
-
-    fig, (ax_size, ax_flops) = fig_axes or _figure(ncols=2, width=5.0)
-    metric = next((e["metric"] for e in elastic if "metric" in e), "accuracy")
-    rows = [e for e in elastic if _num(e.get(f"test_{metric}")) is not None]
-    label = series or "test"
-    for split, style in (("test", "-o"), ("dev", ":x")):
-        if series and split == "dev":
-            continue
-        ys = [e.get(f"{split}_{metric}") for e in rows]
-        lab = label if split == "test" else "dev"
-        ax_size.plot([e["size"] for e in rows], ys, style, label=lab)
-        ax_flops.plot([e["forward_gflops_per_example"] for e in rows], ys, style, label=lab)
-    ax_size.set_xlabel("size (fraction of full-model training FLOPs)")
-    ax_flops.set_xlabel("forward GFLOPs per example (profile batch)")
-    for ax in (ax_size, ax_flops):
-        ax.xaxis.set_major_locator(AutoLocator())  # sizes and GFLOPs are not rounds
-        ax.set_ylabel(metric)
-        ax.grid(True, alpha=0.3)
-        ax.legend(loc="lower right")
-    ax_size.set_title(f"{title}: elastic inference" if title else "elastic inference")
-    return _save(fig, Path(out_path))
-
-
-def _importance_by_round(metrics: Sequence[Mapping[str, Any]]) -> list[tuple[int, list[tuple[int, Any]]]]:
-    """[(round, [(client, (L, H) importance array), ...]), ...] for rounds whose clients report a
-    ``head_importance`` (the ``heads`` method); clients in id order."""
-    import numpy as np
-
-    out = []
-    for r, m in zip(_rounds(metrics), metrics):
-        clients = [(int(c["client"]), np.reshape(c["head_importance"], (-1, int(c["num_heads"]))))
-                   for c in m.get("client_metrics") or [] if c.get("head_importance")]
-        if clients:
-            out.append((r, sorted(clients, key=lambda x: x[0])))
-    return out
-
-
-def plot_head_importance(metrics: Sequence[Mapping[str, Any]], run_dir: str | os.PathLike,
-                         rounds: int = 10, title: str = "", max_clients: int = 4) -> list[Path]:
-    """``head_importance.png``: a heatmap (rows: layers per attention family; columns: heads)
-    of each selected client's importance in the first ``rounds`` rounds (at most ``max_clients`` per round; kept heads dotted), and
-    ``head_distance.png``: the Euclidean distance between two clients' importance vectors per
-    round (the heads paper's Fig. 5), with the mean pairwise distance when more clients train.
-    Returns the paths written ([] when no client reported head importance)."""
-    import numpy as np
-
-    data = _importance_by_round(metrics)
-    if not data or rounds <= 0:
+def method_plots(run_dir: Path, config: Mapping[str, Any], metrics: Sequence[Mapping[str, Any]],
+                 summary: Mapping[str, Any], title: str) -> list[Path]:
+    """The plots the run's method contributes (:meth:`fedslice.methods.base.Method.plots`: RaFFM's
+    elastic sizes, heads' importance maps), asked through the registry; none when the method is
+    not registered in this process (the built-in ones are, once :mod:`fedslice.plugins` is
+    imported, as ``fedslice report`` does)."""
+    name = summary.get("method") or (config.get("method") or {}).get("name")
+    if name not in METHODS:
         return []
-    run_dir = Path(run_dir)
-    shown = data[:rounds]
-    ncols = min(max_clients, max(len(cs) for _, cs in shown))
-    vmin = min(float(a.min()) for _, cs in shown for _, a in cs[:ncols])
-    vmax = max(float(a.max()) for _, cs in shown for _, a in cs[:ncols])
-    L, H = shown[0][1][0][1].shape
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(1.2 + 0.35 * H * ncols, 0.6 + 0.28 * L * len(shown) + 0.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(len(shown), ncols, squeeze=False)
-    kept_of = {(r, int(c["client"])): c.get("head_kept") for r, m in zip(_rounds(metrics), metrics)
-               for c in m.get("client_metrics") or []}
-    image = None
-    for i, (r, clients) in enumerate(shown):
-        for j in range(ncols):
-            ax = axes[i][j]
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if j >= len(clients):
-                ax.axis("off")
-                continue
-            c, imp = clients[j]
-            image = ax.imshow(imp, vmin=vmin, vmax=vmax, cmap="viridis", aspect="auto")
-            kept = kept_of.get((r, c))
-            if kept is not None:
-                ys, xs = np.nonzero(np.reshape(kept, (L, H)))
-                ax.scatter(xs, ys, s=4, c="white", marker="o")
-            ax.set_title(f"r{r} c{c}", fontsize=7)
-    fig.colorbar(image, ax=axes, shrink=0.6, label="importance (rows: layers, per attention family; • kept)")
-    fig.suptitle(f"{title}: head importance" if title else "head importance", fontsize=9)
-    heat = _save(fig, run_dir / "head_importance.png")
-
-    fig, (ax,) = _figure()
-    xs, two, mean = [], [], []
-    for r, clients in data:
-        if len(clients) < 2:
-            continue
-        vecs = [a.flatten() for _, a in clients]
-        pairs = [float(np.linalg.norm(vecs[a] - vecs[b]))
-                 for a in range(len(vecs)) for b in range(a + 1, len(vecs))]
-        xs.append(r)
-        two.append(pairs[0])
-        mean.append(float(np.mean(pairs)))
-    ax.plot(xs, two, marker="o", markersize=3, label="first two clients")
-    if any(abs(a - b) > 1e-12 for a, b in zip(two, mean)):
-        ax.plot(xs, mean, linestyle="--", label="mean over client pairs")
-    ax.set_xlabel("round")
-    ax.set_ylabel("Euclidean distance of importance vectors")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    if xs:
-        ax.legend(loc="upper right")
-    return [heat, _save(fig, run_dir / "head_distance.png")]
+    return METHODS.get(name).method_cls.plots(run_dir, dict(config), list(metrics), dict(summary),
+                                              title)
 
 
 def plot_compare(run_dirs: Sequence[str | os.PathLike], out_path: str | os.PathLike) -> Path:
@@ -479,7 +383,7 @@ def plot_compare(run_dirs: Sequence[str | os.PathLike], out_path: str | os.PathL
     import matplotlib
 
     palette = matplotlib.rcParams["axes.prop_cycle"].by_key().get("color") or ["C0"]
-    fig, (ax_acc, ax_bytes) = _figure(ncols=2)
+    fig, (ax_acc, ax_bytes) = figure(ncols=2)
     for i, run_dir in enumerate(run_dirs):
         _, metrics, summary = read_run(run_dir)
         label = _label(summary, run_dir)
@@ -498,7 +402,7 @@ def plot_compare(run_dirs: Sequence[str | os.PathLike], out_path: str | os.PathL
         ax_bytes.legend(loc="upper left", fontsize="small")
     elif ax_acc.get_legend_handles_labels()[0]:
         ax_acc.legend(loc="lower right", fontsize="small")
-    return _save(fig, Path(out_path))
+    return save_figure(fig, Path(out_path))
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ teacher's product ``W1 W2``.
 Unlike the public code, the weight term is built from the student's parameters themselves (not
 ``.data``), so it has a gradient and actually pulls ``W1'W2'`` towards ``W1W2``. A gated FFN
 (SwiGLU, gated-GELU) has two input matrices: the term is the mean of ``||W_gate W2 - ...||`` and
-``||W_up W2 - ...||`` (weights in ``nn.Linear`` orientation; GPT-2's Conv1D weights are
-transposed by the caller).
+``||W_up W2 - ...||`` (weights in ``nn.Linear`` orientation: the caller converts GPT-2's Conv1D
+weights with :meth:`fedslice.models.arch.Layout.as_linear`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from fedslice.errors import DataError
 from fedslice.fl.faults import corrupt, missed_deadline, plan_faults
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Reply, RoundResult, State
+from fedslice.measure import ClientCost
 
 if TYPE_CHECKING:
     from fedslice.methods.base import Method
@@ -88,11 +89,8 @@ def round_record(server_round: int, clients: list[int], replies: dict[int, Reply
         "skipped": result.skipped, "rejected": result.rejected,
         "train_loss": _mean([m["loss"] for m in used]),
         "examples_used": sum(m["num_examples"] for m in used),
-        **{f"{k}_mean": _mean([m[k] for m in used])
-           for k in ("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
-                     "trainable_params", "params_up")},
-        "peak_rss_mb_max": max((m["peak_rss_mb"] for m in used), default=None),
-        "activation_mb_max": max((m["activation_mb"] for m in used), default=None),
+        **{f"{k}_mean": _mean([m[k] for m in used]) for k in ClientCost.ROUND_MEANS},
+        **{f"{k}_max": max((m[k] for m in used), default=None) for k in ClientCost.PEAKS},
         "client_metrics": client_metrics,
         **result.metrics,
     }
@@ -112,7 +110,6 @@ class Simulation:
                         len(empty), empty[:20])
         if not self.candidates:
             raise DataError("every client partition is empty: reduce federation.num_clients")
-        method.strategy.client_sizes = {c: len(p) for c, p in enumerate(data.partitions)}
 
     def cold_start_probe(self, state: State) -> dict[str, Any]:
         """``federation.cold_start='probe'``: the global model's loss on a few examples of every
@@ -238,11 +235,8 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
         f"final_dev_{primary}": records[-1].get(key) if records else None,
         "rounds": len(records), "target_accuracy": target,
         "rounds_to_target": reached[0] if reached else None,
-        **{f"{k}_mean": _mean([m[k] for m in per_client])
-           for k in ("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
-                     "trainable_params", "params_up", "train_time_s")},
-        "peak_rss_mb_max": max((m["peak_rss_mb"] for m in per_client), default=None),
-        "activation_mb_max": max((m["activation_mb"] for m in per_client), default=None),
+        **{f"{k}_mean": _mean([m[k] for m in per_client]) for k in ClientCost.SUMMARY_MEANS},
+        **{f"{k}_max": max((m[k] for m in per_client), default=None) for k in ClientCost.PEAKS},
         "excluded_replies": sum(len(r["excluded"]) for r in records),
         "rejected_replies": sum(r.get("rejected", 0) for r in records),
         "examples_used": sum(r.get("examples_used", 0) for r in records),

@@ -1,25 +1,37 @@
 """The server side of a federated method, as small hooks over state dicts.
 
 Modelled on Flower's ``serverapp/strategy/fedavg.py``: ``configure_train`` builds one payload per
-client, ``aggregate_train`` validates replies and calls ``aggregate``. A method variant overrides
-one hook (e.g. head-weighted aggregation overrides ``aggregate``; sub-model methods override
-``payload_for``). Nothing here touches a model: the in-process engine and the Flower ServerApp
-call the same functions.
+client, ``aggregate_train`` validates replies and calls ``aggregate``. These three are the
+*templates*; everything they call is a *hook*:
+
+* a method's strategy overrides hooks: what a client receives (``payload_for``), what it may send
+  back (``expected_update``, ``check_reply``), its **weighting** (``client_updates``: each
+  client's delta in full shape and its weight, a float or per-element tensors: FedAvg's
+  examples, RaFFM's holders, heads' Eq. 8 importance; ``mean``: the weighted mean they feed)
+  and work after aggregating (``after_aggregate``: RaFFM's re-ordering);
+* an aggregation **rule** (:mod:`fedslice.fl.rules`: clipping, median, trimmed mean, Krum,
+  DP-FedAvg, ...) wraps any strategy, like Flower's ``DifferentialPrivacyServerSideFixedClipping``,
+  delegates every hook to it and overrides the one it changes (``combine``, ``min_valid``), so
+  valid combinations need no new class.
+
+A strategy wrapped by rules must not override a template (:class:`fedslice.fl.rules.Rule`
+checks). Collaborators (the partition sizes, the rule's options, the DP accountant) are passed
+to ``__init__``, never set afterwards. Nothing here touches a model: the in-process engine and
+the Flower ServerApp call the same functions.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from fedslice.config import AggregationConfig, FederationConfig
-from fedslice.fl.privacy import Privacy
+from fedslice.config import FederationConfig
 from fedslice.fl.validation import check_update
 from fedslice.slicing.aggregate import aggregate_deltas, client_delta
-from fedslice.slicing.robust import clip_update, robust_aggregate
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +70,20 @@ class RoundResult:
     metrics: dict[str, Any] = field(default_factory=dict)  # of the aggregation (clipping, DP)
 
 
-class Strategy:
-    """FedAvg over the trainable state, with server learning rate eta (Eq. 5 of the heads paper)."""
+#: The template methods of :class:`Strategy`: a wrapped strategy must not override them.
+TEMPLATES = ("configure_train", "aggregate_train", "aggregate")
 
-    def __init__(self, fed: FederationConfig):
+
+class Strategy:
+    """FedAvg over the trainable state, with server learning rate eta (Eq. 5 of the heads paper).
+
+    ``client_sizes``: client -> size of its partition, when the server knows it (a reply's
+    ``num_examples`` is checked against it)."""
+
+    def __init__(self, fed: FederationConfig, client_sizes: Mapping[int, int] | None = None):
         self.fed = fed
+        self.client_sizes: dict[int, int] = dict(client_sizes or {})
         self.sent: list[int] = []  # clients of the round being trained
-        #: client -> size of its partition, when the server knows it (num_examples is checked)
-        self.client_sizes: dict[int, int] = {}
-        self.rule = AggregationConfig()  # robust rules and clipping (set by the method)
-        self.privacy: Privacy | None = None  # DP-FedAvg (set by the method)
-        self.agg_metrics: dict[str, Any] = {}
 
     # -- configure ---------------------------------------------------------------------------
     def train_config(self, server_round: int) -> dict[str, Any]:
@@ -94,14 +109,12 @@ class Strategy:
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Server-side state a resumed run needs (nested JSON with tensors): here the privacy
-        accountant; variants add theirs."""
-        return {"privacy": self.privacy.state_dict()} if self.privacy else {}
+        """Server-side state a resumed run needs (nested JSON with tensors): none here; variants
+        and rules (the DP accountant) add theirs, each under its own keys."""
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
-        if self.privacy and "privacy" in state:
-            self.privacy.load_state_dict(state["privacy"])
 
     # -- aggregate ---------------------------------------------------------------------------
     def expected_update(self, state: State, payload: Payload, reply: Reply) -> dict[str, torch.Tensor]:
@@ -133,30 +146,32 @@ class Strategy:
         """The method's weighted mean (the hook variants override: e.g. Eq. 8)."""
         return aggregate_deltas(state, deltas, weights, eta=self.fed.server_lr)
 
+    def combine(self, server_round: int, state: State, deltas: list[State], weights: list,
+                replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
+        """The new global state from the valid clients' deltas and weights (client order, as
+        ``replies`` sorted), and metrics of the aggregation. The hook rules override (median,
+        DP-FedAvg) or transform the inputs of (clipping). Default: :meth:`mean`."""
+        return self.mean(server_round, state, deltas, weights), {}
+
+    def after_aggregate(self, server_round: int, state: State) -> State:
+        """Server work on the new global state (e.g. RaFFM's re-ordering). Default: none."""
+        return state
+
     def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
-                  replies: dict[int, Reply]) -> State:
-        """Clip, then the method's mean, a robust rule or DP-FedAvg (``aggregation``, ``dp``)."""
+                  replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
+        """The template: the method's weighting, the (possibly wrapped) combination, then
+        :meth:`after_aggregate`; returns the new state and the aggregation's metrics."""
         deltas, weights = self.client_updates(server_round, state, payloads, replies)
-        eta, rule = self.fed.server_lr, self.rule
-        self.agg_metrics = {}
-        if self.privacy is not None:
-            new, self.agg_metrics = self.privacy.aggregate(server_round, state, deltas, eta)
-            return new
-        if rule.clip_norm is not None:
-            clipped = [clip_update(d, rule.clip_norm) for d in deltas]
-            deltas = [d for d, _ in clipped]
-            self.agg_metrics["clipped"] = sum(n > rule.clip_norm for _, n in clipped)
-        if rule.rule == "mean":
-            return self.mean(server_round, state, deltas, weights)
-        return robust_aggregate(state, deltas, weights, rule.rule, eta=eta,
-                                trim_fraction=rule.trim_fraction, byzantine=rule.byzantine,
-                                keep=rule.multi_krum_keep,
-                                num_examples=[replies[c].num_examples for c in sorted(replies)])
+        new, metrics = self.combine(server_round, state, deltas, weights, replies)
+        return self.after_aggregate(server_round, new), metrics
 
     def min_valid(self) -> int:
-        """Valid replies a round needs: min_replies, and 2f + 3 for Krum."""
-        krum = self.rule.rule in ("krum", "multi_krum")
-        return max(self.fed.min_replies, 2 * self.rule.byzantine + 3 if krum else 0)
+        """Valid replies a round needs (rules raise it: 2f + 3 for Krum)."""
+        return self.fed.min_replies
+
+    def min_valid_reason(self) -> str:
+        """Who needs :meth:`min_valid` replies (for the log of a skipped round)."""
+        return f"federation.min_replies needs {self.fed.min_replies}"
 
     def aggregate_train(self, server_round: int, state: State, payloads: dict[int, Payload],
                         replies: dict[int, Reply]) -> RoundResult:
@@ -179,9 +194,9 @@ class Strategy:
                 excluded.append({"client": c, "reason": reason})
         if len(valid) < self.min_valid():
             if len(valid) >= self.fed.min_replies:
-                log.warning("round %d: %d valid replies, %s needs 2f + 3 = %d: skipped", server_round,
-                            len(valid), self.rule.rule, self.min_valid())
+                log.warning("round %d: %d valid replies, %s: skipped", server_round, len(valid),
+                            self.min_valid_reason())
             return RoundResult(state, sorted(valid), excluded, skipped=True, rejected=rejected)
-        new_state = self.aggregate(server_round, state, payloads, valid)
+        new_state, metrics = self.aggregate(server_round, state, payloads, valid)
         return RoundResult(new_state, sorted(valid), excluded, rejected=rejected,
-                           metrics=dict(self.agg_metrics))
+                           metrics=dict(metrics))

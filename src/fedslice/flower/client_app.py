@@ -55,7 +55,7 @@ STATE_DIR = "state-dir"  # node config: the folder of that file
 def _setup(experiment: dict[str, Any]):
     """``(cfg, method, data)`` for an experiment config dict, kept for the next message."""
     from fedslice.api import setup
-    from fedslice.config import validate_config
+    from fedslice.experiment import validate_config
 
     key = json.dumps(experiment, sort_keys=True)
     if _CACHE.get("key") != key:

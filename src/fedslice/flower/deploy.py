@@ -81,7 +81,7 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
     keys, logs, state) go to ``workdir`` (a temporary folder, removed after a successful run;
     kept and named in the error after a failed one).
     """
-    from fedslice.config import load_config
+    from fedslice.experiment import load_config
     from fedslice.flower.local import LocalFederation
 
     overrides = list(overrides or [])

@@ -54,7 +54,7 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     from fedslice.api import _run_name, save_results, setup
     from fedslice.checkpoint import (CHECKPOINT, check_same_config, find_resumable,
                                      read_checkpoint, restore)
-    from fedslice.config import load_config
+    from fedslice.experiment import load_config
     from fedslice.fl.engine import finalize
     from fedslice.flower.codec import record_to_state, state_to_record
     from fedslice.flower.discovery import PartitionMap
@@ -113,12 +113,15 @@ def run(grid: Grid, settings: RunSettings) -> Path:
 def _with_dp(cfg, method, adapter):
     """The adapter, inside Flower's central-DP wrapper when ``dp.enabled`` (DP-FedAvg on Flower:
     Flower clips and adds noise; numpy's global RNG, which it draws from, is seeded here)."""
-    privacy = method.strategy.privacy
-    if privacy is None:
+    from fedslice.fl.rules import DPFedAvg, find_rule
+
+    dp = find_rule(method.strategy, DPFedAvg)
+    if dp is None:
         return adapter
     import numpy as np
 
     from fedslice.flower.strategy import CentralDP
+    privacy = dp.privacy
     np.random.seed(cfg.seed)
     privacy.external_noise = True
     return CentralDP(adapter, privacy.z, privacy.clip, privacy.n)

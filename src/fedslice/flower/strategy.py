@@ -73,7 +73,6 @@ class FlowerAdapter(FlowerStrategy):
         self.experiment = cfg.model_dump(mode="json")
         self.records: list[dict[str, Any]] = []
         self._round: _Round | None = None
-        self.inner.client_sizes = {c: len(p) for c, p in enumerate(data.partitions)}
         self.offset = 0  # rounds done before this start (a resumed run): Flower counts from 1
         self.dropped: dict[str, str] = {}  # message id -> why a wrapper dropped that reply
 

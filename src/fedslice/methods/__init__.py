@@ -1,24 +1,29 @@
-"""One module per federated method; ``build_method`` maps ``method.name`` to its class."""
+"""One module per federated method; each registers itself (:func:`fedslice.registry.register_method`)
+when imported here, and :func:`build_method` builds the one ``method.name`` names."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fedslice.config import ExperimentConfig
+# each module registers its method on import; registration order is the order of the docs
+from fedslice.methods import fedavg, fedpetuning  # noqa: F401
+from fedslice.methods import raffm, heads  # noqa: F401
+from fedslice.methods import fedpft, fedot  # noqa: F401
 from fedslice.methods.base import Method, Role
-from fedslice.methods.fedavg import FedAvg
-from fedslice.methods.fedpetuning import FedPETuning
-from fedslice.methods.fedot import FedOT
-from fedslice.methods.fedpft import FedPFT
-from fedslice.methods.heads import Heads
-from fedslice.methods.raffm import RaFFM
 from fedslice.models.loading import LoadedModel
+from fedslice.registry import METHODS
 from fedslice.tasks import Task
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedPETuning, RaFFM, Heads, FedPFT, FedOT)}
+
+def method_class(name: str) -> type[Method]:
+    """The registered method class of ``name`` (a ConfigError listing the known ones)."""
+    return METHODS.get(name).method_cls
 
 
 def build_method(cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both") -> Method:
-    return METHODS[cfg.method.name](cfg, loaded, task, role)
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None) -> Method:
+    return method_class(cfg.method.name)(cfg, loaded, task, role, client_sizes=client_sizes)
 
 
-__all__ = ["METHODS", "Method", "Role", "build_method"]
+__all__ = ["METHODS", "Method", "Role", "build_method", "method_class"]

@@ -7,16 +7,26 @@ payload, and is counted in the bytes sent). A method whose clients train a small
 full one (``client_model_from_server``: fedpft, fedot) is built in the client role from the
 model's config only, never its weights: the server sends that smaller model's tensors in a
 client's first payload. Methods differ by
-composition: which tensors are trainable (``prepare_model``), what each client receives
-(``Strategy.payload_for``), which model a client trains (``client_model``) and how replies are
-combined (``Strategy.aggregate``). The default is FedAvg over the trainable tensors of one shared
-model: a client's state is loaded into it in place (no copy of the model per client).
+composition: which tensors are trainable (the adapter, ``prepare_model``), what each client
+receives (``Strategy.payload_for``), which model a client trains (``client_model``) and how
+replies are weighted (``Strategy.client_updates``); the aggregation rules of the config wrap the
+method's strategy (:func:`fedslice.fl.rules.wrap_rules`). The default is FedAvg over the
+trainable tensors of one shared model: a client's state is loaded into it in place (no copy of
+the model per client).
+
+A method is a plug-in: its module defines its options class (a
+:class:`~fedslice.config.MethodOptions`) and registers both
+(:func:`fedslice.registry.register_method`); what it does is declared as class attributes the
+library asks (``sends_slices``, ``adapters``, ``default_adapter``, ``client_model_from_server``,
+``needs_simple_encoder``), its config checks in :meth:`Method.check_config`, its plots in
+:meth:`Method.plots`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn as nn
@@ -27,10 +37,12 @@ from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.data.partition import sample_rows
 from fedslice import measure
 from fedslice.fl.client import LocalResult, train_local
-from fedslice.fl.privacy import Privacy
+from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.measure import ClientCost
 from fedslice.models.arch import CLASSIFIER_HEADS, ArchSpec
 from fedslice.models.loading import LoadedModel
+from fedslice.peft import Adapter, make_adapter
 from fedslice.tasks import Task
 from fedslice.tasks.base import batch_examples
 
@@ -38,8 +50,23 @@ from fedslice.tasks.base import batch_examples
 Role = Literal["both", "client"]
 
 
+def _legacy_adapter(value: str) -> str:
+    """A legacy 'lora' | 'full' option as an adapter name."""
+    return "none" if value == "full" else value
+
+
 class Method:
     name = "base"
+
+    #: True: a client sends slices of the trainable state (sub-models, pruned heads), so an
+    #: element is held by some clients only; rules that need whole vectors refuse the method
+    sends_slices: ClassVar[bool] = False
+
+    #: the adapters (``peft.method``) the method can train (None: every registered one)
+    adapters: ClassVar[tuple[str, ...] | None] = None
+
+    #: the adapter when ``peft.method`` is not set
+    default_adapter: ClassVar[str] = "lora"
 
     #: True: the method reshapes the model (slices heads/neurons, drops layers) and so far handles
     #: single-stack encoders with separate q/k/v and a classification head only
@@ -59,30 +86,65 @@ class Method:
                 f"distilbert, vit); it does not run on a {arch.model_type} {task.kind} model yet: "
                 f"use fedavg or fedpetuning")
 
+    #: an option of the method that chose between LoRA and full fine-tuning before ``[peft]``
+    #: existed (raffm's ``tuning``, fedot's ``adapter_tuning``: 'lora' or 'full' = 'none')
+    legacy_adapter_option: ClassVar[str | None] = None
+
+    @classmethod
+    def adapter_name(cls, cfg: ExperimentConfig) -> str:
+        """The adapter this config trains: ``peft.method``, else the legacy option, else the
+        method's default."""
+        if cfg.peft.method is not None:
+            return cfg.peft.method
+        if cls.legacy_adapter_option is not None:
+            return _legacy_adapter(getattr(cfg.method, cls.legacy_adapter_option))
+        return cls.default_adapter
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        """A ValueError, naming the fields, when the method cannot run this config (called when
+        the config is validated; model-dependent checks come in :meth:`check_supported`).
+        Default: the adapter is one the method trains, and ``peft.method`` does not contradict
+        the legacy option when both are given."""
+        name = cls.adapter_name(cfg)
+        if cls.adapters is not None and name not in cls.adapters:
+            raise ValueError(f"peft.method={name!r}: method {cfg.method.name} trains "
+                             f"{' or '.join(repr(a) for a in cls.adapters)}")
+        option = cls.legacy_adapter_option
+        if option and cfg.peft.method is not None and option in cfg.method.model_fields_set:
+            value = getattr(cfg.method, option)
+            if _legacy_adapter(value) != cfg.peft.method:
+                raise ValueError(f"peft.method={cfg.peft.method!r} contradicts method.{option}="
+                                 f"{value!r} (its older spelling; 'full' is 'none'): set one")
+
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both"):
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None):
+        """``client_sizes``: client -> size of its partition, when the server knows it (replies
+        are checked against it)."""
         if role not in ("both", "client"):
             raise ValueError(f"role must be 'both' or 'client', got {role!r}")
         self.cfg, self.role, self.task = cfg, role, task
+        self.client_sizes = dict(client_sizes or {})
         self.arch: ArchSpec = loaded.arch
         self.dims = loaded.arch.dims(loaded.model.config)
+        self.adapter: Adapter = make_adapter(cfg, type(self).adapter_name(cfg), self.arch)
         self.model = self.prepare_model(loaded.model)
-        self.strategy = self.make_strategy()
-        self.strategy.rule = cfg.aggregation
-        if cfg.dp.enabled and role != "client":
-            fed = cfg.federation
-            self.strategy.privacy = Privacy(cfg.dp, fed.clients_per_round, fed.num_clients,
-                                            fed.rounds, cfg.seed)
+        #: the method's own strategy, inside the aggregation rules of the config
+        self.strategy = wrap_rules(self.make_strategy(), cfg, role)
+
+    @property
+    def own_strategy(self) -> Strategy:
+        """The method's own strategy (its payloads, weighting, server state) under the rules."""
+        return unwrap(self.strategy)
 
     # -- construction hooks ------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Set which parameters train (and wrap with adapters). Default: every parameter."""
-        for p in model.parameters():
-            p.requires_grad_(True)
-        return model
+        """Set which parameters train: the adapter's (LoRA's; ``none``: every parameter)."""
+        return self.adapter.apply(model)
 
     def make_strategy(self) -> Strategy:
-        return Strategy(self.cfg.federation)
+        """The method's own strategy (its payloads and weighting), before the rules wrap it."""
+        return Strategy(self.cfg.federation, self.client_sizes)
 
     # -- state -------------------------------------------------------------------------------
     def trainable(self, model: nn.Module | None = None) -> dict[str, nn.Parameter]:
@@ -135,18 +197,16 @@ class Method:
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
             examples=result.head_positions, head_linear_params=counts["head_total"],
             head_trainable_linear_params=counts["head_trainable"])
-        return {
-            "loss": result.loss, "steps": result.steps, "examples_trained": result.examples,
-            "tokens": result.tokens, "flops_measured": result.flops_measured,
-            "flops_analytic": analytic["total"],
-            "bytes_down": measure.tensor_bytes(payload.arrays) + measure.tensor_bytes(payload.model),
-            "bytes_up": measure.tensor_bytes(arrays),
-            "params_down": measure.num_params(payload.arrays) + measure.num_params(payload.model),
-            "params_up": measure.num_params(arrays),
-            "trainable_params": sum(p.numel() for p in params.values()),
-            "peak_rss_mb": result.peak_rss_mb, "activation_mb": result.activation_mb,
-            "train_time_s": result.time_s,
-        }
+        cost = ClientCost(
+            bytes_down=measure.tensor_bytes(payload.arrays) + measure.tensor_bytes(payload.model),
+            bytes_up=measure.tensor_bytes(arrays),
+            params_down=measure.num_params(payload.arrays) + measure.num_params(payload.model),
+            params_up=measure.num_params(arrays),
+            trainable_params=sum(p.numel() for p in params.values()),
+            flops_measured=result.flops_measured, flops_analytic=analytic["total"],
+            examples=result.examples, tokens=result.tokens, peak_rss_mb=result.peak_rss_mb,
+            activation_mb=result.activation_mb, train_time_s=result.time_s)
+        return {"loss": result.loss, "steps": result.steps, **cost.to_metrics()}
 
     # -- server evaluation -------------------------------------------------------------------
     def eval_model(self, state: State) -> nn.Module:
@@ -205,3 +265,11 @@ class Method:
 
     def write_artifacts(self, folder: Path) -> None:
         """Write method-specific files (curves, plots) into the run folder. Default: none."""
+
+    @classmethod
+    def plots(cls, run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]],
+              summary: dict[str, Any], title: str) -> list[Path]:
+        """The method's own plots, from a finished run folder's files (``fedslice report``
+        regenerates them, :func:`fedslice.report.plot_run`); returns the paths written.
+        Default: none."""
+        return []

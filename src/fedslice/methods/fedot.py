@@ -41,13 +41,15 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
+from pydantic import Field
 
-from fedslice.config import ExperimentConfig, FedOTMethod
+from fedslice.config import DistillConfig, ExperimentConfig, MethodOptions
 from fedslice.distill import cache
 from fedslice.distill.loop import DistillLog, distill, stack_mask
 from fedslice.distill.losses import hidden_loss
@@ -60,13 +62,38 @@ from fedslice.methods.submodel import (ClientBase, cached_distill, make_corpus,
                                        named_params, sub_accuracy, transformer_params)
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel, materialize
-from fedslice.peft import apply_lora
+from fedslice.peft import LoraAdapter
+from fedslice.registry import register_method
 from fedslice.slicing.aggregate import client_delta
 from fedslice.slicing.spec import ModelSlice, SliceSpec, extract_model, extract_state, scatter
 
 log = logging.getLogger(__name__)
 
 FROZEN_PREFIX = "emulator."
+
+
+# --------------------------------------------------------------------------------------------
+# Options ([method] with name = "fedot")
+# --------------------------------------------------------------------------------------------
+
+class FedOTMethod(MethodOptions):
+    """FedOT: Offsite-Tuning (Xiao et al. 2023) with FedAvg. Bottom/top layers are the trainable
+    adapter; the middle layers are replaced by a uniform layer-drop emulator (frozen)."""
+
+    name: Literal["fedot"] = "fedot"
+    bottom_layers: int | None = Field(None, ge=0, description="Adapter layers at the bottom "
+                                      "(default max(1, round(L/6)): 2 of 12, as in the paper).")
+    top_layers: int | None = Field(None, ge=0, description="Adapter layers at the top (same default).")
+    emulator_layers: int | None = Field(None, gt=0, description="Middle layers kept by uniform "
+                                        "layer drop (default max(1, round(3/8 * middle)): 8 -> 3).")
+    adapter_tuning: Literal["lora", "full"] = Field("lora", description="LoRA ([lora], on the "
+                                                    "adapter layers only) or full fine-tuning.")
+    lora_r: int | None = Field(None, gt=0, description="LoRA rank on the adapter (default "
+                               "lora.r; lora.alpha is scaled with it, so alpha/r is unchanged); "
+                               "raise it to match the trainable parameters of LoRA on every layer.")
+    distill_emulator: bool = Field(False, description="Distil the emulator to the middle layers "
+                                   "before FL (settings in `distill`; mu is not used).")
+    distill: DistillConfig = Field(default_factory=DistillConfig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,8 +154,9 @@ class SubModelStrategy(Strategy):
     reply to (it may have lost them)."""
 
     def __init__(self, fed, spec: SliceSpec | ModelSlice, arch: ArchSpec, shapes: dict[str, torch.Size],
-                 frozen: State | None = None, base: State | None = None):
-        super().__init__(fed)
+                 frozen: State | None = None, base: State | None = None,
+                 client_sizes: Mapping[int, int] | None = None):
+        super().__init__(fed, client_sizes)
         self.spec, self.arch, self.shapes = spec, arch, shapes
         self.frozen, self.base = dict(frozen or {}), dict(base or {})
         self.holders: set[int] = set()  # clients that were sent ``frozen`` and ``base``
@@ -171,12 +199,14 @@ class SubModelStrategy(Strategy):
 class FedOT(Method):
     name = "fedot"
     client_model_from_server = True
+    adapters = ("lora", "none")
+    legacy_adapter_option = "adapter_tuning"
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both"):
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None):
         self.loaded = loaded  # the preprocessor and config the distillation corpus is encoded with
         self.opts: FedOTMethod = cfg.method
-        super().__init__(cfg, loaded, task, role)
+        super().__init__(cfg, loaded, task, role, client_sizes)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         o = self.opts
@@ -214,30 +244,19 @@ class FedOT(Method):
                               "client model needs: use at least 1")
 
     def _adapter(self, model: nn.Module, layers: list[list[int]]) -> nn.Module:
-        """Freeze everything, then make the adapter layers (``layers[k]``: of stack k; LoRA on
-        them, or all their parameters) and the classifier trainable."""
-        for p in model.parameters():
-            p.requires_grad_(False)
-        if self.opts.adapter_tuning == "lora":
-            lora, r = self.cfg.lora, self.opts.lora_r
-            if r is not None:  # another rank, the same scaling alpha / r
-                lora = lora.model_copy(update={"r": r, "alpha": lora.alpha * r / lora.r})
-            return apply_lora(model, self.arch, lora, layers=layers)
-        for k, stack_layers in enumerate(layers):
-            blocks = self.arch.blocks(model, k)
-            for l in stack_layers:
-                for p in blocks[l].parameters():
-                    p.requires_grad_(True)
-        for name in self.arch.classifier:
-            for p in getattr(model, name).parameters():
-                p.requires_grad_(True)
-        return model
+        """The adapter on the adapter layers only (``layers[k]``: of stack k): LoRA on them, or
+        all their parameters (``none``); the classifier trains, everything else is frozen."""
+        r = self.opts.lora_r
+        if r is not None and isinstance(self.adapter, LoraAdapter):
+            lora = self.adapter.options  # another rank, the same scaling alpha / r
+            self.adapter = self.adapter.replace(r=r, alpha=lora.alpha * r / lora.r)
+        return self.adapter.apply(model, layers=layers)
 
     def make_strategy(self) -> Strategy:
         shapes = {n: p.shape for n, p in self.trainable().items()}
         frozen = {k: p.detach() for k, p in self.emulator_params.items()}  # (a client's: unused)
         return SubModelStrategy(self.cfg.federation, self.spec, self.arch, shapes, frozen,
-                                self.client_base.payload())
+                                self.client_base.payload(), self.client_sizes)
 
     def _own_emulator(self) -> None:
         """Give the sub-model its own copies of the emulator layers of every stack (the full
@@ -282,7 +301,8 @@ class FedOT(Method):
                            warmup=d.warmup, batch_size=d.batch_size, seed=d.seed_or(self.cfg.seed))
         layers = [list(x) for x in self.layouts[0]] if len(self.layouts) == 1 else \
             [[list(x) for x in lay] for lay in self.layouts]
-        inputs = {"kind": "fedot-emulator-kd", "model": cache.weights_fingerprint(full, ("lora_", "classifier")),
+        skip = tuple(p for p in (self.adapter.prefix, "classifier") if p)
+        inputs = {"kind": "fedot-emulator-kd", "model": cache.weights_fingerprint(full, skip),
                   "layers": layers, "steps": d.steps,
                   "seed": d.seed_or(self.cfg.seed), **corpus.cache_inputs()}
         return cached_distill(cache.cache_root(d.cache_dir), inputs, params, run)
@@ -345,3 +365,6 @@ class FedOT(Method):
         write_curves(folder, "fedot_distill", {"emulator KD before FL": self.kd_log},
                      plot=self.cfg.output.plots,
                      extra={"cached": self.kd_cached, "emulator_layers": self.emulator})
+
+
+register_method(name="fedot", options_cls=FedOTMethod, method_cls=FedOT)

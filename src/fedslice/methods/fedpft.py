@@ -53,12 +53,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
+from pydantic import Field, field_validator
 
-from fedslice.config import ExperimentConfig, FedPFTMethod
+from fedslice.config import DistillConfig, ExperimentConfig, MethodOptions
 from fedslice.data.batching import TokenizedSplit
 from fedslice.distill import cache
 from fedslice.distill.apoz import (aggregate_apoz, apoz_report, count_near_zero, select_neurons,
@@ -76,7 +78,7 @@ from fedslice.methods.submodel import (ClientBase, cached_distill, make_corpus,
                                        transformer_params)
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel, materialize
-from fedslice.peft import apply_lora
+from fedslice.registry import register_method
 from fedslice.slicing.salience import model_salience
 from fedslice.slicing.spec import ModelSlice, SliceSpec, extract_model, key_info
 
@@ -85,6 +87,47 @@ log = logging.getLogger(__name__)
 KD_BEFORE = ("both", "before")
 UPDATE_PREFIX = "proxy_update."
 KD_DURING = ("both", "during")
+
+
+# --------------------------------------------------------------------------------------------
+# Options ([method] with name = "fedpft")
+# --------------------------------------------------------------------------------------------
+
+class FedPFTMethod(MethodOptions):
+    """FedPFT (Peng et al. 2024): FFN-compressed proxy, two-step distillation, LoRA on attention."""
+
+    name: Literal["fedpft"] = "fedpft"
+    keep_ratio: float = Field(0.25, description="Fraction of FFN neurons kept (top Eq. 8 saliency) "
+                              "in each compressed layer, in (0, 1].")
+    whole_layers: list[int] = Field(default_factory=lambda: [0, -1], description="Layers kept "
+                                    "whole (negative: from the end); the others are compressed.")
+    kd: Literal["both", "before", "during", "none"] = Field(
+        "both", description="Ablations: layer-level KD before FL and/or neuron-level KD during FL "
+        "(FedPFT, FedPFT_B, FedPFT_D, FedPFT_N).")
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    align_every: int = Field(10, gt=0, description="t: neuron-level KD after every t-th round.")
+    align_proportion: float = Field(0.5, description="p: fraction of each compressed layer's "
+                                    "neurons re-distilled (highest aggregated APoZ), in (0, 1].")
+    align_steps: int = Field(50, ge=0, description="Optimizer steps of each neuron-level KD.")
+    align_lr: float | None = Field(None, gt=0, description="Default: distill.lr.")
+    align_mu: float = Field(0.0, ge=0, description="Weight term during neuron-level KD (the "
+                            "public code uses hidden states only).")
+    apoz_tau: float = Field(0.05, ge=0, description="An FFN activation (gated: act(gate x) * up x) "
+                            "counts as zero when |a| <= tau (Eq. 14 counts exact zeros, which GELU/SiLU "
+                            "almost never give; 0: exact zeros, e.g. ReLU).")
+    apoz_max_examples: int | None = Field(None, gt=0, description="APoZ on a seeded sample of "
+                                          "this many local examples (default: all, as the paper).")
+
+    @field_validator("keep_ratio", "align_proportion")
+    @classmethod
+    def _fraction(cls, v, info):
+        what = {"keep_ratio": "keeps no FFN neuron (any ratio > 0 keeps at least one per layer)",
+                "align_proportion": "re-distils no neuron"}
+        if not 0 < v <= 1:
+            bound = (f"{v:g} {what[info.field_name]}" if v <= 0 else
+                     f"{v:g} is more than every neuron; the largest valid value is 1 (all of them)")
+            raise ValueError(f"{info.field_name} must be in (0, 1]: {bound}")
+        return v
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,19 +220,14 @@ def ffn_modules(model: nn.Module, arch: ArchSpec, stack: int, layer: int) -> lis
     return [m for m in parts if m is not None]
 
 
-def _linear(weight: torch.Tensor, arch: ArchSpec) -> torch.Tensor:
-    """A weight in ``nn.Linear`` orientation (out, in): GPT-2's Conv1D stores (in, out)."""
-    return weight.T if arch.weight_layout == "conv1d" else weight
-
-
 def ffn_weights(model: nn.Module, arch: ArchSpec, units: dict[int, tuple[int, int]]) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
     """global layer -> [(W_in (F, d), W_out (d, F))] per input matrix (gate first, then ffn_in),
     the live parameters (views keep their gradient)."""
-    out = {}
+    out, linear = {}, arch.layout.as_linear
     for g, (k, l) in units.items():
-        w_out = _linear(arch.ffn_part(model, k, l, "ffn_out").weight, arch)  # (d, F)
+        w_out = linear(arch.ffn_part(model, k, l, "ffn_out").weight)  # (d, F)
         ins = [arch.ffn_part(model, k, l, p) for p in ("gate", "ffn_in")]
-        out[g] = [(_linear(m.weight, arch), w_out) for m in ins if m is not None]  # (F, d), (d, F)
+        out[g] = [(linear(m.weight), w_out) for m in ins if m is not None]  # (F, d), (d, F)
     return out
 
 
@@ -208,8 +246,8 @@ class FedPFTStrategy(Strategy):
 
     def __init__(self, fed, method: FedPFTMethod, arch: ArchSpec, proxy_keys: list[str],
                  widths: dict[int, int], offsets: tuple[int, ...] = (0,),
-                 base: State | None = None):
-        super().__init__(fed)
+                 base: State | None = None, client_sizes: Mapping[int, int] | None = None):
+        super().__init__(fed, client_sizes)
         self.method, self.arch, self.proxy_keys, self.widths = method, arch, set(proxy_keys), widths
         self.offsets = offsets  # global index of each stack's first layer (widths' keys)
         self.base = dict(base or {})  # the proxy's other frozen tensors (Payload.model), constant
@@ -295,11 +333,12 @@ class FedPFTStrategy(Strategy):
                 return f"APoZ of layer {layer} is not a fraction in [0, 1]"
         return super().check_reply(state, payload, Reply(model, reply.num_examples, reply.metrics))
 
-    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
-                  replies: dict[int, Reply]) -> State:
+    def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
+                       replies: dict[int, Reply]) -> tuple[list[State], list]:
+        """FedAvg of LoRA + classifier: the APoZ reports are not model tensors."""
         stripped = {c: Reply(split_report(r.arrays)[0], r.num_examples, r.metrics)
                     for c, r in replies.items()}
-        return super().aggregate(server_round, state, payloads, stripped)
+        return super().client_updates(server_round, state, payloads, stripped)
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,15 +348,24 @@ class FedPFTStrategy(Strategy):
 class FedPFT(Method):
     name = "fedpft"
     client_model_from_server = True
+    adapters = ("lora",)
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        lora = cfg.lora
+        if lora.target_modules is not None or set(lora.targets) - {"q", "k", "v", "o"}:
+            raise ValueError(f"lora.targets: method fedpft trains LoRA on attention only (q, k, v, "
+                             f"o); got {lora.target_modules or lora.targets}")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both"):
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None):
         self.loaded = loaded  # the preprocessor and config the distillation corpus is encoded with
         self.opts: FedPFTMethod = cfg.method
         self.align_logs: list[DistillLog] = []
         self.align_records: list[dict[str, Any]] = []
         self.held_version: int | None = None  # proxy version of this worker's copy (client side)
-        super().__init__(cfg, loaded, task, role)
+        super().__init__(cfg, loaded, task, role, client_sizes)
 
     # -- construction ----------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -325,11 +373,8 @@ class FedPFT(Method):
         (role "client") has the model's shape only (meta device): its proxy keeps the leading
         neurons, gets zeros now and the server's values in its first payload."""
         o = self.opts
-        self._check_lora_targets()
         self.spec = self._proxy_slice(model)
-        for p in model.parameters():
-            p.requires_grad_(False)
-        full = self.teacher = apply_lora(model, self.arch, self.cfg.lora)
+        full = self.teacher = self.adapter.apply(model)
         self.units = compressed_units(self.spec)  # global layer -> (stack, layer)
         self.compressed = list(self.units)
         self.proxy = build_proxy(full, self.spec, self.arch)
@@ -356,12 +401,6 @@ class FedPFT(Method):
             neurons = [[s.neurons for s in stack] for stack in sal]
         return proxy_slice(neurons, all_dims, self.opts.keep_ratio, self.opts.whole_layers)
 
-    def _check_lora_targets(self) -> None:
-        lora = self.cfg.lora
-        if lora.target_modules is not None or set(lora.targets) - {"q", "k", "v", "o"}:
-            raise ConfigError("lora.targets: fedpft trains LoRA on attention only (q, k, v, o); "
-                              f"got {lora.target_modules or lora.targets}")
-
     def _corpus(self) -> Corpus | None:
         """The distillation corpus (checked now; an empty one fails before FL starts)."""
         o = self.opts
@@ -376,7 +415,8 @@ class FedPFT(Method):
     def make_strategy(self) -> Strategy:
         widths = self._widths()
         return FedPFTStrategy(self.cfg.federation, self.opts, self.arch, list(self.proxy_params), widths,
-                              offsets=stack_offsets(self.spec), base=self.client_base.payload())
+                              offsets=stack_offsets(self.spec), base=self.client_base.payload(),
+                              client_sizes=self.client_sizes)
 
     def _widths(self) -> dict[int, int]:
         """Global layer -> kept neurons, of every compressed layer."""
@@ -394,7 +434,8 @@ class FedPFT(Method):
     def _layer_kd(self, full: nn.Module) -> tuple[DistillLog, bool]:
         """Eq. 13 on the corpus, or the cached result of the same settings."""
         d = self.opts.distill
-        inputs = {"kind": "fedpft-layer-kd", "model": cache.weights_fingerprint(full, ("lora_", "classifier")),
+        skip = tuple(p for p in (self.adapter.prefix, "classifier") if p)
+        inputs = {"kind": "fedpft-layer-kd", "model": cache.weights_fingerprint(full, skip),
                   "neurons": [list(self.spec.stacks[k].neurons[l]) for k, l in self.units.values()],
                   "layers": self.compressed, "steps": d.steps, "mu": d.mu, "seed": d.seed_or(self.cfg.seed),
                   **self.corpus.cache_inputs()}
@@ -487,7 +528,7 @@ class FedPFT(Method):
     def on_round_end(self, server_round: int, state: State,
                      replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
         """Neuron-level KD after every ``align_every``-th round (Sec. 3.5)."""
-        if not self.strategy.align_round(server_round):
+        if not self.own_strategy.align_round(server_round):
             return state, {}
         reports = [split_report(r.arrays)[1] for r in replies.values()]
         tokens = [r.metrics.get("apoz_tokens", 0.0) for r in replies.values()]
@@ -501,7 +542,7 @@ class FedPFT(Method):
         lg = self._neuron_kd(update, sub_seed(self.cfg.seed, server_round, 2))
         new_state = dict(state)
         new_state.update({k: p.detach().clone() for k, p in self.proxy_params.items()})
-        self.strategy.proxy_changed(update)
+        self.own_strategy.proxy_changed(update)
         n = int(sum(int(m.sum()) for m in update.values()))
         self.align_logs.append(lg)
         rec = {"round": server_round, "neurons": n, **lg.summary("align"),
@@ -567,3 +608,6 @@ class FedPFT(Method):
                      extra={"cached": self.kd_cached, "compressed_layers": self.compressed,
                             "kept_neurons": self._widths()[self.compressed[0]] if self.compressed else None,
                             "alignments": self.align_records})
+
+
+register_method(name="fedpft", options_cls=FedPFTMethod, method_cls=FedPFT)

@@ -35,25 +35,32 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from fedslice.config import ExperimentConfig, HeadsMethod
+from pydantic import Field
+
+from fedslice.config import ExperimentConfig, MethodOptions
 from fedslice.data.batching import TokenizedSplit
 from fedslice.data.partition import sample_rows
 from fedslice.errors import ConfigError, ModelError
 from fedslice import measure
 from fedslice.fl.client import LocalResult, train_local
-from fedslice.fl.paper_ops import paper_ops
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.measure import ClientCost
 from fedslice.tasks import Task
 from fedslice.fl.validation import check_num_examples, check_update
 from fedslice.methods.base import Role
 from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.models.loading import LoadedModel
+from fedslice.registry import register_method
+from fedslice.report import figure, rounds_of, save_figure
 from fedslice.slicing.heads import (HeadUpdate, _ensure_eager, combine_heads, head_axes,
                                     head_deltas, head_importance, keep_mask, mask_rows, mask_spec,
                                     num_rows)
@@ -61,6 +68,43 @@ from fedslice.slicing.partial import partial_model
 from fedslice.slicing.spec import HEAD_PARTS, extract_model, extract_state, key_info
 
 log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# Options ([method] with name = "heads")
+# --------------------------------------------------------------------------------------------
+
+class HeadsMethod(MethodOptions):
+    """FedPETuning + per-client attention-head pruning, head-weighted aggregation ("Assortment of
+    Attention Heads": Eq. 6-8). Client selection is ``federation.selection`` ('loss_gap' = Eq. 9)."""
+
+    name: Literal["heads"] = "heads"
+    sparsity: float = Field(0.9, ge=0, lt=1, description="Fraction s of attention heads each client "
+                            "prunes (Eq. 7): it keeps round((1-s)*heads), in [0, 1).")
+    pruning: Literal["importance", "random", "none"] = Field(
+        "importance", description="Which heads a client keeps: its most important ones (Eq. 6), "
+        "random ones (baseline B2), or all (baseline B1).")
+    scope: Literal["global", "per_layer"] = Field(
+        "global", description="Rank heads over all layers (a layer may keep none) or per layer.")
+    prune: Literal["parameters", "forward"] = Field(
+        "parameters", description="'parameters' (the paper's §3.1): a pruned head's trainable "
+        "tensors are neither trained nor sent, the frozen head stays in the forward pass (saves "
+        "their backward/optimizer work); 'forward': pruned heads leave the sub-model (saves "
+        "forward and backward, but at high sparsity each client trains a different network and "
+        "accuracy falls far behind: README, 'Head pruning').")
+    aggregation: Literal["head_weighted", "fedavg"] = Field(
+        "head_weighted", description="Head-tied LoRA slices: importance-weighted mean (Eq. 8) or "
+        "example-weighted mean over the clients that kept the head (Eq. 5).")
+    eps: float = Field(1e-8, ge=0, description="epsilon of Eq. 8.")
+    importance_batch_size: int = Field(64, gt=0)
+    sink_keys: int = Field(
+        0, ge=0, description="Causal self-attention: the first N real tokens of an example are "
+        "not counted as keys of Eq. 6 (decoder heads park attention on the first token, an "
+        "attention sink, and look confident; README, 'Head pruning'). 0: the paper's rule.")
+    importance_max_examples: int | None = Field(
+        None, gt=0, description="Score heads on at most this many local examples (seeded sample); "
+        "default: all of them, as in the paper.")
+    plot_rounds: int = Field(10, ge=0, description="Rounds drawn in head_importance.png.")
 
 #: Reserved reply keys (not model tensors): the client's keep-mask and importance, both (R, H):
 #: one row per (attention family, layer), stack by stack (:func:`mask_rows`).
@@ -87,8 +131,9 @@ def max_sparsity(pool: int) -> float:
 class HeadsStrategy(Strategy):
     """Validates head-pruned replies and aggregates them with Eq. 8 (or FedAvg per head)."""
 
-    def __init__(self, fed, opts: HeadsMethod, arch, dims: list[dict[str, int]]):
-        super().__init__(fed)
+    def __init__(self, fed, opts: HeadsMethod, arch, dims: list[dict[str, int]],
+                 client_sizes: Mapping[int, int] | None = None):
+        super().__init__(fed, client_sizes)
         self.opts, self.arch, self.dims = opts, arch, dims  # dims: one dict per stack
 
     @property
@@ -152,13 +197,23 @@ def special_token_ids(tokenizer, config=None) -> list[int]:
 
 class Heads(FedPETuning):
     name = "heads"
+    sends_slices = True
+    adapters = ("lora",)  # head-tied tensors: LoRA B rows of q/k/v, A columns of o
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        lora = cfg.lora
+        if lora.target_modules is None and not set(lora.targets) & {"q", "k", "v", "o"}:
+            raise ValueError(f"lora.targets {lora.targets}: method heads needs LoRA on at least "
+                             "one attention projection (q, k, v or o)")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both"):
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None):
         self.opts: HeadsMethod = cfg.method
         self.special_ids = special_token_ids(loaded.tokenizer, loaded.model.config)
         self.all_dims = loaded.arch.all_dims(loaded.model.config)
-        super().__init__(cfg, loaded, task, role)
+        super().__init__(cfg, loaded, task, role, client_sizes)
         self._check_heads()
 
     @property
@@ -201,7 +256,8 @@ class Heads(FedPETuning):
         return get() if callable(get) else self.model
 
     def make_strategy(self) -> Strategy:
-        return HeadsStrategy(self.cfg.federation, self.cfg.method, self.arch, self.all_dims)
+        return HeadsStrategy(self.cfg.federation, self.cfg.method, self.arch, self.all_dims,
+                             self.client_sizes)
 
     # -- client ------------------------------------------------------------------------------
     def importance(self, data: TokenizedSplit, seed: int) -> tuple[torch.Tensor, float]:
@@ -304,8 +360,8 @@ class Heads(FedPETuning):
         per_layer = (kept.float().sum(1) / d["num_heads"]).tolist()
         seq = result.tokens / max(result.examples, 1)
         rows = kept.shape[0]  # the paper counts T5-small as 18 = 6 + 2 x 6 attention layers
-        ops = paper_ops(rows, d["hidden"], seq, rank=self.cfg.lora.r, kept=per_layer)
-        dense = paper_ops(rows, d["hidden"], seq, rank=self.cfg.lora.r)
+        ops = paper_ops(rows, d["hidden"], seq, kept=per_layer, **self.paper_peft())
+        dense = paper_ops(rows, d["hidden"], seq, **self.paper_peft())
         out: dict[str, Any] = {
             "sparsity": 1.0 - float(kept.float().mean()), "heads_kept": int(kept.sum()),
             "headless_layers": int((~kept.any(1)).sum()), "flops_importance": importance_flops,
@@ -316,12 +372,17 @@ class Heads(FedPETuning):
             out["head_importance"] = [round(float(a), 6) for a in alpha.flatten()]
         return out
 
+    def paper_peft(self) -> dict[str, Any]:
+        """The adapter as Table 6 counts it (its kind and rank)."""
+        about = self.adapter.describe()
+        return {"peft": about["adapter"], "rank": about.get("rank", 0)}
+
     def _skipped_metrics(self, payload: Payload) -> dict[str, float]:
-        zero = ("steps", "examples_trained", "tokens", "flops_measured", "flops_analytic",
-                "bytes_up", "params_up", "trainable_params", "peak_rss_mb", "activation_mb",
-                "train_time_s", "flops_importance", "paper_ops", "paper_ops_dense")
-        return {"loss": math.nan, "bytes_down": measure.tensor_bytes(payload.arrays),
-                "params_down": measure.num_params(payload.arrays), **{k: 0.0 for k in zero}}
+        cost = ClientCost(bytes_down=measure.tensor_bytes(payload.arrays),
+                          params_down=measure.num_params(payload.arrays), flops_measured=0.0,
+                          flops_analytic=0.0, peak_rss_mb=0.0, activation_mb=0.0)
+        return {"loss": math.nan, "steps": 0, **cost.to_metrics(), "flops_importance": 0.0,
+                "paper_ops": 0.0, "paper_ops_dense": 0.0}
 
     # -- after training ----------------------------------------------------------------------
     def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],
@@ -337,7 +398,179 @@ class Heads(FedPETuning):
         rows, heads = self.mask_shape
         kept = [np.reshape(m["head_kept"], (rows, heads)).mean(1) for m in ms if "head_kept" in m]
         per_layer = np.mean(kept, 0).tolist() if kept else 1.0
-        r = self.cfg.lora.r
-        out["paper_ops_T512_dense"] = paper_ops(rows, d["hidden"], 512, rank=r)["total"]
-        out["paper_ops_T512"] = paper_ops(rows, d["hidden"], 512, rank=r, kept=per_layer)["total"]
+        peft = self.paper_peft()
+        out["paper_ops_T512_dense"] = paper_ops(rows, d["hidden"], 512, **peft)["total"]
+        out["paper_ops_T512"] = paper_ops(rows, d["hidden"], 512, kept=per_layer, **peft)["total"]
         return out
+
+    @classmethod
+    def plots(cls, run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]],
+              summary: dict[str, Any], title: str) -> list[Path]:
+        """``head_importance.png`` and ``head_distance.png`` (:func:`plot_head_importance`)."""
+        rounds = (config.get("method") or {}).get("plot_rounds", 10)
+        return plot_head_importance(metrics, run_dir, rounds, title)
+
+
+register_method(name="heads", options_cls=HeadsMethod, method_cls=Heads)
+
+
+# --------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------
+
+def _importance_by_round(metrics: Sequence[Mapping[str, Any]]) -> list[tuple[int, list[tuple[int, Any]]]]:
+    """[(round, [(client, (L, H) importance array), ...]), ...] for rounds whose clients report a
+    ``head_importance`` (the ``heads`` method); clients in id order."""
+    import numpy as np
+
+    out = []
+    for r, m in zip(rounds_of(metrics), metrics):
+        clients = [(int(c["client"]), np.reshape(c["head_importance"], (-1, int(c["num_heads"]))))
+                   for c in m.get("client_metrics") or [] if c.get("head_importance")]
+        if clients:
+            out.append((r, sorted(clients, key=lambda x: x[0])))
+    return out
+
+
+def plot_head_importance(metrics: Sequence[Mapping[str, Any]], run_dir: str | os.PathLike,
+                         rounds: int = 10, title: str = "", max_clients: int = 4) -> list[Path]:
+    """``head_importance.png``: a heatmap (rows: layers per attention family; columns: heads)
+    of each selected client's importance in the first ``rounds`` rounds (at most ``max_clients`` per round; kept heads dotted), and
+    ``head_distance.png``: the Euclidean distance between two clients' importance vectors per
+    round (the heads paper's Fig. 5), with the mean pairwise distance when more clients train.
+    Returns the paths written ([] when no client reported head importance)."""
+    import numpy as np
+
+    data = _importance_by_round(metrics)
+    if not data or rounds <= 0:
+        return []
+    run_dir = Path(run_dir)
+    shown = data[:rounds]
+    ncols = min(max_clients, max(len(cs) for _, cs in shown))
+    vmin = min(float(a.min()) for _, cs in shown for _, a in cs[:ncols])
+    vmax = max(float(a.max()) for _, cs in shown for _, a in cs[:ncols])
+    L, H = shown[0][1][0][1].shape
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(1.2 + 0.35 * H * ncols, 0.6 + 0.28 * L * len(shown) + 0.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(shown), ncols, squeeze=False)
+    kept_of = {(r, int(c["client"])): c.get("head_kept") for r, m in zip(rounds_of(metrics), metrics)
+               for c in m.get("client_metrics") or []}
+    image = None
+    for i, (r, clients) in enumerate(shown):
+        for j in range(ncols):
+            ax = axes[i][j]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if j >= len(clients):
+                ax.axis("off")
+                continue
+            c, imp = clients[j]
+            image = ax.imshow(imp, vmin=vmin, vmax=vmax, cmap="viridis", aspect="auto")
+            kept = kept_of.get((r, c))
+            if kept is not None:
+                ys, xs = np.nonzero(np.reshape(kept, (L, H)))
+                ax.scatter(xs, ys, s=4, c="white", marker="o")
+            ax.set_title(f"r{r} c{c}", fontsize=7)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="importance (rows: layers, per attention family; • kept)")
+    fig.suptitle(f"{title}: head importance" if title else "head importance", fontsize=9)
+    heat = save_figure(fig, run_dir / "head_importance.png")
+
+    fig, (ax,) = figure()
+    xs, two, mean = [], [], []
+    for r, clients in data:
+        if len(clients) < 2:
+            continue
+        vecs = [a.flatten() for _, a in clients]
+        pairs = [float(np.linalg.norm(vecs[a] - vecs[b]))
+                 for a in range(len(vecs)) for b in range(a + 1, len(vecs))]
+        xs.append(r)
+        two.append(pairs[0])
+        mean.append(float(np.mean(pairs)))
+    ax.plot(xs, two, marker="o", markersize=3, label="first two clients")
+    if any(abs(a - b) > 1e-12 for a, b in zip(two, mean)):
+        ax.plot(xs, mean, linestyle="--", label="mean over client pairs")
+    ax.set_xlabel("round")
+    ax.set_ylabel("Euclidean distance of importance vectors")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if xs:
+        ax.legend(loc="upper right")
+    return [heat, save_figure(fig, run_dir / "head_distance.png")]
+
+
+# --------------------------------------------------------------------------------------------
+# The paper's analytic OPs count (Appendix A, Table 6)
+# --------------------------------------------------------------------------------------------
+#
+# The heads paper's analytic OPs count (Appendix A, Table 6), implemented as printed.
+#
+# Table 6 of "Assortment of Attention Heads" gives, per layer, the operations (MACs, "OPs") of one
+# training step on a sequence of ``T`` tokens with hidden size ``d``; the totals are ``L`` times
+# the per-layer terms. As printed (forward + backward rows):
+#
+# =============  ===========================================  ===================================
+# QKV            fwd ``T d^3``                                bwd ``T d^3 + T d^2``
+# Attention      fwd ``T^2 d^2 + T^3 d``                      bwd ``T^2 d^2 + 3 T^3 d``
+# FC             fwd ``T d^3``                                bwd ``T d^3 + T d^2``
+# LoRA           fwd ``T d^2 r + T r^2 d``                    bwd ``T d^2 r + T r d + T d r + T r^2 d + T d^3``
+# IA3            fwd ``T d``                                  bwd ``2 T d``
+# Prompt tuning  fwd ``Tp d^3 + (Tp+T)^2 d^2 + (Tp+T)^3 d``   bwd ``Tp d^3 + (Tp+T)^2 d^2 + 3 (Tp+T)^3 d`` (no ``L``)
+# P-tuning       the prompt-tuning rows times ``L``
+# =============  ===========================================  ===================================
+#
+# The odd terms are kept as printed, on purpose (this function documents the paper, it is not a
+# cost model): a ``T x d`` by ``d x d`` product costs ``T d^2`` MACs, not ``T d^3``; the scores
+# ``Q K^T`` and ``A V`` cost ``T^2 d`` each, not ``T^2 d^2 + T^3 d``; LoRA's backward through the
+# frozen weight is ``T d^2``, not ``T d^3``. With T5-small's ``L=18, d=512`` (Table 7) and
+# ``T=512`` every such term is ``512^4 ~ 6.9e10``, so the formulas give ~13.7 T-OPs for LoRA
+# r=16, not the 33.07 G-OPs of Tables 1-4: the tables were not computed with these formulas as
+# printed (or with other ``T``/``d``). Use :func:`fedslice.measure.analytic_train_flops` and the
+# measured FLOPs for real costs; this is reported next to them for comparison with the paper.
+#
+# Head pruning is not in Table 6. Our reading: the per-head rows (QKV, Attention and the PEFT
+# rows, which adapt the attention projections) scale with the fraction ``k_l`` of heads a layer
+# keeps, FC does not: ``total = sum_l k_l (QKV + Attention + PEFT) + FC``. At 90% sparsity this
+# gives 3.8x fewer OPs for T5-small at T=512 (the paper reports 3.9x).
+
+Peft = Literal["lora", "ia3", "prompt_tuning", "p_tuning", "none"]
+
+
+def table6_rows(hidden: int, tokens: float, rank: int = 0, prompt_tokens: int = 0) -> dict[str, float]:
+    """Per-layer OPs of each Table 6 row, forward + backward, exactly as printed."""
+    d, T, r, Tp = float(hidden), float(tokens), float(rank), float(prompt_tokens)
+    S = Tp + T
+    return {
+        "qkv": T * d**3 + (T * d**3 + T * d**2),
+        "attention": (T**2 * d**2 + T**3 * d) + (T**2 * d**2 + T**3 * d + T**3 * d + T**3 * d),
+        "fc": T * d**3 + (T * d**3 + T * d**2),
+        "lora": (T * d**2 * r + T * r**2 * d)
+                + (T * d**2 * r + T * r * d + T * d * r + T * r**2 * d + T * d**3),
+        "ia3": T * d + (T * d + T * d),
+        "prompt": (Tp * d**3 + S**2 * d**2 + S**3 * d)
+                  + (Tp * d**3 + S**2 * d**2 + S**3 * d + S**3 * d + S**3 * d),
+    }
+
+
+def paper_ops(num_layers: int, hidden: int, tokens: float, *, rank: int = 0, peft: Peft = "lora",
+              kept: float | Sequence[float] = 1.0, prompt_tokens: int = 0) -> dict[str, float]:
+    """OPs (MACs) of one training step on one sequence of ``tokens`` tokens (Table 6).
+
+    ``kept`` is the fraction of heads kept, one number for every layer or one per layer. Returns
+    the summed rows ``qkv``, ``attention``, ``fc``, ``peft`` and their ``total``.
+    """
+    ks = [float(kept)] * num_layers if isinstance(kept, (int, float)) else [float(k) for k in kept]
+    if len(ks) != num_layers:
+        raise ValueError(f"kept has {len(ks)} entries for {num_layers} layers")
+    row = table6_rows(hidden, tokens, rank, prompt_tokens)
+    per_layer_peft = {"lora": row["lora"], "ia3": row["ia3"], "p_tuning": row["prompt"],
+                      "prompt_tuning": 0.0, "none": 0.0}[peft]
+    out = {"qkv": row["qkv"] * sum(ks), "attention": row["attention"] * sum(ks),
+           "fc": row["fc"] * num_layers, "peft": per_layer_peft * sum(ks)}
+    if peft == "prompt_tuning":  # printed without the factor L: the prompt enters once
+        out["peft"] = row["prompt"] * (sum(ks) / num_layers)
+    out["total"] = out["qkv"] + out["attention"] + out["fc"] + out["peft"]
+    return out
+

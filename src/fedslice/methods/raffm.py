@@ -20,27 +20,34 @@ that permutations and slices are pure functions over it; the shared model is a s
 from __future__ import annotations
 
 import logging
+import math
+import os
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from fedslice.config import ExperimentConfig, FederationConfig, RaFFMMethod
+from pydantic import Field, field_validator, model_validator
+
+from fedslice.config import ExperimentConfig, FederationConfig, MethodOptions, Section
 from fedslice.errors import ConfigError
 from fedslice import measure
 from fedslice.fl.client import LocalResult
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.measure import ClientCost
 from fedslice.tasks import Task
 from fedslice.tasks.base import batch_rows
 from fedslice.methods.base import Method, Role
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
-from fedslice.peft import apply_lora
+from fedslice.registry import register_method
+from fedslice.report import figure, save_figure
 from fedslice.slicing.permute import Permutation, permute_state, unpermute_state
 from fedslice.slicing.planner import (Budget, Plan, Planner, assign_budgets, measure_training_step,
                                       width_candidates)
@@ -49,6 +56,113 @@ from fedslice.slicing.spec import (Spec, extract_model, extract_state, scatter, 
                                    spec_from_dict, spec_sizes, stack_list)
 
 log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# Options ([method] with name = "raffm")
+# --------------------------------------------------------------------------------------------
+
+class RaFFMTier(Section):
+    """A device tier: its share of the client population and its budget (FLOPs or memory)."""
+
+    share: float = Field(gt=0, le=1, description="Fraction of the clients in this tier.")
+    flops: float | None = Field(None, description="Budget as a fraction of the full model's "
+                                "training FLOPs per step, in (0, 1].")
+    memory_mb: float | None = Field(None, description="Budget as peak training memory in MiB "
+                                    "(parameters + gradients + AdamW state + activations).")
+    name: str | None = None
+
+    @field_validator("flops")
+    @classmethod
+    def _flops_fraction(cls, v):
+        if v is not None and not 0 < v <= 1:
+            raise ValueError("budget must be a fraction of the full model's FLOPs in (0, 1]")
+        return v
+
+    @field_validator("memory_mb")
+    @classmethod
+    def _memory_positive(cls, v):
+        if v is not None and v <= 0:
+            raise ValueError("memory limit must be > 0 MiB")
+        return v
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> "RaFFMTier":
+        if (self.flops is None) == (self.memory_mb is None):
+            raise ValueError("give exactly one budget: flops (fraction) or memory_mb")
+        return self
+
+
+class BudgetDistribution(Section):
+    """Per-client FLOPs budgets drawn uniformly from [low, high] (fractions of the full model)."""
+
+    kind: Literal["uniform"] = "uniform"
+    low: float
+    high: float
+
+    @field_validator("low", "high")
+    @classmethod
+    def _fraction(cls, v):
+        if not 0 < v <= 1:
+            raise ValueError("budget must be a fraction of the full model's FLOPs in (0, 1]")
+        return v
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "BudgetDistribution":
+        if self.low > self.high:
+            raise ValueError(f"low={self.low} is larger than high={self.high}")
+        return self
+
+
+def _default_tiers() -> list[RaFFMTier]:
+    return [RaFFMTier(share=0.25, flops=f) for f in (0.25, 0.5, 0.75, 1.0)]
+
+
+class RaFFMMethod(MethodOptions):
+    """Resource-aware sub-models: salience-ordered heads/neurons, leading slices per budget,
+    slice aggregation (RaFFM, Yu et al. 2023)."""
+
+    name: Literal["raffm"] = "raffm"
+    tuning: Literal["full", "lora"] = Field("lora", description="Full fine-tuning of the "
+                                            "sub-model, or LoRA (settings in [lora]) on it.")
+    tiers: list[RaFFMTier] = Field(default_factory=_default_tiers, min_length=1)
+    budget_distribution: BudgetDistribution | None = Field(
+        None, description="If set, each client's FLOPs budget is drawn from it (tiers unused).")
+    salience: Literal["l1", "l2"] = "l1"
+    size_weight: float = Field(0.0, ge=0, description="Slice aggregation weighs a client by "
+                               "examples x f^p, f = its sub-model's planned FLOPs fraction, p = "
+                               "this (RaFFM Eq. 7's per-configuration step eta_c); 0: examples only.")
+    reorder: bool = Field(True, description="Salience-order heads/neurons before round 1 "
+                          "(false: leading slices of the checkpoint's order, an ablation).")
+    reorder_every: int = Field(0, ge=0, description="Re-order every R rounds (0: only once).")
+    width_steps: int = Field(48, gt=0, description="Width grid of the planner: sub-models keep "
+                             "round(w*H) heads and round(w*F) neurons, w = 1/steps .. 1.")
+    elastic_depth: bool = Field(False, description="The planner may also drop layers.")
+    elastic_sizes: list[float] = Field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0],
+                                       description="FLOPs fractions evaluated after training.")
+    on_infeasible: Literal["sit_out", "error"] = Field(
+        "sit_out", description="A client whose budget is below the smallest sub-model sits out "
+        "(recorded), or the run fails naming the tier and clients.")
+    profile_batch_size: int | None = Field(None, gt=0, description="Batch the planner measures "
+                                           "(default: federation.batch_size).")
+    profile_seq_len: int | None = Field(None, gt=1, description="Sequence length the planner "
+                                        "measures (default: data.max_length, the worst case).")
+
+    @field_validator("elastic_sizes")
+    @classmethod
+    def _sizes(cls, v):
+        for x in v:
+            if not 0 < x <= 1:
+                raise ValueError(f"size {x} is not a fraction of the full model's FLOPs in (0, 1]")
+        return v
+
+    @field_validator("tiers")
+    @classmethod
+    def _shares(cls, v):
+        total = sum(t.share for t in v)
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"tier shares sum to {total:g}, they must sum to 1")
+        return v
 
 
 @dataclass(frozen=True)
@@ -64,22 +178,22 @@ class RaFFMStrategy(Strategy):
 
     def __init__(self, fed: FederationConfig, opts: RaFFMMethod, arch: ArchSpec,
                  dims: list[Mapping[str, int]], plans: dict[int, ClientPlan],
-                 lora_scale: float | None, trainable: set[str] | None = None,
-                 scales: State | None = None):
-        super().__init__(fed)
+                 adapter_scale: float | None, trainable: set[str] | None = None,
+                 client_sizes: Mapping[int, int] | None = None, scales: State | None = None):
+        super().__init__(fed, client_sizes)
         self.opts, self.arch, self.dims, self.plans = opts, arch, dims, plans
         #: frozen layer scales salience reads (DINOv2); the state's own values win
         self.scales = dict(scales or {})
         #: trainable tensor names with the layer index replaced by '#' (None: every tensor)
         self.trainable = None if trainable is None else {_generic(k) for k in trainable}
-        self.lora_scale = lora_scale
+        self.adapter_scale = adapter_scale  # the adapter's scale in salience (LoRA: alpha / r)
         self.perm = Permutation.identity(dims)
 
     # -- ordering ----------------------------------------------------------------------------
     def reorder(self, state: State) -> State:
         """Salience-order heads and neurons of ``state``; tracks the cumulative permutation."""
         sal = model_salience({**self.scales, **state}, self.arch, self.dims, self.opts.salience,
-                             self.lora_scale)
+                             self.adapter_scale)
         rel = salience_order(sal, self.dims, self.arch)
         self.perm = self.perm.then(rel)
         return permute_state(state, rel, self.arch)
@@ -133,17 +247,19 @@ class RaFFMStrategy(Strategy):
             weights.append({k: w * m for k, m in masks.items()})
         return deltas, weights
 
-    def aggregate(self, server_round: int, state: State, payloads: dict[int, Payload],
-                  replies: dict[int, Reply]) -> State:
-        new = super().aggregate(server_round, state, payloads, replies)
+    def after_aggregate(self, server_round: int, state: State) -> State:
+        """Re-order every ``reorder_every`` rounds (after whatever rule combined the updates)."""
         every = self.opts.reorder_every
         if self.opts.reorder and every and server_round % every == 0:
-            new = self.reorder(new)
-        return new
+            return self.reorder(state)
+        return state
 
 
 class RaFFM(Method):
     name = "raffm"
+    sends_slices = True
+    adapters = ("lora", "none")
+    legacy_adapter_option = "tuning"
 
     @classmethod
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:
@@ -153,19 +269,12 @@ class RaFFM(Method):
                               f"{len(arch.stacks)} stack(s): set it to false")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both"):
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None):
         self.opts: RaFFMMethod = cfg.method
         self._submodels: dict[Spec, nn.Module] = {}
-        super().__init__(cfg, loaded, task, role)
+        super().__init__(cfg, loaded, task, role, client_sizes)
 
     # -- construction ------------------------------------------------------------------------
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        if self.opts.tuning == "full":
-            return super().prepare_model(model)
-        for p in model.parameters():
-            p.requires_grad_(False)
-        return apply_lora(model, self.arch, self.cfg.lora)
-
     def make_strategy(self) -> Strategy:
         opts, fed = self.opts, self.cfg.federation
         self.all_dims = self.arch.all_dims(self.model.config)
@@ -178,9 +287,9 @@ class RaFFM(Method):
         budgets = assign_budgets(opts.tiers, opts.budget_distribution, fed.num_clients, self.cfg.seed)
         plans = {c: ClientPlan(tier, b, self.planner.plan(b)) for c, (tier, b) in enumerate(budgets)}
         self._check_feasible(plans)
-        lora_scale = self.cfg.lora.alpha / self.cfg.lora.r if opts.tuning == "lora" else None
-        return RaFFMStrategy(fed, opts, self.arch, self.all_dims, plans, lora_scale,
-                             set(self.trainable()), scale_tensors(self.model, self.arch))
+        return RaFFMStrategy(fed, opts, self.arch, self.all_dims, plans, self.adapter.scale,
+                             set(self.trainable()), self.client_sizes,
+                             scale_tensors(self.model, self.arch))
 
     def _check_feasible(self, plans: dict[int, ClientPlan]) -> None:
         out: dict[str, list[int]] = defaultdict(list)
@@ -216,8 +325,8 @@ class RaFFM(Method):
     def initial_state(self) -> State:
         params = dict(self.model.named_parameters())
         state = {n: params[n].detach().clone() for n in self.state_keys()}
-        self.strategy.perm = Permutation.identity(self.all_dims)
-        return self.strategy.reorder(state) if self.opts.reorder else state
+        self.own_strategy.perm = Permutation.identity(self.all_dims)
+        return self.own_strategy.reorder(state) if self.opts.reorder else state
 
     @staticmethod
     @torch.no_grad()
@@ -240,10 +349,11 @@ class RaFFM(Method):
 
     @staticmethod
     def _sit_out_metrics(payload: Payload) -> dict[str, Any]:
-        none = dict.fromkeys(("bytes_down", "bytes_up", "flops_measured", "flops_analytic",
-                              "trainable_params", "params_up", "params_down", "train_time_s"))
-        return {**none, "loss": float("nan"), "steps": 0, "peak_rss_mb": 0.0, "activation_mb": 0.0,
-                "sat_out": 1, "tier": payload.config.get("tier")}
+        cost = ClientCost(bytes_down=None, bytes_up=None, params_down=None, params_up=None,
+                          trainable_params=None, train_time_s=None, peak_rss_mb=0.0,
+                          activation_mb=0.0)
+        return {"loss": float("nan"), "steps": 0, **cost.to_metrics(), "sat_out": 1,
+                "tier": payload.config.get("tier")}
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
@@ -290,7 +400,7 @@ class RaFFM(Method):
 
     def export_state(self, state: State) -> State:
         """The global state in the checkpoint's order of heads and neurons."""
-        return unpermute_state(state, self.strategy.perm, self.arch)
+        return unpermute_state(state, self.own_strategy.perm, self.arch)
 
     def elastic(self, state: State, data, batch_size: int) -> list[dict[str, Any]]:
         """The primary metric (accuracy, ROUGE-L) of the global model at every ``elastic_sizes``
@@ -321,13 +431,21 @@ class RaFFM(Method):
                 e["forward_flops_ratio"] = e["forward_gflops_per_example"] / full["forward_gflops_per_example"]
         return [e for e in out if e["size"] in self.opts.elastic_sizes]
 
+    @classmethod
+    def plots(cls, run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]],
+              summary: dict[str, Any], title: str) -> list[Path]:
+        """``elastic.png`` (:func:`plot_elastic`) from the summary's ``elastic`` entries."""
+        if not summary.get("elastic"):
+            return []
+        return [plot_elastic(summary["elastic"], run_dir / "elastic.png", title)]
+
     def final_metrics(self, state: State, data, records: list[dict[str, Any]], batch_size: int) -> dict[str, Any]:
         """Elastic sizes, per-tier costs and the plans (merged into summary.json)."""
         per_client = [m for r in records for m in r["client_metrics"]]
         tiers = []
-        groups = sorted({cp.tier for cp in self.strategy.plans.values()}, key=lambda t: (t is None, t))
+        groups = sorted({cp.tier for cp in self.own_strategy.plans.values()}, key=lambda t: (t is None, t))
         for tier in groups:
-            cps = [cp for cp in self.strategy.plans.values() if cp.tier == tier]
+            cps = [cp for cp in self.own_strategy.plans.values() if cp.tier == tier]
             ran = [m for m in per_client if m.get("tier") == tier and not m.get("sat_out")]
             specs = {cp.plan.spec for cp in cps if cp.plan.spec is not None}
             entry = {"tier": tier, "budget": cps[0].budget.describe() if tier is not None else "distribution",
@@ -347,7 +465,46 @@ class RaFFM(Method):
                 "full_model_planned": full_cost.to_dict(),
                 "sat_out_replies": sum(1 for m in per_client if m.get("sat_out")),
                 "memory_mb_mean": _mean([m.get("memory_mb") for m in per_client if not m.get("sat_out")]),
-                "permutation_applied": not self.strategy.perm.is_identity}
+                "permutation_applied": not self.own_strategy.perm.is_identity}
+
+
+# --------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------
+
+def plot_elastic(elastic: Sequence[Mapping[str, Any]], out_path: str | os.PathLike,
+                 title: str = "", series: str | None = None, fig_axes=None) -> Path:
+    """``elastic.png``: test (and dev) primary metric of the global model evaluated at several sub-model
+    sizes, against the size (FLOPs fraction) and against forward GFLOPs per example."""
+    from matplotlib.ticker import AutoLocator
+
+    fig, (ax_size, ax_flops) = fig_axes or figure(ncols=2, width=5.0)
+    metric = next((e["metric"] for e in elastic if "metric" in e), "accuracy")
+    rows = [e for e in elastic if _finite(e.get(f"test_{metric}"))]
+    label = series or "test"
+    for split, style in (("test", "-o"), ("dev", ":x")):
+        if series and split == "dev":
+            continue
+        ys = [e.get(f"{split}_{metric}") for e in rows]
+        lab = label if split == "test" else "dev"
+        ax_size.plot([e["size"] for e in rows], ys, style, label=lab)
+        ax_flops.plot([e["forward_gflops_per_example"] for e in rows], ys, style, label=lab)
+    ax_size.set_xlabel("size (fraction of full-model training FLOPs)")
+    ax_flops.set_xlabel("forward GFLOPs per example (profile batch)")
+    for ax in (ax_size, ax_flops):
+        ax.xaxis.set_major_locator(AutoLocator())  # sizes and GFLOPs are not rounds
+        ax.set_ylabel(metric)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="lower right")
+    ax_size.set_title(f"{title}: elastic inference" if title else "elastic inference")
+    return save_figure(fig, Path(out_path))
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+register_method(name="raffm", options_cls=RaFFMMethod, method_cls=RaFFM)
 
 
 def _generic(name: str) -> str:

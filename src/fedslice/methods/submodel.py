@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from fedslice.config import DistillConfig, ExperimentConfig
+from fedslice.registry import adapter_owning
 from fedslice.data.batching import TokenizedSplit
 from fedslice.distill import cache
 from fedslice.distill.corpus import (HOLDOUT, fingerprint, image_folder_corpus, iter_passages,
@@ -30,12 +31,12 @@ BASE_PREFIX = "base."
 
 
 def transformer_params(model: nn.Module, arch: ArchSpec) -> int:
-    """Parameters of the transformer blocks of every stack (LoRA adapters excluded), each tensor
-    counted once."""
+    """Parameters of the transformer blocks of every stack (adapters' tensors excluded), each
+    tensor counted once."""
     seen: dict[int, int] = {}
     for k in range(len(arch.stacks)):
         for name, p in arch.blocks(model, k).named_parameters(remove_duplicate=False):
-            if "lora_" not in name:
+            if adapter_owning(name) is None:
                 seen[id(p)] = p.numel()
     return sum(seen.values())
 

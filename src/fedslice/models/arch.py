@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 import torch.nn as nn
 
 from fedslice.errors import ModelError
@@ -149,6 +150,42 @@ class AttentionOutput:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How a linear map stores its weight: ``nn.Linear`` as (out, in); HF's ``Conv1D`` (GPT-2)
+    as (in, out), with its sizes in ``nf`` (out) and ``nx`` (in). The one place that knows GPT-2's
+    transposed layout (like nanoGPT's ``transposed = [...]``): everything else asks
+    :meth:`ArchSpec.layout` and works in the linear orientation."""
+
+    name: Literal["linear", "conv1d"]
+    out_axis: int  # the weight's axis of output features
+    in_axis: int  # the weight's axis of input features
+    out_attr: str  # the module attribute that holds the output size
+    in_attr: str
+
+    @property
+    def transposed(self) -> bool:
+        """True when the weight is stored (in, out) (peft's ``fan_in_fan_out``)."""
+        return self.out_axis == 1
+
+    def as_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight in ``nn.Linear`` orientation (out, in): a view, gradients flow."""
+        return weight.T if self.transposed else weight
+
+    def out_features(self, weight: torch.Tensor) -> int:
+        return weight.shape[self.out_axis]
+
+
+LINEAR = Layout("linear", 0, 1, "out_features", "in_features")
+CONV1D = Layout("conv1d", 1, 0, "nf", "nx")
+LAYOUTS = {"linear": LINEAR, "conv1d": CONV1D}
+
+
+def is_linear(module: nn.Module) -> bool:
+    """``nn.Linear``, or HF's ``Conv1D`` (GPT-2: a linear map whose weight is stored (in, out))."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     model_type: str
     kind: Literal["encoder", "decoder", "encoder-decoder"]
@@ -172,6 +209,11 @@ class ArchSpec:
     # a table with one column per self-attention head, in the first block of each stack and read
     # by every layer of it (T5's relative-position bias): sliced and permuted with the heads
     head_bias: str | None = None
+
+    @property
+    def layout(self) -> Layout:
+        """How this family stores its linear weights (:data:`LINEAR` or :data:`CONV1D`)."""
+        return LAYOUTS[self.weight_layout]
 
     @property
     def inputs(self) -> Literal["text", "image"]:

@@ -214,16 +214,18 @@ def head_axes(names: Iterable[str], arch) -> dict[str, KeyInfo]:
     """Which LoRA tensors are split by attention head: name -> its :class:`KeyInfo` (stack,
     layer, family, part, axis).
 
-    For q/k/v (and a fused q|k|v), ``lora_B`` (out, r) has one block of head_dim rows per query
-    (or key/value) head, per section of a fused one (axis 0); for the attention output projection
-    the heads index its input, the columns of ``lora_A`` (r, in) (axis 1). ``lora_A`` of q/k/v and
-    ``lora_B`` of o mix all heads: not head-tied.
+    An adapter's tensor (:attr:`KeyInfo.adapter`) of an attention projection is head-tied when it
+    has an axis along the projection's heads (:meth:`fedslice.peft.Adapter.tensor_axes`). For
+    LoRA: on q/k/v (and a fused q|k|v), ``lora_B`` (out, r) has one block of head_dim rows per
+    query (or key/value) head, per section of a fused one (axis 0); for the attention output
+    projection the heads index its input, the columns of ``lora_A`` (r, in) (axis 1). ``lora_A``
+    of q/k/v and ``lora_B`` of o mix all heads: not head-tied.
     """
     out = {}
     for n in names:
         info = key_info(arch, n)
         if info is not None and info.part in ("q", "k", "v", "qkv", "o") and info.axis is not None \
-                and "lora_" in info.leaf:
+                and info.adapter is not None:
             out[n] = info
     return out
 

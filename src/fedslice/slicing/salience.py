@@ -8,8 +8,9 @@ sections first. Salience is the norm of that whole group (L1: sum of |w|; L2: sq
 w^2). FFN neuron j is row j of W_in (and of the gate of a gated FFN) and column j of W_out.
 Biases are not counted. A block that scales its attention / FFN output per channel (DINOv2's
 LayerScale) is scored with the effective ``diag(scale) W_o`` / ``diag(scale) W_out`` (when the
-scales are in the state). With LoRA in the state, the effective weight ``W + scale * B @ A`` is
-scored (``lora_scale`` = alpha / r); without it, the base weight.
+scales are in the state). With an adapter's tensors in the state, the effective weight
+``W + scale * delta`` is scored (``adapter_scale``: LoRA's alpha / r; ``delta``: the adapter's
+:meth:`~fedslice.peft.Adapter.delta_weight`, LoRA's ``B @ A``); without a scale, the base weight.
 
 :func:`salience_order` turns salience into a function-preserving :class:`Permutation`: under
 grouped-query attention groups are ordered by salience and query heads within their group; T5
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from fedslice.models.arch import ArchSpec
+from fedslice.registry import adapter_owning
 from fedslice.slicing.permute import Permutation
 from fedslice.slicing.spec import SliceSpec, key_info, kv_groups
 
@@ -59,31 +61,45 @@ def scale_tensors(model, arch: ArchSpec) -> dict[str, torch.Tensor]:
     return {k: state[k].detach() for k in keep}
 
 
-def part_weights(state: Mapping[str, torch.Tensor], arch: ArchSpec, lora_scale: float | None = None
-                 ) -> dict[tuple[int, int, str, int], torch.Tensor]:
+def part_weights(state: Mapping[str, torch.Tensor], arch: ArchSpec,
+                 adapter_scale: float | None = None) -> dict[tuple[int, int, str, int], torch.Tensor]:
     """(stack, layer, part, family) -> the effective (out, in) weight of that part, float32;
     an output projection followed by a layer scale: ``diag(scale) W``."""
     found: dict[tuple, dict[str, torch.Tensor]] = {}
+    adapters: dict[tuple, tuple[type, dict[str, torch.Tensor]]] = {}
     scales = layer_scales(state, arch)
     for key, t in state.items():
         info = key_info(arch, key)
         if info is None or info.part is None or info.part == "bias":
             continue
-        leaf = info.leaf
-        slot = "A" if "lora_A" in leaf else "B" if "lora_B" in leaf else \
-            "W" if leaf.rsplit(".", 1)[-1] == "weight" else None
-        if slot is not None:
-            found.setdefault((info.stack, info.layer, info.part, info.family), {})[slot] = t.float()
+        where = (info.stack, info.layer, info.part, info.family)
+        if info.adapter is not None:  # the adapter's tensors, by their name inside the part
+            owner = adapter_owning(info.leaf)
+            adapters.setdefault(where, (owner, {}))[1][_adapter_leaf(info.leaf, owner)] = t
+        elif info.leaf.rsplit(".", 1)[-1] == "weight":
+            found.setdefault(where, {})["W"] = t.float()
     out = {}
     for where, w in found.items():
-        if "W" not in w:
-            raise KeyError(f"no weight for stack {where[0]} layer {where[1]} part {where[2]} in the state")
-        W = w["W"].T if arch.weight_layout == "conv1d" else w["W"]  # (out, in)
-        if "A" in w and "B" in w and lora_scale:
-            W = W + lora_scale * (w["B"] @ w["A"])
+        W = arch.layout.as_linear(w["W"])  # (out, in)
+        if adapter_scale and where in adapters:
+            owner, tensors = adapters[where]
+            delta = owner.delta_weight(tensors)
+            if delta is not None:
+                W = W + adapter_scale * delta
         scale = scales.get(where[:3]) if where[3] == 0 else None
         out[where] = W if scale is None else scale[:, None] * W  # (out, in)
+    missing = set(adapters) - set(found)
+    if missing:
+        where = min(missing)
+        raise KeyError(f"no weight for stack {where[0]} layer {where[1]} part {where[2]} in the state")
     return out
+
+
+def _adapter_leaf(leaf: str, owner) -> str:
+    """The adapter's tensor name from its first own segment on: 'lora_A.default.weight'."""
+    parts = leaf.split(".")
+    start = next(i for i, s in enumerate(parts) if owner.owns(s))
+    return ".".join(parts[start:])
 
 
 def _head_scores(W, k: int, l: int, f: int, dims: Mapping[str, int], elem) -> torch.Tensor:
@@ -100,11 +116,11 @@ def _head_scores(W, k: int, l: int, f: int, dims: Mapping[str, int], elem) -> to
 
 
 def salience(state: Mapping[str, torch.Tensor], arch: ArchSpec, dims: Mapping[str, int],
-             norm: str = "l1", lora_scale: float | None = None, stack: int = 0) -> list[LayerSalience]:
+             norm: str = "l1", adapter_scale: float | None = None, stack: int = 0) -> list[LayerSalience]:
     """Salience of every head and FFN neuron of every layer of one stack (see module doc)."""
     if norm not in ("l1", "l2"):
         raise ValueError(f"norm must be 'l1' or 'l2', got {norm!r}")
-    W = part_weights(state, arch, lora_scale)
+    W = part_weights(state, arch, adapter_scale)
     elem = torch.abs if norm == "l1" else torch.square
     finish = (lambda x: x) if norm == "l1" else torch.sqrt
     families = len(arch.stacks[stack].attention)
@@ -120,9 +136,9 @@ def salience(state: Mapping[str, torch.Tensor], arch: ArchSpec, dims: Mapping[st
 
 def model_salience(state: Mapping[str, torch.Tensor], arch: ArchSpec,
                    dims: Sequence[Mapping[str, int]], norm: str = "l1",
-                   lora_scale: float | None = None) -> list[list[LayerSalience]]:
+                   adapter_scale: float | None = None) -> list[list[LayerSalience]]:
     """:func:`salience` of every stack."""
-    return [salience(state, arch, d, norm, lora_scale, k) for k, d in enumerate(dims)]
+    return [salience(state, arch, d, norm, adapter_scale, k) for k, d in enumerate(dims)]
 
 
 def _desc(x: torch.Tensor) -> list[int]:

@@ -24,8 +24,11 @@ stack; ``None`` keeps a stack whole). Everything else follows from the architect
   keeps zero input columns, and the attention outputs o's bias only (:class:`NoHeadsAttention`);
 * every other tensor (embeddings, LayerNorms, the o/ffn_out biases, the classifier) is whole.
 
-Weights are ``(out, in)`` (``nn.Linear``) or ``(in, out)`` (GPT-2's ``Conv1D``, the table's
-``weight_layout``); LoRA ``A`` is ``(r, in)`` and ``B`` is ``(out, r)`` in both layouts.
+Weights are ``(out, in)`` (``nn.Linear``) or ``(in, out)`` (GPT-2's ``Conv1D``): the table's
+:attr:`~fedslice.models.arch.ArchSpec.layout` says which axis is which. An adapter's tensors
+(LoRA ``A`` (r, in) and ``B`` (out, r)) are found by the adapter's ``prefix`` and sliced along
+the axes the adapter declares (:meth:`fedslice.peft.Adapter.tensor_axes`), asked through
+:mod:`fedslice.registry`: nothing here knows an adapter's tensor names.
 
 Server side, pure functions over state dicts::
 
@@ -48,7 +51,8 @@ from functools import lru_cache
 import torch
 import torch.nn as nn
 
-from fedslice.models.arch import ArchSpec, Attention, module_at as _get
+from fedslice.models.arch import LINEAR, ArchSpec, Attention, Layout, module_at as _get
+from fedslice.registry import adapter_of_module, adapter_owning
 
 State = dict[str, torch.Tensor]
 Index = tuple[tuple[int, ...], ...]
@@ -338,6 +342,7 @@ class KeyInfo:
     stack: int = 0
     family: int = 0
     leaf: str = ""  # after the part's path: 'weight', 'base_layer.weight', 'lora_A.default.weight'
+    adapter: str | None = None  # the adapter that owns the tensor (None: the model's own)
 
     @property
     def kind(self) -> str | None:
@@ -377,18 +382,16 @@ def _stack_regexes(arch: ArchSpec) -> tuple[tuple[re.Pattern, list[tuple[str, in
     return tuple(out)
 
 
-def _axis(part: str, leaf: str, layout: str) -> int | None:
+def _axis(part: str, leaf: str, layout: Layout, adapter) -> int | None:
     """The sliced axis of a tensor of ``part`` named ``leaf`` ('weight', 'bias',
-    'base_layer.weight', 'lora_A.default.weight', ...); None if it is kept whole."""
+    'base_layer.weight', an adapter's 'lora_A.default.weight', ...); None if it is kept whole."""
     last = leaf.rsplit(".", 1)[-1]
     if part == "bias":
         return 1 if last == "weight" else None  # embedding (buckets, H)
-    if "lora_A" in leaf:
-        out_axis, in_axis = None, 1  # (r, in)
-    elif "lora_B" in leaf:
-        out_axis, in_axis = 0, None  # (out, r)
+    if adapter is not None:
+        out_axis, in_axis = adapter.tensor_axes(leaf)  # e.g. LoRA A (r, in), B (out, r)
     elif last == "weight":
-        out_axis, in_axis = (0, 1) if layout == "linear" else (1, 0)  # Linear (out, in); Conv1D (in, out)
+        out_axis, in_axis = layout.out_axis, layout.in_axis  # Linear (out, in); Conv1D (in, out)
     elif last == "bias":
         out_axis, in_axis = 0, None
     else:
@@ -407,8 +410,10 @@ def key_info(arch: ArchSpec, key: str) -> KeyInfo | None:
             return KeyInfo(m.group("prefix"), int(m.group("layer")), m.group("rest"), None, None, k)
         part, family = parts[hit]
         leaf = m.group("leaf")
+        adapter = adapter_owning(leaf)
         return KeyInfo(m.group("prefix"), int(m.group("layer")), m.group("rest"), part,
-                       _axis(part, leaf, arch.weight_layout), k, family, leaf)
+                       _axis(part, leaf, arch.layout, adapter), k, family, leaf,
+                       None if adapter is None else adapter.name)
     return None
 
 
@@ -509,41 +514,45 @@ def _slice_param(p: nn.Parameter | None, axis: int | None, idx: torch.Tensor) ->
     return nn.Parameter(t, requires_grad=p.requires_grad) if axis is not None else p
 
 
-def _slice_linear(lin: nn.Module, idx: torch.Tensor, side: str, layout: str = "linear") -> nn.Module:
-    """An ``nn.Linear`` (or a ``Conv1D``, ``layout='conv1d'``: weight (in, out)) keeping output
+def _slice_linear(lin: nn.Module, idx: torch.Tensor, side: str, layout: Layout = LINEAR) -> nn.Module:
+    """An ``nn.Linear`` (or a ``Conv1D``, ``layout=CONV1D``: weight (in, out)) keeping output
     rows (``side='out'``) or input columns (``side='in'``)."""
     new = _clone(lin)
-    w_axis = (0 if side == "out" else 1) if layout == "linear" else (1 if side == "out" else 0)
-    new.weight = _slice_param(lin.weight, w_axis, idx)
+    new.weight = _slice_param(lin.weight, layout.out_axis if side == "out" else layout.in_axis, idx)
     if side == "out" and lin.bias is not None:
         new.bias = _slice_param(lin.bias, 0, idx)  # (out',)
-    size = "out_features" if side == "out" else "in_features"
-    if layout == "conv1d":
-        size = "nf" if side == "out" else "nx"
+    size = layout.out_attr if side == "out" else layout.in_attr
     if hasattr(lin, size):
         setattr(new, size, len(idx))
     return new
 
 
-def _slice_part(module: nn.Module, idx: torch.Tensor, side: str, layout: str = "linear") -> nn.Module:
-    """Slice a part: a plain linear map or a peft LoRA layer (``base_layer`` + ``lora_A``/``lora_B``).
+def _slice_part(module: nn.Module, idx: torch.Tensor, side: str, layout: Layout = LINEAR) -> nn.Module:
+    """Slice a part: a plain linear map or an adapter's layer (peft: ``base_layer`` + the
+    adapter's sub-modules, e.g. LoRA's ``lora_A``/``lora_B``).
 
-    For an output slice LoRA ``B`` loses rows and ``A`` is shared; for an input slice ``A`` loses
-    columns and ``B`` is shared.
+    The adapter's sub-modules that follow the sliced side (``Adapter.module_tensors``: LoRA ``B``
+    for an output slice, ``A`` for an input slice) lose those rows/columns; the others are shared.
     """
     if not hasattr(module, "base_layer"):
         if not hasattr(module, "weight"):
-            raise TypeError(f"cannot slice {type(module).__name__}: expected a linear map or a peft LoRA layer")
+            raise TypeError(f"cannot slice {type(module).__name__}: expected a linear map or an "
+                            "adapter's layer")
         return _slice_linear(module, idx, side, layout)
+    adapter = adapter_of_module(module)
+    if adapter is None:
+        raise TypeError(f"cannot slice {type(module).__name__}: no registered adapter wraps it")
     new = _clone(module)
     new.base_layer = _slice_part(module.base_layer, idx, side, layout)
-    sliced = "lora_B" if side == "out" else "lora_A"
-    adapters = getattr(module, sliced)
-    new_adapters = _clone(adapters)
-    for name, lin in adapters.items():
-        new_adapters._modules[name] = _slice_linear(lin, idx, side)
-    setattr(new, sliced, new_adapters)
-    setattr(new, "out_features" if side == "out" else "in_features", len(idx))
+    for attr, follows in adapter.module_tensors.items():
+        if follows != side:
+            continue
+        subs = getattr(module, attr)
+        new_subs = _clone(subs)
+        for name, lin in subs.items():
+            new_subs._modules[name] = _slice_linear(lin, idx, side)
+        setattr(new, attr, new_subs)
+    setattr(new, "out_features" if side == "out" else "in_features", len(idx))  # peft's sizes
     return new
 
 
@@ -621,12 +630,12 @@ class NoHeadsAttention(nn.Module):
     the output projection lives inside the attention module (DistilBERT's ``out_lin``, LLaMA's
     ``o_proj``), that projection applied to it (with zero input columns it outputs its bias, or
     zeros). Outside (BERT's ``attention.output.dense``) the sliced o does the same. The
-    projection keeps its name. A ``Conv1D`` o (GPT-2's ``c_proj``, ``layout='conv1d'``) cannot
+    projection keeps its name. A ``Conv1D`` o (GPT-2's ``c_proj``, a transposed layout) cannot
     read a zero-width input: its bias (or zeros) is taken directly.
     """
 
     def __init__(self, out_name: str | None = None, out: nn.Module | None = None,
-                 layout: str = "linear"):
+                 layout: Layout = LINEAR):
         super().__init__()
         self._out_name, self._layout = out_name, layout
         if out_name is not None:
@@ -637,10 +646,10 @@ class NoHeadsAttention(nn.Module):
         if self._out_name is None:
             return ctx, None
         o = getattr(self, self._out_name)
-        if self._layout != "conv1d":
+        if not self._layout.transposed:
             return o(ctx), None  # (B, T, d): o's bias
         base = getattr(o, "base_layer", o)                            # Conv1D, weight (0, d)
-        out = ctx.new_zeros(*ctx.shape[:-1], base.weight.shape[1])    # (B, T, d)
+        out = ctx.new_zeros(*ctx.shape[:-1], self._layout.out_features(base.weight))  # (B, T, d)
         return (out if base.bias is None else out + base.bias), None
 
 
@@ -683,7 +692,7 @@ def _shared_bias_class(cls: type) -> type:
     return type(f"SharedBias{cls.__name__}", (SharedBiasColumns, cls), {})
 
 
-def _no_heads(att: Attention, o: nn.Module, layout: str = "linear") -> NoHeadsAttention:
+def _no_heads(att: Attention, o: nn.Module, layout: Layout = LINEAR) -> NoHeadsAttention:
     """The stub for a headless attention, hosting o when o lives inside the attention module."""
     parent = att.module
     if parent and not att.o.startswith(parent + "."):
@@ -711,7 +720,7 @@ def extract_model(model: nn.Module, spec: Spec, arch: ArchSpec) -> nn.Module:
     replace: dict[str, nn.Module] = {}
     hooks: dict[str, dict] = {}
     lists: dict[str, list[int]] = {}
-    layout = arch.weight_layout
+    layout = arch.layout
     for k, s in enumerate(specs):
         if s is None:
             continue

@@ -1,4 +1,4 @@
-"""HF ``peft`` LoRA wiring, with a check that the targets matched what was intended.
+"""LoRA through HF ``peft``, with a check that the targets matched what was intended.
 
 Logical targets (``q``, ``v``, ``ffn_in``, ..., or ``all-linear``) are resolved through the
 architecture table to the exact module names of every block of every stack (encoder, decoder,
@@ -8,22 +8,23 @@ silently accepts a list of which only some names match).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import torch
 import torch.nn as nn
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
-from fedslice.config import LoraConfig
 from fedslice.errors import ConfigError
-from fedslice.models.arch import PART_NAMES, ArchSpec
-
-
-def _is_linear(module: nn.Module) -> bool:
-    """nn.Linear, or HF's Conv1D (GPT-2: a linear layer with its weight stored (in, out))."""
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+from fedslice.models.arch import PART_NAMES, ArchSpec, is_linear
+from fedslice.peft.base import Adapter, Layers, freeze, train_classifier
+from fedslice.peft.tuners.lora.config import LoraConfig
+from fedslice.peft.tuners.lora.layer import LORA_TENSORS, lora_delta
 
 
 def _matching_modules(model: nn.Module, target_modules: list[str]) -> list[str]:
-    names = [n for n, m in model.named_modules() if _is_linear(m)]
+    names = [n for n, m in model.named_modules() if is_linear(m)]
     return [n for n in names if any(n == t or n.endswith("." + t) for t in target_modules)]
 
 
@@ -49,7 +50,7 @@ def resolve_targets(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = arch.module_names(base, logical_targets(cfg), layers)
     modules = dict(base.named_modules())
-    missing = [n for n in names if n not in modules or not _is_linear(modules[n])]
+    missing = [n for n in names if n not in modules or not is_linear(modules[n])]
     if missing or not names:
         raise ConfigError(f"lora.targets {cfg.targets}: no linear module at "
                           f"{missing[:3] or 'any layer'} in this {arch.model_type} model")
@@ -67,18 +68,56 @@ def apply_lora(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
     targets = resolve_targets(model, arch, cfg, layers)
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=targets, bias="none",
-                              fan_in_fan_out=arch.weight_layout == "conv1d")
+                              fan_in_fan_out=arch.layout.transposed)
     model = get_peft_model(model, peft_cfg)
     if cfg.train_classifier:
-        base = model.get_base_model()
-        for name in arch.classifier:
-            head = getattr(base, name, None)  # absent on a language-model head
-            for p in head.parameters() if head is not None else ():
-                p.requires_grad_(True)
+        train_classifier(model, arch)
     return model
 
 
 def lora_module_names(model: nn.Module) -> list[str]:
     """Names of modules that carry LoRA adapters (for tests and reports)."""
-    return [n for n, m in model.named_modules() if hasattr(m, "lora_A") and isinstance(m, nn.Module)
-            and len(getattr(m, "lora_A", {})) > 0]
+    return list(LoraAdapter.adapted_modules_of(model))
+
+
+class LoraAdapter(Adapter):
+    """LoRA through HF peft: ``W + (alpha / r) B A`` on the targets of ``[lora]``; everything
+    else frozen, the classifier trainable if ``lora.train_classifier``."""
+
+    name = "lora"
+    prefix = "lora_"
+    module_tensors = LORA_TENSORS
+    batched_clients = True
+    options: LoraConfig
+
+    def apply(self, model: nn.Module, layers: Layers = None) -> nn.Module:
+        freeze(model)
+        return apply_lora(model, self.arch, self.options, layers=layers)
+
+    @property
+    def scale(self) -> float:
+        return self.options.scale
+
+    @classmethod
+    def owns_module(cls, module: nn.Module) -> bool:
+        """A peft LoRA layer holding at least one adapter."""
+        return super().owns_module(module) and len(getattr(module, "lora_A", {})) > 0
+
+    @classmethod
+    def adapted_modules_of(cls, model: nn.Module) -> dict[str, nn.Module]:
+        return {n: m for n, m in model.named_modules() if cls.owns_module(m)}
+
+    def adapted_modules(self, model: nn.Module) -> dict[str, nn.Module]:
+        return self.adapted_modules_of(model)
+
+    def client_tensor_names(self, module: nn.Module) -> list[str]:
+        """``lora_A.<adapter>.weight`` and ``lora_B.<adapter>.weight`` of each active adapter."""
+        active = getattr(module, "active_adapters", None) or list(module.lora_A)
+        return [f"{attr}.{a}.weight" for a in active for attr in self.module_tensors]
+
+    @classmethod
+    def delta_weight(cls, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        return lora_delta(tensors)
+
+    def describe(self) -> dict[str, Any]:
+        return {"adapter": self.name, "rank": self.options.r, "alpha": self.options.alpha}

@@ -1,0 +1,161 @@
+"""The adapter interface: what the library asks of a PEFT method (LoRA, none = full fine-tuning;
+later IA3, prompt, prefix, P-tuning, DoRA), like HF PEFT's tuners.
+
+An adapter is registered by name (``peft.method``) with its options class, the config section
+named after it (:func:`fedslice.registry.register_peft_method`); a method builds one with
+:func:`make_adapter` and asks it, never matching tensor names itself:
+
+* **apply** it to a model through the architecture table (:meth:`Adapter.apply`, in every layer or
+  some), which also sets which parameters train;
+* **name** its tensors: the class attribute ``prefix`` (``"lora_"``): a tensor whose dotted name
+  has a segment starting with it is the adapter's (:func:`fedslice.registry.adapter_owning`);
+* **map** its tensors' rows/columns to heads and FFN neurons: ``module_tensors`` says, per
+  attribute of an adapted module (``lora_A``, ``lora_B``), whether its tensors follow the
+  module's input or output features; :meth:`tensor_axes` turns that into the axis of a tensor
+  (what :mod:`fedslice.slicing.spec`, :mod:`fedslice.slicing.salience` and
+  :mod:`fedslice.slicing.heads` slice, permute, score and weigh per head); :meth:`delta_weight`
+  is its update of the wrapped weight (salience of the effective weight);
+* **count** its parameters, bytes and analytic training FLOPs (:meth:`cost`);
+* for a batched multi-client training pass (``batched_clients``): the adapted modules
+  (:meth:`adapted_modules`) and, under each, the per-client tensor names
+  (:meth:`client_tensor_names`).
+
+Capabilities are class attributes the library asks: ``trains_base`` (the model's own weights
+train: full fine-tuning), ``batched_clients``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from fedslice.config import AdapterOptions, ExperimentConfig
+from fedslice.models.arch import ArchSpec
+from fedslice.registry import ADAPTERS
+
+Layers = Sequence[int] | Sequence[Sequence[int]] | None
+
+
+@dataclass(frozen=True)
+class AdapterCost:
+    """What an adapter adds to a model: its parameters, their bytes, and its analytic training
+    FLOPs per token (forward + backward of its own operations; already part of
+    :func:`fedslice.measure.analytic_train_flops`, which counts every linear map)."""
+
+    params: int
+    bytes: int
+    train_flops_per_token: float
+
+
+class Adapter:
+    """Base class of an adapter (see the module doc). Subclasses set the class attributes and
+    implement :meth:`apply`; the rest has defaults for adapters made of ``nn.Linear``
+    sub-modules under the wrapped module (peft's tuner layers)."""
+
+    name: ClassVar[str] = ""
+    #: the first characters of the adapter's own attribute names (None: it adds no tensors)
+    prefix: ClassVar[str | None] = None
+    #: attribute of an adapted module -> the side of the module its tensors follow: "in" (they
+    #: index the module's input features), "out" (its output features) or None (neither)
+    module_tensors: ClassVar[dict[str, str | None]] = {}
+    #: the model's own weights train (full fine-tuning)
+    trains_base: ClassVar[bool] = False
+    #: clients can be trained together over one frozen backbone, each with its own tensors
+    batched_clients: ClassVar[bool] = False
+
+    def __init__(self, options: AdapterOptions | None, arch: ArchSpec):
+        self.options, self.arch = options, arch
+
+    def replace(self, **changes: Any) -> Adapter:
+        """The same adapter with some options changed (e.g. another LoRA rank)."""
+        return type(self)(self.options.model_copy(update=changes), self.arch)
+
+    # -- apply ---------------------------------------------------------------------------------
+    def apply(self, model: nn.Module, layers: Layers = None) -> nn.Module:
+        """Wrap ``model`` (in every layer, or only in ``layers``: one list, or one per stack) and
+        set which parameters train; returns the model to train (possibly a wrapper)."""
+        raise NotImplementedError
+
+    @property
+    def scale(self) -> float | None:
+        """The factor of :meth:`delta_weight` in the effective weight (LoRA: alpha / r)."""
+        return None
+
+    # -- names ---------------------------------------------------------------------------------
+    @classmethod
+    def owns(cls, tensor_name: str) -> bool:
+        """True for a tensor of this adapter (asked by ``prefix``)."""
+        return bool(cls.prefix) and any(s.startswith(cls.prefix) for s in tensor_name.split("."))
+
+    @classmethod
+    def owns_module(cls, module: nn.Module) -> bool:
+        """True for a module this adapter wraps (it holds every ``module_tensors`` attribute)."""
+        return bool(cls.module_tensors) and all(hasattr(module, a) for a in cls.module_tensors)
+
+    @classmethod
+    def tensor_axes(cls, leaf: str) -> tuple[int | None, int | None]:
+        """(axis indexed by the wrapped module's output features, axis indexed by its input
+        features) of the adapter's tensor ``leaf`` (named inside the wrapped module, e.g.
+        ``lora_B.default.weight``); None where the tensor has no such axis. Default: the tensors
+        are ``nn.Linear`` weights (out, in) of a sub-module that follows one side."""
+        follows = cls.module_tensors.get(leaf.split(".", 1)[0])
+        if leaf.rsplit(".", 1)[-1] != "weight":
+            return (0, None) if follows == "out" else (None, None)  # a bias follows its outputs
+        return (0, None) if follows == "out" else (None, 1) if follows == "in" else (None, None)
+
+    @classmethod
+    def delta_weight(cls, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The adapter's update of the wrapped weight, (out, in), from its tensors of one module
+        (by leaf name), before :attr:`scale`; None if it has none of that form."""
+        return None
+
+    # -- per-client tensors (batched training) ----------------------------------------------
+    def adapted_modules(self, model: nn.Module) -> dict[str, nn.Module]:
+        """Name -> module of every module this adapter wraps in ``model``."""
+        return {n: m for n, m in model.named_modules() if self.owns_module(m)}
+
+    def client_tensor_names(self, module: nn.Module) -> list[str]:
+        """The names (inside ``module``) of the adapter's tensors of one adapted module: what
+        each client of a batched pass holds its own copy of."""
+        return [n for n, _ in module.named_parameters() if self.owns(n)]
+
+    # -- costs ---------------------------------------------------------------------------------
+    def tensors(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        """The adapter's own parameters in ``model`` by name (for ``none``: none)."""
+        return {n: p for n, p in model.named_parameters() if self.owns(n)}
+
+    def cost(self, model: nn.Module) -> AdapterCost:
+        """Parameters and bytes of the adapter's tensors; training FLOPs per token: 6 per
+        parameter of a per-token linear map (2 forward, 4 backward: input and weight gradient)."""
+        ts = self.tensors(model)
+        n = sum(p.numel() for p in ts.values())
+        return AdapterCost(n, sum(p.numel() * p.element_size() for p in ts.values()), 6.0 * n)
+
+    def describe(self) -> dict[str, Any]:
+        """What the adapter is, for reports and op counts (``{"adapter": "lora", "rank": 16}``)."""
+        return {"adapter": self.name}
+
+
+def make_adapter(cfg: ExperimentConfig, name: str, arch: ArchSpec) -> Adapter:
+    """The registered adapter ``name`` with its options from ``cfg`` (the section named after it)."""
+    entry = ADAPTERS.get(name)
+    return entry.adapter_cls(cfg.adapter_options(name), arch)
+
+
+def freeze(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+
+def train_classifier(model: nn.Module, arch: ArchSpec) -> None:
+    """Make the sequence-classification head trainable in place (its parameter names stay those
+    of the HF checkpoint; absent on a language-model head)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name in arch.classifier:
+        head = getattr(base, name, None)
+        for p in head.parameters() if head is not None else ():
+            p.requires_grad_(True)

@@ -1,0 +1,148 @@
+"""The plug-in registries: methods, adapters (PEFT methods) and aggregation rules, by name.
+
+This module sits at the bottom of the package (it imports nothing of fedslice but its errors),
+so that :mod:`fedslice.config` can resolve ``method.name``, ``peft.method`` and
+``aggregation.rule`` through it without importing a plug-in. Plug-ins sit above the config
+layer and register themselves when their module is imported, like HF PEFT's tuners
+(``register_peft_method(name=..., config_cls=..., model_cls=...)``)::
+
+    register_method(name="fedavg", options_cls=FedAvgOptions, method_cls=FedAvg)
+    register_peft_method(name="lora", config_cls=LoraConfig, adapter_cls=LoraAdapter)
+    register_rule(name="median", rule_cls=Median)
+
+Who imports the built-in plug-ins: :mod:`fedslice.plugins` (one import per package:
+``fedslice.methods``, ``fedslice.peft``, ``fedslice.fl.rules``), which the layer that loads
+configs (:mod:`fedslice.experiment`) imports first. Nothing below that layer imports a plug-in,
+so no import circle appears, not even through a package's ``__init__``. A plug-in of your own
+registers by being imported before its config is validated (see ``docs/design.md``).
+
+The library asks a registered class for what it does (class attributes such as
+``Method.sends_slices`` or ``Adapter.prefix``) instead of comparing names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from fedslice.errors import ConfigError
+
+E = TypeVar("E")
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    """A federated method: its options (the ``[method]`` section) and its class."""
+
+    name: str
+    options_cls: type
+    method_cls: type
+
+
+@dataclass(frozen=True)
+class AdapterEntry:
+    """An adapter (``peft.method``): its options (the config section named after it; None when
+    it has no options, e.g. ``none``) and its class."""
+
+    name: str
+    config_cls: type | None
+    adapter_cls: type
+
+
+@dataclass(frozen=True)
+class RuleEntry:
+    """An aggregation rule that wraps a strategy (``aggregation.rule``, clipping, DP, ...)."""
+
+    name: str
+    rule_cls: type
+
+
+class Registry(Generic[E]):
+    """Name -> entry of one kind of plug-in, in registration order."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, E] = {}
+
+    def register(self, name: str, entry: E) -> E:
+        if not name or not isinstance(name, str):
+            raise ValueError(f"a {self.kind} needs a non-empty name, got {name!r}")
+        old = self._entries.get(name)
+        if old is not None and old != entry:
+            raise ValueError(f"{self.kind} {name!r} is already registered ({old}); "
+                             "unregister it first to replace it")
+        self._entries[name] = entry
+        return entry
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (tests that register a toy plug-in clean up with this)."""
+        self._entries.pop(name, None)
+
+    def get(self, name: str) -> E:
+        """The entry of ``name``; a ConfigError listing the known names otherwise."""
+        try:
+            return self._entries[name]
+        except KeyError:
+            known = ", ".join(self._entries) or "none registered (import fedslice.plugins)"
+            raise ConfigError(f"unknown {self.kind} {name!r} (known: {known})") from None
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def entries(self) -> list[E]:
+        return list(self._entries.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+METHODS: Registry[MethodEntry] = Registry("method")
+ADAPTERS: Registry[AdapterEntry] = Registry("adapter")
+RULES: Registry[RuleEntry] = Registry("aggregation rule")
+
+
+def register_method(*, name: str, options_cls: type, method_cls: type) -> MethodEntry:
+    """Register a federated method; ``options_cls`` validates its ``[method]`` section (a
+    :class:`fedslice.config.MethodOptions` whose ``name`` is ``Literal[name]``)."""
+    tag = getattr(options_cls, "model_fields", {}).get("name")
+    if tag is None or tag.default != name:
+        raise ValueError(f"method {name!r}: {options_cls.__name__}.name must default to {name!r}")
+    return METHODS.register(name, MethodEntry(name, options_cls, method_cls))
+
+
+def register_peft_method(*, name: str, config_cls: type | None, adapter_cls: type) -> AdapterEntry:
+    """Register an adapter (``peft.method = name``); ``config_cls`` validates the config section
+    named ``name`` (None: the adapter takes no options)."""
+    return ADAPTERS.register(name, AdapterEntry(name, config_cls, adapter_cls))
+
+
+def register_rule(*, name: str, rule_cls: type) -> RuleEntry:
+    """Register an aggregation rule (a :class:`fedslice.fl.rules.Rule` subclass)."""
+    return RULES.register(name, RuleEntry(name, rule_cls))
+
+
+def adapter_owning(tensor_name: str) -> Any | None:
+    """The registered adapter class that owns a tensor, asked by its ``prefix`` class attribute
+    (a tensor is an adapter's when one of its dotted name's segments starts with the prefix:
+    ``...query.lora_A.default.weight`` is LoRA's); None for a tensor of the model itself."""
+    segments = tensor_name.split(".")
+    for entry in ADAPTERS.entries():
+        prefix = getattr(entry.adapter_cls, "prefix", None)
+        if prefix and any(s.startswith(prefix) for s in segments):
+            return entry.adapter_cls
+    return None
+
+
+def adapter_of_module(module: Any) -> Any | None:
+    """The registered adapter class that wraps ``module`` (asked by ``owns_module``), or None."""
+    for entry in ADAPTERS.entries():
+        if entry.adapter_cls.owns_module(module):
+            return entry.adapter_cls
+    return None
