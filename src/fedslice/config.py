@@ -420,6 +420,44 @@ class OutputConfig(_Section):
                                   "kill-safe; `fedslice run --resume RUN_DIR` continues. 0: never.")
 
 
+class ComputeConfig(_Section):
+    """Where and how clients train: the device, the precision, and how a round's clients share
+    the machine (one process after another, concurrent worker processes, or one batched pass)."""
+
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="'auto': "
+                        "the first CUDA GPU when torch sees one, else the CPU; 'cpu'; 'cuda' or "
+                        "'cuda:N'. Training, evaluation and distillation run there; the server's "
+                        "aggregation stays in fp32 on the CPU.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Autocast precision of forward/backward (master weights, optimizer "
+        "state and aggregation stay fp32). 'fp16' (with loss scaling) needs a GPU; 'bf16' needs "
+        "a GPU or a CPU with native bf16 (AVX512-BF16 or AMX).")
+    workers: int | Literal["auto"] = Field(
+        "auto", description="CPU: worker processes that train a round's clients concurrently, "
+        "each at one intra-op thread, forked after the model is loaded (the backbone is shared, "
+        "not copied). 'auto': the usable cores, at most the round's clients; 1: one client after "
+        "another in this process. Ignored on a GPU (see batched_clients).")
+    batched_clients: bool | Literal["auto"] = Field(
+        "auto", description="Train a round's clients together in one batched pass over the "
+        "shared frozen backbone (each client's adapter applied to its own rows; per-client "
+        "losses, optimizers and data order, so the result equals one-after-another training). "
+        "For adapters that stack (LoRA) and methods whose clients train the same shapes. 'auto': "
+        "on a GPU only.")
+    max_batched_clients: int | None = Field(None, gt=0, description="At most this many clients "
+                                            "per batched pass (GPU memory); default: all.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the "
+                                         "backward pass (less memory, ~30% more compute).")
+    compile: bool = Field(False, description="torch.compile the model (the compile time is "
+                          "reported; worth it for long runs on a GPU).")
+
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("workers must be >= 1 (or 'auto')")
+        return v
+
+
 class ExperimentConfig(_Section):
     """An experiment. Besides the fields below, one section per registered adapter with options,
     named after it (``lora``: :class:`fedslice.peft.LoraConfig`), validated by its options class
@@ -433,7 +471,9 @@ class ExperimentConfig(_Section):
 
     name: str | None = None
     seed: int = 0
-    threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's).")
+    threads: int | None = Field(None, gt=0, description="torch intra-op threads of the main "
+                                "process (default: torch's); client worker processes use one each.")
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)

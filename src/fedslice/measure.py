@@ -67,6 +67,16 @@ def num_params(tensors: Mapping[str, torch.Tensor]) -> int:
     return int(sum(t.numel() for t in tensors.values()))
 
 
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (each storage once: tied and shared tensors
+    count once)."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if not t.is_meta:
+            seen.setdefault(_storage_ptr(t), _storage_nbytes(t))
+    return int(sum(seen.values()))
+
+
 def trainable_state_bytes(params: Iterable[torch.Tensor] | nn.Module, optimizer_slots: int = 2) -> int:
     """Bytes of the gradients plus optimizer state of the trainable parameters.
 
@@ -551,6 +561,11 @@ class ClientCost:
     peak_rss_mb: float | None = None
     activation_mb: float | None = None
     train_time_s: float | None = 0.0
+    #: what the client's device holds at its peak: the model it trains + ``activation_mb``
+    #: (deterministic, unlike RSS deltas); ``gpu_peak_mb``: torch.cuda.max_memory_allocated
+    model_mb: float | None = None
+    memory_mb: float | None = None
+    gpu_peak_mb: float | None = None
 
     #: metrics keys averaged over a round's used replies (``<key>_mean`` in the round record)
     ROUND_MEANS: ClassVar[tuple[str, ...]] = ("bytes_down", "bytes_up", "flops_measured",
@@ -558,7 +573,7 @@ class ClientCost:
     #: ... and over the whole run (``<key>_mean`` in summary.json)
     SUMMARY_MEANS: ClassVar[tuple[str, ...]] = ROUND_MEANS + ("train_time_s",)
     #: metrics keys whose maximum is reported (``<key>_max``)
-    PEAKS: ClassVar[tuple[str, ...]] = ("peak_rss_mb", "activation_mb")
+    PEAKS: ClassVar[tuple[str, ...]] = ("peak_rss_mb", "activation_mb", "memory_mb", "gpu_peak_mb")
     #: field -> its key in a client's metrics where they differ
     METRIC_KEYS: ClassVar[dict[str, str]] = {"examples": "examples_trained"}
 

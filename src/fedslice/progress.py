@@ -42,6 +42,12 @@ def task(description: str, total: int | None = None) -> Iterator[Callable[[int],
         display.end_task(handle)
 
 
+def silence() -> None:
+    """No display from here on in this context (a forked worker process: the main process
+    reports its progress)."""
+    _ACTIVE.set(None)
+
+
 def round_done(record: dict[str, Any]) -> None:
     """Tell the active display (if any) that a round finished, with its metrics record."""
     display = _ACTIVE.get()

@@ -8,9 +8,14 @@ per batch, to the longest sequence in that batch, in :func:`collate`.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
@@ -20,7 +25,51 @@ from torch.nn.utils.rnn import pad_sequence
 from fedslice.data.loading import RawSplit
 from fedslice.errors import ConfigError, ModelError
 
+logger = logging.getLogger(__name__)
+
 Indices = Union[Sequence[int], np.ndarray, torch.Tensor]
+
+
+class Rows(Sequence[torch.Tensor]):
+    """Variable-length rows of token ids as views of one flat tensor: ``rows[i]`` is a 1-D
+    view, ``take(idx)`` a subset sharing the flat tensor. Building one is O(1) in Python objects
+    (a list of 67k tensors costs seconds to create; these are created as rows are read)."""
+
+    __slots__ = ("flat", "starts", "lens")
+
+    def __init__(self, flat: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor):
+        self.flat, self.starts, self.lens = flat, starts, lens
+
+    @classmethod
+    def from_lengths(cls, flat: torch.Tensor, lens: torch.Tensor) -> Rows:
+        lens = lens.to(torch.int64)
+        return cls(flat, torch.cumsum(lens, 0) - lens, lens)
+
+    def __len__(self) -> int:
+        return int(self.lens.shape[0])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.take(torch.arange(len(self))[i])
+        s = int(self.starts[i])
+        return self.flat[s:s + int(self.lens[i])]
+
+    def __iter__(self):
+        flat = self.flat
+        for s, n in zip(self.starts.tolist(), self.lens.tolist()):
+            yield flat[s:s + n]
+
+    def take(self, idx: list[int] | torch.Tensor) -> Rows:
+        idx = torch.as_tensor(idx, dtype=torch.int64)
+        return Rows(self.flat, self.starts[idx], self.lens[idx])
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(flat ids, lengths)`` of these rows in order, contiguous."""
+        n = int(self.lens.sum())
+        if len(self) and int(self.starts[0]) == 0 and \
+                bool((self.starts[1:] == (self.starts + self.lens)[:-1]).all()):
+            return self.flat[:n], self.lens
+        return (torch.cat(list(self)) if len(self) else self.flat[:0]), self.lens
 
 
 @dataclass
@@ -34,8 +83,8 @@ class TokenizedSplit:
         pad_token_id: id used to pad ``input_ids`` in :func:`collate`.
     """
 
-    input_ids: list[torch.Tensor]
-    token_type_ids: list[torch.Tensor] | None
+    input_ids: Sequence[torch.Tensor]  # a list, or Rows (views of one flat tensor)
+    token_type_ids: Sequence[torch.Tensor] | None
     labels: torch.Tensor
     pad_token_id: int
 
@@ -45,6 +94,8 @@ class TokenizedSplit:
     @property
     def lengths(self) -> torch.Tensor:
         """int64 tensor ``(N,)`` of sequence lengths."""
+        if isinstance(self.input_ids, Rows):
+            return self.input_ids.lens
         return torch.tensor([len(ids) for ids in self.input_ids], dtype=torch.int64)
 
     def collate(self, indices: Indices) -> dict[str, torch.Tensor]:
@@ -53,11 +104,13 @@ class TokenizedSplit:
     def subset(self, indices: Indices) -> TokenizedSplit:
         """The examples at ``indices``, sharing the underlying tensors (no copy of tokens)."""
         idx = _as_index_list(indices, len(self))
+
+        def pick(rows):
+            return rows.take(idx) if isinstance(rows, Rows) else [rows[i] for i in idx]
+
         return TokenizedSplit(
-            input_ids=[self.input_ids[i] for i in idx],
-            token_type_ids=None
-            if self.token_type_ids is None
-            else [self.token_type_ids[i] for i in idx],
+            input_ids=pick(self.input_ids),
+            token_type_ids=None if self.token_type_ids is None else pick(self.token_type_ids),
             labels=self.labels[torch.as_tensor(idx, dtype=torch.int64)],
             pad_token_id=self.pad_token_id,
         )
@@ -86,12 +139,10 @@ def _pad_token_id(tokenizer: Any) -> int:
     )
 
 
-def _split_flat(rows: list[list[int]]) -> list[torch.Tensor]:
-    """Turn lists of ints into 1-D int64 tensors that are views of one flat tensor."""
-    if not rows:
-        return []
+def _split_flat(rows: list[list[int]]) -> Rows:
+    """Lists of ints as :class:`Rows` over one flat int64 tensor."""
     flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64)
-    return list(torch.split(flat, [len(r) for r in rows]))
+    return Rows.from_lengths(flat, torch.tensor([len(r) for r in rows], dtype=torch.int64))
 
 
 def tokenize_split(raw: RawSplit, tokenizer: Any, max_length: int) -> TokenizedSplit:
@@ -142,6 +193,46 @@ def collate(split: TokenizedSplit, indices: Indices) -> dict[str, torch.Tensor]:
         batch["token_type_ids"] = pad_sequence(types, batch_first=True, padding_value=0)
     batch["labels"] = split.labels[torch.as_tensor(idx, dtype=torch.int64)]
     return batch
+
+
+#: What right-pads each key of a collated batch when batches of several lengths are stacked
+#: (``None``: the split's pad token id). Keys not listed must have equal shapes past the batch.
+PAD_VALUES: dict[str, int | None] = {
+    "input_ids": None, "decoder_input_ids": None, "attention_mask": 0,
+    "decoder_attention_mask": 0, "token_type_ids": 0, "labels": -100}
+
+
+def stack_batches(batches: Sequence[dict[str, torch.Tensor]], pad_token_id: int
+                  ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:
+    """Several collated batches as one ``(sum B, max T)`` batch, each right-padded to the
+    longest (as :func:`collate` pads one batch), and the ``(start, stop)`` rows of each.
+
+    Extra right padding changes no real position's output: attention masks hide it from
+    encoders, causal decoders never look ahead, and labels there are ignored (-100)."""
+    rows, start = [], 0
+    for b in batches:
+        n = int(next(iter(b.values())).shape[0])
+        rows.append((start, start + n))
+        start += n
+    out = {}
+    for key in batches[0]:
+        parts = [b[key] for b in batches]
+        if parts[0].dim() >= 2 and len({p.shape[1] for p in parts}) > 1:
+            if key not in PAD_VALUES:
+                raise ValueError(f"cannot stack batches: {key!r} has lengths "
+                                 f"{sorted({p.shape[1] for p in parts})} and no pad value")
+            value = pad_token_id if PAD_VALUES[key] is None else PAD_VALUES[key]
+            width = max(p.shape[1] for p in parts)
+            parts = [torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value)
+                     if p.dim() == 2 else _pad_dim1(p, width, value) for p in parts]
+        out[key] = torch.cat(parts, 0)
+    return out, rows
+
+
+def _pad_dim1(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[1] = width - shape[1]
+    return torch.cat([t, t.new_full(shape, value)], 1)
 
 
 def num_batches(num_examples: int, batch_size: int, drop_last: bool = False) -> int:
@@ -198,18 +289,38 @@ def _group_by_length(split: TokenizedSplit, order: torch.Tensor, batch_size: int
     return order, [starts[i] for i in torch.randperm(len(starts), generator=generator).tolist()]
 
 
-class TokenCache:
-    """In-process cache of tokenized splits.
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """What decides a tokenizer's output: its class, its full serialized definition (a fast
+    tokenizer's vocabulary, normalizer, pre-tokenizer and post-processor) and special tokens."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # without the per-call truncation/padding state it carries
+        spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+        h.update(json.dumps(spec, sort_keys=True).encode())
+    else:  # a slow tokenizer: its vocabulary and settings
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+        h.update(repr(sorted(getattr(tokenizer, "init_kwargs", {}).items())).encode())
+    h.update(repr(sorted(getattr(tokenizer, "special_tokens_map", {}).items())).encode())
+    return h.hexdigest()
 
-    Keyed by (source, split name, tokenizer ``name_or_path``, ``max_length``, number of rows),
-    so a split is tokenized once per process even when several runs (e.g. ``fedslice compare``)
-    ask for it. Cache full splits and take subsets with :meth:`TokenizedSplit.subset`.
+
+class TokenCache:
+    """Cache of tokenized splits: in the process, and on disk across runs.
+
+    Keyed by the split's content (every text and label), the tokenizer's definition
+    (:func:`tokenizer_fingerprint`) and ``max_length``, so a split is tokenized once per process
+    even when several runs (e.g. ``fedslice compare``) ask for it, and once per machine when
+    ``disk`` is a folder (a later run reads the token ids in a fraction of a second instead of
+    re-tokenizing: the largest part of a cold start). Cache full splits and take subsets with
+    :meth:`TokenizedSplit.subset`. A damaged or unwritable disk entry is ignored (tokenized anew).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, disk: Path | None = None) -> None:
         self._store: dict[tuple[Any, ...], TokenizedSplit] = {}
+        self.disk = disk
         self.hits = 0
         self.misses = 0
+        self.disk_hits = 0
 
     @staticmethod
     def key(raw: RawSplit, split_name: str, tokenizer: Any, max_length: int) -> tuple[Any, ...]:
@@ -230,9 +341,24 @@ class TokenCache:
             self.hits += 1
             return cached
         self.misses += 1
-        tokenized = tokenize_split(raw, tokenizer, max_length)
+        path = self._disk_path(raw, tokenizer, max_length)
+        tokenized = _read_tokens(path) if path is not None else None
+        if tokenized is not None:
+            self.disk_hits += 1
+        else:
+            tokenized = tokenize_split(raw, tokenizer, max_length)
+            if path is not None:
+                _write_tokens(path, tokenized)
         self._store[key] = tokenized
         return tokenized
+
+    def _disk_path(self, raw: RawSplit, tokenizer: Any, max_length: int) -> Path | None:
+        if self.disk is None:
+            return None
+        h = hashlib.sha256(f"v1|{max_length}|{tokenizer_fingerprint(tokenizer)}".encode())
+        h.update("\x1e".join("\x1f".join(t) for t in raw.texts).encode("utf-8", "surrogatepass"))
+        h.update(np.asarray(raw.labels, dtype=np.int64).tobytes())
+        return self.disk / f"{h.hexdigest()[:40]}.pt"
 
     def __len__(self) -> int:
         return len(self._store)
@@ -241,3 +367,42 @@ class TokenCache:
         """Drop every cached split."""
         self._store.clear()
         self.hits = self.misses = 0
+
+
+def _flat(rows) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(rows, Rows):
+        return rows.packed()
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    return (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)), lengths
+
+
+def _write_tokens(path: Path, split: TokenizedSplit) -> None:
+    """Save a tokenized split as flat tensors (atomically; failures only logged)."""
+    ids, lengths = _flat(split.input_ids)
+    types = _flat(split.token_type_ids)[0] if split.token_type_ids is not None else None
+    blob = {"input_ids": ids, "lengths": lengths, "token_type_ids": types,
+            "labels": split.labels, "pad_token_id": torch.tensor(split.pad_token_id)}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(blob, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.debug("token cache: cannot write %s: %s", path, e)
+        tmp.unlink(missing_ok=True)
+
+
+def _read_tokens(path: Path) -> TokenizedSplit | None:
+    if not path.is_file():
+        return None
+    try:
+        blob = torch.load(path, weights_only=True)
+        lens = blob["lengths"]
+        types = blob["token_type_ids"]
+        return TokenizedSplit(
+            input_ids=Rows.from_lengths(blob["input_ids"], lens),
+            token_type_ids=None if types is None else Rows.from_lengths(types, lens),
+            labels=blob["labels"], pad_token_id=int(blob["pad_token_id"]))
+    except Exception as e:  # noqa: BLE001 - a damaged entry is re-tokenized
+        logger.warning("token cache: ignoring unreadable %s (%s)", path, e)
+        return None

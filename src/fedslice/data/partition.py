@@ -1,7 +1,8 @@
-"""Split a training set among federated clients with Flower Datasets partitioners.
+"""Split a training set among federated clients as Flower Datasets' partitioners do.
 
-:func:`partition_indices` runs a ``flwr_datasets`` partitioner (IID, Dirichlet label skew, or
-label shards) over the labels only and returns, per client, the sorted row indices into the
+:func:`partition_indices` runs the algorithm of a ``flwr_datasets`` partitioner (IID, Dirichlet
+label skew, or label shards; re-implemented here and tested to give identical partitions) over
+the labels only and returns, per client, the sorted row indices into the
 split. All schemes are deterministic given ``seed``. :func:`partition_report` summarises the
 result (sizes, empty clients, label histograms) for logs and run records.
 """
@@ -9,7 +10,6 @@ result (sizes, empty clients, label histograms) for logs and run records.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -64,70 +64,63 @@ def _check_feasible(scheme: str, n_rows: int, num_partitions: int, shards: int) 
         )
 
 
-def _make_partitioner(
-    scheme: str, num_partitions: int, seed: int, alpha: float, shards: int, min_size: int
-) -> Any:
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, ShardPartitioner
-
-    if scheme == "iid":
-        return IidPartitioner(num_partitions=num_partitions)
-    if scheme == "dirichlet":
-        return DirichletPartitioner(
-            num_partitions=num_partitions,
-            partition_by="label",
-            alpha=float(alpha),
-            min_partition_size=min_size,
-            self_balancing=False,
-            seed=seed,
-        )
-    return ShardPartitioner(
-        num_partitions=num_partitions,
-        partition_by="label",
-        num_shards_per_partition=shards,
-        seed=seed,
-    )
-
-
-def _label_dataset(labels: np.ndarray, scheme: str, seed: int) -> Any:
-    """A ``datasets.Dataset`` with columns ``label`` and ``_idx`` (the original row index).
-
-    IidPartitioner cuts contiguous blocks without shuffling, and data files are often sorted
-    by label, so for IID the rows are permuted with ``seed`` first.
-    """
-    import datasets
-
-    order = np.arange(len(labels), dtype=np.int64)
-    if scheme == "iid":
-        order = np.random.default_rng(seed).permutation(order)
-    return datasets.Dataset.from_dict({"label": labels[order], "_idx": order})
-
-
-def _load_all(partitioner: Any, num_partitions: int) -> list[np.ndarray]:
+def _iid(labels: np.ndarray, num_partitions: int, seed: int) -> list[np.ndarray]:
+    """flwr-datasets' ``IidPartitioner`` over the rows permuted with ``seed`` (it cuts contiguous
+    blocks, the first ``n % P`` one row longer, like ``datasets.Dataset.shard``)."""
+    order = np.random.default_rng(seed).permutation(len(labels)).astype(np.int64)
+    div, mod = divmod(len(labels), num_partitions)
     parts = []
     for pid in range(num_partitions):
-        rows = partitioner.load_partition(pid).with_format("arrow")["_idx"]
-        parts.append(np.sort(rows.to_numpy().astype(np.int64)))
+        start = div * pid + min(pid, mod)
+        parts.append(order[start:start + div + (1 if pid < mod else 0)])
     return parts
 
 
-def _run_partitioner(partitioner: Any, num_partitions: int, alpha: float, min_size: int):
-    """Load every partition, turning flwr-datasets' failures into DataErrors."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            parts = _load_all(partitioner, num_partitions)
-        except ValueError as err:
-            if "max number of attempts" in str(err):
-                raise DataError(
-                    f"dirichlet partitioning (alpha={alpha}) could not give every one of the "
-                    f"{num_partitions} partitions at least min_partition_size={min_size} rows "
-                    f"in 11 draws; use a larger alpha, fewer partitions or a smaller "
-                    f"min_partition_size"
-                ) from None
-            raise DataError(f"partitioning failed: {err}") from err
-    retries = sum("min_partition_size" in str(w.message) for w in caught)
-    if retries:
-        logger.info("dirichlet partitioning needed %d redraw(s) to meet min size", retries)
+def _dirichlet(labels: np.ndarray, num_partitions: int, seed: int, alpha: float,
+               min_size: int) -> list[np.ndarray]:
+    """flwr-datasets' ``DirichletPartitioner`` (``self_balancing=False``): per class in sorted
+    order, client shares from Dir(alpha) cut the class's rows; the whole draw is repeated (up
+    to 11 draws from the same generator) until every partition has ``min_size`` rows."""
+    rng = np.random.default_rng(seed)
+    alphas = np.full(num_partitions, float(alpha))
+    classes = np.unique(labels)
+    for attempt in range(11):
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
+        for k in classes:
+            rows = np.nonzero(labels == k)[0]
+            cuts = (np.cumsum(rng.dirichlet(alphas)) * len(rows)).astype(int)[:-1]
+            for pid, chunk in enumerate(np.split(rows, cuts)):
+                parts[pid].append(chunk)
+        out = [np.concatenate(p).astype(np.int64) for p in parts]
+        if min(len(p) for p in out) >= min_size:
+            if attempt:
+                logger.info("dirichlet partitioning needed %d redraw(s) to meet min size", attempt)
+            return out
+    raise DataError(
+        f"dirichlet partitioning (alpha={alpha}) could not give every one of the "
+        f"{num_partitions} partitions at least min_partition_size={min_size} rows "
+        f"in 11 draws; use a larger alpha, fewer partitions or a smaller "
+        f"min_partition_size"
+    )
+
+
+def _shards(labels: np.ndarray, num_partitions: int, seed: int, shards: int) -> list[np.ndarray]:
+    """flwr-datasets' ``ShardPartitioner``: rows sorted (stably) by label, cut into shards of
+    ``int(n / (P * shards))`` rows (an incomplete last shard dropped), ``shards`` random shards
+    per partition."""
+    n = len(labels)
+    order = np.argsort(labels, kind="stable").astype(np.int64)
+    used = num_partitions * shards
+    size = int(n / used)
+    usable = n // size
+    if usable < num_partitions:
+        raise DataError(f"cannot cut {n} rows into {num_partitions} partitions x {shards} shards: "
+                        f"reduce num_partitions or shards_per_partition")
+    chosen = np.random.default_rng(seed).permutation(usable)[:used]
+    parts = []
+    for pid in range(num_partitions):
+        rows = [np.arange(s * size, min((s + 1) * size, n)) for s in chosen[pid * shards:(pid + 1) * shards]]
+        parts.append(order[np.concatenate(rows)] if rows else np.zeros(0, dtype=np.int64))
     return parts
 
 
@@ -143,7 +136,8 @@ def partition_indices(
 ) -> list[np.ndarray]:
     """Split rows ``0..len(labels)-1`` among ``num_partitions`` clients.
 
-    Schemes (all via ``flwr_datasets.partitioner``):
+    Schemes (flwr-datasets' partitioners, re-implemented in numpy so a run does not import
+    ``datasets``/``flwr``: the same seed gives the same partitions, tested against them):
 
     * ``"iid"``: rows shuffled with ``seed``, then cut into near-equal blocks.
     * ``"dirichlet"``: per label, client shares drawn from Dir(``alpha``); small alpha means
@@ -164,11 +158,13 @@ def partition_indices(
     _check_arguments(scheme, num_partitions, alpha, shards_per_partition, min_partition_size)
     array = _labels_array(labels)
     _check_feasible(scheme, len(array), num_partitions, shards_per_partition)
-    partitioner = _make_partitioner(
-        scheme, num_partitions, seed, alpha, shards_per_partition, min_partition_size
-    )
-    partitioner.dataset = _label_dataset(array, scheme, seed)
-    parts = _run_partitioner(partitioner, num_partitions, alpha, min_partition_size)
+    if scheme == "iid":
+        parts = _iid(array, num_partitions, seed)
+    elif scheme == "dirichlet":
+        parts = _dirichlet(array, num_partitions, seed, alpha, min_partition_size)
+    else:
+        parts = _shards(array, num_partitions, seed, shards_per_partition)
+    parts = [np.sort(p) for p in parts]
     _check_min_size(parts, min_partition_size, scheme)
     return parts
 

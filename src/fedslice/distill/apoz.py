@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from fedslice.compute import model_device, to_device
 from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.distill.loop import block_units, stack_mask
 from fedslice.measure import count_flops
@@ -86,6 +87,7 @@ def count_near_zero(model: nn.Module, arch: ArchSpec, layers: Sequence[int], dat
     try:
         for i, batch in enumerate(iter_batches(data, rows, batch_size, shuffle=False, generator=None)):
             batch.pop("labels", None)
+            batch = to_device(batch, model_device(model))
             current["batch"] = batch
             with count_flops(enabled=i == 0) as fc:
                 model(**batch)

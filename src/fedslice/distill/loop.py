@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fedslice.compute import model_device, to_device
 from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.measure import count_flops
 from fedslice.models.arch import ArchSpec
@@ -57,7 +58,7 @@ def block_outputs(model: nn.Module, arch: ArchSpec, batch: dict[str, torch.Tenso
     handles = [arch.blocks(model, k)[l].register_forward_hook(hook_for(i))
                for i, (k, l) in enumerate(units)]
     try:
-        model(**batch)
+        model(**to_device(batch, model_device(model)))
     finally:
         for h in handles:
             h.remove()

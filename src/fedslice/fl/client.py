@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from fedslice import progress
+from fedslice.compute import CPU, Compute
 from fedslice.data.batching import TokenizedSplit, iter_batches, num_batches
 from fedslice.measure import PeakMemory, count_flops
 from fedslice.tasks.base import batch_examples, batch_head_positions, batch_tokens
@@ -32,6 +33,7 @@ class LocalResult:
     activation_mb: float
     time_s: float
     nonfinite: bool
+    gpu_peak_mb: float | None = None  # torch.cuda.max_memory_allocated during training (CUDA)
 
 
 def _batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator):
@@ -69,12 +71,15 @@ def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: TokenizedSplit,
-                cfg: dict[str, Any], seed: int, loss_fn: LossFn = _hf_loss) -> LocalResult:
+                cfg: dict[str, Any], seed: int, loss_fn: LossFn = _hf_loss,
+                compute: Compute = CPU) -> LocalResult:
     """AdamW on ``params`` of ``model`` over the client's data; deterministic given ``seed``.
 
     ``cfg`` holds the strategy's train config (lr, weight_decay, local_epochs/local_steps,
     batch_size, max_grad_norm, fedprox_mu). The first step runs under a FLOP counter; the total
-    is that count per padded token times the padded tokens of all steps.
+    is that count per padded token times the padded tokens of all steps. ``compute``: the
+    device batches go to and the autocast precision of forward and loss (parameters, gradients
+    and optimizer state stay fp32; fp16 scales the loss).
     """
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout masks
@@ -90,23 +95,32 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     nonfinite = False
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
+    scaler = compute.grad_scaler()
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem, \
             progress.task("local training steps", _num_steps(data, cfg)) as advance:
         for step, batch in enumerate(_batches(data, cfg, gen)):
             advance()
+            batch = compute.to_device(batch)
             with count_flops(enabled=step == 0) as fc:
-                loss = loss_fn(model, batch)
+                with compute.autocast():
+                    loss = loss_fn(model, batch)
                 total = loss + _proximal(params, ref, mu) if ref is not None else loss
-                total.backward()
+                (scaler.scale(total) if scaler else total).backward()
             if step == 0:
                 flops_per_token = fc.total / batch_tokens(batch)
             if not torch.isfinite(loss):
                 nonfinite = True
                 losses.append(loss.detach())
                 break
+            if scaler:
+                scaler.unscale_(opt)
             if clip > 0:
                 torch.nn.utils.clip_grad_norm_(params.values(), clip)
-            opt.step()
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
             tokens += batch_tokens(batch)
@@ -117,4 +131,5 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     return LocalResult(loss=mean_loss if not nonfinite else math.nan, steps=len(losses),
                        examples=examples, head_positions=head_positions, tokens=tokens, flops_measured=flops_per_token * tokens,
                        peak_rss_mb=mem.rss_peak_mb or 0.0, activation_mb=mem.tensor_peak_mb,
-                       time_s=time.perf_counter() - t0, nonfinite=nonfinite)
+                       time_s=time.perf_counter() - t0, nonfinite=nonfinite,
+                       gpu_peak_mb=mem.cuda_peak_mb)

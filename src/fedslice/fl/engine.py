@@ -22,8 +22,10 @@ from fedslice.config import ExperimentConfig
 from fedslice.data import TokenizedSplit, partition_indices, partition_report
 from fedslice.errors import DataError
 from fedslice.fl.faults import corrupt, missed_deadline, plan_faults
+from fedslice.fl.runner import ClientRunner
 from fedslice.fl.selection import make_selector
-from fedslice.fl.strategy import Reply, RoundResult, State
+from fedslice.fl.strategy import Reply, RoundResult, State, host_state, on_host
+from fedslice.fl.workers import WorkerLost
 from fedslice.measure import ClientCost
 
 if TYPE_CHECKING:
@@ -72,6 +74,21 @@ def client_seed(seed: int, server_round: int, client: int) -> int:
     return int(np.random.SeedSequence([seed, server_round, client]).generate_state(1)[0])
 
 
+def _rss_mb() -> float | None:
+    """This process's resident memory (MiB), recorded with every round."""
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except Exception:  # noqa: BLE001 - psutil missing or refused
+        return None
+
+
+def _max(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return max(vals) if vals else None
+
+
 def _mean(values: list[float]) -> float | None:
     vals = [v for v in values if v is not None and math.isfinite(v)]
     return float(np.mean(vals)) if vals else None
@@ -90,7 +107,7 @@ def round_record(server_round: int, clients: list[int], replies: dict[int, Reply
         "train_loss": _mean([m["loss"] for m in used]),
         "examples_used": sum(m["num_examples"] for m in used),
         **{f"{k}_mean": _mean([m[k] for m in used]) for k in ClientCost.ROUND_MEANS},
-        **{f"{k}_max": max((m[k] for m in used), default=None) for k in ClientCost.PEAKS},
+        **{f"{k}_max": _max(m.get(k) for m in used) for k in ClientCost.PEAKS},
         "client_metrics": client_metrics,
         **result.metrics,
     }
@@ -110,6 +127,7 @@ class Simulation:
                         len(empty), empty[:20])
         if not self.candidates:
             raise DataError("every client partition is empty: reduce federation.num_clients")
+        self.runner = ClientRunner(method.compute)
 
     def cold_start_probe(self, state: State) -> dict[str, Any]:
         """``federation.cold_start='probe'``: the global model's loss on a few examples of every
@@ -134,16 +152,25 @@ class Simulation:
         faults = plan_faults(f, self.cfg.seed, server_round, clients)
         payloads = strategy.configure_train(server_round, state, clients)
         replies: dict[int, Reply] = {}
+        lost: dict[int, str] = {}
+        todo = [c for c in clients if c not in faults.dropped]
+        seeds = {c: client_seed(self.cfg.seed, server_round, c) for c in todo}
         with progress_display.task(f"round {server_round}: clients", len(clients)) as advance:
-            for c in clients:
-                if c not in faults.dropped:
-                    reply = method.fit(payloads[c], self.data.client(c),
-                                       client_seed(self.cfg.seed, server_round, c))
+            advance(len(clients) - len(todo))
+
+            def on_reply(c: int, reply: Reply | WorkerLost) -> None:
+                if isinstance(reply, WorkerLost):
+                    lost[c] = reply.reason
+                else:
+                    reply = on_host(reply)
                     if kind := faults.kind(c):
                         sent = strategy.expected_update(state, payloads[c], reply)
                         reply = corrupt(f, kind, reply, sent, self.cfg.seed, server_round, c)
                     replies[c] = reply
                 advance()
+
+            mode = self.runner.fit(method, todo, payloads, self.data.client, seeds, on_reply)
+        replies = {c: replies[c] for c in clients if c in replies}  # selection order, as they ran
         late = missed_deadline(f, faults)
         arrived = {c: r for c, r in replies.items() if c not in late}
         result = strategy.aggregate_train(server_round, state, payloads, arrived)
@@ -152,14 +179,18 @@ class Simulation:
                         "global state unchanged", server_round, len(result.used), self.cfg.federation.min_replies)
         new_state, server_metrics = method.on_round_end(server_round, result.state,
                                                         {c: replies[c] for c in result.used})
+        new_state = host_state(new_state)
         record = {**round_record(server_round, clients, replies, result), **server_metrics, **probe}
-        lost = [{"client": c, "reason": "dropped out (injected)"} for c in sorted(faults.dropped)]
-        lost += [{"client": c, "reason": f"reply {d:g} s after the round started, past the "
+        gone = [{"client": c, "reason": "dropped out (injected)"} for c in sorted(faults.dropped)]
+        gone += [{"client": c, "reason": f"{why}: dropped this round"} for c, why in sorted(lost.items())]
+        gone += [{"client": c, "reason": f"reply {d:g} s after the round started, past the "
                   f"{f.deadline_s:g} s deadline (injected straggler)"} for c, d in sorted(late.items())]
-        if lost:
-            record["excluded"] = sorted(record["excluded"] + lost, key=lambda e: e["client"])
-        record.update(dropped=len(faults.dropped), late=len(late), attackers=sorted(faults.attackers))
+        if gone:
+            record["excluded"] = sorted(record["excluded"] + gone, key=lambda e: e["client"])
+        record.update(dropped=len(faults.dropped) + len(lost), late=len(late),
+                      attackers=sorted(faults.attackers), client_mode=mode)
         record["round_time_s"] = time.perf_counter() - t0
+        record["process_rss_mb"] = _rss_mb()
         return new_state, record
 
     def run(self, on_round=None, progress=None, *, resume: Checkpoint | None = None,
@@ -172,7 +203,7 @@ class Simulation:
             records, first = list(resume.records), resume.round + 1
             t_start = time.perf_counter() - resume.elapsed_s
         else:
-            state, records, first = self.method.initial_state(), [], 1
+            state, records, first = host_state(self.method.initial_state()), [], 1
             t_start = time.perf_counter()
         every = cfg.output.checkpoint_every
         for rnd in range(first, cfg.federation.rounds + 1):
@@ -236,7 +267,7 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
         "rounds": len(records), "target_accuracy": target,
         "rounds_to_target": reached[0] if reached else None,
         **{f"{k}_mean": _mean([m[k] for m in per_client]) for k in ClientCost.SUMMARY_MEANS},
-        **{f"{k}_max": max((m[k] for m in per_client), default=None) for k in ClientCost.PEAKS},
+        **{f"{k}_max": _max(m.get(k) for m in per_client) for k in ClientCost.PEAKS},
         "excluded_replies": sum(len(r["excluded"]) for r in records),
         "rejected_replies": sum(r.get("rejected", 0) for r in records),
         "examples_used": sum(r.get("examples_used", 0) for r in records),

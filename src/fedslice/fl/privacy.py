@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.supercore.differential_privacy import compute_stdv
 
 from fedslice.config import DPConfig
 from fedslice.slicing.robust import clip_update
@@ -57,6 +56,8 @@ class Privacy:
 
     @property
     def std(self) -> float:
+        from flwr.supercore.differential_privacy import compute_stdv
+
         return compute_stdv(self.z, self.clip, self.n)
 
     def epsilon(self) -> float:

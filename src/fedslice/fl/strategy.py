@@ -60,6 +60,20 @@ class Reply:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def host_state(state: State) -> State:
+    """``state`` with every tensor in host (CPU) memory: the server aggregates there, in fp32
+    (a no-op for tensors already on the CPU)."""
+    return {k: v if v.device.type == "cpu" else v.detach().cpu() for k, v in state.items()}
+
+
+def on_host(reply: Reply) -> Reply:
+    """A reply whose tensors are in host memory (clients training on a GPU send device tensors)."""
+    if all(v.device.type == "cpu" for v in reply.arrays.values()):
+        return reply
+    return Reply(arrays=host_state(reply.arrays), num_examples=reply.num_examples,
+                 metrics=reply.metrics)
+
+
 @dataclass
 class RoundResult:
     state: State

@@ -36,6 +36,7 @@ from fedslice.errors import ConfigError
 from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.data.partition import sample_rows
 from fedslice import measure
+from fedslice.compute import Compute
 from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
@@ -76,6 +77,15 @@ class Method:
     #: so the client role is built from the model's config on the meta device (no weight file
     #: read) and materializes only that smaller model
     client_model_from_server = False
+
+    #: True: ``fit`` depends only on (payload, data, seed) and leaves nothing in this object
+    #: that the server or a later client reads, so a round's clients may train in forked worker
+    #: processes (``compute.workers``)
+    parallel_clients = True
+
+    #: True: ``fit_batched`` trains clients of the same shapes together in one batched pass
+    #: (``compute.batched_clients``); False: they train one after another
+    batched_clients = False
 
     @classmethod
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:
@@ -118,17 +128,23 @@ class Method:
                                  f"{value!r} (its older spelling; 'full' is 'none'): set one")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both", client_sizes: Mapping[int, int] | None = None):
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None,
+                 compute: Compute | None = None):
         """``client_sizes``: client -> size of its partition, when the server knows it (replies
-        are checked against it)."""
+        are checked against it); ``compute``: the device, precision and client concurrency
+        (default: the config's ``[compute]``)."""
         if role not in ("both", "client"):
             raise ValueError(f"role must be 'both' or 'client', got {role!r}")
         self.cfg, self.role, self.task = cfg, role, task
         self.client_sizes = dict(client_sizes or {})
+        self.compute = compute or Compute.from_config(cfg.compute, cfg.federation.clients_per_round)
         self.arch: ArchSpec = loaded.arch
         self.dims = loaded.arch.dims(loaded.model.config)
         self.adapter: Adapter = make_adapter(cfg, type(self).adapter_name(cfg), self.arch)
+        if self.compute.device.type != "cpu" and not _on_meta(loaded.model):
+            loaded.model.to(self.compute.device)
         self.model = self.prepare_model(loaded.model)
+        self._apply_compute_options()
         #: the method's own strategy, inside the aggregation rules of the config
         self.strategy = wrap_rules(self.make_strategy(), cfg, role)
 
@@ -136,6 +152,18 @@ class Method:
     def own_strategy(self) -> Strategy:
         """The method's own strategy (its payloads, weighting, server state) under the rules."""
         return unwrap(self.strategy)
+
+    def _apply_compute_options(self) -> None:
+        """``compute.gradient_checkpointing`` and ``compute.compile`` on the model clients train."""
+        c = self.compute
+        if c.gradient_checkpointing:
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            if not getattr(base, "supports_gradient_checkpointing", False):
+                raise ConfigError(f"compute.gradient_checkpointing: {type(base).__name__} does not "
+                                  "support gradient checkpointing")
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if c.compile:
+            self.model.compile()  # in place: parameter names are unchanged; compiled at first use
 
     # -- construction hooks ------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -152,8 +180,9 @@ class Method:
         return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
     def initial_state(self) -> State:
-        """The global trainable state the server starts from (a copy, detached from the model)."""
-        return {n: p.detach().clone() for n, p in self.trainable().items()}
+        """The global trainable state the server starts from (a copy, detached from the model,
+        in host memory)."""
+        return {n: p.detach().cpu().clone() for n, p in self.trainable().items()}
 
     @staticmethod
     @torch.no_grad()
@@ -180,10 +209,49 @@ class Method:
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of one client: returns the trained tensors and measured costs."""
         model, params = self.client_model(payload)
-        result = train_local(model, params, data, payload.config, seed, loss_fn=self.task.loss)
+        result = train_local(model, params, data, payload.config, seed, loss_fn=self.task.loss,
+                             compute=self.compute)
         arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
         metrics = self.client_metrics(model, params, payload, arrays, result)
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
+
+    def batch_key(self, payload: Payload):
+        """Clients whose payloads have equal keys train the same tensors of the same model and
+        may share one batched pass; None: this client trains alone. Default: every client trains
+        the one shared model (when the method declares ``batched_clients``)."""
+        return "model" if self.batched_clients else None
+
+    def fit_batched(self, jobs: list[tuple[int, Payload, TokenizedSplit, int]], compute: Compute,
+                    on_reply) -> None:
+        """Train ``jobs`` (client, payload, data, seed) and call ``on_reply(client, reply)`` for
+        each. Clients with the same :meth:`batch_key` go through
+        :func:`fedslice.fl.batched.train_batched` together (at most ``compute.max_batched`` at a
+        time); the others, and groups whose tensors cannot stack, train one after another."""
+        from fedslice.fl.batched import can_stack, train_batched
+
+        groups: dict = {}
+        for job in jobs:
+            key = self.batch_key(job[1])
+            groups.setdefault(("alone", job[0]) if key is None else ("key", key), []).append(job)
+        size = compute.max_batched or len(jobs)
+        for group in groups.values():
+            model, params = self.client_model(group[0][1])
+            names = [n for n in params if n in group[0][1].arrays]
+            if len(group) == 1 or not can_stack(model, names, self.adapter):
+                for c, payload, data, seed in group:
+                    on_reply(c, self.fit(payload, data, seed))
+                continue
+            for lo in range(0, len(group), size):
+                chunk = group[lo:lo + size]
+                results = train_batched(model, names, [p.arrays for _, p, _, _ in chunk],
+                                        [d for _, _, d, _ in chunk], chunk[0][1].config,
+                                        [s for _, _, _, s in chunk], self.task.client_losses,
+                                        self.adapter, compute)
+                for (c, payload, data, _), (tensors, result) in zip(chunk, results):
+                    arrays = {n: t.clone() for n, t in tensors.items()}
+                    metrics = self.client_metrics(model, tensors, payload, arrays, result)
+                    metrics["batched_clients"] = len(chunk)
+                    on_reply(c, Reply(arrays=arrays, num_examples=len(data), metrics=metrics))
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
@@ -197,6 +265,7 @@ class Method:
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
             examples=result.head_positions, head_linear_params=counts["head_total"],
             head_trainable_linear_params=counts["head_trainable"])
+        mb = measure.module_bytes(model) / 2**20
         cost = ClientCost(
             bytes_down=measure.tensor_bytes(payload.arrays) + measure.tensor_bytes(payload.model),
             bytes_up=measure.tensor_bytes(arrays),
@@ -205,7 +274,10 @@ class Method:
             trainable_params=sum(p.numel() for p in params.values()),
             flops_measured=result.flops_measured, flops_analytic=analytic["total"],
             examples=result.examples, tokens=result.tokens, peak_rss_mb=result.peak_rss_mb,
-            activation_mb=result.activation_mb, train_time_s=result.time_s)
+            activation_mb=result.activation_mb, train_time_s=result.time_s,
+            # what the client's device holds at its peak: the model it trains, saved activations,
+            # gradients and AdamW state (deterministic; RSS deltas are not, see measure.py)
+            model_mb=mb, memory_mb=mb + result.activation_mb, gpu_peak_mb=result.gpu_peak_mb)
         return {"loss": result.loss, "steps": result.steps, **cost.to_metrics()}
 
     # -- server evaluation -------------------------------------------------------------------
@@ -218,7 +290,9 @@ class Method:
                  max_generations: int | None = None) -> dict[str, Any]:
         """The task's metrics of the global model (generation tasks: BLEU/ROUGE on at most
         ``max_generations`` prompts)."""
-        return self.task.evaluate(self.eval_model(state), data, batch_size, max_generations)
+        model = self.eval_model(state)
+        with self.compute.autocast():
+            return self.task.evaluate(model, data, batch_size, max_generations)
 
     @torch.no_grad()
     def probe_loss(self, state: State, data: TokenizedSplit, max_examples: int,
@@ -273,3 +347,8 @@ class Method:
         regenerates them, :func:`fedslice.report.plot_run`); returns the paths written.
         Default: none."""
         return []
+
+
+def _on_meta(model: nn.Module) -> bool:
+    """A model built on the meta device (a Flower client's, before its first payload)."""
+    return any(p.is_meta for p in model.parameters())

@@ -198,6 +198,7 @@ class SubModelStrategy(Strategy):
 
 class FedOT(Method):
     name = "fedot"
+    batched_clients = True  # every client trains the same adapter + emulator sub-model
     client_model_from_server = True
     adapters = ("lora", "none")
     legacy_adapter_option = "adapter_tuning"

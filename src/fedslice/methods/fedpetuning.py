@@ -19,6 +19,8 @@ class FedPETuning(Method):
     any registered adapter with tensors of its own (not ``none``: that is fedavg)."""
 
     name = "fedpetuning"
+    #: every client trains the same LoRA tensors of the one shared backbone
+    batched_clients = True
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:

@@ -347,6 +347,9 @@ class FedPFTStrategy(Strategy):
 
 class FedPFT(Method):
     name = "fedpft"
+    #: each client's fit loads the proxy's re-distilled neurons into the proxy this process
+    #: holds (and checks its version): that copy must persist, so clients train in this process
+    parallel_clients = False
     client_model_from_server = True
     adapters = ("lora",)
 

@@ -197,6 +197,7 @@ def special_token_ids(tokenizer, config=None) -> list[int]:
 
 class Heads(FedPETuning):
     name = "heads"
+    batched_clients = False  # each client trains its own kept heads' slices
     sends_slices = True
     adapters = ("lora",)  # head-tied tensors: LoRA B rows of q/k/v, A columns of o
 

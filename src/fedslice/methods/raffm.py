@@ -19,6 +19,7 @@ that permutations and slices are pure functions over it; the shared model is a s
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -36,6 +37,7 @@ import torch.nn as nn
 from pydantic import Field, field_validator, model_validator
 
 from fedslice.config import ExperimentConfig, FederationConfig, MethodOptions, Section
+from fedslice.compute import model_device, to_device
 from fedslice.errors import ConfigError
 from fedslice import measure
 from fedslice.fl.client import LocalResult
@@ -342,6 +344,14 @@ class RaFFM(Method):
         params = self._load(model, payload.arrays)
         return model, {n: p for n, p in params.items() if p.requires_grad}
 
+    batched_clients = True  # clients of one sub-model size train together
+
+    def batch_key(self, payload: Payload):
+        """Clients training the same sub-model (same slice) share a batched pass."""
+        if payload.config.get("sit_out") or self.opts.tuning != "lora":
+            return None
+        return json.dumps(payload.config["spec"], sort_keys=True)
+
     def fit(self, payload: Payload, data, seed: int) -> Reply:
         if payload.config.get("sit_out"):
             return Reply(arrays={}, num_examples=0, metrics=self._sit_out_metrics(payload))
@@ -416,7 +426,7 @@ class RaFFM(Method):
             rows = {k: v[:2] for k, v in self.profile.items() if k != "labels"}  # linear in rows
             with torch.no_grad(), measure.count_flops() as fc:
                 model.eval()
-                model(**rows)
+                model(**to_device(rows, model_device(model)))
             res = {"dev": self.task.evaluate(model, data.dev, batch_size),
                    "test": self.task.evaluate(model, data.test, batch_size)}
             metric = self.task.primary_metric

@@ -123,6 +123,14 @@ class Adapter:
         each client of a batched pass holds its own copy of."""
         return [n for n, _ in module.named_parameters() if self.owns(n)]
 
+    def stacked_forward(self, module: nn.Module, names: list[str], stack):
+        """For the batched pass (``batched_clients``): a forward of the adapted ``module`` in
+        which the rows of client k of ``stack`` (``stack.rows[k]``, set per step) use that
+        client's own tensors (``stack.params[k][name]`` for the full ``names`` of this module's
+        :meth:`client_tensor_names`), as the adapter computes it for one client alone; the
+        frozen base should run once on the whole batch."""
+        raise NotImplementedError(f"adapter {self.name!r} has no batched multi-client forward")
+
     # -- costs ---------------------------------------------------------------------------------
     def tensors(self, model: nn.Module) -> dict[str, nn.Parameter]:
         """The adapter's own parameters in ``model`` by name (for ``none``: none)."""

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from fedslice.compute import model_device, to_device
 from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.errors import ConfigError, ModelError
 from fedslice.models.arch import arch_for
@@ -126,8 +127,11 @@ def head_importance(model: nn.Module, data: TokenizedSplit, special_token_ids: I
     sums: dict[str, torch.Tensor] = {}
     try:
         order = torch.argsort(data.lengths, stable=True)
+        device = model_device(model)
+        special = special.to(device)
         for batch in iter_batches(data, order, batch_size, shuffle=False, generator=None):
             batch.pop("labels", None)
+            batch = to_device(batch, device)
             out = model(**batch, output_attentions=True)
             for fam in families:
                 atts = getattr(out, fam.output, None)

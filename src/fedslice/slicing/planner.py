@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from fedslice.compute import model_device, to_device
 from fedslice.measure import PeakMemory, count_flops
 from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec, stack_list
 
@@ -151,6 +152,7 @@ def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
     try:
         with torch.random.fork_rng(), torch.enable_grad():
             with PeakMemory(model, interval_s=1.0) as mem, count_flops() as fc:
+                batch = to_device(batch, model_device(model))
                 loss = loss_fn(model, dict(batch)) if loss_fn else model(**batch).loss
                 loss.backward()
     finally:

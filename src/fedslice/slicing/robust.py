@@ -24,7 +24,6 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
-from flwr.server.strategy.aggregate import aggregate_krum, aggregate_median, aggregate_trimmed_avg
 
 State = dict[str, torch.Tensor]
 Weight = float | torch.Tensor
@@ -106,6 +105,9 @@ def robust_aggregate(global_state: Mapping[str, torch.Tensor], deltas: Sequence[
                      num_examples: Sequence[int] | None = None) -> State:
     """``median`` | ``trimmed_mean`` | ``krum`` | ``multi_krum`` of the client deltas (see the
     module doc), applied to ``global_state`` with server learning rate ``eta``."""
+    # Flower is imported only by a run that uses a robust rule (start-up of plain runs)
+    from flwr.server.strategy.aggregate import aggregate_krum, aggregate_median, aggregate_trimmed_avg
+
     held = held_masks(global_state, deltas, weights)
     held_any = {k: torch.stack([h[k] for h in held]).any(0) for k in global_state}
     keys = [k for k in global_state if bool(held_any[k].any())]  # held by nobody: unchanged

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from fedslice.config import ExperimentConfig
 from fedslice.data.partition import sample_rows
@@ -55,6 +56,19 @@ class Task:
     # -- training ----------------------------------------------------------------------------
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(**batch).loss
+
+    def client_losses(self, model: nn.Module, batch: dict[str, torch.Tensor],
+                      rows: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """The training loss of each client in a batch that stacks several clients' batches
+        (``rows``: each client's ``(start, stop)``): each equals :meth:`loss` on that client's
+        rows alone (the batched pass of :mod:`fedslice.fl.batched`). Here: cross-entropy of a
+        classification head's logits, averaged per client."""
+        labels = batch["labels"]
+        if labels.dim() != 1 or labels.is_floating_point():
+            raise NotImplementedError(f"{type(self).__name__}: no per-client loss for labels of "
+                                      f"shape {tuple(labels.shape)}")
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits  # (B, C)
+        return [F.cross_entropy(logits[lo:hi].float(), labels[lo:hi]) for lo, hi in rows]
 
     # -- evaluation --------------------------------------------------------------------------
     def evaluate(self, model: nn.Module, split, batch_size: int,

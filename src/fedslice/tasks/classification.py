@@ -8,11 +8,13 @@ import torch
 import torch.nn as nn
 
 from fedslice import progress
+from fedslice.compute import model_device, to_device
 from fedslice.data import TokenCache, iter_batches, num_batches, num_labels
 from fedslice.data.sources import load_raw_splits
+from fedslice.paths import cache_root
 from fedslice.tasks.base import Task, length_order
 
-_TOKENS = TokenCache()
+_TOKENS = TokenCache(disk=None if (root := cache_root()) is None else root / "tokens")
 
 
 class Classification(Task):
@@ -43,6 +45,7 @@ def evaluate_classifier(model: nn.Module, data, batch_size: int) -> dict[str, fl
         return {"accuracy": math.nan, "loss": math.nan}
     was_training = model.training
     model.eval()
+    device = model_device(model)
     correct = 0
     loss_sum = 0.0
     hits = totals = None
@@ -50,8 +53,8 @@ def evaluate_classifier(model: nn.Module, data, batch_size: int) -> dict[str, fl
         for batch in iter_batches(data, length_order(data), batch_size, shuffle=False,
                                   generator=None):
             advance()
-            out = model(**batch)
-            right = out.logits.argmax(-1) == batch["labels"]
+            out = model(**to_device(batch, device))
+            right = out.logits.argmax(-1).cpu() == batch["labels"]
             correct += int(right.sum())
             k = out.logits.shape[-1]
             if hits is None:

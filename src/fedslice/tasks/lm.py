@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fedslice.compute import model_device, to_device
 from fedslice.data.pairs import IGNORE, PairSplit
 from fedslice.models.arch import _unwrap
 
@@ -40,6 +41,7 @@ def logits_at(model: nn.Module, mask: torch.Tensor) -> Iterator[None]:
 
 def target_logits(model: nn.Module, batch: dict[str, torch.Tensor], layout: str):
     """``(logits (N, V), targets (N,), rows (N,))`` at the target tokens of a collated batch."""
+    batch = to_device(batch, model_device(model))
     labels = batch["labels"]  # (B, T)
     if layout == "causal":  # the hidden state at t predicts token t + 1
         nxt = labels[:, 1:]
@@ -61,14 +63,24 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], layout: str) -> to
     return F.cross_entropy(logits.float(), targets)
 
 
+def client_lm_losses(model: nn.Module, batch: dict[str, torch.Tensor], layout: str,
+                     rows: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """:func:`lm_loss` of each client's rows ``(start, stop)`` of a stacked batch, from one
+    forward pass: the mean cross-entropy over that client's target tokens."""
+    logits, targets, at = target_logits(model, batch, layout)  # (N, V), (N,), (N,) row-major
+    per_token = F.cross_entropy(logits.float(), targets, reduction="none")  # (N,)
+    bounds = torch.searchsorted(at, torch.tensor([r for lohi in rows for r in lohi], device=at.device))
+    return [per_token[int(bounds[2 * i]):int(bounds[2 * i + 1])].mean() for i in range(len(rows))]
+
+
 def sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], layout: str):
     """``(sum of target-token log-probabilities (B,), target tokens (B,))`` per example."""
     logits, targets, rows = target_logits(model, batch, layout)
     token_lp = torch.log_softmax(logits.float(), -1).gather(1, targets[:, None])[:, 0]  # (N,)
     n = batch["labels"].shape[0]
-    sums = torch.zeros(n).index_add_(0, rows, token_lp)
-    counts = torch.zeros(n).index_add_(0, rows, torch.ones_like(token_lp))
-    return sums, counts
+    sums = torch.zeros(n, device=token_lp.device).index_add_(0, rows, token_lp)
+    counts = torch.zeros(n, device=token_lp.device).index_add_(0, rows, torch.ones_like(token_lp))
+    return sums.cpu(), counts.cpu()
 
 
 @torch.no_grad()
@@ -76,8 +88,8 @@ def generate(model: nn.Module, split: PairSplit, indices: list[int], tokenizer,
              max_new_tokens: int) -> list[str]:
     """Greedy (deterministic) continuations of the prompts at ``indices``, decoded without
     special tokens; an empty generation stays an empty string."""
-    batch = split.prompt_batch(indices)
     hf = _unwrap(model)
+    batch = to_device(split.prompt_batch(indices), model_device(hf))
     out = hf.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                       pad_token_id=split.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     if split.layout == "causal":

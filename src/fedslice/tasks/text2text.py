@@ -66,6 +66,9 @@ class TextToText(Task):
     def loss(self, model: nn.Module, batch):
         return lm.lm_loss(model, batch, self.layout)
 
+    def client_losses(self, model: nn.Module, batch, rows):
+        return lm.client_lm_losses(model, batch, self.layout, rows)
+
     @torch.no_grad()
     def target_nll(self, model: nn.Module, split: PairSplit, batch_size: int) -> float:
         """Mean negative log-likelihood per target token over the split (the training loss)."""

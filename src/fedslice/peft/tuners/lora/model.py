@@ -119,5 +119,33 @@ class LoraAdapter(Adapter):
     def delta_weight(cls, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         return lora_delta(tensors)
 
+    def stacked_forward(self, module: nn.Module, names: list[str], stack):
+        """``base(x) + scaling * B_k A_k dropout(x_k)`` on the rows of each client k, as peft's
+        vanilla LoRA computes it for one client: the frozen base runs once on the whole batch;
+        equal-sized clients share one batched matmul over their stacked A and B (``bmm``),
+        others get one matmul each."""
+        (adapter,) = module.active_adapters
+        a_name = next(n for n in names if f"lora_A.{adapter}." in n)
+        b_name = next(n for n in names if f"lora_B.{adapter}." in n)
+        dropout, scaling = module.lora_dropout[adapter], module.scaling[adapter]
+
+        def forward(x, *args, **kwargs):
+            result = module.base_layer(x, *args, **kwargs)  # (N, ..., out)
+            dtype = result.dtype
+            h = dropout(x)
+            if len({hi - lo for lo, hi in stack.rows}) == 1 and len(stack.rows) > 1:
+                k = len(stack.rows)
+                A = torch.stack([p[a_name] for p in stack.params])  # (K, r, in)
+                B = torch.stack([p[b_name] for p in stack.params])  # (K, out, r)
+                hk = h.reshape(k, -1, h.shape[-1])                   # (K, n*T, in)
+                delta = torch.bmm(torch.bmm(hk, A.transpose(1, 2).to(hk.dtype)),
+                                  B.transpose(1, 2).to(hk.dtype)).reshape(*result.shape)
+            else:
+                delta = torch.cat([nn.functional.linear(nn.functional.linear(h[lo:hi], p[a_name]), p[b_name])
+                                   for (lo, hi), p in zip(stack.rows, stack.params)])
+            return (result + delta * scaling).to(dtype)
+
+        return forward
+
     def describe(self) -> dict[str, Any]:
         return {"adapter": self.name, "rank": self.options.r, "alpha": self.options.alpha}
