@@ -598,6 +598,10 @@ class ImageSplit:
     def __len__(self) -> int:
         return len(self.rows)
 
+    #: image batches need no padding (every image has the same tokens); kept for the batched
+    #: pass, which stacks batches of several clients
+    pad_token_id = 0
+
     @property
     def channels(self) -> int:
         return self.mean.shape[0]
