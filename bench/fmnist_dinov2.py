@@ -71,6 +71,8 @@ def config(variant: str, partition: str, seed: int, args) -> dict:
     base["federation"].update(rounds=args.rounds, local_steps=args.local_steps)
     base["output"] = {"dir": str(args.out / "runs"), "progress": False, "save_weights": False,
                       "plots": False}
+    # one process per run, clients one after another, 1 intra-op thread (the load stated per row)
+    base["compute"] = {**base.get("compute", {}), "device": "cpu", "workers": 1, "batched_clients": False}
     if VARIANTS[variant] is not None:
         base["method"] = VARIANTS[variant]
     base["method"] = json.loads(json.dumps(base["method"]))
