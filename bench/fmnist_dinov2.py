@@ -15,7 +15,9 @@ distillation corpus, as the paper distils ViT on ImageNet) and the same test set
 * ``raffm``: four equal tiers at 0.25 / 0.5 / 0.75 / 1.0 of the full model's training FLOPs (LoRA),
   the global model evaluated at those sizes (elastic inference; checked monotone);
 * ``heads90``: FedPETuning with 90% of the heads pruned per client (Eq. 6 on 128 local images,
-  the class token left out of the keys), head-weighted aggregation.
+  the class token left out of the keys), head-weighted aggregation;
+* ``fedpft_kd1000``: ``fedpft`` with 5x the layer KD before FL (1000 steps): the plug-in gap
+  (proxy accuracy vs the full model with the proxy's LoRA) against the distillation budget.
 
 Each run writes ``runs/<key>.json`` (key ``variant-partition-sN``) under ``--out`` and is skipped
 when present, so invocations may run side by side (one ``--variants`` / ``--seeds`` subset each)
@@ -50,6 +52,8 @@ VARIANTS = {
     "raffm": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
               "elastic_sizes": QUARTERS},
     "heads90": {"name": "heads", "sparsity": 0.9, "importance_max_examples": 128},
+    # the plug-in gap vs the distillation budget: 5x the layer KD (1000 steps), the same FL
+    "fedpft_kd1000": "kd1000",
 }
 CLAIMS = {
     "fedpetuning": "baseline: LoRA on the full model",
@@ -57,6 +61,7 @@ CLAIMS = {
     "fedot": "FedOT: emulator + adapter, below FedPFT",
     "raffm": "RaFFM: tiers of 0.25-1x FLOPs; elastic sizes monotone",
     "heads90": "heads at 90%: close to dense, less upload",
+    "fedpft_kd1000": "FedPFT with 5x the layer KD: does the proxy -> full-model gap close?",
 }
 
 
@@ -73,11 +78,11 @@ def config(variant: str, partition: str, seed: int, args) -> dict:
                       "plots": False}
     # one process per run, clients one after another, 1 intra-op thread (the load stated per row)
     base["compute"] = {**base.get("compute", {}), "device": "cpu", "workers": 1, "batched_clients": False}
-    if VARIANTS[variant] is not None:
+    if isinstance(VARIANTS[variant], dict):
         base["method"] = VARIANTS[variant]
     base["method"] = json.loads(json.dumps(base["method"]))
     if "distill" in base["method"]:
-        base["method"]["distill"]["steps"] = args.kd_steps
+        base["method"]["distill"]["steps"] = 5 * args.kd_steps if VARIANTS[variant] == "kd1000" else args.kd_steps
     return base
 
 
