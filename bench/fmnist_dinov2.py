@@ -73,7 +73,8 @@ def config(variant: str, partition: str, seed: int, args) -> dict:
     base = load_config(ROOT / "configs" / "fmnist_dinov2.toml").model_dump(mode="json")
     base.update(name=key(variant, partition, seed), seed=seed, threads=args.threads)
     base["data"].update(partition=partition, alpha=1.0, max_test_examples=args.test_examples)
-    base["federation"].update(rounds=args.rounds, local_steps=args.local_steps)
+    base["federation"].update(rounds=args.rounds, local_steps=args.local_steps,
+                              clients_per_round=args.clients_per_round)
     base["output"] = {"dir": str(args.out / "runs"), "progress": False, "save_weights": False,
                       "plots": False}
     # one process per run, clients one after another, 1 intra-op thread (the load stated per row)
@@ -81,6 +82,8 @@ def config(variant: str, partition: str, seed: int, args) -> dict:
     if isinstance(VARIANTS[variant], dict):
         base["method"] = VARIANTS[variant]
     base["method"] = json.loads(json.dumps(base["method"]))
+    if base["method"]["name"] == "fedpft" and args.align_every:
+        base["method"]["align_every"] = args.align_every
     if "distill" in base["method"]:
         base["method"]["distill"]["steps"] = 5 * args.kd_steps if VARIANTS[variant] == "kd1000" else args.kd_steps
     return base
@@ -97,7 +100,8 @@ def run(variant: str, partition: str, seed: int, args) -> dict:
              round_time_s=statistics.fmean(m["round_time_s"] for m in metrics),
              loadavg_start=load0[0], loadavg_end=os.getloadavg()[0], threads=args.threads,
              machine=f"{platform.node()} ({os.cpu_count()} CPUs)",
-             rounds_run=len(metrics), local_steps=args.local_steps)
+             rounds_run=len(metrics), local_steps=args.local_steps,
+             clients_per_round=args.clients_per_round)
     return s
 
 
@@ -130,7 +134,8 @@ def table(out: Path) -> str:
         return "no runs yet"
     by = {(r["variant"], r["partition"], r["seed"]): r for r in rows}
     r0 = rows[0]
-    lines = [f"DINOv2-S/14 + Fashion-MNIST (56 px, 17 tokens/image), 100 clients x 10 per round, "
+    lines = [f"DINOv2-S/14 + Fashion-MNIST (56 px, 17 tokens/image), 100 clients x "
+             f"{r0.get('clients_per_round', 10)} per round, "
              f"{r0['rounds_run']} rounds x {r0['local_steps']} steps x 32 images, test = "
              f"{r0.get('test_examples', 10000) or 10000} images; per client-round means; "
              f"threads {r0['threads']}; machine {r0['machine']}.", ""]
@@ -206,6 +211,9 @@ def main() -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--local-steps", type=int, default=4)
+    p.add_argument("--clients-per-round", type=int, default=10)
+    p.add_argument("--align-every", type=int, default=None,
+                   help="fedpft: neuron KD after every t-th round (default: the config's)")
     p.add_argument("--test-examples", type=int, default=None, help="default: all 10,000")
     p.add_argument("--kd-steps", type=int, default=200, help="distillation steps before FL (fedpft, fedot)")
     p.add_argument("--threads", type=int, default=1)
