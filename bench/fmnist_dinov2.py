@@ -73,8 +73,13 @@ def config(variant: str, partition: str, seed: int, args) -> dict:
     base = load_config(ROOT / "configs" / "fmnist_dinov2.toml").model_dump(mode="json")
     base.update(name=key(variant, partition, seed), seed=seed, threads=args.threads)
     base["data"].update(partition=partition, alpha=1.0, max_test_examples=args.test_examples)
+    if args.dev_examples is not None:
+        base["data"]["max_dev_examples"] = args.dev_examples
+    if args.image_size is not None:
+        base["task"]["image_size"] = args.image_size
     base["federation"].update(rounds=args.rounds, local_steps=args.local_steps,
-                              clients_per_round=args.clients_per_round)
+                              clients_per_round=args.clients_per_round,
+             image_size=args.image_size or 56, kd_steps=args.kd_steps)
     base["output"] = {"dir": str(args.out / "runs"), "progress": False, "save_weights": False,
                       "plots": False}
     # one process per run, clients one after another, 1 intra-op thread (the load stated per row)
@@ -101,7 +106,8 @@ def run(variant: str, partition: str, seed: int, args) -> dict:
              loadavg_start=load0[0], loadavg_end=os.getloadavg()[0], threads=args.threads,
              machine=f"{platform.node()} ({os.cpu_count()} CPUs)",
              rounds_run=len(metrics), local_steps=args.local_steps,
-             clients_per_round=args.clients_per_round)
+             clients_per_round=args.clients_per_round,
+             image_size=args.image_size or 56, kd_steps=args.kd_steps)
     return s
 
 
@@ -134,10 +140,12 @@ def table(out: Path) -> str:
         return "no runs yet"
     by = {(r["variant"], r["partition"], r["seed"]): r for r in rows}
     r0 = rows[0]
-    lines = [f"DINOv2-S/14 + Fashion-MNIST (56 px, 17 tokens/image), 100 clients x "
+    px = r0.get("image_size", 56)
+    lines = [f"DINOv2-S/14 + Fashion-MNIST ({px} px, {(px // 14) ** 2 + 1} tokens/image), 100 clients x "
              f"{r0.get('clients_per_round', 10)} per round, "
              f"{r0['rounds_run']} rounds x {r0['local_steps']} steps x 32 images, test = "
-             f"{r0.get('test_examples', 10000) or 10000} images; per client-round means; "
+             f"{r0.get('test_examples', 10000) or 10000} images; fedpft/fedot layer KD "
+             f"{r0.get('kd_steps', 200)} steps x 32 images; per client-round means; "
              f"threads {r0['threads']}; machine {r0['machine']}.", ""]
     cols = ["variant", "seed", "test acc %", "Δ vs fedpetuning (pt)", "proxy/emulator acc %",
             "up MB", "down MB", "up: base/this", "train GFLOPs (measured)", "s/round (train)",
@@ -214,6 +222,8 @@ def main() -> None:
     p.add_argument("--clients-per-round", type=int, default=10)
     p.add_argument("--align-every", type=int, default=None,
                    help="fedpft: neuron KD after every t-th round (default: the config's)")
+    p.add_argument("--image-size", type=int, default=None, help="task.image_size (default: the config's 56)")
+    p.add_argument("--dev-examples", type=int, default=None, help="default: the config's 1000")
     p.add_argument("--test-examples", type=int, default=None, help="default: all 10,000")
     p.add_argument("--kd-steps", type=int, default=200, help="distillation steps before FL (fedpft, fedot)")
     p.add_argument("--threads", type=int, default=1)

@@ -71,7 +71,8 @@ def test_bad_inputs_exit_2_with_clear_message(tmp_path, capsys, tiny_cfg_dict, t
     broken.mkdir()
     for split in ("train", "dev", "test"):
         (broken / f"{split}.tsv").write_text("text\tlabel\nfine movie\tpositive\n")
-    err = _bad(tmp_path, capsys, ["run", str(cfg), "--set", f"data.path={json.dumps(str(broken))}", *out])
+    err = _bad(tmp_path, capsys, ["run", str(cfg), "--set", f"data.path={json.dumps(str(broken))}",
+                                  "--set", 'data.text_columns=["sentence"]', *out])
     assert "sentence" in err  # the missing column is named
     err = _bad(tmp_path, capsys, ["run", str(cfg), "--set", f"data.path={json.dumps(str(broken))}",
                                   "--set", 'data.text_columns=["text"]', *out])

@@ -647,7 +647,7 @@ def test_e2e_train_and_test_dev_carved_by_meaning_representation():
     assert abs(len(tables["dev"]) - 0.1 * n) < 50
     assert tables["test"].source.endswith("test.csv")
     with pytest.raises(DataError, match=r"\['sentence'\] \(set by data.text_columns\).*\['mr', 'ref'\]"):
-        load_tables(d, 0)
+        load_tables(d.model_copy(update={"text_columns": ["sentence"]}), 0)
 
 
 def test_config_rejects_columns_with_a_header():
@@ -655,7 +655,9 @@ def test_config_rejects_columns_with_a_header():
     with pytest.raises(ConfigError, match="data: .*header = false"):
         validate_config({"data": {"columns": ["a", "label"]}})
     with pytest.raises(ConfigError, match=r"\['sentence'\] are not among columns"):
-        validate_config({"data": {"header": False, "columns": ["a", "label"]}})
+        validate_config({"data": {"header": False, "columns": ["a", "label"],
+                                  "text_columns": ["sentence"]}})
+    validate_config({"data": {"header": False, "columns": ["a", "label"]}})  # text: 'a' (at load)
 
 
 def test_token_cache_tells_carved_splits_apart(tokenizer):
@@ -665,3 +667,30 @@ def test_token_cache_tells_carved_splits_apart(tokenizer):
     cache = TokenCache()
     toks = [cache.get(x, "dev", tokenizer, 8) for x in (a, b, c)]
     assert cache.misses == 3 and toks[2].labels.tolist() == [1, 0]
+
+
+# --- issue 25, part 6: the default text column --------------------------------------------------
+
+def test_default_text_column_fits_the_data(tmp_path, caplog):
+    """Unset text_columns: 'sentence' if present, else 'text', else the single non-label
+    column (logged); several candidates is an error listing the columns."""
+    rows = news_rows(60)
+    write(tmp_path, "news.tsv", "".join(f"{t}\t{y}\n" for t, y in rows))
+    d = data_cfg(tmp_path / "news.tsv", header=False, columns=["text", "label"])
+    assert d.text_columns is None
+    with caplog.at_level(logging.INFO, logger="fedslice.data.loading"):
+        splits = load_raw_splits(d, seed=0)
+    assert "text column 'text'" in caplog.text
+    assert splits["train"].text_columns == ["text"] and len(splits["train"]) == 48
+    # the single column besides label (and split) columns
+    one, both, amb = (tmp_path / n for n in ("one", "both", "amb"))
+    for f in (one, both, amb):
+        f.mkdir()
+    write(one, "train.csv", "review,y\n" + "".join(f"{t},{y}\n" for t, y in rows))
+    assert load_raw_splits(data_cfg(one, label_column="y"), 0)["train"].text_columns == ["review"]
+    # 'sentence' wins over any other column
+    write(both, "train.csv", "text,sentence,label\n" + "".join(f"x,{t},{y}\n" for t, y in rows))
+    assert load_raw_splits(data_cfg(both), 0)["train"].texts[0][0].startswith("story")
+    write(amb, "train.csv", "title,body,label\n" + "".join(f"a,{t},{y}\n" for t, y in rows))
+    with pytest.raises(ConfigError, match=r"\['title', 'body', 'label'\].*set data.text_columns"):
+        load_raw_splits(data_cfg(amb), 0)

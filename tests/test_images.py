@@ -419,3 +419,52 @@ def test_fmnist_dinov2_config_runs_on_the_shared_data(tmp_path):
     for m in metrics[0]["client_metrics"]:
         assert m["tokens"] == 17 * m["examples_trained"]  # 4 x 4 patches of 14 px + [CLS]
     assert summary["kd_before_steps"] == 2 and summary["proxy_param_fraction"] < 0.7
+
+
+def test_predict_evaluate_and_export_an_image_run(tiny_img_cfg_dict, tiny_images_dir, tmp_path, capsys):
+    """`fedslice predict` on a CSV of image paths (relative to the file): class names and
+    probabilities, the run's own test accuracy; `fedslice evaluate` on the image folder: each of
+    its splits, nothing carved or held apart, the run's test accuracy again; the merged export is
+    a plain transformers image classifier with the run's label names; an undecodable image in
+    the input is an error naming the file."""
+    import shutil
+
+    import transformers
+
+    from fedslice.api import run_experiment
+    from fedslice.cli import main
+    from fedslice.export import export_run
+    tiny_img_cfg_dict["data"]["server_holdout"] = 0.1
+    run = run_experiment(validate_config(tiny_img_cfg_dict))
+    summary = json.loads((run / "summary.json").read_text())
+    pics = tmp_path / "in" / "pics"
+    pics.mkdir(parents=True)
+    rows = []
+    for i, p in enumerate(sorted((tiny_images_dir / "test").glob("*/*.png"))):
+        shutil.copy(p, pics / f"{i}.png")
+        rows.append((f"pics/{i}.png", p.parent.name))
+    inp = tmp_path / "in" / "images.csv"
+    inp.write_text("image,label\n" + "".join(f"{a},{b}\n" for a, b in rows))
+    out = tmp_path / "pred.jsonl"
+    assert main(["predict", str(run), "--input", str(inp), "--output", str(out)]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["image"] for r in recs] == [a for a, _ in rows]  # input order, columns kept
+    for r in recs:
+        assert set(r["probabilities"]) == {"left", "right"}
+        assert abs(sum(r["probabilities"].values()) - 1) < 1e-5
+        assert r["prediction"] == max(r["probabilities"], key=r["probabilities"].get)
+    right = sum(r["prediction"] == r["label"] for r in recs)
+    assert right / len(recs) == summary["test_accuracy"]
+    assert main(["evaluate", str(run), "--data", str(tiny_images_dir), "--name", "again"]) == 0
+    ev = json.loads((run / "eval-again.json").read_text())
+    assert ev["examples"] == {"train": 48, "dev": 16, "test": 16}  # no server holdout, no carving
+    assert ev["metrics"]["test"]["accuracy"] == summary["test_accuracy"]
+    assert set(ev["metrics"]["test"]["per_class_accuracy"]) == {"left", "right"}
+    merged = export_run(run, "merged")
+    plain = transformers.AutoModelForImageClassification.from_pretrained(merged)
+    assert plain.config.id2label == {0: "left", 1: "right"}
+    assert (merged / "preprocessor_config.json").is_file()
+    (pics / "0.png").write_bytes(b"not a png")
+    capsys.readouterr()
+    assert main(["predict", str(run), "--input", str(inp)]) == 2
+    assert "0.png" in capsys.readouterr().err

@@ -136,11 +136,15 @@ def test_method_on_architecture(method_name, arch, model_dirs, corpus, tiny_cfg_
 
 
 def test_readme_table_is_works():
-    """The README's method x architecture table says what ``WORKS`` tests (✓ runs, ✗ refused)."""
+    """The method x architecture tables of the README and docs/architectures.md say what
+    ``WORKS`` tests (✓ runs, ✗ refused), column by column."""
     from pathlib import Path
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = text.split("## Which method runs on which architecture", 1)[1]
-    for m in METHODS:
-        row = next(l for l in table.splitlines() if l.startswith(f"| `{m}`"))
-        cells = [c.strip() for c in row.strip("|").split("|")[1:]]
-        assert [c.startswith("✓") for c in cells] == [(m, a) in WORKS for a in ARCHS], m
+    root = Path(__file__).resolve().parents[1]
+    for page in (root / "README.md", root / "docs" / "architectures.md"):
+        table = page.read_text().split("## Which method runs on which architecture", 1)[1]
+        header = next(l for l in table.splitlines() if l.startswith("| method \\ model"))
+        assert [c.strip().split(" ")[0] for c in header.strip("|").split("|")[1:]] == list(ARCHS), page
+        for m in METHODS:
+            row = next(l for l in table.splitlines() if l.startswith(f"| `{m}`"))
+            cells = [c.strip() for c in row.strip("|").split("|")[1:]]
+            assert [c.startswith("✓") for c in cells] == [(m, a) in WORKS for a in ARCHS], (page, m)

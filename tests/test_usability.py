@@ -165,12 +165,13 @@ def test_validate_and_dry_run_stop_on_the_errors_a_run_would_hit(tmp_path, tiny_
     assert main(["validate", str(cfg), "--set", "model.name=/no/such/model"]) == 2
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-def test_readme_config_table_is_current():
+def test_config_reference_table_is_current():
     from fedslice.config_doc import main as config_doc
-    assert config_doc(["--check", str(README)]) == 0, "run: python -m fedslice.config_doc --write README.md"
+    assert config_doc(["--check", str(DOCS / "configuration.md")]) == 0, \
+        "run: python -m fedslice.config_doc --write docs/configuration.md"
     from fedslice.config_doc import markdown
     table = markdown()
     for field in ("`data.header`", "`data.holdout_fraction`", "`method.distill.steps`",
@@ -178,15 +179,15 @@ def test_readme_config_table_is_current():
         assert field in table
 
 
-def test_readme_own_data_config_is_short_and_valid(tmp_path, tiny_model_dir):
+def test_own_data_config_is_short_and_valid(tmp_path, tiny_model_dir):
     import tomllib
     from fedslice.experiment import validate_config
-    text = README.read_text().split("## Your own data", 1)[1]
+    text = (DOCS / "data.md").read_text().split("# Your own data", 1)[1]
     block = text.split("```toml\n", 1)[1].split("```", 1)[0]
     assert len(block.strip().splitlines()) <= 10
     cfg = validate_config(tomllib.loads(block))
     assert cfg.data.header is False and cfg.data.columns == ["text", "label"]
-    # and it reads a headerless word-label file as the README says
+    # and it reads a headerless word-label file as docs/data.md says
     write_news_tsv(tmp_path / "ag_news.tsv")
     from fedslice.data.sources import load_raw_splits
     data = cfg.data.model_copy(update={"path": str(tmp_path / "ag_news.tsv")})

@@ -23,10 +23,15 @@ from fedslice.models.loading import load_config as load_model_config
 from fedslice.models.loading import build_from_config, load_model
 from fedslice.output import RunDir, write_json_atomic
 from fedslice.progress import activate, make_display
+from fedslice.html_report import REPORT, write_compare_report, write_run_report
 from fedslice.report import markdown_table, plot_compare, plot_run, render_table, summary_row
 from fedslice.tasks import make_task
+from fedslice.trackers import Trackers
 
 log = logging.getLogger(__name__)
+
+#: partition.json keeps the per-client label histograms up to this many numbers
+HISTOGRAM_CELLS = 100_000
 
 
 def _run_name(cfg: ExperimentConfig) -> str:
@@ -69,16 +74,27 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
         method, data = setup_result or setup(cfg)
         run = RunDir.create(out, _run_name(cfg))
         try:
-            run.write_config(cfg.model_dump(mode="json"))
-            run.write_json("partition.json", {k: v for k, v in data.report.items()
-                                              if k != "label_histograms"}
-                           if isinstance(data.report, dict) else data.report)
-            if data.label_map():
-                run.write_json("labels.json", data.label_map())
+            start_run_folder(run, cfg, method, data)
         except BaseException:
             run.abort()
             raise
         return _run_into(run, cfg, method, data)
+
+
+def start_run_folder(run: RunDir, cfg: ExperimentConfig, method: Method, data: FederatedData) -> None:
+    """What a run folder holds from its start (engine and Flower alike): the resolved config,
+    the partition, the label names and what rebuilding the trained model needs."""
+    from fedslice.export import INFERENCE, inference_info
+    run.write_config(cfg.model_dump(mode="json"))
+    report = data.report
+    if isinstance(report, dict):  # label histograms for the HTML report, unless huge
+        hist = report.get("label_histograms") or []
+        small = sum(len(h) for h in hist) <= HISTOGRAM_CELLS
+        report = {k: v for k, v in report.items() if k != "label_histograms" or small}
+    run.write_json("partition.json", report)
+    if data.label_map():
+        run.write_json("labels.json", data.label_map())
+    run.write_json(INFERENCE, inference_info(cfg, method, method.task))
 
 
 def _display(cfg: ExperimentConfig, progress: bool | None, verbose: bool):
@@ -124,19 +140,28 @@ def _run_into(run: RunDir, cfg: ExperimentConfig, method: Method, data: Federate
     def checkpoint(ckpt: Checkpoint) -> None:
         write_checkpoint(run.path, ckpt)
 
+    trackers = Trackers(cfg, run.staging_path, _run_name(cfg))
+
+    def on_round(record: dict[str, Any]) -> None:
+        run.append_metrics(record)
+        trackers.round(record)
+
     try:
         with run:
-            state, _, summary = sim.run(on_round=run.append_metrics, resume=resume,
+            state, _, summary = sim.run(on_round=on_round, resume=resume,
                                         on_checkpoint=checkpoint)
             save_results(run, cfg, method, state, summary)
+            trackers.finish(summary)  # before the folder is renamed
             (run.path / CHECKPOINT).unlink(missing_ok=True)
     finally:
+        trackers.finish(None)  # the run failed (no-op when finished)
         if run.keep_if and not run.committed and (run.staging_path / CHECKPOINT).is_file():
             log.warning("the run was interrupted; continue it with: fedslice run --resume %s",
                         run.staging_path)
     path = run.final_path
     if cfg.output.plots:
         plot_run(path)
+        write_run_report(path)
     return path
 
 
@@ -183,6 +208,7 @@ def compare_experiments(cfgs: list[ExperimentConfig], out_dir: str | Path | None
     final = parent.final_path
     runs = [final / r.name for r in runs]
     plot_compare(runs, final / "compare.png")
+    write_compare_report(runs, final / REPORT, f"fedslice compare: {final.name}")
     return final, table
 
 

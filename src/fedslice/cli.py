@@ -1,4 +1,4 @@
-"""``fedslice run | validate | compare | report | deploy``.
+"""``fedslice run | validate | compare | report | export | predict | evaluate | deploy``.
 
 User errors (config, data, model) print one message and exit with code 2, no traceback.
 """
@@ -61,9 +61,39 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--name", help="name of the compare folder")
     cmp.add_argument("--no-progress", action="store_true")
 
-    rep = sub.add_parser("report", help="re-render the table and plots of finished runs",
+    rep = sub.add_parser("report", help="re-render the table, plots and HTML reports of finished runs",
                          parents=common)
     rep.add_argument("run_dirs", nargs="+")
+
+    exp = sub.add_parser("export", parents=common,
+                         help="export a run's trained model: a peft adapter or a merged "
+                              "transformers folder (--size: RaFFM's elastic sub-model)")
+    exp.add_argument("run_dir")
+    exp.add_argument("--format", required=True, choices=("peft", "merged"),
+                     help="peft: adapter for PeftModel.from_pretrained(base, DIR); merged: a "
+                          "standard transformers folder (no fedslice needed to load it)")
+    exp.add_argument("--out", help="folder to write (default: RUN_DIR/export/FORMAT)")
+    exp.add_argument("--size", type=float, help="raffm: the elastic sub-model at this FLOPs "
+                     "fraction (one of method.elastic_sizes), as a smaller checkpoint")
+    exp.add_argument("--allow-partial", action="store_true",
+                     help="export an unfinished run from its latest checkpoint")
+
+    pred = sub.add_parser("predict", parents=common,
+                          help="predictions of a run's trained model for a CSV/TSV/JSONL file")
+    pred.add_argument("run_dir")
+    pred.add_argument("--input", required=True, help="rows to predict, read as the run's data")
+    pred.add_argument("--output", help="a .jsonl, .csv or .tsv file (default: JSONL on stdout)")
+    pred.add_argument("--batch-size", type=int, help="default: evaluation.batch_size")
+
+    ev = sub.add_parser("evaluate", parents=common,
+                        help="the task's metrics of a run's trained model on another dataset")
+    ev.add_argument("run_dir")
+    ev.add_argument("--data", required=True, help="a file (all its rows), a folder (each "
+                    "train/dev/test file) or a hub id, as data.path")
+    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="data.KEY=VALUE",
+                    help="change a data.* option for this dataset, e.g. --set data.header=false")
+    ev.add_argument("--name", help="written as RUN_DIR/eval-NAME.json (default: the data's name)")
+    ev.add_argument("--batch-size", type=int, help="default: evaluation.batch_size")
 
     from fedslice.flower.deploy import add_parser as add_deploy_parser
     add_deploy_parser(sub)
@@ -88,8 +118,31 @@ def _main(args: argparse.Namespace) -> int:
     from fedslice.experiment import load_config, load_variants
 
     if args.command == "report":
+        from fedslice.html_report import write_reports
         from fedslice.report import report
         print(report(args.run_dirs))
+        write_reports(args.run_dirs)
+        return 0
+    if args.command == "export":
+        from fedslice.export import export_run
+        path = export_run(args.run_dir, args.format, args.out, size=args.size,
+                          allow_partial=args.allow_partial)
+        print(f"exported: {path}")
+        return 0
+    if args.command == "predict":
+        from fedslice.inference import predict
+        records = predict(args.run_dir, args.input, args.output, batch_size=args.batch_size)
+        if args.output:
+            print(f"{len(records)} predictions: {args.output}")
+        return 0
+    if args.command == "evaluate":
+        from fedslice.inference import evaluate
+        path, result = evaluate(args.run_dir, args.data, args.overrides, name=args.name,
+                                batch_size=args.batch_size)
+        primary = result["primary_metric"]
+        for split, m in result["metrics"].items():
+            print(f"{split}: {primary} {m.get(primary)} ({result['examples'][split]} examples)")
+        print(f"results: {path}")
         return 0
     if args.command == "deploy":
         from fedslice.flower.deploy import main as deploy_main

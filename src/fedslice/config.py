@@ -86,8 +86,11 @@ class DataConfig(_Section):
                       "carved off train), one file (train alone, or all splits with "
                       "`split_column`), or a hub id such as 'glue/sst2'. 'sst2' resolves to "
                       "../shared/data/sst2 when present.")
-    text_columns: list[str] = Field(default_factory=lambda: ["sentence"], min_length=1, max_length=2,
-                                    description="One text column, or two for sentence pairs.")
+    text_columns: list[str] | None = Field(None, min_length=1, max_length=2,
+                                           description="One text column, or two for sentence "
+                                           "pairs. Unset: 'sentence' if the data has it, else "
+                                           "'text', else its single column besides the label "
+                                           "(and split/group) columns; the log says which.")
     label_column: str = Field("label", description="Column of class labels: integer ids >= 0 "
                               "or names (mapped to ids in sorted order of the train split).")
     image_column: str = Field("image", description="Image tasks: the column holding each image "
@@ -413,8 +416,13 @@ class OutputConfig(_Section):
     dir: str = "runs"
     name: str | None = None
     save_weights: bool = True
-    plots: bool = True
+    plots: bool = Field(True, description="PNG plots and the self-contained report.html in the "
+                        "run folder at its end (docs/results.md).")
     progress: bool = True
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="Experiment trackers that get the config, one scalar "
+        "per metric per round and the summary (docs/trackers.md); needs "
+        "`pip install 'fedslice[trackers]'`.")
     checkpoint_every: int = Field(0, ge=0, description="Write a checkpoint (global and server "
                                   "state, RNGs, metrics) into the run folder every N rounds, "
                                   "kill-safe; `fedslice run --resume RUN_DIR` continues. 0: never.")
@@ -532,7 +540,8 @@ class ExperimentConfig(_Section):
         them: its text columns, or for an image task its image column."""
         image = self.task.kind == "image_classification"
         try:
-            self.data.check_columns([self.data.image_column] if image else self.data.text_columns)
+            inputs = [self.data.image_column] if image else (self.data.text_columns or [])
+            self.data.check_columns(inputs)
         except ValueError as e:
             raise ValueError(f"data: {e}") from None
         return self

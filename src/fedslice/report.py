@@ -437,6 +437,7 @@ def report(
     ``run_dir_or_dirs`` is a run folder, a folder of run folders (a compare folder), or a list of
     either. Each run gets ``accuracy.png`` and ``bytes.png``. With several runs, ``compare.png``
     is written to ``compare_path`` or, when a single folder of runs was given, into that folder.
+    (``fedslice report`` also writes the HTML reports: :func:`fedslice.html_report.write_reports`.)
     """
     if isinstance(run_dir_or_dirs, (str, os.PathLike)):
         roots = [Path(run_dir_or_dirs)]

@@ -290,9 +290,11 @@ class RawImageSplit:
                              self.label_names)
 
 
-def load_image_tables(d: DataConfig, seed: int = 0) -> tuple[dict[str, RawTable], dict[str, ImageBank]]:
+def load_image_tables(d: DataConfig, seed: int = 0, carve_missing: bool = True
+                      ) -> tuple[dict[str, RawTable], dict[str, ImageBank]]:
     """The train/dev/test tables of an image data config (see the module doc) and the bank of
-    each table; rows keep their bank row in the column ``ROW``."""
+    each table; rows keep their bank row in the column ``ROW``. ``carve_missing=False``: only
+    the splits the data has."""
     source = resolve_source(d.path, data_search_dirs(), allow_file=True)
     required = [(d.image_column, "data.image_column"), (d.label_column, "data.label_column")]
     if d.group_column is not None:
@@ -324,7 +326,7 @@ def load_image_tables(d: DataConfig, seed: int = 0) -> tuple[dict[str, RawTable]
                             f" columns found: {list(t.columns)}")
         banks[split] = ImageBank(list(t.columns[d.image_column]), base, t.source, t.unit, list(t.lines))
         t.columns[ROW] = [(split, i) for i in range(len(t))]
-    return check_and_carve(tables, d, seed, required, source), banks
+    return check_and_carve(tables, d, seed, required, source, carve_missing), banks
 
 
 def _split_file_tables(source: Path, d: DataConfig) -> dict[str, RawTable]:
@@ -343,9 +345,12 @@ def _split_file_tables(source: Path, d: DataConfig) -> dict[str, RawTable]:
     return {split: read_table(path, **read) for split, path in files.items()}
 
 
-def load_image_splits(d: DataConfig, seed: int = 0) -> dict[str, RawImageSplit]:
-    """Labelled image splits (train/dev/test, and ``server`` with ``d.server_holdout``)."""
-    tables, banks = load_image_tables(d, seed)
+def load_image_splits(d: DataConfig, seed: int = 0, carve_missing: bool = True
+                      ) -> dict[str, RawImageSplit]:
+    """Labelled image splits (train/dev/test, and ``server`` with ``d.server_holdout``).
+    ``carve_missing=False`` (evaluating on other data): the splits the data has, nothing carved
+    off and nothing held apart."""
+    tables, banks = load_image_tables(d, seed, carve_missing)
     ids, names = label_ids(tables, d.label_column, d.labels)
     out = {}
     for split, table in tables.items():
@@ -357,9 +362,9 @@ def load_image_splits(d: DataConfig, seed: int = 0) -> dict[str, RawImageSplit]:
         out[split] = RawImageSplit(banks[bank_split], rows, ids[split], table.source, names)
     classes = len(names) if names else 1 + max(max(s.labels, default=0) for s in out.values())
     if classes < 2:
-        raise DataError(f"{out['train'].source}: every label is the same ({d.label_column!r}, set by "
+        raise DataError(f"{next(iter(out.values())).source}: every label is the same ({d.label_column!r}, set by "
                         "data.label_column): a classifier needs at least two classes")
-    if d.server_holdout > 0:
+    if d.server_holdout > 0 and carve_missing:
         out.update(hold_out(out["train"], d.server_holdout, seed))
     return out
 

@@ -466,8 +466,43 @@ def _hashable(value: Any) -> Any:
 # --------------------------------------------------------------------------- data config -> tables
 
 
+#: The text column used when ``data.text_columns`` is unset, in order of preference.
+DEFAULT_TEXT_COLUMNS = ("sentence", "text")
+
+
+def default_text_columns(d: DataConfig, columns: Sequence[str], source: str) -> list[str]:
+    """``data.text_columns``, or when unset the column to read: ``sentence`` if the data has it,
+    else ``text``, else its one column besides the label, split and group columns. Ambiguous
+    (several other columns) or none: a ConfigError listing the columns."""
+    if d.text_columns is not None:
+        return list(d.text_columns)
+    for name in DEFAULT_TEXT_COLUMNS:
+        if name in columns:
+            return [name]
+    taken = {d.label_column, d.split_column, d.group_column}
+    rest = [c for c in columns if c not in taken]
+    if len(rest) == 1:
+        return rest
+    why = "several columns could be the text" if rest else "no column is left for the text"
+    raise ConfigError(f"data.text_columns is not set and {source} has no 'sentence' or 'text' "
+                      f"column; {why} (columns: {list(columns)}, label column "
+                      f"{d.label_column!r}): set data.text_columns, e.g. text_columns = "
+                      f"[{(rest or list(columns) or ['...'])[0]!r}]")
+
+
+def resolve_text_columns(d: DataConfig, columns: Sequence[str], source: str) -> DataConfig:
+    """``d`` with ``text_columns`` set (:func:`default_text_columns`; logged when chosen)."""
+    if d.text_columns is not None:
+        return d
+    chosen = default_text_columns(d, columns, source)
+    log.info("data: text column %r (data.text_columns is not set; columns of %s: %s)",
+             chosen[0], source, list(columns))
+    return d.model_copy(update={"text_columns": chosen})
+
+
 def load_tables(d: DataConfig, seed: int = 0,
-                required: Sequence[tuple[str, str]] | None = None) -> dict[str, RawTable]:
+                required: Sequence[tuple[str, str]] | None = None,
+                carve_missing: bool = True) -> dict[str, RawTable]:
     """The train/dev/test tables of a data config.
 
     ``d.path`` is a folder (``train``/``dev``/``test`` files; ``validation``/``valid``/``val``
@@ -477,14 +512,9 @@ def load_tables(d: DataConfig, seed: int = 0,
 
     ``required`` lists ``(column, config field)`` pairs every split must have, with no missing
     or blank cells (rows with one are errors, or skipped with ``d.bad_rows = "skip"``); default:
-    the text and label columns.
+    the text and label columns. ``carve_missing=False``: only the splits the data has (one file without
+    ``split_column``: its rows as ``train``), nothing carved.
     """
-    if required is None:
-        required = [(c, "data.text_columns") for c in d.text_columns]
-        required.append((d.label_column, "data.label_column"))
-    required = list(required)
-    if d.group_column is not None:
-        required.append((d.group_column, "data.group_column"))
     source = resolve_source(d.path, data_search_dirs(), allow_file=True)
     read = dict(fmt=d.format, header=d.header, columns=d.columns, delimiter=d.delimiter,
                 quotes=d.quotes, skip_bad_rows=d.bad_rows == "skip")
@@ -507,13 +537,23 @@ def load_tables(d: DataConfig, seed: int = 0,
         if "train" not in files:
             raise _missing_split_error(source, "train", d.format)
         tables = {split: read_table(path, **read) for split, path in files.items()}
-    return check_and_carve(tables, d, seed, required, source)
+    if required is None:
+        first = tables["train"] if "train" in tables else next(iter(tables.values()))
+        cols = default_text_columns(d, list(first.columns), first.source)
+        required = [(c, "data.text_columns") for c in cols]
+        required.append((d.label_column, "data.label_column"))
+    required = list(required)
+    if d.group_column is not None:
+        required.append((d.group_column, "data.group_column"))
+    return check_and_carve(tables, d, seed, required, source, carve_missing)
 
 
 def check_and_carve(tables: Mapping[str, RawTable], d: DataConfig, seed: int,
-                    required: Sequence[tuple[str, str]], source: Path | str) -> dict[str, RawTable]:
+                    required: Sequence[tuple[str, str]], source: Path | str,
+                    carve_missing: bool = True) -> dict[str, RawTable]:
     """Check every split (not empty; ``required`` columns present and filled, per
-    ``d.bad_rows``) and carve the missing dev/test splits off train (see :func:`load_tables`)."""
+    ``d.bad_rows``) and carve the missing dev/test splits off train (see :func:`load_tables`;
+    ``carve_missing=False``: only the splits the data has)."""
     checked: dict[str, RawTable] = {}
     for split, table in tables.items():
         if not len(table):
@@ -522,6 +562,8 @@ def check_and_carve(tables: Mapping[str, RawTable], d: DataConfig, seed: int,
         if not len(checked[split]):
             raise DataError(f"{table.source}: no complete data rows (every row was skipped)")
     missing = [s for s in ("dev", "test") if s not in checked]
+    if not carve_missing:
+        return {s: checked[s] for s in ("train", "dev", "test") if s in checked}
     if missing:
         train = checked["train"]
         parts = carve(train, {s: d.holdout_fraction for s in missing}, seed, d.group_column)
@@ -567,6 +609,8 @@ class RawSplit:
     labels: list[int]
     source: str
     label_names: list[str] | None = None
+    #: the columns ``texts`` were read from
+    text_columns: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -699,7 +743,7 @@ def tables_to_splits(tables: Mapping[str, RawTable], *, text_columns: Sequence[s
     for split, table in tables.items():
         texts = list(zip(*[table.text_column(c) for c in columns]))
         out[split] = RawSplit(texts=texts, labels=ids[split], source=table.source,
-                              label_names=names)
+                              label_names=names, text_columns=columns)
     return out
 
 

@@ -6,19 +6,22 @@ from __future__ import annotations
 
 from fedslice.config import DataConfig
 from fedslice.data.loading import (HUB_ALIASES, RawSplit, data_search_dirs, load_tables,
-                                   num_labels, tables_to_splits)
+                                   num_labels, resolve_text_columns, tables_to_splits)
 from fedslice.errors import DataError
 
 __all__ = ["HUB_ALIASES", "data_search_dirs", "load_raw_splits"]
 
 
-def load_raw_splits(d: DataConfig, seed: int = 0) -> dict[str, RawSplit]:
+def load_raw_splits(d: DataConfig, seed: int = 0, carve_missing: bool = True) -> dict[str, RawSplit]:
     """The train/dev/test classification splits of a data config (``seed`` carves missing
-    dev/test splits off train). Label names, if any, are on every split's ``label_names``."""
-    tables = load_tables(d, seed)
+    dev/test splits off train). Label names, if any, are on every split's ``label_names``; the
+    text columns read (``data.text_columns``, or the default one) on its ``text_columns``."""
+    tables = load_tables(d, seed, carve_missing=carve_missing)
+    first = next(iter(tables.values()))  # train (or the first split the data has)
+    d = resolve_text_columns(d, list(first.columns), first.source)
     splits = tables_to_splits(tables, text_columns=d.text_columns, label_column=d.label_column,
                               labels=d.labels)
-    if num_labels(splits) < 2:
+    if carve_missing and num_labels(splits) < 2:
         train = splits["train"]
         only = train.label_names[0] if train.label_names else train.labels[0]
         raise DataError(f"{train.source}: every label is {only!r} ({d.label_column!r}, set by "

@@ -40,3 +40,20 @@ def _plot(path: Path, phases: dict[str, DistillLog]) -> Path:
         ax.legend(fontsize=8)
     fig.savefig(path, dpi=100)
     return path
+
+
+def distill_view(folder: Path, name: str, title: str):
+    """The report section of ``<name>.json``: each phase's loss per step (None: no file)."""
+    import json
+
+    from fedslice.viz import line_view
+    path = Path(folder) / f"{name}.json"
+    if not path.is_file():
+        return None
+    phases = json.loads(path.read_text()).get("phases") or {}
+    steps = max((len(p["losses"]) for p in phases.values()), default=0)
+    series = {ph: [p["losses"][i]["loss"] if i < len(p["losses"]) else None for i in range(steps)]
+              for ph, p in phases.items()}
+    return line_view(title, list(range(1, steps + 1)), series, xlabel="step", ylabel="loss",
+                     x_key="step", log_y=True, caption="Distillation loss per step, per phase "
+                     f"(every loss part in {name}.json).")

@@ -51,7 +51,7 @@ def main(grid: Grid, context: Context) -> None:
 def run(grid: Grid, settings: RunSettings) -> Path:
     """Load the experiment, find the SuperNodes, train, write the run folder; return its path.
     With ``settings.resume`` (run config ``resume``), continue that run from its checkpoint."""
-    from fedslice.api import _run_name, save_results, setup
+    from fedslice.api import _run_name, save_results, setup, start_run_folder
     from fedslice.checkpoint import (CHECKPOINT, check_same_config, find_resumable,
                                      read_checkpoint, restore)
     from fedslice.experiment import load_config
@@ -60,6 +60,7 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     from fedslice.flower.discovery import PartitionMap
     from fedslice.flower.strategy import FlowerAdapter
     from fedslice.output import RunDir
+    from fedslice.trackers import Trackers
 
     cfg = load_config(settings.config, settings.overrides)
     ckpt = staging = None
@@ -84,27 +85,30 @@ def run(grid: Grid, settings: RunSettings) -> Path:
             method.strategy.forget(c)
         log.warning("resuming %s after round %d of %d", staging, ckpt.round, cfg.federation.rounds)
     run_dir.keep_if = CHECKPOINT if cfg.output.checkpoint_every else None
-    with run_dir:
-        if ckpt is None:
-            run_dir.write_config(cfg.model_dump(mode="json"))
-            run_dir.write_json("partition.json", {k: v for k, v in data.report.items()
-                                                  if k != "label_histograms"})
-            if data.label_map():
-                run_dir.write_json("labels.json", data.label_map())
-        evaluate = _central_evaluation(cfg, method, data, adapter, run_dir, t_start)
-        result = _with_dp(cfg, method, adapter).start(grid, state_to_record(state),
-                               num_rounds=cfg.federation.rounds - adapter.offset,
-                               timeout=settings.round_timeout, evaluate_fn=evaluate)
-        state = record_to_state(result.arrays)
-        summary = finalize(cfg, method, data, state, adapter.records, t_start)
-        summary["engine"] = "flower"
-        summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in adapter.records)
-        save_results(run_dir, cfg, method, state, summary)
-        (run_dir.path / CHECKPOINT).unlink(missing_ok=True)
+    trackers = Trackers(cfg, run_dir.staging_path, _run_name(cfg))
+    try:
+        with run_dir:
+            if ckpt is None:
+                start_run_folder(run_dir, cfg, method, data)
+            evaluate = _central_evaluation(cfg, method, data, adapter, run_dir, t_start, trackers)
+            result = _with_dp(cfg, method, adapter).start(
+                grid, state_to_record(state), num_rounds=cfg.federation.rounds - adapter.offset,
+                timeout=settings.round_timeout, evaluate_fn=evaluate)
+            state = record_to_state(result.arrays)
+            summary = finalize(cfg, method, data, state, adapter.records, t_start)
+            summary["engine"] = "flower"
+            summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in adapter.records)
+            save_results(run_dir, cfg, method, state, summary)
+            trackers.finish(summary)
+            (run_dir.path / CHECKPOINT).unlink(missing_ok=True)
+    finally:
+        trackers.finish(None)  # failed: closes them (no-op when finished)
     path = run_dir.final_path
     if cfg.output.plots:
+        from fedslice.html_report import write_run_report
         from fedslice.report import plot_run
         plot_run(path)
+        write_run_report(path)
     if settings.result_file:
         settings.result_file.write_text(str(path) + "\n")
     return path
@@ -127,7 +131,7 @@ def _with_dp(cfg, method, adapter):
     return CentralDP(adapter, privacy.z, privacy.clip, privacy.n)
 
 
-def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float):
+def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float, trackers=None):
     """Flower's ``evaluate_fn``: the dev metrics after the rounds ``fedslice run`` evaluates, the
     round's finished record to metrics.jsonl, and a checkpoint every
     ``output.checkpoint_every`` rounds."""
@@ -144,6 +148,8 @@ def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float):
         finish_round(cfg, method, data, adapter.selector, server_round, state, record)
         record["elapsed_s"] = time.perf_counter() - t_start
         run_dir.append_metrics(record)
+        if trackers is not None:
+            trackers.round(record)
         every = cfg.output.checkpoint_every
         if every and server_round % every == 0:
             write_checkpoint(run_dir.path, capture(server_round, cfg.model_dump(mode="json"), method,

@@ -341,6 +341,25 @@ class Method:
         """Write method-specific files (curves, plots) into the run folder. Default: none."""
 
     @classmethod
+    def report_views(cls, folder: Path, config: dict[str, Any], metrics: list[dict[str, Any]],
+                     summary: dict[str, Any]) -> list:
+        """The method's own sections of a run's HTML report (:class:`fedslice.viz.View`: a
+        figure and the data behind it), from the finished run folder. Default: none."""
+        return []
+
+    # -- deployment (fedslice export / predict / evaluate) -----------------------------------
+    def deploy_exclude(self) -> list[str]:
+        """Keys of the saved state that the evaluated model does not hold (e.g. FedPFT's proxy
+        FFN tensors: the trained LoRA plugs into the full model). Default: none."""
+        return []
+
+    @classmethod
+    def state_from_checkpoint(cls, state: State, server: dict[str, Any], arch: ArchSpec) -> State:
+        """The state as :meth:`export_state` saves it, from a checkpoint's global state and
+        server state (``fedslice export --allow-partial``). Default: the state itself."""
+        return state
+
+    @classmethod
     def plots(cls, run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]],
               summary: dict[str, Any], title: str) -> list[Path]:
         """The method's own plots, from a finished run folder's files (``fedslice report``

@@ -362,6 +362,12 @@ class FedOT(Method):
             out.update(self.kd_log.summary("kd_before"))
         return out
 
+    @classmethod
+    def report_views(cls, folder, config, metrics, summary) -> list:
+        from fedslice.distill.report import distill_view
+        view = distill_view(folder, "fedot_distill", "Emulator distillation (fedot)")
+        return [view] if view else []
+
     def write_artifacts(self, folder: Path) -> None:
         write_curves(folder, "fedot_distill", {"emulator KD before FL": self.kd_log},
                      plot=self.cfg.output.plots,

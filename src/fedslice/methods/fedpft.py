@@ -583,6 +583,10 @@ class FedPFT(Method):
         self._load(state)
         return self.model
 
+    def deploy_exclude(self) -> list[str]:
+        """The proxy's compressed FFN tensors: the deployed model is the full one (plug-in)."""
+        return sorted(self.proxy_params)
+
     def proxy_model(self, state: State) -> nn.Module:
         self._load(state)
         return self.proxy
@@ -603,6 +607,12 @@ class FedPFT(Method):
             out.update({k: v for k, v in during.summary("kd_during").items()
                         if not k.endswith(("_start", "_end"))})
         return out
+
+    @classmethod
+    def report_views(cls, folder, config, metrics, summary) -> list:
+        from fedslice.distill.report import distill_view
+        view = distill_view(folder, "fedpft_distill", "Distillation (fedpft)")
+        return [view] if view else []
 
     def write_artifacts(self, folder: Path) -> None:
         phases = {"layer-level KD before FL": self.kd_before,

@@ -50,7 +50,8 @@ from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.registry import register_method
 from fedslice.report import figure, save_figure
-from fedslice.slicing.permute import Permutation, permute_state, unpermute_state
+from fedslice.slicing.permute import (Permutation, in_original_order, permute_state,
+                                      unpermute_state)
 from fedslice.slicing.planner import (Budget, Plan, Planner, assign_budgets, measure_training_step,
                                       width_candidates)
 from fedslice.slicing.salience import model_salience, salience_order, scale_tensors
@@ -58,6 +59,9 @@ from fedslice.slicing.spec import (Spec, extract_model, extract_state, scatter, 
                                    spec_from_dict, spec_sizes, stack_list)
 
 log = logging.getLogger(__name__)
+
+#: The run-folder file with the elastic sizes' sub-models (``fedslice export --size``).
+ELASTIC = "raffm_elastic.json"
 
 
 # --------------------------------------------------------------------------------------------
@@ -411,6 +415,44 @@ class RaFFM(Method):
     def export_state(self, state: State) -> State:
         """The global state in the checkpoint's order of heads and neurons."""
         return unpermute_state(state, self.own_strategy.perm, self.arch)
+
+    @classmethod
+    def state_from_checkpoint(cls, state: State, server: dict[str, Any], arch: ArchSpec) -> State:
+        return unpermute_state(state, Permutation.from_dict(server["strategy"]["perm"]), arch)
+
+    @classmethod
+    def report_views(cls, folder, config, metrics, summary) -> list:
+        """Elastic inference: the primary metric of the global model at every evaluated size."""
+        from fedslice.viz import line_view
+        rows = [e for e in summary.get("elastic") or [] if "metric" in e]
+        if not rows:
+            return []
+        metric = rows[0]["metric"]
+        view = line_view("Elastic inference (raffm)", [e["size"] for e in rows],
+                         {f"test {metric}": [e.get(f"test_{metric}") for e in rows],
+                          f"dev {metric}": [e.get(f"dev_{metric}") for e in rows]},
+                         xlabel="size (fraction of full-model training FLOPs)", ylabel=metric,
+                         x_key="size", caption="The trained global model cut to each elastic "
+                         "size (leading heads and neurons); `fedslice export --size S` writes one.")
+        for row, e in zip(view.rows, rows):
+            row.update({k: e.get(k) for k in ("params", "forward_gflops_per_example",
+                                                "forward_flops_ratio", "heads", "ffn")})
+        return [view]
+
+    def elastic_specs(self) -> list[dict[str, Any]]:
+        """Every elastic size's sub-model as a spec over the saved state (the checkpoint's order
+        of heads and neurons): what ``fedslice export --size`` cuts."""
+        out = []
+        for size in sorted(set(self.opts.elastic_sizes) | {1.0}):
+            plan = self.planner.plan(Budget(flops=size))
+            if plan.spec is not None:
+                out.append({"size": size, "spec": in_original_order(plan.spec, self.strategy.perm).to_dict(),
+                            "train_flops_ratio": plan.cost.flops_ratio})
+        return out
+
+    def write_artifacts(self, folder) -> None:
+        from fedslice.output import write_json_atomic
+        write_json_atomic(folder / ELASTIC, {"sizes": self.elastic_specs()})
 
     def elastic(self, state: State, data, batch_size: int) -> list[dict[str, Any]]:
         """The primary metric (accuracy, ROUGE-L) of the global model at every ``elastic_sizes``

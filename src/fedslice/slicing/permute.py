@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from fedslice.models.arch import ArchSpec
-from fedslice.slicing.spec import ModelSlice, SliceSpec, State, extract_state
+from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec, State, extract_state
 
 
 def _orders(spec: SliceSpec) -> dict[str, tuple]:
@@ -132,3 +132,20 @@ def permute_model(model: nn.Module, perm: Permutation, arch: ArchSpec) -> nn.Mod
     if not perm.is_identity:
         model.load_state_dict(permute_state(model.state_dict(), perm, arch))
     return model
+
+
+def in_original_order(spec: Spec, perm: Permutation) -> Spec:
+    """``spec`` (indices into the model permuted by ``perm``) as indices into the unpermuted
+    model: slicing the unpermuted state with it gives the same sub-model, in the same order."""
+    def one(s: SliceSpec | None, p: SliceSpec) -> SliceSpec | None:
+        if s is None:
+            return None
+        def map_(orders, perm_orders):
+            if orders is None:
+                return None
+            return tuple(tuple(perm_orders[l][i] for i in o) for l, o in zip(s.layers, orders))
+        return replace(s, heads=map_(s.heads, p.heads), neurons=map_(s.neurons, p.neurons),
+                       cross=map_(s.cross, p.cross or tuple(tuple(range(s.num_heads)) for _ in range(s.num_layers))))
+    if isinstance(spec, SliceSpec):
+        return one(spec, perm.stacks[0])
+    return ModelSlice(tuple(one(s, p) for s, p in zip(spec.stacks, perm.stacks)))

@@ -21,13 +21,16 @@ class Task:
     primary_metric = "accuracy"
     #: class names by id, when the data names its classes (set by ``encode``)
     label_names: list[str] | None = None
+    #: the data columns the text (or the default prompt) is read from, once the data is loaded
+    text_columns: list[str] | None = None
 
     def __init__(self, cfg: ExperimentConfig, arch: ArchSpec, head: Head):
         self.cfg, self.arch, self.head = cfg, arch, head
 
     # -- data --------------------------------------------------------------------------------
-    def load_raw(self) -> dict[str, Any]:
-        """The raw train/dev/test splits this task reads."""
+    def load_raw(self, carve_missing: bool = True) -> dict[str, Any]:
+        """The raw train/dev/test splits this task reads (``carve_missing=False``: only the splits the
+        data has, none carved off train)."""
         raise NotImplementedError
 
     def num_labels(self, raw: dict[str, Any]) -> int | None:
@@ -69,6 +72,18 @@ class Task:
                                       f"shape {tuple(labels.shape)}")
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits  # (B, C)
         return [F.cross_entropy(logits[lo:hi].float(), labels[lo:hi]) for lo, hi in rows]
+
+    # -- inference ---------------------------------------------------------------------------
+    def input_columns(self) -> list[str]:
+        """The columns of a data row that :meth:`predict` reads."""
+        raise NotImplementedError
+
+    def predict(self, model: nn.Module, loaded, rows: list[dict[str, Any]], batch_size: int,
+                source: str) -> list[dict[str, Any]]:
+        """One prediction per row, in order: ``{"prediction": label id or text}``, plus
+        ``probabilities`` (one per class) for classification. ``loaded``: the model's
+        :class:`~fedslice.models.loading.LoadedModel` (tokenizer, config)."""
+        raise NotImplementedError
 
     # -- evaluation --------------------------------------------------------------------------
     def evaluate(self, model: nn.Module, split, batch_size: int,

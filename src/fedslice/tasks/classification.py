@@ -9,7 +9,8 @@ import torch.nn as nn
 
 from fedslice import progress
 from fedslice.compute import model_device, to_device
-from fedslice.data import TokenCache, iter_batches, num_batches, num_labels
+from fedslice.data import TokenCache, iter_batches, num_batches, num_labels, tokenize_split
+from fedslice.data.loading import RawSplit
 from fedslice.data.sources import load_raw_splits
 from fedslice.paths import cache_root
 from fedslice.tasks.base import Task, length_order
@@ -21,20 +22,46 @@ class Classification(Task):
     kind = "classification"
     primary_metric = "accuracy"
 
-    def load_raw(self):
-        return load_raw_splits(self.cfg.data, self.cfg.seed)
+    def load_raw(self, carve_missing: bool = True):
+        return load_raw_splits(self.cfg.data, self.cfg.seed, carve_missing)
 
     def num_labels(self, raw) -> int:
         return num_labels(raw)
 
     def encode(self, raw, loaded):
         self.label_names = raw["train"].label_names
+        self.text_columns = raw["train"].text_columns
         return {name: _TOKENS.get(split, name, loaded.tokenizer, self.cfg.data.max_length)
                 for name, split in raw.items()}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split, batch_size: int, max_generations=None):
         return evaluate_classifier(model, split, batch_size)
+
+    def input_columns(self) -> list[str]:
+        return list(self.text_columns or self.cfg.data.text_columns or [])
+
+    @torch.no_grad()
+    def predict(self, model, loaded, rows, batch_size, source):
+        texts = [tuple(str(r[c]) for c in self.input_columns()) for r in rows]
+        split = tokenize_split(RawSplit(texts, [0] * len(texts), source), loaded.tokenizer,
+                               self.cfg.data.max_length)
+        order = length_order(split)
+        device = model_device(model)
+        was = model.training
+        model.eval()
+        with progress.task("predict", num_batches(len(split), batch_size)) as advance:
+            out = {}
+            for lo in range(0, len(order), batch_size):
+                idx = order[lo:lo + batch_size].tolist()
+                batch = split.collate(idx)
+                batch.pop("labels")
+                p = torch.softmax(model(**to_device(batch, device)).logits.float().cpu(), -1)
+                out.update(zip(idx, p))
+                advance()
+        model.train(was)
+        probs = [out[i] for i in range(len(rows))]
+        return [{"prediction": int(p.argmax()), "probabilities": p.tolist()} for p in probs]
 
 
 @torch.no_grad()

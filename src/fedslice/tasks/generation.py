@@ -14,9 +14,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from fedslice.data.loading import drop_incomplete, load_tables
+from fedslice.data.loading import drop_incomplete, load_tables, resolve_text_columns
 from fedslice.errors import ConfigError
 import fedslice.tasks.lm as lm
+from fedslice import progress
 from fedslice.tasks.base import seeded_choice
 from fedslice.tasks.metrics import generation_scores
 from fedslice.tasks.text import Truncation, check_columns, render, task_prompts, template_fields
@@ -31,18 +32,21 @@ class Generation(TextToText):
     kind = "generation"
     primary_metric = "rougeL"
 
-    def load_raw(self):
+    def load_raw(self, carve_missing: bool = True):
         """Every column of the data (the templates pick theirs); template fields the data lacks
         are errors naming them, before any training."""
-        t = self.cfg.task
+        t, d = self.cfg.task, self.cfg.data
+        tables = load_tables(d, self.cfg.seed, required=[], carve_missing=carve_missing)
+        if t.preset != "alpaca" and t.prompt is None:  # the prompt is the text column(s)
+            first = next(iter(tables.values()))  # train (or the first split the data has)
+            d = resolve_text_columns(d, list(first.columns), first.source)
+        self.text_columns = d.text_columns
         need = [] if t.preset == "alpaca" else [(f, "task.prompt") for f in template_fields(
-            t.prompt or "\n".join("{" + c + "}" for c in self.cfg.data.text_columns))]
+            t.prompt or "\n".join("{" + c + "}" for c in d.text_columns))]
         need += [(f, "task.target") for f in template_fields(t.target or "{output}")]
         if t.preset == "alpaca":
             need += [("instruction", "task.preset"), ("output", "task.preset")]
         need = list(dict.fromkeys(need))
-        d = self.cfg.data
-        tables = load_tables(d, self.cfg.seed, required=[])
         for name, table in tables.items():
             missing = [(c, f) for c, f in need if c not in table.columns]
             if missing:  # the config names columns the data lacks: a config error
@@ -63,7 +67,7 @@ class Generation(TextToText):
             check_columns(target_template, columns, "task.target", table.source)
             rows = [dict(zip(columns, ("" if c is None else c for c in cells)))
                     for cells in zip(*table.columns.values())]
-            prompts = task_prompts(t, rows, columns, self.cfg.data.text_columns, table.source)
+            prompts = task_prompts(t, rows, columns, self.text_columns or [], table.source)
             targets = [render(target_template, r) for r in rows]
             out[name] = self.pair_split(self.prompt_ids(prompts, trunc),
                                         self.target_ids(targets, trunc, eos=True),
@@ -99,17 +103,42 @@ class Generation(TextToText):
                               "references": r} for i, h, r in zip(firsts[:5], hyps, refs)]
         return {**scores, "loss": loss, "perplexity": perplexity(loss)}
 
+    def input_columns(self) -> list[str]:
+        t = self.cfg.task
+        if t.preset == "alpaca":
+            return ["instruction"]
+        if t.prompt:
+            return template_fields(t.prompt)
+        return list(self.text_columns or self.cfg.data.text_columns or [])
+
+    @torch.no_grad()
+    def predict(self, model, loaded, rows, batch_size, source):
+        """Greedy generations (``task.max_new_tokens``) from each row's prompt."""
+        self.bind(loaded)
+        trunc = Truncation()
+        prompts = task_prompts(self.cfg.task, rows, list(rows[0]) if rows else [],
+                               self.input_columns(), source)
+        n = len(prompts)
+        empty = torch.zeros(0, dtype=torch.int64)
+        split = self.pair_split(self.prompt_ids(prompts, trunc), [empty] * n, [0] * n,
+                                list(range(n)), [""] * n)
+        with eval_mode(model):
+            texts = self.generate(model, split, list(range(n)), batch_size)
+        return [{"prediction": t} for t in texts]
+
     def generate(self, model: nn.Module, split, rows: list[int], batch_size: int) -> list[str]:
         """Greedy generations for ``rows``, batched by prompt length, in the order of ``rows``."""
         lengths = [len(split.prompts[i]) for i in rows]
         order = sorted(range(len(rows)), key=lambda j: lengths[j])
         out: list[str] = [""] * len(rows)
-        for lo in range(0, len(order), batch_size):
-            chunk = order[lo:lo + batch_size]
-            texts = lm.generate(model, split, [rows[j] for j in chunk], self.tokenizer,
-                                self.cfg.task.max_new_tokens)
-            for j, text in zip(chunk, texts):
-                out[j] = text
+        with progress.task("generation", -(-len(order) // batch_size)) as advance:
+            for lo in range(0, len(order), batch_size):
+                chunk = order[lo:lo + batch_size]
+                texts = lm.generate(model, split, [rows[j] for j in chunk], self.tokenizer,
+                                    self.cfg.task.max_new_tokens)
+                for j, text in zip(chunk, texts):
+                    out[j] = text
+                advance()
         return out
 
 

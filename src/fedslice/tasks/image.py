@@ -10,11 +10,17 @@ methods (APoZ, layer-level KD) work on images as on text.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import torch
 import torch.nn as nn
 
-from fedslice.data.images import (ImageSplit, Preprocessor, encode_images, image_cache_dir,
-                                  load_image_splits)
+from fedslice import progress
+from fedslice.compute import model_device, to_device
+from fedslice.data import num_batches
+from fedslice.data.images import (ImageBank, ImageSplit, Preprocessor, RawImageSplit,
+                                  encode_images, image_cache_dir, load_image_splits)
 from fedslice.errors import ConfigError
 from fedslice.tasks.base import Task
 from fedslice.tasks.classification import evaluate_classifier
@@ -26,8 +32,8 @@ class ImageClassification(Task):
     #: (channels, height, width) of the images after preprocessing (set by ``encode``)
     image_shape: tuple[int, int, int] | None = None
 
-    def load_raw(self):
-        return load_image_splits(self.cfg.data, self.cfg.seed)
+    def load_raw(self, carve_missing: bool = True):
+        return load_image_splits(self.cfg.data, self.cfg.seed, carve_missing)
 
     def num_labels(self, raw) -> int:
         names = raw["train"].label_names
@@ -44,13 +50,13 @@ class ImageClassification(Task):
         return lambda h, w: self.arch.image.tokens(config, h, w)
 
     def encode(self, raw, loaded):
-        self.label_names = raw["train"].label_names
+        self.label_names = next(iter(raw.values())).label_names
         d = self.cfg.data
         out = encode_images(raw, self.preprocessor(loaded), self.tokens_for(loaded),
                             skip_bad=d.bad_rows == "skip", cache_dir=image_cache_dir(),
                             limits={"train": d.max_train_examples, "dev": d.max_dev_examples,
                                     "test": d.max_test_examples}, seed=self.cfg.seed)
-        first = out["train"]
+        first = next(iter(out.values()))
         self.image_shape = (first.channels, *first.image_size)
         return out
 
@@ -75,3 +81,31 @@ class ImageClassification(Task):
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split, batch_size: int, max_generations=None):
         return evaluate_classifier(model, split, batch_size)
+
+    # -- inference ---------------------------------------------------------------------------
+    def input_columns(self) -> list[str]:
+        return [self.cfg.data.image_column]
+
+    @torch.no_grad()
+    def predict(self, model, loaded, rows, batch_size, source):
+        """Class probabilities of the image of each row (``data.image_column``: a path,
+        relative to the input file's folder); an image that cannot be decoded is an error
+        naming the file."""
+        column = self.cfg.data.image_column
+        bank = ImageBank([r[column] for r in rows], Path(source).parent, source, "row",
+                         list(range(1, len(rows) + 1)))
+        raw = {"predict": RawImageSplit(bank, np.arange(len(rows)), [0] * len(rows), source)}
+        split = encode_images(raw, self.preprocessor(loaded), self.tokens_for(loaded),
+                              skip_bad=False, cache_dir=None)["predict"]
+        device = model_device(model)
+        was = model.training
+        model.eval()
+        probs = []
+        with progress.task("predict", num_batches(len(split), batch_size)) as advance:
+            for lo in range(0, len(split), batch_size):
+                batch = split.collate(range(lo, min(lo + batch_size, len(split))))
+                batch.pop("labels")
+                probs += torch.softmax(model(**to_device(batch, device)).logits.float().cpu(), -1)
+                advance()
+        model.train(was)
+        return [{"prediction": int(p.argmax()), "probabilities": p.tolist()} for p in probs]

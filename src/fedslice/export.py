@@ -1,0 +1,292 @@
+"""The trained model of a run folder, rebuilt for inference and exported (``fedslice export``).
+
+A run folder holds the trained tensors (``final_trainable.safetensors``, fedslice's names), the
+resolved config and ``inference.json``: the model's head and labels, the text columns, the saved
+tensors the evaluated model does not hold. :func:`trained_model` rebuilds the model fedslice
+evaluated from these, over the base model named in the config, without the training data:
+the adapter (if any) is rebuilt from its own tensors (:mod:`fedslice.peft.export`).
+
+Formats:
+
+* ``peft``: ``adapter_config.json`` + ``adapter_model.safetensors`` in peft's names (and the task
+  head as ``modules_to_save``): ``PeftModel.from_pretrained(base, DIR)``. Only for a run whose
+  result is an adapter over the unchanged base model.
+* ``merged``: a standard transformers folder (config with the label names, safetensors, tokenizer,
+  generation config): ``AutoModelFor...from_pretrained(DIR)``, no fedslice needed.
+* ``merged`` with ``size``: RaFFM's elastic sub-model at that FLOPs fraction, smaller in its config
+  (fewer heads, FFN neurons, layers). Where the architecture's config derives the head size from
+  the hidden size (BERT, RoBERTa, DistilBERT, GPT-2, BART), fewer heads cannot be said in the
+  stock config: the folder then carries a 60-line modeling file (``fedslice_elastic.py``, plain
+  transformers and torch) that narrows the attention projections, loaded with
+  ``trust_remote_code=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fedslice.checkpoint import CHECKPOINT, read_checkpoint
+from fedslice.config import ExperimentConfig
+from fedslice.experiment import validate_config
+from fedslice.errors import ConfigError, FedsliceError
+from fedslice.models.arch import CLASSIFIER_HEADS, ArchSpec, arch_for
+from fedslice.models.loading import LoadedModel, load_model
+from fedslice.output import CONFIG_JSON, SUMMARY, WEIGHTS, write_json_atomic
+from fedslice.peft.export import adapter_of, base_name
+
+log = logging.getLogger(__name__)
+
+INFERENCE = "inference.json"
+FORMATS = ("peft", "merged")
+_PARTIAL_RE = re.compile(r"^\..+\.partial-\d+$")
+
+
+# --------------------------------------------------------------------------------------------
+# Written by a run
+# --------------------------------------------------------------------------------------------
+
+def inference_info(cfg: ExperimentConfig, method, task) -> dict[str, Any]:
+    """What rebuilding the trained model for inference needs beyond the config and the weights."""
+    config = method.model.config
+    return {"format": 1, "model_type": method.arch.model_type, "head": task.head,
+            "num_labels": config.num_labels if task.head in CLASSIFIER_HEADS else None,
+            "label_names": task.label_names, "text_columns": task.text_columns,
+            "task": task.kind, "exclude": method.deploy_exclude()}
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a run
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class TrainedRun:
+    path: Path
+    cfg: ExperimentConfig
+    info: dict[str, Any]
+    state: dict[str, torch.Tensor]
+    #: None for a finished run; else what was exported instead ("checkpoint after round N of M")
+    partial: str | None = None
+
+    @property
+    def arch(self) -> ArchSpec:
+        return arch_for(self._model_config())
+
+    def _model_config(self):
+        from fedslice.models.loading import load_config
+        return load_config(self.cfg.model)[0]
+
+
+def read_run(run_dir: str | Path, allow_partial: bool = False) -> TrainedRun:
+    """The config, inference info and trained state of a run folder. A run that did not finish
+    (a staging folder, or files missing) is refused naming what is missing, unless
+    ``allow_partial``: then its latest checkpoint is read."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise FedsliceError(f"{path} is not a run folder (no such folder)")
+    for name in (CONFIG_JSON, INFERENCE):
+        if not (path / name).is_file():
+            raise FedsliceError(f"{path} has no {name}: not a run folder of this fedslice version")
+    cfg = validate_config(json.loads((path / CONFIG_JSON).read_text()), str(path / CONFIG_JSON))
+    info = json.loads((path / INFERENCE).read_text())
+    missing = [n for n in (SUMMARY, WEIGHTS) if not (path / n).is_file()]
+    staging = bool(_PARTIAL_RE.match(path.name))
+    if not missing and not staging:
+        from safetensors.torch import load_file
+        return TrainedRun(path, cfg, info, load_file(str(path / WEIGHTS)))
+    what = f"{', '.join(missing) or 'nothing'} missing" + (", a staging folder" if staging else "")
+    if not allow_partial:
+        raise FedsliceError(f"{path} is not a finished run ({what}); with --allow-partial its "
+                            f"latest checkpoint ({CHECKPOINT}) is exported instead")
+    if not (path / CHECKPOINT).is_file():
+        raise FedsliceError(f"{path} is not a finished run ({what}) and has no checkpoint "
+                            f"({CHECKPOINT}) to export: was it run with output.checkpoint_every?")
+    from fedslice.methods import method_class
+    ckpt = read_checkpoint(path)
+    run = TrainedRun(path, cfg, info, {}, f"checkpoint after round {ckpt.round} of "
+                     f"{cfg.federation.rounds} ({what})")
+    run.state = method_class(cfg.method.name).state_from_checkpoint(ckpt.state, ckpt.server, run.arch)
+    return run
+
+
+# --------------------------------------------------------------------------------------------
+# Rebuilding the trained model
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Rebuilt:
+    loaded: LoadedModel  # the base model (its tensors updated in place) and tokenizer
+    model: nn.Module  # what fedslice evaluates: the base model, or it wrapped with the adapter
+    adapter: Any  # the AdapterExport, or None
+    changed_base: list[str]  # base-model tensors the run changed (beyond the task head)
+    head_modules: list[str]  # task-head modules the run trained
+
+
+def _head_modules(arch: ArchSpec, keys) -> list[str]:
+    names = [base_name(k) for k in keys]
+    return [m for m in arch.classifier if any(n.startswith(m + ".") for n in names)]
+
+
+@torch.no_grad()
+def trained_model(run: TrainedRun, *, head_as_modules_to_save: bool = False) -> Rebuilt:
+    """The model fedslice evaluated at the end of ``run``: the base model named in the config
+    with the trained tensors loaded and the adapter (if any) rebuilt from its tensors."""
+    cfg, info = run.cfg, run.info
+    loaded = load_model(cfg.model, info.get("num_labels"), cfg.seed, head=info["head"])
+    arch = loaded.arch
+    state = {k: t for k, t in run.state.items() if k not in set(info.get("exclude", []))}
+    adapter = adapter_of(list(state))
+    own = {k: t for k, t in state.items() if adapter is not None and adapter.owns(k)}
+    plain = {base_name(k): t for k, t in state.items() if k not in own}
+    params = loaded.model.state_dict()
+    unknown = [k for k in plain if k not in params]
+    wrong = [f"{k}: {tuple(t.shape)} saved, {tuple(params[k].shape)} in the model"
+             for k, t in plain.items() if k in params and params[k].shape != t.shape]
+    if unknown or wrong:
+        raise FedsliceError(f"{run.path}: the trained tensors do not fit {cfg.model.name!r}: "
+                            f"{(unknown + wrong)[:5]}")
+    heads = _head_modules(arch, plain)
+    changed = [k for k, t in plain.items()
+               if not any(k.startswith(m + ".") for m in heads) and not torch.equal(params[k], t)]
+    loaded.model.load_state_dict(plain, strict=False)
+    model = loaded.model
+    if adapter is not None:
+        from peft import get_peft_model
+        pc = adapter.peft_config(own, cfg, arch, heads if head_as_modules_to_save else None)
+        model = get_peft_model(loaded.model, pc)
+        names = dict(model.named_parameters())
+        missing = [k for k in own if k not in names]
+        if missing:
+            raise FedsliceError(f"{run.path}: adapter tensors without a module: {missing[:3]}")
+        for k, t in own.items():
+            names[k].copy_(t)
+    model.eval()
+    return Rebuilt(loaded, model, adapter, changed, heads)
+
+
+# --------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------
+
+def default_out(run: TrainedRun, fmt: str, size: float | None) -> Path:
+    tag = fmt if size is None else f"{fmt}-size{size:g}"
+    return run.path / "export" / tag
+
+
+def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *,
+               size: float | None = None, allow_partial: bool = False) -> Path:
+    """Export the trained model of a run folder; return the folder written."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+    run = read_run(run_dir, allow_partial)
+    if size is not None and fmt != "merged":
+        raise ConfigError("--size exports a smaller standalone model: use --format merged")
+    dest = Path(out) if out else default_out(run, fmt, size)
+    if dest.exists() and any(dest.iterdir()):
+        raise FedsliceError(f"{dest} exists and is not empty: choose another --out")
+    spec = elastic_spec(run, size) if size is not None else None
+    rebuilt = trained_model(run, head_as_modules_to_save=fmt == "peft")
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if fmt == "peft":
+            _save_peft(run, rebuilt, tmp)
+        else:
+            _save_merged(run, rebuilt, tmp, spec)
+        write_json_atomic(tmp / "fedslice_export.json", {
+            "run": str(run.path.resolve()), "format": fmt, "size": size,
+            "base_model": run.cfg.model.name, "method": run.cfg.method.name,
+            "partial": run.partial, "head": run.info["head"],
+            "label_names": run.info.get("label_names")})
+        if dest.exists():
+            dest.rmdir()
+        tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if run.partial:
+        log.warning("exported %s from the %s", run.path, run.partial)
+    return dest
+
+
+def _not_adapter(run: TrainedRun, why: str) -> FedsliceError:
+    return FedsliceError(f"{run.path}: method {run.cfg.method.name!r} did not train an adapter over "
+                         f"the unchanged base model ({why}): export it with --format merged")
+
+
+def _save_peft(run: TrainedRun, rebuilt: Rebuilt, dest: Path) -> None:
+    if rebuilt.adapter is None:
+        raise _not_adapter(run, "no adapter tensors: every trained tensor is a base-model one")
+    if rebuilt.changed_base:
+        raise _not_adapter(run, f"{len(rebuilt.changed_base)} base-model tensors changed, e.g. "
+                                f"{rebuilt.changed_base[0]}")
+    rebuilt.model.save_pretrained(str(dest))
+    cfg = json.loads((dest / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = _base_path(run)
+    (dest / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    rebuilt.loaded.tokenizer.save_pretrained(str(dest))
+
+
+def _base_path(run: TrainedRun) -> str:
+    from fedslice.models.loading import resolve_model_path
+    return resolve_model_path(run.cfg.model.name)
+
+
+def _merged_model(rebuilt: Rebuilt) -> nn.Module:
+    model = rebuilt.model
+    if rebuilt.adapter is not None:
+        model = model.merge_and_unload()
+    return model
+
+
+def _label_config(run: TrainedRun, config) -> None:
+    names = run.info.get("label_names")
+    if run.info["head"] in CLASSIFIER_HEADS and names:
+        config.id2label = dict(enumerate(names))
+        config.label2id = {n: i for i, n in enumerate(names)}
+
+
+def _save_merged(run: TrainedRun, rebuilt: Rebuilt, dest: Path, spec) -> None:
+    model = _merged_model(rebuilt)
+    _label_config(run, model.config)
+    if spec is not None:
+        from fedslice.export_elastic import save_elastic
+        save_elastic(model, rebuilt.loaded.arch, spec, dest, run.info["head"])
+    else:
+        model.save_pretrained(str(dest))
+    rebuilt.loaded.tokenizer.save_pretrained(str(dest))
+
+
+# --------------------------------------------------------------------------------------------
+# Elastic sizes (RaFFM)
+# --------------------------------------------------------------------------------------------
+
+def elastic_spec(run: TrainedRun, size: float):
+    """The saved sub-model spec of elastic size ``size``; a clear error listing valid sizes."""
+    from fedslice.methods.raffm import ELASTIC
+    from fedslice.slicing.spec import spec_from_dict
+    path = run.path / ELASTIC
+    if not path.is_file():
+        why = ("the run did not finish: elastic sizes are saved at its end" if run.partial else
+               f"method {run.cfg.method.name!r} has no salience order (elastic sizes are raffm's)")
+        raise ConfigError(f"--size: {why}; export the whole model without --size")
+    sizes = json.loads(path.read_text())["sizes"]
+    valid = [e["size"] for e in sizes]
+    match = [e for e in sizes if abs(e["size"] - size) < 1e-9]
+    if not match:
+        raise ConfigError(f"--size {size:g} is not an elastic size of this run: valid sizes are "
+                          f"{', '.join(f'{v:g}' for v in valid)} (method.elastic_sizes)")
+    return spec_from_dict(match[0]["spec"])
+
+
+__all__ = ["FORMATS", "INFERENCE", "Rebuilt", "TrainedRun", "export_run", "inference_info",
+           "read_run", "trained_model"]

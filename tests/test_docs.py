@@ -1,0 +1,208 @@
+"""The documentation (issue 25, part 5): the README is a short front page, the site builds with
+``mkdocs build --strict``, the generated references are current, and every command shown in a
+shell block of the README or docs/ is run by a test: fedslice commands are run here, one after
+another in a scratch folder whose ``../shared/data`` holds the first rows of the real data sets
+(runs also shrunk by ``--set`` to one round on a few examples: the documented commands, with the
+real models, on a smaller budget); other commands name the test that runs them, or are marked
+``# needs the network``."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fedslice.cli import main
+from fedslice.experiment import load_variants, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
+NETWORK = "needs the network"
+#: Commands for hardware CI does not have (a GPU) carry this mark instead.
+HARDWARE = "needs a GPU"
+
+#: Commands run by other tests (the prefix, and the test that runs the same steps).
+COVERED = {
+    "make demo": "tests/test_docs.py::test_documented_commands_run (`make demo` is `fedslice run "
+                 "configs/fedpetuning_sst2.toml` in the Makefile, run here)",
+    "make test": ".ci/run (CI runs it)",
+    "fedslice deploy local --nodes 2 --tls --auth": "tests/test_flower.py::test_deploy_local_tls_and_supernode_auth",
+    "fedslice deploy local": "tests/test_flower.py::test_deploy_local_two_supernodes_matches_in_process",
+    "fedslice deploy simulation": "tests/test_flower.py::test_simulation_engine_matches_in_process",
+    # the by-hand steps of docs/flower.md are what `fedslice deploy local` runs
+    "flower-superlink --insecure --simulation": "tests/test_flower.py::test_simulation_engine_matches_in_process",
+    "flwr run . loopback --stream --federation-config": "tests/test_flower.py::test_simulation_engine_matches_in_process",
+    "flower-superlink --ssl": "tests/test_flower.py::test_deploy_local_tls_and_supernode_auth",
+    "flower-supernode --root-certificates": "tests/test_flower.py::test_deploy_local_tls_and_supernode_auth",
+    "flwr supernode register": "tests/test_flower.py::test_deploy_local_tls_and_supernode_auth",
+    "openssl": "tests/test_flower.py::test_deploy_local_tls_and_supernode_auth",
+    "ssh-keygen": "tests/test_flower.py::test_deploy_local_tls_and_supernode_auth",
+    "flower-superlink": "tests/test_flower.py::test_deploy_local_two_supernodes_matches_in_process",
+    "flower-supernode": "tests/test_flower.py::test_deploy_local_two_supernodes_matches_in_process",
+    "flwr run": "tests/test_flower.py::test_deploy_local_two_supernodes_matches_in_process",
+    "flwr ls": "tests/test_flower.py::test_deploy_local_two_supernodes_matches_in_process",
+    "flwr log": "tests/test_flower.py::test_deploy_local_two_supernodes_matches_in_process",
+}
+#: Shell glue around the commands (environment, folders, files), not commands of their own.
+GLUE = ("source ", "export ", "mkdir ", "cd ", "cat ", "printf ", "EOF")
+
+#: Appended to `run`, `compare` and `validate`: one round on a few examples.
+SHRINK = ["federation.num_clients=2", "federation.clients_per_round=2", "federation.rounds=1",
+          "federation.local_steps=1", "federation.batch_size=4", "data.max_train_examples=32",
+          "data.max_dev_examples=8", "data.max_test_examples=8", "evaluation.batch_size=8",
+          "evaluation.dev_generations=2", "task.max_new_tokens=4"]
+
+
+def shell_commands(path: Path) -> list[str]:
+    """Every command line of the page's bash blocks (continuations joined, heredocs skipped)."""
+    out = []
+    text = path.read_text()
+    for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, re.S):
+        lines, heredoc = [], None
+        for raw in block.splitlines():
+            if heredoc is not None:
+                if raw.strip() == heredoc:
+                    heredoc = None
+                continue
+            m = re.search(r"<<-?'?(\w+)'?", raw)
+            if m:
+                heredoc = m.group(1)
+            if lines and lines[-1].endswith("\\"):
+                lines[-1] = lines[-1][:-1] + " " + raw.strip()
+            else:
+                lines.append(raw)
+        out += [l.strip() for l in lines if l.strip() and not l.strip().startswith("#")]
+    return out
+
+
+def _marked(cmd: str) -> bool:
+    return NETWORK in cmd or HARDWARE in cmd
+
+
+def _without_comment(cmd: str) -> str:
+    return re.sub(r"\s+#.*$", "", cmd).strip()
+
+
+def _covered(cmd: str) -> str | None:
+    return next((test for prefix, test in COVERED.items() if cmd.startswith(prefix)), None)
+
+
+def _test_exists(ref: str) -> bool:
+    if "::" not in ref.split(" ")[0]:
+        return (ROOT / ref.split(" ")[0]).exists()
+    file, func = ref.split(" ")[0].split("::")
+    return f"def {func}(" in (ROOT / file).read_text()
+
+
+def documented() -> list[tuple[str, str]]:
+    return [(p.name, c) for p in PAGES for c in shell_commands(p)]
+
+
+def test_readme_is_a_front_page():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 150
+    assert "make demo" in text and "make test" in text
+    block = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    assert len(block.strip().splitlines()) <= 10
+    cfg = validate_config(tomllib.loads(block))
+    assert cfg.method.name == "heads"
+    for link in re.findall(r"\]\((docs/[^)#]+)", text):
+        assert (ROOT / link).is_file(), link
+    pages = {p.name for p in DOCS.glob("*.md")}
+    assert {"quickstart.md", "data.md", "methods.md", "architectures.md", "flower.md",
+            "reliability.md", "performance.md", "configuration.md", "cli.md", "results.md"} <= pages
+
+
+def test_generated_references_are_current():
+    from fedslice.cli_doc import main as cli_doc
+    from fedslice.config_doc import main as config_doc
+    assert config_doc(["--check", str(DOCS / "configuration.md")]) == 0, \
+        "run: python -m fedslice.config_doc --write docs/configuration.md"
+    assert cli_doc(["--check", str(DOCS / "cli.md")]) == 0, "run: python -m fedslice.cli_doc --write docs/cli.md"
+
+
+def test_mkdocs_build_strict(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                           str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
+                          env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "site" / "results" / "index.html").is_file()
+
+
+def test_every_command_is_run_or_marked():
+    """No documented command is left unaccounted for: fedslice commands are run by
+    :func:`test_documented_commands_run`; the others name an existing test."""
+    for page, cmd in documented():
+        if _marked(cmd) or cmd.startswith(GLUE):
+            continue
+        if cmd.startswith("fedslice ") and _covered(cmd) is None:
+            continue  # run below
+        ref = _covered(_without_comment(cmd))
+        assert ref is not None, f"{page}: {cmd!r} is neither run by a test nor marked '# {NETWORK}'"
+        assert _test_exists(ref), f"{page}: {cmd!r} names {ref}, which does not exist"
+
+
+def _shrunk(argv: list[str]) -> list[str]:
+    if argv[0] not in ("run", "compare", "validate"):
+        return argv
+    configs = [a for a in argv[1:] if a.endswith((".toml", ".yaml", ".yml"))]
+    extra = list(SHRINK)
+    methods = {c.method.name for f in configs for c in load_variants(ROOT / f)}
+    if methods <= {"fedpft", "fedot"} and methods:
+        extra += ["method.distill.steps=1"]
+    if methods == {"raffm"}:
+        extra += ["method.width_steps=4"]
+    return argv + [x for s in extra for x in ("--set", s)]
+
+
+@pytest.mark.slow
+def test_documented_commands_run(tmp_path, monkeypatch, capsys):
+    """Every fedslice command of the docs, in page order, in one scratch folder (with the
+    repository's configs and ../shared beside it): each exits 0."""
+    work = tmp_path / "repo"
+    work.mkdir()
+    (work / "configs").symlink_to(ROOT / "configs")
+    data = tmp_path / "shared" / "data"
+    for name, rows in (("sst2", 48), ("e2e_nlg", 120)):  # the first rows of each file
+        real = ROOT.parent / "shared" / "data" / name
+        if not real.is_dir():
+            pytest.skip(f"../shared/data/{name} is not here")
+        (data / name).mkdir(parents=True)
+        for f in real.iterdir():
+            if f.suffix in (".tsv", ".csv"):
+                lines = f.read_text().splitlines(keepends=True)[:rows + 1]
+                (data / name / f.name).write_text("".join(lines))
+    monkeypatch.setenv("FEDSLICE_DATA_DIR", str(data))
+    monkeypatch.chdir(work)
+    seen = set()
+    order = ["quickstart.md", "architectures.md", "results.md", "README.md"]
+    cmds = sorted(documented(), key=lambda pc: order.index(pc[0]) if pc[0] in order else 99)
+    ran = 0
+    for page, cmd in cmds:
+        if _marked(cmd):  # the mark is in the command's comment
+            continue
+        cmd = _without_comment(cmd)
+        if not cmd.startswith("fedslice ") or _covered(cmd) or cmd in seen:
+            continue
+        argv = [a for a in shlex.split(cmd)[1:] if a not in ("-q", "-v", "-vv")]
+        if tuple(argv) in seen:  # the same command but for its verbosity
+            continue
+        seen.add(cmd)
+        seen.add(tuple(argv))
+        argv = _shrunk(argv)
+        try:
+            code = main(argv)
+        except SystemExit as e:  # --version, --help
+            code = e.code
+        out = capsys.readouterr()
+        assert code == 0, f"{page}: `{cmd}` exited {code}: {out.err[-2000:]}"
+        ran += 1
+    assert ran >= 10
+    assert (work / "runs" / "fedpetuning-sst2-demo" / "report.html").is_file()
