@@ -78,8 +78,7 @@ def config(variant: str, partition: str, seed: int, args) -> dict:
     if args.image_size is not None:
         base["task"]["image_size"] = args.image_size
     base["federation"].update(rounds=args.rounds, local_steps=args.local_steps,
-                              clients_per_round=args.clients_per_round,
-             image_size=args.image_size or 56, kd_steps=args.kd_steps)
+                              clients_per_round=args.clients_per_round)
     base["output"] = {"dir": str(args.out / "runs"), "progress": False, "save_weights": False,
                       "plots": False}
     # one process per run, clients one after another, 1 intra-op thread (the load stated per row)
