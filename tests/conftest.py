@@ -213,3 +213,102 @@ def method_options(method: str, tmp_path: Path) -> dict:
                       "reorder_every": 1, "width_steps": 4},
             "heads": {"sparsity": 0.5},
             }.get(method, {})
+
+
+# --- image backbones: tiny random ViT / DeiT / DINOv2 and a tiny image dataset ---------------------
+
+VISION = ("vit", "deit", "dinov2")
+
+
+def tiny_vision_config(model_type: str, num_layers: int = 2):
+    """A 2-layer, 4-head, hidden-32 image classifier reading 16 px images in 8 px patches (4
+    patches + 1 class token; DeiT + a distillation token)."""
+    import transformers as T
+
+    common = dict(hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=4, image_size=16,
+                  patch_size=8, num_channels=3, num_labels=2)
+    if model_type == "vit":
+        return T.ViTConfig(intermediate_size=64, **common)
+    if model_type == "deit":
+        return T.DeiTConfig(intermediate_size=64, **common)
+    if model_type == "dinov2":
+        return T.Dinov2Config(mlp_ratio=2, **common)
+    raise ValueError(model_type)
+
+
+def save_tiny_vision(folder: Path, model_type: str, num_layers: int = 2) -> Path:
+    """A random tiny image classifier of ``model_type``. ViT gets a preprocessor_config.json (a
+    16 px processor); DeiT and DINOv2 get none (the table's release processor is used). DINOv2's
+    layer scales are random, not the constant init, so that salience must use them."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cls = {"vit": T.ViTForImageClassification, "deit": T.DeiTForImageClassification,
+           "dinov2": T.Dinov2ForImageClassification}[model_type]
+    model = cls(tiny_vision_config(model_type, num_layers))
+    if model_type == "dinov2":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lambda1" in name:
+                    p.copy_(torch.rand_like(p) * 2)
+    model.save_pretrained(folder)
+    if model_type == "vit":
+        from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
+        ViTImageProcessorPil(size={"height": 16, "width": 16}).save_pretrained(folder)
+    return folder
+
+
+def stripes(label: int, size: tuple[int, int], rng: random.Random, mode: str = "RGB"):
+    """A noisy image whose class is where its bright half is: left (0) or right (1)."""
+    import numpy as np
+    from PIL import Image
+
+    w, h = size
+    a = np.array([[rng.randint(0, 60) for _ in range(w)] for _ in range(h)], dtype=np.uint8)
+    half = slice(0, w // 2) if label == 0 else slice(w // 2, w)
+    a[:, half] += 180
+    img = Image.fromarray(a, "L")
+    return img if mode == "L" else img.convert(mode)
+
+
+def write_image_folder(folder: Path, sizes=(48, 16, 16), seed: int = 0, mixed: bool = True) -> Path:
+    """train/dev/test/<class>/*.png of :func:`stripes` images; ``mixed``: several sizes and modes."""
+    rng = random.Random(seed)
+    names = ("left", "right")
+    shapes = [(20, 20), (24, 16), (32, 40)] if mixed else [(16, 16)]
+    modes = ["RGB", "L", "RGBA", "P"] if mixed else ["RGB"]
+    for split, n in zip(("train", "dev", "test"), sizes):
+        for i in range(n):
+            label = i % 2
+            out = folder / split / names[label] / f"{i:03d}.png"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            stripes(label, shapes[i % len(shapes)], rng, modes[i % len(modes)]).save(out)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_dirs(tmp_path_factory) -> dict[str, Path]:
+    return {t: save_tiny_vision(tmp_path_factory.mktemp(f"tiny-{t}"), t) for t in VISION}
+
+
+@pytest.fixture(scope="session")
+def tiny_images_dir(tmp_path_factory) -> Path:
+    return write_image_folder(tmp_path_factory.mktemp("tiny-images"))
+
+
+@pytest.fixture
+def tiny_img_cfg_dict(tiny_vision_dirs, tiny_images_dir, tmp_path, monkeypatch) -> dict:
+    """A 1-round FedPETuning run of the tiny DINOv2 on the tiny image folder at 16 px."""
+    monkeypatch.setenv("FEDSLICE_CACHE_DIR", str(tmp_path / "cache"))
+    return {
+        "seed": 0, "threads": 1,
+        "data": {"path": str(tiny_images_dir)},
+        "model": {"name": str(tiny_vision_dirs["dinov2"])},
+        "task": {"kind": "image_classification", "image_size": 16},
+        "lora": {"r": 4, "alpha": 8, "targets": ["q", "v"]},
+        "federation": {"num_clients": 3, "clients_per_round": 2, "rounds": 1, "local_steps": 2,
+                       "batch_size": 8, "lr": 5e-3},
+        "method": {"name": "fedpetuning"},
+        "evaluation": {"every": 1, "batch_size": 16},
+        "output": {"dir": str(tmp_path / "runs"), "progress": False, "plots": False},
+    }

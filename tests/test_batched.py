@@ -106,3 +106,10 @@ def test_methods_that_train_different_shapes_fall_back(tiny_cfg_dict, tmp_path):
     tiny_cfg_dict["method"] = {"name": "heads", **method_options("heads", tmp_path)}
     _, records = _run(tiny_cfg_dict, True)
     assert all(r["client_mode"] == "sequential" for r in records)
+
+
+def test_image_lora_batched_equals_sequential(tiny_img_cfg_dict):
+    """Image batches (pixel values + an all-ones token mask) of several clients stack into one
+    batched pass over the tiny DINOv2 (no dropout in its config): the sequential weights."""
+    tiny_img_cfg_dict["federation"].update(num_clients=4, clients_per_round=3, rounds=2)
+    _compare(tiny_img_cfg_dict)

@@ -94,8 +94,8 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     from transformers import XLNetConfig
 
     from fedslice.models.arch import arch_for
-    with pytest.raises(ModelError, match="'xlnet': supported are bart, bert, distilbert, gpt2, "
-                                         "llama, mistral, qwen2, roberta, t5, vit"):
+    with pytest.raises(ModelError, match="'xlnet': supported are bart, bert, deit, dinov2, "
+                                         "distilbert, gpt2, llama, mistral, qwen2, roberta, t5, vit"):
         arch_for(XLNetConfig())
 
 

@@ -300,6 +300,29 @@ def test_bad_config_is_a_fedslice_error(tmp_path):
 # End to end: a SuperLink and SuperNodes on loopback (each test well under two minutes)
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("method", ["fedpetuning", "heads", "fedpft"])
+def test_serverapp_matches_in_process_engine_on_images(tiny_img_cfg_dict, tmp_path, method):
+    """Image classification through the ServerApp/ClientApp code (the ClientApp preprocesses its
+    images with the backbone's processor): the in-process engine's weights, selections and dev
+    accuracy; FedPFT distils on the images the server keeps apart."""
+    options = {"heads": {"sparsity": 0.5},
+               "fedpft": {"whole_layers": [0], "align_every": 1, "align_steps": 1,
+                          "distill": {"corpus": "server_holdout", "steps": 2, "batch_size": 4,
+                                      "cache_dir": ""}}}
+    tiny_img_cfg_dict["method"] = {"name": method, **options.get(method, {})}
+    tiny_img_cfg_dict["data"]["server_holdout"] = 0.1
+    tiny_img_cfg_dict["federation"].update(rounds=2)
+    state, records, summary = _in_process(tiny_img_cfg_dict)
+    path = _write_config(tiny_img_cfg_dict, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(3)), _settings(path, tmp_path / "fl"))
+    _assert_same_state(_weights(run_dir), state)
+    _, metrics, fl_summary = read_run(run_dir)
+    assert [m["clients"] for m in metrics] == [r["clients"] for r in records]
+    assert [m["dev_accuracy"] for m in metrics] == pytest.approx([r["dev_accuracy"] for r in records])
+    assert fl_summary["test_accuracy"] == pytest.approx(summary["test_accuracy"])
+    assert json.loads((run_dir / "labels.json").read_text())["names"] == ["left", "right"]
+
+
 BIN = Path(os.sys.executable).parent
 _have_flower = pytest.mark.skipif(not (BIN / "flower-superlink").exists(),
                                   reason="Flower's executables are not installed beside python")
@@ -389,6 +412,22 @@ def test_deploy_local_generation_on_a_decoder_matches_in_process(tiny_gen_cfg_di
     _check_deployed_run(run_dir, tiny_gen_cfg_dict)
     _, _, summary = read_run(run_dir)
     assert summary["primary_metric"] == "rougeL" and "test_bleu" in summary
+
+
+@needs_flower
+def test_deploy_local_image_classification_matches_in_process(tiny_img_cfg_dict, tmp_path, started):
+    """A tiny DINOv2 classifying images on SuperLink + 2 SuperNodes (each node preprocesses its
+    images): the in-process weights and per-class test accuracy."""
+    from fedslice.flower.deploy import deploy_local
+
+    tiny_img_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=2)
+    path = _write_config(tiny_img_cfg_dict, tmp_path / "img.json")
+    run_dir = deploy_local(path, nodes=2, out_dir=tmp_path / "runs", round_timeout=90,
+                           connect_timeout=60, timeout=240, workdir=tmp_path / "work")
+    _check_deployed_run(run_dir, tiny_img_cfg_dict)
+    _, _, summary = read_run(run_dir)
+    assert summary["task"] == "image_classification"
+    assert set(summary["test_accuracy_per_class"]) == {"left", "right"}
 
 
 @needs_flower

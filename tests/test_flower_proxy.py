@@ -391,3 +391,27 @@ def test_client_role_on_generative_models(tiny_gen_cfg_dict, tiny_lm_dirs, tmp_p
         # (on these 2-layer, 49k-word models LoRA outweighs the dropped neurons, so "less than
         # the full model" is asserted on the encoders above)
         _check_client_role(validate_config(d))
+
+
+@pytest.mark.parametrize("model_type", ["vit", "deit", "dinov2"])
+def test_client_role_on_image_backbones(tiny_img_cfg_dict, tmp_path, model_type):
+    """Image backbones: the client built from the config and its image processor only (a model
+    folder without weights) takes the first payload exactly and trains as the in-process client
+    does; its proxy / emulator is smaller than the full model. The server distils on the images
+    it keeps apart, which no client holds."""
+    from conftest import save_tiny_vision
+    from test_matrix import method_opts
+
+    folder = save_tiny_vision(tmp_path / model_type, model_type, num_layers=4)
+    weightless = _weightless_copy(folder, tmp_path / f"{model_type}-config-only")
+    for method in PROXY_METHODS:
+        d = copy.deepcopy(tiny_img_cfg_dict)
+        d["model"] = {"name": str(folder)}
+        d["data"]["server_holdout"] = 0.1
+        d["lora"] = {"r": 4, "alpha": 8, "targets": ["q", "k", "v", "o"]}
+        d["method"] = {"name": method, **method_opts(method, "unused", tmp_path / "cache", model_type)}
+        server, client = _check_client_role(validate_config(d))
+        assert _model_bytes(_client_model(client)) < _full_model_bytes(server)
+        d["model"] = {"name": str(weightless)}
+        client, data = setup(validate_config(d), role="client")
+        assert len(data.train) == 43  # 48 minus the 5 the server keeps

@@ -42,7 +42,7 @@ def _clients(state, n: int = 3, seed: int = 1):
 
 
 def _replies(locals_, sizes):
-    return {c: Reply(arrays=dict(s), num_examples=n) for c, (s, n) in enumerate(zip(locals_, sizes))}
+    return {c: Reply(arrays=dict(s), num_examples=n, metrics={"loss": 0.5}) for c, (s, n) in enumerate(zip(locals_, sizes))}
 
 
 def _aggregate(rule_cls, state, locals_, sizes, **kw):
@@ -166,8 +166,9 @@ def test_heterogeneous_ranks_pad_and_average_each_component(padding):
     assert payloads[0].arrays[A].shape == (2, IN) and payloads[0].arrays[B].shape == (OUT, 2)
     assert payloads[0].config["lora_rank"] == 2 and payloads[1].arrays[A].shape == (R, IN)
     g = torch.Generator().manual_seed(3)
-    replies = {c: Reply({k: p.arrays[k] + torch.randn(p.arrays[k].shape, generator=g)
-                         for k in (A, B, "classifier.weight")}, 10) for c, p in payloads.items()}
+    replies = {c: Reply({**p.arrays, **{k: p.arrays[k] + torch.randn(p.arrays[k].shape, generator=g)
+                                        for k in (A, B, "classifier.weight")}}, 10, {"loss": 0.5})
+               for c, p in payloads.items()}
     res = rule.aggregate_train(1, state, payloads, replies)
     new = res.state
     a0, a1 = _np(replies[0].arrays[A]), _np(replies[1].arrays[A])
@@ -180,7 +181,7 @@ def test_heterogeneous_ranks_pad_and_average_each_component(padding):
     np.testing.assert_allclose(_np(pad_rank(replies[0].arrays[B], 1, R)) @ _np(pad_rank(replies[0].arrays[A], 0, R)),
                                _np(replies[0].arrays[B]) @ a0, atol=1e-6)
     # a reply at the wrong rank is rejected
-    bad = {0: Reply({**replies[0].arrays, A: torch.zeros(3, IN)}, 10), 1: replies[1]}
+    bad = {0: Reply({**replies[0].arrays, A: torch.zeros(3, IN)}, 10, {"loss": 0.5}), 1: replies[1]}
     res = rule.aggregate_train(1, state, payloads, bad)
     assert res.used == [1] and "rank 3, the client's rank is 2" in res.excluded[0]["reason"]
 

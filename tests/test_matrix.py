@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from conftest import save_tiny_model
+from conftest import VISION, save_tiny_model, save_tiny_vision
 from fedslice.api import setup
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
@@ -26,22 +26,19 @@ from fedslice.fl.strategy import Reply
 METHODS = ("fedavg", "fedpetuning", "heads", "raffm", "fedpft", "fedot")
 ENCODERS = ("bert", "roberta", "distilbert")
 GENERATIVE = ("gpt2", "llama", "t5", "bart")
-ARCHS = (*ENCODERS, "vit", *GENERATIVE)
+ARCHS = (*ENCODERS, *VISION, *GENERATIVE)
 SLICING = ("heads", "raffm", "fedpft", "fedot")
 #: the pairs that run today (the README table); every other pair is a ConfigError at load
 WORKS = {(m, a) for m in METHODS for a in ENCODERS} | \
+        {(m, a) for m in METHODS for a in VISION} | \
         {(m, a) for m in METHODS for a in GENERATIVE}
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, tiny_lm_dirs):
     dirs = {a: save_tiny_model(tmp_path_factory.mktemp(f"m-{a}"), a, num_layers=4) for a in ENCODERS}
-    from transformers import ViTConfig, ViTForImageClassification
-    vit = tmp_path_factory.mktemp("m-vit")
-    ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                        intermediate_size=64, image_size=8, patch_size=4,
-                                        num_labels=2)).save_pretrained(vit)
-    return {**dirs, "vit": vit, **{a: tiny_lm_dirs[a] for a in GENERATIVE}}
+    dirs.update({a: save_tiny_vision(tmp_path_factory.mktemp(f"m-{a}"), a, num_layers=4) for a in VISION})
+    return {**dirs, **{a: tiny_lm_dirs[a] for a in GENERATIVE}}
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +49,17 @@ def corpus(tmp_path_factory):
 
 
 def method_opts(name: str, corpus, cache, arch: str = "bert") -> dict:
-    distill = {"corpus": str(corpus), "steps": 2, "batch_size": 4, "max_length": 16, "cache_dir": str(cache)}
+    # image backbones distil on the training images the server keeps apart
+    corpus = "server_holdout" if arch in VISION else str(corpus)
+    distill = {"corpus": corpus, "steps": 2, "batch_size": 4, "max_length": 16, "cache_dir": str(cache)}
     return {"fedavg": {}, "fedpetuning": {},
             "heads": {"sparsity": 0.5, "importance_max_examples": 8},
             # a tiny LM's FLOPs are mostly its 49k-word output layer: slices save a few percent
             "raffm": {"tiers": [{"share": 0.5, "flops": 0.99}, {"share": 0.5, "flops": 1.0}]}
-            if arch in GENERATIVE else {}, "fedot": {"distill_emulator": True, "distill": distill,
+            if arch in GENERATIVE else
+            # 5 tokens per image: the embeddings and classifier weigh more than on 16-token text
+            {"tiers": [{"share": 0.5, "flops": 0.5}, {"share": 0.5, "flops": 1.0}]}
+            if arch in VISION else {}, "fedot": {"distill_emulator": True, "distill": distill,
                                                      # 2 layers per stack: adapter 1 + emulator 1
                                                      **({"bottom_layers": 1, "top_layers": 0}
                                                         if arch in GENERATIVE else {})},
@@ -65,8 +67,12 @@ def method_opts(name: str, corpus, cache, arch: str = "bert") -> dict:
             }[name]
 
 
-def config(method: str, arch: str, model_dirs, corpus, tiny_cfg_dict, tiny_gen_cfg_dict, tmp_path):
-    d = dict(tiny_gen_cfg_dict if arch in GENERATIVE else tiny_cfg_dict)
+def config(method: str, arch: str, model_dirs, corpus, tiny_cfg_dict, tiny_gen_cfg_dict, tmp_path,
+           tiny_img_cfg_dict=None):
+    d = dict(tiny_gen_cfg_dict if arch in GENERATIVE else tiny_img_cfg_dict if arch in VISION
+             else tiny_cfg_dict)
+    if arch in VISION:
+        d["data"] = {**d["data"], "server_holdout": 0.1}
     d["model"] = {"name": str(model_dirs[arch])}
     d["lora"] = {"r": 4, "alpha": 8, "targets": ["q", "k", "v", "o"]}
     d["federation"] = {**d["federation"], "num_clients": 3, "clients_per_round": 1, "rounds": 1,
@@ -96,8 +102,9 @@ def marker_reply(method, payload, reply: Reply) -> Reply:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("method_name", METHODS)
 def test_method_on_architecture(method_name, arch, model_dirs, corpus, tiny_cfg_dict,
-                                tiny_gen_cfg_dict, tmp_path):
-    cfg = config(method_name, arch, model_dirs, corpus, tiny_cfg_dict, tiny_gen_cfg_dict, tmp_path)
+                                tiny_gen_cfg_dict, tiny_img_cfg_dict, tmp_path):
+    cfg = config(method_name, arch, model_dirs, corpus, tiny_cfg_dict, tiny_gen_cfg_dict, tmp_path,
+                 tiny_img_cfg_dict)
     if (method_name, arch) not in WORKS:
         with pytest.raises(ConfigError, match=f"{method_name}|{arch}"):
             setup(cfg)
@@ -129,11 +136,15 @@ def test_method_on_architecture(method_name, arch, model_dirs, corpus, tiny_cfg_
 
 
 def test_readme_table_is_works():
-    """The README's method x architecture table says what ``WORKS`` tests (✓ runs, ✗ refused)."""
+    """The method x architecture tables of the README and docs/architectures.md say what
+    ``WORKS`` tests (✓ runs, ✗ refused), column by column."""
     from pathlib import Path
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = text.split("## Which method runs on which architecture", 1)[1]
-    for m in METHODS:
-        row = next(l for l in table.splitlines() if l.startswith(f"| `{m}`"))
-        cells = [c.strip() for c in row.strip("|").split("|")[1:]]
-        assert [c.startswith("✓") for c in cells] == [(m, a) in WORKS for a in ARCHS], m
+    root = Path(__file__).resolve().parents[1]
+    for page in (root / "README.md", root / "docs" / "architectures.md"):
+        table = page.read_text().split("## Which method runs on which architecture", 1)[1]
+        header = next(l for l in table.splitlines() if l.startswith("| method \\ model"))
+        assert [c.strip().split(" ")[0] for c in header.strip("|").split("|")[1:]] == list(ARCHS), page
+        for m in METHODS:
+            row = next(l for l in table.splitlines() if l.startswith(f"| `{m}`"))
+            cells = [c.strip() for c in row.strip("|").split("|")[1:]]
+            assert [c.startswith("✓") for c in cells] == [(m, a) in WORKS for a in ARCHS], (page, m)

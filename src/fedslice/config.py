@@ -135,6 +135,14 @@ class DataConfig(_Section):
                                            "(and split/group) columns; the log says which.")
     label_column: str = Field("label", description="Column of class labels: integer ids >= 0 "
                               "or names (mapped to ids in sorted order of the train split).")
+    image_column: str = Field("image", description="Image tasks: the column holding each image "
+                              "(CSV/JSONL: a path, relative to the data folder; hub datasets: the "
+                              "image feature, e.g. 'img' for CIFAR-10). Image folders (one sub-folder "
+                              "per class) and IDX files need no columns.")
+    server_holdout: float = Field(0.0, ge=0, lt=0.5, description="Fraction of the train split the "
+                                  "server keeps apart (seeded, before partitioning: no client gets "
+                                  "it); method.distill.corpus = 'server_holdout' distils on it "
+                                  "(FedPFT/FedOT on image tasks).")
     labels: list[str] | None = Field(None, min_length=2, description="Class names in id order: "
                                      "fixes the label ids (a label not listed is an error).")
     format: Literal["auto", "tsv", "csv", "jsonl"] = Field("auto", description="File format; "
@@ -184,7 +192,7 @@ class DataConfig(_Section):
         data = dict(data)
         if isinstance(data.get("text_columns"), list):
             data["text_columns"] = [name(x) for x in data["text_columns"]]
-        for key in ("label_column", "split_column", "group_column"):
+        for key in ("label_column", "image_column", "split_column", "group_column"):
             if key in data:
                 data[key] = name(data[key])
         return data
@@ -203,13 +211,17 @@ class DataConfig(_Section):
         if self.columns is not None and self.header:
             raise ValueError("`columns` names the fields of headerless files: set header = false "
                              "(files with a header line are read by their own column names)")
+        return self
+
+    def check_columns(self, inputs: list[str]) -> None:
+        """With ``columns`` (headerless files): every column the task reads (``inputs``: its
+        text or image columns) and the label/split/group columns must be among them."""
         if self.columns is not None:
-            named = [*(self.text_columns or []), self.label_column]
+            named = [*inputs, self.label_column]
             named += [c for c in (self.split_column, self.group_column) if c is not None]
             missing = [c for c in named if c not in self.columns]
             if missing:
                 raise ValueError(f"column(s) {missing} are not among columns = {self.columns}")
-        return self
 
 class ModelConfig(_Section):
     name: str = Field("minilm", description="HF model path or hub id; 'minilm' is the bundled "
@@ -262,7 +274,9 @@ class DistillConfig(_Section):
     corpus: str = Field("../shared/data/wikitext2", description="A text file, a folder of text "
                         "files (.txt: one passage per line; .jsonl/.tsv/.csv: `text_column`), "
                         "resolved like data.path; or a hub dataset 'name[:subset]' "
-                        "('wikitext:wikitext-2-raw-v1').")
+                        "('wikitext:wikitext-2-raw-v1'). Image tasks: 'server_holdout' (the "
+                        "training images the server keeps apart, data.server_holdout) or a folder "
+                        "of images.")
     text_column: str = Field("text", description="Column of .jsonl/.tsv/.csv corpus files.")
     hub_split: str = Field("train", description="Split of a hub corpus.")
     steps: int = Field(200, ge=0, description="Optimizer steps of layer-level (FedPFT) or "
@@ -294,7 +308,7 @@ class TaskConfig(_Section):
     prompt + target (loss on target tokens only), encoder-decoders map prompt -> target.
     """
 
-    kind: Literal["classification", "generation"] = "classification"
+    kind: Literal["classification", "generation", "image_classification"] = "classification"
     prompt: str | None = Field(None, description="Template over data columns, e.g. 'Describe the "
                                "restaurant: {mr}\n' (generation and text-to-text classification; "
                                "default: the text columns joined by a newline).")
@@ -310,6 +324,10 @@ class TaskConfig(_Section):
     max_target_length: int = Field(64, ge=1, description="Target tokens kept (longer targets are "
                                    "truncated and counted); prompts are limited by data.max_length.")
     max_new_tokens: int = Field(64, ge=1, description="Greedy generation length at evaluation.")
+    image_size: int | None = Field(None, ge=8, description="image_classification: the side in px "
+                                   "the images are resized to (shorter side, then a centre crop); "
+                                   "default: the backbone's image processor's size. The tokens per "
+                                   "image, and so the cost, grow with its square: (S/patch)^2 + 1.")
 
     @field_validator("label_words")
     @classmethod
@@ -323,6 +341,14 @@ class TaskConfig(_Section):
 
     @model_validator(mode="after")
     def _kind_fields(self) -> "TaskConfig":
+        if self.kind == "image_classification":
+            text = [f for f in ("prompt", "target", "label_words") if getattr(self, f) is not None]
+            if text or self.preset != "none" or self.chat_template:
+                raise ValueError(f"{text or ['preset/chat_template']} are for text tasks, not "
+                                 "kind = 'image_classification'")
+            return self
+        if self.image_size is not None:
+            raise ValueError("image_size is for kind = 'image_classification'")
         if self.kind == "generation" and self.label_words is not None:
             raise ValueError("label_words are for kind = 'classification'")
         if self.kind == "classification" and (self.target is not None or self.preset != "none"):
@@ -551,6 +577,18 @@ class ExperimentConfig(_Section):
         if errors:
             raise ValidationError.from_exception_data(cls.__name__, errors)
         return data
+
+    @model_validator(mode="after")
+    def _data_columns(self) -> "ExperimentConfig":
+        """With ``data.columns`` (headerless files), the columns the task reads must be among
+        them: its text columns, or for an image task its image column."""
+        image = self.task.kind == "image_classification"
+        try:
+            inputs = [self.data.image_column] if image else (self.data.text_columns or [])
+            self.data.check_columns(inputs)
+        except ValueError as e:
+            raise ValueError(f"data: {e}") from None
+        return self
 
     @model_validator(mode="after")
     def _plugins_agree(self) -> "ExperimentConfig":

@@ -38,7 +38,7 @@ from fedslice.checkpoint import CHECKPOINT, read_checkpoint
 from fedslice.config import ExperimentConfig
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, FedsliceError
-from fedslice.models.arch import ArchSpec, arch_for
+from fedslice.models.arch import CLASSIFIER_HEADS, ArchSpec, arch_for
 from fedslice.models.loading import LoadedModel, load_model
 from fedslice.output import CONFIG_JSON, LATEST_WEIGHTS, SUMMARY, WEIGHTS, write_json_atomic
 from fedslice.peft.export import adapter_of, base_name
@@ -58,7 +58,7 @@ def inference_info(cfg: ExperimentConfig, method, task) -> dict[str, Any]:
     """What rebuilding the trained model for inference needs beyond the config and the weights."""
     config = method.model.config
     return {"format": 1, "model_type": method.arch.model_type, "head": task.head,
-            "num_labels": config.num_labels if task.head == "sequence_classification" else None,
+            "num_labels": config.num_labels if task.head in CLASSIFIER_HEADS else None,
             "label_names": task.label_names, "text_columns": task.text_columns,
             "task": task.kind, "exclude": method.deploy_exclude()}
 
@@ -276,7 +276,7 @@ def _merged_model(rebuilt: Rebuilt) -> nn.Module:
 
 def _label_config(run: TrainedRun, config) -> None:
     names = run.info.get("label_names")
-    if run.info["head"] == "sequence_classification" and names:
+    if run.info["head"] in CLASSIFIER_HEADS and names:
         config.id2label = dict(enumerate(names))
         config.label2id = {n: i for i, n in enumerate(names)}
 

@@ -24,6 +24,7 @@ from fedslice.experiment import validate_config
 from fedslice.data.loading import drop_incomplete, read_table
 from fedslice.errors import ConfigError, DataError
 from fedslice.export import Rebuilt, TrainedRun, read_run, trained_model
+from fedslice.models.arch import CLASSIFIER_HEADS
 from fedslice.output import to_jsonable, write_json_atomic
 from fedslice.tasks import make_task
 
@@ -142,7 +143,7 @@ def evaluate(run_dir: str | Path, data_path: str, overrides: list[str] | None = 
     if data.get("text_columns") is None and run.info.get("text_columns"):
         data["text_columns"] = run.info["text_columns"]  # the columns the run read
     names = run.info.get("label_names")
-    if names and run.info["head"] == "sequence_classification" and not data.get("labels"):
+    if names and run.info["head"] in CLASSIFIER_HEADS and not data.get("labels"):
         data["labels"] = names  # the run's label ids
     given = apply_overrides({**run.cfg.model_dump(mode="json"), "data": data}, overrides or [])
     cfg = validate_config(given, "evaluate")

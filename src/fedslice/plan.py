@@ -24,7 +24,8 @@ from fedslice.fl.engine import FederatedData, prepare_data
 from fedslice.measure import ClientCost
 from fedslice.methods import build_method, method_class
 from fedslice.models.arch import Head, arch_for
-from fedslice.models.loading import AUTO_CLASSES, LoadedModel, ensure_pad_token, load_config
+from fedslice.models.loading import (LoadedModel, adapt_image_model, ensure_pad_token,
+                                     from_config, load_config, load_preprocessor, model_class)
 from fedslice.tasks import make_task
 
 
@@ -121,13 +122,18 @@ class Plan:
 
 def _model(config, cfg: ExperimentConfig, head: Head, num_labels: int | None, *, meta: bool):
     """A randomly initialised model with the task's head (on the meta device: shapes only)."""
-    import transformers
-
     if num_labels is not None:
         config.num_labels = num_labels
-    auto = getattr(transformers, AUTO_CLASSES[head])
+    arch = arch_for(config)
     with torch.device("meta") if meta else torch.device("cpu"):
-        return auto.from_config(config, attn_implementation=cfg.model.attn_implementation)
+        model = from_config(model_class(arch, head), config,
+                            attn_implementation=cfg.model.attn_implementation)
+    return adapt_image_model(model, arch)
+
+
+def _pad(tokenizer, model) -> None:
+    if getattr(tokenizer, "model_input_names", None) and "input_ids" in tokenizer.model_input_names:
+        ensure_pad_token(tokenizer, model)
 
 
 def _steps(cfg: ExperimentConfig, n: int) -> int:
@@ -140,7 +146,7 @@ def _time_step(config, cfg: ExperimentConfig, task, data: FederatedData, num_lab
     """Seconds of one training step of the full model (random weights) on a batch of the
     client data (the task's loss)."""
     model = _model(config, cfg, task.head, num_labels, meta=False)
-    ensure_pad_token(tokenizer, model)
+    _pad(tokenizer, model)
     order = torch.argsort(data.train.lengths, stable=True)
     mid = max(0, len(order) // 2 - cfg.federation.batch_size // 2)  # a typical length
     batch = data.train.collate(order[mid:mid + cfg.federation.batch_size])
@@ -159,17 +165,15 @@ def make_plan(cfg: ExperimentConfig, *, timing: bool = True) -> Plan:
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    from transformers import AutoTokenizer
-
     config, path = load_config(cfg.model)
     arch = arch_for(config)
     task = make_task(cfg, arch)
     method_class(cfg.method.name).check_supported(arch, task)
     raw = task.load_raw()
     k = task.num_labels(raw)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_preprocessor(path, arch, cfg.model.name)
     model = _model(config, cfg, task.head, k, meta=True)
-    ensure_pad_token(tokenizer, model)
+    _pad(tokenizer, model)
     loaded = LoadedModel(model=model, tokenizer=tokenizer, arch=arch, head=task.head)
     data: FederatedData = prepare_data(cfg, task, task.encode(raw, loaded))
     sizes = [len(p) for p in data.partitions]
@@ -186,7 +190,7 @@ def make_plan(cfg: ExperimentConfig, *, timing: bool = True) -> Plan:
         # e.g. raffm's planner reads values (.item()): random weights have the same shapes, and
         # what each client's budget buys depends on shapes only
         random = _model(config, cfg, task.head, k, meta=False)
-        ensure_pad_token(tokenizer, random)
+        _pad(tokenizer, random)
         try:
             _method_sizes(cfg, plan, LoadedModel(model=random, tokenizer=tokenizer, arch=arch,
                                                  head=task.head), task, sizes)

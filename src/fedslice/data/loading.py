@@ -58,12 +58,19 @@ _INT = re.compile(r"[+-]?\d+")
 _FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?")
 
 
+#: Where a system keeps data sets its package manager installed (Debian: dataset-fashion-mnist
+#: installs /usr/share/datasets/fashion-mnist/), looked at last.
+SYSTEM_DATA_DIRS: tuple[Path, ...] = (Path("/usr/share/datasets"),)
+
+
 def data_search_dirs() -> list[Path]:
-    """Where relative data paths are looked up: $FEDSLICE_DATA_DIR, ., ../shared/data, and
-    ../shared/data beside the source checkout."""
+    """Where relative data paths are looked up: $FEDSLICE_DATA_DIR, ., ../shared/data,
+    ../shared/data beside the source checkout, then the system's data folders
+    (:data:`SYSTEM_DATA_DIRS`)."""
     dirs = [Path(os.environ["FEDSLICE_DATA_DIR"])] if os.environ.get("FEDSLICE_DATA_DIR") else []
     repo = Path(__file__).resolve().parents[3]
-    return dirs + [Path.cwd(), Path.cwd().parent / "shared" / "data", repo.parent / "shared" / "data"]
+    return dirs + [Path.cwd(), Path.cwd().parent / "shared" / "data", repo.parent / "shared" / "data",
+                   *SYSTEM_DATA_DIRS]
 
 
 # --------------------------------------------------------------------------- tables
@@ -326,7 +333,10 @@ def _candidate_paths(text: str, base_dirs: Sequence[Path]) -> list[Path]:
     if path.is_absolute():
         return [path]
     bases = list(base_dirs) or [Path.cwd()]
-    return [Path(base) / path for base in bases]
+    names = [path]
+    if len(path.parts) == 1 and ("_" in text or "-" in text):  # fashion_mnist ~ fashion-mnist
+        names += [Path(text.replace("_", "-")), Path(text.replace("-", "_"))]
+    return list(dict.fromkeys(Path(base) / name for base in bases for name in names))
 
 
 def find_split_files(folder: Path, file_format: FileFormat = "auto",
@@ -378,7 +388,7 @@ def _load_hub_split(dataset_id: str, subset: str | None, split: str) -> Any:
         raise _hub_error(dataset_id, subset, split, err) from err
 
 
-def _hub_table(dataset: Any, source: str) -> RawTable:
+def hub_table(dataset: Any, source: str) -> RawTable:
     data = dataset.to_dict()
     n = len(dataset)
     names: dict[str, list[str]] = {}
@@ -405,7 +415,7 @@ def load_hub_tables(dataset_id: str, *, subset: str | None,
     for ours, theirs in split_map.items():
         if theirs not in loaded:
             dataset = _load_hub_split(dataset_id, subset, theirs)
-            loaded[theirs] = _hub_table(dataset, f"{dataset_id}{'/' + subset if subset else ''}"
+            loaded[theirs] = hub_table(dataset, f"{dataset_id}{'/' + subset if subset else ''}"
                                                  f":{theirs}")
         result[ours] = loaded[theirs]
     return result
@@ -522,7 +532,7 @@ def load_tables(d: DataConfig, seed: int = 0,
         if d.split_column is not None:
             table, _ = drop_incomplete(table, [(d.split_column, "data.split_column")],
                                        skip=d.bad_rows == "skip")
-            tables = _by_split_column(table, d.split_column)
+            tables = by_split_column(table, d.split_column)
         else:
             tables = {"train": table}
     else:
@@ -541,6 +551,15 @@ def load_tables(d: DataConfig, seed: int = 0,
     required = list(required)
     if d.group_column is not None:
         required.append((d.group_column, "data.group_column"))
+    return check_and_carve(tables, d, seed, required, source, carve_missing)
+
+
+def check_and_carve(tables: Mapping[str, RawTable], d: DataConfig, seed: int,
+                    required: Sequence[tuple[str, str]], source: Path | str,
+                    carve_missing: bool = True) -> dict[str, RawTable]:
+    """Check every split (not empty; ``required`` columns present and filled, per
+    ``d.bad_rows``) and carve the missing dev/test splits off train (see :func:`load_tables`;
+    ``carve_missing=False``: only the splits the data has)."""
     checked: dict[str, RawTable] = {}
     for split, table in tables.items():
         if not len(table):
@@ -563,7 +582,7 @@ def load_tables(d: DataConfig, seed: int = 0,
     return {s: checked[s] for s in ("train", "dev", "test")}
 
 
-def _by_split_column(table: RawTable, column: str) -> dict[str, RawTable]:
+def by_split_column(table: RawTable, column: str) -> dict[str, RawTable]:
     values = table.column(column, "data.split_column")
     ours = {alias: split for split, aliases in SPLIT_NAMES.items() for alias in aliases}
     rows: dict[str, list[int]] = {}

@@ -27,6 +27,8 @@ from fedslice.data.sources import data_search_dirs
 from fedslice.errors import ConfigError, DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".tsv", ".csv")
+#: ``distill.corpus`` of an image task: the training images the server keeps apart
+HOLDOUT = "server_holdout"
 
 
 def resolve_corpus(corpus: str, field: str, search_dirs: list[Path]) -> Path | str:
@@ -158,9 +160,10 @@ def fingerprint(source: Path | str) -> str:
     return h.hexdigest()[:16]
 
 
-def resolve_checked(cfg: DistillConfig, *, field: str, data_path: str | None = None) -> Path | str:
+def resolve_checked(cfg: DistillConfig, *, field: str, data_path: str | None = None,
+                    text: bool = True) -> Path | str:
     """Resolve the corpus of ``cfg`` like data paths and check it is not the clients' data
-    (``field`` names it in errors)."""
+    (``field`` names it in errors); ``text=False``: a folder of images (an image task's)."""
     source = resolve_corpus(cfg.corpus, field, data_search_dirs())
     if data_path is not None:
         try:
@@ -169,9 +172,30 @@ def resolve_checked(cfg: DistillConfig, *, field: str, data_path: str | None = N
             data_source = None
         if data_source is not None:
             check_not_client_data(source, data_source, field)
+    if not text:
+        from fedslice.data.images import IMAGE_SUFFIXES, images_in
+        if not isinstance(source, Path) or not source.is_dir() or not images_in(source):
+            raise ConfigError(f"{field}: an image backbone distils on images; {cfg.corpus!r} is no "
+                              f"folder of images ({', '.join(IMAGE_SUFFIXES)}): use {HOLDOUT!r} "
+                              "(with data.server_holdout > 0) or a folder of images")
+        return source
     if isinstance(source, Path) and not corpus_files(source):
         raise ConfigError(f"{field}: {source} holds no text files ({', '.join(TEXT_SUFFIXES)})")
     return source
+
+
+def image_folder_corpus(folder: Path, prep, tokens_for, field: str):
+    """Every image under ``folder`` (sorted; labels unused), preprocessed like the task's images
+    (undecodable ones skipped)."""
+    import numpy as np
+
+    from fedslice.data.images import ImageBank, RawImageSplit, images_in, encode_images, image_cache_dir
+
+    paths = [str(p) for p in images_in(folder)]
+    bank = ImageBank(paths, folder, str(folder), "image", list(range(1, len(paths) + 1)))
+    raw = RawImageSplit(bank, np.arange(len(paths)), [0] * len(paths), str(folder))
+    return encode_images({"corpus": raw}, prep, tokens_for, skip_bad=True,
+                         cache_dir=image_cache_dir())["corpus"]
 
 
 def load_corpus(cfg: DistillConfig, tokenizer, max_chunks: int, *, field: str,

@@ -97,6 +97,11 @@ def decoder_start(model: nn.Module) -> int | None:
     return getattr(getattr(model, "config", None), "decoder_start_token_id", None)
 
 
+def input_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens of the inputs (token ids; an image batch: patches + prefix tokens, its mask)."""
+    return int((batch["input_ids"] if "input_ids" in batch else batch["attention_mask"]).numel())
+
+
 @dataclass
 class DistillLog:
     """Per-step loss parts and the measured cost of one distillation."""
@@ -186,7 +191,7 @@ def distill(student: nn.Module, teacher: nn.Module, arch: ArchSpec, params: dict
                 loss, parts = loss_fn(s_out, t_out, batch)
                 loss.backward()
             if step == 0:
-                flops_per_token = fc.total / batch["input_ids"].numel()
+                flops_per_token = fc.total / input_tokens(batch)
             _mask_grads(params, grad_masks)
             if max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(params.values(), max_grad_norm)
@@ -194,7 +199,7 @@ def distill(student: nn.Module, teacher: nn.Module, arch: ArchSpec, params: dict
             sched.step()
             opt.zero_grad(set_to_none=True)
             log.losses.append(parts)
-            log.tokens += batch["input_ids"].numel()
+            log.tokens += input_tokens(batch)
     log.steps = steps
     log.flops = flops_per_token * log.tokens
     log.time_s = time.perf_counter() - t0

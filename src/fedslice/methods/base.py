@@ -42,7 +42,7 @@ from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.rules.lora import check_lora_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
-from fedslice.models.arch import ArchSpec
+from fedslice.models.arch import CLASSIFIER_HEADS, ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import Adapter, make_adapter
 from fedslice.registry import ADAPTERS
@@ -111,7 +111,7 @@ class Method:
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:
         """A ConfigError, before any weight is loaded, when the method cannot run this pair, or
         the adapter cannot (:meth:`fedslice.peft.Adapter.check_supported`)."""
-        if cls.needs_simple_encoder and not (arch.is_simple_encoder and task.head == "sequence_classification"):
+        if cls.needs_simple_encoder and not (arch.is_simple_encoder and task.head in CLASSIFIER_HEADS):
             raise ConfigError(
                 f"method {cls.name!r} slices single-stack encoder classifiers (bert, roberta, "
                 f"distilbert, vit); it does not run on a {arch.model_type} {task.kind} model yet: "

@@ -58,7 +58,7 @@ from fedslice.errors import ConfigError
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.tasks import Task
 from fedslice.methods.base import Method, Role
-from fedslice.methods.submodel import (ClientBase, Corpus, cached_distill,
+from fedslice.methods.submodel import (ClientBase, cached_distill, make_corpus,
                                        named_params, sub_accuracy, transformer_params)
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel, materialize
@@ -216,7 +216,7 @@ class FedOT(Method):
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None):
-        self.tokenizer = loaded.tokenizer
+        self.loaded = loaded  # the preprocessor and config the distillation corpus is encoded with
         self.opts: FedOTMethod = cfg.method
         super().__init__(cfg, loaded, task, role, client_sizes)
 
@@ -300,7 +300,7 @@ class FedOT(Method):
         stack; an encoder-decoder's decoder reads the corpus teacher-forced, the mean over stacks)."""
         d = self.opts.distill
         params, pairs = self.emulator_params, self._emulator_pairs()
-        corpus = Corpus(self.cfg, d, self.tokenizer, d.steps, "method.distill.corpus")
+        corpus = make_corpus(self.cfg, d, self.task, self.loaded, d.steps, "method.distill.corpus")
 
         def loss(s_layers, t_layers, batch):  # emulator output vs the middle layers' output
             value = sum(hidden_loss(s_layers[s], t_layers[t], stack_mask(self.arch, k, batch))

@@ -74,7 +74,7 @@ from fedslice import measure
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.tasks import Task
 from fedslice.methods.base import Method, Role
-from fedslice.methods.submodel import (ClientBase, Corpus, cached_distill,
+from fedslice.methods.submodel import (ClientBase, cached_distill, make_corpus,
                                        concat_logs, named_params, sub_accuracy, sub_seed,
                                        transformer_params)
 from fedslice.models.arch import ArchSpec
@@ -411,7 +411,7 @@ class FedPFT(Method):
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None):
-        self.tokenizer = loaded.tokenizer
+        self.loaded = loaded  # the preprocessor and config the distillation corpus is encoded with
         self.opts: FedPFTMethod = cfg.method
         self.align_logs: list[DistillLog] = []
         self.align_records: list[dict[str, Any]] = []
@@ -458,7 +458,7 @@ class FedPFT(Method):
         if o.kd == "none" or not self.compressed:
             return None
         steps = max(o.distill.steps if o.kd in KD_BEFORE else 0, o.align_steps if o.kd in KD_DURING else 0)
-        corpus = Corpus(self.cfg, o.distill, self.tokenizer, steps, "method.distill.corpus")
+        corpus = make_corpus(self.cfg, o.distill, self.task, self.loaded, steps, "method.distill.corpus")
         if o.kd in KD_DURING and o.align_steps > 0:
             _ = corpus.split  # packed now, not at the first alignment
         return corpus

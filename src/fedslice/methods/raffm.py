@@ -45,6 +45,7 @@ from fedslice.fl.client import LocalResult
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
 from fedslice.tasks import Task
+from fedslice.tasks.base import batch_rows
 from fedslice.methods.base import Method, Role
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
@@ -53,9 +54,8 @@ from fedslice.report import figure, save_figure
 from fedslice.slicing.permute import (Permutation, in_original_order, permute_state,
                                       unpermute_state)
 from fedslice.slicing.planner import (Budget, Plan, Planner, SpecCost, assign_budgets,
-                                      choose_rank, measure_training_step, profile_batch,
-                                      width_candidates)
-from fedslice.slicing.salience import model_salience, salience_order
+                                      choose_rank, measure_training_step, width_candidates)
+from fedslice.slicing.salience import model_salience, salience_order, scale_tensors
 from fedslice.slicing.spec import (Spec, extract_model, extract_state, scatter, sliceable_keys,
                                    spec_from_dict, spec_sizes, stack_list)
 
@@ -158,9 +158,11 @@ class RaFFMStrategy(Strategy):
     def __init__(self, fed: FederationConfig, opts: RaFFMMethod, arch: ArchSpec,
                  dims: list[Mapping[str, int]], plans: dict[int, ClientPlan],
                  adapter_scale: float | None, trainable: set[str] | None = None,
-                 client_sizes: Mapping[int, int] | None = None):
+                 client_sizes: Mapping[int, int] | None = None, scales: State | None = None):
         super().__init__(fed, client_sizes)
         self.opts, self.arch, self.dims, self.plans = opts, arch, dims, plans
+        #: frozen layer scales salience reads (DINOv2); the state's own values win
+        self.scales = dict(scales or {})
         #: trainable tensor names with the layer index replaced by '#' (None: every tensor)
         self.trainable = None if trainable is None else {_generic(k) for k in trainable}
         self.adapter_scale = adapter_scale  # the adapter's scale in salience (LoRA: alpha / r)
@@ -169,7 +171,8 @@ class RaFFMStrategy(Strategy):
     # -- ordering ----------------------------------------------------------------------------
     def reorder(self, state: State) -> State:
         """Salience-order heads and neurons of ``state``; tracks the cumulative permutation."""
-        sal = model_salience(state, self.arch, self.dims, self.opts.salience, self.adapter_scale)
+        sal = model_salience({**self.scales, **state}, self.arch, self.dims, self.opts.salience,
+                             self.adapter_scale)
         rel = salience_order(sal, self.dims, self.arch)
         self.perm = self.perm.then(rel)
         return permute_state(state, rel, self.arch)
@@ -279,10 +282,9 @@ class RaFFM(Method):
     def make_strategy(self) -> Strategy:
         opts, fed = self.opts, self.cfg.federation
         self.all_dims = self.arch.all_dims(self.model.config)
-        self.profile = profile_batch(self.model.config.vocab_size,
-                                     opts.profile_batch_size or fed.batch_size,
-                                     opts.profile_seq_len or self.cfg.data.max_length, self.cfg.seed,
-                                     self.task.head)
+        self.profile = self.task.profile_batch(self.model.config, opts.profile_batch_size or fed.batch_size,
+                                               opts.profile_seq_len or self.cfg.data.max_length,
+                                               self.cfg.seed)
         candidates = width_candidates(self.all_dims, opts.width_steps, opts.elastic_depth)
         ranks = self.cfg.lora.ranks if self.adapter.name == "lora" else None
         if ranks:
@@ -299,7 +301,8 @@ class RaFFM(Method):
         plans = {c: self._client_plan(tier, b, ranks) for c, (tier, b) in enumerate(budgets)}
         self._check_feasible(plans)
         return RaFFMStrategy(fed, opts, self.arch, self.all_dims, plans, self.adapter.scale,
-                             set(self.trainable()), self.client_sizes)
+                             set(self.trainable()), self.client_sizes,
+                             scale_tensors(self.model, self.arch))
 
     def _client_plan(self, tier: int | None, budget: Budget, ranks: list[int] | None) -> ClientPlan:
         plan = self.planner.plan(budget)
@@ -505,7 +508,7 @@ class RaFFM(Method):
             metric = self.task.primary_metric
             out.append({"size": size, **plan.spec.describe(), "params": plan.cost.params,
                         "train_flops_ratio": plan.cost.flops_ratio,
-                        "forward_gflops_per_example": fc.total / 1e9 / len(rows["input_ids"]),
+                        "forward_gflops_per_example": fc.total / 1e9 / batch_rows(rows),
                         "metric": metric, f"dev_{metric}": res["dev"][metric],
                         f"test_{metric}": res["test"][metric]})
         full = next((e for e in out if e["size"] == 1.0), None)

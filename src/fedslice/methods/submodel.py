@@ -5,7 +5,9 @@ first contact (so that a client never reads the full model: see :mod:`fedslice.m
 
 from __future__ import annotations
 
+import hashlib
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +18,9 @@ from fedslice.config import DistillConfig, ExperimentConfig
 from fedslice.registry import adapter_owning
 from fedslice.data.batching import TokenizedSplit
 from fedslice.distill import cache
-from fedslice.distill.corpus import fingerprint, iter_passages, pack_chunks, resolve_checked
+from fedslice.distill.corpus import (HOLDOUT, fingerprint, image_folder_corpus, iter_passages,
+                                     pack_chunks, resolve_checked)
+from fedslice.errors import ConfigError
 from fedslice.distill.loop import DistillLog
 from fedslice.fl.strategy import State
 from fedslice.tasks import Task
@@ -144,6 +148,53 @@ class Corpus:
                 "text_column": d.text_column, "hub_split": d.hub_split, "lr": d.lr,
                 "warmup": d.warmup, "batch_size": d.batch_size, "max_length": d.max_length,
                 "max_chunks": self.max_chunks}
+
+
+class ImageCorpus:
+    """An image task's distillation corpus: the training images the server keeps apart
+    (``distill.corpus = 'server_holdout'``, ``data.server_holdout``: as FedPFT distils ViT on
+    ImageNet, images no client holds), or every image under a folder. Labels are not used.
+    Preprocessed like the task's images, on first use."""
+
+    def __init__(self, cfg: ExperimentConfig, distill: DistillConfig, task: Task, loaded, field: str):
+        self.cfg, self.distill, self.task, self.loaded, self.field = cfg, distill, task, loaded, field
+        self.source: Path | None = None
+        if distill.corpus.strip() == HOLDOUT:
+            if cfg.data.server_holdout <= 0:
+                raise ConfigError(f"{field} = {HOLDOUT!r} needs data.server_holdout > 0 (the fraction "
+                                  "of training images the server keeps apart)")
+        else:
+            self.source = resolve_checked(distill, field=field, data_path=cfg.data.path, text=False)
+        self._split = None
+
+    @property
+    def split(self):
+        if self._split is None:
+            if self.source is None:
+                self._split = self.task.holdout(self.loaded)
+            else:
+                self._split = image_folder_corpus(self.source, self.task.preprocessor(self.loaded),
+                                                  self.task.tokens_for(self.loaded), self.field)
+        return self._split
+
+    def cache_inputs(self) -> dict[str, Any]:
+        """What a distilled result depends on, on the corpus side: the images themselves."""
+        d, split = self.distill, self.split
+        h = hashlib.sha256(split.pixels[split.rows].numpy().tobytes())
+        return {"corpus": self.distill.corpus.strip(), "images": h.hexdigest()[:24],
+                "image_shape": list(split.pixels.shape[1:]), "n": len(split), "lr": d.lr,
+                "warmup": d.warmup, "batch_size": d.batch_size}
+
+
+def make_corpus(cfg: ExperimentConfig, distill: DistillConfig, task: Task, loaded, steps: int,
+                field: str):
+    """The distillation corpus of a method: text (:class:`Corpus`) for a text model, images
+    (:class:`ImageCorpus`) for an image backbone; a corpus of the other kind is a ConfigError."""
+    if loaded.arch.inputs == "image":
+        return ImageCorpus(cfg, distill, task, loaded, field)
+    if distill.corpus.strip() == HOLDOUT:
+        task.holdout(loaded)  # raises: text tasks distil on text
+    return Corpus(cfg, distill, loaded.tokenizer, steps, field)
 
 
 def cached_distill(root, inputs: dict[str, Any], params: dict[str, nn.Parameter],

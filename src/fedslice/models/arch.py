@@ -16,6 +16,7 @@ self-attention and FFN: what the encoder-only slicing methods use.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +28,12 @@ from fedslice.errors import ModelError
 PART_NAMES = ("q", "k", "v", "o", "ffn_in", "ffn_out")
 
 #: The HF head classes a model can be loaded with (``AutoModelFor...``).
-Head = Literal["sequence_classification", "causal_lm", "seq2seq_lm"]
+Head = Literal["sequence_classification", "image_classification", "causal_lm", "seq2seq_lm"]
+#: Heads that put a classifier on the encoder's output (no language-model head).
+CLASSIFIER_HEADS = ("sequence_classification", "image_classification")
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,13 @@ class FFN:
 
 @dataclass(frozen=True)
 class Stack:
-    """A list of identical blocks (an encoder or a decoder) and where its sizes live in the config."""
+    """A list of identical blocks (an encoder or a decoder) and where its sizes live in the config.
+
+    ``layer_scale``: paths (inside a block) of the per-channel scale vectors a block multiplies
+    its attention output and its FFN output by before the residual sum (DINOv2's LayerScale,
+    ``x + lambda1 * attn(x)``, ``x + lambda2 * ffn(x)``): the effective output projections are
+    ``diag(lambda) W_o`` and ``diag(lambda) W_out``, which salience scores. Heads and neurons
+    index the projections' *inputs*, so slicing and permuting never touch the scales."""
 
     name: Literal["encoder", "decoder"]
     layers: str  # dotted path of the nn.ModuleList of blocks, in the unwrapped HF model
@@ -79,6 +91,47 @@ class Stack:
     num_layers_attr: str
     num_heads_attr: str
     ffn_attr: str
+    ffn_is_ratio: bool = False  # ffn_attr is a multiple of the hidden size (DINOv2's mlp_ratio)
+    layer_scale: tuple[str, str] | None = None  # (attention output, FFN output) scale parameters
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """How an image backbone reads pixels (``pixel_values`` (B, C, H, W)).
+
+    The embeddings cut an image into ``patch_size`` squares (a (H/p)(W/p) grid of patch tokens)
+    and put ``prefix_tokens`` learned tokens before them: the class token (``[CLS]``, whose
+    final state the classifier reads; DINOv2's classifier reads it beside the mean of the patch
+    tokens) and DeiT's distillation token. Tokens per image = patches + prefix tokens: what the
+    cost measures count. The position table is learned for ``image_size`` px; DINOv2
+    interpolates it to any grid at every forward, ViT/DeiT when their embeddings get
+    ``interpolate_kwarg=True`` (set once at load: the table is returned unchanged at the native
+    size). ``processor`` is the image processor of the checkpoint's release (class, resize, crop,
+    normalisation), used when a model folder has no ``preprocessor_config.json``."""
+
+    processor: str  # JSON: {"class": image processor class, its settings}
+    prefix_tokens: int = 1
+    pooling: Literal["cls", "cls+mean"] = "cls"  # what the classifier reads (informational)
+    patch_size_attr: str = "patch_size"
+    image_size_attr: str = "image_size"
+    channels_attr: str = "num_channels"
+    interpolate_kwarg: str | None = None
+
+    @property
+    def processor_settings(self) -> dict:
+        return json.loads(self.processor)
+
+    def patch(self, config) -> tuple[int, int]:
+        p = getattr(config, self.patch_size_attr)
+        return (p, p) if isinstance(p, int) else (int(p[0]), int(p[1]))
+
+    def tokens(self, config, height: int, width: int) -> int:
+        """Tokens the model reads for an image of height x width px: patches + prefix tokens."""
+        ph, pw = self.patch(config)
+        return (height // ph) * (width // pw) + self.prefix_tokens
+
+    def channels(self, config) -> int:
+        return int(getattr(config, self.channels_attr, 3))
 
 
 @dataclass(frozen=True)
@@ -149,7 +202,10 @@ class ArchSpec:
     # sets them per layer (HF reads the head count off the weights' shapes at forward time).
     heads_attr: str | None = "num_attention_heads"
     heads_width_attr: str | None = "all_head_size"
-    inputs: Literal["text", "image"] = "text"  # what the model reads (image: pixel_values)
+    image: ImageInput | None = None  # an image backbone (reads pixel_values), else text
+    # the HF class of the classification head where the auto class may pick another one (DeiT:
+    # a checkpoint naming ...WithTeacher, two classifiers the table does not describe)
+    classifier_class: str | None = None
     # a table with one column per self-attention head, in the first block of each stack and read
     # by every layer of it (T5's relative-position bias): sliced and permuted with the heads
     head_bias: str | None = None
@@ -161,6 +217,11 @@ class ArchSpec:
     def layout(self) -> Layout:
         """How this family stores its linear weights (:data:`LINEAR` or :data:`CONV1D`)."""
         return LAYOUTS[self.weight_layout]
+
+    @property
+    def inputs(self) -> Literal["text", "image"]:
+        """What the model reads: token ids, or images (``pixel_values``)."""
+        return "image" if self.image is not None else "text"
 
     # -- the single-stack view (first stack, self-attention) ---------------------------------
     @property
@@ -184,7 +245,7 @@ class ArchSpec:
     @property
     def lm_head(self) -> Head | None:
         """The generative head of this family (causal LM for decoders, seq2seq otherwise)."""
-        return next((h for h in self.heads if h != "sequence_classification"), None)
+        return next((h for h in self.heads if h not in CLASSIFIER_HEADS), None)
 
     @property
     def is_simple_encoder(self) -> bool:
@@ -221,6 +282,8 @@ class ArchSpec:
         kv = getattr(config, self.kv_heads_attr, None) if self.kv_heads_attr else None
         head_dim = getattr(config, self.head_dim_attr, None) if self.head_dim_attr else None
         ffn = getattr(config, s.ffn_attr, None) or 4 * d  # GPT-2: n_inner None means 4 d
+        if s.ffn_is_ratio:
+            ffn = int(d * ffn)
         return {"num_layers": getattr(config, s.num_layers_attr), "num_heads": h,
                 "num_kv_heads": kv or h, "hidden": d, "ffn": ffn, "head_dim": head_dim or d // h,
                 "families": len(s.attention)}
@@ -303,12 +366,12 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def _encoder(model_type: str, layers: str, parts: dict[str, str], classifier: tuple[str, ...],
              embeddings: str, n_layers: str, n_heads: str, hidden: str, ffn: str,
-             **kw) -> ArchSpec:
+             stack_kw: dict | None = None, **kw) -> ArchSpec:
     att = Attention("self", parts["q"], parts["k"], parts["v"], parts["o"])
     stack = Stack("encoder", layers, (att,), FFN(parts["ffn_in"], parts["ffn_out"]),
-                  n_layers, n_heads, ffn)
-    return ArchSpec(model_type, "encoder", (stack,), ("sequence_classification",), classifier,
-                    embeddings, hidden, **kw)
+                  n_layers, n_heads, ffn, **(stack_kw or {}))
+    head = "image_classification" if kw.get("image") else "sequence_classification"
+    return ArchSpec(model_type, "encoder", (stack,), (head,), classifier, embeddings, hidden, **kw)
 
 
 _BERT_PARTS = {"q": "attention.self.query", "k": "attention.self.key",
@@ -341,6 +404,24 @@ def _bart_attention(family: Literal["self", "cross"], module: str) -> Attention:
                      f"{module}.out_proj")
 
 
+# ViT-family backbones (transformers 5 names): attention.{q,k,v,o}_proj, mlp.fc1/fc2.
+_VIT_PARTS = {"q": "attention.q_proj", "k": "attention.k_proj", "v": "attention.v_proj",
+              "o": "attention.o_proj", "ffn_in": "mlp.fc1", "ffn_out": "mlp.fc2"}
+
+
+def _processor(cls: str, **settings) -> str:
+    return json.dumps({"class": cls, **settings})
+
+
+def _vision(model_type: str, layers: str, image: ImageInput, **kw) -> ArchSpec:
+    """A ViT-family image classifier: one encoder stack, a linear ``classifier`` on the pooled
+    tokens; attention modules read the head count off their weights (no width attribute)."""
+    return _encoder(model_type, layers, _VIT_PARTS, ("classifier",), f"{model_type}.embeddings",
+                    "num_hidden_layers", "num_attention_heads", "hidden_size",
+                    kw.pop("ffn", "intermediate_size"), heads_width_attr=None, image=image,
+                    accepts_past=kw.pop("accepts_past", False), **kw)
+
+
 _BART_FFN = FFN("fc1", "fc2")
 _LLAMA_ATT = Attention("self", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                        "self_attn.o_proj")
@@ -359,12 +440,23 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                            ("pre_classifier", "classifier"), "distilbert.embeddings",
                            "n_layers", "n_heads", "dim", "hidden_dim", heads_attr="n_heads",
                            heads_width_attr=None, accepts_past=False),
-    "vit": _encoder("vit", "vit.encoder.layer",
-                    {**_BERT_PARTS, "q": "attention.attention.query",
-                     "k": "attention.attention.key", "v": "attention.attention.value"},
-                    ("classifier",), "vit.embeddings", "num_hidden_layers",
-                    "num_attention_heads", "hidden_size", "intermediate_size", inputs="image",
-                    accepts_past=False),
+    # ViT (google/vit-*, and DeiT checkpoints without a distillation token): one class token,
+    # position table for config.image_size (interpolated at other sizes), mean/std 0.5.
+    "vit": _vision("vit", "vit.layers", ImageInput(
+        _processor("ViTImageProcessor"), interpolate_kwarg="interpolate_pos_encoding")),
+    # DeiT distilled (facebook/deit-*-distilled-*): class + distillation token, ImageNet
+    # normalisation, resize 256 -> crop 224; the classifier reads the class token.
+    "deit": _vision("deit", "deit.layers", ImageInput(
+        _processor("DeiTImageProcessor", image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD),
+        prefix_tokens=2, interpolate_kwarg="interpolate_pos_encoding"),
+        classifier_class="DeiTForImageClassification"),
+    # DINOv2: LayerScale after attention and FFN, FFN width mlp_ratio x hidden, the position table
+    # (518 px, patch 14) interpolated at every forward; the classifier reads [CLS] ++ mean(patches).
+    "dinov2": _vision("dinov2", "dinov2.encoder.layer", ImageInput(
+        _processor("BitImageProcessor", image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD,
+                   size={"shortest_edge": 256}, crop_size={"height": 224, "width": 224}),
+        pooling="cls+mean"), ffn="mlp_ratio",
+        stack_kw={"ffn_is_ratio": True, "layer_scale": ("layer_scale1.lambda1", "layer_scale2.lambda1")}),
     # LLaMA family (SmolLM2, LLaMA 2/3, Qwen2, Mistral shapes): GQA, SwiGLU, RMSNorm, RoPE.
     "llama": ArchSpec(
         "llama", "decoder",
@@ -407,4 +499,7 @@ def arch_for(model_or_config) -> ArchSpec:
                          f"{', '.join(sorted([*ARCHITECTURES, *ALIASES]))}")
     if model_type == "t5" and getattr(config, "is_gated_act", False):
         return _t5(gated=True)
+    if model_type == "dinov2" and getattr(config, "use_swiglu_ffn", False):
+        raise ModelError("dinov2 with a SwiGLU FFN (use_swiglu_ffn, the giant model) is not in the "
+                         "architecture table: supported are the MLP ones (small, base, large)")
     return ARCHITECTURES[model_type]

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from fedslice.config import ModelConfig
 from fedslice.errors import ModelError
-from fedslice.models.arch import ArchSpec, Head, arch_for
+from fedslice.models.arch import CLASSIFIER_HEADS, ArchSpec, Head, arch_for, module_at
 from fedslice.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 #: The transformers auto class of each head.
 AUTO_CLASSES = {"sequence_classification": "AutoModelForSequenceClassification",
-         "causal_lm": "AutoModelForCausalLM", "seq2seq_lm": "AutoModelForSeq2SeqLM"}
+                "image_classification": "AutoModelForImageClassification",
+                "causal_lm": "AutoModelForCausalLM", "seq2seq_lm": "AutoModelForSeq2SeqLM"}
 
 
 def _package_dir(module: str) -> Path:
@@ -98,7 +99,7 @@ def resolve_model_path(name: str) -> str:
 @dataclass
 class LoadedModel:
     model: nn.Module
-    tokenizer: object
+    tokenizer: object  # the model's preprocessor: its tokenizer, or an image backbone's processor
     arch: ArchSpec
     head: Head = "sequence_classification"
 
@@ -131,6 +132,19 @@ def ensure_pad_token(tokenizer, model: nn.Module | None = None) -> None:
         model.config.pad_token_id = tokenizer.pad_token_id
 
 
+def model_class(arch: ArchSpec, head: Head):
+    """The transformers class that loads ``head`` on ``arch`` (an auto class, or the table's)."""
+    import transformers
+
+    name = arch.classifier_class if head in CLASSIFIER_HEADS and arch.classifier_class else AUTO_CLASSES[head]
+    return getattr(transformers, name)
+
+
+def from_config(cls, config, **kw) -> nn.Module:
+    """A randomly initialised model of ``cls`` (an auto class or a model class) from ``config``."""
+    return cls.from_config(config, **kw) if hasattr(cls, "from_config") else cls._from_config(config, **kw)
+
+
 def _config_for(cfg: ModelConfig, num_labels: int | None, head: Head):
     """``(config, path, arch)``: the HF config with ``head``'s number of labels, checked."""
     config, path = load_config(cfg)
@@ -138,17 +152,59 @@ def _config_for(cfg: ModelConfig, num_labels: int | None, head: Head):
     if head not in arch.heads:
         raise ModelError(f"model {cfg.name!r} ({arch.model_type}) cannot be loaded with a "
                          f"{head} head: it supports {', '.join(arch.heads)}")
-    if head == "sequence_classification":
+    if head in CLASSIFIER_HEADS:
         config.num_labels = num_labels
     return config, path, arch
+
+
+def load_preprocessor(path: str, arch: ArchSpec, name: str = ""):
+    """What turns raw inputs into model inputs: the tokenizer of a text model, the image processor
+    of an image backbone (PIL backend: torchvision is not needed). A model folder without
+    ``preprocessor_config.json`` gets the processor of its family's release, from the table."""
+    from transformers import AutoTokenizer
+
+    try:
+        if arch.image is None:
+            return AutoTokenizer.from_pretrained(path)
+        return _image_processor(path, arch)
+    except (OSError, ValueError) as e:
+        what = "tokenizer" if arch.image is None else "image processor"
+        raise ModelError(f"cannot load the {what} of {name or path!r} ({path}): "
+                         f"{str(e).splitlines()[0]}") from None
+
+
+def _image_processor(path: str, arch: ArchSpec):
+    import transformers
+    from transformers import AutoImageProcessor
+
+    if (Path(path).expanduser() / "preprocessor_config.json").is_file() or not Path(path).expanduser().exists():
+        return AutoImageProcessor.from_pretrained(path, backend="pil")
+    defaults = arch.image.processor_settings
+    cls = getattr(transformers, f"{defaults.pop('class')}Pil")
+    log.info("%s has no preprocessor_config.json: using %s's image processor (%s, %s)", path,
+             arch.model_type, cls.__name__, ", ".join(f"{k}={v}" for k, v in defaults.items()))
+    return cls(**defaults)
+
+
+def adapt_image_model(model: nn.Module, arch: ArchSpec) -> nn.Module:
+    """An image backbone whose embeddings interpolate the position table only when asked
+    (ViT, DeiT: ``interpolate_pos_encoding``) is asked at every forward, so it reads images of
+    any size (at its native size the table is returned unchanged). A hook on the embeddings
+    module: sub-models that share the module share it."""
+    kwarg = arch.image.interpolate_kwarg if arch.image is not None else None
+    if kwarg:
+        embeddings = module_at(model, arch.embeddings)
+
+        def interpolate(_module, args, kwargs):
+            return args, {**kwargs, kwarg: True}
+        embeddings.register_forward_pre_hook(interpolate, with_kwargs=True)
+    return model
 
 
 def load_model(cfg: ModelConfig, num_labels: int | None, seed: int,
                head: Head = "sequence_classification") -> LoadedModel:
     """Load model + tokenizer with ``head``; a new classification head is initialised from
     ``seed`` (deterministic)."""
-    import transformers
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     config, path, arch = _config_for(cfg, num_labels, head)
@@ -157,42 +213,39 @@ def load_model(cfg: ModelConfig, num_labels: int | None, seed: int,
     hf_logging.set_verbosity_error()  # "newly initialized classifier" is expected: we fine-tune it
     hf_logging.disable_progress_bar()
     try:
-        auto = getattr(transformers, AUTO_CLASSES[head])
+        auto = model_class(arch, head)
         # A checkpoint's own classifier for another number of classes is replaced by a new one.
         model = auto.from_pretrained(path, config=config, attn_implementation=cfg.attn_implementation,
                                      dtype=torch.float32,
-                                     ignore_mismatched_sizes=head == "sequence_classification")
-        tokenizer = AutoTokenizer.from_pretrained(path)
+                                     ignore_mismatched_sizes=head in CLASSIFIER_HEADS)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model {cfg.name!r} ({path}): {str(e).splitlines()[0]}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    ensure_pad_token(tokenizer, model)
-    return LoadedModel(model=model, tokenizer=tokenizer, arch=arch, head=head)
+    return _loaded(model, load_preprocessor(path, arch, cfg.name), arch, head)
+
+
+def _loaded(model: nn.Module, preprocessor, arch: ArchSpec, head: Head) -> LoadedModel:
+    if arch.image is None:
+        ensure_pad_token(preprocessor, model)
+    return LoadedModel(model=adapt_image_model(model, arch), tokenizer=preprocessor, arch=arch,
+                       head=head)
 
 
 def build_from_config(cfg: ModelConfig, num_labels: int | None,
                       head: Head = "sequence_classification") -> LoadedModel:
     """The model of :func:`load_model` without its weights: built from the HF config on the meta
-    device (shapes only, no memory), with the tokenizer. Reads the config and tokenizer files
-    only, never a weight file: whoever uses it loads every tensor it needs from elsewhere (a
-    fedpft/fedot Flower client: from the server's first message) after :func:`materialize`."""
-    import transformers
-    from transformers import AutoTokenizer
-
+    device (shapes only, no memory), with the tokenizer (image processor). Reads the config and
+    tokenizer/processor files only, never a weight file: whoever uses it loads every tensor it
+    needs from elsewhere (a fedpft/fedot Flower client: from the server's first message) after :func:`materialize`."""
     config, path, arch = _config_for(cfg, num_labels, head)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load the tokenizer of {cfg.name!r} ({path}): "
-                         f"{str(e).splitlines()[0]}") from None
-    auto = getattr(transformers, AUTO_CLASSES[head])
+    preprocessor = load_preprocessor(path, arch, cfg.name)
+    auto = model_class(arch, head)
     with torch.device("meta"):
-        model = auto.from_config(config, attn_implementation=cfg.attn_implementation,
-                                 dtype=torch.float32)
+        model = from_config(auto, config, attn_implementation=cfg.attn_implementation,
+                            dtype=torch.float32)
     model.eval()  # as from_pretrained returns it
-    ensure_pad_token(tokenizer, model)
-    return LoadedModel(model=model, tokenizer=tokenizer, arch=arch, head=head)
+    return _loaded(model, preprocessor, arch, head)
 
 
 @torch.no_grad()

@@ -6,7 +6,12 @@ and head, the max attention probability over the allowed keys for each query tok
 over the counted query tokens of an example, then over the examples. Allowed keys are real
 (non-padding) tokens that are not special (the tokenizer's [CLS]/[SEP], BOS/EOS, padding and
 the decoder start token): attention parked on them is a "no-op" and would make every head look
-confident. Causal self-attention: a query sees only itself and earlier keys, so its max runs over
+confident. An image backbone has no token ids: its prefix tokens (the class token, DeiT's
+distillation token: ``ImageInput.prefix_tokens``) are left out of the keys, as [CLS] is in text
+(attention parked on the class token, which carries no patch content until the classifier reads
+it, would make a head look confident without localising anything), and every token, the class
+token included, counts as a query (the class token's query is the one the classifier reads).
+Causal self-attention: a query sees only itself and earlier keys, so its max runs over
 the allowed keys among those; a query that sees one real token only (the first one: its softmax
 has one entry, probability 1 whatever the head) or no allowed key is not counted. Decoder heads
 also park attention on the first real token when the prompt has no BOS (an "attention sink":
@@ -121,7 +126,8 @@ def head_importance(model: nn.Module, data: TokenizedSplit, special_token_ids: I
     if len(data) == 0:
         raise ValueError("head importance of an empty dataset")
     special = torch.tensor(sorted(set(special_token_ids)), dtype=torch.int64)
-    families = arch_for(model).attention_outputs
+    arch = arch_for(model)
+    families = arch.attention_outputs
     previous = _ensure_eager(model)
     was_training = model.training
     model.eval()
@@ -138,9 +144,14 @@ def head_importance(model: nn.Module, data: TokenizedSplit, special_token_ids: I
                 atts = getattr(out, fam.output, None)
                 if not atts:
                     continue
-                q_ids, q_mask = _tokens(batch, fam.queries, model.config)
-                k_ids, k_mask = _tokens(batch, fam.keys, model.config)
-                keys = k_mask.bool() & ~torch.isin(k_ids, special)       # (B, Tk)
+                if arch.image is not None:  # (B, T): patches count, prefix tokens are no keys
+                    q_mask = batch["attention_mask"]
+                    keys = q_mask.bool().clone()
+                    keys[:, :arch.image.prefix_tokens] = False
+                else:
+                    q_ids, q_mask = _tokens(batch, fam.queries, model.config)
+                    k_ids, k_mask = _tokens(batch, fam.keys, model.config)
+                    keys = k_mask.bool() & ~torch.isin(k_ids, special)   # (B, Tk)
                 if fam.causal and sink_keys:
                     keys = drop_sinks(keys, sink_keys)
                 atts = [real_positions(a, q_mask.shape[1], keys.shape[1]) for a in atts]

@@ -135,7 +135,7 @@ def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
     RNG state and train/eval mode are restored and the gradients left as None. ``loss_fn``
     (a task's loss: e.g. logits at target positions only) replaces ``model(**batch).loss``.
     """
-    rows = len(batch["input_ids"])
+    rows = len(batch["input_ids"] if "input_ids" in batch else batch["pixel_values"])
     if measure_rows is not None and measure_rows < rows:
         scale = rows / measure_rows
         batch = {k: v[:measure_rows] for k, v in batch.items()}

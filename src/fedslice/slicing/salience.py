@@ -6,7 +6,9 @@ grouped-query attention a ``1/g`` share of its group's (g query heads per key/va
 group's salience is the sum of its query heads'. A fused q|k|v (GPT-2) is split into its three
 sections first. Salience is the norm of that whole group (L1: sum of |w|; L2: sqrt of the sum of
 w^2). FFN neuron j is row j of W_in (and of the gate of a gated FFN) and column j of W_out.
-Biases are not counted. With an adapter's tensors in the state, the effective weight is scored
+Biases are not counted. A block that scales its attention / FFN output per channel (DINOv2's
+LayerScale) is scored with the effective ``diag(scale) W_o`` / ``diag(scale) W_out`` (when the
+scales are in the state). With an adapter's tensors in the state, the effective weight is scored
 (:meth:`~fedslice.peft.Adapter.effective_weight`: LoRA's ``W + scale * B @ A`` with
 ``adapter_scale`` = alpha / r, DoRA's normalised and magnitude-scaled weight, IA3's scaled rows
 or columns); without a scale, LoRA's base weight.
@@ -37,11 +39,36 @@ class LayerSalience:
     cross: torch.Tensor | None = None  # (H,) cross-attention heads of a decoder block
 
 
+def layer_scales(state: Mapping[str, torch.Tensor], arch: ArchSpec
+                 ) -> dict[tuple[int, int, str], torch.Tensor]:
+    """(stack, layer, 'o' or 'ffn_out') -> the per-channel scale a block multiplies that output
+    by (DINOv2's LayerScale: ``Stack.layer_scale``), for the scales present in ``state``."""
+    out = {}
+    for key, t in state.items():
+        info = key_info(arch, key)
+        scale = arch.stacks[info.stack].layer_scale if info is not None and info.part is None else None
+        if scale and info.rest in scale:
+            out[(info.stack, info.layer, ("o", "ffn_out")[scale.index(info.rest)])] = t.float()
+    return out
+
+
+def scale_tensors(model, arch: ArchSpec) -> dict[str, torch.Tensor]:
+    """The layer-scale parameters of ``model`` by name (empty without ``Stack.layer_scale``)."""
+    if not any(s.layer_scale for s in arch.stacks):
+        return {}
+    state = dict(model.named_parameters())
+    keep = {k for k in state if (info := key_info(arch, k)) is not None and info.part is None
+            and arch.stacks[info.stack].layer_scale and info.rest in arch.stacks[info.stack].layer_scale}
+    return {k: state[k].detach() for k in keep}
+
+
 def part_weights(state: Mapping[str, torch.Tensor], arch: ArchSpec,
                  adapter_scale: float | None = None) -> dict[tuple[int, int, str, int], torch.Tensor]:
-    """(stack, layer, part, family) -> the effective (out, in) weight of that part, float32."""
+    """(stack, layer, part, family) -> the effective (out, in) weight of that part, float32;
+    an output projection followed by a layer scale: ``diag(scale) W``."""
     found: dict[tuple, dict[str, torch.Tensor]] = {}
     adapters: dict[tuple, tuple[type, dict[str, torch.Tensor]]] = {}
+    scales = layer_scales(state, arch)
     for key, t in state.items():
         info = key_info(arch, key)
         if info is None or info.part is None or info.part == "bias":
@@ -58,7 +85,8 @@ def part_weights(state: Mapping[str, torch.Tensor], arch: ArchSpec,
         if where in adapters:  # LoRA: W + scale B A; DoRA, IA3: their own effective weight
             owner, tensors = adapters[where]
             W = owner.effective_weight(W, tensors, adapter_scale)
-        out[where] = W
+        scale = scales.get(where[:3]) if where[3] == 0 else None
+        out[where] = W if scale is None else scale[:, None] * W  # (out, in)
     missing = set(adapters) - set(found)
     if missing:
         where = min(missing)

@@ -10,7 +10,11 @@ classification                encoder / decoder /     :class:`Classification` (s
                               BART                    classification head)
 classification + label_words  decoder / enc-decoder   :class:`LabelWordClassification` (LM head)
 generation                    decoder / enc-decoder   :class:`Generation` (LM head)
+image_classification          image backbone (vit,    :class:`ImageClassification` (image-
+                              deit, dinov2)           classification head)
 ============================  ======================  ==========================================
+
+A text task on an image backbone, or an image task on a text model, is a ConfigError naming both.
 """
 
 from __future__ import annotations
@@ -21,15 +25,22 @@ from fedslice.models.arch import ArchSpec
 from fedslice.tasks.base import Task, batch_examples, batch_tokens
 from fedslice.tasks.classification import Classification, evaluate_classifier
 from fedslice.tasks.generation import Generation, check_partition
+from fedslice.tasks.image import ImageClassification
 from fedslice.tasks.label_words import LabelWordClassification
 
 
 def make_task(cfg: ExperimentConfig, arch: ArchSpec) -> Task:
     t = cfg.task
-    if arch.inputs != "text":
-        raise ConfigError(f"model.name: a {arch.model_type} model reads {arch.inputs}s; the task "
-                          "layer has text tasks only (classification, generation), so no method "
-                          f"runs on {arch.model_type} yet")
+    image_task = t.kind == "image_classification"
+    if image_task != (arch.inputs == "image"):
+        reads = "images" if arch.inputs == "image" else "text"
+        wants = "images" if image_task else "text"
+        fix = "task.kind = 'image_classification'" if arch.inputs == "image" else \
+            "an image backbone (vit, deit, dinov2)"
+        raise ConfigError(f"task.kind = {t.kind!r} reads {wants}, but model.name {cfg.model.name!r} "
+                          f"is a {arch.model_type} model that reads {reads}: use {fix}")
+    if image_task:
+        return ImageClassification(cfg, arch, "image_classification")
     if t.kind == "classification" and t.label_words is None:
         if "sequence_classification" not in arch.heads:
             raise ConfigError(f"task: a {arch.model_type} model classifies text-to-text here: set "
@@ -45,5 +56,6 @@ def make_task(cfg: ExperimentConfig, arch: ArchSpec) -> Task:
     return LabelWordClassification(cfg, arch, arch.lm_head)
 
 
-__all__ = ["Classification", "Generation", "LabelWordClassification", "Task", "batch_examples",
+__all__ = ["Classification", "Generation", "ImageClassification", "LabelWordClassification", "Task",
+           "batch_examples",
            "batch_tokens", "evaluate_classifier", "make_task"]

@@ -41,6 +41,17 @@ class Task:
         """Tokenized splits (with ``subset``, ``collate``, ``lengths``, ``labels``)."""
         raise NotImplementedError
 
+    def holdout(self, loaded):
+        """The encoded examples the server keeps apart from the clients (a distillation corpus)."""
+        from fedslice.errors import ConfigError
+        raise ConfigError(f"method.distill.corpus = 'server_holdout' is for image tasks; a {self.kind} "
+                          "task distils on a text corpus (a file, a folder or a hub dataset)")
+
+    def profile_batch(self, config, batch_size: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
+        """A synthetic training batch of this task's shape (what a planner measures costs on)."""
+        from fedslice.slicing.planner import profile_batch
+        return profile_batch(config.vocab_size, batch_size, seq_len, seed, self.head)
+
     def limit(self, split, n: int | None, seed: int):
         """A seeded subset of ``n`` examples (quick runs)."""
         return split if n is None or n >= len(split) else split.subset(sample_rows(len(split), n, seed))
@@ -81,9 +92,17 @@ class Task:
 
 
 def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens a batch makes the model process (encoder + decoder for seq2seq), padding included."""
-    return int(batch["input_ids"].numel() + (batch["decoder_input_ids"].numel()
-                                             if "decoder_input_ids" in batch else 0))
+    """Tokens a batch makes the model process (encoder + decoder for seq2seq), padding included;
+    an image batch: its ``attention_mask``, one per patch and prefix token of each image."""
+    first = batch["input_ids"] if "input_ids" in batch else batch["attention_mask"]
+    return int(first.numel() + (batch["decoder_input_ids"].numel()
+                                if "decoder_input_ids" in batch else 0))
+
+
+def batch_rows(batch: dict[str, torch.Tensor]) -> int:
+    """Examples in a batch (with or without labels)."""
+    first = batch["input_ids"] if "input_ids" in batch else batch.get("pixel_values", batch["attention_mask"])
+    return int(first.shape[0])
 
 
 def batch_real_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor | int:

@@ -135,6 +135,24 @@ class LoraRule(Rule):
             self._own_base = {p.base for p in lora_pairs(names) if p.base in state} - theirs
         return self._own_base
 
+    def expected_update(self, state: State, payload: Payload, reply: Reply) -> dict:
+        """The inner strategy's, without the base weights this rule folds updates into: they are
+        sent down, but clients train only their adapter and never send them back."""
+        out = self.inner.expected_update(state, payload, reply)
+        if not self.changes_base:
+            return out
+        own = self.own_base(state)
+        return {k: t for k, t in out.items() if k not in own}
+
+    def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
+        """The inner strategy's checks, the base weights sent down counted as returned as sent."""
+        own = self.own_base(state) if self.changes_base else set()
+        sent = {k: payload.arrays[k] for k in own if k in payload.arrays and k not in reply.arrays}
+        if not sent:
+            return self.inner.check_reply(state, payload, reply)
+        return self.inner.check_reply(state, payload, Reply({**reply.arrays, **sent},
+                                                            reply.num_examples, reply.metrics))
+
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
         p = self.inner.payload_for(server_round, state, client, config)
         if not self.changes_base or self.folded:
