@@ -10,7 +10,7 @@ import torch.nn as nn
 from peft import IA3Config as PeftIA3Config
 from peft import get_peft_model
 
-from fedslice.peft import targets
+import fedslice.peft.targets as targets
 from fedslice.peft.base import Adapter, AdapterCost, Layers, freeze, train_classifier
 from fedslice.peft.tuners.ia3.config import IA3Config
 from fedslice.peft.tuners.ia3.layer import IA3_TENSORS, ia3_axes, ia3_weight

@@ -18,7 +18,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
 from fedslice.models.arch import ArchSpec
-from fedslice.peft import targets
+import fedslice.peft.targets as targets
 from fedslice.peft.base import Adapter, Layers, freeze, train_classifier
 from fedslice.peft.tuners.lora.aggregate import fresh_a
 from fedslice.peft.tuners.lora.config import LoraConfig
