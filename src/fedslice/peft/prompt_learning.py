@@ -60,6 +60,15 @@ class PromptLearningAdapter(Adapter):
     in_modules = False
     head_tied = False
     table6 = "prompt_tuning"
+    #: virtual tokens prepended to the input embeddings (prompt, P-tuning; not prefix tuning)
+    input_prompts: ClassVar[bool] = False
+
+    @classmethod
+    def check_supported(cls, arch: ArchSpec, task: Any, options) -> None:
+        if cls.input_prompts:
+            check_input_prompts(cls.name, arch, task)
+        else:
+            super().check_supported(arch, task, options)
 
     def peft_config(self, common: dict[str, Any], model: nn.Module):
         """peft's config for ``model``; ``common``: task type, virtual tokens, layers, width and

@@ -7,8 +7,7 @@ from typing import Any
 import torch.nn as nn
 from peft import PromptTuningConfig, PromptTuningInit
 
-from fedslice.models.arch import ArchSpec
-from fedslice.peft.prompt_learning import PromptLearningAdapter, check_input_prompts
+from fedslice.peft.prompt_learning import PromptLearningAdapter
 from fedslice.peft.tuners.prompt.config import PromptConfig
 
 _INIT = {"random": PromptTuningInit.RANDOM, "vocab": PromptTuningInit.SAMPLE_VOCAB,
@@ -22,9 +21,7 @@ class PromptAdapter(PromptLearningAdapter):
     name = "prompt"
     options: PromptConfig
 
-    @classmethod
-    def check_supported(cls, arch: ArchSpec, task: Any, options) -> None:
-        check_input_prompts(cls.name, arch, task)
+    input_prompts = True
 
     def peft_config(self, common: dict[str, Any], model: nn.Module) -> PromptTuningConfig:
         """``init = 'text'`` tokenizes ``init_text`` with the tokenizer saved beside the model."""

@@ -7,8 +7,7 @@ from typing import Any
 import torch.nn as nn
 from peft import PromptEncoderConfig, PromptEncoderReparameterizationType
 
-from fedslice.models.arch import ArchSpec
-from fedslice.peft.prompt_learning import PromptLearningAdapter, check_input_prompts
+from fedslice.peft.prompt_learning import PromptLearningAdapter
 from fedslice.peft.tuners.ptuning.config import PTuningConfig
 
 _ENCODER = {"mlp": PromptEncoderReparameterizationType.MLP,
@@ -22,9 +21,7 @@ class PTuningAdapter(PromptLearningAdapter):
     name = "ptuning"
     options: PTuningConfig
 
-    @classmethod
-    def check_supported(cls, arch: ArchSpec, task: Any, options) -> None:
-        check_input_prompts(cls.name, arch, task)
+    input_prompts = True
 
     def peft_config(self, common: dict[str, Any], model: nn.Module) -> PromptEncoderConfig:
         o = self.options
