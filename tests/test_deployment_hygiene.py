@@ -46,16 +46,33 @@ def test_run_config_paths_outside_the_server_root_are_refused_naming_the_key(tmp
         RunSettings.from_run_config({"config": str(root / "configs" / "exp.toml")})
 
 
-def test_the_configs_output_dir_is_checked_when_it_places_the_run_folder(tiny_cfg_dict, tmp_path):
+def test_a_submitted_run_config_is_held_to_the_operators_root(tmp_path, monkeypatch):
+    """As the ServerApp parses a submitted run config (no ``roots`` argument: the operator's
+    FEDSLICE_SERVER_ROOT): a config, out-dir, result-file or resume outside it is refused, where
+    before issue 24 any path on the server host was taken as given."""
+    root = tmp_path / "srv"
+    root.mkdir()
+    monkeypatch.setenv("FEDSLICE_SERVER_ROOT", str(root))
+    inside = str(root / "exp.toml")
+    assert RunSettings.from_run_config({"config": inside}).config == Path(inside).resolve()
+    for key, value in [("config", "/etc/passwd"), ("out-dir", str(tmp_path)),
+                       ("result-file", str(tmp_path / "result.txt")), ("resume", "/tmp")]:
+        with pytest.raises(FedsliceError, match=rf"run config {key}=.* outside the server root"):
+            RunSettings.from_run_config({"config": inside, key: value})
+
+
+def test_the_configs_output_dir_is_checked_when_it_places_the_run_folder(tiny_cfg_dict, tmp_path,
+                                                                          monkeypatch):
     """Without out-dir the config's output.dir (which `overrides` can set) decides where the run
     folder goes: outside the root it is refused before anything is trained."""
     from fedslice.flower.server_app import run as server_run
 
     root = tmp_path / "srv"
     root.mkdir()
+    monkeypatch.setenv("FEDSLICE_SERVER_ROOT", str(root))  # as the operator sets it
     path = _write_config(tiny_cfg_dict, root / "exp.json")
     settings = RunSettings.from_run_config({"config": str(path), "overrides":
-                                            f"output.dir={tmp_path / 'out'}"}, roots=(root,))
+                                            f"output.dir={tmp_path / 'out'}"})
     with pytest.raises(FedsliceError, match=r"output.dir \(of the experiment config\)=.* outside"):
         server_run(InProcessGrid(_nodes(4)), settings)
     assert not (tmp_path / "out").exists()
@@ -75,6 +92,49 @@ def test_every_private_key_is_0600(tmp_path):
         assert stat.S_IMODE(key.stat().st_mode) == 0o600, key
         assert key.read_bytes().strip()  # openssl wrote the key into the 0600 file
     assert stat.S_IMODE(public.stat().st_mode) == 0o644
+
+
+_UMASK_OPENSSL = """#!{python}
+# openssl, except that its -out file is written as most programs write: created with the mode the
+# umask leaves (0644 under 022), an existing file's mode kept
+import os, subprocess, sys
+args = sys.argv[1:]
+out = args[args.index("-out") + 1] if "-out" in args else None
+if out:
+    args[args.index("-out") + 1] = out + ".real"
+code = subprocess.run([{real!r}, *args]).returncode
+if out and code == 0:
+    data = open(out + ".real", "rb").read()
+    os.unlink(out + ".real")
+    with open(out, "wb") as f:
+        f.write(data)
+sys.exit(code)
+"""
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+def test_tls_keys_are_0600_whatever_mode_openssl_gives_its_output(tmp_path, monkeypatch):
+    """The 0600 of ca.key and server.key is fedslice's doing, not openssl's: OpenSSL 3 creates
+    an ``ecparam -genkey`` output 0600 itself, but with an openssl that writes its output as the
+    umask allows (emulated here) the keys are still 0600."""
+    import sys
+
+    from fedslice.flower.local import make_certificates
+
+    wrapper = tmp_path / "bin" / "openssl"
+    wrapper.parent.mkdir()
+    wrapper.write_text(_UMASK_OPENSSL.format(python=sys.executable, real=shutil.which("openssl")))
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}{os.pathsep}{os.environ['PATH']}")
+    old = os.umask(0o022)
+    try:
+        certs = make_certificates(tmp_path / "certificates")
+    finally:
+        os.umask(old)
+    for key in (certs.key, tmp_path / "certificates" / "ca.key"):
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600, key
+        assert key.read_bytes().startswith(b"-----BEGIN EC PRIVATE KEY")
+    assert stat.S_IMODE(certs.ca.stat().st_mode) == 0o644  # the wrapper did write with the umask
 
 
 def _ctx(run_id: int, node_id: int = 3, **node_config) -> Context:

@@ -129,4 +129,8 @@ def test_simulation_accounts_for_empty_partitions(tiny_cfg_dict):
     data.partitions[5] = data.partitions[5][:0]
     data.report["empty_partitions"] = [5]
     _, records, _ = Simulation(cfg, m, data).run()
+    from opacus.accountants import RDPAccountant
+    ref = RDPAccountant()
+    ref.step(noise_multiplier=1.0, sample_rate=2 / 5)  # not 2 / 6: client 5 is never sampled
+    assert records[0]["dp_epsilon"] == pytest.approx(ref.get_epsilon(1e-5))
     assert records[0]["dp_sample_rate"] == pytest.approx(2 / 5)

@@ -134,11 +134,11 @@ def test_compare_keeps_the_runs_that_ended_and_names_the_failed_one(tiny_cfg_dic
         with pytest.raises(RuntimeError) as err:
             compare_experiments(cfgs, tmp_path / "cmp", name="cmp")
     folder = tmp_path / "cmp" / "cmp"
+    assert (folder / "a" / "summary.json").is_file()  # the run that ended is kept (first: the bug)
     assert "compare: run 'b' (2 of 3) failed; finished runs in" in err.value.__notes__[-1]
     assert "not run: c" in err.value.__notes__[-1]
     names = sorted(os.listdir(folder))
     assert names[0].startswith(".b.partial-") and names[1:] == ["a", "results.json", "results.md"]
-    assert (folder / "a" / "summary.json").is_file()
     assert [r["round"] for r in _records(folder / names[0])] == [1]
     assert [row["run"] for row in json.loads((folder / "results.json").read_text())] == ["a"]
     # a user error of a later run names it too (one line on the CLI)

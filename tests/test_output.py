@@ -64,7 +64,7 @@ def test_exception_before_a_round_leaves_nothing_after_one_keeps_the_staging_fol
         with RunDir.create(tmp_path, "exp") as run:
             run.append_metrics({"round": 1})
             raise KeyboardInterrupt
-    assert run.kept and _leftovers(tmp_path) == [run.staging_path.name]
+    assert _leftovers(tmp_path) == [run.staging_path.name] and run.kept
     assert read_run_metrics(run.staging_path) == [{"round": 1}]
     # a later run of this process with the same name never reuses (or removes) that folder
     with RunDir.create(tmp_path, "exp") as again:
