@@ -190,8 +190,7 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
             if not active:
                 break
             own = [next(c.batches) for c in active]
-            batch, rows = stack_batches(own, pad)
-            batch = compute.to_device(batch)
+            batch, rows = stack_batches(own, pad)  # on the host: the task's loss moves it
             stack.rows, stack.params = rows, [c.tensors for c in active]
             with count_flops(enabled=step == 0) as fc:
                 with compute.autocast():

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from fedslice import progress
-from fedslice.compute import CPU, Compute
+from fedslice.compute import CPU, Compute, model_device, to_device
 from fedslice.data.batching import TokenizedSplit, iter_batches, num_batches
 from fedslice.measure import PeakMemory, count_flops
 from fedslice.tasks.base import batch_examples, batch_head_positions, batch_real_tokens, batch_tokens
@@ -68,7 +68,7 @@ def _proximal(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor], mu:
 
 
 def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(**batch).loss
+    return model(**to_device(batch, model_device(model))).loss
 
 
 def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: TokenizedSplit,
@@ -99,11 +99,12 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     scaler = compute.grad_scaler()
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem, \
             progress.task("local training steps", local_step_count(data, cfg)) as advance:
-        for step, host in enumerate(local_batches(data, cfg, gen)):
+        for step, batch in enumerate(local_batches(data, cfg, gen)):
             advance()
-            batch = compute.to_device(host)
             with count_flops(enabled=step == 0) as fc:
                 with compute.autocast():
+                    # a host batch: the loss moves it to the model's device, and a task reads
+                    # it there (target positions) without waiting for the device
                     loss = loss_fn(model, batch)
                 total = loss + _proximal(params, ref, mu) if ref is not None else loss
                 (scaler.scale(total) if scaler else total).backward()
@@ -123,10 +124,10 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
             # for divergence would wait for each step: a GPU sync per step); a non-finite step
             # makes the mean non-finite and the server excludes the reply
             losses.append(loss.detach())
-            tokens += batch_tokens(host)  # counted on the host batch: no device reads
-            real = real + batch_real_tokens(host)
-            examples += batch_examples(host)
-            head_positions += batch_head_positions(host)
+            tokens += batch_tokens(batch)  # counted on the host batch: no device reads
+            real = real + batch_real_tokens(batch)
+            examples += batch_examples(batch)
+            head_positions += batch_head_positions(batch)
     model.train(was_training)
     mean_loss = float(torch.stack(losses).mean()) if losses else math.nan
     nonfinite = bool(losses) and not math.isfinite(mean_loss)
