@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from fedslice.compute import CPU, Compute
 from fedslice.data.batching import TokenizedSplit, stack_batches
-from fedslice.fl.client import LocalResult, _batches, _num_steps
+from fedslice.fl.client import LocalResult, local_batches, local_step_count
 from fedslice.measure import PeakMemory, count_flops
 from fedslice.peft import Adapter
 from fedslice.tasks.base import batch_examples, batch_head_positions, batch_real_tokens, batch_tokens
@@ -59,7 +59,6 @@ class _Client:
     real: Any = 0
     examples: int = 0
     head_positions: int = 0
-    nonfinite: bool = False
 
 
 @contextlib.contextmanager
@@ -170,7 +169,7 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
                    for n in names}
         gen = torch.Generator().manual_seed(seed)
         clients.append(_Client(
-            tensors=tensors, batches=iter(_batches(data, cfg, gen)), steps_left=_num_steps(data, cfg),
+            tensors=tensors, batches=iter(local_batches(data, cfg, gen)), steps_left=local_step_count(data, cfg),
             opt=torch.optim.AdamW(tensors.values(), lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.0)),
             ref={n: t.detach().clone() for n, t in tensors.items()} if mu > 0 else None))
     torch.manual_seed(seeds[0])  # dropout masks (one generator for the stacked batch)
@@ -187,12 +186,11 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
             stacked(model, names, stack, adapter):
         step = 0
         while True:
-            active = [c for c in clients if c.steps_left > 0 and not c.nonfinite]
+            active = [c for c in clients if c.steps_left > 0]
             if not active:
                 break
             own = [next(c.batches) for c in active]
-            batch, rows = stack_batches(own, pad)
-            batch = compute.to_device(batch)
+            batch, rows = stack_batches(own, pad)  # on the host: the task's loss moves it
             stack.rows, stack.params = rows, [c.tensors for c in active]
             with count_flops(enabled=step == 0) as fc:
                 with compute.autocast():
@@ -207,12 +205,7 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
             padded_total += batch_tokens(batch)
             for c, b, loss in zip(active, own, losses):
                 c.losses.append(loss.detach())
-                c.steps_left -= 1
-                if not torch.isfinite(loss):
-                    c.nonfinite = True
-                    for t in c.tensors.values():
-                        t.grad = None
-                    continue
+                c.steps_left -= 1  # a diverged client trains on (read once at the end: no host sync)
                 if scaler:
                     scaler.unscale_(c.opt)
                 if clip > 0:
@@ -235,12 +228,11 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
     out = []
     for c in clients:
         share = c.tokens / own_total  # a client's part of the stacked pass (time, memory)
-        finite = [l for l in c.losses if torch.isfinite(l)]
-        mean = float(torch.stack(c.losses).mean()) if c.losses and not c.nonfinite else math.nan
+        mean = float(torch.stack(c.losses).mean()) if c.losses else math.nan  # nan if a step's was
         out.append(({n: t.detach() for n, t in c.tensors.items()}, LocalResult(
-            loss=mean if finite else math.nan, steps=len(c.losses), examples=c.examples,
+            loss=mean, steps=len(c.losses), examples=c.examples,
             head_positions=c.head_positions, tokens=c.tokens,
             flops_measured=flops_per_token * c.tokens,
             peak_rss_mb=(mem.rss_peak_mb or 0.0) * share, activation_mb=mem.tensor_peak_mb * share,
-            time_s=elapsed * share, nonfinite=c.nonfinite, tokens_real=int(c.real))))
+            time_s=elapsed * share, nonfinite=not math.isfinite(mean), tokens_real=int(c.real))))
     return out

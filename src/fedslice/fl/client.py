@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from fedslice import progress
-from fedslice.compute import CPU, Compute
+from fedslice.compute import CPU, Compute, model_device, to_device
 from fedslice.data.batching import TokenizedSplit, iter_batches, num_batches
 from fedslice.measure import PeakMemory, count_flops
 from fedslice.tasks.base import batch_examples, batch_head_positions, batch_real_tokens, batch_tokens
@@ -23,7 +23,7 @@ LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 
 @dataclass
 class LocalResult:
-    loss: float  # mean training loss over the local steps (nan if a step diverged)
+    loss: float  # mean training loss over the local steps (not finite if a step diverged)
     steps: int
     examples: int  # examples trained on, repeats included (FedAvg weights use the partition size)
     head_positions: int  # where the output head ran: examples, or target tokens of an LM task
@@ -37,7 +37,7 @@ class LocalResult:
     tokens_real: int | None = None  # non-padding tokens of the batches trained on
 
 
-def _batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator):
+def local_batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator):
     """Local epochs, or exactly ``local_steps`` batches cycling through reshuffled epochs."""
     idx = range(len(data))
     steps = int(cfg.get("local_steps") or 0)
@@ -57,7 +57,7 @@ def _batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator):
                 return
 
 
-def _num_steps(data: TokenizedSplit, cfg: dict[str, Any]) -> int:
+def local_step_count(data: TokenizedSplit, cfg: dict[str, Any]) -> int:
     steps = int(cfg.get("local_steps") or 0)
     return steps or int(cfg.get("local_epochs") or 1) * num_batches(len(data), int(cfg["batch_size"]))
 
@@ -68,7 +68,7 @@ def _proximal(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor], mu:
 
 
 def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(**batch).loss
+    return model(**to_device(batch, model_device(model))).loss
 
 
 def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: TokenizedSplit,
@@ -94,26 +94,22 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     tokens = examples = head_positions = 0
     real = 0
     flops_per_token = 0.0
-    nonfinite = False
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
     scaler = compute.grad_scaler()
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem, \
-            progress.task("local training steps", _num_steps(data, cfg)) as advance:
-        for step, batch in enumerate(_batches(data, cfg, gen)):
+            progress.task("local training steps", local_step_count(data, cfg)) as advance:
+        for step, batch in enumerate(local_batches(data, cfg, gen)):
             advance()
-            batch = compute.to_device(batch)
             with count_flops(enabled=step == 0) as fc:
                 with compute.autocast():
+                    # a host batch: the loss moves it to the model's device, and a task reads
+                    # it there (target positions) without waiting for the device
                     loss = loss_fn(model, batch)
                 total = loss + _proximal(params, ref, mu) if ref is not None else loss
                 (scaler.scale(total) if scaler else total).backward()
             if step == 0:
                 flops_per_token = fc.total / batch_tokens(batch)
-            if not torch.isfinite(loss):
-                nonfinite = True
-                losses.append(loss.detach())
-                break
             if scaler:
                 scaler.unscale_(opt)
             if clip > 0:
@@ -124,14 +120,18 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
             else:
                 opt.step()
             opt.zero_grad(set_to_none=True)
+            # the losses stay on the device and are read once after the loop (a per-step check
+            # for divergence would wait for each step: a GPU sync per step); a non-finite step
+            # makes the mean non-finite and the server excludes the reply
             losses.append(loss.detach())
-            tokens += batch_tokens(batch)
+            tokens += batch_tokens(batch)  # counted on the host batch: no device reads
             real = real + batch_real_tokens(batch)
             examples += batch_examples(batch)
             head_positions += batch_head_positions(batch)
     model.train(was_training)
     mean_loss = float(torch.stack(losses).mean()) if losses else math.nan
-    return LocalResult(loss=mean_loss if not nonfinite else math.nan, steps=len(losses),
+    nonfinite = bool(losses) and not math.isfinite(mean_loss)
+    return LocalResult(loss=mean_loss, steps=len(losses),
                        examples=examples, head_positions=head_positions, tokens=tokens, flops_measured=flops_per_token * tokens,
                        peak_rss_mb=mem.rss_peak_mb or 0.0, activation_mb=mem.tensor_peak_mb,
                        time_s=time.perf_counter() - t0, nonfinite=nonfinite,

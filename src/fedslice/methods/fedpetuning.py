@@ -15,6 +15,7 @@ of the clients' personalised ones (docs/lora.md).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -192,6 +193,10 @@ class FedPETuning(Method):
         :meth:`fit` returns it, is left as it is)."""
         if not any(k in reply.arrays for k in self.personal_names):
             return reply
+        loss = reply.metrics.get("loss")
+        if isinstance(loss, float) and not math.isfinite(loss):  # diverged: keeps what it had
+            return Reply({k: t for k, t in reply.arrays.items() if k not in self.personal_names},
+                         reply.num_examples, reply.metrics)
         self.personal[client] = {k: reply.arrays[k].detach().cpu().clone()
                                  for k in self.personal_names if k in reply.arrays}
         self._last_client = client

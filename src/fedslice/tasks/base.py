@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fedslice.compute import model_device, to_device
 from fedslice.config import ExperimentConfig
 from fedslice.data.partition import sample_rows
 from fedslice.models.arch import ArchSpec, Head
@@ -58,7 +59,9 @@ class Task:
 
     # -- training ----------------------------------------------------------------------------
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model(**batch).loss
+        """The training loss of a batch, on the host or on the model's device (moved here:
+        training passes host batches, so a task can read them without a device sync)."""
+        return model(**to_device(batch, model_device(model))).loss
 
     def client_losses(self, model: nn.Module, batch: dict[str, torch.Tensor],
                       rows: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -70,7 +73,9 @@ class Task:
         if labels.dim() != 1 or labels.is_floating_point():
             raise NotImplementedError(f"{type(self).__name__}: no per-client loss for labels of "
                                       f"shape {tuple(labels.shape)}")
+        batch = to_device(batch, model_device(model))
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits  # (B, C)
+        labels = batch["labels"]
         return [F.cross_entropy(logits[lo:hi].float(), labels[lo:hi]) for lo, hi in rows]
 
     # -- inference ---------------------------------------------------------------------------

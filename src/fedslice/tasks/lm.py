@@ -23,16 +23,18 @@ from fedslice.models.arch import _unwrap
 
 
 @contextmanager
-def logits_at(model: nn.Module, mask: torch.Tensor) -> Iterator[None]:
-    """Within the block, the LM head of ``model`` maps only the hidden states where ``mask``
-    ``(B, T)`` is true: its output is ``(N, vocab)``, N = ``mask.sum()``, in row-major order.
-    Positions a model prepends to the sequence (an adapter's virtual tokens: prompt tuning)
-    come first and are skipped: ``mask`` covers the last T."""
+def logits_at(model: nn.Module, at: torch.Tensor, length: int) -> Iterator[None]:
+    """Within the block, the LM head of ``model`` maps only the hidden states at the flat
+    positions ``at`` (N,) of the last ``length`` positions of each row (row-major, ``b * length
+    + t``, on the model's device): its output is ``(N, vocab)`` in that order. Positions a
+    model prepends to the sequence (an adapter's virtual tokens: prompt tuning) come first and
+    are skipped. A gather of a known size: no host sync (a boolean mask would need one)."""
     head = _unwrap(model).get_output_embeddings()
 
     def select(module, args):
         (hidden,) = args  # (B, P + T, d)
-        return (hidden[:, hidden.shape[1] - mask.shape[1]:][mask],)  # (N, d)
+        last = hidden[:, hidden.shape[1] - length:]  # (B, T, d)
+        return (last.reshape(-1, last.shape[-1]).index_select(0, at),)  # (N, d)
 
     handle = head.register_forward_pre_hook(select)
     try:
@@ -41,11 +43,10 @@ def logits_at(model: nn.Module, mask: torch.Tensor) -> Iterator[None]:
         handle.remove()
 
 
-def target_logits(model: nn.Module, batch: dict[str, torch.Tensor], layout: str):
-    """``(logits (N, V), targets (N,), rows (N,))`` at the target tokens of a collated batch."""
-    batch = to_device(batch, model_device(model))
-    labels = batch["labels"]  # (B, T)
-    if layout == "causal":  # the hidden state at t predicts token t + 1
+def target_positions(labels: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(flat positions (N,), target tokens (N,))`` of a ``(B, T)`` label batch, row-major:
+    where the loss is taken (causal: the hidden state at t predicts token t + 1)."""
+    if layout == "causal":
         nxt = labels[:, 1:]
         mask = torch.zeros_like(labels, dtype=torch.bool)
         mask[:, :-1] = nxt != IGNORE
@@ -53,10 +54,21 @@ def target_logits(model: nn.Module, batch: dict[str, torch.Tensor], layout: str)
     else:
         mask = labels != IGNORE
         targets = labels[mask]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    with logits_at(model, mask):
+    return mask.flatten().nonzero()[:, 0], targets
+
+
+def target_logits(model: nn.Module, batch: dict[str, torch.Tensor], layout: str):
+    """``(logits (N, V), targets (N,), rows (N,))`` at the target tokens of a collated batch;
+    logits and targets on the model's device, rows where ``batch`` is. The positions are found
+    where the labels are: a batch from the host (as training passes it) costs the device no
+    sync; the inputs go to the model's device here."""
+    labels = batch["labels"]  # (B, T)
+    at, targets = target_positions(labels, layout)  # (N,), (N,)
+    device = model_device(model)
+    inputs = to_device({k: v for k, v in batch.items() if k != "labels"}, device)
+    with logits_at(model, to_device({"at": at}, device)["at"], labels.shape[1]):
         logits = model(**inputs, use_cache=False).logits  # (N, V)
-    return logits, targets, mask.nonzero()[:, 0]
+    return logits, to_device({"t": targets}, device)["t"], at // labels.shape[1]
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], layout: str) -> torch.Tensor:
@@ -72,7 +84,8 @@ def client_lm_losses(model: nn.Module, batch: dict[str, torch.Tensor], layout: s
     logits, targets, at = target_logits(model, batch, layout)  # (N, V), (N,), (N,) row-major
     per_token = F.cross_entropy(logits.float(), targets, reduction="none")  # (N,)
     bounds = torch.searchsorted(at, torch.tensor([r for lohi in rows for r in lohi], device=at.device))
-    return [per_token[int(bounds[2 * i]):int(bounds[2 * i + 1])].mean() for i in range(len(rows))]
+    bounds = bounds.tolist()  # where the labels are (the host, in training)
+    return [per_token[bounds[2 * i]:bounds[2 * i + 1]].mean() for i in range(len(rows))]
 
 
 def sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], layout: str):
@@ -80,6 +93,7 @@ def sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], layout: 
     logits, targets, rows = target_logits(model, batch, layout)
     token_lp = torch.log_softmax(logits.float(), -1).gather(1, targets[:, None])[:, 0]  # (N,)
     n = batch["labels"].shape[0]
+    rows = rows.to(token_lp.device)
     sums = torch.zeros(n, device=token_lp.device).index_add_(0, rows, token_lp)
     counts = torch.zeros(n, device=token_lp.device).index_add_(0, rows, torch.ones_like(token_lp))
     return sums.cpu(), counts.cpu()
