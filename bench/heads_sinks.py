@@ -22,14 +22,14 @@ import torch
 
 from fedslice.api import setup
 from fedslice.experiment import load_config, validate_config
-from fedslice.slicing.heads import _ensure_eager
+from fedslice.slicing.heads import ensure_eager_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def first_token_share(model, batch) -> torch.Tensor:
     """(L, H) mean attention probability on each example's first real token, over later queries."""
-    _ensure_eager(model)
+    ensure_eager_attention(model)
     with torch.no_grad():
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     output_attentions=True)

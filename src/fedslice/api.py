@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 HISTOGRAM_CELLS = 100_000
 
 
-def _run_name(cfg: ExperimentConfig) -> str:
+def folder_name(cfg: ExperimentConfig) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.run_name).strip(".-") or "run"
 
 
@@ -74,7 +74,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
     out = Path(out_dir or cfg.output.dir)
     with _display(cfg, progress, verbose):
         method, data = setup_result or setup(cfg)
-        run = RunDir.create(out, _run_name(cfg))
+        run = RunDir.create(out, folder_name(cfg))
         try:
             start_run_folder(run, cfg, method, data)
         except BaseException:
@@ -141,7 +141,7 @@ def _run_into(run: RunDir, cfg: ExperimentConfig, method: Method, data: Federate
     def checkpoint(ckpt: Checkpoint) -> None:
         write_checkpoint(run.path, ckpt)
 
-    trackers = Trackers(cfg, run.staging_path, _run_name(cfg))
+    trackers = Trackers(cfg, run.staging_path, folder_name(cfg))
 
     def on_round(record: dict[str, Any]) -> None:
         run.append_metrics(record)
@@ -231,7 +231,7 @@ def compare_experiments(cfgs: list[ExperimentConfig], out_dir: str | Path | None
     run becomes one naming it). The folder is removed only if nothing at all was kept in it."""
     if not cfgs:
         raise ConfigError("compare needs at least one config")
-    names = [_run_name(c) for c in cfgs]
+    names = [folder_name(c) for c in cfgs]
     if len(set(names)) != len(names):
         raise ConfigError(f"compare: run names must differ (set `name` in each config): {names}")
     cfgs = _same_setting(cfgs)

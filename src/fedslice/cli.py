@@ -28,7 +28,7 @@ def _output_options(suppress: bool) -> argparse.ArgumentParser:
     return p
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedslice", description=__doc__.splitlines()[0],
                                 parents=[_output_options(False)])
     p.add_argument("--version", action="version", version=f"fedslice {__version__}")
@@ -182,7 +182,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     _configure_logging(args.verbose, args.quiet)
     try:
         with terminate_as_interrupt():  # `kill PID` unwinds like Ctrl-C: finished work is kept

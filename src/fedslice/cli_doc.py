@@ -25,13 +25,13 @@ def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser
 
 
 def markdown() -> str:
-    from fedslice.cli import _parser
+    from fedslice.cli import build_parser
 
     old = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"  # argparse wraps at the terminal width: fix it
     try:
         parts = [HEADER]
-        for name, sub in _subparsers(_parser()).items():
+        for name, sub in _subparsers(build_parser()).items():
             parts.append(f"\n## fedslice {name}\n\n```text\n{sub.format_help().rstrip()}\n```\n")
             for child, p in _subparsers(sub).items():
                 parts.append(f"\n### fedslice {name} {child}\n\n```text\n{p.format_help().rstrip()}\n```\n")

@@ -103,7 +103,7 @@ class TokenizedSplit:
 
     def subset(self, indices: Indices) -> TokenizedSplit:
         """The examples at ``indices``, sharing the underlying tensors (no copy of tokens)."""
-        idx = _as_index_list(indices, len(self))
+        idx = as_index_list(indices, len(self))
 
         def pick(rows):
             return rows.take(idx) if isinstance(rows, Rows) else [rows[i] for i in idx]
@@ -116,7 +116,7 @@ class TokenizedSplit:
         )
 
 
-def _as_index_list(indices: Indices, size: int) -> list[int]:
+def as_index_list(indices: Indices, size: int) -> list[int]:
     """Convert indices to a list of ints and check they are within ``[0, size)``."""
     if isinstance(indices, torch.Tensor):
         idx = indices.tolist()
@@ -127,7 +127,7 @@ def _as_index_list(indices: Indices, size: int) -> list[int]:
     return idx
 
 
-def _pad_token_id(tokenizer: Any) -> int:
+def pad_token_id_of(tokenizer: Any) -> int:
     """The tokenizer's pad id, falling back to its end-of-sequence id (GPT-style models)."""
     for name in ("pad_token_id", "eos_token_id"):
         value = getattr(tokenizer, name, None)
@@ -166,7 +166,7 @@ def tokenize_split(raw: RawSplit, tokenizer: Any, max_length: int) -> TokenizedS
         input_ids=_split_flat(encoding["input_ids"]),
         token_type_ids=None if type_ids is None else _split_flat(type_ids),
         labels=torch.tensor(raw.labels, dtype=torch.int64),
-        pad_token_id=_pad_token_id(tokenizer),
+        pad_token_id=pad_token_id_of(tokenizer),
     )
 
 
@@ -177,7 +177,7 @@ def collate(split: TokenizedSplit, indices: Indices) -> dict[str, torch.Tensor]:
     ``attention_mask`` ``(B, T)`` (1 on real tokens), ``token_type_ids`` ``(B, T)`` padded with
     0 when the split has them, and ``labels`` ``(B,)``; all int64.
     """
-    idx = _as_index_list(indices, len(split))
+    idx = as_index_list(indices, len(split))
     if not idx:
         raise ValueError("cannot collate an empty batch")
     ids = [split.input_ids[i] for i in idx]
@@ -260,7 +260,7 @@ def iter_batches(
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
-    order = torch.as_tensor(_as_index_list(indices, len(split)), dtype=torch.int64)
+    order = torch.as_tensor(as_index_list(indices, len(split)), dtype=torch.int64)
     if shuffle:
         order = order[torch.randperm(len(order), generator=generator)]
     starts = range(0, num_batches(len(order), batch_size, drop_last) * batch_size, batch_size)

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from fedslice.data.batching import Indices, _as_index_list
+from fedslice.data.batching import Indices, as_index_list
 
 IGNORE = -100
 Layout = Literal["causal", "seq2seq"]
@@ -55,7 +55,7 @@ class PairSplit:
                             dtype=torch.int64)
 
     def subset(self, indices: Indices) -> PairSplit:
-        idx = _as_index_list(indices, len(self))
+        idx = as_index_list(indices, len(self))
         sel = torch.as_tensor(idx, dtype=torch.int64)
         return PairSplit([self.prompts[i] for i in idx], [self.targets[i] for i in idx],
                          self.labels[sel], self.groups[sel], [self.references[i] for i in idx],
@@ -63,14 +63,14 @@ class PairSplit:
 
     def with_targets(self, indices: Indices, targets: list[torch.Tensor]) -> PairSplit:
         """The prompts at ``indices`` paired with other targets (e.g. candidate label words)."""
-        idx = _as_index_list(indices, len(self))
+        idx = as_index_list(indices, len(self))
         n = len(idx)
         return PairSplit([self.prompts[i] for i in idx], targets, torch.zeros(n, dtype=torch.int64),
                          torch.arange(n), [""] * n, self.pad_token_id, self.layout,
                          self.decoder_start_token_id)
 
     def collate(self, indices: Indices) -> dict[str, torch.Tensor]:
-        idx = _as_index_list(indices, len(self))
+        idx = as_index_list(indices, len(self))
         if not idx:
             raise ValueError("cannot collate an empty batch")
         prompts = [self.prompts[i] for i in idx]
@@ -82,7 +82,7 @@ class PairSplit:
     def prompt_batch(self, indices: Indices) -> dict[str, torch.Tensor]:
         """The prompts at ``indices`` to generate from: left-padded for decoders (new tokens follow
         every prompt directly), right-padded for encoders."""
-        prompts = [self.prompts[i] for i in _as_index_list(indices, len(self))]
+        prompts = [self.prompts[i] for i in as_index_list(indices, len(self))]
         side = "left" if self.layout == "causal" else "right"
         ids = pad_sequence(prompts, batch_first=True, padding_value=self.pad_token_id,
                            padding_side=side)  # (B, T)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from fedslice.config import DistillConfig
-from fedslice.data.batching import TokenizedSplit, _pad_token_id
+from fedslice.data.batching import TokenizedSplit, pad_token_id_of
 from fedslice.data.loading import resolve_source
 from fedslice.data.sources import data_search_dirs
 from fedslice.errors import ConfigError, DataError
@@ -142,7 +142,7 @@ def pack_chunks(passages: Iterator[str], tokenizer, max_length: int, max_chunks:
     types = [torch.zeros_like(t) for t in ids] if "token_type_ids" in tokenizer.model_input_names else None
     return TokenizedSplit(input_ids=ids, token_type_ids=types,
                           labels=torch.zeros(len(ids), dtype=torch.int64),
-                          pad_token_id=_pad_token_id(tokenizer))
+                          pad_token_id=pad_token_id_of(tokenizer))
 
 
 def fingerprint(source: Path | str) -> str:

@@ -54,7 +54,7 @@ def main(grid: Grid, context: Context) -> None:
 def run(grid: Grid, settings: RunSettings) -> Path:
     """Load the experiment, find the SuperNodes, train, write the run folder; return its path.
     With ``settings.resume`` (run config ``resume``), continue that run from its checkpoint."""
-    from fedslice.api import _run_name, keep_failed_run, save_results, setup, start_run_folder
+    from fedslice.api import folder_name, keep_failed_run, save_results, setup, start_run_folder
     from fedslice.checkpoint import check_same_config, find_resumable, read_checkpoint, restore
     from fedslice.experiment import load_config
     from fedslice.fl.engine import finalize
@@ -77,7 +77,7 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     partitions.discover(grid, settings.connect_timeout)
     adapter = FlowerAdapter(cfg, method, data, partitions, settings.round_timeout)
     if ckpt is None:
-        run_dir = RunDir.create(out, _run_name(cfg))
+        run_dir = RunDir.create(out, folder_name(cfg))
         state, t_start = method.initial_state(), time.perf_counter()
     else:
         run_dir = RunDir.reopen(staging)
@@ -88,7 +88,7 @@ def run(grid: Grid, settings: RunSettings) -> Path:
             method.strategy.forget(c)
         log.warning("resuming %s after round %d of %d", staging, ckpt.round, cfg.federation.rounds)
     latest: list[tuple[int, dict]] = [] if ckpt is None else [(ckpt.round, state)]
-    trackers = Trackers(cfg, run_dir.staging_path, _run_name(cfg))
+    trackers = Trackers(cfg, run_dir.staging_path, folder_name(cfg))
     try:
         with run_dir, _ending_run(grid):  # kept on a failure after a round, else removed
             try:

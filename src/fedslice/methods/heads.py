@@ -61,7 +61,7 @@ from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.models.loading import LoadedModel
 from fedslice.registry import register_method
 from fedslice.report import figure, rounds_of, save_figure
-from fedslice.slicing.heads import (HeadUpdate, _ensure_eager, combine_heads, head_axes,
+from fedslice.slicing.heads import (HeadUpdate, combine_heads, ensure_eager_attention, head_axes,
                                     head_deltas, head_importance, heads_state, keep_mask,
                                     mask_rows, mask_spec, num_rows, position_cuts)
 from fedslice.slicing.partial import partial_model
@@ -337,7 +337,7 @@ class Heads(FedPETuning):
                               f"= 0 with scope={o.scope!r}): the largest valid method.sparsity is "
                               f"{max_sparsity(pool)} (keeps 1 of {pool} heads)")
         if self.needs_importance:
-            previous = _ensure_eager(self.model)  # raises ModelError when unavailable
+            previous = ensure_eager_attention(self.model)  # raises ModelError when unavailable
             if previous != "eager":
                 self.arch_base().set_attn_implementation(previous)
 

@@ -298,7 +298,7 @@ class ArchSpec:
 
     # -- module access ---------------------------------------------------------------------
     def blocks(self, model: nn.Module, stack: int = 0) -> nn.ModuleList:
-        return _get(_unwrap(model), self.stacks[stack].layers)
+        return _get(unwrap_model(model), self.stacks[stack].layers)
 
     def part(self, model: nn.Module, layer: int, part: str) -> nn.Module:
         return _get(self.blocks(model)[layer], self.parts[part])
@@ -358,7 +358,7 @@ def _get(root: nn.Module, path: str) -> nn.Module:
     return mod
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """The HF model under a peft wrapper (PeftModel -> LoraModel -> HF model)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
@@ -491,7 +491,7 @@ ALIASES = {"qwen2": "llama", "mistral": "llama"}
 
 def arch_for(model_or_config) -> ArchSpec:
     """The table entry of a HF model or config; unsupported architectures name the supported ones."""
-    config = getattr(_unwrap(model_or_config), "config", model_or_config)
+    config = getattr(unwrap_model(model_or_config), "config", model_or_config)
     model_type = getattr(config, "model_type", None)
     model_type = ALIASES.get(model_type, model_type)
     if model_type not in ARCHITECTURES:

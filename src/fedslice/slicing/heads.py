@@ -74,7 +74,7 @@ def confidence(attentions: Iterable[torch.Tensor], query_mask: torch.Tensor,
     return torch.stack(out, dim=1)                                       # (B, L, H)
 
 
-def _ensure_eager(model: nn.Module) -> str:
+def ensure_eager_attention(model: nn.Module) -> str:
     """Switch a HF model to eager attention (SDPA returns no weights); return the previous one."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     previous = getattr(base.config, "_attn_implementation", None) or "eager"
@@ -128,7 +128,7 @@ def head_importance(model: nn.Module, data: TokenizedSplit, special_token_ids: I
     special = torch.tensor(sorted(set(special_token_ids)), dtype=torch.int64)
     arch = arch_for(model)
     families = arch.attention_outputs
-    previous = _ensure_eager(model)
+    previous = ensure_eager_attention(model)
     was_training = model.training
     model.eval()
     sums: dict[str, torch.Tensor] = {}

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fedslice.models.arch import ArchSpec
-from fedslice.slicing.spec import HEAD_PARTS, Spec, _clone, _rebuild, key_info, stack_specs
+from fedslice.slicing.spec import HEAD_PARTS, Spec, key_info, rebuild_tree, shallow_clone, stack_specs
 
 
 class PartialLinear(nn.Linear):
@@ -70,7 +70,7 @@ class PartialLinear(nn.Linear):
 
 def _frozen(module: nn.Module) -> nn.Module:
     """A copy of a (bias-free or not) linear sharing its tensors, with no trainable parameter."""
-    new = _clone(module)
+    new = shallow_clone(module)
     for name, p in module._parameters.items():
         if p is not None:
             new._parameters[name] = nn.Parameter(p.detach(), requires_grad=False)
@@ -101,7 +101,7 @@ def partial_parameters(module: nn.Module, cuts: Mapping[str, tuple[torch.Tensor,
     module reads the whole tensor, so its outputs are unchanged. For any module: an IA3
     ``ParameterDict``, DoRA's magnitude, a prefix's embedding (LoRA's bias-free linears use
     :class:`PartialLinear`, which skips assembling the weight)."""
-    new = _clone(module)
+    new = shallow_clone(module)
     state = {}
     for leaf, (idx, axis) in cuts.items():
         p = module._parameters[leaf]
@@ -160,4 +160,4 @@ def partial_model(model: nn.Module, spec: Spec, arch: ArchSpec,
             replace[owner] = PartialLinear(module, *leaves["weight"])  # LoRA B rows
         else:  # LoRA A columns too: DoRA reads lora_A.weight.shape[1] as the input width
             replace[owner] = partial_parameters(module, leaves)
-    return _rebuild(model, "", replace, {}, {})
+    return rebuild_tree(model, "", replace, {}, {})

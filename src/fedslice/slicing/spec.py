@@ -510,7 +510,7 @@ def scatter(sub_state: Mapping[str, torch.Tensor], spec: Spec, arch: ArchSpec,
 # A real smaller model (module surgery, no copy of the full model)
 # --------------------------------------------------------------------------------------------
 
-def _clone(module: nn.Module) -> nn.Module:
+def shallow_clone(module: nn.Module) -> nn.Module:
     """A new module object sharing every parameter, buffer and child of ``module``."""
     new = object.__new__(type(module))
     new.__dict__ = dict(module.__dict__)
@@ -530,7 +530,7 @@ def _slice_param(p: nn.Parameter | None, axis: int | None, idx: torch.Tensor) ->
 def _slice_linear(lin: nn.Module, idx: torch.Tensor, side: str, layout: Layout = LINEAR) -> nn.Module:
     """An ``nn.Linear`` (or a ``Conv1D``, ``layout=CONV1D``: weight (in, out)) keeping output
     rows (``side='out'``) or input columns (``side='in'``)."""
-    new = _clone(lin)
+    new = shallow_clone(lin)
     new.weight = _slice_param(lin.weight, layout.out_axis if side == "out" else layout.in_axis, idx)
     if side == "out" and lin.bias is not None:
         new.bias = _slice_param(lin.bias, 0, idx)  # (out',)
@@ -558,7 +558,7 @@ def _slice_part(module: nn.Module, idx: torch.Tensor, side: str, layout: Layout 
     adapter = adapter_of_module(module)
     if adapter is None:
         raise TypeError(f"cannot slice {type(module).__name__}: no registered adapter wraps it")
-    new = _clone(module)
+    new = shallow_clone(module)
     new.base_layer = _slice_part(module.base_layer, idx, side, layout)
     for attr in adapter.module_tensors:
         container = getattr(module, attr)
@@ -579,7 +579,7 @@ def _slice_container(container: nn.Module, attr: str, adapter, idx: torch.Tensor
                      side: str) -> nn.Module:
     """An adapter container (a ModuleDict of sub-modules, or a ParameterDict) with the tensors
     that follow ``side`` sliced to ``idx``; the container itself when none does."""
-    new = _clone(container)
+    new = shallow_clone(container)
     changed = False
     for key, p in container._parameters.items():                  # ParameterDict (IA3)
         axis = _side_axis(adapter, f"{attr}.{key}", side)
@@ -587,7 +587,7 @@ def _slice_container(container: nn.Module, attr: str, adapter, idx: torch.Tensor
             new._parameters[key] = _slice_param(p, axis, idx)
             changed = True
     for key, child in container._modules.items():                 # ModuleDict (LoRA, DoRA)
-        new_child = _clone(child)
+        new_child = shallow_clone(child)
         hit = False
         for pname, p in child._parameters.items():
             axis = _side_axis(adapter, f"{attr}.{key}.{pname}", side)
@@ -605,7 +605,7 @@ def _slice_container(container: nn.Module, attr: str, adapter, idx: torch.Tensor
 
 def _slice_table(emb: nn.Embedding, idx: torch.Tensor) -> nn.Embedding:
     """A per-head table (T5's relative-position bias, (buckets, H)) keeping the columns ``idx``."""
-    new = _clone(emb)
+    new = shallow_clone(emb)
     new.weight = _slice_param(emb.weight, 1, idx)
     new.embedding_dim = len(idx)
     return new
@@ -623,7 +623,7 @@ class _TakeRows:
 
 def _gather_out(module: nn.Module, rows: torch.Tensor) -> nn.Module:
     """A copy of ``module`` (sharing its tensors) whose output keeps ``rows`` of its last axis."""
-    new = _clone(module)
+    new = shallow_clone(module)
     for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
         setattr(new, hooks, OrderedDict(getattr(module, hooks)))
     new.register_forward_hook(_TakeRows(rows))
@@ -642,25 +642,25 @@ def _kv_repeat(s: SliceSpec, j: int) -> int | None:
     return m if ok else None
 
 
-def _rebuild(module: nn.Module, path: str, replace: dict[str, nn.Module], lists: dict[str, list[int]],
+def rebuild_tree(module: nn.Module, path: str, replace: dict[str, nn.Module], lists: dict[str, list[int]],
              hooks: dict[str, dict]) -> nn.Module:
     """A copy of the module tree in which only ancestors of replaced modules are new objects."""
     if path in replace:
         return replace[path]
     if not any(p == path or p.startswith(path + ".") or not path for p in (*replace, *lists, *hooks)):
         return module  # untouched subtree: the same object
-    new = _clone(module)
+    new = shallow_clone(module)
     keep = lists.get(path)
     children = list(module._modules.items())
     if keep is not None:  # the layer list of a depth spec: kept blocks, renumbered
         children = [(str(i), module._modules[str(i)]) for i in keep]
         new._modules = {}
         for j, (i, child) in enumerate(children):
-            new._modules[str(j)] = _rebuild(child, _join(path, i), replace, lists, hooks)
+            new._modules[str(j)] = rebuild_tree(child, _join(path, i), replace, lists, hooks)
     else:
         for name, child in children:
             if child is not None:
-                new._modules[name] = _rebuild(child, _join(path, name), replace, lists, hooks)
+                new._modules[name] = rebuild_tree(child, _join(path, name), replace, lists, hooks)
     for attr, value in hooks.get(path, {}).items():
         setattr(new, attr, value)
     return new
@@ -824,7 +824,7 @@ def extract_model(model: nn.Module, spec: Spec, arch: ArchSpec) -> nn.Module:
                         cut(path, "ffn", side)
         if depth:
             lists[names[id(blocks)]] = list(s.layers)
-    return _rebuild(model, "", replace, lists, hooks)
+    return rebuild_tree(model, "", replace, lists, hooks)
 
 
 def _group_queries(s: SliceSpec, j: int, block: nn.Module, att: Attention, names: dict,

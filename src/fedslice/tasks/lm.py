@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from fedslice.compute import model_device, to_device
 from fedslice.data.pairs import IGNORE, PairSplit
-from fedslice.models.arch import _unwrap
+from fedslice.models.arch import unwrap_model
 
 
 @contextmanager
@@ -29,7 +29,7 @@ def logits_at(model: nn.Module, at: torch.Tensor, length: int) -> Iterator[None]
     + t``, on the model's device): its output is ``(N, vocab)`` in that order. Positions a
     model prepends to the sequence (an adapter's virtual tokens: prompt tuning) come first and
     are skipped. A gather of a known size: no host sync (a boolean mask would need one)."""
-    head = _unwrap(model).get_output_embeddings()
+    head = unwrap_model(model).get_output_embeddings()
 
     def select(module, args):
         (hidden,) = args  # (B, P + T, d)
@@ -105,7 +105,7 @@ def generate(model: nn.Module, split: PairSplit, indices: list[int], tokenizer,
     """Greedy (deterministic) continuations of the prompts at ``indices``, decoded without
     special tokens; an empty generation stays an empty string. ``model.generate`` (a peft
     wrapper's, which adds an adapter's virtual tokens or prefix), else the HF model's."""
-    hf = _unwrap(model)
+    hf = unwrap_model(model)
     batch = to_device(split.prompt_batch(indices), model_device(hf))
     gen = model.generate if callable(getattr(model, "generate", None)) else hf.generate
     out = gen(**batch, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
