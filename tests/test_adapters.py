@@ -408,7 +408,7 @@ def test_analytic_flops_of_virtual_tokens_and_prefix_keys():
 @pytest.mark.parametrize("name", ["lora", "dora", "ia3", "prompt", "ptuning", "prefix"])
 def test_client_costs_per_adapter(name, tiny_cfg_dict):
     """bytes up = the adapter's tensors + the classifier; the adapter's cost record; analytic
-    FLOPs with its share, within 25% of the measured ones (matrix products)."""
+    FLOPs with its share, within 5% of the measured ones (matrix products)."""
     d = _cfg(tiny_cfg_dict, name)
     d["data"] = {**d["data"], "max_length": 32}
     if name in ("prompt", "ptuning", "prefix"):
@@ -431,9 +431,38 @@ def test_client_costs_per_adapter(name, tiny_cfg_dict):
     if name == "ia3":  # k, v (out vectors) and ffn_out (in vector) of 2 layers
         assert cost.params == 2 * (32 + 32 + 64) and cost.flops_per_token == 4 * cost.params
     if name == "ptuning":
-        assert cost.flops_per_sequence == 6 * 8 * 3 * 32 * 32
+        assert cost.flops_per_step == 6 * 8 * 3 * 32 * 32 and cost.flops_per_sequence == 0  # once a step
     ratio = m["flops_analytic"] / m["flops_measured"]
-    assert 0.75 < ratio < 1.25, ratio
+    # 2-4% over: the analytic count keeps the first layer's input gradients, which autograd
+    # skips under frozen embeddings (test_costs.py); was 0.75-1.25 before P-tuning's encoder was
+    # counted once a step and no longer as per-token linear weights (26% over)
+    assert 1.0 < ratio < 1.05, ratio
+
+
+@pytest.mark.parametrize("name", ["prompt", "ptuning", "lora"])
+def test_measured_flops_extrapolate_by_positions_with_virtual_tokens(name, tiny_cfg_dict):
+    """The first step's count, scaled to every step, equals counting every step (sentences of
+    several lengths): scaled by positions (tokens + virtual tokens x rows), not by tokens,
+    which overstated prompt tuning's count when the first batch was the shortest."""
+    from fedslice.fl.client import local_batches, train_local
+    from fedslice.measure import count_flops
+
+    d = _cfg(tiny_cfg_dict, name, **({"num_virtual_tokens": 16} if name != "lora" else {}))
+    method, data = setup(validate_config(d))
+    client = data.client(0)
+    assert len(set(client.lengths.tolist())) > 1
+    params = {n: p for n, p in method.model.named_parameters() if p.requires_grad}
+    cfg = {"lr": 1e-3, "local_steps": 6, "batch_size": 4, "group_by_length": True}
+    result = train_local(method.model, params, client, cfg, seed=3, loss_fn=method.task.loss,
+                         virtual_tokens=method.adapter.virtual_tokens)
+    every = 0.0
+    for batch in local_batches(client, cfg, torch.Generator().manual_seed(3)):
+        with count_flops() as fc:
+            method.task.loss(method.model, batch).backward()
+        every += fc.total
+    method.model.zero_grad(set_to_none=True)
+    assert method.adapter.virtual_tokens == (16 if name != "lora" else 0)
+    assert result.flops_measured == pytest.approx(every, rel=0.02)
 
 
 def test_prompt_tuning_costs_the_model_on_its_virtual_tokens(tiny_cfg_dict):

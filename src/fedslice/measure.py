@@ -106,7 +106,8 @@ def linear_param_counts(model: nn.Module) -> dict[str, int]:
     the LM head (the output embedding), which runs at the positions where a loss is taken.
     GPT-2's ``Conv1D`` counts as a linear layer.
     Biases are not counted (they cost no multiply-adds). The unused ``original_module`` copy that
-    peft keeps for ``modules_to_save`` is skipped.
+    peft keeps for ``modules_to_save`` is skipped, and so is a prompt-learning ``prompt_encoder``
+    (it runs on the virtual tokens once per step or per sequence: ``Adapter.cost`` counts it).
     """
     counts = {"total": 0, "trainable": 0, "head_total": 0, "head_trainable": 0}
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -120,6 +121,8 @@ def linear_param_counts(model: nn.Module) -> dict[str, int]:
         segments = name.split(".")
         if "original_module" in segments:
             continue  # peft modules_to_save keeps an unused copy of the original head
+        if "prompt_encoder" in segments:
+            continue  # P-tuning's MLP, prefix tuning's projection: not per token (the adapter's cost)
         is_head = module is lm_head or any(part in seg for seg in segments for part in _HEAD_NAME_PARTS)
         prefix = "head_" if is_head else ""
         frozen = getattr(module, "frozen", None)  # PartialLinear: the frozen slice runs forward too

@@ -15,7 +15,8 @@ from fedslice import progress
 from fedslice.compute import CPU, Compute, model_device, to_device
 from fedslice.data.batching import TokenizedSplit, iter_batches, num_batches
 from fedslice.measure import PeakMemory, count_flops
-from fedslice.tasks.base import batch_examples, batch_head_positions, batch_real_tokens, batch_tokens
+from fedslice.tasks.base import (batch_examples, batch_head_positions, batch_real_tokens, batch_rows,
+                                 batch_tokens)
 
 #: ``loss_fn(model, batch) -> scalar`` (the task's training loss)
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
@@ -73,14 +74,17 @@ def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: TokenizedSplit,
                 cfg: dict[str, Any], seed: int, loss_fn: LossFn = _hf_loss,
-                compute: Compute = CPU) -> LocalResult:
+                compute: Compute = CPU, virtual_tokens: int = 0) -> LocalResult:
     """AdamW on ``params`` of ``model`` over the client's data; deterministic given ``seed``.
 
     ``cfg`` holds the strategy's train config (lr, weight_decay, local_epochs/local_steps,
     batch_size, max_grad_norm, fedprox_mu). The first step runs under a FLOP counter; the total
     is that count per padded token times the padded tokens of all steps. ``compute``: the
     device batches go to and the autocast precision of forward and loss (parameters, gradients
-    and optimizer state stay fp32; fp16 scales the loss).
+    and optimizer state stay fp32; fp16 scales the loss). ``virtual_tokens``: positions an
+    adapter prepends to every sequence (prompt tuning, P-tuning): the model runs on them too, so
+    the first step's count is scaled by positions (tokens + virtual tokens x rows), not tokens
+    alone (which overstates it when the first batch is shorter than the others).
     """
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout masks
@@ -93,7 +97,8 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     losses: list[torch.Tensor] = []
     tokens = examples = head_positions = 0
     real = 0
-    flops_per_token = 0.0
+    flops_per_position = 0.0
+    positions = 0  # where the model ran: tokens + virtual tokens of every row
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
     scaler = compute.grad_scaler()
@@ -109,7 +114,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
                 total = loss + _proximal(params, ref, mu) if ref is not None else loss
                 (scaler.scale(total) if scaler else total).backward()
             if step == 0:
-                flops_per_token = fc.total / batch_tokens(batch)
+                flops_per_position = fc.total / (batch_tokens(batch) + virtual_tokens * batch_rows(batch))
             if scaler:
                 scaler.unscale_(opt)
             if clip > 0:
@@ -125,6 +130,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
             # makes the mean non-finite and the server excludes the reply
             losses.append(loss.detach())
             tokens += batch_tokens(batch)  # counted on the host batch: no device reads
+            positions += batch_tokens(batch) + virtual_tokens * batch_rows(batch)
             real = real + batch_real_tokens(batch)
             examples += batch_examples(batch)
             head_positions += batch_head_positions(batch)
@@ -132,7 +138,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     mean_loss = float(torch.stack(losses).mean()) if losses else math.nan
     nonfinite = bool(losses) and not math.isfinite(mean_loss)
     return LocalResult(loss=mean_loss, steps=len(losses),
-                       examples=examples, head_positions=head_positions, tokens=tokens, flops_measured=flops_per_token * tokens,
+                       examples=examples, head_positions=head_positions, tokens=tokens, flops_measured=flops_per_position * positions,
                        peak_rss_mb=mem.rss_peak_mb or 0.0, activation_mb=mem.tensor_peak_mb,
                        time_s=time.perf_counter() - t0, nonfinite=nonfinite,
                        gpu_peak_mb=mem.cuda_peak_mb, tokens_real=int(real))

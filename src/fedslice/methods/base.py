@@ -265,7 +265,7 @@ class Method:
         """Local training of one client: returns the trained tensors and measured costs."""
         model, params = self.client_model(payload)
         result = train_local(model, params, data, payload.config, seed, loss_fn=self.task.loss,
-                             compute=self.compute)
+                             compute=self.compute, virtual_tokens=self.adapter.virtual_tokens)
         arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
         metrics = self.client_metrics(model, params, payload, arrays, result)
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)

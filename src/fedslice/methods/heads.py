@@ -407,7 +407,8 @@ class Heads(FedPETuning):
         kept = self.keep(alpha, seed)
         sub = self.local_model(kept)
         params = self.local_params(sub, kept)
-        result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss)
+        result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss,
+                             virtual_tokens=self.adapter.virtual_tokens)
         for p in sub.parameters():
             p.grad = None  # headless layers' o lora_B got a (zero) gradient outside the optimizer
         arrays = {n: p.detach().clone() for n, p in params.items()}

@@ -54,9 +54,10 @@ class AdapterCost:
 
     * ``flops_per_token``: its own non-linear operations per real token (IA3's scaling: 3 per
       vector element: 1 forward, 2 backward);
-    * ``flops_per_sequence``: per training sequence (P-tuning's prompt encoder, run once for
-      every row of a batch: 6 per weight per virtual token);
-    * ``flops_per_step``: per optimizer step (DoRA's weight norm);
+    * ``flops_per_sequence``: per training sequence (prefix tuning's projection, run for every
+      row of a batch: 6 per weight per virtual token);
+    * ``flops_per_step``: per optimizer step (DoRA's weight norm; P-tuning's prompt encoder,
+      which peft runs on one row and repeats over the batch);
     * ``virtual_tokens``: positions prepended to every sequence (prompt tuning, P-tuning): the
       whole model runs on them too;
     * ``prefix_keys``: keys/values prepended to every self-attention (prefix tuning): attention
@@ -109,6 +110,11 @@ class Adapter:
         """``seed``: the experiment's seed, for tensors every process must draw alike without
         receiving them (FFA-LoRA's frozen A)."""
         self.options, self.arch, self.seed = options, arch, seed
+
+    @property
+    def virtual_tokens(self) -> int:
+        """Positions it prepends to every input sequence (the whole model runs on them)."""
+        return 0
 
     def replace(self, **changes: Any) -> Adapter:
         """The same adapter with some options changed (e.g. another LoRA rank)."""

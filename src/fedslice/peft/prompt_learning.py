@@ -63,6 +63,10 @@ class PromptLearningAdapter(Adapter):
     #: virtual tokens prepended to the input embeddings (prompt, P-tuning; not prefix tuning)
     input_prompts: ClassVar[bool] = False
 
+    @property
+    def virtual_tokens(self) -> int:
+        return self.options.num_virtual_tokens if self.input_prompts else 0
+
     @classmethod
     def check_supported(cls, arch: ArchSpec, task: Any, options) -> None:
         if cls.input_prompts:
@@ -103,13 +107,15 @@ class PromptLearningAdapter(Adapter):
 
     def cost(self, model: nn.Module) -> AdapterCost:
         """Its parameters; the model runs on ``P`` more positions per sequence (prompt
-        tuning, P-tuning); an encoder costs 6 FLOPs per weight per virtual token per sequence."""
+        tuning, P-tuning); P-tuning's encoder costs 6 FLOPs per weight per virtual token once per
+        step (peft's ``get_prompt`` encodes one row of prompt tokens and repeats the output over
+        the batch)."""
         ts = self.tensors(model)
         n = sum(p.numel() for p in ts.values())
         b = sum(p.numel() * p.element_size() for p in ts.values())
         P = self.options.num_virtual_tokens
         enc = 6.0 * self.encoder_params(model) * P
-        return AdapterCost(n, b, 0.0, flops_per_sequence=enc, virtual_tokens=P)
+        return AdapterCost(n, b, 0.0, flops_per_step=enc, virtual_tokens=self.virtual_tokens)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "virtual_tokens": self.options.num_virtual_tokens}
