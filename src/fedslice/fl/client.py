@@ -68,6 +68,11 @@ def _proximal(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor], mu:
     return 0.5 * mu * sum(((p - ref[n]) ** 2).sum() for n, p in params.items())
 
 
+def _positions(batch: dict[str, torch.Tensor], virtual_tokens: int) -> int:
+    """Where the model runs for a batch: its tokens and an adapter's virtual tokens per row."""
+    return batch_tokens(batch) + (virtual_tokens * batch_rows(batch) if virtual_tokens else 0)
+
+
 def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**to_device(batch, model_device(model))).loss
 
@@ -114,7 +119,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
                 total = loss + _proximal(params, ref, mu) if ref is not None else loss
                 (scaler.scale(total) if scaler else total).backward()
             if step == 0:
-                flops_per_position = fc.total / (batch_tokens(batch) + virtual_tokens * batch_rows(batch))
+                flops_per_position = fc.total / _positions(batch, virtual_tokens)
             if scaler:
                 scaler.unscale_(opt)
             if clip > 0:
@@ -130,7 +135,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
             # makes the mean non-finite and the server excludes the reply
             losses.append(loss.detach())
             tokens += batch_tokens(batch)  # counted on the host batch: no device reads
-            positions += batch_tokens(batch) + virtual_tokens * batch_rows(batch)
+            positions += _positions(batch, virtual_tokens)
             real = real + batch_real_tokens(batch)
             examples += batch_examples(batch)
             head_positions += batch_head_positions(batch)
