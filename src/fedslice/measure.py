@@ -271,6 +271,7 @@ def analytic_train_flops(
     total_linear_params: int,
     embedding_backward: bool = False,
     examples: int = 0,
+    head_positions: int | None = None,
     head_linear_params: int = 0,
     head_trainable_linear_params: int = 0,
     virtual_tokens: int = 0,
@@ -298,8 +299,10 @@ def analytic_train_flops(
 
     ``ffn`` and ``num_heads`` describe the model but do not change the count (``N`` already
     includes the FFN, and attention FLOPs do not depend on the number of heads). The
-    classification head (``head_linear_params``, ``head_trainable_linear_params``) runs once per
-    example, so it is counted with ``examples`` instead of ``tokens``.
+    output head (``head_linear_params``, ``head_trainable_linear_params``) runs at
+    ``head_positions`` positions: once per example for a classifier (the default,
+    ``examples``), at every target token for a language-model head (generation computes the
+    logits only there).
 
     An adapter adds (:class:`fedslice.peft.AdapterCost`): ``virtual_tokens`` positions per
     example that the whole model runs on (prompt tuning, P-tuning: ``T + P·examples`` tokens of
@@ -314,12 +317,13 @@ def analytic_train_flops(
     T = float(tokens) + float(virtual_tokens) * examples
     seq_len = float(seq_len) + virtual_tokens + prefix_keys
     embedding_backward = embedding_backward or virtual_tokens > 0
+    heads = float(examples if head_positions is None else head_positions)
     attn_fwd = 4.0 * num_layers * float(seq_len) * hidden * T
-    forward = 2.0 * total_linear_params * T + attn_fwd + 2.0 * head_linear_params * examples
-    input_grads = 2.0 * total_linear_params * T + 2.0 * attn_fwd + 2.0 * head_linear_params * examples
+    forward = 2.0 * total_linear_params * T + attn_fwd + 2.0 * head_linear_params * heads
+    input_grads = 2.0 * total_linear_params * T + 2.0 * attn_fwd + 2.0 * head_linear_params * heads
     if not embedding_backward:
         input_grads -= 2.0 * (3 * hidden * hidden) * T
-    weight_grads = 2.0 * trainable_linear_params * T + 2.0 * head_trainable_linear_params * examples
+    weight_grads = 2.0 * trainable_linear_params * T + 2.0 * head_trainable_linear_params * heads
     backward = input_grads + weight_grads + adapter_flops
     return {"forward": forward, "backward": backward, "total": forward + backward}
 

@@ -326,7 +326,8 @@ class Method:
             num_heads=self.dims["num_heads"], tokens=result.tokens, seq_len=seq,
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
             embedding_backward=measure.embeddings_train(model),
-            examples=result.head_positions, head_linear_params=counts["head_total"],
+            examples=result.examples, head_positions=result.head_positions,
+            head_linear_params=counts["head_total"],
             head_trainable_linear_params=counts["head_trainable"],
             **self.adapter_flops(model, result))
         mb = measure.module_bytes(model) / 2**20

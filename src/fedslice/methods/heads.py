@@ -444,7 +444,8 @@ class Heads(FedPETuning):
             num_layers=sum(x["num_layers"] for x in self.all_dims), hidden=d["hidden"], ffn=d["ffn"], num_heads=d["num_heads"],
             tokens=result.tokens, seq_len=seq, trainable_linear_params=counts["trainable"],
             total_linear_params=counts["total"], examples=result.examples,
-            head_linear_params=counts["head_total"], head_trainable_linear_params=counts["head_trainable"],
+            head_positions=result.head_positions, head_linear_params=counts["head_total"],
+            head_trainable_linear_params=counts["head_trainable"],
             **self.adapter_flops(model, result))
         T, hd, width = float(result.tokens), d["head_dim"], d["hidden"]
         kept_width = float(kept.sum()) * hd                                  # sum_r kept_r * head_dim

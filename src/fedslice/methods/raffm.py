@@ -432,6 +432,7 @@ class RaFFM(Method):
             num_heads=self.dims["num_heads"], tokens=T, seq_len=s,
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
             embedding_backward=embeddings, examples=result.examples,
+            head_positions=result.head_positions,
             head_linear_params=counts["head_total"],
             head_trainable_linear_params=counts["head_trainable"], **self.adapter_flops(model, result))
         widths = [len(h) * x.head_dim for x in specs for h in x.heads]
