@@ -190,11 +190,13 @@ def _table(path: Path, heading: str, rows: tuple[str, ...]) -> dict[str, list[st
     return out
 
 
-def test_docs_adapter_method_table():
+@pytest.mark.parametrize("doc, heading", [("docs/methods.md", "## Which adapter runs with which method"),
+                                          ("README.md", "### Which adapter runs with which method")])
+def test_docs_adapter_method_table(doc, heading):
     cols = (*ADAPTERS, "none")
-    table = _table(ROOT / "docs" / "methods.md", "## Which adapter runs with which method", METHODS)
+    table = _table(ROOT / doc, heading, METHODS)
     for m, cells in table.items():
-        assert [c.startswith("✓") for c in cells] == [a in ADAPTER_METHOD[m] for a in cols], m
+        assert [c.startswith("✓") for c in cells] == [a in ADAPTER_METHOD[m] for a in cols], (doc, m)
 
 
 def test_docs_adapter_architecture_table():
