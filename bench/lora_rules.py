@@ -5,6 +5,7 @@ Three experiments, one config each (their headers say what they set):
 * ``sst2``  (``configs/lora_rules_sst2.toml``): MiniLM on SST-2 with Dirichlet(0.1) label skew,
   fedit vs ffa vs fedex vs flora vs svd vs fedsa after the same rounds;
 * ``e2e``   (``configs/lora_rules_e2e.toml``): SmolLM2-135M on E2E NLG, the same six rules;
+* ``e2e-long`` (``configs/lora_rules_e2e_long.toml``): the same with ~10x the training;
 * ``ranks`` (``configs/lora_ranks_sst2.toml``): three device tiers whose budgets give r = 4 / 8 /
   16 (padding over holders, zero-padding, fedex, flora, svd) against every client at r16 and at r4.
 
@@ -37,7 +38,7 @@ from fedslice.output import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"sst2": "configs/lora_rules_sst2.toml", "e2e": "configs/lora_rules_e2e.toml",
-           "ranks": "configs/lora_ranks_sst2.toml"}
+           "e2e-long": "configs/lora_rules_e2e_long.toml", "ranks": "configs/lora_ranks_sst2.toml"}
 OUT = ROOT / "bench" / "results" / "lora_rules"
 
 
