@@ -80,9 +80,13 @@ def run_one(cfg, out: Path, name: str, s: float) -> dict:
 
 
 def paper_ops(r: dict) -> float:
-    """Mean per client-round of the heads paper's op count (Table 6, ``paper_ops``) of a run."""
-    if "paper_ops" not in r:
-        recs = [json.loads(l) for l in (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    """Mean per client-round of the heads paper's op count (Table 6, ``paper_ops``) of a run
+    (None when neither the row nor the run folder has it)."""
+    if r.get("paper_ops") is None:
+        path = Path(r["run_dir"]) / "metrics.jsonl"
+        if not path.exists():  # an old row (before the count was stored) whose folder is gone
+            return None
+        recs = [json.loads(l) for l in path.read_text().splitlines()]
         ops = [m.get("paper_ops") or 0.0 for x in recs for m in x["client_metrics"]
                if m.get("num_examples", 0) > 0]
         r["paper_ops"] = sum(ops) / max(len(ops), 1)
@@ -101,7 +105,7 @@ def markdown(results: dict, config: Path) -> str:
     for k, r in results.items():
         base = results.get(key(r["adapter"], 0))
         ratio = lambda f: (f"{base[f] / r[f]:.2f}" if base and r[f] else "—")  # noqa: E731
-        ops = f"{paper_ops(base) / paper_ops(r):.2f}" if base and paper_ops(r) else "—"
+        ops = f"{paper_ops(base) / paper_ops(r):.2f}" if base and paper_ops(base) and paper_ops(r) else "—"
         lines.append("| " + " | ".join([
             r["adapter"], f"{round(100 * r['sparsity'])}%", f"{val(r):.2f}",
             f"{val(r) - val(base):+.2f}" if base else "—", f"{r['bytes_up'] / 1e6:.3f}",
