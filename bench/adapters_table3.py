@@ -134,7 +134,7 @@ def main() -> None:
         if key(name, s) in done and not args.rerun:
             continue
         row = run_one(cfg, args.out, name, s)
-        row.update(machine=platform.machine(), threads=cfg.threads)
+        row.update(machine=platform.machine(), threads=cfg.threads, date=time.strftime("%Y-%m-%d %H:%M"))
         done = json.loads(store.read_text()) if store.exists() else {}  # side-by-side runs
         done[key(name, s)] = row
         order = {k: done[k] for k in sorted(done, key=lambda k: (done[k]["adapter"], done[k]["sparsity"]))}
