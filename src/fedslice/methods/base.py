@@ -315,21 +315,32 @@ class Method:
         :meth:`fedslice.peft.Adapter.cost`)."""
         return self.adapter.cost(model).analytic_kwargs(result.tokens, result.examples, result.steps)
 
-    def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
-                       arrays: State, result: LocalResult) -> dict[str, float]:
+    def analytic_train_flops(self, model: nn.Module, result: LocalResult, *,
+                             num_layers: int | None = None,
+                             embedding_backward: bool | None = None) -> dict[str, float]:
+        """:func:`fedslice.measure.analytic_train_flops` of one client's local training on
+        ``model``: its linears counted from the model, the output head at ``result``'s head
+        positions, the adapter's share. ``num_layers`` defaults to the model's blocks (a sub-model
+        may have fewer; an encoder-decoder counts both stacks), ``embedding_backward`` to whether
+        the model trains its embeddings. Methods add their own corrections to the total."""
         counts = measure.linear_param_counts(model)
-        seq = result.tokens / max(result.examples, 1)
-        analytic = measure.analytic_train_flops(
-            # a sub-model may have fewer layers; an encoder-decoder counts both stacks
-            num_layers=sum(len(self.arch.blocks(model, k)) for k in range(len(self.arch.stacks))),
-            hidden=self.dims["hidden"], ffn=self.dims["ffn"],
-            num_heads=self.dims["num_heads"], tokens=result.tokens, seq_len=seq,
+        if num_layers is None:
+            num_layers = sum(len(self.arch.blocks(model, k)) for k in range(len(self.arch.stacks)))
+        if embedding_backward is None:
+            embedding_backward = measure.embeddings_train(model)
+        return measure.analytic_train_flops(
+            num_layers=num_layers, hidden=self.dims["hidden"], ffn=self.dims["ffn"],
+            num_heads=self.dims["num_heads"], tokens=result.tokens,
+            seq_len=result.tokens / max(result.examples, 1),
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
-            embedding_backward=measure.embeddings_train(model),
-            examples=result.examples, head_positions=result.head_positions,
-            head_linear_params=counts["head_total"],
+            embedding_backward=embedding_backward, examples=result.examples,
+            head_positions=result.head_positions, head_linear_params=counts["head_total"],
             head_trainable_linear_params=counts["head_trainable"],
             **self.adapter_flops(model, result))
+
+    def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
+                       arrays: State, result: LocalResult) -> dict[str, float]:
+        analytic = self.analytic_train_flops(model, result)
         mb = measure.module_bytes(model) / 2**20
         frozen = {k: t for k, t in payload.arrays.items() if k not in params}
         cost = ClientCost(

@@ -438,15 +438,10 @@ class Heads(FedPETuning):
         """:func:`measure.analytic_train_flops` of the sub-model, with the attention term (one per
         (family, layer) row, each at the mean sequence length) and the skipped input-gradient of
         the first row's q/k/v over the kept heads only."""
-        d, counts = self.dims, measure.linear_param_counts(model)
+        d = self.dims
         seq = result.tokens / max(result.examples, 1)
-        base = measure.analytic_train_flops(
-            num_layers=sum(x["num_layers"] for x in self.all_dims), hidden=d["hidden"], ffn=d["ffn"], num_heads=d["num_heads"],
-            tokens=result.tokens, seq_len=seq, trainable_linear_params=counts["trainable"],
-            total_linear_params=counts["total"], examples=result.examples,
-            head_positions=result.head_positions, head_linear_params=counts["head_total"],
-            head_trainable_linear_params=counts["head_trainable"],
-            **self.adapter_flops(model, result))
+        base = self.analytic_train_flops(model, result, embedding_backward=False,
+                                         num_layers=sum(x["num_layers"] for x in self.all_dims))
         T, hd, width = float(result.tokens), d["head_dim"], d["hidden"]
         kept_width = float(kept.sum()) * hd                                  # sum_r kept_r * head_dim
         attention = 12.0 * seq * T * (kept_width - kept.shape[0] * width)    # fwd 4 + bwd 8

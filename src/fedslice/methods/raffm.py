@@ -422,19 +422,12 @@ class RaFFM(Method):
     def _analytic_flops(self, spec: Spec, model: nn.Module, result: LocalResult) -> float:
         """:func:`measure.analytic_train_flops` of the sub-model: its linears are counted from the
         model; the attention term uses each kept layer's attention width, not the hidden size."""
-        counts = measure.linear_param_counts(model)
         d, T = self.dims["hidden"], result.tokens
         s = T / max(result.examples, 1)
         specs = [x for x in stack_list(spec) if x is not None]
         embeddings = measure.embeddings_train(model)  # full tuning: layer 0's input-gradient too
-        base = measure.analytic_train_flops(
-            num_layers=sum(len(x.layers) for x in specs), hidden=d, ffn=self.dims["ffn"],
-            num_heads=self.dims["num_heads"], tokens=T, seq_len=s,
-            trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
-            embedding_backward=embeddings, examples=result.examples,
-            head_positions=result.head_positions,
-            head_linear_params=counts["head_total"],
-            head_trainable_linear_params=counts["head_trainable"], **self.adapter_flops(model, result))
+        base = self.analytic_train_flops(model, result, num_layers=sum(len(x.layers) for x in specs),
+                                         embedding_backward=embeddings)
         widths = [len(h) * x.head_dim for x in specs for h in x.heads]
         attn_excess = 12.0 * s * T * sum(d - w for w in widths)  # 4 forward + 8 backward
         first = specs[0]
