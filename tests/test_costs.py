@@ -267,3 +267,24 @@ def test_peak_rss_sees_reused_heap(n, kib):
     with PeakMemory() as pm:
         _churn(n, kib)
     assert pm.rss_peak_mb is not None and pm.rss_peak_mb >= 100
+
+
+def test_analytic_frozen_bottom_layers_skip_their_input_gradients():
+    """L_f frozen bottom blocks: their linears' and attention's input-gradients go, the skipped
+    q/k/v input-gradient moves to the lowest trained block (same size), so with every block
+    frozen only the forward and the weight-gradients remain; a backward that must reach the
+    bottom (trained embeddings, prefix keys) cannot stop early."""
+    kw = dict(num_layers=4, hidden=8, ffn=32, num_heads=2, tokens=100, seq_len=10.0,
+              total_linear_params=4 * 768, trainable_linear_params=50)
+    dense = analytic_train_flops(**kw)
+    half = analytic_train_flops(**kw, frozen_layers=2, frozen_linear_params=2 * 768)
+    attn_fwd = 4.0 * 4 * 10.0 * 8 * 100
+    assert dense["forward"] == half["forward"]
+    assert dense["backward"] - half["backward"] == pytest.approx(2.0 * 2 * 768 * 100 + 2.0 * attn_fwd / 2)
+    none = analytic_train_flops(**kw, frozen_layers=4, frozen_linear_params=4 * 768)
+    assert none["backward"] == pytest.approx(2.0 * 50 * 100)
+    for bad in (dict(embedding_backward=True), dict(prefix_keys=3)):
+        with pytest.raises(ValueError, match="frozen_layers"):
+            analytic_train_flops(**kw, frozen_layers=1, frozen_linear_params=768, **bad)
+    with pytest.raises(ValueError, match="out of range"):
+        analytic_train_flops(**kw, frozen_layers=5, frozen_linear_params=768)

@@ -217,3 +217,37 @@ def test_two_prune_modes_send_the_same_bytes_and_differ_in_flops(tiny_cfg_dict):
     assert fwd["flops_measured"] < 0.9 * par["flops_measured"]
     assert par["flops_measured"] < dense["flops_measured"]
     assert fwd["flops_analytic"] < par["flops_analytic"] < dense["flops_analytic"]
+
+
+@pytest.mark.parametrize("prune", ["parameters", "forward"])
+def test_analytic_flops_stop_the_backward_above_a_headless_bottom_layer(tiny_cfg_dict, tmp_path, prune):
+    """Layer 0 keeps no head, so nothing in it trains (LoRA on q, v, o only) and autograd's
+    backward stops above it: the analytic count leaves out its input-gradients as the measured
+    one does. On sentences of one length the two agree as closely as for the dense run (the
+    count keeps the lowest trained layer's LoRA A input-gradient; without the early stop it was
+    39% over here). Under ``prune="forward"`` the headless layer's sliced o keeps a trainable LoRA B
+    (its gradient is zero, but autograd computes it), so the backward reaches layer 0's FFN and
+    nothing is frozen: the count follows."""
+    frozen = {"parameters": 1, "forward": 0}
+    folder = tmp_path / "fixed"
+    folder.mkdir()
+    words = ["good", "bad", "film", "movie", "story", "plot", "great", "dull"]
+    for split, n in (("train", 64), ("dev", 8), ("test", 8)):
+        rows = [f"the {words[i % 8]} was really {words[(i * 3) % 8]}\t{i % 2}" for i in range(n)]
+        (folder / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    tiny_cfg_dict["data"]["path"] = str(folder)
+    alpha = torch.tensor([[0.1, 0.05, 0.02, 0.01], [0.9, 0.8, 0.3, 0.2]])  # layer 0 keeps none
+    ratios = {}
+    for name, opts in (("dense", {"pruning": "none", "aggregation": "fedavg"}),
+                       ("pruned", {"sparsity": 0.5, "prune": prune})):
+        method, data = setup(_cfg(tiny_cfg_dict, **opts))
+        assert len(set(data.train.lengths.tolist())) == 1
+        _, _, reply = _fit(method, data, alpha=alpha)
+        m = reply.metrics
+        ratios[name] = m["flops_analytic"] / m["flops_measured"]
+        if name == "pruned":
+            assert m["headless_layers"] == 1
+            seen = method.frozen_bottom(method.local_model(reply.arrays[KEPT]))[0]
+    assert ratios["dense"] == pytest.approx(1.0, abs=0.03)
+    assert ratios["pruned"] == pytest.approx(1.0, abs=0.03), ratios
+    assert seen == frozen[prune]

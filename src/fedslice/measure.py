@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -259,6 +259,32 @@ def embeddings_train(model: nn.Module) -> bool:
         return False
 
 
+def frozen_bottom(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[int, int]:
+    """``(L_f, N_f)``: the number of lowest ``blocks`` (one stack, bottom first) that hold no
+    trainable tensor, and their linear weights (:func:`linear_param_counts`), when nothing below
+    or beside them trains either (frozen embeddings; outside the blocks only the output head:
+    the LM head or a ``pooler``/``classifier``/``score`` module). Autograd's backward then stops
+    above them (:func:`analytic_train_flops` ``frozen_layers``); otherwise ``(0, 0)``."""
+    if embeddings_train(model):
+        return 0, 0
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_out = getattr(base, "get_output_embeddings", None)
+    lm_head = get_out() if callable(get_out) else None
+    head = {id(p) for p in lm_head.parameters()} if lm_head is not None else set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or not p.numel() or id(p) in inside or id(p) in head:
+            continue
+        if not any(part in seg for seg in name.split(".") for part in _HEAD_NAME_PARTS):
+            return 0, 0  # a prompt, a prefix, a trained norm below the head: no early stop
+    frozen = 0
+    for block in blocks:
+        if any(p.requires_grad and p.numel() for p in block.parameters()):
+            break
+        frozen += 1
+    return frozen, sum(linear_param_counts(b)["total"] for b in blocks[:frozen])
+
+
 def analytic_train_flops(
     *,
     num_layers: int,
@@ -277,6 +303,8 @@ def analytic_train_flops(
     virtual_tokens: int = 0,
     prefix_keys: int = 0,
     adapter_flops: float = 0.0,
+    frozen_layers: int = 0,
+    frozen_linear_params: int = 0,
 ) -> dict[str, float]:
     """Analytic FLOPs of training on ``tokens`` tokens (forward + backward; optimizer excluded).
 
@@ -311,17 +339,28 @@ def analytic_train_flops(
     the attention term at ``s + P`` keys), and ``adapter_flops`` of its own operations (IA3's
     scaling, P-tuning's encoder, DoRA's norms), counted in the backward half as a whole.
 
+    ``frozen_layers`` lowest blocks with nothing trainable in or below them (their
+    ``frozen_linear_params`` linear weights, part of ``N``): autograd's backward stops above
+    them, so their input-gradients (linears and attention) are not computed, and the skipped
+    q/k/v input-gradient is the lowest trained block's. Only with frozen embeddings and no
+    virtual tokens or prefix keys (those need the gradient at the bottom).
+
     Returns ``{"forward", "backward", "total"}`` in FLOPs (floats).
     """
     del ffn, num_heads  # documented: they do not enter the count
     T = float(tokens) + float(virtual_tokens) * examples
     seq_len = float(seq_len) + virtual_tokens + prefix_keys
     embedding_backward = embedding_backward or virtual_tokens > 0
+    if frozen_layers and (embedding_backward or prefix_keys or not 0 < frozen_layers <= num_layers):
+        raise ValueError(f"frozen_layers={frozen_layers} of {num_layers}: the backward reaches the "
+                         "bottom (trained embeddings, virtual tokens or prefix keys), or out of range")
     heads = float(examples if head_positions is None else head_positions)
     attn_fwd = 4.0 * num_layers * float(seq_len) * hidden * T
     forward = 2.0 * total_linear_params * T + attn_fwd + 2.0 * head_linear_params * heads
     input_grads = 2.0 * total_linear_params * T + 2.0 * attn_fwd + 2.0 * head_linear_params * heads
-    if not embedding_backward:
+    if frozen_layers:  # (L_f of L blocks, their weights): no backward below the lowest trained block
+        input_grads -= 2.0 * frozen_linear_params * T + 2.0 * attn_fwd * frozen_layers / num_layers
+    if not embedding_backward and frozen_layers < num_layers:
         input_grads -= 2.0 * (3 * hidden * hidden) * T
     weight_grads = 2.0 * trainable_linear_params * T + 2.0 * head_trainable_linear_params * heads
     backward = input_grads + weight_grads + adapter_flops

@@ -322,12 +322,14 @@ class Method:
         ``model``: its linears counted from the model, the output head at ``result``'s head
         positions, the adapter's share. ``num_layers`` defaults to the model's blocks (a sub-model
         may have fewer; an encoder-decoder counts both stacks), ``embedding_backward`` to whether
-        the model trains its embeddings. Methods add their own corrections to the total."""
+        the model trains its embeddings; the backward stops above :meth:`frozen_bottom`'s blocks.
+        Methods add their own corrections to the total."""
         counts = measure.linear_param_counts(model)
         if num_layers is None:
             num_layers = sum(len(self.arch.blocks(model, k)) for k in range(len(self.arch.stacks)))
         if embedding_backward is None:
             embedding_backward = measure.embeddings_train(model)
+        frozen, frozen_linear = (0, 0) if embedding_backward else self.frozen_bottom(model)
         return measure.analytic_train_flops(
             num_layers=num_layers, hidden=self.dims["hidden"], ffn=self.dims["ffn"],
             num_heads=self.dims["num_heads"], tokens=result.tokens,
@@ -336,7 +338,16 @@ class Method:
             embedding_backward=embedding_backward, examples=result.examples,
             head_positions=result.head_positions, head_linear_params=counts["head_total"],
             head_trainable_linear_params=counts["head_trainable"],
+            frozen_layers=frozen, frozen_linear_params=frozen_linear,
             **self.adapter_flops(model, result))
+
+    def frozen_bottom(self, model: nn.Module) -> tuple[int, int]:
+        """:func:`fedslice.measure.frozen_bottom` of a one-stack ``model`` (the lowest blocks
+        the backward never reaches, e.g. where head pruning left no trained head); ``(0, 0)``
+        for an encoder-decoder (its stacks are not one chain from the bottom)."""
+        if len(self.arch.stacks) != 1:
+            return 0, 0
+        return measure.frozen_bottom(model, list(self.arch.blocks(model)))
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:

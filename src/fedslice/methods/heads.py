@@ -436,16 +436,21 @@ class Heads(FedPETuning):
 
     def analytic_flops(self, model: nn.Module, result: LocalResult, kept: torch.Tensor) -> float:
         """:func:`measure.analytic_train_flops` of the sub-model, with the attention term (one per
-        (family, layer) row, each at the mean sequence length) and the skipped input-gradient of
-        the first row's q/k/v over the kept heads only."""
+        (family, layer) row, each at the mean sequence length; backward only above the frozen
+        bottom rows) and the skipped input-gradient of the lowest trained row's q/k/v over the
+        kept heads only."""
         d = self.dims
         seq = result.tokens / max(result.examples, 1)
         base = self.analytic_train_flops(model, result, embedding_backward=False,
                                          num_layers=sum(x["num_layers"] for x in self.all_dims))
+        frozen = self.frozen_bottom(model)[0]  # one stack, one family: row r is layer r
+        rows = kept.shape[0]
         T, hd, width = float(result.tokens), d["head_dim"], d["hidden"]
         kept_width = float(kept.sum()) * hd                                  # sum_r kept_r * head_dim
-        attention = 12.0 * seq * T * (kept_width - kept.shape[0] * width)    # fwd 4 + bwd 8
-        first_qkv = 6.0 * T * width * (width - float(kept[0].sum()) * hd)
+        trained_width = float(kept[frozen:].sum()) * hd                      # rows the backward reaches
+        attention = 4.0 * seq * T * (kept_width - rows * width) \
+            + 8.0 * seq * T * (trained_width - (rows - frozen) * width)      # fwd 4 + bwd 8
+        first_qkv = 6.0 * T * width * (width - float(kept[frozen].sum()) * hd) if frozen < rows else 0.0
         return base["total"] + attention + first_qkv
 
     def head_metrics(self, kept: torch.Tensor, alpha: torch.Tensor | None, result: LocalResult,

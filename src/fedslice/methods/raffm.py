@@ -429,10 +429,12 @@ class RaFFM(Method):
         base = self.analytic_train_flops(model, result, num_layers=sum(len(x.layers) for x in specs),
                                          embedding_backward=embeddings)
         widths = [len(h) * x.head_dim for x in specs for h in x.heads]
-        attn_excess = 12.0 * s * T * sum(d - w for w in widths)  # 4 forward + 8 backward
+        frozen = 0 if embeddings else self.frozen_bottom(model)[0]  # one stack: row r is block r
+        attn_excess = 4.0 * s * T * sum(d - w for w in widths) \
+            + 8.0 * s * T * sum(d - w for w in widths[frozen:])  # forward; backward above the frozen
         first = specs[0]
-        first_qkv = 6.0 * d * (d - len(first.heads[0]) * first.head_dim) * T \
-            if first.layers[0] == 0 and not embeddings else 0.0
+        first_qkv = 6.0 * d * (d - widths[frozen]) * T \
+            if first.layers[0] == 0 and not embeddings and frozen < len(widths) else 0.0
         return base["total"] - attn_excess + first_qkv
 
     # -- server evaluation -------------------------------------------------------------------
