@@ -64,7 +64,7 @@ from fedslice.report import figure, rounds_of, save_figure
 from fedslice.slicing.heads import (HeadUpdate, combine_heads, ensure_eager_attention, head_axes,
                                     head_deltas, head_importance, heads_state, keep_mask,
                                     mask_rows, mask_spec, num_rows, position_cuts)
-from fedslice.slicing.partial import partial_model
+from fedslice.slicing.partial import freeze_parameters, partial_model
 from fedslice.slicing.spec import HEAD_PARTS, HeadPositions, extract_model, key_info
 
 log = logging.getLogger(__name__)
@@ -379,24 +379,30 @@ class Heads(FedPETuning):
             return self.model
         spec = mask_spec(kept, self.all_dims)
         if self.opts.prune == "forward":
-            return extract_model(self.model, spec, self.arch)
+            # a headless layer's sliced o keeps its adapter (LoRA B: hidden x r): frozen, so the
+            # backward does not run down to it for a zero gradient
+            sub = extract_model(self.model, spec, self.arch)
+            return freeze_parameters(sub, self.headless_tensors(sub, kept))
         return partial_model(self.model, spec, self.arch,
                              extra=position_cuts(self.positions, kept, self.all_dims))
 
-    def local_params(self, sub: nn.Module, kept: torch.Tensor) -> dict[str, nn.Parameter]:
-        """Trainable tensors of the sub-model that the client really trains and uploads: not the
-        empty slices, nor the attention LoRA of a (family, layer) without heads (no gradient)."""
+    def headless_tensors(self, sub: nn.Module, kept: torch.Tensor) -> set[str]:
+        """The trainable attention tensors of ``sub`` in a (family, layer) that keeps no head."""
         rows = mask_rows(self.all_dims)
-        out = {}
+        out = set()
         for n, p in sub.named_parameters():
-            if not p.requires_grad or p.numel() == 0:
-                continue
-            info = key_info(self.arch, n)
+            info = key_info(self.arch, n) if p.requires_grad else None
             if info is not None and info.part in HEAD_PARTS and \
                     not bool(kept[rows[(info.stack, info.family)] + info.layer].any()):
-                continue
-            out[n] = p
+                out.add(n)
         return out
+
+    def local_params(self, sub: nn.Module, kept: torch.Tensor) -> dict[str, nn.Parameter]:
+        """Trainable tensors of the sub-model that the client really trains and uploads: not the
+        empty slices, nor the attention tensors of a (family, layer) without heads."""
+        headless = self.headless_tensors(sub, kept)
+        return {n: p for n, p in sub.named_parameters()
+                if p.requires_grad and p.numel() and n not in headless}
 
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         if len(data) == 0:
@@ -410,7 +416,7 @@ class Heads(FedPETuning):
         result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss,
                              virtual_tokens=self.adapter.virtual_tokens)
         for p in sub.parameters():
-            p.grad = None  # headless layers' o lora_B got a (zero) gradient outside the optimizer
+            p.grad = None  # tensors outside the optimizer (empty slices) may hold a gradient
         arrays = {n: p.detach().clone() for n, p in params.items()}
         if self.opts.pruning != "none":
             arrays[KEPT] = kept.clone()

@@ -161,3 +161,13 @@ def partial_model(model: nn.Module, spec: Spec, arch: ArchSpec,
         else:  # LoRA A columns too: DoRA reads lora_A.weight.shape[1] as the input width
             replace[owner] = partial_parameters(module, leaves)
     return rebuild_tree(model, "", replace, {}, {})
+
+
+def freeze_parameters(model: nn.Module, names: set[str]) -> nn.Module:
+    """``model`` with the modules that own the parameters ``names`` replaced by copies sharing
+    their tensors with nothing trainable (``model`` itself is unchanged: only ancestors of the
+    replaced modules are new objects). Autograd then neither computes those gradients nor, when
+    nothing below them trains, runs the backward down to them."""
+    modules = dict(model.named_modules())
+    owners = {n.rpartition(".")[0] for n in names}
+    return rebuild_tree(model, "", {o: _frozen(modules[o]) for o in owners}, {}, {})
