@@ -5,12 +5,14 @@ process whose whole tree is sampled (RSS summed, and PSS: pages shared by forked
 * ``population``: 100 vs 1,000 clients (same rounds and clients per round); the bound is the
   100-client peak + 900 x (one client's trainable state + its tokenized data) + 5%.
 * ``growth``: 20 rounds (2 local steps each), the process RSS at every round end.
+* ``heap``: the workload with ``compute.release_memory`` false (glibc's own policy) and true,
+  alternated (A B A B): peak RSS/PSS and wall time of each (a timing: run it on a quiet machine).
 * ``per_client``: a client's ``peak_rss_mb`` as a run reports it against that client's training
   alone in a fresh process (peak RSS during ``fit`` minus RSS after the model and data were
   loaded, sampled every 2 ms by the script): first alone, then again after five other clients
   trained in the same process (where a plain RSS delta reads ~0 because freed heap is reused).
 
-    .venv/bin/python bench/memory.py [--parts workload population growth per_client]
+    .venv/bin/python bench/memory.py [--parts workload population growth heap per_client]
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import os
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "perf"))
-from common import RESULTS, machine, python, run_measured, save  # noqa: E402
+from common import RESULTS, machine, median, python, run_measured, save  # noqa: E402
 
 CONFIG = "bench/perf/minilm_sst2.toml"
 
@@ -74,7 +77,8 @@ ALONE = textwrap.dedent("""
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", default=["workload", "population", "growth", "per_client"])
+    ap.add_argument("--parts", nargs="+", default=["workload", "population", "growth", "heap", "per_client"])
+    ap.add_argument("--repeats", type=int, default=3, help="A/B pairs of the heap part")
     args = ap.parse_args()
     res = {"machine": machine()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,6 +109,23 @@ def main() -> None:
                              "pss_peak_mb": r["pss_peak_mb"]}
             print(f"20 rounds: RSS per round {[round(x) for x in rss]}; growth after round 5 "
                   f"{res['growth']['growth_after_round_5']:+.1%}", flush=True)
+        if "heap" in args.parts:
+            runs = {"glibc": [], "release": []}
+            for i in range(args.repeats):
+                for name, flag in (("glibc", "false"), ("release", "true")):
+                    r = fedslice_run(out, f"heap-{name}-{i}", f"compute.release_memory={flag}")
+                    runs[name].append({k: r[k] for k in ("rss_peak_mb", "pss_peak_mb", "wall_s")}
+                                      | {"test_accuracy": r["summary"].get("test_accuracy")})
+                    print(f"heap {name} #{i}: RSS {r['rss_peak_mb']:.0f} MB, PSS {r['pss_peak_mb']:.0f} MB, "
+                          f"{r['wall_s']:.1f} s", flush=True)
+            med = {n: {k: median([x[k] for x in v]) for k in ("rss_peak_mb", "pss_peak_mb", "wall_s")}
+                   for n, v in runs.items()}
+            res["heap"] = {"runs": runs, "median": med,
+                           "pss_ratio": med["release"]["pss_peak_mb"] / med["glibc"]["pss_peak_mb"],
+                           "time_ratio": med["release"]["wall_s"] / med["glibc"]["wall_s"],
+                           "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_start": os.getloadavg()[0]}
+            print(f"release_memory: PSS x{res['heap']['pss_ratio']:.2f}, wall time "
+                  f"x{res['heap']['time_ratio']:.3f} (medians of {args.repeats})", flush=True)
         if "per_client" in args.parts:
             r = run_measured([python(), "-c", ALONE, CONFIG])
             got = json.loads(r["tail"].strip().splitlines()[-1])

@@ -17,6 +17,7 @@ from fedslice.checkpoint import (CHECKPOINT, Checkpoint, check_same_architecture
 from fedslice.config import ExperimentConfig, apply_overrides
 from fedslice.experiment import load_config, validate_config
 from fedslice.errors import ConfigError, FedsliceError
+from fedslice import measure
 from fedslice.fl.engine import FederatedData, Simulation, prepare_data
 from fedslice.methods import Method, Role, build_method, method_class
 from fedslice.models.arch import arch_for
@@ -46,6 +47,8 @@ def setup(cfg: ExperimentConfig, role: Role = "both") -> tuple[Method, Federated
     config and tokenizer only: no weight file is read)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.compute.release_memory:
+        measure.release_freed_memory(measure.RELEASE_THRESHOLD)
     arch = arch_for(load_model_config(cfg.model)[0])  # the model's config only: no weights yet
     task = make_task(cfg, arch)
     kind = method_class(cfg.method.name)

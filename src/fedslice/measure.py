@@ -597,6 +597,31 @@ def trim_heap() -> None:
 
 _LIBC = None
 
+#: ``mallopt`` parameter numbers (glibc's malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: :func:`release_freed_memory`'s size for ``compute.release_memory`` (glibc's initial mmap threshold)
+RELEASE_THRESHOLD = 128 * 1024
+
+
+def release_freed_memory(threshold: int | None) -> bool:
+    """glibc: serve allocations of at least ``threshold`` bytes (tensors) from their own memory
+    maps, so that freeing one returns it to the kernel at once, and give the heap's free top back
+    beyond the same size. Without it glibc raises its mmap threshold to the largest block freed so
+    far (up to 32 MB), the activations of a training step then come from the heap, and the heap
+    stays at its fragmented peak: a process holds far more than it uses (BENCHMARKS.md,
+    "Memory"). ``None`` leaves glibc's policy alone. Returns whether the policy was set (False off
+    glibc). Process-wide, like ``torch.set_num_threads``; forked workers inherit it."""
+    global _LIBC
+    if threshold is None:
+        return False
+    if _LIBC is None:
+        trim_heap()  # loads libc
+    if not _LIBC:
+        return False
+    mallopt = _LIBC.mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold))) and bool(mallopt(_M_TRIM_THRESHOLD, int(threshold)))
+
 
 def _reset_rss_high_water_mark() -> bool:
     """Reset the process's peak RSS (``VmHWM``; Linux >= 4.0: ``5`` > /proc/self/clear_refs)."""
