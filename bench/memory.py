@@ -1,7 +1,8 @@
 """Memory (issue 22, target 6) on the workload (bench/perf/minilm_sst2.toml), each part a fresh
 process whose whole tree is sampled (RSS summed, and PSS: pages shared by forked workers once):
 
-* ``workload``: peak memory of the 3-round run with fedslice's defaults and with one process.
+* ``workload``: peak memory of the 3-round run with fedslice's defaults and with one process,
+  each also with ``compute.release_memory = true``.
 * ``population``: 100 vs 1,000 clients (same rounds and clients per round); the bound is the
   100-client peak + 900 x (one client's trainable state + its tokenized data) + 5%.
 * ``growth``: 20 rounds (2 local steps each), the process RSS at every round end.
@@ -84,7 +85,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         if "workload" in args.parts:
-            for name, sets in (("default", ()), ("one-process", ("compute.workers=1",))):
+            release = "compute.release_memory=true"
+            for name, sets in (("default", ()), ("one-process", ("compute.workers=1",)),
+                               ("release", (release,)), ("release-one-process", (release, "compute.workers=1"))):
                 r = fedslice_run(out, name, *sets)
                 res[f"workload-{name}"] = {k: r[k] for k in ("rss_peak_mb", "pss_peak_mb", "wall_s", "memory_curve")}
                 print(f"workload {name}: RSS {r['rss_peak_mb']:.0f} MB, PSS {r['pss_peak_mb']:.0f} MB", flush=True)

@@ -317,12 +317,26 @@ def test_release_freed_memory_keeps_the_heap_at_the_live_size():
     """Steps whose tensors grow a little each time (length-grouped batches) with small tensors
     living on between them: under glibc's own policy (after one large block was freed) the
     tensors come from the heap, the holes they leave are too small for the next step's, and the
-    heap holds ~50 MB here; with ``release_freed_memory`` each tensor has
+    heap holds 28-47 MB here (by run); with ``release_freed_memory`` each tensor has
     its own map and the process holds only what is alive."""
     held = {}
     for mode in ("glibc", "release"):
         out = subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], capture_output=True, text=True,
                              timeout=120, check=True)
         held[mode] = float(out.stdout.strip().splitlines()[-1])
-    assert held["glibc"] > 30, held
-    assert held["release"] < 10, held
+    assert held["glibc"] > 20, held
+    assert held["release"] < 5, held
+
+
+def test_setup_sets_the_release_policy_only_when_asked(tiny_cfg_dict, monkeypatch):
+    from fedslice import measure
+    from fedslice.api import setup
+    from fedslice.experiment import validate_config
+
+    calls = []
+    monkeypatch.setattr(measure, "release_freed_memory", lambda t: calls.append(t) or True)
+    setup(validate_config(tiny_cfg_dict))
+    assert calls == []  # glibc's own policy by default
+    tiny_cfg_dict["compute"] = {"release_memory": True}
+    setup(validate_config(tiny_cfg_dict))
+    assert calls == [measure.RELEASE_THRESHOLD]

@@ -501,11 +501,12 @@ class ComputeConfig(_Section):
                                          "backward pass (less memory, ~30% more compute).")
     compile: bool = Field(False, description="torch.compile the model (the compile time is "
                           "reported; worth it for long runs on a GPU).")
-    release_memory: bool = Field(True, description="glibc (Linux): tensors get their own memory "
-                                 "maps and go back to the system when freed, instead of the heap "
-                                 "growing to a fragmented peak that it keeps (on the SST-2 "
-                                 "workload: peak memory about halved, BENCHMARKS.md 'Memory'). "
-                                 "Process-wide, like the thread count. false: glibc's own policy.")
+    release_memory: bool = Field(False, description="glibc (Linux): tensors get their own "
+                                 "memory maps and go back to the system when freed, instead of "
+                                 "the heap growing to a fragmented peak that it keeps. On the "
+                                 "SST-2 workload (2 workers): peak memory (PSS) 0.53x, wall time "
+                                 "1.28x (BENCHMARKS.md 'Memory'): for clients short of memory. "
+                                 "Process-wide, like the thread count.")
 
     @field_validator("workers")
     @classmethod
