@@ -611,7 +611,6 @@ def release_freed_memory(threshold: int | None) -> bool:
     stays at its fragmented peak: a process holds far more than it uses (BENCHMARKS.md,
     "Memory"). ``None`` leaves glibc's policy alone. Returns whether the policy was set (False off
     glibc). Process-wide, like ``torch.set_num_threads``; forked workers inherit it."""
-    global _LIBC
     if threshold is None:
         return False
     if _LIBC is None:

@@ -77,6 +77,19 @@ def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**to_device(batch, model_device(model))).loss
 
 
+def _optimizer_step(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter], scaler, clip: float) -> None:
+    """One optimizer step after the backward: unscale (fp16), clip the gradient norm, step."""
+    if scaler:
+        scaler.unscale_(opt)
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(params.values(), clip)
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+
+
 def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: TokenizedSplit,
                 cfg: dict[str, Any], seed: int, loss_fn: LossFn = _hf_loss,
                 compute: Compute = CPU, virtual_tokens: int = 0) -> LocalResult:
@@ -117,18 +130,15 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
                     # it there (target positions) without waiting for the device
                     loss = loss_fn(model, batch)
                 total = loss + _proximal(params, ref, mu) if ref is not None else loss
-                (scaler.scale(total) if scaler else total).backward()
+                # False when nothing trained reaches the loss (a sub-model whose decoder keeps no
+                # cross-attention head reads none of its trained encoder): no step to take
+                trains = total.requires_grad
+                if trains:
+                    (scaler.scale(total) if scaler else total).backward()
             if step == 0:
                 flops_per_position = fc.total / _positions(batch, virtual_tokens)
-            if scaler:
-                scaler.unscale_(opt)
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(params.values(), clip)
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
+            if trains:
+                _optimizer_step(opt, params, scaler, clip)
             opt.zero_grad(set_to_none=True)
             # the losses stay on the device and are read once after the loop (a per-step check
             # for divergence would wait for each step: a GPU sync per step); a non-finite step
