@@ -8,12 +8,14 @@ process whose whole tree is sampled (RSS summed, and PSS: pages shared by forked
 * ``growth``: 20 rounds (2 local steps each), the process RSS at every round end.
 * ``heap``: the workload with ``compute.release_memory`` false (glibc's own policy) and true,
   alternated (A B A B): peak RSS/PSS and wall time of each (a timing: run it on a quiet machine).
+* ``thp``: the workload with torch's ``THP_MEM_ALLOC_ENABLE`` 0 and 1 (the CLI's default),
+  alternated: peak memory and wall time (a timing: run it on a quiet machine).
 * ``per_client``: a client's ``peak_rss_mb`` as a run reports it against that client's training
   alone in a fresh process (peak RSS during ``fit`` minus RSS after the model and data were
   loaded, sampled every 2 ms by the script): first alone, then again after five other clients
   trained in the same process (where a plain RSS delta reads ~0 because freed heap is reused).
 
-    .venv/bin/python bench/memory.py [--parts workload population growth heap per_client]
+    .venv/bin/python bench/memory.py [--parts workload population growth heap thp per_client]
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ from common import RESULTS, machine, median, python, run_measured, save  # noqa:
 CONFIG = "bench/perf/minilm_sst2.toml"
 
 
-def fedslice_run(out: Path, name: str, *sets: str) -> dict:
+def fedslice_run(out: Path, name: str, *sets: str, env: dict | None = None) -> dict:
     args = [python(), "-m", "fedslice.cli", "run", CONFIG, "-q", "--out", str(out), "--set", f"output.name={name}"]
     for s in sets:
         args += ["--set", s]
-    r = run_measured(args)
+    r = run_measured(args, env=env)
     run = out / name
     r["metrics"] = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()] if run.exists() else []
     r["summary"] = json.loads((run / "summary.json").read_text()) if run.exists() else {}
@@ -78,7 +80,7 @@ ALONE = textwrap.dedent("""
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", default=["workload", "population", "growth", "heap", "per_client"])
+    ap.add_argument("--parts", nargs="+", default=["workload", "population", "growth", "heap", "thp", "per_client"])
     ap.add_argument("--repeats", type=int, default=3, help="A/B pairs of the heap part")
     args = ap.parse_args()
     res = {"machine": machine()}
@@ -130,6 +132,21 @@ def main() -> None:
                            "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_start": os.getloadavg()[0]}
             print(f"release_memory: PSS x{res['heap']['pss_ratio']:.2f}, wall time "
                   f"x{res['heap']['time_ratio']:.3f} (medians of {args.repeats})", flush=True)
+        if "thp" in args.parts:
+            runs = {"torch-default": [], "thp": []}
+            for i in range(args.repeats):
+                for name, flag in (("torch-default", "0"), ("thp", "1")):
+                    r = fedslice_run(out, f"thp-{name}-{i}", env={"THP_MEM_ALLOC_ENABLE": flag})
+                    runs[name].append({k: r[k] for k in ("rss_peak_mb", "pss_peak_mb", "wall_s")})
+                    print(f"thp {name} #{i}: PSS {r['pss_peak_mb']:.0f} MB, {r['wall_s']:.1f} s", flush=True)
+            med = {n: {k: median([x[k] for x in v]) for k in ("rss_peak_mb", "pss_peak_mb", "wall_s")}
+                   for n, v in runs.items()}
+            res["thp"] = {"runs": runs, "median": med,
+                          "pss_ratio": med["thp"]["pss_peak_mb"] / med["torch-default"]["pss_peak_mb"],
+                          "time_ratio": med["thp"]["wall_s"] / med["torch-default"]["wall_s"],
+                          "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_start": os.getloadavg()[0]}
+            print(f"THP_MEM_ALLOC_ENABLE=1: PSS x{res['thp']['pss_ratio']:.2f}, wall time "
+                  f"x{res['thp']['time_ratio']:.3f} (medians of {args.repeats})", flush=True)
         if "per_client" in args.parts:
             r = run_measured([python(), "-c", ALONE, CONFIG])
             got = json.loads(r["tail"].strip().splitlines()[-1])

@@ -76,3 +76,33 @@ def test_a_simulation_run_imports_no_flower_ray_datasets_or_matplotlib(tiny_cfg_
     assert out.returncode == 0, out.stderr[-2000:]
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert not any(loaded.values()), loaded
+
+
+_THP_PROBE = textwrap.dedent("""
+    import os, sys
+    from fedslice import cli
+    assert "torch" not in sys.modules  # the CLI module does not load torch
+    try:
+        cli.main(["--version"])
+    except SystemExit:
+        pass
+    import torch
+    print(os.environ.get("THP_MEM_ALLOC_ENABLE"), torch.empty(1 << 20).data_ptr() % 4096)
+""")
+
+
+def test_cli_turns_on_torch_huge_page_tensors_unless_the_environment_says_no():
+    """The CLI sets THP_MEM_ALLOC_ENABLE before torch loads (torch reads it once): a 4 MB tensor
+    then starts on a page boundary (torch's THP path); THP_MEM_ALLOC_ENABLE=0 keeps torch's own
+    64-byte alignment."""
+    import os
+    outs = {}
+    for preset in (None, "0"):
+        env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+        if preset is not None:
+            env["THP_MEM_ALLOC_ENABLE"] = preset
+        out = subprocess.run([sys.executable, "-c", _THP_PROBE], env=env, capture_output=True,
+                             text=True, timeout=120, check=True)
+        outs[preset] = out.stdout.split()[-2:]
+    assert outs[None] == ["1", "0"]
+    assert outs["0"][0] == "0" and outs["0"][1] != "0"
