@@ -78,6 +78,29 @@ ALONE = textwrap.dedent("""
 
 
 
+def ab(out: Path, part: str, repeats: int, a: tuple[str, dict], b: tuple[str, dict]) -> dict:
+    """Setting ``a`` against ``b`` on the workload, alternated (a b a b ...): each run's peak
+    RSS/PSS, wall time and test accuracy, the medians, and b's ratios to a (a timing: quiet
+    machine). A setting is ``(name, {"sets": overrides, "env": environment})``."""
+    runs: dict[str, list[dict]] = {a[0]: [], b[0]: []}
+    for i in range(repeats):
+        for name, how in (a, b):
+            r = fedslice_run(out, f"{part}-{name}-{i}", *how.get("sets", ()), env=how.get("env"))
+            runs[name].append({k: r[k] for k in ("rss_peak_mb", "pss_peak_mb", "wall_s")}
+                              | {"test_accuracy": r["summary"].get("test_accuracy")})
+            print(f"{part} {name} #{i}: RSS {r['rss_peak_mb']:.0f} MB, PSS {r['pss_peak_mb']:.0f} MB, "
+                  f"{r['wall_s']:.1f} s", flush=True)
+    med = {n: {k: median([x[k] for x in v]) for k in ("rss_peak_mb", "pss_peak_mb", "wall_s")}
+           for n, v in runs.items()}
+    got = {"runs": runs, "median": med,
+           "pss_ratio": med[b[0]]["pss_peak_mb"] / med[a[0]]["pss_peak_mb"],
+           "time_ratio": med[b[0]]["wall_s"] / med[a[0]]["wall_s"],
+           "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_end": os.getloadavg()[0]}
+    print(f"{part}: {b[0]} against {a[0]}: PSS x{got['pss_ratio']:.2f}, wall time "
+          f"x{got['time_ratio']:.3f} (medians of {repeats})", flush=True)
+    return got
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=["workload", "population", "growth", "heap", "thp", "per_client"])
@@ -116,37 +139,13 @@ def main() -> None:
             print(f"20 rounds: RSS per round {[round(x) for x in rss]}; growth after round 6 "
                   f"{res['growth']['growth_after_round_6']:+.1%}", flush=True)
         if "heap" in args.parts:
-            runs = {"glibc": [], "release": []}
-            for i in range(args.repeats):
-                for name, flag in (("glibc", "false"), ("release", "true")):
-                    r = fedslice_run(out, f"heap-{name}-{i}", f"compute.release_memory={flag}")
-                    runs[name].append({k: r[k] for k in ("rss_peak_mb", "pss_peak_mb", "wall_s")}
-                                      | {"test_accuracy": r["summary"].get("test_accuracy")})
-                    print(f"heap {name} #{i}: RSS {r['rss_peak_mb']:.0f} MB, PSS {r['pss_peak_mb']:.0f} MB, "
-                          f"{r['wall_s']:.1f} s", flush=True)
-            med = {n: {k: median([x[k] for x in v]) for k in ("rss_peak_mb", "pss_peak_mb", "wall_s")}
-                   for n, v in runs.items()}
-            res["heap"] = {"runs": runs, "median": med,
-                           "pss_ratio": med["release"]["pss_peak_mb"] / med["glibc"]["pss_peak_mb"],
-                           "time_ratio": med["release"]["wall_s"] / med["glibc"]["wall_s"],
-                           "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_start": os.getloadavg()[0]}
-            print(f"release_memory: PSS x{res['heap']['pss_ratio']:.2f}, wall time "
-                  f"x{res['heap']['time_ratio']:.3f} (medians of {args.repeats})", flush=True)
+            res["heap"] = ab(out, "heap", args.repeats,
+                             ("glibc", {"sets": ("compute.release_memory=false",)}),
+                             ("release", {"sets": ("compute.release_memory=true",)}))
         if "thp" in args.parts:
-            runs = {"torch-default": [], "thp": []}
-            for i in range(args.repeats):
-                for name, flag in (("torch-default", "0"), ("thp", "1")):
-                    r = fedslice_run(out, f"thp-{name}-{i}", env={"THP_MEM_ALLOC_ENABLE": flag})
-                    runs[name].append({k: r[k] for k in ("rss_peak_mb", "pss_peak_mb", "wall_s")})
-                    print(f"thp {name} #{i}: PSS {r['pss_peak_mb']:.0f} MB, {r['wall_s']:.1f} s", flush=True)
-            med = {n: {k: median([x[k] for x in v]) for k in ("rss_peak_mb", "pss_peak_mb", "wall_s")}
-                   for n, v in runs.items()}
-            res["thp"] = {"runs": runs, "median": med,
-                          "pss_ratio": med["thp"]["pss_peak_mb"] / med["torch-default"]["pss_peak_mb"],
-                          "time_ratio": med["thp"]["wall_s"] / med["torch-default"]["wall_s"],
-                          "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_start": os.getloadavg()[0]}
-            print(f"THP_MEM_ALLOC_ENABLE=1: PSS x{res['thp']['pss_ratio']:.2f}, wall time "
-                  f"x{res['thp']['time_ratio']:.3f} (medians of {args.repeats})", flush=True)
+            res["thp"] = ab(out, "thp", args.repeats,
+                            ("torch-default", {"env": {"THP_MEM_ALLOC_ENABLE": "0"}}),
+                            ("thp", {"env": {"THP_MEM_ALLOC_ENABLE": "1"}}))
         if "per_client" in args.parts:
             r = run_measured([python(), "-c", ALONE, CONFIG])
             got = json.loads(r["tail"].strip().splitlines()[-1])

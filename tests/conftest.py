@@ -82,6 +82,18 @@ def tiny_data_dir(tmp_path_factory) -> Path:
     return write_sentiment_tsv(tmp_path_factory.mktemp("tiny-data"))
 
 
+@pytest.fixture(scope="session")
+def one_length_data_dir(tmp_path_factory) -> Path:
+    """Sentiment TSVs whose sentences all tokenize to one length, so the first step's measured
+    FLOPs extrapolate exactly to every step (analytic-vs-measured checks)."""
+    folder = tmp_path_factory.mktemp("one-length")
+    words = ["good", "bad", "film", "movie", "story", "plot", "great", "dull"]
+    for split, n in (("train", 64), ("dev", 8), ("test", 8)):
+        rows = [f"the {words[i % 8]} was really {words[(i * 3) % 8]}\t{i % 2}" for i in range(n)]
+        (folder / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    return folder
+
+
 @pytest.fixture
 def tiny_cfg_dict(tiny_model_dir, tiny_data_dir, tmp_path) -> dict:
     """A config dict for a 2-round run of the tiny model on the tiny data (seconds)."""

@@ -120,7 +120,7 @@ def test_measure_step_flops_bert_matches_analytic(batch, seq):
     assert flops == pytest.approx(analytic["total"], rel=1e-9)
 
 
-def test_engine_flops_match_the_analytic_count(tiny_cfg_dict, tmp_path):
+def test_engine_flops_match_the_analytic_count(tiny_cfg_dict, one_length_data_dir):
     """Through the engine, on sentences of one length (the first step's count extrapolates
     exactly): full fine-tuning's measured FLOPs equal the analytic count; LoRA's are within 3%
     on this 2-layer model (the analytic count keeps the first layer's input-gradient of LoRA A and
@@ -129,13 +129,7 @@ def test_engine_flops_match_the_analytic_count(tiny_cfg_dict, tmp_path):
     from fedslice.experiment import validate_config
     from fedslice.fl.engine import Simulation
 
-    folder = tmp_path / "fixed"
-    folder.mkdir()
-    words = ["good", "bad", "film", "movie", "story", "plot", "great", "dull"]
-    for split, n in (("train", 64), ("dev", 8), ("test", 8)):
-        rows = [f"the {words[i % 8]} was really {words[(i * 3) % 8]}\t{i % 2}" for i in range(n)]
-        (folder / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
-    tiny_cfg_dict["data"]["path"] = str(folder)
+    tiny_cfg_dict["data"]["path"] = str(one_length_data_dir)
     tiny_cfg_dict["federation"]["rounds"] = 1
     for method, tolerance in (("fedavg", 1e-9), ("fedpetuning", 0.03)):
         tiny_cfg_dict["method"] = {"name": method}

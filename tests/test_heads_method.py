@@ -220,20 +220,14 @@ def test_two_prune_modes_send_the_same_bytes_and_differ_in_flops(tiny_cfg_dict):
 
 
 @pytest.mark.parametrize("prune", ["parameters", "forward"])
-def test_analytic_flops_stop_the_backward_above_a_headless_bottom_layer(tiny_cfg_dict, tmp_path, prune):
+def test_analytic_flops_stop_the_backward_above_a_headless_bottom_layer(tiny_cfg_dict, one_length_data_dir, prune):
     """Layer 0 keeps no head, so nothing in it trains (LoRA on q, v, o only) and autograd's
     backward stops above it: the analytic count leaves out its input-gradients as the measured
     one does. On sentences of one length the two agree as closely as for the dense run (the
     count keeps the lowest trained layer's LoRA A input-gradient; without the early stop it was
     39% over here). Under ``prune="forward"`` the headless layer's sliced o keeps its LoRA B
     (hidden x r, a zero gradient): frozen too, so the backward does not reach layer 0's FFN."""
-    folder = tmp_path / "fixed"
-    folder.mkdir()
-    words = ["good", "bad", "film", "movie", "story", "plot", "great", "dull"]
-    for split, n in (("train", 64), ("dev", 8), ("test", 8)):
-        rows = [f"the {words[i % 8]} was really {words[(i * 3) % 8]}\t{i % 2}" for i in range(n)]
-        (folder / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
-    tiny_cfg_dict["data"]["path"] = str(folder)
+    tiny_cfg_dict["data"]["path"] = str(one_length_data_dir)
     alpha = torch.tensor([[0.1, 0.05, 0.02, 0.01], [0.9, 0.8, 0.3, 0.2]])  # layer 0 keeps none
     ratios = {}
     for name, opts in (("dense", {"pruning": "none", "aggregation": "fedavg"}),

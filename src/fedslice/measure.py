@@ -96,6 +96,13 @@ def trainable_state_bytes(params: Iterable[torch.Tensor] | nn.Module, optimizer_
     return int(total)
 
 
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The LM head of ``model`` (HF or peft-wrapped), or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_out = getattr(base, "get_output_embeddings", None)
+    return get_out() if callable(get_out) else None
+
+
 def linear_param_counts(model: nn.Module) -> dict[str, int]:
     """Weight counts of the model's ``nn.Linear`` layers, for :func:`analytic_train_flops`.
 
@@ -110,9 +117,7 @@ def linear_param_counts(model: nn.Module) -> dict[str, int]:
     (it runs on the virtual tokens once per step or per sequence: ``Adapter.cost`` counts it).
     """
     counts = {"total": 0, "trainable": 0, "head_total": 0, "head_trainable": 0}
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    get_out = getattr(base, "get_output_embeddings", None)
-    lm_head = get_out() if callable(get_out) else None
+    lm_head = _output_embeddings(model)
     for name, module in model.named_modules():
         if not is_linear(module):
             continue
@@ -268,9 +273,7 @@ def frozen_bottom(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[int, i
     if embeddings_train(model):
         return 0, 0
     inside = {id(p) for b in blocks for p in b.parameters()}
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    get_out = getattr(base, "get_output_embeddings", None)
-    lm_head = get_out() if callable(get_out) else None
+    lm_head = _output_embeddings(model)
     head = {id(p) for p in lm_head.parameters()} if lm_head is not None else set()
     for name, p in model.named_parameters():
         if not p.requires_grad or not p.numel() or id(p) in inside or id(p) in head:

@@ -317,19 +317,21 @@ class Method:
 
     def analytic_train_flops(self, model: nn.Module, result: LocalResult, *,
                              num_layers: int | None = None,
-                             embedding_backward: bool | None = None) -> dict[str, float]:
+                             embedding_backward: bool | None = None,
+                             frozen: tuple[int, int] | None = None) -> dict[str, float]:
         """:func:`fedslice.measure.analytic_train_flops` of one client's local training on
         ``model``: its linears counted from the model, the output head at ``result``'s head
         positions, the adapter's share. ``num_layers`` defaults to the model's blocks (a sub-model
         may have fewer; an encoder-decoder counts both stacks), ``embedding_backward`` to whether
-        the model trains its embeddings; the backward stops above :meth:`frozen_bottom`'s blocks.
-        Methods add their own corrections to the total."""
+        the model trains its embeddings; the backward stops above :meth:`frozen_bottom`'s blocks
+        (``frozen``: its result, when the caller has it). Methods add their own corrections."""
         counts = measure.linear_param_counts(model)
         if num_layers is None:
             num_layers = sum(len(self.arch.blocks(model, k)) for k in range(len(self.arch.stacks)))
         if embedding_backward is None:
             embedding_backward = measure.embeddings_train(model)
-        frozen, frozen_linear = (0, 0) if embedding_backward else self.frozen_bottom(model)
+        if frozen is None:
+            frozen = (0, 0) if embedding_backward else self.frozen_bottom(model)
         return measure.analytic_train_flops(
             num_layers=num_layers, hidden=self.dims["hidden"], ffn=self.dims["ffn"],
             num_heads=self.dims["num_heads"], tokens=result.tokens,
@@ -338,7 +340,7 @@ class Method:
             embedding_backward=embedding_backward, examples=result.examples,
             head_positions=result.head_positions, head_linear_params=counts["head_total"],
             head_trainable_linear_params=counts["head_trainable"],
-            frozen_layers=frozen, frozen_linear_params=frozen_linear,
+            frozen_layers=frozen[0], frozen_linear_params=frozen[1],
             **self.adapter_flops(model, result))
 
     def frozen_bottom(self, model: nn.Module) -> tuple[int, int]:

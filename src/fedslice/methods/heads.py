@@ -447,9 +447,10 @@ class Heads(FedPETuning):
         kept heads only."""
         d = self.dims
         seq = result.tokens / max(result.examples, 1)
-        base = self.analytic_train_flops(model, result, embedding_backward=False,
+        bottom = self.frozen_bottom(model)
+        base = self.analytic_train_flops(model, result, embedding_backward=False, frozen=bottom,
                                          num_layers=sum(x["num_layers"] for x in self.all_dims))
-        frozen = self.frozen_bottom(model)[0]  # one stack, one family: row r is layer r
+        frozen = bottom[0]  # one stack, one family: row r is layer r
         rows = kept.shape[0]
         T, hd, width = float(result.tokens), d["head_dim"], d["hidden"]
         kept_width = float(kept.sum()) * hd                                  # sum_r kept_r * head_dim
