@@ -426,7 +426,7 @@ class RaFFM(Method):
         s = T / max(result.examples, 1)
         specs = [x for x in stack_list(spec) if x is not None]
         embeddings = measure.embeddings_train(model)  # full tuning: layer 0's input-gradient too
-        bottom = (0, 0) if embeddings else self.frozen_bottom(model)
+        bottom = self.frozen_bottom(model)  # (0, 0) when the embeddings train
         base = self.analytic_train_flops(model, result, num_layers=sum(len(x.layers) for x in specs),
                                          embedding_backward=embeddings, frozen=bottom)
         widths = [len(h) * x.head_dim for x in specs for h in x.heads]
