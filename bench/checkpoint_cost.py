@@ -30,10 +30,10 @@ CONFIGS = {"fedavg": "fedavg_sst2.toml", "fedpetuning": "fedpetuning_sst2.toml",
 
 
 def measure(method: str, args) -> dict:
-    from fedslice import checkpoint
     from fedslice.api import setup
     from fedslice.experiment import load_config
-    from fedslice.fl import engine
+    from fedslice.run import checkpoint, engine
+    from fedslice.run.session import Rounds
 
     overrides = [f"federation.rounds={args.rounds}", f"threads={args.threads}",
                  "data.max_dev_examples=64", "evaluation.every=1000", "output.checkpoint_every=1",
@@ -43,26 +43,24 @@ def measure(method: str, args) -> dict:
     cfg = load_config(REPO / "configs" / CONFIGS[method], overrides)
     m, data = setup(cfg)
     times: list[dict] = []
-    real_capture = engine.capture
     folder = Path(tempfile.mkdtemp(prefix="fedslice-ckpt-"))
 
-    def timed_capture(*a, **kw):
-        t0 = time.perf_counter()
-        ckpt = real_capture(*a, **kw)
-        times.append({"capture_s": time.perf_counter() - t0})
-        return ckpt
+    class Timed(Rounds):
+        """Every round checkpointed as a run session does, capture and write timed apart."""
 
-    def write(ckpt) -> None:
-        t0 = time.perf_counter()
-        path = checkpoint.write_checkpoint(folder, ckpt)
-        times[-1].update(write_s=time.perf_counter() - t0, mb=path.stat().st_size / 2**20,
-                         state_mb=sum(t.numel() * t.element_size() for t in ckpt.state.values()) / 2**20)
+        def round_done(self, server_round, state, record, selector):
+            super().round_done(server_round, state, record, selector)
+            t0 = time.perf_counter()
+            ckpt = checkpoint.capture(server_round, cfg.model_dump(mode="json"), m, selector,
+                                      state, self.records, self.elapsed())
+            t1 = time.perf_counter()
+            path = checkpoint.write_checkpoint(folder, ckpt)
+            times.append({"capture_s": t1 - t0, "write_s": time.perf_counter() - t1,
+                          "mb": path.stat().st_size / 2**20,
+                          "state_mb": sum(t.numel() * t.element_size()
+                                          for t in ckpt.state.values()) / 2**20})
 
-    engine.capture = timed_capture
-    try:
-        _, records, _ = engine.Simulation(cfg, m, data).run(on_checkpoint=write)
-    finally:
-        engine.capture = real_capture
+    _, records, _ = engine.Simulation(cfg, m, data).run(Timed(cfg, m))
     rows = []
     for r, t in zip(records, times):
         total = t["capture_s"] + t["write_s"]

@@ -34,7 +34,7 @@ from common import machine, save  # noqa: E402
 
 from fedslice.api import setup  # noqa: E402
 from fedslice.experiment import load_config  # noqa: E402
-from fedslice.fl.engine import client_seed  # noqa: E402
+from fedslice.run.engine import client_seed  # noqa: E402
 
 
 def matmul_peak(threads: int, n: int = 2048, reps: int = 10) -> float:

@@ -49,7 +49,7 @@ from heads_sst2 import _records, client_totals, config as sst2_config, markdown 
 
 from fedslice.api import run_experiment  # noqa: E402
 from fedslice.experiment import validate_config  # noqa: E402
-from fedslice.data.loading import data_search_dirs  # noqa: E402
+from fedslice.data.locate import data_search_dirs  # noqa: E402
 
 MODES = ("parameters", "forward")
 SPARSITIES = (0.5, 0.75, 0.9)

@@ -40,7 +40,7 @@ import torch
 from fedslice.api import run_experiment
 from fedslice.experiment import validate_config
 from fedslice.api import setup
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.report import _figure, _save, plot_compare
 
 VARIANTS = {  # name -> method options

@@ -52,7 +52,7 @@ ALONE = textwrap.dedent("""
     import json, sys, threading, psutil
     from fedslice.api import setup
     from fedslice.experiment import load_config
-    from fedslice.fl.engine import client_seed
+    from fedslice.run.engine import client_seed
     cfg = load_config(sys.argv[1], ["compute.workers=1"])
     method, data = setup(cfg)
     proc = psutil.Process()

@@ -30,7 +30,7 @@ import torch
 
 from fedslice.experiment import validate_config
 from fedslice.api import setup
-from fedslice.fl.engine import Simulation, summarize
+from fedslice.run.engine import Simulation, summarize
 from fedslice.output import write_json_atomic
 from fedslice.methods.raffm import plot_elastic
 

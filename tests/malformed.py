@@ -30,7 +30,7 @@ from conftest import method_options
 from fedslice.api import setup
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.fl.strategy import Payload, Reply
 from fedslice.methods import METHODS
 
@@ -349,7 +349,7 @@ class FlowerHarness:
         from fedslice.flower.codec import record_to_state, state_to_record
 
         self.f.reset()
-        self.adapter.records.clear()
+        self.adapter.record = None
         outer = self.dp or self.adapter
         privacy = _privacy(self.f)
         if privacy is not None:
@@ -364,4 +364,4 @@ class FlowerHarness:
         finally:
             if privacy is not None:
                 privacy.external_noise = False
-        return record_to_state(arrays), self.adapter.records[-1]
+        return record_to_state(arrays), self.adapter.record

@@ -20,7 +20,7 @@ from conftest import save_tiny_model
 from fedslice.api import setup
 from fedslice.errors import ConfigError
 from fedslice.experiment import validate_config
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.fl.strategy import Reply
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -36,7 +36,9 @@ from fedslice.slicing.heads import (HeadUpdate, aggregate_heads, heads_state, ma
                                     position_cuts)
 from fedslice.slicing.partial import partial_model
 from fedslice.slicing.salience import part_weights
-from fedslice.slicing.spec import HeadPositions, extract_model, extract_state, key_info
+from fedslice.slicing.keys import HeadPositions, key_info
+from fedslice.slicing.state import extract_state
+from fedslice.slicing.surgery import extract_model
 
 ADAPTER_NAMES = ("lora", "dora", "ia3", "prompt", "ptuning", "prefix")
 GEN = ("gpt2", "llama", "t5", "bart")

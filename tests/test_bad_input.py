@@ -15,7 +15,7 @@ from fedslice.api import resume_experiment, run_experiment, setup
 from fedslice.cli import main
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 
 
 def _with(d: dict, **method) -> dict:
@@ -184,7 +184,7 @@ def test_resume_after_the_model_files_changed_names_both_architectures(tiny_cfg_
 def test_checkpoint_without_recorded_architecture_is_checked_by_shapes(tiny_cfg_dict, tmp_path,
                                                                        monkeypatch):
     """Checkpoints written before the architecture was recorded: tensor shapes decide."""
-    from fedslice.checkpoint import CHECKPOINT, read_checkpoint, write_checkpoint
+    from fedslice.run.checkpoint import CHECKPOINT, read_checkpoint, write_checkpoint
     model = save_tiny_model(tmp_path / "model")
     d, staging = _crashed_run(tiny_cfg_dict, tmp_path, monkeypatch, model)
     ckpt = read_checkpoint(staging)

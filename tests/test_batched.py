@@ -10,7 +10,7 @@ import torch
 from fedslice.api import setup
 from fedslice.experiment import validate_config
 from fedslice.data.batching import stack_batches
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 
 
 def _no_dropout(src, dst):

@@ -17,12 +17,12 @@ from safetensors.torch import load_file
 
 from conftest import method_options
 from fedslice.api import resume_experiment, run_experiment
-from fedslice.checkpoint import (CHECKPOINT, Checkpoint, config_diff, read_checkpoint,
+from fedslice.run.checkpoint import (CHECKPOINT, Checkpoint, config_diff, read_checkpoint,
                                  write_checkpoint)
 from fedslice.cli import main
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, FedsliceError
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.methods import METHODS
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -146,7 +146,7 @@ _KILLED_WRITER = textwrap.dedent("""
     sys.path.insert(0, {src!r})
     sys.path.insert(0, {tests!r})
     from test_checkpoint import _ckpt
-    from fedslice.checkpoint import write_checkpoint
+    from fedslice.run.checkpoint import write_checkpoint
     folder = sys.argv[1]
     write_checkpoint(folder, _ckpt(1, 1000))            # a complete checkpoint
     real_write, calls = os.write, [0]
@@ -194,7 +194,7 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tmp_path, where)
 _KILLED_RUN = textwrap.dedent("""
     import json, os, sys, time
     sys.path.insert(0, {src!r})
-    import fedslice.checkpoint as ck
+    import fedslice.run.checkpoint as ck
     real, count = ck.write_bytes_atomic, [0]
     def write(path, data):
         count[0] += 1

@@ -10,7 +10,7 @@ from fedslice.api import setup
 from fedslice.compute import Compute, check_precision, cpu_has_bf16, resolve_device
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

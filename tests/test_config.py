@@ -83,3 +83,25 @@ def test_shipped_configs_are_valid():
 def test_raffm_example_config_is_valid():
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "raffm_sst2.toml")
     assert cfg.method.name == "raffm" and [t.flops for t in cfg.method.tiers] == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_one_config_serves_several_methods(caplog):
+    """`--set method.name=...` on a config written for another method: that method's options
+    are set aside and said (logged, `set_aside`), not a ConfigError; a key of no method is still
+    one (issue 34, part 0)."""
+    import logging
+
+    from fedslice.experiment import load_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "fmnist_dinov2.toml"
+    with caplog.at_level(logging.WARNING, logger="fedslice.experiment"):
+        cfg = load_config(path, ["method.name=fedpetuning"])
+    assert cfg.method.name == "fedpetuning"
+    assert cfg.method.set_aside == {"keep_ratio": ["fedpft"], "whole_layers": ["fedpft"],
+                                    "align_every": ["fedpft"], "align_steps": ["fedpft"],
+                                    "distill": ["fedpft", "fedot"]}
+    assert "method.keep_ratio (fedpft)" in caplog.text and "not used by method 'fedpetuning'" in caplog.text
+    assert "keep_ratio" not in cfg.model_dump(mode="json")["method"]  # not in the run's config
+    assert load_config(path).method.set_aside == {}
+    with pytest.raises(ConfigError, match=r"method\.bogus: unknown key"):
+        load_config(path, ["method.name=fedpetuning", "method.bogus=1"])

@@ -20,7 +20,7 @@ from fedslice.cli import main
 from fedslice.config import ExperimentConfig
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.methods import METHODS
 from fedslice.registry import ADAPTERS
 

@@ -127,7 +127,7 @@ def test_engine_flops_match_the_analytic_count(tiny_cfg_dict, one_length_data_di
     of the keys, which autograd skips under frozen embeddings: 2% here, 0.4% on MiniLM-L6)."""
     from fedslice.api import setup
     from fedslice.experiment import validate_config
-    from fedslice.fl.engine import Simulation
+    from fedslice.run.engine import Simulation
 
     tiny_cfg_dict["data"]["path"] = str(one_length_data_dir)
     tiny_cfg_dict["federation"]["rounds"] = 1
@@ -288,9 +288,9 @@ def test_analytic_frozen_bottom_layers_skip_their_input_gradients():
 
 _HEAP_PROBE = """
 import sys, torch
-from fedslice import measure
+from fedslice import heap
 if sys.argv[1] == "release":
-    assert measure.release_freed_memory(measure.RELEASE_THRESHOLD)
+    assert heap.release_freed_memory(heap.RELEASE_THRESHOLD)
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 start = rss()
@@ -323,14 +323,14 @@ def test_release_freed_memory_keeps_the_heap_at_the_live_size():
 
 
 def test_setup_sets_the_release_policy_only_when_asked(tiny_cfg_dict, monkeypatch):
-    from fedslice import measure
+    from fedslice import heap
     from fedslice.api import setup
     from fedslice.experiment import validate_config
 
     calls = []
-    monkeypatch.setattr(measure, "release_freed_memory", lambda t: calls.append(t) or True)
+    monkeypatch.setattr(heap, "release_freed_memory", lambda t: calls.append(t) or True)
     setup(validate_config(tiny_cfg_dict))
     assert calls == []  # glibc's own policy by default
     tiny_cfg_dict["compute"] = {"release_memory": True}
     setup(validate_config(tiny_cfg_dict))
-    assert calls == [measure.RELEASE_THRESHOLD]
+    assert calls == [heap.RELEASE_THRESHOLD]

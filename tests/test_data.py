@@ -17,8 +17,6 @@ from fedslice.data import (
     TokenizedSplit,
     collate,
     iter_batches,
-    load_hub_splits,
-    load_local_splits,
     load_tables,
     num_batches,
     num_labels,
@@ -28,6 +26,7 @@ from fedslice.data import (
     sample_rows,
     tokenize_split,
 )
+from data_helpers import load_hub_splits, load_local_splits
 from fedslice.errors import ConfigError, DataError, FedsliceError
 
 SST2 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "sst2"
@@ -487,7 +486,8 @@ def test_real_sst2():
 # --------------------------------------------------------------------------- users' files (issue 17)
 
 from fedslice.config import DataConfig  # noqa: E402
-from fedslice.data.loading import carve, label_ids  # noqa: E402
+from fedslice.data.labels import label_ids  # noqa: E402
+from fedslice.data.locate import carve  # noqa: E402
 from fedslice.data.sources import load_raw_splits  # noqa: E402
 
 E2E = SST2.parent / "e2e_nlg"
@@ -509,7 +509,7 @@ def test_headerless_tsv_with_word_labels_alone_is_carved(tmp_path, caplog):
     write(tmp_path, "news.tsv", "".join(f"{t}\t{y}\n" for t, y in rows))
     d = data_cfg(tmp_path / "news.tsv", header=False, columns=["text", "label"],
                  text_columns=["text"])
-    with caplog.at_level(logging.INFO, logger="fedslice.data.loading"):
+    with caplog.at_level(logging.INFO, logger="fedslice.data"):
         splits = load_raw_splits(d, seed=0)
     assert {k: len(v) for k, v in splits.items()} == {"train": 160, "dev": 20, "test": 20}
     assert "carved dev (20 rows), test (20 rows) off train" in caplog.text and "seed 0" in caplog.text
@@ -597,7 +597,7 @@ def test_missing_fields_error_or_skip(tmp_path, caplog):
     for text in (body, body.replace("b\n", "b\t\n")):
         write(tmp_path, "train.tsv", text * 5)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="fedslice.data.loading"):
+        with caplog.at_level(logging.WARNING, logger="fedslice.data"):
             tables = load_tables(data_cfg(tmp_path, bad_rows="skip", **d), 0)
         assert sum(map(len, tables.values())) == 15
         assert "skipped 10 row(s)" in caplog.text and "lines 2, 3, 7, 8" in caplog.text
@@ -623,7 +623,7 @@ def test_delimiter_quotes_and_format(tmp_path):
 
 
 def test_carve_keeps_groups_together():
-    from fedslice.data.loading import RawTable
+    from fedslice.data.tables import RawTable
     keys = [f"g{i // 3}" for i in range(300)]  # 100 groups of 3 rows
     table = RawTable({"g": keys, "x": list(range(300))}, list(range(2, 302)), "t.csv")
     parts = carve(table, {"dev": 0.1, "test": 0.1}, seed=0, group_column="g")
@@ -675,7 +675,7 @@ def test_sst2_hub_fallback_carves_dev_off_train_and_says_so(monkeypatch, tmp_pat
     import datasets
 
     from fedslice.config import DataConfig
-    from fedslice.data import loading
+    from fedslice.data import locate as loading
 
     def fake(name, subset, split):
         n = {"train": 50, "validation": 10}[split]
@@ -703,7 +703,7 @@ def test_default_text_column_fits_the_data(tmp_path, caplog):
     write(tmp_path, "news.tsv", "".join(f"{t}\t{y}\n" for t, y in rows))
     d = data_cfg(tmp_path / "news.tsv", header=False, columns=["text", "label"])
     assert d.text_columns is None
-    with caplog.at_level(logging.INFO, logger="fedslice.data.loading"):
+    with caplog.at_level(logging.INFO, logger="fedslice.data"):
         splits = load_raw_splits(d, seed=0)
     assert "text column 'text'" in caplog.text
     assert splits["train"].text_columns == ["text"] and len(splits["train"]) == 48

@@ -10,7 +10,7 @@ import torch
 from fedslice.api import setup
 from fedslice.experiment import validate_config
 from fedslice.fl.client import train_local
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 
 
 def _client(cfg_dict):

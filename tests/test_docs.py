@@ -101,8 +101,17 @@ def _test_exists(ref: str) -> bool:
     return f"def {func}(" in (ROOT / file).read_text()
 
 
+def header_commands(path: Path) -> list[str]:
+    """The fedslice commands a config's header shows (its bench/ scripts are benchmarks)."""
+    header = "\n".join(l.lstrip("# ") for l in path.read_text().splitlines() if l.startswith("#"))
+    return [m.strip().rstrip(":;,.") for m in re.findall(r"fedslice (?:run|compare|validate) [^(`\n]*",
+                                                          header)]
+
+
 def documented() -> list[tuple[str, str]]:
-    return [(p.name, c) for p in PAGES for c in shell_commands(p)]
+    """Every command of the pages' shell blocks and of the config headers."""
+    return [(p.name, c) for p in PAGES for c in shell_commands(p)] + \
+        [(p.name, c) for p in sorted((ROOT / "configs").glob("*.toml")) for c in header_commands(p)]
 
 
 def test_readme_is_a_front_page():
@@ -162,23 +171,44 @@ def _shrunk(argv: list[str]) -> list[str]:
     return argv + [x for s in extra for x in ("--set", s)]
 
 
+def _first_images(real: Path, dest: Path, train: int = 200, test: int = 50) -> None:
+    """The first images of each IDX file of ``real`` (the first rows, as for the tables)."""
+    import gzip
+    import struct
+
+    from fedslice.data.images.sources import read_idx
+
+    if not real.is_dir():
+        pytest.skip(f"../shared/data/{real.name} is not here")
+    dest.mkdir(parents=True)
+    for f in real.iterdir():
+        if "idx" not in f.name:
+            continue
+        array = read_idx(f)[:train if f.name.startswith("train") else test]
+        head = bytes([0, 0, 8, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+        (dest / f.name).write_bytes(gzip.compress(head + array.tobytes()) if f.suffix == ".gz"
+                                     else head + array.tobytes())
+
+
 @pytest.mark.slow
 def test_documented_commands_run(tmp_path, monkeypatch, capsys):
-    """Every fedslice command of the docs, in page order, in one scratch folder (with the
-    repository's configs and ../shared beside it): each exits 0."""
+    """Every fedslice command of the docs and of the config headers, in page order, in one
+    scratch folder (with the repository's configs and ../shared beside it): each exits 0."""
     work = tmp_path / "repo"
     work.mkdir()
     (work / "configs").symlink_to(ROOT / "configs")
     data = tmp_path / "shared" / "data"
-    for name, rows in (("sst2", 48), ("e2e_nlg", 120)):  # the first rows of each file
+    for name, rows in (("sst2", 48), ("e2e_nlg", 120), ("wikitext2", 200)):  # each file's first rows
         real = ROOT.parent / "shared" / "data" / name
         if not real.is_dir():
             pytest.skip(f"../shared/data/{name} is not here")
         (data / name).mkdir(parents=True)
         for f in real.iterdir():
-            if f.suffix in (".tsv", ".csv"):
+            if f.suffix in (".tsv", ".csv", ".txt"):
                 lines = f.read_text().splitlines(keepends=True)[:rows + 1]
                 (data / name / f.name).write_text("".join(lines))
+    _first_images(ROOT.parent / "shared" / "data" / "fashion_mnist", data / "fashion_mnist")
+    (tmp_path / "shared" / "models").symlink_to(ROOT.parent / "shared" / "models")
     monkeypatch.setenv("FEDSLICE_DATA_DIR", str(data))
     monkeypatch.chdir(work)
     seen = set()
@@ -206,3 +236,27 @@ def test_documented_commands_run(tmp_path, monkeypatch, capsys):
         ran += 1
     assert ran >= 10
     assert (work / "runs" / "fedpetuning-sst2-demo" / "report.html").is_file()
+
+
+CONFIGS = sorted([*(ROOT / "configs").glob("*.toml"), *(ROOT / "bench").rglob("*.toml")])
+
+
+def config_header(path: Path) -> str:
+    """The comment lines a config file starts with."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("# "))
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT)) for p in CONFIGS])
+def test_every_config_says_what_it_runs_and_the_command(path):
+    """Like torchtune's configs: the first lines say what the experiment is and the command
+    that runs it (`fedslice run|compare|validate <this file>`, or the bench/ script that does)."""
+    header = config_header(path)
+    rel = re.escape(str(path.relative_to(ROOT)))
+    assert len(header.split()) >= 8, f"{path.name}: no header saying what it runs"
+    assert re.search(rf"fedslice (run|compare|validate)\b[^\n]*{rel}|bench/[\w/]+\.py", header), \
+        f"{path.name}: its header names no command that runs it"

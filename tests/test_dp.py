@@ -120,7 +120,7 @@ def test_the_accountant_uses_the_population_really_sampled_from():
 def test_simulation_accounts_for_empty_partitions(tiny_cfg_dict):
     """6 clients, one of them without data (a shard partition that leaves it empty): every round
     samples 2 of the 5 others, and the records say so."""
-    from fedslice.fl.engine import Simulation
+    from fedslice.run.engine import Simulation
 
     tiny_cfg_dict["federation"].update(num_clients=6, clients_per_round=2, rounds=1)
     tiny_cfg_dict["dp"] = {"enabled": True, "clip_norm": 0.05, "noise_multiplier": 1.0}

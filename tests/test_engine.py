@@ -9,7 +9,7 @@ from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, ModelError
 from fedslice import measure
 from fedslice.api import setup
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 
 
 def _run(cfg_dict):

@@ -157,11 +157,11 @@ def test_export_refuses_bad_input(model_dirs, tiny_cfg_dict, tiny_gen_cfg_dict, 
     assert "elastic sizes are raffm" in capsys.readouterr().err
     # an interrupted run (a staging folder with a checkpoint): refused naming what is missing,
     # exported from its checkpoint with --allow-partial
-    import fedslice.api as api
+    import fedslice.run.session as session
 
     def crash(*a, **k):
         raise RuntimeError("killed")
-    monkeypatch.setattr(api, "save_results", crash)
+    monkeypatch.setattr(session, "save_results", crash)
     cfg2 = validate_config({**cfg.model_dump(mode="json"),
                             "federation": {**cfg.federation.model_dump(), "rounds": 2},
                             "output": {**cfg.output.model_dump(), "checkpoint_every": 1,

@@ -9,7 +9,7 @@ from fedslice.api import setup
 from fedslice.config import FaultsConfig
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.fl.faults import plan_faults
 
 

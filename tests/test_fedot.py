@@ -7,7 +7,7 @@ from conftest import save_tiny_model
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
 from fedslice.api import setup
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.methods.fedot import emulator_indices, fedot_layout
 
 

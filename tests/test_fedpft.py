@@ -12,7 +12,7 @@ from fedslice.distill.apoz import (aggregate_apoz, apoz_report, near_zero_counts
 from fedslice.distill.losses import hidden_loss, layer_kd_loss, weight_loss
 from fedslice.errors import ConfigError
 from fedslice.api import setup
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.fl.strategy import Reply
 from fedslice.methods.fedpft import compressed_layers, proxy_spec, top_neurons
 from fedslice.models.arch import arch_for

@@ -23,7 +23,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedslice.experiment import validate_config
 from fedslice.errors import FedsliceError
 from fedslice.api import setup
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.fl.strategy import Payload, Reply
 from fedslice.flower import codec
 from fedslice.flower.client_app import app as client_app

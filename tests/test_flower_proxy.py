@@ -90,7 +90,7 @@ def test_client_builds_from_the_config_and_the_first_payload(tiny_cfg_dict, mode
     any weight file; the tensors of its first payload are exactly its proxy's (LoRA included),
     fewer than the full model's; it trains bit-identically to the in-process engine's client;
     what it received is kept as node state for a fresh process."""
-    import fedslice.api
+    import fedslice.run.setup
     import fedslice.models.loading
 
     cfg = validate_config(_cfg(tiny_cfg_dict, model_dir, method, tmp_path))
@@ -100,7 +100,7 @@ def test_client_builds_from_the_config_and_the_first_payload(tiny_cfg_dict, mode
 
     def forbidden(*args, **kw):
         raise AssertionError("a fedpft/fedot client loaded the full model")
-    monkeypatch.setattr(fedslice.api, "load_model", forbidden)
+    monkeypatch.setattr(fedslice.run.setup, "load_model", forbidden)
     monkeypatch.setattr(fedslice.models.loading, "load_model", forbidden)
     client, _ = setup(validate_config(client_cfg), role="client")
     proxy = _client_model(client)
@@ -186,13 +186,13 @@ def test_serverapp_sends_the_proxy_once_and_clients_load_no_model(tiny_cfg_dict,
     """The ServerApp over an in-process grid: the full-model loader runs once (the server's), each
     node's first train message carries its model once (later ones only LoRA and the classifier,
     plus re-distilled neurons), and the weights equal the in-process engine's."""
-    import fedslice.api
+    import fedslice.run.setup
 
     cfg_dict = _cfg(tiny_cfg_dict, model_dir, method, tmp_path, rounds=3)
     state, records, _ = _in_process(cfg_dict)
     calls = []
-    real = fedslice.api.load_model
-    monkeypatch.setattr(fedslice.api, "load_model", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    real = fedslice.run.setup.load_model
+    monkeypatch.setattr(fedslice.run.setup, "load_model", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     grid = RecordingGrid(_nodes(2))
     run_dir = server_run(grid, _settings(_write_config(cfg_dict, tmp_path / "exp.json"), tmp_path / "fl"))
     assert len(calls) == 1  # the ServerApp's; the ClientApp built its model from the config

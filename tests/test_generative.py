@@ -16,7 +16,7 @@ from fedslice.peft import LoraConfig
 from fedslice.experiment import validate_config
 from fedslice.data.pairs import IGNORE, PairSplit
 from fedslice.errors import ConfigError, DataError
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.models.arch import arch_for
 from fedslice.models.loading import load_model
 from fedslice.peft import apply_lora, lora_module_names

@@ -47,7 +47,8 @@ def test_random_and_none_masks_and_bad_sparsity():
 
 def test_head_importance_on_tiny_model(tiny_model_dir, tiny_data_dir):
     from fedslice.config import ModelConfig
-    from fedslice.data import load_local_splits, tokenize_split
+    from data_helpers import load_local_splits
+    from fedslice.data import tokenize_split
     from fedslice.models import load_model
 
     loaded = load_model(ModelConfig(name=str(tiny_model_dir)), 2, seed=0)  # sdpa by default
@@ -105,7 +106,8 @@ def _heads_removed(model, arch, mask):
 
 def test_sliced_model_equals_full_model_without_pruned_heads(tiny_lora):
     from fedslice.slicing.heads import mask_spec
-    from fedslice.slicing.spec import extract_model, extract_state
+    from fedslice.slicing.state import extract_state
+    from fedslice.slicing.surgery import extract_model
     model, arch = tiny_lora
     dims = arch.dims(model.config)
     mask = torch.tensor([[False, True, False, True], [False, False, False, False]])  # layer 1: none
@@ -148,7 +150,7 @@ def test_eq8_against_numpy_reference():
 
     from fedslice.models.arch import ARCHITECTURES
     from fedslice.slicing.heads import HeadUpdate, aggregate_heads, mask_spec
-    from fedslice.slicing.spec import extract_state
+    from fedslice.slicing.state import extract_state
     arch = ARCHITECTURES["bert"]
     L, H, hd, r = 2, 4, 2, 3
     dims = {"num_layers": L, "num_heads": H, "head_dim": hd, "hidden": H * hd, "ffn": 5}
@@ -199,7 +201,7 @@ def test_eq8_against_numpy_reference():
 def test_fedavg_mode_averages_kept_heads_by_examples():
     from fedslice.models.arch import ARCHITECTURES
     from fedslice.slicing.heads import HeadUpdate, aggregate_heads, mask_spec
-    from fedslice.slicing.spec import extract_state
+    from fedslice.slicing.state import extract_state
     arch = ARCHITECTURES["bert"]
     dims = {"num_layers": 1, "num_heads": 2, "head_dim": 1, "hidden": 2, "ffn": 3}
     g = _lora_state(arch, 1, 2, 1, 1, torch.Generator().manual_seed(0))

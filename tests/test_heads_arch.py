@@ -18,7 +18,9 @@ from fedslice.models.arch import arch_for
 from fedslice.slicing.heads import (HeadUpdate, aggregate_heads, confidence, head_importance,
                                     mask_rows, mask_spec, num_rows)
 from fedslice.slicing.partial import PartialLinear, partial_model
-from fedslice.slicing.spec import extract_model, extract_state, key_info
+from fedslice.slicing.keys import key_info
+from fedslice.slicing.state import extract_state
+from fedslice.slicing.surgery import extract_model
 
 ARCHS = ("gpt2", "llama", "t5", "bart")
 
@@ -266,7 +268,7 @@ def test_gqa_aggregation_against_numpy_reference(mode):
 @pytest.mark.parametrize("prune", ["parameters", "forward"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_decoder_classification_head_runs_a_round(arch, prune, tmp_path, tiny_lm_dirs, tiny_data_dir):
-    from fedslice.fl.engine import Simulation
+    from fedslice.run.engine import Simulation
     cfg = validate_config({"seed": 0, "threads": 1, "data": {"path": str(tiny_data_dir), "max_length": 16},
                            "model": {"name": str(tiny_lm_dirs[arch])},
                            "lora": {"r": 4, "alpha": 8, "targets": ["q", "k", "v", "o"]},

@@ -9,7 +9,7 @@ import torch
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, ModelError
 from fedslice.api import setup
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.methods.heads import ALPHA, KEPT
 
 
@@ -167,7 +167,7 @@ def test_heads_prunes_compute_and_upload_against_dense(tiny_cfg_dict):
 def test_partial_model_runs_the_full_forward_and_trains_only_kept_slices(heads_setup):
     from fedslice.slicing.heads import mask_spec
     from fedslice.slicing.partial import PartialLinear, partial_model
-    from fedslice.slicing.spec import extract_state
+    from fedslice.slicing.state import extract_state
     _, method, data = heads_setup
     torch.manual_seed(0)
     for p in method.trainable().values():  # LoRA B is zero at init: make every slice matter

@@ -18,9 +18,10 @@ import torch
 from conftest import SHARED, VISION, stripes, write_image_folder
 from fedslice.config import DataConfig
 from fedslice.experiment import validate_config
-from fedslice.data import images as img
-from fedslice.data.images import (ImageSplit, Preprocessor, encode_images, load_image_splits,
-                                  read_idx)
+from fedslice.data.images import preprocess as img_preprocess
+from fedslice.data.images import sources as img_sources
+from fedslice.data.images import ImageSplit, Preprocessor, encode_images, load_image_splits
+from fedslice.data.images.sources import read_idx
 from fedslice.errors import ConfigError, DataError
 
 FMNIST = SHARED / "data" / "fashion_mnist"
@@ -93,7 +94,7 @@ def test_idx_folder_splits_and_label_names(tmp_path):
 def test_debian_fashion_mnist_location_is_searched(tmp_path, monkeypatch):
     """Debian's dataset-fashion-mnist installs /usr/share/datasets/fashion-mnist/: a system data
     folder searched last, where 'fashion_mnist' also finds 'fashion-mnist'."""
-    from fedslice.data import loading
+    from fedslice.data import locate as loading
     system = tmp_path / "usr-share-datasets"
     write_idx_folder(system / "fashion-mnist", 8, 4)
     assert loading.SYSTEM_DATA_DIRS == (Path("/usr/share/datasets"),)
@@ -102,7 +103,7 @@ def test_debian_fashion_mnist_location_is_searched(tmp_path, monkeypatch):
     found = loading.resolve_source("fashion_mnist", [tmp_path / "elsewhere", system])
     assert found == (system / "fashion-mnist").resolve()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(img, "data_search_dirs", lambda: [tmp_path / "elsewhere", system])
+    monkeypatch.setattr(img_sources, "data_search_dirs", lambda: [tmp_path / "elsewhere", system])
     splits = load_image_splits(DataConfig(path="fashion_mnist"))
     assert len(splits["test"]) == 4 and splits["test"].source.startswith(str(system))
 
@@ -283,9 +284,9 @@ def test_preprocessing_is_cached_on_disk_and_deterministic(tmp_path, tiny_vision
     first = encode_images(splits, Preprocessor(proc, 16, 3), lambda h, w: 5, skip_bad=False, cache_dir=cache)
     files = list((cache / "images").glob("*.pt"))
     assert len(files) == 3  # one per source folder (train, dev, test)
-    img._PROCESSED.clear()
+    img_preprocess._PROCESSED.clear()
     calls = []
-    monkeypatch.setattr(img, "_preprocess", lambda *a: calls.append(a))
+    monkeypatch.setattr(img_preprocess, "_preprocess", lambda *a: calls.append(a))
     again = encode_images(splits, Preprocessor(proc, 16, 3), lambda h, w: 5, skip_bad=False, cache_dir=cache)
     assert not calls  # read from disk
     for s in first:

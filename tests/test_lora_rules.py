@@ -15,7 +15,7 @@ from fedslice.api import setup
 from fedslice.config import FederationConfig
 from fedslice.errors import ConfigError
 from fedslice.experiment import validate_config
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.fl.rules import SVD, FedEx, FedSA, FLoRA, LoraRanks, find_rule
 from fedslice.fl.strategy import Payload, Reply, Strategy
 from fedslice.models.arch import CONV1D

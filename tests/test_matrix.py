@@ -20,7 +20,7 @@ from conftest import VISION, save_tiny_model, save_tiny_vision
 from fedslice.api import setup
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.fl.strategy import Reply
 
 METHODS = ("fedavg", "fedpetuning", "heads", "raffm", "fedpft", "fedot")
@@ -87,7 +87,7 @@ def marker_reply(method, payload, reply: Reply) -> Reply:
     if method.name == "heads":
         from fedslice.methods.heads import KEPT
         from fedslice.slicing.heads import mask_spec
-        from fedslice.slicing.spec import extract_state
+        from fedslice.slicing.state import extract_state
         if KEPT in reply.arrays:
             given = extract_state(payload.arrays, mask_spec(reply.arrays[KEPT], method.all_dims),
                                   method.arch)

@@ -20,12 +20,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from fedslice.api import compare_experiments, run_experiment
-from fedslice.checkpoint import CHECKPOINT, read_checkpoint
+from fedslice.run.checkpoint import CHECKPOINT, read_checkpoint
 from fedslice.cli import main
 from fedslice.experiment import validate_config
 from fedslice.errors import FedsliceError
-from fedslice.fl import engine
-from fedslice.fl.engine import Simulation
+from fedslice.run import engine
+from fedslice.run.engine import Simulation
 from fedslice.output import LATEST_WEIGHTS
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -153,7 +153,7 @@ def test_compare_keeps_the_runs_that_ended_and_names_the_failed_one(tiny_cfg_dic
 _SLOW_RUN = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {src!r})
-    from fedslice.fl.engine import Simulation
+    from fedslice.run.engine import Simulation
     real = Simulation.run_round
     def run_round(self, server_round, state):
         if server_round == 2:

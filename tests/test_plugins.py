@@ -14,7 +14,7 @@ from fedslice.api import setup
 from fedslice.config import AdapterOptions, FederationConfig, MethodOptions
 from fedslice.errors import ConfigError
 from fedslice.experiment import validate_config
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.fl.rules import Krum, Median, Rule, find_rule, unwrap, wrap_rules
 from fedslice.fl.strategy import Reply, State, Strategy
 from fedslice.measure import ClientCost
@@ -313,7 +313,7 @@ def test_client_cost_is_the_typed_record_of_the_metrics_keys():
 
 def test_a_checkpoint_from_before_peft_still_resumes():
     """A config saved before ``[peft]`` existed has no peft.method: unset now, not a difference."""
-    from fedslice.checkpoint import config_diff
+    from fedslice.run.checkpoint import config_diff
     now = validate_config({}).model_dump(mode="json")
     before = {k: v for k, v in now.items() if k != "peft"}
     assert config_diff(before, now) == []

@@ -11,7 +11,7 @@ from fedslice.methods.raffm import RaFFMMethod
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
 from fedslice.api import setup
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.fl.strategy import Reply
 from fedslice.methods.raffm import ClientPlan, RaFFMStrategy
 from fedslice.models.arch import ARCHITECTURES

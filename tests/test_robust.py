@@ -14,7 +14,7 @@ from fedslice.config import DPConfig, FederationConfig
 from fedslice.fl.rules import Krum
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.fl.privacy import Privacy
 from fedslice.fl.strategy import Reply, Strategy
 from fedslice.slicing.robust import clip_update, masked_trimmed_mean, robust_aggregate

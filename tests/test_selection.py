@@ -46,7 +46,7 @@ def test_probe_cold_start_ranks_by_eq9_from_round_one():
 def test_engine_probes_unknown_clients_once_with_the_global_model(tiny_cfg_dict):
     from fedslice.api import setup
     from fedslice.experiment import validate_config
-    from fedslice.fl.engine import Simulation, client_seed
+    from fedslice.run.engine import Simulation, client_seed
     tiny_cfg_dict["federation"].update(rounds=2, selection="loss_gap", cold_start="probe",
                                        probe_examples=4)
     cfg = validate_config(tiny_cfg_dict)

@@ -10,7 +10,10 @@ from fedslice.models.arch import arch_for
 from fedslice.slicing.aggregate import aggregate_deltas
 from fedslice.slicing.permute import Permutation, permute_model, permute_state, unpermute_state
 from fedslice.slicing.salience import salience, salience_order
-from fedslice.slicing.spec import SliceSpec, extract_model, extract_state, key_info, scatter
+from fedslice.slicing.keys import key_info
+from fedslice.slicing.spec import SliceSpec
+from fedslice.slicing.state import extract_state, scatter
+from fedslice.slicing.surgery import extract_model
 
 
 @pytest.fixture(scope="module", params=["bert", "distilbert", "roberta"])

@@ -14,8 +14,10 @@ from conftest import GENERATIVE
 from fedslice.models.arch import arch_for
 from fedslice.slicing.permute import Permutation, permute_model, permute_state, unpermute_state
 from fedslice.slicing.salience import model_salience, salience_order
-from fedslice.slicing.spec import (ModelSlice, SliceSpec, extract_model, extract_state, key_info,
-                                   spec_from_dict)
+from fedslice.slicing.keys import key_info
+from fedslice.slicing.spec import ModelSlice, SliceSpec, spec_from_dict
+from fedslice.slicing.state import extract_state
+from fedslice.slicing.surgery import extract_model
 
 
 @pytest.fixture(scope="module", params=GENERATIVE)

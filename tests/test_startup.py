@@ -9,7 +9,7 @@ import textwrap
 import torch
 
 from fedslice.data.batching import TokenCache, tokenize_split
-from fedslice.data.loading import RawSplit
+from fedslice.data.labels import RawSplit
 
 
 def _tok():

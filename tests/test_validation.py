@@ -10,7 +10,7 @@ import torch
 from conftest import method_options
 from fedslice.api import setup
 from fedslice.experiment import validate_config
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.fl.strategy import Reply
 from fedslice.fl.validation import check_num_examples, check_tensors
 from fedslice.methods import METHODS

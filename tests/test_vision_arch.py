@@ -16,7 +16,8 @@ from fedslice.models.loading import adapt_image_model
 from fedslice.slicing.heads import confidence, head_importance
 from fedslice.slicing.permute import permute_model, unpermute_state
 from fedslice.slicing.salience import model_salience, salience, scale_tensors
-from fedslice.slicing.spec import extract_model, extract_state
+from fedslice.slicing.state import extract_state
+from fedslice.slicing.surgery import extract_model
 
 
 def _vision(tiny_vision_dirs, arch: str):

@@ -11,7 +11,7 @@ import torch
 
 from fedslice.api import setup
 from fedslice.experiment import validate_config
-from fedslice.fl.engine import Simulation
+from fedslice.run.engine import Simulation
 from fedslice.fl.workers import WorkerError, WorkerLost, run_forked
 from tests.conftest import method_options
 

@@ -13,7 +13,8 @@ marks = {"python": time.time() - t_proc}
 t = time.perf_counter()
 import fedslice.api as api  # noqa: E402
 from fedslice.experiment import load_config  # noqa: E402
-from fedslice.fl.engine import prepare_data, client_seed  # noqa: E402
+from fedslice.run.engine import client_seed  # noqa: E402
+from fedslice.run.setup import prepare_data  # noqa: E402
 from fedslice.methods import METHODS, build_method  # noqa: E402
 from fedslice.models.arch import arch_for  # noqa: E402
 from fedslice.models.loading import load_config as model_config, load_model  # noqa: E402

@@ -3,64 +3,32 @@
 from __future__ import annotations
 
 import logging
-import re
 import shlex
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from fedslice.checkpoint import (CHECKPOINT, Checkpoint, check_same_architecture,
-                                 check_same_config, config_diff, find_resumable, read_checkpoint,
-                                 write_checkpoint)
 from fedslice.config import ExperimentConfig, apply_overrides
 from fedslice.experiment import load_config, validate_config
 from fedslice.errors import ConfigError, FedsliceError
-from fedslice import measure
-from fedslice.fl.engine import FederatedData, Simulation, prepare_data
-from fedslice.methods import Method, Role, build_method, method_class
-from fedslice.models.arch import arch_for
-from fedslice.models.loading import load_config as load_model_config
-from fedslice.models.loading import build_from_config, load_model
-from fedslice.output import LATEST_WEIGHTS, RunDir, reserve_folder, write_json_atomic
+from fedslice.output import reserve_folder, write_json_atomic
 from fedslice.progress import activate, make_display
-from fedslice.html_report import REPORT, write_compare_report, write_run_report
-from fedslice.report import markdown_table, plot_compare, plot_run, render_table, summary_row
-from fedslice.tasks import make_task
-from fedslice.trackers import Trackers
+from fedslice.html_report import REPORT, write_compare_report
+from fedslice.report import markdown_table, plot_compare, render_table, summary_row
+from fedslice.run.checkpoint import (check_same_architecture, check_same_config, config_diff,
+                                     find_resumable, read_checkpoint)
+from fedslice.run.engine import Simulation
+from fedslice.run.session import RunSession, folder_name
+from fedslice.run.setup import setup
 
 log = logging.getLogger(__name__)
 
-#: partition.json keeps the per-client label histograms up to this many numbers
-HISTOGRAM_CELLS = 100_000
+__all__ = ["compare_experiments", "resume_experiment", "run_experiment", "setup"]
 
 
-def folder_name(cfg: ExperimentConfig) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.run_name).strip(".-") or "run"
-
-
-def setup(cfg: ExperimentConfig, role: Role = "both") -> tuple[Method, FederatedData]:
-    """Build the method (model, strategy) and the federated data of an experiment
-    (``role="client"``: as a Flower ClientApp needs it, without the server-only work; for a
-    method whose clients get their model from the server (fedpft, fedot), from the model's
-    config and tokenizer only: no weight file is read)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    if cfg.compute.release_memory:
-        measure.release_freed_memory(measure.RELEASE_THRESHOLD)
-    arch = arch_for(load_model_config(cfg.model)[0])  # the model's config only: no weights yet
-    task = make_task(cfg, arch)
-    kind = method_class(cfg.method.name)
-    kind.check_supported(arch, task)
-    raw = task.load_raw()
-    if role == "client" and kind.client_model_from_server:
-        loaded = build_from_config(cfg.model, task.num_labels(raw), head=task.head)
-    else:
-        loaded = load_model(cfg.model, task.num_labels(raw), cfg.seed, head=task.head)
-    data = prepare_data(cfg, task, task.encode(raw, loaded))
-    sizes = {c: len(p) for c, p in enumerate(data.partitions)}
-    return build_method(cfg, loaded, task, role, client_sizes=sizes), data
+def resume_command(staging: Path) -> str:
+    """How to continue an in-process run kept in ``staging``."""
+    return f"fedslice run --resume {shlex.quote(str(staging))}"
 
 
 def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
@@ -77,29 +45,14 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
     out = Path(out_dir or cfg.output.dir)
     with _display(cfg, progress, verbose):
         method, data = setup_result or setup(cfg)
-        run = RunDir.create(out, folder_name(cfg))
-        try:
-            start_run_folder(run, cfg, method, data)
-        except BaseException:
-            run.abort()
-            raise
-        return _run_into(run, cfg, method, data)
+        sim = Simulation(cfg, method, data)
+        session = RunSession.create(cfg, method, data, out, resume_command)
+        return session.run(lambda: _train(sim, session))
 
 
-def start_run_folder(run: RunDir, cfg: ExperimentConfig, method: Method, data: FederatedData) -> None:
-    """What a run folder holds from its start (engine and Flower alike): the resolved config,
-    the partition, the label names and what rebuilding the trained model needs."""
-    from fedslice.export import INFERENCE, inference_info
-    run.write_config(cfg.model_dump(mode="json"))
-    report = data.report
-    if isinstance(report, dict):  # label histograms for the HTML report, unless huge
-        hist = report.get("label_histograms") or []
-        small = sum(len(h) for h in hist) <= HISTOGRAM_CELLS
-        report = {k: v for k, v in report.items() if k != "label_histograms" or small}
-    run.write_json("partition.json", report)
-    if data.label_map():
-        run.write_json("labels.json", data.label_map())
-    run.write_json(INFERENCE, inference_info(cfg, method, method.task))
+def _train(sim: Simulation, session: RunSession):
+    state, _, summary = sim.run(session)
+    return state, summary
 
 
 def _display(cfg: ExperimentConfig, progress: bool | None, verbose: bool):
@@ -131,82 +84,9 @@ def resume_experiment(run_dir: str | Path, config: str | Path | None = None,
         # the files there changed); then any other field that differs
         check_same_architecture(ckpt, method, staging)
         check_same_config(ckpt.config, given, staging)
-        run = RunDir.reopen(staging)
-        run.rewrite_metrics(ckpt.records)
-        log.warning("resuming %s after round %d of %d", staging, ckpt.round, cfg.federation.rounds)
-        return _run_into(run, cfg, method, data, resume=ckpt)
-
-
-def _run_into(run: RunDir, cfg: ExperimentConfig, method: Method, data: FederatedData,
-              resume: Checkpoint | None = None) -> Path:
-    sim = Simulation(cfg, method, data)
-
-    def checkpoint(ckpt: Checkpoint) -> None:
-        write_checkpoint(run.path, ckpt)
-
-    trackers = Trackers(cfg, run.staging_path, folder_name(cfg))
-
-    def on_round(record: dict[str, Any]) -> None:
-        run.append_metrics(record)
-        trackers.round(record)
-
-    try:
-        with run:  # kept on a failure after a round (RunDir.trained), else removed
-            try:
-                state, _, summary = sim.run(on_round=on_round, resume=resume,
-                                            on_checkpoint=checkpoint)
-                save_results(run, cfg, method, state, summary)
-                trackers.finish(summary)  # before the folder is renamed
-            except BaseException as e:
-                if run.trained:
-                    keep_failed_run(run, method, sim.latest, e,
-                                    f"fedslice run --resume {shlex.quote(str(run.staging_path))}")
-                raise
-    finally:
-        trackers.finish(None)  # the run failed (no-op when finished)
-    path = run.final_path
-    if cfg.output.plots:
-        plot_run(path)
-        write_run_report(path)
-    return path
-
-
-def keep_failed_run(run: RunDir, method: Method, latest: tuple[int, dict] | None,
-                    error: BaseException, resume_command: str) -> str:
-    """After a failure (exception, Ctrl-C, SIGTERM) of a run that finished a round, before its
-    staging folder is left in place: write the latest global weights there, then say (log warning, and a note on
-    ``error``) what is there and the exact command that resumes it. Returns that message."""
-    what = ["metrics.jsonl"]
-    if latest is not None:
-        rnd, state = latest
-        try:
-            run.save_weights(method.export_state(state), LATEST_WEIGHTS, {"round": str(rnd)})
-            what.append(f"{LATEST_WEIGHTS} (the weights after round {rnd})")
-        except Exception as e:  # noqa: BLE001 - keep what is there; say why the weights are not
-            log.error("could not save the latest weights into %s: %s", run.staging_path, e)
-    ckpt = run.staging_path / CHECKPOINT
-    if ckpt.is_file():
-        what.append(CHECKPOINT)
-        how = f"continue it with: {resume_command}"
-    else:
-        how = ("it has no checkpoint (output.checkpoint_every = 0), so it cannot be resumed; "
-               "set output.checkpoint_every = 1 to make runs resumable")
-    kind = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
-    message = f"the run {kind}; what it finished is kept in {run.staging_path} ({', '.join(what)}); {how}"
-    log.warning("%s", message)
-    error.add_note(message)
-    return message
-
-
-def save_results(run: RunDir, cfg: ExperimentConfig, method, state, summary: dict[str, Any]) -> None:
-    """Summary, method artifacts and final weights into a run folder (engine and Flower alike);
-    the checkpoint and the latest weights of an earlier failure go (the run is complete)."""
-    run.write_summary(summary)
-    method.write_artifacts(run.path)
-    if cfg.output.save_weights:
-        run.save_weights(method.export_state(state))
-    for name in (CHECKPOINT, LATEST_WEIGHTS):
-        (run.path / name).unlink(missing_ok=True)
+        sim = Simulation(cfg, method, data)
+        session = RunSession.reopen(cfg, method, staging, ckpt, resume_command)
+        return session.run(lambda: _train(sim, session))
 
 
 def _same_setting(cfgs: list[ExperimentConfig]) -> list[ExperimentConfig]:

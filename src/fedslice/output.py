@@ -25,13 +25,14 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from fedslice.errors import FedsliceError
 
-__all__ = ["RunDir", "reserve_folder", "read_run", "to_jsonable", "dumps_json", "write_json_atomic"]
+__all__ = ["RunDir", "reserve_folder", "read_run", "read_jsonl", "to_jsonable", "dumps_json",
+           "write_json_atomic"]
 
 CONFIG_JSON = "config.json"
 CONFIG_TOML = "config.toml"
@@ -463,21 +464,25 @@ def read_run(run_dir: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str,
         raise FedsliceError(f"{summary_path}: expected a JSON object")
     config_path = path / CONFIG_JSON
     config = _read_json(config_path) if config_path.is_file() else {}
-    metrics: list[dict[str, Any]] = []
     metrics_path = path / METRICS
-    if metrics_path.is_file():
-        with open(metrics_path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise FedsliceError(f"{metrics_path}, line {lineno}: invalid JSON ({e.msg})") from e
-                if not isinstance(record, dict):
-                    raise FedsliceError(f"{metrics_path}, line {lineno}: expected a JSON object")
-                metrics.append(record)
+    metrics = [r for _, r in read_jsonl(metrics_path)] if metrics_path.is_file() else []
     return config, metrics, summary
+
+
+def read_jsonl(path: Path, error: type[FedsliceError] = FedsliceError) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` of every non-blank line of a JSON-lines file (UTF-8, a byte-order
+    mark allowed); a line that is not a JSON object raises ``error`` naming the file and line."""
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{path}, line {lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise error(f"{path}, line {lineno}: expected a JSON object per line")
+            yield lineno, record
 
 
 def _read_json(path: Path) -> Any:

@@ -13,20 +13,16 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from fedslice import measure
 from fedslice.config import ExperimentConfig
 from fedslice.errors import FedsliceError
-from fedslice.fl.engine import FederatedData, prepare_data
+from fedslice.data.federated import FederatedData
 from fedslice.measure import ClientCost
-from fedslice.methods import build_method, method_class
-from fedslice.models.arch import Head, arch_for
-from fedslice.models.loading import (LoadedModel, adapt_image_model, ensure_pad_token,
-                                     from_config, load_config, load_preprocessor, model_class)
-from fedslice.tasks import make_task
+from fedslice.models.loading import LoadedModel, build_from_config, load_config
+from fedslice.run.setup import Inputs, load_inputs
 
 
 @dataclass
@@ -120,33 +116,20 @@ class Plan:
         return "\n".join(lines)
 
 
-def _model(config, cfg: ExperimentConfig, head: Head, num_labels: int | None, *, meta: bool):
-    """A randomly initialised model with the task's head (on the meta device: shapes only)."""
-    if num_labels is not None:
-        config.num_labels = num_labels
-    arch = arch_for(config)
-    with torch.device("meta") if meta else torch.device("cpu"):
-        model = from_config(model_class(arch, head), config,
-                            attn_implementation=cfg.model.attn_implementation)
-    return adapt_image_model(model, arch)
-
-
-def _pad(tokenizer, model) -> None:
-    if getattr(tokenizer, "model_input_names", None) and "input_ids" in tokenizer.model_input_names:
-        ensure_pad_token(tokenizer, model)
-
-
 def _steps(cfg: ExperimentConfig, n: int) -> int:
     fed = cfg.federation
     return fed.local_steps or fed.local_epochs * -(-n // fed.batch_size)
 
 
-def _time_step(config, cfg: ExperimentConfig, task, data: FederatedData, num_labels: int | None,
-               tokenizer) -> float:
+def _random_model(cfg: ExperimentConfig, task, num_labels: int | None) -> LoadedModel:
+    """The model with random values (the run's shapes) and the task's head."""
+    return build_from_config(cfg.model, num_labels, head=task.head, device="cpu", seed=cfg.seed)
+
+
+def _time_step(cfg: ExperimentConfig, task, data: FederatedData, num_labels: int | None) -> float:
     """Seconds of one training step of the full model (random weights) on a batch of the
     client data (the task's loss)."""
-    model = _model(config, cfg, task.head, num_labels, meta=False)
-    _pad(tokenizer, model)
+    model = _random_model(cfg, task, num_labels).model.train()
     order = torch.argsort(data.train.lengths, stable=True)
     mid = max(0, len(order) // 2 - cfg.federation.batch_size // 2)  # a typical length
     batch = data.train.collate(order[mid:mid + cfg.federation.batch_size])
@@ -165,54 +148,45 @@ def make_plan(cfg: ExperimentConfig, *, timing: bool = True) -> Plan:
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    config, path = load_config(cfg.model)
-    arch = arch_for(config)
-    task = make_task(cfg, arch)
-    method_class(cfg.method.name).check_supported(arch, task)
-    raw = task.load_raw()
+    inputs = load_inputs(cfg, role="client", weights="shapes")
+    task, raw, data = inputs.task, inputs.raw, inputs.data
     k = task.num_labels(raw)
-    tokenizer = load_preprocessor(path, arch, cfg.model.name)
-    model = _model(config, cfg, task.head, k, meta=True)
-    _pad(tokenizer, model)
-    loaded = LoadedModel(model=model, tokenizer=tokenizer, arch=arch, head=task.head)
-    data: FederatedData = prepare_data(cfg, task, task.encode(raw, loaded))
     sizes = [len(p) for p in data.partitions]
     mean_tokens = float(data.train.lengths.float().mean()) if len(data.train) else 0.0
     plan = Plan(name=cfg.run_name, method=cfg.method.name,
                 splits={s: len(getattr(data, s)) for s in ("train", "dev", "test")},
                 sources={s: raw[s].source for s in ("train", "dev", "test")},
                 label_names=task.label_names, num_labels=k or 0, client_sizes=sizes,
-                model=str(path), total_params=0, rounds=cfg.federation.rounds,
-                clients_per_round=cfg.federation.clients_per_round, mean_tokens=mean_tokens)
+                model=str(load_config(cfg.model)[1]), total_params=0,
+                rounds=cfg.federation.rounds, clients_per_round=cfg.federation.clients_per_round,
+                mean_tokens=mean_tokens)
     try:
-        _method_sizes(cfg, plan, loaded, task, sizes)
+        _method_sizes(cfg, plan, inputs, inputs.loaded)
     except _NeedsValues as e:
         # e.g. raffm's planner reads values (.item()): random weights have the same shapes, and
         # what each client's budget buys depends on shapes only
-        random = _model(config, cfg, task.head, k, meta=False)
-        _pad(tokenizer, random)
         try:
-            _method_sizes(cfg, plan, LoadedModel(model=random, tokenizer=tokenizer, arch=arch,
-                                                 head=task.head), task, sizes)
+            _method_sizes(cfg, plan, inputs, _random_model(cfg, task, k))
             plan.notes.append(f"{cfg.method.name}: sizes measured on randomly initialised weights "
                               "(the shapes of the real ones)")
         except _NeedsValues:
             plan.notes.append(f"{cfg.method.name}: sizes per client need the model's weights "
                               f"({e}); they are measured in the run")
+    if note := cfg.method.set_aside_note():
+        plan.notes.append(note)
     plan.steps_per_client = {c: _steps(cfg, n) for c, n in enumerate(sizes) if n}
     if timing:
-        plan.step_seconds = _time_step(config, cfg, task, data, k, tokenizer)
+        plan.step_seconds = _time_step(cfg, task, data, k)
     return plan
 
 
-def _method_sizes(cfg: ExperimentConfig, plan: Plan, loaded: LoadedModel, task,
-                  sizes: list[int]) -> None:
-    """Build the method on a weightless model; record what each client receives and sends."""
+def _method_sizes(cfg: ExperimentConfig, plan: Plan, inputs: Inputs, loaded: LoadedModel) -> None:
+    """Build the method on ``loaded``; record what each client receives and sends."""
     plan.total_params = sum(p.numel() for p in loaded.model.parameters())
     try:
-        method = build_method(cfg, loaded, task, role="client")
+        method = inputs.method(cfg, role="client", loaded=loaded)
         state = method.initial_state()
-        clients = [c for c, n in enumerate(sizes) if n]
+        clients = [c for c, n in enumerate(plan.client_sizes) if n]
         payloads = method.strategy.configure_train(1, state, clients)
         first_contact = []
         for c, payload in payloads.items():

@@ -1,6 +1,8 @@
 """Data: load labelled text splits, partition them among clients, tokenize and batch them.
 
-Typical flow::
+Reading (:mod:`.tables`: one file into a table; :mod:`.locate`: a data config into the
+train/dev/test tables; :mod:`.labels`: tables into labelled splits; :mod:`.images`: image
+sources), then :mod:`.batching` (tokenize once, batch) and :mod:`.partition`. Typical flow::
 
     tables = load_tables(cfg.data, seed)                    # train/dev/test RawTable (files or hub)
     splits = tables_to_splits(tables, text_columns=["sentence"], label_column="label")
@@ -18,17 +20,9 @@ from fedslice.data.batching import (
     num_batches,
     tokenize_split,
 )
-from fedslice.data.loading import (
-    RawSplit,
-    RawTable,
-    load_hub_splits,
-    load_local_splits,
-    load_tables,
-    num_labels,
-    read_table,
-    resolve_source,
-    tables_to_splits,
-)
+from fedslice.data.labels import RawSplit, num_labels, tables_to_splits
+from fedslice.data.locate import load_tables, resolve_source
+from fedslice.data.tables import RawTable, read_table
 from fedslice.data.partition import (
     SCHEMES,
     partition_indices,
@@ -44,8 +38,6 @@ __all__ = [
     "TokenizedSplit",
     "collate",
     "iter_batches",
-    "load_hub_splits",
-    "load_local_splits",
     "load_tables",
     "num_batches",
     "num_labels",

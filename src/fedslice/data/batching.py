@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from fedslice.data.loading import RawSplit
+from fedslice.data.labels import RawSplit
 from fedslice.errors import ConfigError, ModelError
 
 logger = logging.getLogger(__name__)

@@ -1,12 +1,12 @@
 """An experiment's classification data from its data config: tables read by
-:func:`~fedslice.data.loading.load_tables` (local files or the hub, dev/test carved off train
+:func:`~fedslice.data.locate.load_tables` (local files or the hub, dev/test carved off train
 when missing), turned into labelled splits with string labels mapped to ids."""
 
 from __future__ import annotations
 
 from fedslice.config import DataConfig
-from fedslice.data.loading import (HUB_ALIASES, RawSplit, data_search_dirs, load_tables,
-                                   num_labels, resolve_text_columns, tables_to_splits)
+from fedslice.data.labels import RawSplit, num_labels, tables_to_splits
+from fedslice.data.locate import HUB_ALIASES, data_search_dirs, load_tables, resolve_text_columns
 from fedslice.errors import DataError
 
 __all__ = ["HUB_ALIASES", "data_search_dirs", "load_raw_splits"]

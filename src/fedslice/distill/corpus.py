@@ -22,7 +22,7 @@ import torch
 
 from fedslice.config import DistillConfig
 from fedslice.data.batching import TokenizedSplit, pad_token_id_of
-from fedslice.data.loading import resolve_source
+from fedslice.data.locate import resolve_source
 from fedslice.data.sources import data_search_dirs
 from fedslice.errors import ConfigError, DataError
 

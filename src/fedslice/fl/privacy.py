@@ -50,7 +50,8 @@ def calibrate(target_epsilon: float, delta: float, sample_rate: float, rounds: i
 class Privacy:
     """Clipping, noise and accounting of DP-FedAvg for one run."""
 
-    def __init__(self, dp: DPConfig, clients_per_round: int, num_clients: int, rounds: int, seed: int):
+    def __init__(self, dp: DPConfig, clients_per_round: int, num_clients: int, rounds: int, seed: int,
+                 external_noise: bool = False):
         from opacus.accountants import RDPAccountant
 
         self.clip, self.delta, self.seed, self.target = dp.clip_norm, dp.delta, seed, dp.target_epsilon
@@ -58,7 +59,7 @@ class Privacy:
         self.z = dp.noise_multiplier if dp.noise_multiplier is not None else \
             calibrate(dp.target_epsilon, dp.delta, self.q, rounds)
         self.accountant = RDPAccountant()
-        self.external_noise = False  # True: a wrapper (Flower's) clips and adds the noise
+        self.external_noise = external_noise  # True: a wrapper (Flower's) clips and adds the noise
 
     @property
     def std(self) -> float:

@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 
+from fedslice.measure.cost import ClientCost
+
 Expected = Mapping[str, torch.Tensor]
 
 #: Metrics every reply must hold: a finite number >= 0.
 REQUIRED_METRICS = ("loss",)
-#: Metrics the server averages when a reply holds them (round records, summary): >= 0.
-COST_METRICS = ("bytes_down", "bytes_up", "flops_measured", "flops_analytic", "trainable_params",
-                "params_up", "peak_rss_mb", "activation_mb", "train_time_s")
+#: Metrics the server averages or maximises when a reply holds them (round records, summary): >= 0.
+COST_METRICS = ClientCost.AGGREGATED
 #: Bounds on what a reply's metrics may hold (names, list lengths): far above any method's.
 MAX_METRICS, MAX_LIST = 1024, 1 << 20
 

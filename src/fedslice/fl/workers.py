@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from fedslice.measure import trim_heap
+from fedslice.heap import trim_heap
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ DEFAULT_MAX_RUNS = 3
 
 def _setup(experiment: dict[str, Any]):
     """``(cfg, method, data)`` for an experiment config dict, kept for the next message."""
-    from fedslice.api import setup
+    from fedslice.run.setup import setup
     from fedslice.experiment import validate_config
 
     key = json.dumps(experiment, sort_keys=True)
@@ -172,7 +172,7 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Local training of this node's partition on the received payload."""
-    from fedslice.fl.engine import client_seed
+    from fedslice.run.engine import client_seed
     from fedslice.flower.codec import decode_payload, encode_reply
 
     payload, experiment = decode_payload(msg.content)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import shlex
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -54,15 +53,14 @@ def main(grid: Grid, context: Context) -> None:
 def run(grid: Grid, settings: RunSettings) -> Path:
     """Load the experiment, find the SuperNodes, train, write the run folder; return its path.
     With ``settings.resume`` (run config ``resume``), continue that run from its checkpoint."""
-    from fedslice.api import folder_name, keep_failed_run, save_results, setup, start_run_folder
-    from fedslice.checkpoint import check_same_config, find_resumable, read_checkpoint, restore
     from fedslice.experiment import load_config
-    from fedslice.fl.engine import finalize
     from fedslice.flower.codec import record_to_state, state_to_record
     from fedslice.flower.discovery import PartitionMap
     from fedslice.flower.strategy import FlowerAdapter
-    from fedslice.output import RunDir
-    from fedslice.trackers import Trackers
+    from fedslice.run.checkpoint import check_same_config, find_resumable, read_checkpoint
+    from fedslice.run.engine import finalize
+    from fedslice.run.session import RunSession
+    from fedslice.run.setup import setup
 
     cfg = load_config(settings.config, settings.overrides)
     out = Path(settings.out_dir) if settings.out_dir else \
@@ -72,52 +70,34 @@ def run(grid: Grid, settings: RunSettings) -> Path:
         staging = find_resumable(settings.resume)
         ckpt = read_checkpoint(staging)
         check_same_config(ckpt.config, cfg.model_dump(mode="json"), staging)
-    method, data = setup(cfg)
+    method, data = setup(cfg, role="server")
     partitions = PartitionMap(cfg.federation.num_clients)
     partitions.discover(grid, settings.connect_timeout)
-    adapter = FlowerAdapter(cfg, method, data, partitions, settings.round_timeout)
+    done = ckpt.round if ckpt else 0
+    adapter = FlowerAdapter(cfg, method, data, partitions, settings.round_timeout, offset=done)
+    command = lambda path: resume_command(settings, path)  # noqa: E731
     if ckpt is None:
-        run_dir = RunDir.create(out, folder_name(cfg))
-        state, t_start = method.initial_state(), time.perf_counter()
+        session = RunSession.create(cfg, method, data, out, command)
     else:
-        run_dir = RunDir.reopen(staging)
-        run_dir.rewrite_metrics(ckpt.records)
-        state, t_start = restore(ckpt, method, adapter.selector), time.perf_counter() - ckpt.elapsed_s
-        adapter.records, adapter.offset = list(ckpt.records), ckpt.round
-        for c in range(cfg.federation.num_clients):  # a new Flower run: nodes kept nothing
-            method.strategy.forget(c)
-        log.warning("resuming %s after round %d of %d", staging, ckpt.round, cfg.federation.rounds)
-    latest: list[tuple[int, dict]] = [] if ckpt is None else [(ckpt.round, state)]
-    trackers = Trackers(cfg, run_dir.staging_path, folder_name(cfg))
-    try:
-        with run_dir, _ending_run(grid):  # kept on a failure after a round, else removed
-            try:
-                if ckpt is None:
-                    start_run_folder(run_dir, cfg, method, data)
-                evaluate = _central_evaluation(cfg, method, data, adapter, run_dir, t_start,
-                                               latest, trackers)
-                result = _with_dp(cfg, method, adapter).start(
-                    grid, state_to_record(state), num_rounds=cfg.federation.rounds - adapter.offset,
-                    timeout=settings.round_timeout, evaluate_fn=evaluate)
-                state = record_to_state(result.arrays)
-                summary = finalize(cfg, method, data, state, adapter.records, t_start)
-                summary["engine"] = "flower"
-                summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in adapter.records)
-                save_results(run_dir, cfg, method, state, summary)
-                trackers.finish(summary)
-            except BaseException as e:
-                if run_dir.trained:
-                    keep_failed_run(run_dir, method, latest[-1] if latest else None, e,
-                                    resume_command(settings, run_dir.staging_path))
-                raise
-    finally:
-        trackers.finish(None)  # failed: closes them (no-op when finished)
-    path = run_dir.final_path
-    if cfg.output.plots:
-        from fedslice.html_report import write_run_report
-        from fedslice.report import plot_run
-        plot_run(path)
-        write_run_report(path)
+        session = RunSession.reopen(cfg, method, staging, ckpt, command)
+
+    def train():
+        state = session.initial_state(adapter.selector)
+        if ckpt is not None:
+            for c in range(cfg.federation.num_clients):  # a new Flower run: nodes kept nothing
+                method.strategy.forget(c)
+        with _ending_run(grid):
+            evaluate = _central_evaluation(cfg, method, data, adapter, session)
+            result = _with_dp(cfg, method, adapter).start(
+                grid, state_to_record(state), num_rounds=cfg.federation.rounds - done,
+                timeout=settings.round_timeout, evaluate_fn=evaluate)
+            state = record_to_state(result.arrays)
+            summary = finalize(cfg, method, data, state, session.records, session.t_start)
+        summary["engine"] = "flower"
+        summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in session.records)
+        return state, summary
+
+    path = session.run(train)
     if settings.result_file:
         settings.result_file.write_text(str(path) + "\n")
     return path
@@ -149,7 +129,8 @@ def resume_command(settings: RunSettings, staging: Path) -> str:
 
 def _with_dp(cfg, method, adapter):
     """The adapter, inside Flower's central-DP wrapper when ``dp.enabled`` (DP-FedAvg on Flower:
-    Flower clips and adds noise; numpy's global RNG, which it draws from, is seeded here)."""
+    Flower clips and adds noise -- the method was built with ``role="server"``, so its accountant
+    adds none; numpy's global RNG, which Flower draws from, is seeded here)."""
     from fedslice.fl.rules import DPFedAvg, find_rule
 
     dp = find_rule(method.strategy, DPFedAvg)
@@ -160,39 +141,26 @@ def _with_dp(cfg, method, adapter):
     from fedslice.flower.strategy import CentralDP
     privacy = dp.privacy
     np.random.seed(cfg.seed)
-    privacy.external_noise = True
     return CentralDP(adapter, privacy.z, privacy.clip, privacy.n)
 
 
-def _central_evaluation(cfg, method, data, adapter, run_dir, t_start: float, latest: list,
-                        trackers=None):
-    """Flower's ``evaluate_fn``: the dev metrics after the rounds ``fedslice run`` evaluates, the
-    round's finished record to metrics.jsonl (``latest``: its round and state appended), and a
-    checkpoint every ``output.checkpoint_every`` rounds."""
+def _central_evaluation(cfg, method, data, adapter, session):
+    """Flower's ``evaluate_fn``: the dev metrics after the rounds ``fedslice run`` evaluates, then
+    the round is done for the run session (metrics.jsonl, trackers, checkpoints)."""
     import psutil
 
-    from fedslice.checkpoint import capture, write_checkpoint
-    from fedslice.fl.engine import finish_round
     from fedslice.flower.codec import record_to_state
+    from fedslice.run.engine import finish_round
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if server_round == 0:
             return None  # fedslice run does not evaluate the initial state
         server_round += adapter.offset
-        record = adapter.records[-1]
+        record = adapter.record
         state = record_to_state(arrays)
         finish_round(cfg, method, data, adapter.selector, server_round, state, record)
-        record["elapsed_s"] = time.perf_counter() - t_start
         record["server_rss_mb"] = psutil.Process().memory_info().rss / 2**20  # a leak shows here
-        run_dir.append_metrics(record)
-        latest[:] = [(server_round, state)]
-        if trackers is not None:
-            trackers.round(record)
-        every = cfg.output.checkpoint_every
-        if every and server_round % every == 0:
-            write_checkpoint(run_dir.path, capture(server_round, cfg.model_dump(mode="json"), method,
-                                                   adapter.selector, state, adapter.records,
-                                                   time.perf_counter() - t_start))
+        session.round_done(server_round, state, record, adapter.selector)
         primary = method.task.primary_metric
         value = record[f"dev_{primary}"]
         log.info("round %d: train loss %s, dev %s %s", server_round, record["train_loss"], primary,

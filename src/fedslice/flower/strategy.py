@@ -32,7 +32,8 @@ from flwr.supercore.differential_privacy import compute_clip_model_update
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedslice.config import ExperimentConfig
-from fedslice.fl.engine import FederatedData, round_record
+from fedslice.data.federated import FederatedData
+from fedslice.run.engine import round_record
 from fedslice.errors import ConfigError
 from fedslice.fl.rules import DPFedAvg, find_rule
 from fedslice.fl.selection import make_selector
@@ -68,7 +69,7 @@ class FlowerAdapter(FlowerStrategy):
     """Flower's Strategy interface over our strategy, selector and client -> node map."""
 
     def __init__(self, cfg: ExperimentConfig, method: Method, data: FederatedData,
-                 partitions: PartitionMap, round_timeout: float):
+                 partitions: PartitionMap, round_timeout: float, offset: int = 0):
         self.cfg, self.method, self.data, self.partitions = cfg, method, data, partitions
         self.inner: FedsliceStrategy = method.strategy
         self.round_timeout = round_timeout
@@ -78,9 +79,10 @@ class FlowerAdapter(FlowerStrategy):
             raise ConfigError("federation.cold_start='probe' runs in the in-process simulation "
                               "only (fedslice run); on Flower use 'unseen_first'")
         self.experiment = cfg.model_dump(mode="json")
-        self.records: list[dict[str, Any]] = []
+        #: the metrics record of the last round aggregated (finished by the ServerApp's evaluation)
+        self.record: dict[str, Any] | None = None
         self._round: _Round | None = None
-        self.offset = 0  # rounds done before this start (a resumed run): Flower counts from 1
+        self.offset = offset  # rounds done before this start (a resumed run): Flower counts from 1
         #: id of the message a reply answers -> why a wrapper (CentralDP) dropped that reply
         self.dropped: dict[str, str] = {}
         #: under Flower's DP wrapper (dp.enabled): replies reach aggregate_train validated, as
@@ -163,8 +165,8 @@ class FlowerAdapter(FlowerStrategy):
             server_round, result.state, {c: received[c] for c in result.used})
         self._record(sent, received, failures, result, server_metrics, malformed)
         metrics = {"num-replies": len(received), "num-failed": len(failures)}
-        if self.records[-1]["train_loss"] is not None:
-            metrics["train-loss"] = self.records[-1]["train_loss"]
+        if self.record["train_loss"] is not None:
+            metrics["train-loss"] = self.record["train_loss"]
         return state_to_record(new_state), MetricRecord(metrics)
 
     # -- under Flower's DP wrapper ----------------------------------------------------------
@@ -226,7 +228,7 @@ class FlowerAdapter(FlowerStrategy):
         record["rejected"] += malformed
         record["failed_nodes"] = len(failures) - malformed
         record["round_time_s"] = time.perf_counter() - sent.started
-        self.records.append(record)
+        self.record = record
 
     # -- evaluate (central, on the server) -----------------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -287,7 +289,7 @@ class CentralDP(DifferentialPrivacyServerSideFixedClipping):
             m.content[ARRAYS] = ArrayRecord({k: Array(np.asarray(v)) for k, v in zip(keys, ours)})
             released.update(keys)
         arrays, metrics = self.strategy.aggregate_train(server_round, replies)
-        if arrays is not None and released and not self.adapter.records[-1]["skipped"]:
+        if arrays is not None and released and not self.adapter.record["skipped"]:
             noised = self._add_noise_to_aggregated_arrays(
                 ArrayRecord({k: arrays[k] for k in arrays.keys() if k in released}))
             arrays = ArrayRecord({k: noised[k] if k in released else arrays[k] for k in arrays.keys()})

@@ -17,8 +17,8 @@ the model per client).
 A method is a plug-in: its module defines its options class (a
 :class:`~fedslice.config.MethodOptions`) and registers both
 (:func:`fedslice.registry.register_method`); what it does is declared as class attributes the
-library asks (``sends_slices``, ``adapters``, ``default_adapter``, ``client_model_from_server``,
-``needs_simple_encoder``), its config checks in :meth:`Method.check_config`, its plots in
+library asks (``sends_slices``, ``adapters``, ``default_adapter``, ``client_model_from_server``),
+its config checks in :meth:`Method.check_config`, its plots in
 :meth:`Method.plots`.
 """
 
@@ -42,7 +42,7 @@ from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.rules.lora import check_lora_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
-from fedslice.models.arch import CLASSIFIER_HEADS, ArchSpec
+from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import Adapter, make_adapter
 from fedslice.registry import ADAPTERS
@@ -51,7 +51,9 @@ from fedslice.tasks import Task
 from fedslice.tasks.base import batch_examples
 
 
-Role = Literal["both", "client"]
+#: who builds the method: the in-process engine ("both"), a Flower ClientApp ("client"), Flower's
+#: ServerApp ("server": built as "both", but its clients train elsewhere and Flower adds DP noise)
+Role = Literal["both", "client", "server"]
 
 
 def _legacy_adapter(value: str) -> str:
@@ -71,10 +73,6 @@ class Method:
 
     #: the adapter when ``peft.method`` is not set
     default_adapter: ClassVar[str] = "lora"
-
-    #: True: the method reshapes the model (slices heads/neurons, drops layers) and so far handles
-    #: single-stack encoders with separate q/k/v and a classification head only
-    needs_simple_encoder = False
 
     #: True: clients train a smaller model whose every tensor the server sends at first contact,
     #: so the client role is built from the model's config on the meta device (no weight file
@@ -111,11 +109,6 @@ class Method:
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:
         """A ConfigError, before any weight is loaded, when the method cannot run this pair, or
         the adapter cannot (:meth:`fedslice.peft.Adapter.check_supported`)."""
-        if cls.needs_simple_encoder and not (arch.is_simple_encoder and task.head in CLASSIFIER_HEADS):
-            raise ConfigError(
-                f"method {cls.name!r} slices single-stack encoder classifiers (bert, roberta, "
-                f"distilbert, vit); it does not run on a {arch.model_type} {task.kind} model yet: "
-                f"use fedavg or fedpetuning")
         name = cls.adapter_name(task.cfg)
         ADAPTERS.get(name).adapter_cls.check_supported(arch, task, task.cfg.adapter_options(name))
 
@@ -162,8 +155,8 @@ class Method:
         """``client_sizes``: client -> size of its partition, when the server knows it (replies
         are checked against it); ``compute``: the device, precision and client concurrency
         (default: the config's ``[compute]``)."""
-        if role not in ("both", "client"):
-            raise ValueError(f"role must be 'both' or 'client', got {role!r}")
+        if role not in ("both", "client", "server"):
+            raise ValueError(f"role must be 'both', 'client' or 'server', got {role!r}")
         self.cfg, self.role, self.task = cfg, role, task
         self.client_sizes = dict(client_sizes or {})
         self.compute = compute or Compute.from_config(cfg.compute, cfg.federation.clients_per_round)

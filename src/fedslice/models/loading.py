@@ -233,15 +233,19 @@ def _loaded(model: nn.Module, preprocessor, arch: ArchSpec, head: Head) -> Loade
 
 
 def build_from_config(cfg: ModelConfig, num_labels: int | None,
-                      head: Head = "sequence_classification") -> LoadedModel:
-    """The model of :func:`load_model` without its weights: built from the HF config on the meta
-    device (shapes only, no memory), with the tokenizer (image processor). Reads the config and
-    tokenizer/processor files only, never a weight file: whoever uses it loads every tensor it
-    needs from elsewhere (a fedpft/fedot Flower client: from the server's first message) after :func:`materialize`."""
+                      head: Head = "sequence_classification", *, device: str = "meta",
+                      seed: int | None = None) -> LoadedModel:
+    """The model of :func:`load_model` without its weights, built from the HF config, with the
+    tokenizer (image processor). Reads the config and tokenizer/processor files only, never a
+    weight file. ``device="meta"``: shapes only, no memory; whoever uses it loads every tensor it
+    needs from elsewhere (a fedpft/fedot Flower client: from the server's first message) after
+    :func:`materialize`. ``device="cpu"``: randomly initialised (from ``seed`` when given)."""
     config, path, arch = _config_for(cfg, num_labels, head)
     preprocessor = load_preprocessor(path, arch, cfg.name)
     auto = model_class(arch, head)
-    with torch.device("meta"):
+    if seed is not None and device != "meta":
+        torch.manual_seed(seed)
+    with torch.device(device):
         model = from_config(auto, config, attn_implementation=cfg.attn_implementation,
                             dtype=torch.float32)
     model.eval()  # as from_pretrained returns it

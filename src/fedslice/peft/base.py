@@ -40,9 +40,19 @@ import torch.nn as nn
 from fedslice.config import AdapterOptions, ExperimentConfig
 from fedslice.models.arch import ArchSpec
 from fedslice.registry import ADAPTERS
-from fedslice.slicing.spec import HeadPositions
+from fedslice.slicing.keys import HeadPositions
 
 Layers = Sequence[int] | Sequence[Sequence[int]] | None
+
+#: What peft's wrapper puts before a module's name.
+PEFT_PREFIX = "base_model.model."
+
+
+def base_name(key: str) -> str:
+    """A state key as named in the plain HF model: without peft's wrapper prefix, and a wrapped
+    layer's own tensors (``<module>.base_layer.weight``) under the module's name."""
+    key = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+    return key.replace(".base_layer.", ".")
 
 
 
@@ -148,6 +158,30 @@ class Adapter:
     def owns(cls, tensor_name: str) -> bool:
         """True for a tensor of this adapter (asked by ``prefix``)."""
         return bool(cls.prefix) and any(s.startswith(cls.prefix) for s in tensor_name.split("."))
+
+    @classmethod
+    def modules_carrying(cls, keys: Sequence[str]) -> list[str]:
+        """Names (in the plain HF model) of the modules that carry this adapter's tensors among
+        ``keys``, in order."""
+        out: dict[str, None] = {}
+        for key in keys:
+            if cls.owns(key):
+                segments = base_name(key).split(".")
+                cut = next(i for i, seg in enumerate(segments) if seg.startswith(cls.prefix))
+                out[".".join(segments[:cut])] = None
+        return list(out)
+
+    # -- export ----------------------------------------------------------------------------------
+    def export_config(self, state: Mapping[str, torch.Tensor],
+                      modules_to_save: list[str] | None) -> Any:
+        """The HF peft config that rebuilds exactly this adapter's modules from its trained
+        tensors ``state`` (peft's names: the modules that carry them, their size), so a method
+        that adapted some layers only, or a sub-model, exports what it trained (``fedslice
+        export``). ``modules_to_save``: task-head modules peft should save beside it. Default:
+        not exportable as a peft adapter."""
+        from fedslice.errors import FedsliceError
+        raise FedsliceError(f"peft.method = {self.name!r}: fedslice exports LoRA and DoRA adapters "
+                            "to peft folders; export this run with --format merged")
 
     @classmethod
     def owns_module(cls, module: nn.Module) -> bool:

@@ -41,8 +41,9 @@ from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.errors import ConfigError, ModelError
 from fedslice.models.arch import arch_for
 from fedslice.slicing.aggregate import aggregate_deltas
-from fedslice.slicing.spec import (HeadPositions, KeyInfo, ModelSlice, SliceSpec, extract_state,
-                                   key_info, kv_groups, scatter)
+from fedslice.slicing.keys import HeadPositions, KeyInfo, key_info
+from fedslice.slicing.spec import ModelSlice, SliceSpec, kv_groups
+from fedslice.slicing.state import extract_state, scatter
 
 Dims = Mapping[str, int] | Sequence[Mapping[str, int]]
 

@@ -6,7 +6,7 @@ that model from a :class:`~fedslice.slicing.spec.SliceSpec` that keeps every lay
 
 * a head-tied trainable tensor (q/k/v LoRA ``B`` rows -- per key/value head under grouped-query
   attention, per section of a fused q|k|v --, o LoRA ``A`` columns: the axis a
-  :class:`~fedslice.slicing.spec.KeyInfo` reports) of any stack and attention family becomes a
+  :class:`~fedslice.slicing.keys.KeyInfo` reports) of any stack and attention family becomes a
   :class:`PartialLinear` (rows; ``A`` columns use :func:`partial_parameters`, since DoRA reads
   ``lora_A.weight``'s width): its kept
   slice is a trainable parameter (same name and shape as :func:`extract_state` gives), the pruned
@@ -19,7 +19,7 @@ that model from a :class:`~fedslice.slicing.spec.SliceSpec` that keeps every lay
 
 The saved work is the pruned slices' weight gradients and optimizer state (and, in a headless
 layer, the attention LoRA's): forward FLOPs are those of the full model. Compare
-:func:`fedslice.slicing.spec.extract_model` (the pruned heads leave the forward pass).
+:func:`fedslice.slicing.surgery.extract_model` (the pruned heads leave the forward pass).
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fedslice.models.arch import ArchSpec
-from fedslice.slicing.spec import HEAD_PARTS, Spec, key_info, rebuild_tree, shallow_clone, stack_specs
+from fedslice.slicing.keys import key_info
+from fedslice.slicing.spec import HEAD_PARTS, Spec, stack_specs
+from fedslice.slicing.surgery import rebuild_tree, shallow_clone
 
 
 class PartialLinear(nn.Linear):
@@ -126,7 +128,7 @@ def partial_model(model: nn.Module, spec: Spec, arch: ArchSpec,
     group with a kept query head) for k and v, the three sections of a fused q|k|v. ``extra``:
     trainable tensors outside the blocks that map to heads (a prefix: name -> (kept entries,
     axis), :func:`fedslice.slicing.heads.position_cuts`). The trainable parameters of the result
-    have the names and shapes of :func:`~fedslice.slicing.spec.extract_state` on ``model``'s
+    have the names and shapes of :func:`~fedslice.slicing.state.extract_state` on ``model``'s
     trainable state, less the attention tensors of headless (layer, family) pairs; its outputs
     equal ``model``'s.
     """

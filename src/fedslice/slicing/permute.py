@@ -13,7 +13,7 @@ and the FFN a sum over neurons, and both sums are order-free. Two constraints ke
   same head order (checked by :func:`~fedslice.slicing.spec.stack_specs`).
 
 It is a full-size :class:`~fedslice.slicing.spec.ModelSlice` whose index lists are permutations,
-so permuting is :func:`~fedslice.slicing.spec.extract_state` (one code path for both).
+so permuting is :func:`~fedslice.slicing.state.extract_state` (one code path for both).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 
 from fedslice.models.arch import ArchSpec
-from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec, State, extract_state
+from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec, State
+from fedslice.slicing.state import extract_state
 
 
 def _orders(spec: SliceSpec) -> dict[str, tuple]:

@@ -29,7 +29,8 @@ import torch
 from fedslice.models.arch import ArchSpec
 from fedslice.registry import adapter_owning
 from fedslice.slicing.permute import Permutation
-from fedslice.slicing.spec import SliceSpec, key_info, kv_groups
+from fedslice.slicing.keys import key_info
+from fedslice.slicing.spec import SliceSpec, kv_groups
 
 
 @dataclass

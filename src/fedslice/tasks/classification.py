@@ -10,7 +10,7 @@ import torch.nn as nn
 from fedslice import progress
 from fedslice.compute import model_device, to_device
 from fedslice.data import TokenCache, iter_batches, num_batches, num_labels, tokenize_split
-from fedslice.data.loading import RawSplit
+from fedslice.data.labels import RawSplit
 from fedslice.data.sources import load_raw_splits
 from fedslice.paths import cache_root
 from fedslice.tasks.base import Task, length_order

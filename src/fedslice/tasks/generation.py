@@ -14,7 +14,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from fedslice.data.loading import drop_incomplete, load_tables, resolve_text_columns
+from fedslice.data.locate import load_tables, resolve_text_columns
+from fedslice.data.tables import drop_incomplete
 from fedslice.errors import ConfigError
 import fedslice.tasks.lm as lm
 from fedslice import progress

@@ -64,7 +64,9 @@ class DPFedAvg(Rule):
         if role == "client":  # a client never aggregates: no accountant there
             return inner
         fed = cfg.federation
-        return cls(inner, Privacy(cfg.dp, fed.clients_per_round, fed.num_clients, fed.rounds, cfg.seed))
+        # the server of a Flower deployment runs under Flower's DP wrapper, which adds the noise
+        return cls(inner, Privacy(cfg.dp, fed.clients_per_round, fed.num_clients, fed.rounds, cfg.seed,
+                                  external_noise=role == "server"))
 
     def combine(self, server_round: int, state: State, deltas: list[State], weights: list,
                 replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:

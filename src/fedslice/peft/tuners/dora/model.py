@@ -19,6 +19,7 @@ class DoraAdapter(LoraAdapter):
 
     name = "dora"
     batched_clients = False
+    use_dora = True
     options: DoraConfig
 
     def apply(self, model: nn.Module, layers: Layers = None) -> nn.Module:

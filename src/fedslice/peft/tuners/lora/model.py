@@ -17,6 +17,7 @@ import torch.nn as nn
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
+from fedslice.errors import FedsliceError
 from fedslice.models.arch import ArchSpec
 import fedslice.peft.targets as targets
 from fedslice.peft.base import Adapter, Layers, freeze, train_classifier
@@ -106,6 +107,20 @@ class LoraAdapter(Adapter):
     @property
     def scale(self) -> float:
         return self.options.scale
+
+    #: DoRA's magnitude vectors too (peft's ``use_dora``)
+    use_dora = False
+
+    def export_config(self, state, modules_to_save):
+        """peft's ``LoraConfig`` for the modules carrying ``lora_A``/``lora_B`` in ``state``, at
+        the rank of their tensors (one rank: a peft adapter has one) and this config's alpha."""
+        ranks = {int(t.shape[0]) for k, t in state.items() if ".lora_A." in k}
+        if len(ranks) != 1:
+            raise FedsliceError(f"LoRA tensors of several ranks {sorted(ranks)}: not one peft adapter")
+        return PeftLoraConfig(r=ranks.pop(), lora_alpha=self.options.alpha, lora_dropout=0.0,
+                              target_modules=self.modules_carrying(list(state)), bias="none",
+                              use_dora=self.use_dora, fan_in_fan_out=self.arch.layout.transposed,
+                              modules_to_save=modules_to_save or None)
 
     def resize(self, model: nn.Module, rank: int | None) -> None:
         """Every LoRA factor of ``model`` at rank ``rank`` (None: ``lora.r``): new zero tensors of

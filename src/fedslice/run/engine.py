@@ -11,64 +11,26 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from fedslice import progress as progress_display
-from fedslice.checkpoint import Checkpoint, capture, restore
 from fedslice.config import ExperimentConfig
-from fedslice.data import TokenizedSplit, partition_indices, partition_report
+from fedslice.data.federated import FederatedData
 from fedslice.errors import DataError
 from fedslice.fl.faults import corrupt, missed_deadline, plan_faults
-from fedslice.fl.runner import ClientRunner
+from fedslice.run.runner import ClientRunner
+from fedslice.run.session import Rounds
 from fedslice.fl.selection import make_selector
+from fedslice.methods import Method
 from fedslice.fl.strategy import Reply, RoundResult, State, host_state, on_host
 from fedslice.fl.workers import WorkerLost
-from fedslice.measure import trim_heap
+from fedslice.heap import trim_heap
 from fedslice.measure import ClientCost
 
-if TYPE_CHECKING:
-    from fedslice.methods.base import Method
-    from fedslice.tasks import Task
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class FederatedData:
-    train: TokenizedSplit
-    dev: TokenizedSplit
-    test: TokenizedSplit
-    partitions: list[np.ndarray]
-    report: dict[str, Any]
-    label_names: list[str] | None = None
-
-    def label_map(self) -> dict[str, Any] | None:
-        """What ``labels.json`` of a run folder holds: each class name and its id (None when
-        the labels are plain ids without names)."""
-        if not self.label_names:
-            return None
-        return {"names": list(self.label_names),
-                "ids": {name: i for i, name in enumerate(self.label_names)}}
-
-    def client(self, cid: int) -> TokenizedSplit:
-        return self.train.subset(self.partitions[cid])
-
-
-def prepare_data(cfg: ExperimentConfig, task: Task, splits: dict) -> FederatedData:
-    """Subsample the task's encoded splits if configured, partition the train split."""
-    d, seed = cfg.data, cfg.seed
-    train = task.limit(splits["train"], d.max_train_examples, seed)
-    parts = partition_indices(train.labels.tolist(), num_partitions=cfg.federation.num_clients,
-                              scheme=d.partition, seed=seed, alpha=d.alpha,
-                              shards_per_partition=d.shards_per_client,
-                              min_partition_size=d.min_partition_size)
-    report = partition_report(parts, train.labels.tolist())
-    return FederatedData(train=train, dev=task.limit(splits["dev"], d.max_dev_examples, seed),
-                         test=task.limit(splits["test"], d.max_test_examples, seed),
-                         partitions=parts, report=report, label_names=task.label_names)
-
 
 def client_seed(seed: int, server_round: int, client: int) -> int:
     """Independent, reproducible seed of one client's local training in one round."""
@@ -132,8 +94,6 @@ class Simulation:
         if not self.candidates:
             raise DataError("every client partition is empty: reduce federation.num_clients")
         self.runner = ClientRunner(method.compute)
-        #: (round, global state) after the last finished round: what a failed run keeps
-        self.latest: tuple[int, State] | None = None
 
     def cold_start_probe(self, state: State) -> dict[str, Any]:
         """``federation.cold_start='probe'``: the global model's loss on a few examples of every
@@ -199,36 +159,20 @@ class Simulation:
         record["process_rss_mb"] = _rss_mb()
         return new_state, record
 
-    def run(self, on_round=None, progress=None, *, resume: Checkpoint | None = None,
-            on_checkpoint=None) -> tuple[State, list[dict[str, Any]], dict[str, Any]]:
-        """All rounds (after ``resume``'s round when given); ``on_checkpoint(checkpoint)`` every
-        ``output.checkpoint_every`` rounds."""
-        cfg = self.cfg
-        if resume is not None:
-            state = restore(resume, self.method, self.selector)
-            records, first = list(resume.records), resume.round + 1
-            t_start = time.perf_counter() - resume.elapsed_s
-        else:
-            state, records, first = host_state(self.method.initial_state()), [], 1
-            t_start = time.perf_counter()
-        if resume is not None:
-            self.latest = (resume.round, state)
-        every = cfg.output.checkpoint_every
-        for rnd in range(first, cfg.federation.rounds + 1):
+    def run(self, rounds: Rounds | None = None) -> tuple[State, list[dict[str, Any]], dict[str, Any]]:
+        """The rounds of ``rounds`` (default: a fresh run kept in memory; a
+        :class:`~fedslice.run.session.RunSession` records them in its run folder, and a resumed
+        one starts after its checkpoint). Returns the final state, every round's record and the
+        summary."""
+        rounds = rounds or Rounds(self.cfg, self.method)
+        state = rounds.initial_state(self.selector)
+        for rnd in range(rounds.done + 1, self.cfg.federation.rounds + 1):
             state, record = self.run_round(rnd, state)
-            finish_round(cfg, self.method, self.data, self.selector, rnd, state, record)
-            record["elapsed_s"] = time.perf_counter() - t_start
-            records.append(record)
-            if on_round:
-                on_round(record)
-            self.latest = (rnd, state)
-            if progress:
-                progress(record)
+            finish_round(self.cfg, self.method, self.data, self.selector, rnd, state, record)
+            rounds.round_done(rnd, state, record, self.selector)
             progress_display.round_done(record)
-            if on_checkpoint and every and rnd % every == 0:
-                on_checkpoint(capture(rnd, cfg.model_dump(mode="json"), self.method, self.selector,
-                                      state, records, time.perf_counter() - t_start))
-        return state, records, finalize(cfg, self.method, self.data, state, records, t_start)
+        return state, rounds.records, finalize(self.cfg, self.method, self.data, state,
+                                               rounds.records, rounds.t_start)
 
 
 def finalize(cfg: ExperimentConfig, method: Method, data: FederatedData, state: State,

@@ -1,15 +1,5 @@
-"""``fedpetuning``: LoRA on the full model; FedAvg of the LoRA weights and the classifier
-(FedPETuning, Zhang et al. 2023; baseline B1 of the heads paper).
-
-With ``method.tiers`` and ``lora.ranks``, each client trains LoRA at the rank its device tier
-affords: the budget planner measures a training step of the model at every rank (FLOPs and
-memory, as RaFFM's planner measures sub-models) and gives a tier's clients the largest rank whose
-cost fits its budget; the server pads and averages the factors (:class:`fedslice.fl.rules.LoraRanks`).
-
-With ``lora.aggregation = "fedsa"`` each client keeps its own ``B`` between participations (here
-in the simulation's process, in a Flower node's ``Context.state`` on Flower) and sends only ``A``
-(and the classifier); after training the summary reports the global model's metric and the mean
-of the clients' personalised ones (docs/lora.md).
+"""The ``fedpetuning`` method: model preparation, a client's local training and the server's round
+end. See :mod:`fedslice.methods.fedpetuning`.
 """
 
 from __future__ import annotations
@@ -17,70 +7,23 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-import torch
-from pydantic import Field, field_validator
 
-from fedslice.config import DeviceTier, ExperimentConfig, FederationConfig, MethodOptions, \
-    check_tier_shares
+from fedslice.config import DeviceTier, ExperimentConfig
 from fedslice.errors import ConfigError
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.methods.base import Method, Role
+from fedslice.methods.fedpetuning.report import mean_of, rank_tiers
+from fedslice.methods.fedpetuning.strategy import _at_rank, RankedStrategy, RankPlan
 from fedslice.models.loading import LoadedModel
-from fedslice.peft.tuners.lora.aggregate import rank_axis, truncate_rank
-from fedslice.registry import ADAPTERS, register_method
-from fedslice.slicing.planner import (Budget, SpecCost, assign_budgets, choose_rank,
-                                      profile_batch, smallest_valid)
+from fedslice.registry import ADAPTERS
+from fedslice.slicing.planner import (SpecCost, assign_budgets, choose_rank, profile_batch,
+                                      smallest_valid)
 from fedslice.tasks import Task
 
 log = logging.getLogger(__name__)
-
-
-class FedPETuningMethod(MethodOptions):
-    """LoRA on the full model, FedAvg of the LoRA weights and the classifier."""
-
-    name: Literal["fedpetuning"] = "fedpetuning"
-    tiers: list[DeviceTier] | None = Field(
-        None, description="Device tiers (share and FLOPs or memory budget, as raffm's): each "
-        "client trains LoRA at the largest of lora.ranks whose measured training step fits its "
-        "tier's budget. Unset: every client at lora.r.")
-
-    @field_validator("tiers")
-    @classmethod
-    def _shares(cls, v):
-        return check_tier_shares(v)
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """A client's device tier, budget, LoRA rank and the measured cost of a step at that rank."""
-
-    tier: int
-    budget: Budget
-    rank: int
-    cost: SpecCost
-
-
-class RankedStrategy(Strategy):
-    """FedAvg whose clients train LoRA at their tier's rank (``client_rank``; the payloads are
-    truncated and the replies padded by the ``lora_ranks`` rule around it)."""
-
-    def __init__(self, fed: FederationConfig, plans: Mapping[int, RankPlan],
-                 client_sizes: Mapping[int, int] | None = None):
-        super().__init__(fed, client_sizes)
-        self.plans = dict(plans)
-
-    def client_rank(self, client: int) -> int | None:
-        return self.plans[client].rank
-
-    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
-        p = super().payload_for(server_round, state, client, config)
-        cp = self.plans[client]
-        p.config.update(tier=cp.tier, budget=cp.budget.describe())
-        return p
 
 
 class FedPETuning(Method):
@@ -277,20 +220,12 @@ class FedPETuning(Method):
                 row["global_local_accuracy"] = float(np.dot(share, glob["per_class_accuracy"]))
             rows.append(row)
         self.eval_model(state)  # the shared model holds the global state again
-        out = {"personal_clients": rows, f"personal_test_{metric}_mean": _mean(r[metric] for r in rows),
+        out = {"personal_clients": rows, f"personal_test_{metric}mean_of": mean_of(r[metric] for r in rows),
                f"global_test_{metric}": glob.get(metric)}
         if rows and "local_accuracy" in rows[0]:
-            out["personal_local_accuracy_mean"] = _mean(r["local_accuracy"] for r in rows)
-            out["global_local_accuracy_mean"] = _mean(r["global_local_accuracy"] for r in rows)
+            out["personal_local_accuracy_mean"] = mean_of(r["local_accuracy"] for r in rows)
+            out["global_local_accuracy_mean"] = mean_of(r["global_local_accuracy"] for r in rows)
         return out
-
-
-def _at_rank(state: State, rank: int | None) -> State:
-    """``state`` with its LoRA factors truncated to ``rank`` (None: as it is)."""
-    if rank is None:
-        return state
-    return {k: truncate_rank(t, rank_axis(k), rank) if rank_axis(k) is not None and t.dim() == 2
-            else t for k, t in state.items()}
 
 
 def _label_shares(labels, part, num_classes: int):
@@ -300,25 +235,3 @@ def _label_shares(labels, part, num_classes: int):
     return counts / counts.sum()
 
 
-def _mean(values) -> float | None:
-    vals = [float(v) for v in values if v is not None]
-    return float(np.mean(vals)) if vals else None
-
-
-def rank_tiers(plans: Mapping[int, RankPlan], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per tier: its budget, rank, planned cost and the mean measured costs of its client-rounds."""
-    per_client = [m for r in records for m in r["client_metrics"] if m.get("used", True)]
-    out = []
-    for tier in sorted({p.tier for p in plans.values()}):
-        cps = {c: p for c, p in plans.items() if p.tier == tier}
-        p = next(iter(cps.values()))
-        ran = [m for m in per_client if m["client"] in cps]
-        entry = {"tier": tier, "budget": p.budget.describe(), "rank": p.rank, "clients": len(cps),
-                 "client_rounds": len(ran), "planned": p.cost.to_dict()}
-        for k in ("flops_measured", "bytes_down", "bytes_up", "trainable_params", "memory_mb"):
-            entry[f"{k}_mean"] = _mean(m.get(k) for m in ran)
-        out.append(entry)
-    return out
-
-
-register_method(name="fedpetuning", options_cls=FedPETuningMethod, method_cls=FedPETuning)

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from fedslice import progress
 from fedslice.compute import CPU, Compute
 from fedslice.data.batching import TokenizedSplit
+from fedslice.methods import Method
 from fedslice.fl.strategy import Payload, Reply
 from fedslice.fl.workers import WorkerLost, run_forked
 
-if TYPE_CHECKING:
-    from fedslice.methods.base import Method
 
 log = logging.getLogger(__name__)
 

@@ -1,245 +1,49 @@
-"""``raffm``: resource-aware sub-models of a salience-ordered foundation model (Yu et al. 2023).
-
-1. Salience (L1/L2) of every head and FFN neuron; the global model is permuted so the most salient
-   come first (function-preserving, re-applied every R rounds, tracked for un-permuting on export).
-2. Each client's budget (device tier: FLOPs fraction or memory limit) is mapped by the planner to a
-   leading-slice :class:`SliceSpec`, checked by measuring the real sub-model. A client whose budget
-   is below the smallest sub-model sits out (recorded in the round's ``excluded``).
-3. The client trains the leading slice (full fine-tuning or LoRA on the sub-model).
-4. Slice aggregation: every element is the example-weighted mean over the clients whose slice
-   holds it; an element nobody held keeps its value (exactly FedAvg when all hold the full model).
-   ``size_weight = p`` multiplies a client's weight by f^p, f its sub-model's FLOPs fraction (the
-   per-configuration step of RaFFM Eq. 7), so shared leading elements lean toward larger models.
-   Unlike the public code, we do not divide by all clients, and heads are sliced whole.
-5. Elastic inference: the global model is evaluated at several sizes after training.
-
-The server state holds the trainable tensors plus the frozen q/k/v/o/ffn tensors (with LoRA), so
-that permutations and slices are pure functions over it; the shared model is a scratch buffer.
+"""The ``raffm`` method: model preparation, a client's local training and the server's round
+end. See :mod:`fedslice.methods.raffm`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
-import os
-import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from pydantic import Field, field_validator, model_validator
-
-from fedslice.config import (DeviceTier, ExperimentConfig, FederationConfig, MethodOptions,
-                             Section, check_tier_shares)
-from fedslice.compute import model_device, to_device
-from fedslice.errors import ConfigError
 from fedslice import measure
+from fedslice.compute import model_device, to_device
+from fedslice.config import ExperimentConfig
+from fedslice.errors import ConfigError
 from fedslice.fl.client import LocalResult
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
-from fedslice.tasks import Task
-from fedslice.tasks.base import batch_rows
 from fedslice.methods.base import Method, Role
+from fedslice.methods.raffm.options import RaFFMMethod
+from fedslice.methods.raffm.report import plot_elastic
+from fedslice.methods.raffm.strategy import ClientPlan, RaFFMStrategy
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
-from fedslice.registry import register_method
-from fedslice.report import figure, save_figure
-from fedslice.slicing.permute import (Permutation, in_original_order, permute_state,
-                                      unpermute_state)
-from fedslice.slicing.planner import (Budget, Plan, Planner, SpecCost, assign_budgets,
-                                      choose_rank, measure_training_step, width_candidates)
-from fedslice.slicing.salience import model_salience, salience_order, scale_tensors
-from fedslice.slicing.spec import (Spec, extract_model, extract_state, scatter, sliceable_keys,
-                                   spec_from_dict, spec_sizes, stack_list)
+from fedslice.slicing.keys import sliceable_keys
+from fedslice.slicing.permute import Permutation, in_original_order, unpermute_state
+from fedslice.slicing.planner import (Budget, Planner, SpecCost, assign_budgets, choose_rank,
+                                      measure_training_step, width_candidates)
+from fedslice.slicing.salience import scale_tensors
+from fedslice.slicing.spec import Spec, spec_from_dict, spec_sizes, stack_list
+from fedslice.slicing.state import extract_state
+from fedslice.slicing.surgery import extract_model
+from fedslice.tasks import Task
+from fedslice.tasks.base import batch_rows
 
 log = logging.getLogger(__name__)
 
+
 #: The run-folder file with the elastic sizes' sub-models (``fedslice export --size``).
 ELASTIC = "raffm_elastic.json"
-
-
-# --------------------------------------------------------------------------------------------
-# Options ([method] with name = "raffm")
-# --------------------------------------------------------------------------------------------
-
-RaFFMTier = DeviceTier  # the older name
-
-
-class BudgetDistribution(Section):
-    """Per-client FLOPs budgets drawn uniformly from [low, high] (fractions of the full model)."""
-
-    kind: Literal["uniform"] = "uniform"
-    low: float
-    high: float
-
-    @field_validator("low", "high")
-    @classmethod
-    def _fraction(cls, v):
-        if not 0 < v <= 1:
-            raise ValueError("budget must be a fraction of the full model's FLOPs in (0, 1]")
-        return v
-
-    @model_validator(mode="after")
-    def _ordered(self) -> "BudgetDistribution":
-        if self.low > self.high:
-            raise ValueError(f"low={self.low} is larger than high={self.high}")
-        return self
-
-
-def _default_tiers() -> list[RaFFMTier]:
-    return [RaFFMTier(share=0.25, flops=f) for f in (0.25, 0.5, 0.75, 1.0)]
-
-
-class RaFFMMethod(MethodOptions):
-    """Resource-aware sub-models: salience-ordered heads/neurons, leading slices per budget,
-    slice aggregation (RaFFM, Yu et al. 2023)."""
-
-    name: Literal["raffm"] = "raffm"
-    tuning: Literal["full", "lora"] = Field("lora", description="Full fine-tuning of the "
-                                            "sub-model, or LoRA (settings in [lora]) on it.")
-    tiers: list[RaFFMTier] = Field(default_factory=_default_tiers, min_length=1)
-    budget_distribution: BudgetDistribution | None = Field(
-        None, description="If set, each client's FLOPs budget is drawn from it (tiers unused).")
-    salience: Literal["l1", "l2"] = "l1"
-    size_weight: float = Field(0.0, ge=0, description="Slice aggregation weighs a client by "
-                               "examples x f^p, f = its sub-model's planned FLOPs fraction, p = "
-                               "this (RaFFM Eq. 7's per-configuration step eta_c); 0: examples only.")
-    reorder: bool = Field(True, description="Salience-order heads/neurons before round 1 "
-                          "(false: leading slices of the checkpoint's order, an ablation).")
-    reorder_every: int = Field(0, ge=0, description="Re-order every R rounds (0: only once).")
-    width_steps: int = Field(48, gt=0, description="Width grid of the planner: sub-models keep "
-                             "round(w*H) heads and round(w*F) neurons, w = 1/steps .. 1.")
-    elastic_depth: bool = Field(False, description="The planner may also drop layers.")
-    elastic_sizes: list[float] = Field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0],
-                                       description="FLOPs fractions evaluated after training.")
-    on_infeasible: Literal["sit_out", "error"] = Field(
-        "sit_out", description="A client whose budget is below the smallest sub-model sits out "
-        "(recorded), or the run fails naming the tier and clients.")
-    profile_batch_size: int | None = Field(None, gt=0, description="Batch the planner measures "
-                                           "(default: federation.batch_size).")
-    profile_seq_len: int | None = Field(None, gt=1, description="Sequence length the planner "
-                                        "measures (default: data.max_length, the worst case).")
-
-    @field_validator("elastic_sizes")
-    @classmethod
-    def _sizes(cls, v):
-        for x in v:
-            if not 0 < x <= 1:
-                raise ValueError(f"size {x} is not a fraction of the full model's FLOPs in (0, 1]")
-        return v
-
-    @field_validator("tiers")
-    @classmethod
-    def _shares(cls, v):
-        return check_tier_shares(v)
-
-
-@dataclass(frozen=True)
-class ClientPlan:
-    tier: int | None
-    budget: Budget
-    plan: Plan
-    #: the client's LoRA rank (``lora.ranks``; None: lora.r) and the measured cost at that rank
-    rank: int | None = None
-    rank_cost: SpecCost | None = None
-
-
-class RaFFMStrategy(Strategy):
-    """Per-client leading-slice payloads and slice aggregation over state dicts; owns the
-    permutation of the global state (relative to the checkpoint's order)."""
-
-    def __init__(self, fed: FederationConfig, opts: RaFFMMethod, arch: ArchSpec,
-                 dims: list[Mapping[str, int]], plans: dict[int, ClientPlan],
-                 adapter_scale: float | None, trainable: set[str] | None = None,
-                 client_sizes: Mapping[int, int] | None = None, scales: State | None = None):
-        super().__init__(fed, client_sizes)
-        self.opts, self.arch, self.dims, self.plans = opts, arch, dims, plans
-        #: frozen layer scales salience reads (DINOv2); the state's own values win
-        self.scales = dict(scales or {})
-        #: trainable tensor names with the layer index replaced by '#' (None: every tensor)
-        self.trainable = None if trainable is None else {_generic(k) for k in trainable}
-        self.adapter_scale = adapter_scale  # the adapter's scale in salience (LoRA: alpha / r)
-        self.perm = Permutation.identity(dims)
-
-    # -- ordering ----------------------------------------------------------------------------
-    def reorder(self, state: State) -> State:
-        """Salience-order heads and neurons of ``state``; tracks the cumulative permutation."""
-        sal = model_salience({**self.scales, **state}, self.arch, self.dims, self.opts.salience,
-                             self.adapter_scale)
-        rel = salience_order(sal, self.dims, self.arch)
-        self.perm = self.perm.then(rel)
-        return permute_state(state, rel, self.arch)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "perm": self.perm.to_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.perm = Permutation.from_dict(state["perm"])
-
-    # -- configure ---------------------------------------------------------------------------
-    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
-        cp = self.plans[client]
-        cfg = {**config, "client": client, "tier": cp.tier, "budget": cp.budget.describe()}
-        if cp.plan.spec is None:
-            return Payload(arrays={}, config={**cfg, "sit_out": cp.plan.reason})
-        return Payload(arrays=extract_state(state, cp.plan.spec, self.arch),
-                       config={**cfg, "spec": cp.plan.spec.to_dict()})
-
-    def client_rank(self, client: int) -> int | None:
-        return self.plans[client].rank
-
-    def frozen_state_keys(self, trainable, frozen) -> list[str]:
-        """The frozen q/k/v/o/FFN tensors: the global state holds them (permuted and sliced on
-        the server, sent as frozen slices)."""
-        return sliceable_keys(self.arch, list(frozen))
-
-    def absent(self, payload: Payload) -> str | None:
-        if payload.config.get("sit_out"):
-            return f"sat out: {payload.config['sit_out']}"
-        return None
-
-    def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
-        """The trainable tensors of the client's slice (the frozen slices are sent, not returned)."""
-        if self.trainable is None:
-            return payload.arrays
-        return {k: t for k, t in payload.arrays.items() if _generic(k) in self.trainable}
-
-    # -- aggregate ---------------------------------------------------------------------------
-    def size_factor(self, client: int) -> float:
-        """f^p: the client's planned FLOPs fraction to the power ``size_weight`` (1 when p = 0)."""
-        p = self.opts.size_weight
-        return 1.0 if p == 0 else self.plans[client].plan.cost.flops_ratio ** p
-
-    def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
-                       replies: dict[int, Reply]) -> tuple[list[State], list]:
-        """Slice aggregation: each client's delta scattered into full shape, weighted by its
-        examples (x f^p) times its held-mask."""
-        shapes = {k: t.shape for k, t in state.items()}
-        deltas, weights = [], []
-        for c in sorted(replies):
-            sent, reply = payloads[c], replies[c]
-            spec = spec_from_dict(sent.config["spec"])
-            delta = {k: t.float() - sent.arrays[k].float() for k, t in reply.arrays.items()}
-            full, masks = scatter(delta, spec, self.arch, shapes)
-            deltas.append(full)
-            w = float(reply.num_examples) * self.size_factor(c)
-            weights.append({k: w * m for k, m in masks.items()})
-        return deltas, weights
-
-    def after_aggregate(self, server_round: int, state: State) -> State:
-        """Re-order every ``reorder_every`` rounds (after whatever rule combined the updates)."""
-        every = self.opts.reorder_every
-        if self.opts.reorder and every and server_round % every == 0:
-            return self.reorder(state)
-        return state
 
 
 class RaFFM(Method):
@@ -542,8 +346,7 @@ class RaFFM(Method):
             if len(tier_ranks) == 1 and None not in tier_ranks:
                 cp = next(cp for cp in cps if cp.plan.spec is not None)
                 entry.update({"lora_rank": cp.rank, "planned": cp.rank_cost.to_dict()})
-            for k in ("flops_measured", "flops_analytic", "bytes_down", "bytes_down_frozen", "bytes_up",
-                      "memory_mb", "activation_mb", "peak_rss_mb"):
+            for k in (*ClientCost.AGGREGATED, "bytes_down_frozen"):
                 vals = [m[k] for m in ran if m.get(k) is not None]
                 entry[f"{k}_mean"] = float(np.mean(vals)) if vals else None
             tiers.append(entry)
@@ -555,48 +358,6 @@ class RaFFM(Method):
                 "permutation_applied": not self.own_strategy.perm.is_identity}
 
 
-# --------------------------------------------------------------------------------------------
-# Plots
-# --------------------------------------------------------------------------------------------
-
-def plot_elastic(elastic: Sequence[Mapping[str, Any]], out_path: str | os.PathLike,
-                 title: str = "", series: str | None = None, fig_axes=None) -> Path:
-    """``elastic.png``: test (and dev) primary metric of the global model evaluated at several sub-model
-    sizes, against the size (FLOPs fraction) and against forward GFLOPs per example."""
-    from matplotlib.ticker import AutoLocator
-
-    fig, (ax_size, ax_flops) = fig_axes or figure(ncols=2, width=5.0)
-    metric = next((e["metric"] for e in elastic if "metric" in e), "accuracy")
-    rows = [e for e in elastic if _finite(e.get(f"test_{metric}"))]
-    label = series or "test"
-    for split, style in (("test", "-o"), ("dev", ":x")):
-        if series and split == "dev":
-            continue
-        ys = [e.get(f"{split}_{metric}") for e in rows]
-        lab = label if split == "test" else "dev"
-        ax_size.plot([e["size"] for e in rows], ys, style, label=lab)
-        ax_flops.plot([e["forward_gflops_per_example"] for e in rows], ys, style, label=lab)
-    ax_size.set_xlabel("size (fraction of full-model training FLOPs)")
-    ax_flops.set_xlabel("forward GFLOPs per example (profile batch)")
-    for ax in (ax_size, ax_flops):
-        ax.xaxis.set_major_locator(AutoLocator())  # sizes and GFLOPs are not rounds
-        ax.set_ylabel(metric)
-        ax.grid(True, alpha=0.3)
-        ax.legend(loc="lower right")
-    ax_size.set_title(f"{title}: elastic inference" if title else "elastic inference")
-    return save_figure(fig, Path(out_path))
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-register_method(name="raffm", options_cls=RaFFMMethod, method_cls=RaFFM)
-
-
-def _generic(name: str) -> str:
-    """A tensor name without its layer index (a sub-model with fewer layers renumbers them)."""
-    return re.sub(r"\.\d+\.", ".#.", name)
 
 
 def _mean(vals):

@@ -1,40 +1,5 @@
-"""``fedot``: Offsite-Tuning (Xiao et al. 2023) run with FedAvg, the FedOT baseline of FedPFT.
-
-The bottom ``bottom_layers`` and top ``top_layers`` transformer layers are the trainable
-*adapter*; the ``m`` middle layers are replaced by an *emulator* of ``k`` of them chosen by
-uniform layer drop: middle position ``round(i * (m - 1) / (k - 1))`` for ``i = 0..k-1``, so the
-first and the last middle layer are always kept. ``round`` is Python's (half to even), as in the
-public Offsite-Tuning code (``uniform_choose_layers``): 8 middle layers -> 3 keeps positions
-0, 4, 7; 4 -> 3 keeps 0, 2, 3. With ``k = 1`` the middle position ``round((m - 1) / 2)`` is kept.
-
-Defaults scale the paper's 12-layer setting (adapter 2 + 2, middle 8 -> 3) to the model depth:
-``max(1, round(L / 6))`` adapter layers at each end and ``max(1, round(3 m / 8))`` emulator layers
-(MiniLM, 6 layers: adapter 1 + 1, emulator 2 of the 4 middle layers).
-
-Every stack gets this layout (an encoder-decoder: adapter and emulator in the encoder and in the
-decoder, defaults scaled to each stack's depth; ``bottom``/``emulator``/``top`` are the first
-stack's, ``layouts`` all of them). Not decoder-only: a client would then hold the whole encoder,
-the full-size part Offsite-Tuning keeps from it. The emulator distillation matches each stack's
-last emulator output to its last middle layer's (mean over stacks; an encoder-decoder's decoder
-reads the corpus teacher-forced).
-
-The client model is :func:`~fedslice.slicing.spec.extract_model` of the full model for the depth
-:class:`~fedslice.slicing.spec.SliceSpec` of adapter + emulator layers: it shares the adapter
-(and its LoRA), embeddings and classifier with the full model. With ``distill_emulator`` the
-emulator layers are copies, distilled before FL so that their output matches the middle layers'
-(hidden-state MSE normalised by the teacher's mean square; both fed the same adapter output).
-Clients train the adapter (LoRA on it, or fully) and the classifier with the emulator frozen;
-the adapter plugs into the full model, which is what ``test_accuracy`` evaluates.
-
-The global state uses the full model's names; each client receives and returns its sub-model's
-names (:func:`~fedslice.slicing.spec.extract_state` / :func:`~fedslice.slicing.spec.scatter`).
-
-A client never reads the full model (Offsite-Tuning's premise): its first payload carries the
-sub-model's frozen tensors (embeddings, the adapter's base weights, the emulator, buffers) in
-``Payload.model`` (:class:`~fedslice.methods.submodel.ClientBase`; a distilled emulator as
-``emulator.<name>`` in ``arrays``), counted in ``bytes_down``. In the client role (a Flower ClientApp) the model
-is built from the HF config on the meta device (:func:`~fedslice.models.loading.build_from_config`),
-the layout comes from the config, and only the sub-model's tensors get storage.
+"""The ``fedot`` method: model preparation, a client's local training and the server's round
+end. See :mod:`fedslice.methods.fedot`.
 """
 
 from __future__ import annotations
@@ -43,158 +8,32 @@ import copy
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn as nn
-from pydantic import Field
 
-from fedslice.config import DistillConfig, ExperimentConfig, MethodOptions
+from fedslice.config import ExperimentConfig
 from fedslice.distill import cache
 from fedslice.distill.loop import DistillLog, distill, stack_mask
 from fedslice.distill.losses import hidden_loss
 from fedslice.distill.report import write_curves
 from fedslice.errors import ConfigError
-from fedslice.fl.strategy import Payload, Reply, State, Strategy
-from fedslice.tasks import Task
+from fedslice.fl.strategy import Payload, State, Strategy
 from fedslice.methods.base import Method, Role
+from fedslice.methods.fedot.layout import fedot_layout, FROZEN_PREFIX
+from fedslice.methods.fedot.options import FedOTMethod
+from fedslice.methods.fedot.strategy import SubModelStrategy
 from fedslice.methods.submodel import (ClientBase, cached_distill, make_corpus,
                                        named_params, sub_accuracy, transformer_params)
-from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel, materialize
 from fedslice.peft import LoraAdapter
-from fedslice.registry import register_method
-from fedslice.slicing.aggregate import client_delta
-from fedslice.slicing.spec import ModelSlice, SliceSpec, extract_model, extract_state, scatter
+from fedslice.slicing.spec import ModelSlice, SliceSpec
+from fedslice.slicing.surgery import extract_model
+from fedslice.tasks import Task
 
 log = logging.getLogger(__name__)
 
-FROZEN_PREFIX = "emulator."
-
-
-# --------------------------------------------------------------------------------------------
-# Options ([method] with name = "fedot")
-# --------------------------------------------------------------------------------------------
-
-class FedOTMethod(MethodOptions):
-    """FedOT: Offsite-Tuning (Xiao et al. 2023) with FedAvg. Bottom/top layers are the trainable
-    adapter; the middle layers are replaced by a uniform layer-drop emulator (frozen)."""
-
-    name: Literal["fedot"] = "fedot"
-    bottom_layers: int | None = Field(None, ge=0, description="Adapter layers at the bottom "
-                                      "(default max(1, round(L/6)): 2 of 12, as in the paper).")
-    top_layers: int | None = Field(None, ge=0, description="Adapter layers at the top (same default).")
-    emulator_layers: int | None = Field(None, gt=0, description="Middle layers kept by uniform "
-                                        "layer drop (default max(1, round(3/8 * middle)): 8 -> 3).")
-    adapter_tuning: Literal["lora", "full"] = Field("lora", description="LoRA ([lora], on the "
-                                                    "adapter layers only) or full fine-tuning.")
-    lora_r: int | None = Field(None, gt=0, description="LoRA rank on the adapter (default "
-                               "lora.r; lora.alpha is scaled with it, so alpha/r is unchanged); "
-                               "raise it to match the trainable parameters of LoRA on every layer.")
-    distill_emulator: bool = Field(False, description="Distil the emulator to the middle layers "
-                                   "before FL (settings in `distill`; mu is not used).")
-    distill: DistillConfig = Field(default_factory=DistillConfig)
-
-
-# --------------------------------------------------------------------------------------------
-# Layout (pure)
-# --------------------------------------------------------------------------------------------
-
-def default_adapter_layers(num_layers: int) -> int:
-    """Adapter layers at each end: the paper's 2 of 12, scaled to the depth (at least 1)."""
-    return max(1, round(num_layers / 6))
-
-
-def default_emulator_layers(middle: int) -> int:
-    """Emulator layers: the paper's 3 of 8 middle layers, scaled (at least 1)."""
-    return max(1, round(3 * middle / 8))
-
-
-def emulator_indices(middle: list[int], k: int) -> list[int]:
-    """Uniform layer drop: ``k`` of the ``middle`` layers at ``round(i * (m-1) / (k-1))``."""
-    m = len(middle)
-    if not 1 <= k <= m:
-        raise ValueError(f"cannot keep {k} of {m} middle layers")
-    if k == 1:
-        return [middle[round((m - 1) / 2)]]
-    stride = (m - 1) / (k - 1)
-    return [middle[round(i * stride)] for i in range(k)]
-
-
-def fedot_layout(num_layers: int, bottom: int | None, top: int | None,
-                 emulator: int | None) -> tuple[list[int], list[int], list[int]]:
-    """(bottom adapter layers, emulator layers, top adapter layers) of a ``num_layers`` model."""
-    b = default_adapter_layers(num_layers) if bottom is None else bottom
-    t = default_adapter_layers(num_layers) if top is None else top
-    if b + t >= num_layers:
-        raise ConfigError(f"method.bottom_layers={b} + method.top_layers={t} adapter layers leave "
-                          f"no emulator in a {num_layers}-layer model (need at most "
-                          f"{num_layers - 1} together)")
-    if b + t == 0:
-        raise ConfigError("method.bottom_layers and method.top_layers are both 0: no adapter to train")
-    middle = list(range(b, num_layers - t))
-    k = default_emulator_layers(len(middle)) if emulator is None else emulator
-    if k > len(middle):
-        raise ConfigError(f"method.emulator_layers={k} is more than the {len(middle)} middle layers")
-    return list(range(b)), emulator_indices(middle, k), list(range(num_layers - t, num_layers))
-
-
-# --------------------------------------------------------------------------------------------
-# Server
-# --------------------------------------------------------------------------------------------
-
-class SubModelStrategy(Strategy):
-    """Each client gets its sub-model's slice of the global state; slices are scattered back to
-    full-model names and averaged where held (a depth spec holds whole tensors).
-
-    ``frozen`` (sub-model names) are tensors the server made that a client cannot rebuild from the
-    checkpoint (the distilled emulator), ``base`` the sub-model's other frozen tensors: a client
-    holds no copy of the model, so both go to a client at its first participation (``frozen`` as
-    ``emulator.<name>``, ``base`` as the payload's ``model``), and again after a round it did not
-    reply to (it may have lost them)."""
-
-    def __init__(self, fed, spec: SliceSpec | ModelSlice, arch: ArchSpec, shapes: dict[str, torch.Size],
-                 frozen: State | None = None, base: State | None = None,
-                 client_sizes: Mapping[int, int] | None = None):
-        super().__init__(fed, client_sizes)
-        self.spec, self.arch, self.shapes = spec, arch, shapes
-        self.frozen, self.base = dict(frozen or {}), dict(base or {})
-        self.holders: set[int] = set()  # clients that were sent ``frozen`` and ``base``
-
-    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
-        arrays, model = extract_state(state, self.spec, self.arch), {}
-        if (self.frozen or self.base) and client not in self.holders:
-            arrays.update({FROZEN_PREFIX + k: t for k, t in self.frozen.items()})
-            model = self.base
-            self.holders.add(client)
-        return Payload(arrays=arrays, config={**config, "client": client}, model=model)
-
-    def forget(self, client: int) -> None:
-        self.holders.discard(client)
-
-    def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
-        return {k: t for k, t in payload.arrays.items() if not k.startswith(FROZEN_PREFIX)}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "holders": sorted(self.holders)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.holders = {int(c) for c in state["holders"]}
-
-    def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
-                       replies: dict[int, Reply]) -> tuple[list[State], list]:
-        deltas, weights = [], []
-        for c in sorted(replies):
-            full, masks = scatter(replies[c].arrays, self.spec, self.arch, self.shapes)
-            deltas.append(client_delta(state, full))
-            weights.append({k: replies[c].num_examples * m for k, m in masks.items()})
-        return deltas, weights
-
-
-# --------------------------------------------------------------------------------------------
-# The method
-# --------------------------------------------------------------------------------------------
 
 class FedOT(Method):
     name = "fedot"
@@ -385,4 +224,3 @@ class FedOT(Method):
                      extra={"cached": self.kd_cached, "emulator_layers": self.emulator})
 
 
-register_method(name="fedot", options_cls=FedOTMethod, method_cls=FedOT)

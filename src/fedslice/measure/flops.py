@@ -1,0 +1,283 @@
+"""FLOPs of a client's local training: counted on one real step
+(:class:`torch.utils.flop_counter.FlopCounterMode`, :func:`measure_step_flops`) and the analytic
+estimate it is checked against (6·N·tokens plus the attention term, :func:`analytic_train_flops`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedslice.measure.sizes import model_device
+from fedslice.models.arch import is_linear
+
+
+# Head modules of sequence-classification models run once per example (on the pooled / first
+# token), not once per token. Matched against the module's qualified name.
+_HEAD_NAME_PARTS = ("pooler", "classifier", "score")
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The LM head of ``model`` (HF or peft-wrapped), or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_out = getattr(base, "get_output_embeddings", None)
+    return get_out() if callable(get_out) else None
+
+
+def linear_param_counts(model: nn.Module) -> dict[str, int]:
+    """Weight counts of the model's ``nn.Linear`` layers, for :func:`analytic_train_flops`.
+
+    Returns ``{"total", "trainable", "head_total", "head_trainable"}``: ``total``/``trainable``
+    are the per-token linear layers (the transformer body, including LoRA ``lora_A``/``lora_B``
+    linears of a peft model); ``head_*`` are the linears of the classification head (module
+    names containing ``pooler``, ``classifier`` or ``score``), which run once per example, and
+    the LM head (the output embedding), which runs at the positions where a loss is taken.
+    GPT-2's ``Conv1D`` counts as a linear layer.
+    Biases are not counted (they cost no multiply-adds). The unused ``original_module`` copy that
+    peft keeps for ``modules_to_save`` is skipped, and so is a prompt-learning ``prompt_encoder``
+    (it runs on the virtual tokens once per step or per sequence: ``Adapter.cost`` counts it).
+    """
+    counts = {"total": 0, "trainable": 0, "head_total": 0, "head_trainable": 0}
+    lm_head = _output_embeddings(model)
+    for name, module in model.named_modules():
+        if not is_linear(module):
+            continue
+        w = module._parameters.get("weight")  # a partly trained weight: its kept slice
+        w = module.weight if w is None else w
+        segments = name.split(".")
+        if "original_module" in segments:
+            continue  # peft modules_to_save keeps an unused copy of the original head
+        if "prompt_encoder" in segments:
+            continue  # P-tuning's MLP, prefix tuning's projection: not per token (the adapter's cost)
+        is_head = module is lm_head or any(part in seg for seg in segments for part in _HEAD_NAME_PARTS)
+        prefix = "head_" if is_head else ""
+        frozen = getattr(module, "frozen", None)  # PartialLinear: the frozen slice runs forward too
+        frozen = getattr(module, "_partial", {}).get("weight", (frozen,))[0]  # partial_parameters
+        counts[prefix + "total"] += w.numel() + (frozen.numel() if isinstance(frozen, torch.Tensor) else 0)
+        if w.requires_grad:
+            counts[prefix + "trainable"] += w.numel()
+    return counts
+
+
+def _cpu_attention_flop_mapping() -> dict[Any, Any]:
+    """FLOP formulas for the fused CPU attention kernels that torch's counter does not know.
+
+    On CPU, ``scaled_dot_product_attention`` dispatches to
+    ``aten._scaled_dot_product_flash_attention_for_cpu``, which :class:`FlopCounterMode` does not
+    count (it counts the CUDA kernels). We count it the same way torch counts the CUDA flash
+    kernel: 2 matmuls forward, 5 backward (the scores are recomputed).
+    """
+    from torch.utils import flop_counter as fc
+
+    mapping: dict[Any, Any] = {}
+    aten = torch.ops.aten
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is not None and fwd not in fc.flop_registry:
+
+        def _fwd(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+        mapping[fwd] = _fwd
+    if bwd is not None and bwd not in fc.flop_registry:
+
+        def _bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+        mapping[bwd] = _bwd
+    return mapping
+
+
+class FlopCount:
+    """Result holder of :func:`count_flops`: ``total`` FLOPs (0 when counting was disabled)."""
+
+    __slots__ = ("total", "enabled")
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.total = 0
+
+    def __repr__(self) -> str:
+        return f"FlopCount(total={self.total}, enabled={self.enabled})"
+
+
+@contextlib.contextmanager
+def count_flops(enabled: bool = True) -> Iterator[FlopCount]:
+    """Count the FLOPs of the code in the block::
+
+        with count_flops(enabled=step == 0) as fc:
+            model(**batch).loss.backward()
+        fc.total
+
+    Same counter as :func:`measure_step_flops` (including the CPU attention kernels) but around
+    the caller's own code, so the real training step is measured without running it twice.
+    ``fc.total`` is set when the block ends; with ``enabled=False`` nothing is counted (no
+    overhead) and ``fc.total`` stays 0.
+    """
+    result = FlopCount(enabled)
+    if not enabled:
+        yield result
+        return
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_flop_mapping())
+    try:
+        with counter:
+            yield result
+    finally:
+        result.total = int(counter.get_total_flops())
+
+
+def measure_step_flops(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> int:
+    """FLOPs of one training step (forward, loss, backward) of ``model`` on ``batch``.
+
+    ``model(**batch)`` must return an object with ``.loss`` (HF models do when ``labels`` is in the
+    batch; a peft model works too). Counted with :class:`torch.utils.flop_counter.FlopCounterMode`:
+    matrix multiplications, convolutions and attention kernels (a multiply-add is 2 FLOPs);
+    element-wise ops, softmax, layer norms and the optimizer step are not counted. Only the
+    gradients autograd actually computes are counted, so frozen weights cost no weight-gradient.
+
+    The measurement does not alter training: existing ``.grad`` values are restored (parameters
+    without a gradient before have ``grad is None`` after), the CPU/CUDA random state is restored
+    (dropout draws), and the train/eval mode is left as it was. Tensors in ``batch`` are moved to
+    the model's device.
+    """
+    device = model_device(model)
+    inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    params = list(model.parameters())
+    saved_grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    cuda_devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda_devices), torch.enable_grad():
+            with count_flops() as fc:
+                out = model(**inputs)
+                loss = out.loss if hasattr(out, "loss") else out["loss"]
+                if loss is None:
+                    raise ValueError("measure_step_flops: model(**batch) returned no loss; put 'labels' in the batch")
+                loss.backward()
+            flops = fc.total
+    finally:
+        model.zero_grad(set_to_none=True)
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+    return flops
+
+
+def embeddings_train(model: nn.Module) -> bool:
+    """Whether ``model``'s input embeddings train (full fine-tuning): autograd then computes the
+    gradient of the first layer's input (``analytic_train_flops(embedding_backward=...)``)."""
+    try:
+        return any(p.requires_grad for p in model.get_input_embeddings().parameters())
+    except (AttributeError, NotImplementedError):
+        return False
+
+
+def frozen_bottom(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[int, int]:
+    """``(L_f, N_f)``: the number of lowest ``blocks`` (one stack, bottom first) that hold no
+    trainable tensor, and their linear weights (:func:`linear_param_counts`), when nothing below
+    or beside them trains either (frozen embeddings; outside the blocks only the output head:
+    the LM head or a ``pooler``/``classifier``/``score`` module). Autograd's backward then stops
+    above them (:func:`analytic_train_flops` ``frozen_layers``); otherwise ``(0, 0)``."""
+    if embeddings_train(model):
+        return 0, 0
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    lm_head = _output_embeddings(model)
+    head = {id(p) for p in lm_head.parameters()} if lm_head is not None else set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or not p.numel() or id(p) in inside or id(p) in head:
+            continue
+        if not any(part in seg for seg in name.split(".") for part in _HEAD_NAME_PARTS):
+            return 0, 0  # a prompt, a prefix, a trained norm below the head: no early stop
+    frozen = 0
+    for block in blocks:
+        if any(p.requires_grad and p.numel() for p in block.parameters()):
+            break
+        frozen += 1
+    return frozen, sum(linear_param_counts(b)["total"] for b in blocks[:frozen])
+
+
+def analytic_train_flops(
+    *,
+    num_layers: int,
+    hidden: int,
+    ffn: int,
+    num_heads: int,
+    tokens: int,
+    seq_len: float,
+    trainable_linear_params: int,
+    total_linear_params: int,
+    embedding_backward: bool = False,
+    examples: int = 0,
+    head_positions: int | None = None,
+    head_linear_params: int = 0,
+    head_trainable_linear_params: int = 0,
+    virtual_tokens: int = 0,
+    prefix_keys: int = 0,
+    adapter_flops: float = 0.0,
+    frozen_layers: int = 0,
+    frozen_linear_params: int = 0,
+) -> dict[str, float]:
+    """Analytic FLOPs of training on ``tokens`` tokens (forward + backward; optimizer excluded).
+
+    A multiply-add is 2 FLOPs. With ``N`` = ``total_linear_params`` (weights of the per-token
+    linear layers), ``N_t`` = ``trainable_linear_params``, ``L`` = ``num_layers``,
+    ``d`` = ``hidden``, ``s`` = ``seq_len`` (mean sequence length) and ``T`` = ``tokens``:
+
+    * forward  = 2·N·T  +  4·L·s·d·T  — the matmuls, plus the attention scores QKᵀ and the
+      weighted sum AV (2·s·d multiply-adds per token and layer; PaLM, Chowdhery et al. 2022,
+      appendix B: 6·N + 12·L·d·s FLOPs per token for training, of which 4·L·d·s forward);
+    * backward = input-gradients + weight-gradients, where input-gradients ≈ forward
+      (2·N·T for the linears, and 8·L·s·d·T for attention, since both operands of QKᵀ and AV are
+      activations) and weight-gradients = 2·N_t·T (frozen weights need none).
+
+    Full fine-tuning (``N_t = N``) gives the familiar ≈ 6·N·tokens (Kaplan et al. 2020) plus
+    12·L·s·d·T; LoRA with a frozen backbone (``N_t`` ≈ 0) gives ≈ 4·N·tokens plus the attention
+    term. If ``embedding_backward`` is false (the embeddings are frozen), autograd does not
+    compute the gradient w.r.t. the embedding output, so the input-gradients of the first
+    layer's Q/K/V projections (3·d² weights) are subtracted.
+
+    ``ffn`` and ``num_heads`` describe the model but do not change the count (``N`` already
+    includes the FFN, and attention FLOPs do not depend on the number of heads). The
+    output head (``head_linear_params``, ``head_trainable_linear_params``) runs at
+    ``head_positions`` positions: once per example for a classifier (the default,
+    ``examples``), at every target token for a language-model head (generation computes the
+    logits only there).
+
+    An adapter adds (:class:`fedslice.peft.AdapterCost`): ``virtual_tokens`` positions per
+    example that the whole model runs on (prompt tuning, P-tuning: ``T + P·examples`` tokens of
+    length ``s + P``; the gradient reaches the input, so the first layer's input-gradients are
+    computed), ``prefix_keys`` keys every self-attention reads at each query (prefix tuning:
+    the attention term at ``s + P`` keys), and ``adapter_flops`` of its own operations (IA3's
+    scaling, P-tuning's encoder, DoRA's norms), counted in the backward half as a whole.
+
+    ``frozen_layers`` lowest blocks with nothing trainable in or below them (their
+    ``frozen_linear_params`` linear weights, part of ``N``): autograd's backward stops above
+    them, so their input-gradients (linears and attention) are not computed, and the skipped
+    q/k/v input-gradient is the lowest trained block's. Only with frozen embeddings and no
+    virtual tokens or prefix keys (those need the gradient at the bottom).
+
+    Returns ``{"forward", "backward", "total"}`` in FLOPs (floats).
+    """
+    del ffn, num_heads  # documented: they do not enter the count
+    T = float(tokens) + float(virtual_tokens) * examples
+    seq_len = float(seq_len) + virtual_tokens + prefix_keys
+    embedding_backward = embedding_backward or virtual_tokens > 0
+    if frozen_layers and (embedding_backward or prefix_keys or not 0 < frozen_layers <= num_layers):
+        raise ValueError(f"frozen_layers={frozen_layers} of {num_layers}: the backward reaches the "
+                         "bottom (trained embeddings, virtual tokens or prefix keys), or out of range")
+    heads = float(examples if head_positions is None else head_positions)
+    attn_fwd = 4.0 * num_layers * float(seq_len) * hidden * T
+    forward = 2.0 * total_linear_params * T + attn_fwd + 2.0 * head_linear_params * heads
+    input_grads = 2.0 * total_linear_params * T + 2.0 * attn_fwd + 2.0 * head_linear_params * heads
+    if frozen_layers:  # (L_f of L blocks, their weights): no backward below the lowest trained block
+        input_grads -= 2.0 * frozen_linear_params * T + 2.0 * attn_fwd * frozen_layers / num_layers
+    if not embedding_backward and frozen_layers < num_layers:
+        input_grads -= 2.0 * (3 * hidden * hidden) * T
+    weight_grads = 2.0 * trainable_linear_params * T + 2.0 * head_trainable_linear_params * heads
+    backward = input_grads + weight_grads + adapter_flops
+    return {"forward": forward, "backward": backward, "total": forward + backward}

@@ -1,0 +1,338 @@
+"""The ``fedpft`` method: model preparation, a client's local training and the server's round
+end. See :mod:`fedslice.methods.fedpft`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fedslice import measure
+from fedslice.config import ExperimentConfig
+from fedslice.data.batching import TokenizedSplit
+from fedslice.distill import cache
+from fedslice.distill.apoz import (aggregate_apoz, apoz_report, count_near_zero, select_neurons,
+                                   split_report)
+from fedslice.distill.loop import DistillLog, block_masks, distill
+from fedslice.distill.losses import layer_kd_loss
+from fedslice.distill.report import write_curves
+from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.methods.base import Method, Role
+from fedslice.methods.fedpft.options import FedPFTMethod, KD_BEFORE, KD_DURING, UPDATE_PREFIX
+from fedslice.methods.fedpft.proxy import (build_proxy, compressed_units, ffn_modules, ffn_weights,
+                                           global_layer, proxy_slice, stack_offsets)
+from fedslice.methods.fedpft.strategy import FedPFTStrategy
+from fedslice.methods.submodel import (ClientBase, cached_distill, make_corpus,
+                                       concat_logs, named_params, sub_accuracy, sub_seed,
+                                       transformer_params)
+from fedslice.models.loading import LoadedModel, materialize
+from fedslice.slicing.keys import key_info
+from fedslice.slicing.salience import model_salience
+from fedslice.slicing.spec import ModelSlice
+from fedslice.tasks import Task
+
+log = logging.getLogger(__name__)
+
+
+class FedPFT(Method):
+    name = "fedpft"
+    #: each client's fit loads the proxy's re-distilled neurons into the proxy this process
+    #: holds (and checks its version): that copy must persist, so clients train in this process
+    parallel_clients = False
+    client_model_from_server = True
+    adapters = None  # an adapter inside the attention modules (check_config)
+
+    @classmethod
+    def client_statistics(cls, cfg: ExperimentConfig) -> str | None:
+        if cfg.method.kd in KD_DURING:
+            return (f"method.kd={cfg.method.kd!r} (neuron-level KD during FL re-distils the "
+                    "neurons chosen by the clients' APoZ statistics of their data; set "
+                    "method.kd = 'before', layer-level KD on the server's corpus only, or 'none')")
+        return None
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        adapter = cls.adapter_class(cfg)
+        name = adapter.name
+        if adapter.trains_base or not adapter.in_modules:
+            raise ValueError(f"peft.method={name!r}: method fedpft trains an adapter on the "
+                             "attention of its proxy and plugs it into the full model; the "
+                             f"{name} adapter " + ("trains the model's own weights" if
+                                                   adapter.trains_base else
+                                                   "changes the sequence every layer sees (virtual "
+                                                   "tokens or keys), which the proxy's layer-by-"
+                                                   "layer distillation does not match")
+                             + ": use lora, dora or ia3")
+        opts = cfg.adapter_options(name)
+        targets = getattr(opts, "targets", None)
+        raw = getattr(opts, "target_modules", None)
+        if raw is not None or (targets is not None and set(targets) - {"q", "k", "v", "o"}):
+            raise ValueError(f"{name}.targets: method fedpft trains its adapter on attention only "
+                             f"(q, k, v, o): the proxy drops FFN neurons; got {raw or targets}")
+
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None):
+        self.loaded = loaded  # the preprocessor and config the distillation corpus is encoded with
+        self.opts: FedPFTMethod = cfg.method
+        self.align_logs: list[DistillLog] = []
+        self.align_records: list[dict[str, Any]] = []
+        self.held_version: int | None = None  # proxy version of this worker's copy (client side)
+        super().__init__(cfg, loaded, task, role, client_sizes)
+
+    # -- construction ----------------------------------------------------------------------
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """LoRA on attention of the full model, then the proxy and its layer-level KD. A client
+        (role "client") has the model's shape only (meta device): its proxy keeps the leading
+        neurons, gets zeros now and the server's values in its first payload."""
+        o = self.opts
+        self.spec = self._proxy_slice(model)
+        full = self.teacher = self.adapter.apply(model)
+        self.units = compressed_units(self.spec)  # global layer -> (stack, layer)
+        self.compressed = list(self.units)
+        self.proxy = build_proxy(full, self.spec, self.arch)
+        if self.role == "client":
+            materialize(self.proxy)  # the proxy's tensors only: the full model stays shapes
+        ffns = [m for k, l in self.units.values() for m in ffn_modules(self.proxy, self.arch, k, l)]
+        self.proxy_params = named_params(self.proxy, ffns)
+        self.client_base = ClientBase(self.proxy, self.proxy_params, from_server=self.role == "client")
+        # a client gets the distilled proxy in its payload: no corpus, no distillation there
+        self.corpus = self._corpus() if self.role != "client" else None
+        self.kd_before, self.kd_cached = None, False
+        if o.kd in KD_BEFORE and self.compressed and o.distill.steps > 0 and self.role != "client":
+            self.kd_before, self.kd_cached = self._layer_kd(full)
+        return full
+
+    def _proxy_slice(self, model: nn.Module) -> ModelSlice:
+        """Eq. 8 saliency of every stack's neurons (a gated neuron: gate row + up row + down
+        column) and the proxy's slice: ``whole_layers`` of each stack whole."""
+        all_dims = self.arch.all_dims(model.config)
+        if self.role == "client":  # shapes only (meta device): the leading neurons, values follow
+            neurons = [None] * len(all_dims)
+        else:
+            sal = model_salience(model.state_dict(), self.arch, all_dims, "l2")
+            neurons = [[s.neurons for s in stack] for stack in sal]
+        return proxy_slice(neurons, all_dims, self.opts.keep_ratio, self.opts.whole_layers)
+
+    def _corpus(self) -> Corpus | None:
+        """The distillation corpus (checked now; an empty one fails before FL starts)."""
+        o = self.opts
+        if o.kd == "none" or not self.compressed:
+            return None
+        steps = max(o.distill.steps if o.kd in KD_BEFORE else 0, o.align_steps if o.kd in KD_DURING else 0)
+        corpus = make_corpus(self.cfg, o.distill, self.task, self.loaded, steps, "method.distill.corpus")
+        if o.kd in KD_DURING and o.align_steps > 0:
+            _ = corpus.split  # packed now, not at the first alignment
+        return corpus
+
+    def make_strategy(self) -> Strategy:
+        widths = self._widths()
+        return FedPFTStrategy(self.cfg.federation, self.opts, self.arch, list(self.proxy_params), widths,
+                              offsets=stack_offsets(self.spec), base=self.client_base.payload(),
+                              client_sizes=self.client_sizes, max_tokens=self.cfg.data.max_length)
+
+    def _widths(self) -> dict[int, int]:
+        """Global layer -> kept neurons, of every compressed layer."""
+        return {g: len(self.spec.stacks[k].neurons[l]) for g, (k, l) in self.units.items()}
+
+    def _kd_loss(self, mu: float):
+        s_ffn = ffn_weights(self.proxy, self.arch, self.units)
+        t_ffn = ffn_weights(self.teacher, self.arch, self.units)
+
+        def loss(s_layers, t_layers, batch):  # every layer of every stack, its stack's mask
+            masks = block_masks(self.proxy, self.arch, batch)
+            return layer_kd_loss(s_layers, t_layers, masks, s_ffn, t_ffn, mu)
+        return loss
+
+    def _layer_kd(self, full: nn.Module) -> tuple[DistillLog, bool]:
+        """Eq. 13 on the corpus, or the cached result of the same settings."""
+        d = self.opts.distill
+        skip = tuple(p for p in (self.adapter.prefix, "classifier") if p)
+        inputs = {"kind": "fedpft-layer-kd", "model": cache.weights_fingerprint(full, skip),
+                  "neurons": [list(self.spec.stacks[k].neurons[l]) for k, l in self.units.values()],
+                  "layers": self.compressed, "steps": d.steps, "mu": d.mu, "seed": d.seed_or(self.cfg.seed),
+                  **self.corpus.cache_inputs()}
+
+        def run() -> DistillLog:
+            log.info("fedpft: layer-level distillation, %d steps", d.steps)
+            return distill(self.proxy, full, self.arch, self.proxy_params, self.corpus.split, self._kd_loss(d.mu),
+                           steps=d.steps, lr=d.lr, warmup=d.warmup, batch_size=d.batch_size,
+                           seed=d.seed_or(self.cfg.seed))
+        return cached_distill(cache.cache_root(d.cache_dir), inputs, self.proxy_params, run)
+
+    # -- state -------------------------------------------------------------------------------
+    def initial_state(self) -> State:
+        state = super().initial_state()
+        state.update({k: p.detach().clone() for k, p in self.proxy_params.items()})
+        return state
+
+    @torch.no_grad()
+    def _load(self, arrays: State) -> dict[str, nn.Parameter]:
+        """Load LoRA + classifier (shared by proxy and full model), any proxy FFN tensors and
+        any re-distilled neurons (``proxy_update.*``)."""
+        params = self.trainable(self.proxy)
+        for k, t in arrays.items():
+            if k in params:
+                params[k].copy_(t)
+            elif k in self.proxy_params:
+                self.proxy_params[k].copy_(t)
+            elif k.startswith(UPDATE_PREFIX) and not k.endswith(".index"):
+                key = k[len(UPDATE_PREFIX):]
+                info = key_info(self.arch, key)
+                g = global_layer(stack_offsets(self.spec), info.stack, info.layer)
+                idx = arrays[f"{UPDATE_PREFIX}{g}.index"]
+                self.proxy_params[key].index_copy_(info.axis, idx, t)
+        return params
+
+    # -- client ------------------------------------------------------------------------------
+    def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
+        return self.proxy, self._load(payload.arrays)
+
+    def client_state(self) -> State:
+        """The client's proxy copy (compressed FFN tensors, and in the client role the rest of
+        the proxy, ``base.*``) and its version."""
+        if self.held_version is None:
+            return {}
+        kept = {k: p.detach().clone() for k, p in self.proxy_params.items()}
+        return {**kept, **self.client_base.state(), "proxy_version": torch.tensor(self.held_version)}
+
+    @torch.no_grad()
+    def load_client_state(self, state: State) -> None:
+        self.held_version = int(state["proxy_version"]) if "proxy_version" in state else None
+        for k, t in state.items():
+            if k in self.proxy_params:
+                self.proxy_params[k].copy_(t)
+        self.client_base.load_state(state)
+
+    def _check_copy(self, payload: Payload) -> None:
+        """Refuse an incremental proxy update that does not start from this process's copy (a
+        client id served by another worker before): the client fails this round, and the server
+        sends it the whole proxy next time (``FedPFTStrategy.aggregate_train``)."""
+        base, version = payload.config.get("proxy_base"), payload.config.get("proxy_version")
+        if version is None:
+            return
+        if base is not None and (self.held_version is None or self.held_version < base):
+            raise RuntimeError(f"client {payload.config.get('client')}: the proxy update starts from "
+                               f"version {base}, this worker holds version {self.held_version}")
+        self.held_version = int(version)
+
+    def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
+        """Local training of the proxy; in alignment rounds, APoZ on the local data first."""
+        self._check_copy(payload)
+        self.client_base.receive(payload.model, f"client {payload.config.get('client')}")
+        count = None
+        if payload.config.get("report_apoz"):
+            self._load(payload.arrays)
+            count = count_near_zero(self.proxy, self.arch, self.compressed, data,
+                                    int(payload.config["batch_size"]), float(payload.config["apoz_tau"]),
+                                    self.opts.apoz_max_examples, seed)
+        reply = super().fit(payload, data, seed)
+        if count is not None:
+            report = apoz_report(count.counts, count.layer_tokens)
+            reply.arrays.update(report)
+            measure.ClientCost.add(reply.metrics, bytes_up=measure.tensor_bytes(report),
+                                   params_up=measure.num_params(report), flops_measured=count.flops)
+            reply.metrics.update(flops_apoz=count.flops, apoz_tokens=count.tokens)
+        return reply
+
+    # -- server ------------------------------------------------------------------------------
+    def on_round_end(self, server_round: int, state: State,
+                     replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
+        """Neuron-level KD after every ``align_every``-th round (Sec. 3.5)."""
+        if not self.own_strategy.align_round(server_round):
+            return state, {}
+        reports = [split_report(r.arrays)[1] for r in replies.values()]
+        tokens = [r.metrics.get("apoz_tokens", 0.0) for r in replies.values()]
+        apoz = aggregate_apoz([r for r in reports if r], [t for r, t in zip(reports, tokens) if r])
+        if set(apoz) != set(self.compressed):
+            log.warning("round %d: no APoZ reports, neuron-level distillation skipped", server_round)
+            return state, {"align_skipped": True}
+        gen = torch.Generator().manual_seed(sub_seed(self.cfg.seed, server_round, 1))
+        update = {l: select_neurons(apoz[l], self.opts.align_proportion, gen) for l in self.compressed}
+        self._load(state)
+        lg = self._neuron_kd(update, sub_seed(self.cfg.seed, server_round, 2))
+        new_state = dict(state)
+        new_state.update({k: p.detach().clone() for k, p in self.proxy_params.items()})
+        self.own_strategy.proxy_changed(update)
+        n = int(sum(int(m.sum()) for m in update.values()))
+        self.align_logs.append(lg)
+        rec = {"round": server_round, "neurons": n, **lg.summary("align"),
+               "apoz_mean": {str(l): float(a.mean()) for l, a in apoz.items()}}
+        self.align_records.append(rec)
+        return new_state, {"align_neurons": n, **lg.summary("align")}
+
+    def server_state(self) -> dict[str, Any]:
+        return {"align_logs": [lg.to_dict() for lg in self.align_logs],
+                "align_records": self.align_records, "held_version": self.held_version}
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        self.align_logs = [DistillLog.from_dict(d) for d in state["align_logs"]]
+        self.align_records = list(state["align_records"])
+        self.held_version = state["held_version"]
+
+    def _neuron_kd(self, update: dict[int, torch.Tensor], seed: int) -> DistillLog:
+        """Re-distil the selected neurons (W1 rows, b1, W2 columns); everything else fixed."""
+        o, d = self.opts, self.opts.distill
+        offsets = stack_offsets(self.spec)
+        params, masks = {}, {}
+        for name, p in self.proxy_params.items():  # W1 (and gate) rows, b1, W2 columns
+            info = key_info(self.arch, name)
+            m = update.get(global_layer(offsets, info.stack, info.layer))
+            if m is not None and info.axis is not None:
+                shape = [1] * p.dim()
+                shape[info.axis] = -1
+                params[name], masks[name] = p, m.float().reshape(shape)
+        return distill(self.proxy, self.teacher, self.arch, params, self.corpus.split, self._kd_loss(o.align_mu),
+                       steps=o.align_steps, lr=o.align_lr or d.lr, warmup=d.warmup,
+                       batch_size=d.batch_size, seed=seed, grad_masks=masks)
+
+    def eval_model(self, state: State) -> nn.Module:
+        """Plug-in: the full model with the trained LoRA + classifier (shared with the proxy)."""
+        self._load(state)
+        return self.model
+
+    def deploy_exclude(self) -> list[str]:
+        """The proxy's compressed FFN tensors: the deployed model is the full one (plug-in)."""
+        return sorted(self.proxy_params)
+
+    def proxy_model(self, state: State) -> nn.Module:
+        self._load(state)
+        return self.proxy
+
+    # -- reporting ---------------------------------------------------------------------------
+    def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],
+                      batch_size: int) -> dict[str, Any]:
+        full_p, proxy_p = transformer_params(self.model, self.arch), transformer_params(self.proxy, self.arch)
+        during = concat_logs(self.align_logs)
+        out = {**sub_accuracy(self.task, self.proxy_model(state), data, batch_size),
+               "full_transformer_params": full_p, "proxy_transformer_params": proxy_p,
+               "proxy_param_fraction": proxy_p / full_p, "compressed_layers": self.compressed,
+               "proxy_ffn": [len(n) for st in self.spec.stacks for n in st.neurons], "kd": self.opts.kd,
+               "kd_before_cached": self.kd_cached, "kd_during_rounds": len(self.align_logs)}
+        if self.kd_before is not None:
+            out.update(self.kd_before.summary("kd_before"))
+        if during is not None:
+            out.update({k: v for k, v in during.summary("kd_during").items()
+                        if not k.endswith(("_start", "_end"))})
+        return out
+
+    @classmethod
+    def report_views(cls, folder, config, metrics, summary) -> list:
+        from fedslice.distill.report import distill_view
+        view = distill_view(folder, "fedpft_distill", "Distillation (fedpft)")
+        return [view] if view else []
+
+    def write_artifacts(self, folder: Path) -> None:
+        phases = {"layer-level KD before FL": self.kd_before,
+                  "neuron-level KD during FL": concat_logs(self.align_logs)}
+        write_curves(folder, "fedpft_distill", phases, plot=self.cfg.output.plots,
+                     extra={"cached": self.kd_cached, "compressed_layers": self.compressed,
+                            "kept_neurons": self._widths()[self.compressed[0]] if self.compressed else None,
+                            "alignments": self.align_records})
+
+

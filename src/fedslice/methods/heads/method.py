@@ -1,0 +1,340 @@
+"""The ``heads`` method: model preparation, a client's local training and the server's round
+end. See :mod:`fedslice.methods.heads`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from fedslice import measure
+from fedslice.config import ExperimentConfig
+from fedslice.data.batching import TokenizedSplit
+from fedslice.data.partition import sample_rows
+from fedslice.errors import ConfigError, ModelError
+from fedslice.fl.client import LocalResult, train_local
+from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.measure import ClientCost
+from fedslice.methods.base import Role
+from fedslice.methods.fedpetuning import FedPETuning
+from fedslice.methods.heads.options import HeadsMethod, kept_count, max_sparsity
+from fedslice.methods.heads.report import paper_ops, plot_head_importance
+from fedslice.methods.heads.strategy import ALPHA, HeadsStrategy, KEPT
+from fedslice.models.loading import LoadedModel
+from fedslice.slicing.heads import (ensure_eager_attention, head_axes, head_importance, keep_mask,
+                                    mask_rows, mask_spec, num_rows, position_cuts)
+from fedslice.slicing.keys import key_info
+from fedslice.slicing.partial import freeze_parameters, partial_model
+from fedslice.slicing.spec import HEAD_PARTS
+from fedslice.slicing.surgery import extract_model
+from fedslice.tasks import Task
+
+log = logging.getLogger(__name__)
+
+
+def special_token_ids(tokenizer, config=None) -> list[int]:
+    """[CLS]/[SEP], BOS/EOS, padding and the decoder start token (of ``config``): excluded as keys
+    of the importance score (Eq. 6, Voita et al.)."""
+    ids = [getattr(tokenizer, f"{t}_token_id", None) for t in ("sep", "cls", "eos", "bos", "pad")]
+    ids.append(getattr(config, "decoder_start_token_id", None))
+    return sorted({int(i) for i in ids if isinstance(i, int)})
+
+
+class Heads(FedPETuning):
+    name = "heads"
+    batched_clients = False  # each client trains its own kept heads' slices
+    sends_slices = True
+    # any adapter with tensors of its own. Head-tied tensors: LoRA B rows of q/k/v and A columns
+    # of o (DoRA: also q/k/v magnitudes), IA3's vector entries of each head, a prefix's key/value
+    # columns of each head; prompt tuning and P-tuning have none (nothing of them is pruned)
+    adapters = None
+    lora_aggregations = ("fedit", "ffa", "fedex", "flora", "svd")
+    lora_aggregation_hint = ("a client keeps no B of its own: the heads it prunes change every "
+                             "round, and Eq. 8 weighs the head-tied B rows it sends")
+    lora_ranks_per_client = False
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        adapter = cls.adapter_class(cfg)
+        name = adapter.name
+        if cfg.method.prune == "forward" and not (adapter.head_tied and adapter.in_modules):
+            why = ("has no per-head parameters: every client would train the whole adapter "
+                   "through a different pruned network, and FedAvg cannot reconcile them"
+                   if not adapter.head_tied else
+                   "keeps its per-head tensors outside the attention modules, sized by peft for "
+                   "every head of every layer, so a sub-model keeping different heads per layer "
+                   "cannot use it")
+            raise ValueError(f"method.prune='forward' with peft.method={name!r}: the {name} "
+                             f"adapter {why}; use method.prune='parameters' or lora, dora, ia3")
+        opts = cfg.adapter_options(name)
+        targets = getattr(opts, "targets", None)
+        if targets is not None and getattr(opts, "target_modules", None) is None \
+                and not set(targets) & {"q", "k", "v", "o", "all-linear"}:
+            raise ValueError(f"{name}.targets {targets}: method heads needs the {name} adapter "
+                             "on at least one attention projection (q, k, v or o)")
+
+    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None):
+        self.opts: HeadsMethod = cfg.method
+        self.special_ids = special_token_ids(loaded.tokenizer, loaded.model.config)
+        self.all_dims = loaded.arch.all_dims(loaded.model.config)
+        super().__init__(cfg, loaded, task, role, client_sizes)
+        self._check_heads()
+
+    @property
+    def mask_shape(self) -> tuple[int, int]:
+        """(R, H): one row per (attention family, layer), one column per query head."""
+        return num_rows(self.all_dims), self.all_dims[0]["num_heads"]
+
+    # -- construction ------------------------------------------------------------------------
+    @property
+    def needs_importance(self) -> bool:
+        return self.opts.pruning == "importance" or self.opts.aggregation == "head_weighted"
+
+    def _check_heads(self) -> None:
+        """Fail early, naming the problem: no separable heads, no head-tied LoRA tensor, a
+        sparsity that keeps no head, no eager attention for the importance scores."""
+        d, (rows, heads) = self.dims, self.mask_shape
+        if self.arch.head_dim_attr is None and d["hidden"] != d["num_heads"] * d["head_dim"]:
+            raise ModelError(f"method heads needs separable attention heads (q/k/v/o projections "
+                             f"of num_heads x head_dim); {self.arch.model_type} with hidden "
+                             f"{d['hidden']} and {d['num_heads']} heads has none")
+        if len({x["num_heads"] for x in self.all_dims}) > 1:
+            raise ModelError(f"method heads ranks heads over every stack: {self.arch.model_type} "
+                             f"with {[x['num_heads'] for x in self.all_dims]} heads per stack differs")
+        if self.adapter.head_tied and not head_axes(self.trainable(), self.arch) \
+                and not self.positions:
+            name = self.adapter.name
+            targets = getattr(self.adapter.options, "target_modules", None) or \
+                getattr(self.adapter.options, "targets", None)
+            raise ConfigError(f"{name}.targets {targets}: method heads needs the {name} adapter "
+                              "on at least one attention projection (q, k, v or o)")
+        if not self.adapter.head_tied:
+            log.info("heads: the %s adapter has no per-head parameters: pruning leaves nothing of "
+                     "it untrained or unsent (the importance pass still runs for Eq. 8 and "
+                     "loss-gap selection)", self.adapter.name)
+        o = self.opts
+        if kept_count(rows, heads, o.sparsity, o.scope) < 1 and o.pruning != "none":
+            pool = rows * heads if o.scope == "global" else heads
+            raise ConfigError(f"method.sparsity={o.sparsity} keeps no head (round((1 - s) * {pool}) "
+                              f"= 0 with scope={o.scope!r}): the largest valid method.sparsity is "
+                              f"{max_sparsity(pool)} (keeps 1 of {pool} heads)")
+        if self.needs_importance:
+            previous = ensure_eager_attention(self.model)  # raises ModelError when unavailable
+            if previous != "eager":
+                self.arch_base().set_attn_implementation(previous)
+
+    def arch_base(self) -> nn.Module:
+        get = getattr(self.model, "get_base_model", None)
+        return get() if callable(get) else self.model
+
+    def make_strategy(self) -> Strategy:
+        #: trainable tensors outside the blocks that map to heads (a prefix's key/value columns)
+        self.positions = {n: pos for n, p in self.trainable().items()
+                          if (pos := self.adapter.head_positions(n, p.shape, self.all_dims)) is not None}
+        return HeadsStrategy(self.cfg.federation, self.cfg.method, self.arch, self.all_dims,
+                             self.client_sizes, self.positions)
+
+    # -- client ------------------------------------------------------------------------------
+    def importance(self, data: TokenizedSplit, seed: int) -> tuple[torch.Tensor, float]:
+        """(R, H) head importance on (a sample of) the local data, and its measured FLOPs."""
+        n = self.opts.importance_max_examples
+        if n is not None and n < len(data):
+            data = data.subset(sample_rows(len(data), n, seed))
+        with measure.count_flops() as fc:
+            scores = head_importance(self.model, data, self.special_ids, self.opts.importance_batch_size,
+                                     sink_keys=self.opts.sink_keys)
+        names = [f.name for f in self.arch.attention_outputs]
+        if missing := [n for n in names if n not in scores]:
+            raise ModelError(f"no attention scores for {missing} (got {sorted(scores)})")
+        return torch.cat([scores[n].float() for n in names]), float(fc.total)  # (R, H)
+
+    def keep(self, alpha: torch.Tensor | None, seed: int) -> torch.Tensor:
+        """The (R, H) keep-mask of this client for this round (Eq. 7)."""
+        scores = alpha if alpha is not None else torch.zeros(self.mask_shape)
+        return keep_mask(scores, self.opts.sparsity, mode=self.opts.pruning, scope=self.opts.scope,
+                         generator=torch.Generator().manual_seed(seed % (2**63)))
+
+    def local_model(self, kept: torch.Tensor) -> nn.Module:
+        """The model the client trains: the full model with the pruned heads' trainable tensors
+        frozen (``prune='parameters'``), or the sub-model without them (``'forward'``)."""
+        if bool(kept.all()):
+            return self.model
+        spec = mask_spec(kept, self.all_dims)
+        if self.opts.prune == "forward":
+            # a headless layer's sliced o keeps its adapter (LoRA B: hidden x r): frozen, so the
+            # backward does not run down to it for a zero gradient
+            sub = extract_model(self.model, spec, self.arch)
+            return freeze_parameters(sub, self.headless_tensors(sub, kept))
+        return partial_model(self.model, spec, self.arch,
+                             extra=position_cuts(self.positions, kept, self.all_dims))
+
+    def headless_tensors(self, sub: nn.Module, kept: torch.Tensor) -> set[str]:
+        """The trainable attention tensors of ``sub`` in a (family, layer) that keeps no head."""
+        rows = mask_rows(self.all_dims)
+        out = set()
+        for n, p in sub.named_parameters():
+            info = key_info(self.arch, n) if p.requires_grad else None
+            if info is not None and info.part in HEAD_PARTS and \
+                    not bool(kept[rows[(info.stack, info.family)] + info.layer].any()):
+                out.add(n)
+        return out
+
+    def local_params(self, sub: nn.Module, kept: torch.Tensor) -> dict[str, nn.Parameter]:
+        """Trainable tensors of the sub-model that the client really trains and uploads: not the
+        empty slices, nor the attention tensors of a (family, layer) without heads."""
+        headless = self.headless_tensors(sub, kept)
+        return {n: p for n, p in sub.named_parameters()
+                if p.requires_grad and p.numel() and n not in headless}
+
+    def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
+        if len(data) == 0:
+            log.warning("client %s has no training data: skipped", payload.config.get("client"))
+            return Reply(arrays={}, num_examples=0, metrics=self._skipped_metrics(payload))
+        self.client_model(payload)  # the global state, loaded into the full model in place
+        alpha, imp_flops = self.importance(data, seed) if self.needs_importance else (None, 0.0)
+        kept = self.keep(alpha, seed)
+        sub = self.local_model(kept)
+        params = self.local_params(sub, kept)
+        result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss,
+                             virtual_tokens=self.adapter.virtual_tokens)
+        for p in sub.parameters():
+            p.grad = None  # tensors outside the optimizer (empty slices) may hold a gradient
+        arrays = {n: p.detach().clone() for n, p in params.items()}
+        if self.opts.pruning != "none":
+            arrays[KEPT] = kept.clone()
+        if self.opts.aggregation == "head_weighted":
+            arrays[ALPHA] = alpha * kept  # Eq. 7: pruned heads have importance 0
+        metrics = self.client_metrics(sub, params, payload, arrays, result)
+        metrics.update(self.head_metrics(kept, alpha, result, imp_flops))
+        return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
+
+    # -- metrics -----------------------------------------------------------------------------
+    def client_metrics(self, model, params, payload, arrays, result: LocalResult) -> dict[str, float]:
+        metrics = super().client_metrics(model, params, payload, arrays, result)
+        kept = self._kept_of(arrays)
+        if self.opts.prune == "parameters":  # every head runs forward (and passes gradients back)
+            kept = torch.ones_like(kept)
+        metrics["flops_analytic"] = self.analytic_flops(model, result, kept)
+        return metrics
+
+    def _kept_of(self, arrays: State) -> torch.Tensor:
+        if KEPT in arrays:
+            return arrays[KEPT].bool()
+        return torch.ones(self.mask_shape, dtype=torch.bool)
+
+    def analytic_flops(self, model: nn.Module, result: LocalResult, kept: torch.Tensor) -> float:
+        """:func:`measure.analytic_train_flops` of the sub-model, with the attention term (one per
+        (family, layer) row, each at the mean sequence length; backward only above the frozen
+        bottom rows) and the skipped input-gradient of the lowest trained row's q/k/v over the
+        kept heads only."""
+        d = self.dims
+        seq = result.tokens / max(result.examples, 1)
+        bottom = self.frozen_bottom(model)
+        base = self.analytic_train_flops(model, result, embedding_backward=False, frozen=bottom,
+                                         num_layers=sum(x["num_layers"] for x in self.all_dims))
+        frozen = bottom[0]  # one stack, one family: row r is layer r
+        rows = kept.shape[0]
+        T, hd, width = float(result.tokens), d["head_dim"], d["hidden"]
+        kept_width = float(kept.sum()) * hd                                  # sum_r kept_r * head_dim
+        trained_width = float(kept[frozen:].sum()) * hd                      # rows the backward reaches
+        attention = 4.0 * seq * T * (kept_width - rows * width) \
+            + 8.0 * seq * T * (trained_width - (rows - frozen) * width)      # fwd 4 + bwd 8
+        first_qkv = 6.0 * T * width * (width - float(kept[frozen].sum()) * hd) if frozen < rows else 0.0
+        return base["total"] + attention + first_qkv
+
+    def head_metrics(self, kept: torch.Tensor, alpha: torch.Tensor | None, result: LocalResult,
+                     importance_flops: float) -> dict[str, Any]:
+        d = self.dims
+        per_layer = (kept.float().sum(1) / d["num_heads"]).tolist()
+        seq = result.tokens / max(result.examples, 1)
+        rows = kept.shape[0]  # the paper counts T5-small as 18 = 6 + 2 x 6 attention layers
+        ops = paper_ops(rows, d["hidden"], seq, kept=per_layer, **self.paper_peft())
+        dense = paper_ops(rows, d["hidden"], seq, **self.paper_peft())
+        out: dict[str, Any] = {
+            "sparsity": 1.0 - float(kept.float().mean()), "heads_kept": int(kept.sum()),
+            "headless_layers": int((~kept.any(1)).sum()), "flops_importance": importance_flops,
+            "paper_ops": ops["total"] * result.examples, "paper_ops_dense": dense["total"] * result.examples,
+            "head_kept": kept.flatten().int().tolist(), "num_heads": d["num_heads"],
+        }
+        if alpha is not None:  # diagnostics for the plots (the server gets α via ALPHA)
+            out["head_importance"] = [round(float(a), 6) for a in alpha.flatten()]
+        return out
+
+    def paper_peft(self) -> dict[str, Any]:
+        """The adapter as Table 6 counts it (its row, rank and prompt length)."""
+        about = self.adapter.describe()
+        return {"peft": about.get("table6", "none"), "rank": about.get("rank", 0),
+                "prompt_tokens": about.get("virtual_tokens", 0)}
+
+    def _skipped_metrics(self, payload: Payload) -> dict[str, float]:
+        cost = ClientCost(bytes_down=measure.tensor_bytes(payload.arrays),
+                          params_down=measure.num_params(payload.arrays), flops_measured=0.0,
+                          flops_analytic=0.0, peak_rss_mb=0.0, activation_mb=0.0)
+        return {"loss": math.nan, "steps": 0, **cost.to_metrics(), "flops_importance": 0.0,
+                "paper_ops": 0.0, "paper_ops_dense": 0.0}
+
+    @classmethod
+    def report_views(cls, folder, config, metrics, summary) -> list:
+        """Eq. 6 importance per head (mean over every client-round that scored heads) and how
+        often each head was kept."""
+        from fedslice.viz import heatmap_view
+        imp, kept = [], []
+        for r in metrics:
+            for c in r.get("client_metrics") or []:
+                if c.get("head_importance") and c.get("num_heads"):
+                    imp.append(np.reshape(c["head_importance"], (-1, int(c["num_heads"]))))
+                if c.get("head_kept") and c.get("num_heads"):
+                    kept.append(np.reshape(c["head_kept"], (-1, int(c["num_heads"]))))
+        views = []
+        if imp:
+            m = np.mean(imp, axis=0)
+            names = [f"row {i}" for i in range(m.shape[0])]
+            views.append(heatmap_view(
+                "Head importance (heads method)", m, xlabel="head", ylabel="attention layer",
+                row_names=names, value="mean importance (Eq. 6)",
+                caption=f"Mean over {len(imp)} client-rounds; rows: one per (attention family, "
+                        "layer), stack by stack."))
+        if kept:
+            m = np.mean(kept, axis=0)
+            views.append(heatmap_view(
+                "Heads kept (heads method)", m, xlabel="head", ylabel="attention layer",
+                row_names=[f"row {i}" for i in range(m.shape[0])], value="share of client-rounds kept",
+                caption=f"Share of {len(kept)} client-rounds that trained each head."))
+        return views
+
+    # -- after training ----------------------------------------------------------------------
+    def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],
+                      batch_size: int) -> dict[str, Any]:
+        """Means over client-rounds of the head metrics, and Table 6 at the paper's T = 512."""
+        ms = [m for r in records for m in r["client_metrics"] if m.get("num_examples", 0) > 0]
+        out: dict[str, Any] = {}
+        for k in ("sparsity", "heads_kept", "headless_layers", "flops_importance", "paper_ops",
+                  "paper_ops_dense"):
+            vals = [m[k] for m in ms if k in m]
+            out[f"{k}_mean"] = float(np.mean(vals)) if vals else None
+        d = self.dims
+        rows, heads = self.mask_shape
+        kept = [np.reshape(m["head_kept"], (rows, heads)).mean(1) for m in ms if "head_kept" in m]
+        per_layer = np.mean(kept, 0).tolist() if kept else 1.0
+        peft = self.paper_peft()
+        out["paper_ops_T512_dense"] = paper_ops(rows, d["hidden"], 512, **peft)["total"]
+        out["paper_ops_T512"] = paper_ops(rows, d["hidden"], 512, kept=per_layer, **peft)["total"]
+        return out
+
+    @classmethod
+    def plots(cls, run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]],
+              summary: dict[str, Any], title: str) -> list[Path]:
+        """``head_importance.png`` and ``head_distance.png`` (:func:`plot_head_importance`)."""
+        rounds = (config.get("method") or {}).get("plot_rounds", 10)
+        return plot_head_importance(metrics, run_dir, rounds, title)
+
+

@@ -1,0 +1,57 @@
+"""Options of ``heads`` (the ``[method]`` table with ``name = "heads"``). See :mod:`fedslice.methods.heads`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from fedslice.config import MethodOptions
+
+
+class HeadsMethod(MethodOptions):
+    """FedPETuning + per-client attention-head pruning, head-weighted aggregation ("Assortment of
+    Attention Heads": Eq. 6-8). Client selection is ``federation.selection`` ('loss_gap' = Eq. 9)."""
+
+    name: Literal["heads"] = "heads"
+    sparsity: float = Field(0.9, ge=0, lt=1, description="Fraction s of attention heads each client "
+                            "prunes (Eq. 7): it keeps round((1-s)*heads), in [0, 1).")
+    pruning: Literal["importance", "random", "none"] = Field(
+        "importance", description="Which heads a client keeps: its most important ones (Eq. 6), "
+        "random ones (baseline B2), or all (baseline B1).")
+    scope: Literal["global", "per_layer"] = Field(
+        "global", description="Rank heads over all layers (a layer may keep none) or per layer.")
+    prune: Literal["parameters", "forward"] = Field(
+        "parameters", description="'parameters' (the paper's §3.1): a pruned head's trainable "
+        "tensors are neither trained nor sent, the frozen head stays in the forward pass (saves "
+        "their backward/optimizer work); 'forward': pruned heads leave the sub-model (saves "
+        "forward and backward, but at high sparsity each client trains a different network and "
+        "accuracy falls far behind: README, 'Head pruning').")
+    aggregation: Literal["head_weighted", "fedavg"] = Field(
+        "head_weighted", description="Head-tied LoRA slices: importance-weighted mean (Eq. 8) or "
+        "example-weighted mean over the clients that kept the head (Eq. 5).")
+    eps: float = Field(1e-8, ge=0, description="epsilon of Eq. 8.")
+    importance_batch_size: int = Field(64, gt=0)
+    sink_keys: int = Field(
+        0, ge=0, description="Causal self-attention: the first N real tokens of an example are "
+        "not counted as keys of Eq. 6 (decoder heads park attention on the first token, an "
+        "attention sink, and look confident; README, 'Head pruning'). 0: the paper's rule.")
+    importance_max_examples: int | None = Field(
+        None, gt=0, description="Score heads on at most this many local examples (seeded sample); "
+        "default: all of them, as in the paper.")
+    plot_rounds: int = Field(10, ge=0, description="Rounds drawn in head_importance.png.")
+
+
+def kept_count(num_rows: int, num_heads: int, sparsity: float, scope: str) -> int:
+    """Heads kept per pool (every (family, layer) row for 'global', one row for 'per_layer')."""
+    pool = num_rows * num_heads if scope == "global" else num_heads
+    return int(np.round((1 - sparsity) * pool))
+
+
+def max_sparsity(pool: int) -> float:
+    """The largest sparsity, at 4 decimals, that keeps a head of a pool of ``pool`` (1 - 1/pool,
+    rounded down so that the value printed in messages is valid as written)."""
+    return math.floor((1 - 1 / pool) * 1e4) / 1e4

@@ -1,0 +1,82 @@
+"""Options of ``raffm`` (the ``[method]`` table with ``name = "raffm"``). See :mod:`fedslice.methods.raffm`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from fedslice.config import DeviceTier, MethodOptions, Section, check_tier_shares
+
+
+RaFFMTier = DeviceTier  # the older name
+
+
+class BudgetDistribution(Section):
+    """Per-client FLOPs budgets drawn uniformly from [low, high] (fractions of the full model)."""
+
+    kind: Literal["uniform"] = "uniform"
+    low: float
+    high: float
+
+    @field_validator("low", "high")
+    @classmethod
+    def _fraction(cls, v):
+        if not 0 < v <= 1:
+            raise ValueError("budget must be a fraction of the full model's FLOPs in (0, 1]")
+        return v
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "BudgetDistribution":
+        if self.low > self.high:
+            raise ValueError(f"low={self.low} is larger than high={self.high}")
+        return self
+
+
+def _default_tiers() -> list[RaFFMTier]:
+    return [RaFFMTier(share=0.25, flops=f) for f in (0.25, 0.5, 0.75, 1.0)]
+
+
+class RaFFMMethod(MethodOptions):
+    """Resource-aware sub-models: salience-ordered heads/neurons, leading slices per budget,
+    slice aggregation (RaFFM, Yu et al. 2023)."""
+
+    name: Literal["raffm"] = "raffm"
+    tuning: Literal["full", "lora"] = Field("lora", description="Full fine-tuning of the "
+                                            "sub-model, or LoRA (settings in [lora]) on it.")
+    tiers: list[RaFFMTier] = Field(default_factory=_default_tiers, min_length=1)
+    budget_distribution: BudgetDistribution | None = Field(
+        None, description="If set, each client's FLOPs budget is drawn from it (tiers unused).")
+    salience: Literal["l1", "l2"] = "l1"
+    size_weight: float = Field(0.0, ge=0, description="Slice aggregation weighs a client by "
+                               "examples x f^p, f = its sub-model's planned FLOPs fraction, p = "
+                               "this (RaFFM Eq. 7's per-configuration step eta_c); 0: examples only.")
+    reorder: bool = Field(True, description="Salience-order heads/neurons before round 1 "
+                          "(false: leading slices of the checkpoint's order, an ablation).")
+    reorder_every: int = Field(0, ge=0, description="Re-order every R rounds (0: only once).")
+    width_steps: int = Field(48, gt=0, description="Width grid of the planner: sub-models keep "
+                             "round(w*H) heads and round(w*F) neurons, w = 1/steps .. 1.")
+    elastic_depth: bool = Field(False, description="The planner may also drop layers.")
+    elastic_sizes: list[float] = Field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0],
+                                       description="FLOPs fractions evaluated after training.")
+    on_infeasible: Literal["sit_out", "error"] = Field(
+        "sit_out", description="A client whose budget is below the smallest sub-model sits out "
+        "(recorded), or the run fails naming the tier and clients.")
+    profile_batch_size: int | None = Field(None, gt=0, description="Batch the planner measures "
+                                           "(default: federation.batch_size).")
+    profile_seq_len: int | None = Field(None, gt=1, description="Sequence length the planner "
+                                        "measures (default: data.max_length, the worst case).")
+
+    @field_validator("elastic_sizes")
+    @classmethod
+    def _sizes(cls, v):
+        for x in v:
+            if not 0 < x <= 1:
+                raise ValueError(f"size {x} is not a fraction of the full model's FLOPs in (0, 1]")
+        return v
+
+    @field_validator("tiers")
+    @classmethod
+    def _shares(cls, v):
+        return check_tier_shares(v)

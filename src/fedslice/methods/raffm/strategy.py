@@ -1,0 +1,127 @@
+"""The server side of ``raffm``: its strategy (payloads, weighting, server state). See
+:mod:`fedslice.methods.raffm`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fedslice.config import FederationConfig
+from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.methods.raffm.options import RaFFMMethod
+from fedslice.models.arch import ArchSpec
+from fedslice.slicing.keys import sliceable_keys
+from fedslice.slicing.permute import Permutation, permute_state
+from fedslice.slicing.planner import Budget, Plan, SpecCost
+from fedslice.slicing.salience import model_salience, salience_order
+from fedslice.slicing.spec import spec_from_dict
+from fedslice.slicing.state import extract_state, scatter
+
+
+@dataclass(frozen=True)
+class ClientPlan:
+    tier: int | None
+    budget: Budget
+    plan: Plan
+    #: the client's LoRA rank (``lora.ranks``; None: lora.r) and the measured cost at that rank
+    rank: int | None = None
+    rank_cost: SpecCost | None = None
+
+
+class RaFFMStrategy(Strategy):
+    """Per-client leading-slice payloads and slice aggregation over state dicts; owns the
+    permutation of the global state (relative to the checkpoint's order)."""
+
+    def __init__(self, fed: FederationConfig, opts: RaFFMMethod, arch: ArchSpec,
+                 dims: list[Mapping[str, int]], plans: dict[int, ClientPlan],
+                 adapter_scale: float | None, trainable: set[str] | None = None,
+                 client_sizes: Mapping[int, int] | None = None, scales: State | None = None):
+        super().__init__(fed, client_sizes)
+        self.opts, self.arch, self.dims, self.plans = opts, arch, dims, plans
+        #: frozen layer scales salience reads (DINOv2); the state's own values win
+        self.scales = dict(scales or {})
+        #: trainable tensor names with the layer index replaced by '#' (None: every tensor)
+        self.trainable = None if trainable is None else {_generic(k) for k in trainable}
+        self.adapter_scale = adapter_scale  # the adapter's scale in salience (LoRA: alpha / r)
+        self.perm = Permutation.identity(dims)
+
+    # -- ordering ----------------------------------------------------------------------------
+    def reorder(self, state: State) -> State:
+        """Salience-order heads and neurons of ``state``; tracks the cumulative permutation."""
+        sal = model_salience({**self.scales, **state}, self.arch, self.dims, self.opts.salience,
+                             self.adapter_scale)
+        rel = salience_order(sal, self.dims, self.arch)
+        self.perm = self.perm.then(rel)
+        return permute_state(state, rel, self.arch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "perm": self.perm.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.perm = Permutation.from_dict(state["perm"])
+
+    # -- configure ---------------------------------------------------------------------------
+    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
+        cp = self.plans[client]
+        cfg = {**config, "client": client, "tier": cp.tier, "budget": cp.budget.describe()}
+        if cp.plan.spec is None:
+            return Payload(arrays={}, config={**cfg, "sit_out": cp.plan.reason})
+        return Payload(arrays=extract_state(state, cp.plan.spec, self.arch),
+                       config={**cfg, "spec": cp.plan.spec.to_dict()})
+
+    def client_rank(self, client: int) -> int | None:
+        return self.plans[client].rank
+
+    def frozen_state_keys(self, trainable, frozen) -> list[str]:
+        """The frozen q/k/v/o/FFN tensors: the global state holds them (permuted and sliced on
+        the server, sent as frozen slices)."""
+        return sliceable_keys(self.arch, list(frozen))
+
+    def absent(self, payload: Payload) -> str | None:
+        if payload.config.get("sit_out"):
+            return f"sat out: {payload.config['sit_out']}"
+        return None
+
+    def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
+        """The trainable tensors of the client's slice (the frozen slices are sent, not returned)."""
+        if self.trainable is None:
+            return payload.arrays
+        return {k: t for k, t in payload.arrays.items() if _generic(k) in self.trainable}
+
+    # -- aggregate ---------------------------------------------------------------------------
+    def size_factor(self, client: int) -> float:
+        """f^p: the client's planned FLOPs fraction to the power ``size_weight`` (1 when p = 0)."""
+        p = self.opts.size_weight
+        return 1.0 if p == 0 else self.plans[client].plan.cost.flops_ratio ** p
+
+    def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
+                       replies: dict[int, Reply]) -> tuple[list[State], list]:
+        """Slice aggregation: each client's delta scattered into full shape, weighted by its
+        examples (x f^p) times its held-mask."""
+        shapes = {k: t.shape for k, t in state.items()}
+        deltas, weights = [], []
+        for c in sorted(replies):
+            sent, reply = payloads[c], replies[c]
+            spec = spec_from_dict(sent.config["spec"])
+            delta = {k: t.float() - sent.arrays[k].float() for k, t in reply.arrays.items()}
+            full, masks = scatter(delta, spec, self.arch, shapes)
+            deltas.append(full)
+            w = float(reply.num_examples) * self.size_factor(c)
+            weights.append({k: w * m for k, m in masks.items()})
+        return deltas, weights
+
+    def after_aggregate(self, server_round: int, state: State) -> State:
+        """Re-order every ``reorder_every`` rounds (after whatever rule combined the updates)."""
+        every = self.opts.reorder_every
+        if self.opts.reorder and every and server_round % every == 0:
+            return self.reorder(state)
+        return state
+
+
+def _generic(name: str) -> str:
+    """A tensor name without its layer index (a sub-model with fewer layers renumbers them)."""
+    return re.sub(r"\.\d+\.", ".#.", name)

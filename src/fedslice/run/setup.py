@@ -1,0 +1,108 @@
+"""What a run is built from, the one way every entry point builds it: ``fedslice run`` and
+``--resume``, Flower's ServerApp and ClientApp, and ``fedslice validate``'s plan.
+
+:func:`load_inputs` reads the model's config (the architecture, checked before any weight is
+read), makes the task, reads and encodes the data and partitions it; the model comes with the
+``weights`` asked for. :func:`setup` adds the method (model, strategy) on top.
+
+``weights``:
+
+- ``"pretrained"``: the model's weight files are read (the default);
+- ``"shapes"``: built from its config on PyTorch's ``meta`` device, no weight file read (a
+  fedpft/fedot Flower client, whose tensors come from the server; ``validate``'s sizes);
+- ``"random"``: built from its config with random values (``validate`` where sizes need values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from fedslice import heap
+from fedslice.config import ExperimentConfig
+from fedslice.data import partition_indices, partition_report
+from fedslice.data.federated import FederatedData
+from fedslice.methods import Method, Role, build_method, method_class
+from fedslice.models.arch import arch_for
+from fedslice.models.loading import LoadedModel, build_from_config, load_model
+from fedslice.models.loading import load_config as load_model_config
+from fedslice.tasks import Task, make_task
+
+Weights = Literal["pretrained", "shapes", "random"]
+
+
+@dataclass
+class Inputs:
+    """The task, the raw splits (their sources), the model and the federated data of a run."""
+
+    task: Task
+    raw: dict[str, Any]
+    loaded: LoadedModel
+    data: FederatedData
+
+    def method(self, cfg: ExperimentConfig, role: Role = "both",
+               loaded: LoadedModel | None = None) -> Method:
+        """The method of ``cfg`` over this model (or ``loaded``), sized for these clients."""
+        sizes = {c: len(p) for c, p in enumerate(self.data.partitions)}
+        return build_method(cfg, loaded or self.loaded, self.task, role, client_sizes=sizes)
+
+
+def configure_process(cfg: ExperimentConfig) -> None:
+    """The process-wide settings of a run: torch's threads, the heap policy."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.compute.release_memory:
+        heap.release_freed_memory(heap.RELEASE_THRESHOLD)
+
+
+def default_weights(cfg: ExperimentConfig, role: Role) -> Weights:
+    """A client of a method whose clients get their model from the server (fedpft, fedot) reads no
+    weight file; everyone else reads the pretrained weights."""
+    return "shapes" if role == "client" and method_class(cfg.method.name).client_model_from_server \
+        else "pretrained"
+
+
+def load_inputs(cfg: ExperimentConfig, role: Role = "both", weights: Weights | None = None) -> Inputs:
+    """Check the method against the model's architecture and the task (config files only), then
+    read the data and the model with ``weights`` (default: :func:`default_weights`), encode and
+    partition the data."""
+    arch = arch_for(load_model_config(cfg.model)[0])  # the model's config only: no weights yet
+    task = make_task(cfg, arch)
+    method_class(cfg.method.name).check_supported(arch, task)
+    raw = task.load_raw()
+    k = task.num_labels(raw)
+    weights = weights or default_weights(cfg, role)
+    if weights == "pretrained":
+        loaded = load_model(cfg.model, k, cfg.seed, head=task.head)
+    else:
+        loaded = build_from_config(cfg.model, k, head=task.head,
+                                   device="meta" if weights == "shapes" else "cpu", seed=cfg.seed)
+    return Inputs(task, raw, loaded, prepare_data(cfg, task, task.encode(raw, loaded)))
+
+
+def setup(cfg: ExperimentConfig, role: Role = "both",
+          weights: Weights | None = None) -> tuple[Method, FederatedData]:
+    """Build the method (model, strategy) and the federated data of an experiment.
+
+    ``role="client"``: as a Flower ClientApp needs it, without the server-only work;
+    ``role="server"``: Flower's ServerApp (clients train elsewhere). ``weights``: see the module.
+    """
+    configure_process(cfg)
+    inputs = load_inputs(cfg, role, weights)
+    return inputs.method(cfg, role), inputs.data
+
+
+def prepare_data(cfg: ExperimentConfig, task: Task, splits: dict) -> FederatedData:
+    """Subsample the task's encoded splits if configured, partition the train split."""
+    d, seed = cfg.data, cfg.seed
+    train = task.limit(splits["train"], d.max_train_examples, seed)
+    parts = partition_indices(train.labels.tolist(), num_partitions=cfg.federation.num_clients,
+                              scheme=d.partition, seed=seed, alpha=d.alpha,
+                              shards_per_partition=d.shards_per_client,
+                              min_partition_size=d.min_partition_size)
+    report = partition_report(parts, train.labels.tolist())
+    return FederatedData(train=train, dev=task.limit(splits["dev"], d.max_dev_examples, seed),
+                         test=task.limit(splits["test"], d.max_test_examples, seed),
+                         partitions=parts, report=report, label_names=task.label_names)
