@@ -124,3 +124,12 @@ def test_importing_the_api_loads_no_transformers_or_peft():
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["heavy"] == [] and got["methods"] >= 6 and got["adapters"] >= 7, got
+
+
+def test_a_clientapp_process_answers_a_query_without_torch():
+    """A SuperNode starts a ClientApp process for every message; the discovery and end-of-run
+    queries need no torch, so loading the ClientApp module does not import it (a train message
+    does, when it trains)."""
+    code = "import sys, fedslice.flower.client_app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr[-2000:]
