@@ -156,8 +156,9 @@ def main() -> None:
     print(f"fedslice {med['fedslice']:.0f} vs Trainer {med['trainer']:.0f} real tokens/s: "
           f"{out['ratio']:.2f}x; fedslice {fps / 1e9:.1f} GFLOP/s = {fps / peak:.0%} of the "
           f"{peak / 1e9:.0f} GFLOP/s matmul peak")
-    print("saved", save(f"decoder_client_{args.precision}_{args.device}_t{args.threads}"
-                        if args.device != "cpu" else f"decoder_client_{args.precision}_t{args.threads}", out))
+    if not args.sets:  # the standard workload only: another model or data set keeps its own file
+        print("saved", save(f"decoder_client_{args.precision}_{args.device}_t{args.threads}"
+                            if args.device != "cpu" else f"decoder_client_{args.precision}_t{args.threads}", out))
     if args.json:
         Path(args.json).write_text(json.dumps(out, default=str))
 
