@@ -32,6 +32,7 @@ def test_benchmarks_has_the_gpu_check_section_and_no_dry_figures():
 @pytest.mark.xdist_group("deployment")
 def test_dry_run_runs_every_step_and_writes_only_its_table(tmp_path):
     original = (REPO / "BENCHMARKS.md").read_text()
+    results = {f: f.read_bytes() for f in (REPO / "bench" / "results").rglob("*.json")}
     bench = tmp_path / "BENCHMARKS.md"
     bench.write_text(original)
     out = subprocess.run(["bash", "bench/gpu_check.sh", "--dry", "--benchmarks", str(bench)],
@@ -45,6 +46,8 @@ def test_dry_run_runs_every_step_and_writes_only_its_table(tmp_path):
     assert "dry run on the CPU" in text.split(BEGIN, 1)[1]
     assert text.split(BEGIN)[0] == original.split(BEGIN)[0]
     assert text.split(END)[1] == original.split(END)[1]
+    # the benchmarks' standard result files are not overwritten by the tiny workloads
+    assert {f: f.read_bytes() for f in (REPO / "bench" / "results").rglob("*.json")} == results
 
 
 def test_gpu_check_refuses_to_run_without_a_gpu_unless_dry(tmp_path):
