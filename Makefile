@@ -19,8 +19,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fedslice run configs/fedpetuning_sst2.toml
 
+# every test, on the machine's cores (pytest-xdist; the Flower deployment tests share one worker)
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadgroup
 
 bench: $(STAMP)
 	$(BIN)/python bench/baselines_sst2.py

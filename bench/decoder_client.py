@@ -21,6 +21,7 @@ next to an fp32 matmul peak measured on the same cores and threads.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -51,6 +52,13 @@ def matmul_peak(threads: int, n: int = 2048, reps: int = 10) -> float:
     return best
 
 
+def cuda_matmul_peak(dtype, n: int = 8192, reps: int = 20) -> float:
+    """GEMM FLOP/s of the GPU in ``dtype`` (bench/gpu_scale.py's measure)."""
+    from gpu_scale import matmul_peak as gpu_peak
+
+    return gpu_peak(torch.device("cuda"), dtype, n, reps)
+
+
 class Examples(torch.utils.data.Dataset):
     def __init__(self, split):
         self.split = split
@@ -72,7 +80,8 @@ def collate(pad: int):
     return fn
 
 
-def run_trainer(method, data, steps: int, batch: int, lr: float, precision: str = "fp32") -> dict:
+def run_trainer(method, data, steps: int, batch: int, lr: float, precision: str = "fp32",
+                device: str = "cpu") -> dict:
     from transformers import Trainer, TrainingArguments
 
     model = method.model  # the same peft model (LoRA on q/v), state reset by the caller
@@ -88,7 +97,7 @@ def run_trainer(method, data, steps: int, batch: int, lr: float, precision: str 
         args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=batch, max_steps=steps,
                                  learning_rate=lr, weight_decay=0.0, max_grad_norm=1.0,
                                  lr_scheduler_type="constant", warmup_steps=0, report_to=[],
-                                 save_strategy="no", logging_strategy="no", use_cpu=True,
+                                 save_strategy="no", logging_strategy="no", use_cpu=device == "cpu",
                                  dataloader_num_workers=0, remove_unused_columns=False, seed=0,
                                  bf16=precision == "bf16")
         trainer = Trainer(model=model, args=args, train_dataset=Examples(data), data_collator=counted)
@@ -116,12 +125,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (both clients train there)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="more config overrides (bench/gpu_check.py --dry: a tiny model)")
+    ap.add_argument("--json", help="also write the results here (bench/gpu_check.py)")
     args = ap.parse_args()
     info = machine()
     torch.set_num_threads(args.threads)
     cfg = load_config("configs/e2e_smollm2.toml", [
         f"threads={args.threads}", "compute.workers=1", f"compute.precision={args.precision!r}".replace("'", '"'),
-        "data.max_length=64", "task.max_target_length=64", "federation.batch_size=8"])
+        "data.max_length=64", "task.max_target_length=64", "federation.batch_size=8",
+        f'compute.device="{args.device}"', *args.sets])
     method, fed = setup(cfg)
     data = fed.client(0)
     start = {n: p.detach().clone() for n, p in method.trainable().items()}
@@ -129,11 +143,11 @@ def main() -> None:
     for rep in range(args.repeats):
         for name in ("trainer", "fedslice"):
             method.load_state(method.trainable(), start)
-            r = run_trainer(method, data, args.steps, 8, 2e-3, args.precision) if name == "trainer" else \
+            r = run_trainer(method, data, args.steps, 8, 2e-3, args.precision, args.device) if name == "trainer" else \
                 run_fedslice(method, data, args.steps, client_seed(0, rep + 1, 0))
             rows[name].append(r)
             print(f"{name} #{rep}: {r['tokens_per_s']:.0f} real tokens/s ({r['time_s']:.1f} s)", flush=True)
-    peak = matmul_peak(args.threads)
+    peak = matmul_peak(args.threads) if args.device == "cpu" else cuda_matmul_peak(torch.bfloat16 if args.precision == "bf16" else torch.float32)
     med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in rows.items()}
     fps = statistics.median(r["flops_per_s"] for r in rows["fedslice"])
     out = {"machine": {**info, "loadavg_end": __import__("os").getloadavg()[0]}, "args": vars(args),
@@ -142,7 +156,11 @@ def main() -> None:
     print(f"fedslice {med['fedslice']:.0f} vs Trainer {med['trainer']:.0f} real tokens/s: "
           f"{out['ratio']:.2f}x; fedslice {fps / 1e9:.1f} GFLOP/s = {fps / peak:.0%} of the "
           f"{peak / 1e9:.0f} GFLOP/s matmul peak")
-    print("saved", save(f"decoder_client_{args.precision}_t{args.threads}", out))
+    if not args.sets:  # the standard workload only: another model or data set keeps its own file
+        print("saved", save(f"decoder_client_{args.precision}_{args.device}_t{args.threads}"
+                            if args.device != "cpu" else f"decoder_client_{args.precision}_t{args.threads}", out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, default=str))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Needs a CUDA GPU with bf16 (no weights are downloaded: the model is built from i
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--json", help="also write the results here (bench/gpu_check.py)")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -132,6 +134,8 @@ def main() -> None:
           "matmul peak")
     if not args.tiny:
         save("gpu_scale", out)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, default=str))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ tokenizing (or reading the token cache) and partitioning, building the method, t
 One cold run (an empty cache folder: the data is tokenized) then ``--repeats`` warm runs
 (medians). Also lists whether flwr, ray, datasets or matplotlib were imported.
 
+Alongside, alternating with the warm runs, each in a fresh process (issue 36, target 3): a bare
+``python -c "import torch"`` and ``python -c "import fedslice.api"``; the ratios of the API
+import and of the whole start-up (process start -> first step) to the bare torch import.
+
     .venv/bin/python bench/startup.py [--repeats 5]
 """
 
@@ -17,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "perf"))
@@ -33,6 +38,13 @@ def probe(cache: str, config: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def import_seconds(module: str) -> float:
+    """Wall time of ``python -c "import MODULE"`` in a fresh process (interpreter included)."""
+    t = time.perf_counter()
+    subprocess.run([python(), "-c", f"import {module}"], cwd=ROOT, check=True)
+    return time.perf_counter() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
@@ -41,14 +53,25 @@ def main() -> None:
     info = machine()
     with tempfile.TemporaryDirectory() as cache:
         cold = probe(cache, args.config)
-        warm = [probe(cache, args.config) for _ in range(args.repeats)]
+        warm, imports = [], {"torch": [], "fedslice.api": []}
+        for _ in range(args.repeats):  # alternating: the same load for all three
+            warm.append(probe(cache, args.config))
+            for module in imports:
+                imports[module].append(import_seconds(module))
     med = {k: statistics.median(w[k] for w in warm) for k in PHASES}
+    bare = {m: statistics.median(v) for m, v in imports.items()}
     print(f"{'phase':26} {'cold':>7} {'warm (median)':>14}")
     for k in PHASES:
         print(f"{k:26} {cold[k]:7.2f} {med[k]:14.2f}")
     print("imported:", {m: v for m, v in warm[-1]["modules"].items() if v})
+    ratios = {"api_import_vs_torch": bare["fedslice.api"] / bare["torch"],
+              "startup_vs_torch": med["total"] / bare["torch"]}
+    print(f"python -c 'import torch' {bare['torch']:.2f} s, 'import fedslice.api' "
+          f"{bare['fedslice.api']:.2f} s ({ratios['api_import_vs_torch']:.2f}x, target <= 1.5x); "
+          f"start-up {med['total']:.2f} s ({ratios['startup_vs_torch']:.2f}x, target <= 2x)")
     info["loadavg_end"] = os.getloadavg()[0]
-    print("saved", save("startup", {"machine": info, "cold": cold, "warm": warm, "warm_median": med}))
+    print("saved", save("startup", {"machine": info, "cold": cold, "warm": warm, "warm_median": med,
+                                    "imports": imports, "imports_median": bare, "ratios": ratios}))
 
 
 if __name__ == "__main__":

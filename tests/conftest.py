@@ -304,14 +304,32 @@ def tiny_vision_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, tiny_lm_dirs) -> dict[str, Path]:
+    """A tiny model of every architecture of the method x architecture table, made once per
+    session for the matrix tests (test_matrix, test_export): 4-layer encoders and image
+    backbones, the generative models of :func:`tiny_lm_dirs`."""
+    dirs = {a: save_tiny_model(tmp_path_factory.mktemp(f"m-{a}"), a, num_layers=4)
+            for a in ("bert", "roberta", "distilbert")}
+    dirs.update({a: save_tiny_vision(tmp_path_factory.mktemp(f"m-{a}"), a, num_layers=4) for a in VISION})
+    return {**dirs, **{a: tiny_lm_dirs[a] for a in ("gpt2", "llama", "t5", "bart")}}
+
+
+@pytest.fixture(scope="session")
 def tiny_images_dir(tmp_path_factory) -> Path:
     return write_image_folder(tmp_path_factory.mktemp("tiny-images"))
 
 
+@pytest.fixture(scope="session")
+def encoded_cache_dir(tmp_path_factory) -> Path:
+    """One session's cache of encoded splits (``FEDSLICE_CACHE_DIR``): keyed by content and
+    preprocessor, so the image tests encode each tiny image set once, not once per test."""
+    return tmp_path_factory.mktemp("encoded-cache")
+
+
 @pytest.fixture
-def tiny_img_cfg_dict(tiny_vision_dirs, tiny_images_dir, tmp_path, monkeypatch) -> dict:
+def tiny_img_cfg_dict(tiny_vision_dirs, tiny_images_dir, encoded_cache_dir, tmp_path, monkeypatch) -> dict:
     """A 1-round FedPETuning run of the tiny DINOv2 on the tiny image folder at 16 px."""
-    monkeypatch.setenv("FEDSLICE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FEDSLICE_CACHE_DIR", str(encoded_cache_dir))
     return {
         "seed": 0, "threads": 1,
         "data": {"path": str(tiny_images_dir)},

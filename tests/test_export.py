@@ -20,7 +20,7 @@ from fedslice.errors import ConfigError, FedsliceError
 from fedslice.export import export_run
 from fedslice.models.loading import AUTO_CLASSES
 from fedslice.tasks import evaluate_classifier
-from test_matrix import ENCODERS, GENERATIVE, model_dirs  # noqa: F401  (fixture)
+from test_matrix import ENCODERS, GENERATIVE
 
 TOL = 1e-4
 

@@ -329,8 +329,11 @@ _have_flower = pytest.mark.skipif(not (BIN / "flower-superlink").exists(),
 
 
 def needs_flower(test):
-    """An end-to-end deployment test (marker ``deployment``: ``-m "not deployment"`` skips)."""
-    return pytest.mark.deployment(_have_flower(test))
+    """An end-to-end deployment test (marker ``deployment``: ``-m "not deployment"`` skips).
+    Under pytest-xdist (``make test``: ``--dist loadgroup``) every one of them runs on the same
+    worker, one after another: their SuperLinks, SuperNodes and ServerApps never compete with
+    each other for the cores or for loopback ports."""
+    return pytest.mark.xdist_group("deployment")(pytest.mark.deployment(_have_flower(test)))
 
 
 @pytest.fixture
@@ -376,14 +379,51 @@ def _e2e_config(cfg_dict: dict, tmp_path: Path, method: str, rounds: int = 2,
     return _write_config(cfg_dict, tmp_path / f"{method}.json")
 
 
-def _check_deployed_run(run_dir: Path, cfg_dict: dict, node_logs: bool = True) -> None:
+def _check_deployed_run(run_dir: Path, cfg_dict: dict, node_logs: bool = True,
+                        logs: bool = True) -> None:
+    """The in-process engine's weights and selections; with ``logs``, the logs ``fedslice
+    deploy`` collects into the run folder (``node_logs``: a SuperNode's too)."""
     state, records, _ = _in_process(cfg_dict)
     _assert_same_state(_weights(run_dir), state)
     _, metrics, summary = read_run(run_dir)
     assert [m["clients"] for m in metrics] == [r["clients"] for r in records]
     assert summary["engine"] == "flower" and summary["failed_nodes"] == 0
-    logs = {"run.log", "superlink.log"} | ({"supernode-0.log"} if node_logs else set())
-    assert logs <= {p.name for p in (run_dir / "flower").iterdir()}
+    if logs:
+        wanted = {"run.log", "superlink.log"} | ({"supernode-0.log"} if node_logs else set())
+        assert wanted <= {p.name for p in (run_dir / "flower").iterdir()}
+
+
+@pytest.fixture(scope="module")
+def loopback(tmp_path_factory):
+    """One SuperLink and 2 SuperNodes on loopback, shared by this module's deployment tests that
+    only submit a run (each run has its own config, output folder and node state; starting a
+    federation costs more than a tiny run). Every process and its descendants are checked gone
+    at the end."""
+    import psutil
+
+    from fedslice.flower import local
+
+    fed = local.LocalFederation(tmp_path_factory.mktemp("loopback"), nodes=2,
+                                server_roots=[tmp_path_factory.getbasetemp()])
+    with fed:
+        family = [psutil.Process(p.pid) for p in fed.processes]
+        yield fed
+        family += [c for p in fed.processes for c in local._descendants(p.pid)]
+    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in alive:
+        p.kill()
+    assert not alive, f"processes left running: {alive}"
+
+
+def _run_on(fed, tmp_path: Path, config: Path, timeout: float = 240.0) -> Path:
+    """Submit ``config`` to a running federation (``flwr run``), wait for it to complete; its
+    run folder."""
+    result = tmp_path / "result.txt"
+    run_id = _submit(fed, tmp_path, config, **{"result-file": str(result), "round-timeout": 90.0,
+                                               "connect-timeout": 60.0})
+    status = fed.wait(run_id, timeout, finished_hint=result.exists)
+    assert status == "finished:completed" and result.is_file(), fed.run_log(run_id)[-3000:]
+    return Path(result.read_text().strip())
 
 
 @needs_flower
@@ -400,31 +440,23 @@ def test_deploy_local_two_supernodes_matches_in_process(tiny_cfg_dict, tmp_path,
 
 
 @needs_flower
-def test_deploy_local_generation_on_a_decoder_matches_in_process(tiny_gen_cfg_dict, tmp_path, started):
+def test_deployed_generation_on_a_decoder_matches_in_process(tiny_gen_cfg_dict, tmp_path, loopback):
     """A decoder LLM (tiny LLaMA, grouped-query attention) generating on SuperLink + 2
     SuperNodes: the in-process weights, and BLEU/ROUGE in the summary."""
-    from fedslice.flower.deploy import deploy_local
-
     tiny_gen_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=2)
-    path = _write_config(tiny_gen_cfg_dict, tmp_path / "gen.json")
-    run_dir = deploy_local(path, nodes=2, out_dir=tmp_path / "runs", round_timeout=90,
-                           connect_timeout=60, timeout=240, workdir=tmp_path / "work")
-    _check_deployed_run(run_dir, tiny_gen_cfg_dict)
+    run_dir = _run_on(loopback, tmp_path, _write_config(tiny_gen_cfg_dict, tmp_path / "gen.json"))
+    _check_deployed_run(run_dir, tiny_gen_cfg_dict, logs=False)
     _, _, summary = read_run(run_dir)
     assert summary["primary_metric"] == "rougeL" and "test_bleu" in summary
 
 
 @needs_flower
-def test_deploy_local_image_classification_matches_in_process(tiny_img_cfg_dict, tmp_path, started):
+def test_deployed_image_classification_matches_in_process(tiny_img_cfg_dict, tmp_path, loopback):
     """A tiny DINOv2 classifying images on SuperLink + 2 SuperNodes (each node preprocesses its
     images): the in-process weights and per-class test accuracy."""
-    from fedslice.flower.deploy import deploy_local
-
     tiny_img_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=2)
-    path = _write_config(tiny_img_cfg_dict, tmp_path / "img.json")
-    run_dir = deploy_local(path, nodes=2, out_dir=tmp_path / "runs", round_timeout=90,
-                           connect_timeout=60, timeout=240, workdir=tmp_path / "work")
-    _check_deployed_run(run_dir, tiny_img_cfg_dict)
+    run_dir = _run_on(loopback, tmp_path, _write_config(tiny_img_cfg_dict, tmp_path / "img.json"))
+    _check_deployed_run(run_dir, tiny_img_cfg_dict, logs=False)
     _, _, summary = read_run(run_dir)
     assert summary["task"] == "image_classification"
     assert set(summary["test_accuracy_per_class"]) == {"left", "right"}

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from conftest import VISION, save_tiny_model, save_tiny_vision
+from conftest import VISION
 from fedslice.api import setup
 from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError
@@ -34,11 +34,7 @@ WORKS = {(m, a) for m in METHODS for a in ENCODERS} | \
         {(m, a) for m in METHODS for a in GENERATIVE}
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory, tiny_lm_dirs):
-    dirs = {a: save_tiny_model(tmp_path_factory.mktemp(f"m-{a}"), a, num_layers=4) for a in ENCODERS}
-    dirs.update({a: save_tiny_vision(tmp_path_factory.mktemp(f"m-{a}"), a, num_layers=4) for a in VISION})
-    return {**dirs, **{a: tiny_lm_dirs[a] for a in GENERATIVE}}
+# model_dirs (conftest, one per session): a tiny model of every architecture of the table
 
 
 @pytest.fixture(scope="module")

@@ -106,3 +106,30 @@ def test_cli_turns_on_torch_huge_page_tensors_unless_the_environment_says_no():
         outs[preset] = out.stdout.split()[-2:]
     assert outs[None] == ["1", "0"]
     assert outs["0"][0] == "0" and outs["0"][1] != "0"
+
+
+def test_importing_the_api_loads_no_transformers_or_peft():
+    """``import fedslice.api`` (and the config loader, every plug-in registered) costs torch and
+    fedslice only: transformers' model classes and peft, which loads transformers' auto classes,
+    are imported when a model is loaded and an adapter applied (issue 36, target 3)."""
+    code = textwrap.dedent("""
+        import json, sys
+        import fedslice.api, fedslice.experiment, fedslice.plugins
+        from fedslice.registry import ADAPTERS, METHODS
+        print(json.dumps({"heavy": sorted(m for m in sys.modules if m.split(".")[0] in
+                                          ("transformers", "peft", "flwr", "matplotlib", "datasets")),
+                          "methods": len(METHODS), "adapters": len(ADAPTERS)}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["heavy"] == [] and got["methods"] >= 6 and got["adapters"] >= 7, got
+
+
+def test_a_clientapp_process_answers_a_query_without_torch():
+    """A SuperNode starts a ClientApp process for every message; the discovery and end-of-run
+    queries need no torch, so loading the ClientApp module does not import it (a train message
+    does, when it trains)."""
+    code = "import sys, fedslice.flower.client_app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr[-2000:]

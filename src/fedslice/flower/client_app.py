@@ -34,15 +34,16 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedslice.fl.strategy import State
 from fedslice.flower.nodes import (END_RUN, NUM_PARTITIONS, PARTITION_ID, DeploymentError,
                                    node_partition)
-from fedslice.methods.submodel import BASE_PREFIX
+
+if TYPE_CHECKING:  # SuperNodes start a ClientApp process per message: a query needs no torch
+    from fedslice.fl.strategy import State
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ def load_kept(context: Context) -> State:
     from safetensors import safe_open
 
     from fedslice.flower.codec import record_to_state
+    from fedslice.methods.submodel import BASE_PREFIX
 
     kept = context.state.array_records.get(CLIENT_STATE)
     state = record_to_state(kept) if kept is not None else {}
@@ -107,6 +109,7 @@ def store_kept(context: Context, state: State, received_model: bool) -> None:
     from safetensors.torch import save_file
 
     from fedslice.flower.codec import state_to_record
+    from fedslice.methods.submodel import BASE_PREFIX
 
     model = {k[len(BASE_PREFIX):]: t.contiguous() for k, t in state.items() if k.startswith(BASE_PREFIX)}
     context.state[CLIENT_STATE] = state_to_record({k: t for k, t in state.items()

@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch.nn as nn
-from peft import TaskType, get_peft_model
 
 from fedslice.errors import ConfigError
 from fedslice.models.arch import ArchSpec
@@ -34,6 +33,8 @@ from fedslice.peft.base import Adapter, AdapterCost, Layers, freeze, train_class
 def task_type(model: nn.Module) -> TaskType:
     """peft's task type of a HF model, from its head: a LM head (output embeddings) on an
     encoder-decoder is seq2seq, on a decoder causal; anything else a sequence classifier."""
+    from peft import TaskType  # peft loads transformers' auto classes: only when used
+
     lm = model.get_output_embeddings() is not None
     if getattr(model.config, "is_encoder_decoder", False):
         return TaskType.SEQ_2_SEQ_LM if lm else TaskType.SEQ_CLS
@@ -93,6 +94,8 @@ class PromptLearningAdapter(Adapter):
                   "num_layers": d["num_layers"], "token_dim": d["hidden"],
                   "num_attention_heads": d["num_heads"],
                   "num_transformer_submodules": 1}
+        from peft import get_peft_model
+
         model = get_peft_model(model, self.peft_config(common, model))
         unwrap_saved_modules(model, self.arch)
         if self.options.train_classifier:

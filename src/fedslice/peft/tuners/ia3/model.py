@@ -7,8 +7,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from peft import IA3Config as PeftIA3Config
-from peft import get_peft_model
 
 import fedslice.peft.targets as targets
 from fedslice.peft.base import Adapter, AdapterCost, Layers, freeze, train_classifier
@@ -32,6 +30,8 @@ class IA3Adapter(Adapter):
         freeze(model)
         o = self.options
         names = targets.resolve(model, self.arch, "ia3", o.targets, o.target_modules, layers)
+        from peft import IA3Config as PeftIA3Config, get_peft_model  # peft loads transformers' auto classes: only when used
+
         peft_cfg = PeftIA3Config(target_modules=names,
                                  feedforward_modules=targets.in_side_modules(model, self.arch, names),
                                  fan_in_fan_out=self.arch.layout.transposed)

@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from peft import LoraConfig as PeftLoraConfig
-from peft import get_peft_model
 
 from fedslice.errors import FedsliceError
 from fedslice.models.arch import ArchSpec
@@ -51,6 +49,8 @@ def apply_lora(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
     The classifier is made trainable in place (not via peft's ``modules_to_save`` copies), so its
     parameter names stay those of the HF checkpoint.
     """
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model  # peft loads transformers' auto classes: only when used
+
     names = resolve_targets(model, arch, cfg, layers, section)
     targets.check_rank(model, arch, section, cfg.r, names)
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,

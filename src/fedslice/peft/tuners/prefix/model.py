@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from peft import PrefixTuningConfig
 
 from fedslice.errors import ConfigError
 from fedslice.models.arch import ArchSpec
@@ -41,6 +40,8 @@ class PrefixAdapter(PromptLearningAdapter):
                               "how peft adds the prefix. Use lora, dora, ia3 or prompt")
 
     def peft_config(self, common: dict[str, Any], model: nn.Module) -> PrefixTuningConfig:
+        from peft import PrefixTuningConfig
+
         o = self.options
         return PrefixTuningConfig(prefix_projection=o.projection,
                                   encoder_hidden_size=o.encoder_hidden_size or common["token_dim"],

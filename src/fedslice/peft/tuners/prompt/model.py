@@ -5,13 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn as nn
-from peft import PromptTuningConfig, PromptTuningInit
 
 from fedslice.peft.prompt_learning import PromptLearningAdapter
 from fedslice.peft.tuners.prompt.config import PromptConfig
 
-_INIT = {"random": PromptTuningInit.RANDOM, "vocab": PromptTuningInit.SAMPLE_VOCAB,
-         "text": PromptTuningInit.TEXT}
+_INIT = {"random": "RANDOM", "vocab": "SAMPLE_VOCAB", "text": "TEXT"}  # peft's PromptTuningInit members
 
 
 class PromptAdapter(PromptLearningAdapter):
@@ -25,9 +23,11 @@ class PromptAdapter(PromptLearningAdapter):
 
     def peft_config(self, common: dict[str, Any], model: nn.Module) -> PromptTuningConfig:
         """``init = 'text'`` tokenizes ``init_text`` with the tokenizer saved beside the model."""
+        from peft import PromptTuningConfig, PromptTuningInit
+
         o = self.options
         extra = {}
         if o.init == "text":
             extra = {"prompt_tuning_init_text": o.init_text,
                      "tokenizer_name_or_path": model.config.name_or_path}
-        return PromptTuningConfig(prompt_tuning_init=_INIT[o.init], **extra, **common)
+        return PromptTuningConfig(prompt_tuning_init=PromptTuningInit[_INIT[o.init]], **extra, **common)

@@ -5,13 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn as nn
-from peft import PromptEncoderConfig, PromptEncoderReparameterizationType
 
 from fedslice.peft.prompt_learning import PromptLearningAdapter
 from fedslice.peft.tuners.ptuning.config import PTuningConfig
 
-_ENCODER = {"mlp": PromptEncoderReparameterizationType.MLP,
-            "lstm": PromptEncoderReparameterizationType.LSTM}
+_ENCODER = {"mlp": "MLP", "lstm": "LSTM"}  # peft's PromptEncoderReparameterizationType members
 
 
 class PTuningAdapter(PromptLearningAdapter):
@@ -24,8 +22,11 @@ class PTuningAdapter(PromptLearningAdapter):
     input_prompts = True
 
     def peft_config(self, common: dict[str, Any], model: nn.Module) -> PromptEncoderConfig:
+        from peft import PromptEncoderConfig, PromptEncoderReparameterizationType
+
         o = self.options
-        return PromptEncoderConfig(encoder_reparameterization_type=_ENCODER[o.encoder],
+        encoder = PromptEncoderReparameterizationType[_ENCODER[o.encoder]]
+        return PromptEncoderConfig(encoder_reparameterization_type=encoder,
                                    encoder_hidden_size=o.encoder_hidden_size or common["token_dim"],
                                    encoder_num_layers=o.encoder_num_layers,
                                    encoder_dropout=o.encoder_dropout, **common)
