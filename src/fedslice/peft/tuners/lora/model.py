@@ -114,6 +114,8 @@ class LoraAdapter(Adapter):
     def export_config(self, state, modules_to_save):
         """peft's ``LoraConfig`` for the modules carrying ``lora_A``/``lora_B`` in ``state``, at
         the rank of their tensors (one rank: a peft adapter has one) and this config's alpha."""
+        from peft import LoraConfig as PeftLoraConfig  # peft only when used (start-up)
+
         ranks = {int(t.shape[0]) for k, t in state.items() if ".lora_A." in k}
         if len(ranks) != 1:
             raise FedsliceError(f"LoRA tensors of several ranks {sorted(ranks)}: not one peft adapter")
