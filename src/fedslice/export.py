@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,14 +40,14 @@ from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, FedsliceError
 from fedslice.models.arch import CLASSIFIER_HEADS, ArchSpec, arch_for
 from fedslice.models.loading import LoadedModel, load_model
-from fedslice.output import CONFIG_JSON, LATEST_WEIGHTS, SUMMARY, WEIGHTS, write_json_atomic
+from fedslice.output import (CONFIG_JSON, LATEST_WEIGHTS, SUMMARY, WEIGHTS, is_staging,
+                             write_json_atomic)
 from fedslice.methods import method_class
 from fedslice.peft.base import base_name, make_adapter
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("peft", "merged")
-_PARTIAL_RE = re.compile(r"^\..+\.partial-\d+(?:-\d+)?$")  # output.RunDir staging names
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,7 +86,7 @@ def read_run(run_dir: str | Path, allow_partial: bool = False) -> TrainedRun:
     cfg = validate_config(json.loads((path / CONFIG_JSON).read_text()), str(path / CONFIG_JSON))
     info = json.loads((path / INFERENCE).read_text())
     missing = [n for n in (SUMMARY, WEIGHTS) if not (path / n).is_file()]
-    staging = bool(_PARTIAL_RE.match(path.name))
+    staging = is_staging(path)
     if not missing and not staging:
         from safetensors.torch import load_file
         return TrainedRun(path, cfg, info, load_file(str(path / WEIGHTS)))

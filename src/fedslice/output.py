@@ -46,6 +46,11 @@ _PARTIAL_RE = re.compile(r"^\.(?P<name>.+)\.partial-(?P<pid>\d+)(?:-\d+)?$")
 _BAD_NAME_RE = re.compile(r"[/\\\x00]")
 
 
+def is_staging(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names the staging folder of an unfinished run (``.<name>.partial-<pid>``)."""
+    return _PARTIAL_RE.match(Path(path).name) is not None
+
+
 # --------------------------------------------------------------------------------------------
 # JSON
 # --------------------------------------------------------------------------------------------

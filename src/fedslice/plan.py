@@ -22,7 +22,7 @@ from fedslice.errors import FedsliceError
 from fedslice.data.federated import FederatedData
 from fedslice.measure import ClientCost
 from fedslice.models.loading import LoadedModel, build_from_config, load_config
-from fedslice.run.setup import Inputs, load_inputs
+from fedslice.run.setup import Inputs, configure_process, load_inputs
 
 
 @dataclass
@@ -146,8 +146,7 @@ def make_plan(cfg: ExperimentConfig, *, timing: bool = True) -> Plan:
 
     Raises the errors a run would raise at start (ConfigError, DataError, ModelError).
     """
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    configure_process(cfg)
     inputs = load_inputs(cfg, role="client", weights="shapes")
     task, raw, data = inputs.task, inputs.raw, inputs.data
     k = task.num_labels(raw)
