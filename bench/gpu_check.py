@@ -101,7 +101,7 @@ def _short_run(sets: list[str]) -> dict:
 
     from fedslice.api import setup
     from fedslice.experiment import load_config
-    from fedslice.fl.engine import Simulation
+    from fedslice.run.engine import Simulation
 
     cfg = load_config(WORKLOAD, ["federation.num_clients=4", "federation.clients_per_round=2",
                                  "federation.rounds=2", "federation.local_steps=4",
