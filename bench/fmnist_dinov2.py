@@ -168,7 +168,7 @@ def table(out: Path) -> str:
                 s = by.get((v, partition, seed))
                 if s:
                     lines.append(_row(s, by.get(("fedpetuning", partition, seed))))
-        lines += [""] + claims(by, partition) + [""]
+        lines += [""] + claims(by, partition) + [""] + kd_table(part, by, partition)
         raffm = [r for r in part if r["variant"] == "raffm" and r.get("elastic")]
         for r in raffm:
             lines += [f"raffm elastic inference, seed {r['seed']} (the one global model at each size):", "",
@@ -183,6 +183,30 @@ def table(out: Path) -> str:
                              f"{_fmt(100 * e['test_accuracy'])} |")
             lines.append("")
     return "\n".join(lines)
+
+
+def kd_table(part: list[dict], by: dict, partition: str) -> list[str]:
+    """FedPFT against its layer-KD budget: the proxy's own accuracy, the plugged-in full model's,
+    and the distillation's measured cost (issue 35, part 5)."""
+    rows = sorted((r for r in part if r["variant"].startswith("fedpft")),
+                  key=lambda r: (r["seed"], r.get("kd_before_steps") or 0))
+    if not rows:
+        return []
+    out = ["FedPFT vs its layer-KD budget (Δ against fedpetuning of the same seed; plug-in = full "
+           "model with the proxy's LoRA − the proxy itself):", "",
+           "| seed | KD steps | KD TFLOPs (measured) | KD min | KD loss start → end | proxy acc % | "
+           "plugged-in acc % | plug-in (pt) | proxy − fedpetuning (pt) | plugged-in − fedpetuning (pt) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = by.get(("fedpetuning", partition, r["seed"]))
+        acc, proxy = 100 * r["test_accuracy"], 100 * (r.get("proxy_test_accuracy") or 0)
+        b = None if base is None else 100 * base["test_accuracy"]
+        out.append(f"| {r['seed']} | {r.get('kd_before_steps', 0)} | {_fmt((r.get('kd_before_flops') or 0) / 1e12, 1)} | "
+                   f"{_fmt((r.get('kd_before_time_s') or 0) / 60, 1)}{' (cached)' if r.get('kd_before_cached') else ''} | "
+                   f"{_fmt(r.get('kd_before_loss_start'), 3)} → {_fmt(r.get('kd_before_loss_end'), 3)} | "
+                   f"{proxy:.2f} | {acc:.2f} | {acc - proxy:+.2f} | "
+                   f"{_fmt(None if b is None else proxy - b)} | {_fmt(None if b is None else acc - b)} |")
+    return out + [""]
 
 
 def claims(by: dict, partition: str) -> list[str]:
