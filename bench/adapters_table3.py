@@ -70,7 +70,8 @@ def run_one(cfg, out: Path, name: str, s: float) -> dict:
     mean = lambda k: sum(m.get(k) or 0.0 for m in clients) / max(len(clients), 1)  # noqa: E731
     return {"adapter": name, "sparsity": s, "peft": cfg.peft.method, "run_dir": str(path),
             "test_accuracy": summary.get("test_accuracy"), "test_rougeL": summary.get("test_rougeL"),
-            "test_bleu": summary.get("test_bleu"), "bytes_up": mean("bytes_up"),
+            "test_bleu": summary.get("test_bleu"), "dev_accuracy": summary.get("final_dev_accuracy"),
+            "dev_rougeL": summary.get("final_dev_rougeL"), "bytes_up": mean("bytes_up"),
             "bytes_down": mean("bytes_down"), "flops_measured": mean("flops_measured"),
             "flops_analytic": mean("flops_analytic"), "flops_importance": mean("flops_importance"),
             "tokens": mean("tokens"), "trainable_params": mean("trainable_params"),

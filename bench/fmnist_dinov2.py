@@ -16,8 +16,10 @@ distillation corpus, as the paper distils ViT on ImageNet) and the same test set
   the global model evaluated at those sizes (elastic inference; checked monotone);
 * ``heads90``: FedPETuning with 90% of the heads pruned per client (Eq. 6 on 128 local images,
   the class token left out of the keys), head-weighted aggregation;
-* ``fedpft_kd1000``: ``fedpft`` with 5x the layer KD before FL (1000 steps): the plug-in gap
-  (proxy accuracy vs the full model with the proxy's LoRA) against the distillation budget.
+* ``fedpft_kd300``, ``fedpft_kd1000``, ``fedpft_kd5000``: ``fedpft`` with 300 / 1,000 / 5,000
+  layer-KD steps before FL (``fedpft`` itself has ``--kd-steps``): the proxy's own accuracy and the
+  plug-in gap (proxy vs the full model with the proxy's LoRA) against the distillation budget,
+  whose cost is ``kd_before_flops`` (issue 35, part 5).
 
 Each run writes ``runs/<key>.json`` (key ``variant-partition-sN``) under ``--out`` and is skipped
 when present, so invocations may run side by side (one ``--variants`` / ``--seeds`` subset each)
@@ -52,8 +54,10 @@ VARIANTS = {
     "raffm": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
               "elastic_sizes": QUARTERS},
     "heads90": {"name": "heads", "sparsity": 0.9, "importance_max_examples": 128},
-    # the plug-in gap vs the distillation budget: 5x the layer KD (1000 steps), the same FL
-    "fedpft_kd1000": "kd1000",
+    # the proxy and the plug-in gap vs the distillation budget: layer-KD steps, the same FL
+    "fedpft_kd300": 300,
+    "fedpft_kd1000": 1000,
+    "fedpft_kd5000": 5000,
 }
 CLAIMS = {
     "fedpetuning": "baseline: LoRA on the full model",
@@ -61,7 +65,9 @@ CLAIMS = {
     "fedot": "FedOT: emulator + adapter, below FedPFT",
     "raffm": "RaFFM: tiers of 0.25-1x FLOPs; elastic sizes monotone",
     "heads90": "heads at 90%: close to dense, less upload",
-    "fedpft_kd1000": "FedPFT with 5x the layer KD: does the proxy -> full-model gap close?",
+    "fedpft_kd300": "FedPFT with 300 layer-KD steps",
+    "fedpft_kd1000": "FedPFT with 1,000 layer-KD steps: does the proxy -> full-model gap close?",
+    "fedpft_kd5000": "FedPFT with 5,000 layer-KD steps",
 }
 
 
@@ -89,7 +95,8 @@ def config(variant: str, partition: str, seed: int, args) -> dict:
     if base["method"]["name"] == "fedpft" and args.align_every:
         base["method"]["align_every"] = args.align_every
     if "distill" in base["method"]:
-        base["method"]["distill"]["steps"] = 5 * args.kd_steps if VARIANTS[variant] == "kd1000" else args.kd_steps
+        kd = VARIANTS[variant]
+        base["method"]["distill"]["steps"] = kd if isinstance(kd, int) else args.kd_steps
     return base
 
 
@@ -106,7 +113,8 @@ def run(variant: str, partition: str, seed: int, args) -> dict:
              machine=f"{platform.node()} ({os.cpu_count()} CPUs)",
              rounds_run=len(metrics), local_steps=args.local_steps,
              clients_per_round=args.clients_per_round,
-             image_size=args.image_size or 56, kd_steps=args.kd_steps)
+             image_size=args.image_size or 56, kd_steps=args.kd_steps,
+             date=time.strftime("%Y-%m-%d %H:%M"))
     return s
 
 
@@ -160,7 +168,7 @@ def table(out: Path) -> str:
                 s = by.get((v, partition, seed))
                 if s:
                     lines.append(_row(s, by.get(("fedpetuning", partition, seed))))
-        lines += [""] + claims(by, partition) + [""]
+        lines += [""] + claims(by, partition) + [""] + kd_table(part, by, partition)
         raffm = [r for r in part if r["variant"] == "raffm" and r.get("elastic")]
         for r in raffm:
             lines += [f"raffm elastic inference, seed {r['seed']} (the one global model at each size):", "",
@@ -175,6 +183,30 @@ def table(out: Path) -> str:
                              f"{_fmt(100 * e['test_accuracy'])} |")
             lines.append("")
     return "\n".join(lines)
+
+
+def kd_table(part: list[dict], by: dict, partition: str) -> list[str]:
+    """FedPFT against its layer-KD budget: the proxy's own accuracy, the plugged-in full model's,
+    and the distillation's measured cost (issue 35, part 5)."""
+    rows = sorted((r for r in part if r["variant"].startswith("fedpft")),
+                  key=lambda r: (r["seed"], r.get("kd_before_steps") or 0))
+    if not rows:
+        return []
+    out = ["FedPFT vs its layer-KD budget (Δ against fedpetuning of the same seed; plug-in = full "
+           "model with the proxy's LoRA − the proxy itself):", "",
+           "| seed | KD steps | KD TFLOPs (measured) | KD min | KD loss start → end | proxy acc % | "
+           "plugged-in acc % | plug-in (pt) | proxy − fedpetuning (pt) | plugged-in − fedpetuning (pt) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = by.get(("fedpetuning", partition, r["seed"]))
+        acc, proxy = 100 * r["test_accuracy"], 100 * (r.get("proxy_test_accuracy") or 0)
+        b = None if base is None else 100 * base["test_accuracy"]
+        out.append(f"| {r['seed']} | {r.get('kd_before_steps', 0)} | {_fmt((r.get('kd_before_flops') or 0) / 1e12, 1)} | "
+                   f"{_fmt((r.get('kd_before_time_s') or 0) / 60, 1)}{' (cached)' if r.get('kd_before_cached') else ''} | "
+                   f"{_fmt(r.get('kd_before_loss_start'), 3)} → {_fmt(r.get('kd_before_loss_end'), 3)} | "
+                   f"{proxy:.2f} | {acc:.2f} | {acc - proxy:+.2f} | "
+                   f"{_fmt(None if b is None else proxy - b)} | {_fmt(None if b is None else acc - b)} |")
+    return out + [""]
 
 
 def claims(by: dict, partition: str) -> list[str]:
@@ -252,7 +284,11 @@ def main() -> None:
     rows = [json.loads(p.read_text()) for p in sorted((args.out / "runs").glob("*.json"))]
     keep = ("variant", "partition", "seed", "test_accuracy", "proxy_test_accuracy", "bytes_up_mean",
             "bytes_down_mean", "flops_measured_mean", "flops_analytic_mean", "round_time_s",
-            "bench_wall_s", "loadavg_start", "loadavg_end", "elastic", "test_accuracy_per_class")
+            "bench_wall_s", "loadavg_start", "loadavg_end", "elastic", "test_accuracy_per_class",
+            "kd_before_steps", "kd_before_flops", "kd_before_time_s", "kd_before_loss_start",
+            "kd_before_loss_end", "kd_before_cached", "kd_during_rounds", "proxy_dev_accuracy",
+            "final_dev_accuracy", "rounds_run", "clients_per_round", "local_steps", "image_size",
+            "date")
     (args.out / "results.json").write_text(json.dumps([{k: r.get(k) for k in keep} for r in rows],
                                                       indent=1, default=str))
     print(table(args.out))

@@ -468,3 +468,25 @@ def test_corpus_fingerprint_follows_content_not_modification_time(tmp_path):
     (copy / "sub" / "two.txt").write_text("second passage, edited\n")
     assert fingerprint(copy) != key
     assert fingerprint(src / "one.txt") == fingerprint(copy / "one.txt")
+
+
+def test_keep_ratio_one_without_kd_trains_fedpetunings_model(pft_cfg):
+    """Issue 35 part 5: with every neuron kept and no distillation, the proxy is the full model,
+    so FedPFT must train exactly FedPETuning's model (same config, seed, partition and sampling):
+    the same global LoRA + classifier after every round, and the same plugged-in predictions."""
+    pft_cfg["federation"]["rounds"] = 3
+    pft_cfg["method"].update(keep_ratio=1.0, kd="none")
+    base = copy.deepcopy(pft_cfg)
+    base["method"] = {"name": "fedpetuning"}
+    pft, pft_state, pft_records, pft_summary = _run(pft_cfg)
+    ref, ref_state, ref_records, ref_summary = _run(base)
+    assert pft.compressed == [] and not pft.proxy_params
+    assert set(pft_state) == set(ref_state)
+    worst = max(float((pft_state[k] - ref_state[k]).abs().max()) for k in ref_state)
+    assert worst <= 1e-6, f"max |delta| of the global state = {worst:g}"
+    start = setup(validate_config(base))[0].initial_state()
+    assert any(not torch.equal(ref_state[k], start[k]) for k in ref_state)  # it trained
+    torch.testing.assert_close(_logits(pft.eval_model(pft_state)), _logits(ref.eval_model(ref_state)),
+                               rtol=0, atol=1e-6)
+    assert pft_summary["test_accuracy"] == ref_summary["test_accuracy"]
+    assert [r.get("dev_accuracy") for r in pft_records] == [r.get("dev_accuracy") for r in ref_records]
