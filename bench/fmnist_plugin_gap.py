@@ -42,7 +42,7 @@ from fmnist_resolution import probe  # noqa: E402
 
 from fedslice.api import setup  # noqa: E402
 from fedslice.experiment import validate_config  # noqa: E402
-from fedslice.fl.engine import Simulation  # noqa: E402
+from fedslice.run.engine import Simulation  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

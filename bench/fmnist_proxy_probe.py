@@ -43,7 +43,7 @@ from fmnist_resolution import probe  # noqa: E402
 
 from fedslice.api import setup  # noqa: E402
 from fedslice.experiment import validate_config  # noqa: E402
-from fedslice.methods.fedpft import build_proxy, proxy_slice  # noqa: E402
+from fedslice.methods.fedpft.proxy import build_proxy, proxy_slice  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

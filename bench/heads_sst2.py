@@ -41,7 +41,7 @@ from fedslice.api import run_experiment
 from fedslice.experiment import validate_config
 from fedslice.api import setup
 from fedslice.run.engine import Simulation
-from fedslice.report import _figure, _save, plot_compare
+from fedslice.report import figure, plot_compare, save_figure
 
 VARIANTS = {  # name -> method options
     "B1-dense": {"pruning": "none", "aggregation": "fedavg", "sparsity": 0.0},
@@ -166,7 +166,7 @@ def markdown(rows: list[dict]) -> str:
 def plot_sweep(points: list[tuple[float, Path]], path: Path) -> None:
     """Fig. 4 shape: test accuracy, MB up per client-round and training FLOPs per token (measured,
     analytic, and the paper's Table 6 OPs at T=512, relative to dense) against sparsity."""
-    fig, axes = _figure(ncols=3, width=4.0, height=3.2)
+    fig, axes = figure(ncols=3, width=4.0, height=3.2)
     xs = [100 * s for s, _ in points]
     sums = [json.loads((r / "summary.json").read_text()) for _, r in points]
     tots = [client_totals(r) for _, r in points]
@@ -187,7 +187,7 @@ def plot_sweep(points: list[tuple[float, Path]], path: Path) -> None:
         ax.grid(True, alpha=0.3)
     for ax in axes[1:]:
         ax.legend(loc="best", fontsize="small")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def main() -> None:
