@@ -15,11 +15,13 @@ from fedslice.output import reserve_folder, write_json_atomic
 from fedslice.progress import activate, make_display
 from fedslice.html_report import REPORT, write_compare_report
 from fedslice.report import markdown_table, plot_compare, render_table, summary_row
-from fedslice.run.checkpoint import (check_same_architecture, check_same_config, config_diff,
-                                     find_resumable, read_checkpoint)
+from fedslice.data.federated import FederatedData
+from fedslice.run.checkpoint import (Checkpoint, check_same_architecture, check_same_config,
+                                     check_same_data, config_diff, data_changes, find_resumable,
+                                     read_checkpoint)
 from fedslice.run.engine import Simulation
 from fedslice.run.session import RunSession, folder_name
-from fedslice.run.setup import setup
+from fedslice.run.setup import check_method, setup
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +64,14 @@ def _display(cfg: ExperimentConfig, progress: bool | None, verbose: bool):
 
 def resume_experiment(run_dir: str | Path, config: str | Path | None = None,
                       overrides: list[str] | None = None, *, progress: bool | None = None,
-                      verbose: bool = False) -> Path:
+                      verbose: bool = False, allow_data_change: bool = False) -> Path:
     """Continue an interrupted run from its checkpoint; return the finished run folder.
 
     ``run_dir`` is the staging folder (``.NAME.partial-PID``) or the run's final path. The config
     is the checkpoint's (with ``overrides``), or the file ``config``; any difference from the
-    checkpoint's config outside ``output`` is refused, naming the fields.
+    checkpoint's config outside ``output`` is refused, naming the fields. Data whose content
+    differs from what the checkpoint recorded is refused naming the file, unless
+    ``allow_data_change`` (then recorded in the checkpoint round's metrics record).
     """
     staging = find_resumable(Path(run_dir))
     ckpt = read_checkpoint(staging)
@@ -84,9 +88,24 @@ def resume_experiment(run_dir: str | Path, config: str | Path | None = None,
         # the files there changed); then any other field that differs
         check_same_architecture(ckpt, method, staging)
         check_same_config(ckpt.config, given, staging)
+        _check_data(ckpt, data, staging, allow_data_change)
         sim = Simulation(cfg, method, data)
-        session = RunSession.reopen(cfg, method, staging, ckpt, resume_command)
+        session = RunSession.reopen(cfg, method, staging, ckpt, resume_command, data.sources)
         return session.run(lambda: _train(sim, session))
+
+
+def _check_data(ckpt: Checkpoint, data: FederatedData, staging: Path, allow: bool) -> None:
+    """Refuse changed data; or (``allow``) say so and record it in the checkpoint round's
+    metrics record (``data_changed_on_resume``)."""
+    changes = data_changes(ckpt.data, data.sources)
+    if not changes:
+        return
+    if not allow:
+        check_same_data(changes, staging)
+    log.warning("resuming %s on changed data (--allow-data-change): %s", staging,
+                ", ".join(f"{c['split']} split from {c['source']}" for c in changes))
+    if ckpt.records:
+        ckpt.records[-1]["data_changed_on_resume"] = changes
 
 
 def _same_setting(cfgs: list[ExperimentConfig]) -> list[ExperimentConfig]:
@@ -118,6 +137,8 @@ def compare_experiments(cfgs: list[ExperimentConfig], out_dir: str | Path | None
     if len(set(names)) != len(names):
         raise ConfigError(f"compare: run names must differ (set `name` in each config): {names}")
     cfgs = _same_setting(cfgs)
+    for cfg in cfgs:  # every config's model, before any run trains
+        check_method(cfg)
     out = Path(out_dir or cfgs[0].output.dir)
     folder = reserve_folder(out, name or f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
     runs: list[Path] = []

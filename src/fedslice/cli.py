@@ -1,11 +1,13 @@
 """``fedslice run | validate | compare | report | export | predict | evaluate | deploy``.
 
-User errors (config, data, model) print one message and exit with code 2, no traceback.
+User errors (config, data, model) print one message and exit with code 2, environment faults
+(a full disk, a read-only folder) one message and code 1; no traceback unless ``--debug``.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -13,7 +15,7 @@ import sys
 import warnings
 
 from fedslice import __version__
-from fedslice.errors import FedsliceError
+from fedslice.errors import EnvironmentFault, FedsliceError
 from fedslice.interrupt import terminate_as_interrupt
 
 
@@ -26,6 +28,8 @@ def _output_options(suppress: bool) -> argparse.ArgumentParser:
                         "-vv debug logs of every library")
     p.add_argument("-q", "--quiet", action="store_true", **({"default": False} | default),
                    help="no progress and no informational logs: warnings, errors and results only")
+    p.add_argument("--debug", action="store_true", **({"default": False} | default),
+                   help="show the traceback of an error (a bad input, a full disk, ...)")
     return p
 
 
@@ -41,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its "
                      "checkpoint (output.checkpoint_every); RUN_DIR is its .NAME.partial-PID "
                      "folder or its final path")
+    run.add_argument("--allow-data-change", action="store_true",
+                     help="with --resume: go on although a data file changed since the "
+                          "checkpoint (recorded in metrics.jsonl); refused otherwise")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config field, e.g. --set federation.rounds=5 (repeatable)")
     run.add_argument("--out", help="parent folder of the run folder (default: output.dir)")
@@ -153,6 +160,8 @@ def _main(args: argparse.Namespace) -> int:
         return deploy_main(args)
     if args.command == "run" and args.config is None and not args.resume:
         raise FedsliceError("fedslice run needs a config file (or --resume RUN_DIR)")
+    if args.command == "run" and args.allow_data_change and not args.resume:
+        raise FedsliceError("--allow-data-change goes with --resume RUN_DIR")
     if args.command == "validate" or (args.command == "run" and args.dry_run):
         from fedslice.plan import make_plan
         cfg = load_config(args.config, args.overrides)
@@ -166,7 +175,7 @@ def _main(args: argparse.Namespace) -> int:
         if args.resume:
             from fedslice.api import resume_experiment
             path = resume_experiment(args.resume, args.config, args.overrides, progress=progress,
-                                     verbose=verbose)
+                                     verbose=verbose, allow_data_change=args.allow_data_change)
         else:
             cfg = load_config(args.config, args.overrides)
             path = run_experiment(cfg, args.out, progress=progress, verbose=verbose)
@@ -192,12 +201,36 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with terminate_as_interrupt():  # `kill PID` unwinds like Ctrl-C: finished work is kept
             return _main(args)
-    except FedsliceError as e:
-        print(f"fedslice: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt as e:
+        if argv is None:  # the process ends: a further Ctrl-C must not interrupt exit handlers
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("fedslice: interrupted", file=sys.stderr)
         return 128 + signal.SIGTERM if str(e) == f"signal {signal.SIGTERM}" else 130
+    except (FedsliceError, OSError) as e:
+        if args.debug:
+            raise
+        print(f"fedslice: error: {describe_error(e)}", file=sys.stderr)
+        return 1 if isinstance(e, (EnvironmentFault, OSError)) else 2
+
+
+#: what to do about an OSError, by errno
+_OS_HINTS = {errno.ENOSPC: "the disk is full: free space (or choose another --out) and run again",
+             errno.EDQUOT: "the disk quota is exhausted: free space and run again",
+             errno.EACCES: "no permission: choose a folder you can write (--out) or change its "
+                           "permissions",
+             errno.EPERM: "no permission: choose a folder you can write (--out) or change its "
+                          "permissions",
+             errno.EROFS: "a read-only file system: choose another folder (--out)"}
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for a user error or an environment fault (an OSError: what, where, what to do)."""
+    if isinstance(e, OSError) and not isinstance(e, FedsliceError):
+        where = f" ({e.filename})" if e.filename else ""
+        what = e.strerror or str(e)
+        hint = _OS_HINTS.get(e.errno)
+        return f"{what}{where}" + (f": {hint}" if hint else "")
+    return str(e)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ HEADER = """# CLI reference
 
 Generated from the parser (`python -m fedslice.cli_doc --write docs/cli.md`; a test fails when
 it is out of date). Every command takes `-q` (warnings, errors and results only) and `-v`/`-vv`
-(more detail); user errors print one line and exit with code 2.
+(more detail). A bad input (config, data, model, run folder) prints one line and exits with code
+2; an environment fault (a full disk, a folder without write permission) one line and code 1;
+`--debug` shows the traceback ([reliability.md](reliability.md#every-bad-input-is-one-line)).
 """
 
 

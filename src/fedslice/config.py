@@ -659,12 +659,24 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def read_utf8(path: Path, what: str) -> str:
+    """The text of ``path``; a file that is not UTF-8 is a ConfigError naming the byte's line."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(f"{what} {path} is not UTF-8 text: byte 0x{raw[e.start]:02x} at line "
+                          f"{line}, column {column}; save the file as UTF-8") from None
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML, YAML or JSON file into a plain dict (no validation)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+    text = read_utf8(path, "config file")
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)

@@ -76,33 +76,77 @@ def read_run(run_dir: str | Path, allow_partial: bool = False) -> TrainedRun:
     """The config, inference info and trained state of a run folder. A run that did not finish
     (a staging folder, or files missing) is refused naming what is missing, unless
     ``allow_partial``: then its latest checkpoint is read, or the latest weights a failed run kept
-    (``LATEST_WEIGHTS``) when they are newer or there is no checkpoint."""
+    (``LATEST_WEIGHTS``) when they are newer, when there is no checkpoint or when it is damaged.
+    A damaged file is a :class:`FedsliceError` naming it."""
     path = Path(run_dir)
     if not path.is_dir():
         raise FedsliceError(f"{path} is not a run folder (no such folder)")
-    for name in (CONFIG_JSON, INFERENCE):
-        if not (path / name).is_file():
-            raise FedsliceError(f"{path} has no {name}: not a run folder of this fedslice version")
-    cfg = validate_config(json.loads((path / CONFIG_JSON).read_text()), str(path / CONFIG_JSON))
-    info = json.loads((path / INFERENCE).read_text())
+    _check_run_files(path)
+    cfg = validate_config(_read_json(path / CONFIG_JSON), str(path / CONFIG_JSON))
+    info = _read_json(path / INFERENCE)
+    if not isinstance(info, dict) or "head" not in info:
+        raise FedsliceError(f"{path / INFERENCE} is damaged: it does not say the model's head")
     missing = [n for n in (SUMMARY, WEIGHTS) if not (path / n).is_file()]
     staging = is_staging(path)
     if not missing and not staging:
-        from safetensors.torch import load_file
-        return TrainedRun(path, cfg, info, load_file(str(path / WEIGHTS)))
+        return TrainedRun(path, cfg, info, load_tensors(path / WEIGHTS))
     what = f"{', '.join(missing) or 'nothing'} missing" + (", a staging folder" if staging else "")
     if not allow_partial:
         raise FedsliceError(f"{path} is not a finished run ({what}); with --allow-partial its "
                             f"latest checkpoint ({CHECKPOINT}) or the latest weights a failed "
                             f"run kept ({LATEST_WEIGHTS}) are exported instead")
-    latest = _latest_weights(path)
+    return _read_partial(path, cfg, info, what)
+
+
+def _check_run_files(path: Path) -> None:
+    """Both files every run folder has from its start; which one is missing, if one is."""
+    absent = [n for n in (CONFIG_JSON, INFERENCE) if not (path / n).is_file()]
+    if len(absent) == 2:
+        raise FedsliceError(f"{path} is not a run folder: it has neither {CONFIG_JSON} nor "
+                            f"{INFERENCE} (give the folder `fedslice run` printed as results)")
+    if absent:
+        there = CONFIG_JSON if absent[0] == INFERENCE else INFERENCE
+        raise FedsliceError(f"{path} is a run folder with {absent[0]} missing ({there} is there): "
+                            f"it was deleted or moved; restore it (fedslice needs both)")
+
+
+def _read_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FedsliceError(f"{file} is damaged (not JSON: {e}); restore it from a copy") from None
+
+
+def load_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; a damaged one (truncated, not safetensors) is a
+    :class:`FedsliceError` naming it (an unreadable one an OSError: the environment)."""
+    from safetensors.torch import load_file
+    try:
+        return load_file(str(file))
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - SafetensorError, and whatever a torn file raises
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise FedsliceError(f"{file} is damaged ({why}): it is truncated or not a safetensors "
+                            "file; restore it from a copy, or run the experiment again") from None
+
+
+def _read_partial(path: Path, cfg: ExperimentConfig, info: dict[str, Any], what: str) -> TrainedRun:
+    """An unfinished run's latest weights or checkpoint, whichever is newer and intact."""
+    latest, latest_error = _attempt(lambda: _latest_weights(path))
     has_ckpt = (path / CHECKPOINT).is_file()
-    if not has_ckpt and latest is None:
+    ckpt, ckpt_error = _attempt(lambda: read_checkpoint(path)) if has_ckpt else (None, None)
+    if latest is None and ckpt is None:
+        if latest_error or ckpt_error:
+            errors = "; ".join(str(e) for e in (ckpt_error, latest_error) if e)
+            raise FedsliceError(f"{path} is not a finished run ({what}) and nothing in it can be "
+                                f"exported: {errors}")
         raise FedsliceError(f"{path} is not a finished run ({what}) and has neither a checkpoint "
                             f"({CHECKPOINT}) nor the latest weights ({LATEST_WEIGHTS}) to export: "
                             "it stopped before either was written")
-    from fedslice.methods import method_class
-    ckpt = read_checkpoint(path) if has_ckpt else None
+    for error in (ckpt_error, latest_error):
+        if error is not None:
+            log.warning("%s; exporting what else the run kept", error)
     if latest is not None and (ckpt is None or latest[0] > ckpt.round):
         # a failed run's weights after its last finished round (newer than any checkpoint)
         return TrainedRun(path, cfg, info, latest[1], f"latest weights after round {latest[0]} "
@@ -113,21 +157,29 @@ def read_run(run_dir: str | Path, allow_partial: bool = False) -> TrainedRun:
     return run
 
 
+def _attempt(read):
+    """``(read(), None)``, or ``(None, the FedsliceError)`` of a damaged file."""
+    try:
+        return read(), None
+    except FedsliceError as e:
+        return None, e
+
+
 def _latest_weights(path: Path) -> tuple[int, dict[str, torch.Tensor]] | None:
     """The round and tensors of ``LATEST_WEIGHTS`` (written by a run that failed after a round,
     in the exported form), or None when there is none."""
     file = path / LATEST_WEIGHTS
     if not file.is_file():
         return None
+    tensors = load_tensors(file)
     from safetensors import safe_open
-    from safetensors.torch import load_file
     with safe_open(str(file), "pt") as f:
         meta = f.metadata() or {}
     try:
         rnd = int(meta.get("round", ""))
     except ValueError as e:
         raise FedsliceError(f"{file} does not say after which round it was written") from e
-    return rnd, load_file(str(file))
+    return rnd, tensors
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from fedslice.errors import FedsliceError
+from fedslice.errors import ENVIRONMENT_ERRNOS, EnvironmentFault, FedsliceError
 
 __all__ = ["RunDir", "reserve_folder", "read_run", "read_jsonl", "to_jsonable", "dumps_json",
            "write_json_atomic"]
@@ -39,6 +39,8 @@ CONFIG_TOML = "config.toml"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 WEIGHTS = "final_trainable.safetensors"
+#: The class names of a classification run and their ids (``{"names": [...], "ids": {...}}``)
+LABELS = "labels.json"
 #: The weights after the last finished round, written into the staging folder of a failed run
 LATEST_WEIGHTS = "latest_trainable.safetensors"
 
@@ -113,6 +115,13 @@ def dumps_json(obj: Any, *, indent: int | None = 2) -> str:
     return json.dumps(to_jsonable(obj), indent=indent, allow_nan=False, ensure_ascii=False)
 
 
+def file_mode() -> int:
+    """The mode ``open()`` gives a new file (0o666 less the umask; 0o644 under umask 022)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -154,8 +163,9 @@ def _make_out_dir(out_dir: str | os.PathLike) -> Path:
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise FedsliceError(f"cannot create output folder {out}: {e}") from e
+    except OSError as e:  # no permission, a full disk: the machine's; else the path given
+        kind = EnvironmentFault if e.errno in ENVIRONMENT_ERRNOS else FedsliceError
+        raise kind(f"cannot create output folder {out}: {e.strerror or e}") from e
     if not out.is_dir():
         raise FedsliceError(f"output path {out} exists and is not a folder")
     return out
@@ -217,8 +227,9 @@ class RunDir:
         return cls(out, name, staging)
 
     @classmethod
-    def reopen(cls, staging: str | os.PathLike) -> RunDir:
-        """Continue writing into the staging folder of an interrupted run (``--resume``)."""
+    def reopen(cls, staging: str | os.PathLike, name: str | None = None) -> RunDir:
+        """Continue writing into the staging folder of an interrupted run (``--resume``);
+        ``name``: the final folder's name when it changed (``output.name``)."""
         staging = Path(staging)
         m = _PARTIAL_RE.match(staging.name)
         if not m or not staging.is_dir():
@@ -226,7 +237,9 @@ class RunDir:
         pid = int(m["pid"])
         if pid != os.getpid() and _pid_alive(pid):
             raise FedsliceError(f"{staging} belongs to process {pid}, which is still running")
-        return cls(staging.parent, m["name"], staging)
+        if name is not None:
+            _check_name(name)
+        return cls(staging.parent, name or m["name"], staging)
 
     # -- state ----------------------------------------------------------------------------
 
@@ -336,6 +349,7 @@ class RunDir:
         dest = self.staging_path / filename
         tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
         save_file(tensors, str(tmp), metadata=dict(metadata) if metadata else None)
+        os.chmod(tmp, file_mode())  # safetensors writes 0600: the run's other files' mode
         os.replace(tmp, dest)
         return dest
 
@@ -375,6 +389,8 @@ class RunDir:
                     continue
             self.final_path = candidate
             self._state = "committed"
+            if i > 1:
+                _name_in_summary(candidate)
             return candidate
         raise FedsliceError(f"cannot find a free run folder name for {self.name!r} in {self.out_dir}")
 
@@ -418,6 +434,18 @@ class RunDir:
                 f.close()
             except Exception:
                 pass
+
+
+def _name_in_summary(folder: Path) -> None:
+    """A run committed under another name than its own (``NAME-2``: NAME was taken) is named by
+    its folder in its summary, so tables and reports tell the two apart."""
+    path = folder / SUMMARY
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(summary, dict):
+        write_json_atomic(path, {**summary, "name": folder.name})
 
 
 def _pid_alive(pid: int) -> bool:

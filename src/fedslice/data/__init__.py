@@ -16,6 +16,7 @@ from fedslice.data.batching import (
     TokenCache,
     TokenizedSplit,
     collate,
+    data_sources,
     iter_batches,
     num_batches,
     tokenize_split,
@@ -31,6 +32,7 @@ from fedslice.data.partition import (
 )
 
 __all__ = [
+    "data_sources",
     "SCHEMES",
     "RawSplit",
     "RawTable",

@@ -304,6 +304,36 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
+def _hash_content(h, raw: RawSplit) -> None:
+    """A text split's content, as the token cache keys it: every text and label."""
+    h.update("\x1e".join("\x1f".join(t) for t in raw.texts).encode("utf-8", "surrogatepass"))
+    h.update(np.asarray(raw.labels, dtype=np.int64).tobytes())
+
+
+def split_fingerprint(split: Any) -> str:
+    """The content key of a raw split: for a text split the token cache's (every text and
+    label); a table (generation): every column; an image split: its image bank's fingerprint,
+    rows and labels."""
+    h = hashlib.sha256()
+    if hasattr(split, "texts"):
+        _hash_content(h, split)
+    elif hasattr(split, "bank"):
+        h.update(split.bank.fingerprint().encode())
+        h.update(np.asarray(split.rows, dtype=np.int64).tobytes())
+        h.update(np.asarray(split.labels, dtype=np.int64).tobytes())
+    else:
+        h.update(json.dumps(split.columns, sort_keys=True, default=str,
+                            ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:40]
+
+
+def data_sources(raw: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """``{split: {"source": where it was read, "fingerprint": its content key}}`` of the raw
+    splits a run reads (what its checkpoints record, so a resume can tell changed data)."""
+    return {name: {"source": str(getattr(split, "source", "")),
+                   "fingerprint": split_fingerprint(split)} for name, split in raw.items()}
+
+
 class TokenCache:
     """Cache of tokenized splits: in the process, and on disk across runs.
 
@@ -356,8 +386,7 @@ class TokenCache:
         if self.disk is None:
             return None
         h = hashlib.sha256(f"v1|{max_length}|{tokenizer_fingerprint(tokenizer)}".encode())
-        h.update("\x1e".join("\x1f".join(t) for t in raw.texts).encode("utf-8", "surrogatepass"))
-        h.update(np.asarray(raw.labels, dtype=np.int64).tobytes())
+        _hash_content(h, raw)
         return self.disk / f"{h.hexdigest()[:40]}.pt"
 
     def __len__(self) -> int:

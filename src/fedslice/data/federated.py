@@ -18,6 +18,9 @@ class FederatedData:
     partitions: list[np.ndarray]  # per client, its rows of ``train``
     report: dict[str, Any]
     label_names: list[str] | None = None
+    #: each raw split read and its content key (``data.data_sources``): what a checkpoint
+    #: records, so a resume can tell changed data
+    sources: dict[str, dict[str, str]] | None = None
 
     def label_map(self) -> dict[str, Any] | None:
         """What ``labels.json`` of a run folder holds: each class name and its id (None when

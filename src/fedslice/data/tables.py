@@ -170,18 +170,49 @@ def read_table(path: Path, *, fmt: str = "auto", header: bool = True,
         raise DataError(f"{path}: cannot read ({err.strerror or err})") from None
 
 
+#: the largest csv.field_size_limit a C long holds everywhere
+_FIELD_LIMIT_MAX = 2**31 - 1
+
+
+def _allow_fields_of(path: Path) -> None:
+    """No field of ``path`` is longer than the file: raise the csv module's limit (131,072
+    characters by default) to the file's size, so a long field reads as it does from JSONL."""
+    size = min(path.stat().st_size + 1, _FIELD_LIMIT_MAX)
+    if size > csv.field_size_limit():
+        csv.field_size_limit(size)
+
+
+def _csv_rows(reader, path: Path, skip_bad_rows: bool, bad: list[int]):
+    """``(first line, row)`` of each row; a row the csv module cannot parse is an error naming
+    its line, or (``skip_bad_rows``) is recorded in ``bad`` and skipped."""
+    previous = 0
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as err:
+            if not skip_bad_rows:
+                raise DataError(f"{path}, line {previous + 1}: malformed row ({err}); set "
+                                f"data.bad_rows = \"skip\" to skip such rows") from None
+            bad.append(previous + 1)
+            previous = reader.line_num
+            continue
+        start, previous = previous + 1, reader.line_num
+        yield start, row
+
+
 def _read_delimited(path: Path, sep: str, quoted: bool, header: bool,
                     columns: Sequence[str] | None, skip_bad_rows: bool) -> RawTable:
     quoting = csv.QUOTE_MINIMAL if quoted else csv.QUOTE_NONE
+    _allow_fields_of(path)
     with _open_text(path) as handle:
         reader = csv.reader(handle, delimiter=sep, quoting=quoting)
         rows: list[list[str]] = []
         lines: list[int] = []
         names: list[str] | None = None
         bad: list[int] = []
-        previous = 0
-        for row in reader:
-            start, previous = previous + 1, reader.line_num
+        for start, row in _csv_rows(reader, path, skip_bad_rows, bad):
             if not row:
                 continue
             if names is None:

@@ -57,7 +57,8 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     from fedslice.flower.codec import record_to_state, state_to_record
     from fedslice.flower.discovery import PartitionMap
     from fedslice.flower.strategy import FlowerAdapter
-    from fedslice.run.checkpoint import check_same_config, find_resumable, read_checkpoint
+    from fedslice.run.checkpoint import (check_same_config, check_same_data, data_changes,
+                                         find_resumable, read_checkpoint)
     from fedslice.run.engine import finalize
     from fedslice.run.session import RunSession
     from fedslice.run.setup import setup
@@ -71,6 +72,8 @@ def run(grid: Grid, settings: RunSettings) -> Path:
         ckpt = read_checkpoint(staging)
         check_same_config(ckpt.config, cfg.model_dump(mode="json"), staging)
     method, data = setup(cfg, role="server")
+    if ckpt is not None:  # the server's data as the checkpoint recorded it
+        check_same_data(data_changes(ckpt.data, data.sources), staging)
     partitions = PartitionMap(cfg.federation.num_clients)
     partitions.discover(grid, settings.connect_timeout)
     done = ckpt.round if ckpt else 0
@@ -79,7 +82,7 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     if ckpt is None:
         session = RunSession.create(cfg, method, data, out, command)
     else:
-        session = RunSession.reopen(cfg, method, staging, ckpt, command)
+        session = RunSession.reopen(cfg, method, staging, ckpt, command, data.sources)
 
     def train():
         state = session.initial_state(adapter.selector)

@@ -96,6 +96,38 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+def check_hub_id(name: str, repo_id: str) -> None:
+    """A name that is neither a folder nor a bundled model must be a hub id: in the local cache,
+    or (online) on the hub. Told at once, without transformers' retries: offline
+    (``HF_HUB_OFFLINE``) a name not in the cache; online a name the hub does not know."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    try:
+        cached = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not of the form a hub id has
+        raise ModelError(f"model {name!r}: no such folder, and not a hub id "
+                         f"(owner/name): give a model folder or a bundled name ({', '.join(BUNDLED)})") from None
+    if isinstance(cached, str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise ModelError(f"model {name!r}: no such folder, and not a hub id in the local cache "
+                         f"(offline: HF_HUB_OFFLINE is set); give a model folder or a bundled name "
+                         f"({', '.join(BUNDLED)}), or download it with network access first")
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    try:
+        HfApi().model_info(repo_id, timeout=10)
+    except GatedRepoError:
+        return  # it exists: transformers says what access it needs
+    except RepositoryNotFoundError:
+        raise ModelError(f"model {name!r}: no such folder, and no such model on the hub; give a "
+                         f"model folder, a hub id or a bundled name ({', '.join(BUNDLED)})") from None
+    except Exception as e:  # noqa: BLE001 - no connection, a proxy, a gated repo
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelError(f"model {name!r}: no such folder, not in the local cache, and the hub "
+                         f"cannot be asked ({why}); give a model folder or a bundled name "
+                         f"({', '.join(BUNDLED)}), or set HF_HUB_OFFLINE=1 to work offline") from None
+
+
 @dataclass
 class LoadedModel:
     model: nn.Module
@@ -112,6 +144,8 @@ def load_config(cfg: ModelConfig):
     looks_local = Path(path).expanduser().exists() or path.startswith((".", "/", "~"))
     if looks_local and not Path(path).expanduser().exists():
         raise ModelError(f"model path {path} does not exist")
+    if not looks_local:
+        check_hub_id(cfg.name, path)
     try:
         return AutoConfig.from_pretrained(path), path
     except (OSError, ValueError) as e:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedslice.errors import ConfigError, FedsliceError
+from fedslice.errors import ConfigError, DataError, FedsliceError
 
 CHECKPOINT = "checkpoint.safetensors"
 FORMAT = 1
@@ -54,6 +54,9 @@ class Checkpoint:
     elapsed_s: float
     #: the model the state belongs to (:func:`architecture_of`); None in older checkpoints
     architecture: dict[str, Any] | None = None
+    #: each data split read: ``{split: {"source", "fingerprint"}}`` (``data.data_sources``);
+    #: None in older checkpoints and Flower's
+    data: dict[str, dict[str, str]] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,6 +144,37 @@ def check_same_architecture(ckpt: Checkpoint, method, where: Path | str = "the c
     raise ConfigError(f"cannot resume {where}: the checkpoint's architecture differs from the "
                       f"config's: checkpoint {describe_architecture(saved)}; config "
                       f"{describe_architecture(now)}" + (f"; global-state tensors differ:{lines}" if diff else ""))
+
+
+# --------------------------------------------------------------------------------------------
+# Data identity
+# --------------------------------------------------------------------------------------------
+
+def data_changes(saved: dict[str, dict[str, str]] | None,
+                 now: dict[str, dict[str, str]] | None) -> list[dict[str, str]]:
+    """Each data split whose content differs from the checkpoint's (or that one of the two
+    lacks): ``{"split", "source", "checkpoint", "now"}`` (fingerprints); none when the
+    checkpoint records no data (older checkpoints, Flower's)."""
+    if saved is None or now is None:
+        return []
+    out = []
+    for split in sorted(set(saved) | set(now)):
+        a, b = saved.get(split, {}), now.get(split, {})
+        if a.get("fingerprint") != b.get("fingerprint"):
+            out.append({"split": split, "source": b.get("source") or a.get("source", ""),
+                        "checkpoint": a.get("fingerprint", "<absent>"),
+                        "now": b.get("fingerprint", "<absent>")})
+    return out
+
+
+def check_same_data(changes: list[dict[str, str]], where: Path) -> None:
+    """A :class:`DataError` naming each changed data file (``--allow-data-change`` accepts)."""
+    if changes:
+        files = "; ".join(f"{c['split']} split from {c['source']}" for c in changes)
+        raise DataError(f"cannot resume {where}: the data changed since the checkpoint ({files}: "
+                        "its content differs); restore the data the run started on, or resume "
+                        "with --allow-data-change to go on with the new data (recorded in "
+                        "metrics.jsonl)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,7 +276,7 @@ def write_checkpoint(folder: Path, ckpt: Checkpoint) -> Path:
     meta = {"format": FORMAT, "round": ckpt.round, "config": ckpt.config,
             "config_hash": config_hash(ckpt.config), "records": ckpt.records,
             "elapsed_s": ckpt.elapsed_s, "state_keys": list(ckpt.state),
-            "architecture": ckpt.architecture,
+            "architecture": ckpt.architecture, "data": ckpt.data,
             "server": _pack(ckpt.server, tensors), "rng": _pack(ckpt.rng, tensors)}
     from fedslice.output import dumps_json
     text = dumps_json(meta, indent=None).encode()
@@ -275,7 +309,7 @@ def read_checkpoint(folder: Path) -> Checkpoint:
     return Checkpoint(round=meta["round"], config=meta["config"], state=state,
                       server=_unpack(meta["server"], tensors), rng=_unpack(meta["rng"], tensors),
                       records=meta["records"], elapsed_s=meta["elapsed_s"],
-                      architecture=meta.get("architecture"))
+                      architecture=meta.get("architecture"), data=meta.get("data"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -84,10 +84,13 @@ class RunSession(Rounds):
     """One run in its run folder: :meth:`create` or :meth:`reopen`, then :meth:`run`."""
 
     def __init__(self, cfg: ExperimentConfig, method: Method, folder: RunDir, resume_command: str,
-                 checkpoint: Checkpoint | None = None):
+                 checkpoint: Checkpoint | None = None,
+                 sources: dict[str, dict[str, str]] | None = None):
         super().__init__(cfg, method, checkpoint)
         self.folder = folder
         self.resume_command = resume_command
+        #: the data splits read and their content keys, recorded in every checkpoint
+        self.sources = sources
         self.trackers = Trackers(cfg, folder.staging_path, folder_name(cfg))
 
     @classmethod
@@ -98,20 +101,24 @@ class RunSession(Rounds):
         folder = RunDir.create(out_dir, folder_name(cfg))
         try:
             start_run_folder(folder, cfg, method, data)
-            return cls(cfg, method, folder, resume_command(folder.staging_path))
+            return cls(cfg, method, folder, resume_command(folder.staging_path),
+                       sources=data.sources)
         except BaseException:
             folder.abort()
             raise
 
     @classmethod
     def reopen(cls, cfg: ExperimentConfig, method: Method, staging: Path, checkpoint: Checkpoint,
-               resume_command: Callable[[Path], str]) -> RunSession:
-        """An interrupted run, continued from ``checkpoint`` (metrics after it are dropped)."""
-        folder = RunDir.reopen(staging)
+               resume_command: Callable[[Path], str],
+               sources: dict[str, dict[str, str]] | None = None) -> RunSession:
+        """An interrupted run, continued from ``checkpoint`` (metrics after it are dropped);
+        ``cfg``'s ``output.name`` names the final folder (it may change on resume)."""
+        folder = RunDir.reopen(staging, folder_name(cfg))
+        folder.write_config(cfg.model_dump(mode="json"))
         folder.rewrite_metrics(checkpoint.records)
         log.warning("resuming %s after round %d of %d", staging, checkpoint.round,
                     cfg.federation.rounds)
-        return cls(cfg, method, folder, resume_command(staging), checkpoint)
+        return cls(cfg, method, folder, resume_command(staging), checkpoint, sources)
 
     def round_done(self, server_round: int, state: State, record: dict[str, Any], selector) -> None:
         super().round_done(server_round, state, record, selector)
@@ -119,9 +126,10 @@ class RunSession(Rounds):
         self.trackers.round(record)
         every = self.cfg.output.checkpoint_every
         if every and server_round % every == 0:
-            write_checkpoint(self.folder.path, capture(
-                server_round, self.cfg.model_dump(mode="json"), self.method, selector, state,
-                self.records, self.elapsed()))
+            ckpt = capture(server_round, self.cfg.model_dump(mode="json"), self.method,
+                           selector, state, self.records, self.elapsed())
+            ckpt.data = self.sources  # what a resume checks its data against
+            write_checkpoint(self.folder.path, ckpt)
 
     def run(self, train: Callable[[], tuple[State, dict[str, Any]]]) -> Path:
         """Run ``train`` (the rounds; it returns the final state and the summary) in the run

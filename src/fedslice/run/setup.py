@@ -22,10 +22,10 @@ import torch
 
 from fedslice import heap
 from fedslice.config import ExperimentConfig
-from fedslice.data import partition_indices, partition_report
+from fedslice.data import data_sources, partition_indices, partition_report
 from fedslice.data.federated import FederatedData
 from fedslice.methods import Method, Role, build_method, method_class
-from fedslice.models.arch import arch_for
+from fedslice.models.arch import ArchSpec, arch_for
 from fedslice.models.loading import LoadedModel, build_from_config, load_model
 from fedslice.models.loading import load_config as load_model_config
 from fedslice.tasks import Task, make_task
@@ -68,9 +68,7 @@ def load_inputs(cfg: ExperimentConfig, role: Role = "both", weights: Weights | N
     """Check the method against the model's architecture and the task (config files only), then
     read the data and the model with ``weights`` (default: :func:`default_weights`), encode and
     partition the data."""
-    arch = arch_for(load_model_config(cfg.model)[0])  # the model's config only: no weights yet
-    task = make_task(cfg, arch)
-    method_class(cfg.method.name).check_supported(arch, task)
+    _, task = check_method(cfg)
     raw = task.load_raw()
     k = task.num_labels(raw)
     weights = weights or default_weights(cfg, role)
@@ -79,7 +77,18 @@ def load_inputs(cfg: ExperimentConfig, role: Role = "both", weights: Weights | N
     else:
         loaded = build_from_config(cfg.model, k, head=task.head,
                                    device="meta" if weights == "shapes" else "cpu", seed=cfg.seed)
-    return Inputs(task, raw, loaded, prepare_data(cfg, task, task.encode(raw, loaded)))
+    data = prepare_data(cfg, task, task.encode(raw, loaded))
+    data.sources = data_sources(raw)  # what checkpoints record: a resume checks its data
+    return Inputs(task, raw, loaded, data)
+
+
+def check_method(cfg: ExperimentConfig) -> tuple[ArchSpec, Task]:
+    """The model's architecture (from its config only: no weights) and the task, with the method
+    checked against both: what ``compare`` asks of every config before any run trains."""
+    arch = arch_for(load_model_config(cfg.model)[0])
+    task = make_task(cfg, arch)
+    method_class(cfg.method.name).check_supported(arch, task)
+    return arch, task
 
 
 def setup(cfg: ExperimentConfig, role: Role = "both",
