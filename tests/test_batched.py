@@ -44,8 +44,9 @@ def _compare(cfg_dict):
         lb = {m["client"]: m["loss"] for m in b["client_metrics"]}
         assert la.keys() == lb.keys()
         assert all(abs(la[c] - lb[c]) <= 1e-5 for c in la), (la, lb)
-        ta = {m["client"]: (m["tokens"], m["examples_trained"], m["steps"]) for m in a["client_metrics"]}
-        tb = {m["client"]: (m["tokens"], m["examples_trained"], m["steps"]) for m in b["client_metrics"]}
+        # real tokens: sequential training packs its batches (federation.pack), the batched pass pads
+        ta = {m["client"]: (m["tokens_real"], m["examples_trained"], m["steps"]) for m in a["client_metrics"]}
+        tb = {m["client"]: (m["tokens_real"], m["examples_trained"], m["steps"]) for m in b["client_metrics"]}
         assert ta == tb
     return s1, moved
 

@@ -23,6 +23,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from fedslice.data.labels import RawSplit
+from fedslice.data.packing import pack_classification
 from fedslice.errors import ConfigError, ModelError
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,16 @@ class TokenizedSplit:
 
     def collate(self, indices: Indices) -> dict[str, torch.Tensor]:
         return collate(self, indices)
+
+    def collate_packed(self, indices: Indices) -> dict[str, torch.Tensor]:
+        """The examples at ``indices`` packed into rows (:mod:`fedslice.data.packing`)."""
+        idx = as_index_list(indices, len(self))
+        if not idx:
+            raise ValueError("cannot collate an empty batch")
+        sub = self.subset(idx)
+        ids, lens = _flat(sub.input_ids)
+        types = None if sub.token_type_ids is None else _flat(sub.token_type_ids)[0]
+        return pack_classification(ids, types, lens, sub.labels, self.pad_token_id)
 
     def subset(self, indices: Indices) -> TokenizedSplit:
         """The examples at ``indices``, sharing the underlying tensors (no copy of tokens)."""
@@ -251,12 +262,14 @@ def iter_batches(
     generator: torch.Generator | None,
     drop_last: bool = False,
     group_by_length: bool = False,
+    pack: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield collated batches over ``indices`` (rows of ``split``).
 
     With ``shuffle=True`` the order is a permutation drawn from ``generator``, so the same
     generator state gives the same batches. ``drop_last`` drops a final short batch.
     ``group_by_length`` (with ``shuffle``) batches examples of similar length together.
+    ``pack``: the same batches packed into rows (``split.collate_packed``), not padded.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -266,8 +279,9 @@ def iter_batches(
     starts = range(0, num_batches(len(order), batch_size, drop_last) * batch_size, batch_size)
     if group_by_length and shuffle:
         order, starts = _group_by_length(split, order, batch_size, starts, generator)
+    collate = split.collate_packed if pack else split.collate
     for start in starts:
-        yield split.collate(order[start : start + batch_size])
+        yield collate(order[start : start + batch_size])
 
 
 def _group_by_length(split: TokenizedSplit, order: torch.Tensor, batch_size: int, starts,

@@ -19,6 +19,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from fedslice.data.batching import Indices, as_index_list
+from fedslice.data.packing import pack_causal
 
 IGNORE = -100
 Layout = Literal["causal", "seq2seq"]
@@ -78,6 +79,17 @@ class PairSplit:
         if self.layout == "causal":
             return _collate_causal(prompts, targets, self.pad_token_id)
         return _collate_seq2seq(prompts, targets, self.pad_token_id, self.decoder_start_token_id)
+
+    def collate_packed(self, indices: Indices) -> dict[str, torch.Tensor]:
+        """The examples at ``indices`` packed into rows (causal layout only:
+        :mod:`fedslice.data.packing`)."""
+        if self.layout != "causal":
+            raise ValueError("only causal-LM batches pack (an encoder-decoder's are padded)")
+        idx = as_index_list(indices, len(self))
+        if not idx:
+            raise ValueError("cannot collate an empty batch")
+        return pack_causal([self.prompts[i] for i in idx], [self.targets[i] for i in idx],
+                           self.pad_token_id)
 
     def prompt_batch(self, indices: Indices) -> dict[str, torch.Tensor]:
         """The prompts at ``indices`` to generate from: left-padded for decoders (new tokens follow

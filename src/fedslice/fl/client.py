@@ -36,10 +36,12 @@ class LocalResult:
     nonfinite: bool
     gpu_peak_mb: float | None = None  # torch.cuda.max_memory_allocated during training (CUDA)
     tokens_real: int | None = None  # non-padding tokens of the batches trained on
+    rows: int | None = None  # rows the model ran on (packed batches: fewer than examples)
 
 
-def local_batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator):
-    """Local epochs, or exactly ``local_steps`` batches cycling through reshuffled epochs."""
+def local_batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator, pack: bool = False):
+    """Local epochs, or exactly ``local_steps`` batches cycling through reshuffled epochs;
+    ``pack``: each batch packed into rows (the same examples, no padded work)."""
     idx = range(len(data))
     steps = int(cfg.get("local_steps") or 0)
     epochs = int(cfg.get("local_epochs") or 1)
@@ -47,11 +49,13 @@ def local_batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generato
     group = bool(cfg.get("group_by_length", False))
     if not steps:
         for _ in range(epochs):
-            yield from iter_batches(data, idx, bs, shuffle=True, generator=gen, group_by_length=group)
+            yield from iter_batches(data, idx, bs, shuffle=True, generator=gen,
+                                    group_by_length=group, pack=pack)
         return
     done = 0
     while done < steps:
-        for batch in iter_batches(data, idx, bs, shuffle=True, generator=gen, group_by_length=group):
+        for batch in iter_batches(data, idx, bs, shuffle=True, generator=gen,
+                                  group_by_length=group, pack=pack):
             yield batch
             done += 1
             if done == steps:
@@ -92,7 +96,7 @@ def _optimizer_step(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter],
 
 def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: TokenizedSplit,
                 cfg: dict[str, Any], seed: int, loss_fn: LossFn = _hf_loss,
-                compute: Compute = CPU, virtual_tokens: int = 0) -> LocalResult:
+                compute: Compute = CPU, virtual_tokens: int = 0, pack: bool = False) -> LocalResult:
     """AdamW on ``params`` of ``model`` over the client's data; deterministic given ``seed``.
 
     ``cfg`` holds the strategy's train config (lr, weight_decay, local_epochs/local_steps,
@@ -102,7 +106,8 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     and optimizer state stay fp32; fp16 scales the loss). ``virtual_tokens``: positions an
     adapter prepends to every sequence (prompt tuning, P-tuning): the model runs on them too, so
     the first step's count is scaled by positions (tokens + virtual tokens x rows), not tokens
-    alone (which overstates it when the first batch is shorter than the others).
+    alone (which overstates it when the first batch is shorter than the others). ``pack``: the
+    batches are packed into rows (:mod:`fedslice.data.packing`; the loss must take them).
     """
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout masks
@@ -113,7 +118,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     was_training = model.training
     model.train()
     losses: list[torch.Tensor] = []
-    tokens = examples = head_positions = 0
+    tokens = examples = head_positions = rows = 0
     real = 0
     flops_per_position = 0.0
     positions = 0  # where the model ran: tokens + virtual tokens of every row
@@ -122,7 +127,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     scaler = compute.grad_scaler()
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem, \
             progress.task("local training steps", local_step_count(data, cfg)) as advance:
-        for step, batch in enumerate(local_batches(data, cfg, gen)):
+        for step, batch in enumerate(local_batches(data, cfg, gen, pack)):
             advance()
             with count_flops(enabled=step == 0) as fc:
                 with compute.autocast():
@@ -148,6 +153,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
             positions += _positions(batch, virtual_tokens)
             real = real + batch_real_tokens(batch)
             examples += batch_examples(batch)
+            rows += batch_rows(batch)
             head_positions += batch_head_positions(batch)
     model.train(was_training)
     mean_loss = float(torch.stack(losses).mean()) if losses else math.nan
@@ -156,4 +162,4 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
                        examples=examples, head_positions=head_positions, tokens=tokens, flops_measured=flops_per_position * positions,
                        peak_rss_mb=mem.rss_peak_mb or 0.0, activation_mb=mem.tensor_peak_mb,
                        time_s=time.perf_counter() - t0, nonfinite=nonfinite,
-                       gpu_peak_mb=mem.cuda_peak_mb, tokens_real=int(real))
+                       gpu_peak_mb=mem.cuda_peak_mb, tokens_real=int(real), rows=rows)

@@ -108,7 +108,7 @@ class Strategy:
         f = self.fed
         return {"round": server_round, "lr": f.lr, "weight_decay": f.weight_decay,
                 "local_epochs": f.local_epochs, "local_steps": f.local_steps or 0,
-                "batch_size": f.batch_size, "group_by_length": f.group_by_length,
+                "batch_size": f.batch_size, "group_by_length": f.group_by_length, "pack": f.pack,
                 "max_grad_norm": f.max_grad_norm or 0.0,
                 "fedprox_mu": f.fedprox_mu}
 

@@ -34,6 +34,7 @@ import torch.nn as nn
 from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError
 from fedslice.data.batching import TokenizedSplit, iter_batches
+from fedslice.data.packing import packs
 from fedslice.data.partition import sample_rows
 from fedslice import measure
 from fedslice.compute import Compute
@@ -258,10 +259,17 @@ class Method:
         """Local training of one client: returns the trained tensors and measured costs."""
         model, params = self.client_model(payload)
         result = train_local(model, params, data, payload.config, seed, loss_fn=self.task.loss,
-                             compute=self.compute, virtual_tokens=self.adapter.virtual_tokens)
+                             compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
+                             pack=self.packs(payload.config))
         arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
         metrics = self.client_metrics(model, params, payload, arrays, result)
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
+
+    def packs(self, config: dict[str, Any]) -> bool:
+        """Whether a client's training batches are packed: ``federation.pack``, where the
+        architecture, head and adapter allow it (:func:`fedslice.data.packing.packs`)."""
+        return bool(config.get("pack")) and packs(self.arch.model_type, self.task.head,
+                                                  self.adapter.in_modules)
 
     def batch_key(self, payload: Payload):
         """Clients whose payloads have equal keys train the same tensors of the same model and
@@ -328,7 +336,7 @@ class Method:
         return measure.analytic_train_flops(
             num_layers=num_layers, hidden=self.dims["hidden"], ffn=self.dims["ffn"],
             num_heads=self.dims["num_heads"], tokens=result.tokens,
-            seq_len=result.tokens / max(result.examples, 1),
+            seq_len=result.tokens / max(result.rows or result.examples, 1),  # row length
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
             embedding_backward=embedding_backward, examples=result.examples,
             head_positions=result.head_positions, head_linear_params=counts["head_total"],

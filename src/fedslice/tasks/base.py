@@ -124,6 +124,9 @@ def batch_real_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor | int:
 
 
 def batch_examples(batch: dict[str, torch.Tensor]) -> int:
+    """Examples in a batch (a packed batch: ``example_starts``, one per example)."""
+    if "example_starts" in batch:
+        return int(batch["example_starts"].shape[0])
     return int(batch["labels"].shape[0])
 
 

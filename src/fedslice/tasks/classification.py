@@ -11,8 +11,10 @@ from fedslice import progress
 from fedslice.compute import model_device, to_device
 from fedslice.data import TokenCache, iter_batches, num_batches, num_labels, tokenize_split
 from fedslice.data.labels import RawSplit
+from fedslice.data.packing import first_token_states, is_packed, model_inputs
 from fedslice.data.sources import load_raw_splits
 from fedslice.paths import cache_root
+from fedslice.models.arch import unwrap_model
 from fedslice.tasks.base import Task, length_order
 
 _TOKENS = TokenCache(disk=None if (root := cache_root()) is None else root / "tokens")
@@ -33,6 +35,11 @@ class Classification(Task):
         self.text_columns = raw["train"].text_columns
         return {name: _TOKENS.get(split, name, loaded.tokenizer, self.cfg.data.max_length)
                 for name, split in raw.items()}
+
+    def loss(self, model: nn.Module, batch):
+        if is_packed(batch):
+            return packed_classifier_loss(model, batch, self.arch.model_type)
+        return super().loss(model, batch)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split, batch_size: int, max_generations=None):
@@ -93,3 +100,12 @@ def evaluate_classifier(model: nn.Module, data, batch_size: int) -> dict[str, fl
     per_class = [h / t if t else None for h, t in zip(hits.tolist(), totals.tolist())]
     return {"accuracy": correct / len(data), "loss": loss_sum / len(data),
             "per_class_accuracy": per_class}
+
+
+def packed_classifier_loss(model: nn.Module, batch, model_type: str) -> torch.Tensor:
+    """The loss of a packed batch (:mod:`fedslice.data.packing`): the encoder runs on the packed
+    rows, the head on each example's first-token state; equal to the padded batch's loss."""
+    hf = unwrap_model(model)
+    batch = to_device(batch, model_device(model))
+    with first_token_states(hf, model_type, batch["example_starts"]):
+        return model(**model_inputs(batch, hf, causal=False), labels=batch["labels"]).loss

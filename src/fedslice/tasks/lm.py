@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from fedslice.compute import model_device, to_device
 from fedslice.data.pairs import IGNORE, PairSplit
+from fedslice.data.packing import is_packed, model_inputs
 from fedslice.models.arch import unwrap_model
 
 
@@ -66,6 +67,8 @@ def target_logits(model: nn.Module, batch: dict[str, torch.Tensor], layout: str)
     at, targets = target_positions(labels, layout)  # (N,), (N,)
     device = model_device(model)
     inputs = to_device({k: v for k, v in batch.items() if k != "labels"}, device)
+    if is_packed(batch):  # examples packed into rows: block-diagonal causal attention
+        inputs = model_inputs(inputs, unwrap_model(model), causal=True)
     with logits_at(model, to_device({"at": at}, device)["at"], labels.shape[1]):
         logits = model(**inputs, use_cache=False).logits  # (N, V)
     return logits, to_device({"t": targets}, device)["t"], at // labels.shape[1]

@@ -205,7 +205,8 @@ class Heads(FedPETuning):
         sub = self.local_model(kept)
         params = self.local_params(sub, kept)
         result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss,
-                             virtual_tokens=self.adapter.virtual_tokens)
+                             virtual_tokens=self.adapter.virtual_tokens,
+                             pack=self.packs(payload.config))
         for p in sub.parameters():
             p.grad = None  # tensors outside the optimizer (empty slices) may hold a gradient
         arrays = {n: p.detach().clone() for n, p in params.items()}
@@ -237,7 +238,7 @@ class Heads(FedPETuning):
         bottom rows) and the skipped input-gradient of the lowest trained row's q/k/v over the
         kept heads only."""
         d = self.dims
-        seq = result.tokens / max(result.examples, 1)
+        seq = result.tokens / max(result.rows or result.examples, 1)  # row length (packed: > example)
         bottom = self.frozen_bottom(model)
         base = self.analytic_train_flops(model, result, embedding_backward=False, frozen=bottom,
                                          num_layers=sum(x["num_layers"] for x in self.all_dims))
