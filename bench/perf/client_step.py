@@ -13,7 +13,6 @@ import cProfile
 import os
 import pstats
 import statistics
-import sys
 import time
 from pathlib import Path
 
