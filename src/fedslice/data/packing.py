@@ -31,13 +31,14 @@ _FIRST_TOKEN_HEADS = {"bert": "bert.encoder", "roberta": "roberta.encoder",
                       "distilbert": "distilbert.transformer"}
 #: decoders whose causal-LM forward takes a 4D mask and explicit position ids
 _CAUSAL_LM = ("llama", "gpt2")
-#: the shortest row a batch packs into (a longer example gets a row of its own length): long
-#: enough that short examples fill rows well, short enough that attention over the masked-out
-#: part of a row costs little (4·C·d per token against the linear layers' 24·d²)
+#: about how long a packed row is (:func:`row_capacity`; the longest example when longer): long
+#: enough that short examples fill rows well; attention runs over whole rows, masked-out pairs
+#: included, so its cost grows with it (rows of 32 and 128 were no faster than 64 on SST-2 with
+#: MiniLM on the CPU: BENCHMARKS.md)
 ROW_TOKENS = 64
 #: families whose learned positions start past the pad id (``padding_idx + 1``)
 _POSITIONS_PAST_PAD = ("roberta",)
-IGNORE = -100
+IGNORE = -100  # fedslice.data.pairs.IGNORE (pairs imports this module)
 
 
 def packs(model_type: str, head: str, adapter_in_modules: bool = True) -> bool:
