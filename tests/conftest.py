@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from xdist_groups import pytest_collection_modifyitems  # noqa: F401,E402  (make test's groups)
+
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
