@@ -220,7 +220,7 @@ class FedPETuning(Method):
                 row["global_local_accuracy"] = float(np.dot(share, glob["per_class_accuracy"]))
             rows.append(row)
         self.eval_model(state)  # the shared model holds the global state again
-        out = {"personal_clients": rows, f"personal_test_{metric}mean_of": mean_of(r[metric] for r in rows),
+        out = {"personal_clients": rows, f"personal_test_{metric}_mean": mean_of(r[metric] for r in rows),
                f"global_test_{metric}": glob.get(metric)}
         if rows and "local_accuracy" in rows[0]:
             out["personal_local_accuracy_mean"] = mean_of(r["local_accuracy"] for r in rows)

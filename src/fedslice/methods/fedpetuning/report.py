@@ -27,6 +27,6 @@ def rank_tiers(plans: Mapping[int, RankPlan], records: list[dict[str, Any]]) -> 
         entry = {"tier": tier, "budget": p.budget.describe(), "rank": p.rank, "clients": len(cps),
                  "client_rounds": len(ran), "planned": p.cost.to_dict()}
         for k in ClientCost.AGGREGATED:
-            entry[f"{k}mean_of"] = mean_of(m.get(k) for m in ran)
+            entry[f"{k}_mean"] = mean_of(m.get(k) for m in ran)
         out.append(entry)
     return out
