@@ -180,7 +180,7 @@ def test_forward_mode_with_headless_layers_trains_and_aggregates(arch, tiny_gen_
     method, data = setup(_cfg(tiny_gen_cfg_dict, tiny_lm_dirs, arch, prune="forward", sparsity=0.75))
     rows = method.mask_shape[0]
     alpha = torch.linspace(1.0, 0.01, rows * 4).view(rows, 4)  # the last rows keep no head
-    method.importance = lambda d, s: (alpha, 0.0)
+    method.importance = lambda d, s, model=None: (alpha, 0.0)
     state = method.initial_state()
     payload = method.strategy.configure_train(1, state, [0])[0]
     reply = method.fit(payload, data.client(0), 0)

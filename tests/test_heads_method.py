@@ -11,6 +11,7 @@ from fedslice.errors import ConfigError, ModelError
 from fedslice.api import setup
 from fedslice.run.engine import Simulation
 from fedslice.methods.heads import ALPHA, KEPT
+from fedslice.fl.strategy import Payload
 
 
 def _cfg(tiny_cfg_dict, **method):
@@ -31,7 +32,7 @@ def _fit(method, data, client=0, alpha=None, seed=3):
     state = method.initial_state()
     payload = method.strategy.configure_train(1, state, [client])[client]
     if alpha is not None:
-        method.importance = lambda d, s: (alpha, 0.0)
+        method.importance = lambda d, s, model=None: (alpha, 0.0)
     return state, payload, method.fit(payload, data.client(client), seed)
 
 
@@ -241,7 +242,8 @@ def test_analytic_flops_stop_the_backward_above_a_headless_bottom_layer(tiny_cfg
         ratios[name] = m["flops_analytic"] / m["flops_measured"]
         if name == "pruned":
             assert m["headless_layers"] == 1
-            seen = method.frozen_bottom(method.local_model(reply.arrays[KEPT]))[0]
+            payload = Payload(arrays=method.initial_state(), config={})
+            seen = method.frozen_bottom(method.local_model(method.model, reply.arrays[KEPT], payload))[0]
     assert ratios["dense"] == pytest.approx(1.0, abs=0.03)
     assert ratios["pruned"] == pytest.approx(1.0, abs=0.03), ratios
     assert seen == 1

@@ -77,14 +77,18 @@ def config(method: str, arch: str, model_dirs, corpus, tiny_cfg_dict, tiny_gen_c
     return validate_config(d)
 
 
-def marker_reply(method, payload, reply: Reply) -> Reply:
+def marker_reply(method, payload, reply: Reply, state=None) -> Reply:
     """The reply with every model tensor = what the client was given there + 1."""
     given = dict(payload.arrays)
-    if method.name == "heads":
+    if method.name in ("heads", "raffm+heads"):
         from fedslice.methods.heads import KEPT
-        from fedslice.slicing.heads import mask_spec
+        from fedslice.slicing.heads import mask_spec, restrict
         from fedslice.slicing.state import extract_state
-        if KEPT in reply.arrays:
+        spec = method.strategy.client_slice(payload)
+        if spec is not None and KEPT in reply.arrays:  # the sub-model's kept heads
+            given = extract_state(state, restrict(spec, reply.arrays[KEPT], method.all_dims),
+                                  method.arch)
+        elif KEPT in reply.arrays:
             given = extract_state(payload.arrays, mask_spec(reply.arrays[KEPT], method.all_dims),
                                   method.arch)
     arrays = {}
@@ -105,16 +109,57 @@ def test_method_on_architecture(method_name, arch, model_dirs, corpus, tiny_cfg_
         with pytest.raises(ConfigError, match=f"{method_name}|{arch}"):
             setup(cfg)
         return
+    one_round_keeps_invariants(cfg, arch)
+
+
+#: compositions of stages (issue 34, part 0): a round on every architecture of the table
+COMPOSED = ("raffm+heads",)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method_name", COMPOSED)
+@pytest.mark.parametrize("prune", ["parameters", "forward"])
+def test_composed_method_on_architecture(method_name, prune, arch, model_dirs, corpus, tiny_cfg_dict,
+                                         tiny_gen_cfg_dict, tiny_img_cfg_dict, tmp_path):
+    """Each client trains the heads it keeps inside its RaFFM sub-model (tiers at two widths);
+    the aggregation invariants hold on the composed slices."""
+    d = config("raffm", arch, model_dirs, corpus, tiny_cfg_dict, tiny_gen_cfg_dict, tmp_path,
+               tiny_img_cfg_dict).model_dump(mode="json", exclude_unset=True)
+    d["method"] = {"name": method_name, "sparsity": 0.5, "importance_max_examples": 8, "prune": prune,
+                   "tiers": [{"share": 0.5, "flops": 0.5 if arch not in GENERATIVE else 0.99},
+                             {"share": 0.5, "flops": 1.0}]}
+    cfg = validate_config(d)
+    if prune == "forward" and arch == "t5":  # a stack-wide bias table (SharedBiasColumns)
+        with pytest.raises(ConfigError, match="method.prune='forward'.*t5"):
+            setup(cfg)
+        return
     method, data = setup(cfg)
+    plans = method.slices.plans
+    # one client of each width: a sub-model and the full model
+    clients = sorted({cp.plan.spec.is_full: c for c, cp in plans.items() if cp.plan.spec}.values())
+    assert len(clients) == 2
+    one_round_keeps_invariants(cfg, arch, (method, data), clients)
+
+
+def one_round_keeps_invariants(cfg, arch, built=None, clients=None):
+    method, data = built or setup(cfg)
     sim = Simulation(cfg, method, data)
     state = method.initial_state()
     new, record = sim.run_round(1, state)
     assert math.isfinite(record["train_loss"]) and record["bytes_up_mean"] > 0
-    # aggregation invariants with one marker reply
-    (client,) = record["clients"]
+    for client in clients or record["clients"]:
+        marker_round(method, data, state, client)
+    if arch in GENERATIVE:
+        ev = method.evaluate(new, data.dev, 8, max_generations=2)
+        assert {"bleu", "rougeL"} <= set(ev) and all(math.isfinite(ev[m]) for m in ("bleu", "rougeL"))
+    return method, data
+
+
+def marker_round(method, data, state, client):
+    """Aggregation invariants with one marker reply."""
     payload = method.strategy.configure_train(1, state, [client])[client]
     reply = method.fit(payload, data.client(client), 0)
-    marked = marker_reply(method, payload, reply)
+    marked = marker_reply(method, payload, reply, state)
     result = method.strategy.aggregate_train(1, state, {client: payload}, {client: marked})
     assert result.used == [client], result.excluded
     sent = sum(t.numel() for k, t in marked.arrays.items() if k in reply.arrays and
@@ -126,9 +171,6 @@ def test_method_on_architecture(method_name, arch, model_dirs, corpus, tiny_cfg_
         assert bool((held | (diff == 0)).all()), k  # held: exactly +1; else unchanged
         moved += int(held.sum())
     assert moved == sent > 0
-    if arch in GENERATIVE:
-        ev = method.evaluate(new, data.dev, 8, max_generations=2)
-        assert {"bleu", "rougeL"} <= set(ev) and all(math.isfinite(ev[m]) for m in ("bleu", "rougeL"))
 
 
 def test_readme_table_is_works():

@@ -37,7 +37,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SerializeAsAny,
 from pydantic_core import InitErrorDetails
 
 from fedslice.errors import ConfigError
-from fedslice.registry import ADAPTERS, METHODS, RULES
+from fedslice.registry import ADAPTERS, METHODS, RULES, method_name
 
 
 class Section(BaseModel):
@@ -580,10 +580,14 @@ class ExperimentConfig(Section):
             return v
         if not isinstance(v, dict) or not isinstance(v.get("name"), str):
             raise ValueError("give the method as a table with a `name`, e.g. {name = \"fedavg\"}")
+        try:
+            v = {**v, "name": method_name(v["name"])}  # a composition in stage order
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
         if v["name"] not in METHODS:
             raise ValueError(f"unknown method {v['name']!r} (known: {', '.join(METHODS.names())})")
         options_cls = METHODS.get(v["name"]).options_cls
-        others = {k: [e.name for e in METHODS.entries() if k in e.options_cls.model_fields]
+        others = {k: [e.name for e in METHODS.entries() if k in e.options_cls.model_fields and not e.parts]
                   for k in v if k not in options_cls.model_fields}
         aside = {k: names for k, names in others.items() if names}
         options = options_cls.model_validate({k: x for k, x in v.items() if k not in aside})

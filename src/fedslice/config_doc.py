@@ -67,7 +67,7 @@ def _plugin_options(model: type[BaseModel], name: str) -> list[type[BaseModel]] 
     """The registered plug-ins' options classes a field of the experiment stands for: every
     method's for ``method``; None for any other field."""
     if model is ExperimentConfig and name == "method":
-        return [e.options_cls for e in METHODS.entries()]
+        return [e.options_cls for e in METHODS.entries() if not e.parts]  # compositions: their parts
     return None
 
 

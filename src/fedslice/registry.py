@@ -31,13 +31,27 @@ from fedslice.errors import ConfigError
 E = TypeVar("E")
 
 
+#: The kinds of method stages, in the order they compose (:mod:`fedslice.methods.compose`):
+#: the model clients start from (the full model, FedPFT's proxy, FedOT's emulator), a
+#: per-client sub-model of it (RaFFM), a per-client choice of heads inside that (heads).
+STAGES = ("model", "submodel", "heads")
+
+
 @dataclass(frozen=True)
 class MethodEntry:
-    """A federated method: its options (the ``[method]`` section) and its class."""
+    """A federated method: its options (the ``[method]`` section) and its class.
+
+    ``stage``: the kind of stage the method is (:data:`STAGES`); ``stage_cls``: the mixin that
+    puts it on top of a method of a lower stage (heads: ``HeadStage``), None when it is the
+    bottom of a composition only; ``parts``: the methods a composed entry (``raffm+heads``) is
+    made of, empty for a method of its own."""
 
     name: str
     options_cls: type
     method_cls: type
+    stage: str = "model"
+    stage_cls: type | None = None
+    parts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,13 +122,58 @@ ADAPTERS: Registry[AdapterEntry] = Registry("adapter")
 RULES: Registry[RuleEntry] = Registry("aggregation rule")
 
 
-def register_method(*, name: str, options_cls: type, method_cls: type) -> MethodEntry:
+def register_method(*, name: str, options_cls: type, method_cls: type, stage: str = "model",
+                    stage_cls: type | None = None, parts: tuple[str, ...] = ()) -> MethodEntry:
     """Register a federated method; ``options_cls`` validates its ``[method]`` section (a
-    :class:`fedslice.config.MethodOptions` whose ``name`` is ``Literal[name]``)."""
+    :class:`fedslice.config.MethodOptions` whose ``name`` is ``Literal[name]``); ``stage`` and
+    ``stage_cls``: how it composes with others (:class:`MethodEntry`)."""
     tag = getattr(options_cls, "model_fields", {}).get("name")
     if tag is None or tag.default != name:
         raise ValueError(f"method {name!r}: {options_cls.__name__}.name must default to {name!r}")
-    return METHODS.register(name, MethodEntry(name, options_cls, method_cls))
+    if stage not in STAGES:
+        raise ValueError(f"method {name!r}: stage {stage!r} is not one of {STAGES}")
+    return METHODS.register(name, MethodEntry(name, options_cls, method_cls, stage, stage_cls, parts))
+
+
+#: {frozenset of two method names: why they do not compose}
+REFUSED: dict[frozenset, str] = {}
+#: {name: the name it stands for} (``fedpetuning+heads`` is ``heads``: the full model is implied)
+ALIASES: dict[str, str] = {}
+
+
+def refuse_composition(a: str, b: str, reason: str) -> None:
+    """Declare that methods ``a`` and ``b`` cannot run as stages of one method, and why."""
+    REFUSED[frozenset((a, b))] = reason
+
+
+def method_name(name: str) -> str:
+    """The registered name ``name`` stands for: itself, or for a composition written with ``+``
+    (``heads+raffm``, ``raffm + heads``) its parts in stage order (``raffm+heads``). A
+    ConfigError naming the parts when they do not compose (with the reason), or a part is
+    unknown."""
+    if "+" not in name:
+        return ALIASES.get(name, name)
+    parts = [p.strip() for p in name.split("+")]
+    for p in parts:
+        if p not in METHODS or METHODS.get(p).parts:
+            known = ", ".join(n for n in METHODS.names() if not METHODS.get(n).parts)
+            raise ConfigError(f"method.name={name!r}: {p!r} is not a method (known: {known})")
+    entries = sorted((METHODS.get(p) for p in parts), key=lambda e: STAGES.index(e.stage))
+    for i, a in enumerate(entries):
+        for b in entries[i + 1:]:
+            why = REFUSED.get(frozenset((a.name, b.name)))
+            if why is not None:
+                raise ConfigError(f"method.name={name!r}: {a.name} and {b.name} do not compose: {why}")
+            if a.stage == b.stage:
+                raise ConfigError(f"method.name={name!r}: {a.name} and {b.name} are both {a.stage} "
+                                  "stages; a composition takes one of each kind "
+                                  f"({' < '.join(STAGES)})")
+    canonical = "+".join(e.name for e in entries)
+    canonical = ALIASES.get(canonical, canonical)
+    if canonical not in METHODS:
+        raise ConfigError(f"method.name={name!r}: no composition {canonical!r} is registered "
+                          f"(compositions: {', '.join(n for n in METHODS.names() if METHODS.get(n).parts) or 'none'})")
+    return canonical
 
 
 def register_peft_method(*, name: str, config_cls: type | None, adapter_cls: type) -> AdapterEntry:

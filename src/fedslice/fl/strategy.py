@@ -144,6 +144,16 @@ class Strategy:
         """The adapter rank of ``client`` (heterogeneous LoRA ranks), None for the global one."""
         return None
 
+    def client_slice(self, payload: Payload):
+        """The slice of the global state (a :class:`fedslice.slicing.spec.Spec`, in full-model
+        indices) that ``payload``'s client trains, when it trains a sub-model (RaFFM); None: the
+        whole state. A stage above (heads' selection) cuts its own choice out of it."""
+        return None
+
+    def client_factor(self, client: int) -> float:
+        """A factor on every aggregation weight of ``client`` (RaFFM's f^p). Default: 1."""
+        return 1.0
+
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Server-side state a resumed run needs (nested JSON with tensors): none here; variants
@@ -259,3 +269,99 @@ class Strategy:
         metrics = {**metrics, "aggregate_s": time.perf_counter() - t0}
         return RoundResult(new_state, sorted(valid), excluded, rejected=len(invalid),
                            metrics=metrics, invalid=invalid)
+
+
+class Wrapper(Strategy):
+    """A strategy around ``inner`` whose every hook delegates to it: a subclass overrides the
+    hooks it changes. Aggregation rules (:class:`fedslice.fl.rules.Rule`) are wrappers; so is a
+    method stage that changes what clients send of the state below it (heads' selection inside
+    RaFFM's sub-models: :class:`fedslice.methods.heads.HeadsStrategy`). The templates are not
+    delegated: they run on the wrapper and call its hooks."""
+
+    def __init__(self, inner: Strategy):
+        self.inner = inner
+        self.sent: list[int] = []
+        self.population: int | None = None
+
+    @property
+    def fed(self):
+        return self.inner.fed
+
+    @property
+    def client_sizes(self) -> dict[int, int]:
+        return self.inner.client_sizes
+
+    # -- hooks: delegated ----------------------------------------------------------------------
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        return self.inner.train_config(server_round)
+
+    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
+        return self.inner.payload_for(server_round, state, client, config)
+
+    def forget(self, client: int) -> None:
+        self.inner.forget(client)
+
+    def frozen_state_keys(self, trainable, frozen) -> list[str]:
+        return self.inner.frozen_state_keys(trainable, frozen)
+
+    def personal_tensors(self, names) -> set[str]:
+        return self.inner.personal_tensors(names)
+
+    def client_rank(self, client: int) -> int | None:
+        return self.inner.client_rank(client)
+
+    def client_slice(self, payload: Payload):
+        return self.inner.client_slice(payload)
+
+    def client_factor(self, client: int) -> float:
+        return self.inner.client_factor(client)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def expected_update(self, state: State, payload: Payload, reply: Reply) -> dict:
+        return self.inner.expected_update(state, payload, reply)
+
+    def absent(self, payload: Payload) -> str | None:
+        return self.inner.absent(payload)
+
+    def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
+        return self.inner.check_reply(state, payload, reply)
+
+    def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
+                       replies: dict[int, Reply]) -> tuple[list[State], list]:
+        return self.inner.client_updates(server_round, state, payloads, replies)
+
+    def mean(self, server_round: int, state: State, deltas: list[State], weights: list) -> State:
+        return self.inner.mean(server_round, state, deltas, weights)
+
+    def combine(self, server_round: int, state: State, deltas: list[State], weights: list,
+                replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
+        return self.inner.combine(server_round, state, deltas, weights, replies)
+
+    def after_aggregate(self, server_round: int, state: State) -> State:
+        return self.inner.after_aggregate(server_round, state)
+
+    def min_valid(self) -> int:
+        return self.inner.min_valid()
+
+    def min_valid_reason(self) -> str:
+        return self.inner.min_valid_reason()
+
+
+def find_inner(strategy: Strategy, cls: type, required: bool = True) -> Any:
+    """The strategy of type ``cls`` in a chain of wrappers (rules, stages); when there is none,
+    a TypeError naming the chain (``required``) or None."""
+    chain, s = [], strategy
+    while True:
+        if isinstance(s, cls):
+            return s
+        chain.append(type(s).__name__)
+        if not isinstance(s, Wrapper):
+            if not required:
+                return None
+            raise TypeError(f"no {cls.__name__} in the strategy chain {' > '.join(chain)}")
+        s = s.inner

@@ -10,6 +10,8 @@ from fedslice.config import ExperimentConfig
 from fedslice.methods import fedavg, fedpetuning  # noqa: F401
 from fedslice.methods import raffm, heads  # noqa: F401
 from fedslice.methods import fedpft, fedot  # noqa: F401
+# the compositions of the methods above (raffm+heads) and the pairs that do not compose
+from fedslice.methods import compose  # noqa: F401
 from fedslice.methods.base import Method, Role
 from fedslice.models.loading import LoadedModel
 from fedslice.registry import METHODS

@@ -80,6 +80,9 @@ class Method:
     #: read) and materializes only that smaller model
     client_model_from_server = False
 
+    #: True: each client trains its own slice of the model (:meth:`client_spec`: RaFFM)
+    sub_models: ClassVar[bool] = False
+
     #: True: ``fit`` depends only on (payload, data, seed) and leaves nothing in this object
     #: that the server or a later client reads, so a round's clients may train in forked worker
     #: processes (``compute.workers``)
@@ -249,6 +252,21 @@ class Method:
         ``batch`` with its LoRA factors at ``rank`` (the budget planner's measurement)."""
         with self.adapter.at_rank(model, rank):
             return measure_training_step(model, batch, loss_fn=self.task.loss)
+
+    def client_spec(self, payload: Payload):
+        """The slice of the full model (a :class:`fedslice.slicing.spec.Spec`) that
+        ``payload``'s client trains when it trains a sub-model (RaFFM); None: the whole model
+        this method gives clients. A stage above (heads) prunes inside it."""
+        return None
+
+    def trained_spec(self, payload: Payload, arrays: State):
+        """The slice the client really trained (its reply ``arrays`` in hand), for its costs:
+        :meth:`client_spec`, narrowed by the stages above. Default: None."""
+        return self.client_spec(payload)
+
+    def sits_out(self, payload: Payload) -> bool:
+        """The client was sent no work this round (no sub-model fits its budget)."""
+        return False
 
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         """The model a client trains and its trainable tensors, with the payload loaded (at the

@@ -44,7 +44,7 @@ INFERENCE = "inference.json"
 
 
 def folder_name(cfg: ExperimentConfig) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.run_name).strip(".-") or "run"
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "-", cfg.run_name).strip(".-") or "run"
 
 
 class Rounds:

@@ -42,7 +42,7 @@ from fedslice.errors import ConfigError, ModelError
 from fedslice.models.arch import arch_for
 from fedslice.slicing.aggregate import aggregate_deltas
 from fedslice.slicing.keys import HeadPositions, KeyInfo, key_info
-from fedslice.slicing.spec import ModelSlice, SliceSpec, kv_groups
+from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec, kv_groups, stack_list
 from fedslice.slicing.state import extract_state, scatter
 
 Dims = Mapping[str, int] | Sequence[Mapping[str, int]]
@@ -171,12 +171,14 @@ def head_importance(model: nn.Module, data: TokenizedSplit, special_token_ids: I
 def keep_mask(importance: torch.Tensor, sparsity: float, *,
               mode: Literal["importance", "random", "none"] = "importance",
               scope: Literal["global", "per_layer"] = "global",
-              generator: torch.Generator | None = None) -> torch.Tensor:
+              generator: torch.Generator | None = None, min_keep: int = 0) -> torch.Tensor:
     """Boolean (L, H) mask of the heads a client keeps (Eq. 7 as a top-k rule).
 
     ``global`` keeps the round((1-s) * L * H) most important heads over all layers; ``per_layer``
-    keeps round((1-s) * H) in every layer. ``random`` draws the kept heads from ``generator``
-    instead; ``none`` keeps every head. Ties in importance are broken by the head's index.
+    keeps round((1-s) * H) in every layer; at least ``min_keep`` (a small sub-model's client
+    keeps one head where the rounding would keep none). ``random`` draws the kept heads from
+    ``generator`` instead; ``none`` keeps every head. Ties in importance are broken by the
+    head's index.
     """
     if not 0.0 <= sparsity < 1.0:
         raise ConfigError(f"sparsity must be in [0, 1), got {sparsity}")
@@ -186,10 +188,10 @@ def keep_mask(importance: torch.Tensor, sparsity: float, *,
     scores = importance.float() if mode == "importance" else \
         torch.rand(n_layers, n_heads, generator=generator)
     if scope == "global":
-        k = int(np.round((1 - sparsity) * n_layers * n_heads))
+        k = max(min_keep, int(np.round((1 - sparsity) * n_layers * n_heads)))
         rows = [scores.flatten()]
     else:
-        k = int(np.round((1 - sparsity) * n_heads))
+        k = max(min_keep, int(np.round((1 - sparsity) * n_heads)))
         rows = list(scores)
     if k < 1:
         pool = f"of {n_layers * n_heads}" if scope == "global" else f"per layer of {n_heads}"
@@ -289,6 +291,64 @@ def mask_spec(mask: torch.Tensor, dims: Dims) -> ModelSlice:
     return ModelSlice(tuple(out))
 
 
+def _stack_slices(spec: Spec, dims: Dims) -> list[SliceSpec]:
+    """One SliceSpec per stack of ``spec`` (a stack kept whole: its full spec)."""
+    stacks = _stacks(dims)
+    given = list(stack_list(spec)) + [None] * (len(stacks) - len(stack_list(spec)))
+    return [SliceSpec.full(d) if s is None else s for s, d in zip(given, stacks)]
+
+
+def sub_dims(dims: Dims, spec: Spec) -> list[dict[str, int]]:
+    """The per-stack dims of the sub-model of ``spec`` as a keep-mask sees them: its kept layers
+    and its heads per layer (which must be as many in every kept layer and family: RaFFM's
+    width slices are; a ModelError otherwise), key/value heads likewise."""
+    out = []
+    for k, (d, s) in enumerate(zip(_stacks(dims), _stack_slices(spec, dims))):
+        fams = range(d.get("families", 1))
+        counts = {len(s.heads_of(j, f)) for j in range(len(s.layers)) for f in fams}
+        kv = {len(s.kv_heads(j, 0)) for j in range(len(s.layers))}
+        if len(counts) != 1 or len(kv) != 1 or 0 in counts:
+            raise ModelError(f"stack {k}: a head stage over a sub-model needs the same number of "
+                             f"heads in every kept layer, got {sorted(counts)} (key/value: {sorted(kv)})")
+        h, m = counts.pop(), kv.pop()
+        if h % m:
+            raise ModelError(f"stack {k}: the sub-model keeps {h} query heads over {m} key/value "
+                             "heads (a partial group): heads cannot be pruned inside it")
+        out.append({**d, "num_layers": len(s.layers), "num_heads": h, "num_kv_heads": m,
+                    "ffn": len(s.neurons[0])})
+    return out
+
+
+def to_full(sub: torch.Tensor, spec: Spec, dims: Dims) -> torch.Tensor:
+    """A (R', H') per-head tensor of the sub-model of ``spec`` (keep-mask, importance) placed at
+    its heads in the full model's (R, H) layout; zero (False) on every head outside the slice."""
+    rows, sub_rows = mask_rows(dims), mask_rows(sub_dims(dims, spec))
+    out = torch.zeros((num_rows(dims), _stacks(dims)[0]["num_heads"]), dtype=sub.dtype)
+    for k, s in enumerate(_stack_slices(spec, dims)):
+        for f in range(_stacks(dims)[k].get("families", 1)):
+            for j, layer in enumerate(s.layers):
+                heads = torch.tensor(s.heads_of(j, f), dtype=torch.long)
+                out[rows[(k, f)] + layer, heads] = sub[sub_rows[(k, f)] + j, :len(heads)]
+    return out
+
+
+def restrict(spec: Spec, kept: torch.Tensor, dims: Dims) -> ModelSlice:
+    """``spec`` keeping, in each of its layers, only the heads that the full-layout keep-mask
+    ``kept`` (R, H) keeps: the slice a client of a sub-model trains after pruning heads in it
+    (in the sub-model's order of heads)."""
+    rows, out = mask_rows(dims), []
+    for k, s in enumerate(_stack_slices(spec, dims)):
+        def heads(f: int) -> tuple[tuple[int, ...], ...]:
+            r = rows[(k, f)]
+            return tuple(tuple(h for h in s.heads_of(j, f) if bool(kept[r + layer, h]))
+                         for j, layer in enumerate(s.layers))
+
+        cross = heads(1) if _stacks(dims)[k].get("families", 1) > 1 else None
+        out.append(SliceSpec(s.layers, heads(0), s.neurons, s.num_layers, s.num_heads,
+                             s.head_dim, s.ffn, s.num_kv_heads, cross))
+    return ModelSlice(tuple(out))
+
+
 @dataclass
 class HeadUpdate:
     """One client's upload: its sub-state (full-model names, kept heads only), its (R, H) keep
@@ -298,6 +358,11 @@ class HeadUpdate:
     kept: torch.Tensor
     alpha: torch.Tensor | None
     num_examples: int
+    #: the slice the client trained, in full-model indices (None: :func:`mask_spec` of ``kept``,
+    #: the full model's kept heads); a sub-model's, restricted to its kept heads (:func:`restrict`)
+    spec: Spec | None = None
+    #: a factor on every weight of the client (RaFFM's f^p)
+    factor: float = 1.0
 
 
 def head_client_weights(update: HeadUpdate, keys: Iterable[str], masks: Mapping[str, torch.Tensor],
@@ -407,8 +472,11 @@ def head_deltas(global_state: Mapping[str, torch.Tensor], updates: Sequence[Head
     axes = head_axes(global_state, arch)
     deltas, weights = [], []
     for u in updates:
-        spec = mask_spec(u.kept, dims)
-        g_sub = heads_state(global_state, u.kept, arch, dims, positions)
+        spec = mask_spec(u.kept, dims) if u.spec is None else u.spec
+        if u.spec is None:
+            g_sub = heads_state(global_state, u.kept, arch, dims, positions)
+        else:  # a sub-model's slice: no prefix positions (RaFFM refuses such adapters)
+            g_sub = extract_state(global_state, spec, arch)
         delta = {k: u.arrays[k].float() - g_sub[k].float() for k in u.arrays}  # sliced shapes
         outside = {k: delta.pop(k) for k in list(delta) if k in positions}
         full, masks = scatter(delta, spec, arch, shapes)
@@ -425,6 +493,8 @@ def head_deltas(global_state: Mapping[str, torch.Tensor], updates: Sequence[Head
             view[pos.axis] = shapes[k][pos.axis]
             w[k] = _position_weight(per_head, pos, dims, shapes[k],
                                     "sum" if mode == "head_weighted" else "max") * held.view(view)
+        if u.factor != 1.0:
+            w = {k: u.factor * x for k, x in w.items()}
         deltas.append(full)
         weights.append(w)
     return deltas, weights

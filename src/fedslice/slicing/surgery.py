@@ -21,13 +21,35 @@ from fedslice.slicing.spec import SLOTS, SliceSpec, Spec, check_forward, expand_
 # --------------------------------------------------------------------------------------------
 
 def shallow_clone(module: nn.Module) -> nn.Module:
-    """A new module object sharing every parameter, buffer and child of ``module``."""
+    """A new module object sharing every parameter, buffer and child of ``module``, with its own
+    copies of the hook tables (a hook registered on the clone must not fire on the original)."""
     new = object.__new__(type(module))
     new.__dict__ = dict(module.__dict__)
     new._modules = dict(module._modules)
     new._parameters = dict(module._parameters)
     new._buffers = dict(module._buffers)
+    for k, v in module.__dict__.items():
+        if "hooks" in k and isinstance(v, dict):
+            new.__dict__[k] = type(v)(v)
     return new
+
+
+def install_output_hooks(model: nn.Module) -> None:
+    """transformers 5 records attention weights and hidden states with forward hooks that a
+    model installs on its modules at its first call asking for them. Installed on the full model
+    before a sub-model is cut from it, they are copied into the sub-model's cloned modules and
+    shared with its other ones; installed later by the sub-model, they would be added a second
+    time to the modules it shares with the full model, which would then record every layer
+    twice. A quirk handled once, here."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # an older transformers: outputs are returned, not hooked
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for m in base.modules():
+        if hasattr(type(m), "_can_record_outputs") and getattr(type(m), "_can_record_outputs", None):
+            maybe_install_capturing_hooks(m)
+            return
 
 
 def _slice_param(p: nn.Parameter | None, axis: int | None, idx: torch.Tensor) -> nn.Parameter | None:
@@ -273,6 +295,7 @@ def extract_model(model: nn.Module, spec: Spec, arch: ArchSpec) -> nn.Module:
     get their new ``layer_idx`` (key/value caches are indexed by it).
     """
     specs = stack_specs(spec, arch)
+    install_output_hooks(model)
     names = {id(m): n for n, m in model.named_modules()}
     replace: dict[str, nn.Module] = {}
     hooks: dict[str, dict] = {}

@@ -20,14 +20,14 @@ and declares, as class attributes and classmethods the config layer asks:
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from fedslice.config import ExperimentConfig
-from fedslice.fl.strategy import TEMPLATES, Payload, Reply, State, Strategy
+from fedslice.fl.strategy import TEMPLATES, Strategy, Wrapper
 from fedslice.registry import RULES
 
 
-class Rule(Strategy):
+class Rule(Wrapper):
     """A rule around ``inner`` (any strategy, or another rule): every hook delegates to it."""
 
     name: ClassVar[str] = ""
@@ -49,9 +49,7 @@ class Rule(Strategy):
             if overridden:
                 raise TypeError(f"{type(inner).__name__} overrides {overridden}: a strategy wrapped "
                                 "by rules keeps the templates and overrides hooks")
-        self.inner = inner
-        self.sent: list[int] = []
-        self.population: int | None = None
+        super().__init__(inner)
 
     # -- config ------------------------------------------------------------------------------
     @classmethod
@@ -74,71 +72,9 @@ class Rule(Strategy):
         return cls(inner)
 
     # -- the wrapped strategy ----------------------------------------------------------------
-    @property
-    def fed(self):
-        return self.inner.fed
-
-    @property
-    def client_sizes(self) -> dict[int, int]:
-        return self.inner.client_sizes
-
     def unwrap(self) -> Strategy:
         """The method's own strategy under every rule."""
         return self.inner.unwrap() if isinstance(self.inner, Rule) else self.inner
-
-    # -- hooks: delegated ----------------------------------------------------------------------
-    def train_config(self, server_round: int) -> dict[str, Any]:
-        return self.inner.train_config(server_round)
-
-    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
-        return self.inner.payload_for(server_round, state, client, config)
-
-    def forget(self, client: int) -> None:
-        self.inner.forget(client)
-
-    def frozen_state_keys(self, trainable, frozen) -> list[str]:
-        return self.inner.frozen_state_keys(trainable, frozen)
-
-    def personal_tensors(self, names) -> set[str]:
-        return self.inner.personal_tensors(names)
-
-    def client_rank(self, client: int) -> int | None:
-        return self.inner.client_rank(client)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-
-    def expected_update(self, state: State, payload: Payload, reply: Reply) -> dict:
-        return self.inner.expected_update(state, payload, reply)
-
-    def absent(self, payload: Payload) -> str | None:
-        return self.inner.absent(payload)
-
-    def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
-        return self.inner.check_reply(state, payload, reply)
-
-    def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
-                       replies: dict[int, Reply]) -> tuple[list[State], list]:
-        return self.inner.client_updates(server_round, state, payloads, replies)
-
-    def mean(self, server_round: int, state: State, deltas: list[State], weights: list) -> State:
-        return self.inner.mean(server_round, state, deltas, weights)
-
-    def combine(self, server_round: int, state: State, deltas: list[State], weights: list,
-                replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
-        return self.inner.combine(server_round, state, deltas, weights, replies)
-
-    def after_aggregate(self, server_round: int, state: State) -> State:
-        return self.inner.after_aggregate(server_round, state)
-
-    def min_valid(self) -> int:
-        return self.inner.min_valid()
-
-    def min_valid_reason(self) -> str:
-        return self.inner.min_valid_reason()
 
 
 def selected_rules(cfg: ExperimentConfig) -> list[type[Rule]]:

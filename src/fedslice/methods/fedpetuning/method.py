@@ -13,7 +13,7 @@ import numpy as np
 
 from fedslice.config import DeviceTier, ExperimentConfig
 from fedslice.errors import ConfigError
-from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.methods.base import Method, Role
 from fedslice.methods.fedpetuning.report import mean_of, rank_tiers
 from fedslice.methods.fedpetuning.strategy import _at_rank, RankedStrategy, RankPlan
@@ -182,9 +182,9 @@ class FedPETuning(Method):
     def final_metrics(self, state: State, data, records: list[dict[str, Any]],
                       batch_size: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        own = self.own_strategy
-        if isinstance(own, RankedStrategy):
-            out["tiers"] = rank_tiers(own.plans, records)
+        ranked = find_inner(self.strategy, RankedStrategy, required=False)
+        if ranked is not None:
+            out["tiers"] = rank_tiers(ranked.plans, records)
         if self.personal_names and self.personal:
             out.update(self.personalised(state, data, batch_size))
         return out

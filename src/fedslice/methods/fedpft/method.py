@@ -21,7 +21,7 @@ from fedslice.distill.apoz import (aggregate_apoz, apoz_report, count_near_zero,
 from fedslice.distill.loop import DistillLog, block_masks, distill
 from fedslice.distill.losses import layer_kd_loss
 from fedslice.distill.report import write_curves
-from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.methods.base import Method, Role
 from fedslice.methods.fedpft.options import FedPFTMethod, KD_BEFORE, KD_DURING, UPDATE_PREFIX
 from fedslice.methods.fedpft.proxy import (build_proxy, compressed_units, ffn_modules, ffn_weights,
@@ -244,7 +244,7 @@ class FedPFT(Method):
     def on_round_end(self, server_round: int, state: State,
                      replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
         """Neuron-level KD after every ``align_every``-th round (Sec. 3.5)."""
-        if not self.own_strategy.align_round(server_round):
+        if not find_inner(self.strategy, FedPFTStrategy).align_round(server_round):
             return state, {}
         reports = [split_report(r.arrays)[1] for r in replies.values()]
         tokens = [r.metrics.get("apoz_tokens", 0.0) for r in replies.values()]
@@ -258,7 +258,7 @@ class FedPFT(Method):
         lg = self._neuron_kd(update, sub_seed(self.cfg.seed, server_round, 2))
         new_state = dict(state)
         new_state.update({k: p.detach().clone() for k, p in self.proxy_params.items()})
-        self.own_strategy.proxy_changed(update)
+        find_inner(self.strategy, FedPFTStrategy).proxy_changed(update)
         n = int(sum(int(m.sum()) for m in update.values()))
         self.align_logs.append(lg)
         rec = {"round": server_round, "neurons": n, **lg.summary("align"),

@@ -34,10 +34,11 @@ aggregation='fedavg'``.
 from fedslice.methods.heads.options import HeadsMethod
 from fedslice.methods.heads.strategy import ALPHA, KEPT, HeadsStrategy
 from fedslice.methods.heads.report import paper_ops, plot_head_importance, table6_rows
-from fedslice.methods.heads.method import Heads
+from fedslice.methods.heads.method import Heads, HeadStage
 from fedslice.registry import register_method
 
-register_method(name="heads", options_cls=HeadsMethod, method_cls=Heads)
+register_method(name="heads", options_cls=HeadsMethod, method_cls=Heads, stage="heads",
+                stage_cls=HeadStage)
 
-__all__ = ["ALPHA", "Heads", "HeadsMethod", "HeadsStrategy", "KEPT", "paper_ops",
+__all__ = ["ALPHA", "Heads", "HeadStage", "HeadsMethod", "HeadsStrategy", "KEPT", "paper_ops",
            "plot_head_importance", "table6_rows"]

@@ -22,14 +22,15 @@ from fedslice.errors import ConfigError, ModelError
 from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
-from fedslice.methods.base import Role
+from fedslice.methods.base import Method, Role
 from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.methods.heads.options import HeadsMethod, kept_count, max_sparsity
 from fedslice.methods.heads.report import paper_ops, plot_head_importance
 from fedslice.methods.heads.strategy import ALPHA, HeadsStrategy, KEPT
 from fedslice.models.loading import LoadedModel
-from fedslice.slicing.heads import (ensure_eager_attention, head_axes, head_importance, keep_mask,
-                                    mask_rows, mask_spec, num_rows, position_cuts)
+from fedslice.slicing.heads import (ensure_eager_attention, head_axes, head_importance, heads_state,
+                                    keep_mask, mask_rows, mask_spec, num_rows, position_cuts,
+                                    restrict, sub_dims, to_full)
 from fedslice.slicing.keys import key_info
 from fedslice.slicing.partial import freeze_parameters, partial_model
 from fedslice.slicing.spec import HEAD_PARTS
@@ -47,8 +48,14 @@ def special_token_ids(tokenizer, config=None) -> list[int]:
     return sorted({int(i) for i in ids if isinstance(i, int)})
 
 
-class Heads(FedPETuning):
-    name = "heads"
+class HeadStage(Method):
+    """The head stage: each client scores the heads of the model the stage below gives it (the
+    full model: ``heads``; its RaFFM sub-model: ``raffm+heads``), keeps the top ``1 - sparsity``
+    and trains and sends only their tensors; the server weighs them with Eq. 8
+    (:class:`HeadsStrategy` around the stage below's strategy). A mixin placed before a method
+    class: ``class Heads(HeadStage, FedPETuning)``; keep-masks and importances travel in the full
+    model's (R, H) layout whatever model the client trains."""
+
     batched_clients = False  # each client trains its own kept heads' slices
     sends_slices = True
     # any adapter with tensors of its own. Head-tied tensors: LoRA B rows of q/k/v and A columns
@@ -81,12 +88,22 @@ class Heads(FedPETuning):
             raise ValueError(f"{name}.targets {targets}: method heads needs the {name} adapter "
                              "on at least one attention projection (q, k, v or o)")
 
+    @classmethod
+    def check_supported(cls, arch, task: Task) -> None:
+        super().check_supported(arch, task)
+        if cls.sub_models and task.cfg.method.prune == "forward" and arch.head_bias is not None:
+            raise ConfigError(f"method.prune='forward' with method.name={task.cfg.method.name!r} on "
+                              f"{arch.model_type}: its stack-wide position-bias table is cut to "
+                              "the client's sub-model, and heads pruned inside that would each "
+                              "need columns of the sub-model's table (not built): use "
+                              "method.prune='parameters'")
+
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None):
-        self.opts: HeadsMethod = cfg.method
         self.special_ids = special_token_ids(loaded.tokenizer, loaded.model.config)
         self.all_dims = loaded.arch.all_dims(loaded.model.config)
         super().__init__(cfg, loaded, task, role, client_sizes)
+        self.opts: HeadsMethod = cfg.method
         self._check_heads()
 
     @property
@@ -140,46 +157,61 @@ class Heads(FedPETuning):
         #: trainable tensors outside the blocks that map to heads (a prefix's key/value columns)
         self.positions = {n: pos for n, p in self.trainable().items()
                           if (pos := self.adapter.head_positions(n, p.shape, self.all_dims)) is not None}
-        return HeadsStrategy(self.cfg.federation, self.cfg.method, self.arch, self.all_dims,
-                             self.client_sizes, self.positions)
+        return HeadsStrategy(super().make_strategy(), self.cfg.method, self.arch, self.all_dims,
+                             self.positions)
 
     # -- client ------------------------------------------------------------------------------
-    def importance(self, data: TokenizedSplit, seed: int) -> tuple[torch.Tensor, float]:
-        """(R, H) head importance on (a sample of) the local data, and its measured FLOPs."""
+    def importance(self, data: TokenizedSplit, seed: int, model: nn.Module | None = None
+                   ) -> tuple[torch.Tensor, float]:
+        """(R, H) head importance of ``model`` (the full model or a client's sub-model: its own
+        rows and heads) on (a sample of) the local data, and its measured FLOPs."""
         n = self.opts.importance_max_examples
         if n is not None and n < len(data):
             data = data.subset(sample_rows(len(data), n, seed))
         with measure.count_flops() as fc:
-            scores = head_importance(self.model, data, self.special_ids, self.opts.importance_batch_size,
+            scores = head_importance(self.model if model is None else model, data, self.special_ids, self.opts.importance_batch_size,
                                      sink_keys=self.opts.sink_keys)
         names = [f.name for f in self.arch.attention_outputs]
         if missing := [n for n in names if n not in scores]:
             raise ModelError(f"no attention scores for {missing} (got {sorted(scores)})")
         return torch.cat([scores[n].float() for n in names]), float(fc.total)  # (R, H)
 
-    def keep(self, alpha: torch.Tensor | None, seed: int) -> torch.Tensor:
-        """The (R, H) keep-mask of this client for this round (Eq. 7)."""
-        scores = alpha if alpha is not None else torch.zeros(self.mask_shape)
+    def keep(self, alpha: torch.Tensor | None, seed: int, dims=None) -> torch.Tensor:
+        """The (R, H) keep-mask of this client for this round (Eq. 7), over the heads of its
+        model (``dims``: a sub-model's, :func:`fedslice.slicing.heads.sub_dims`)."""
+        dims = self.all_dims if dims is None else dims
+        scores = alpha if alpha is not None else torch.zeros(num_rows(dims), dims[0]["num_heads"])
         return keep_mask(scores, self.opts.sparsity, mode=self.opts.pruning, scope=self.opts.scope,
-                         generator=torch.Generator().manual_seed(seed % (2**63)))
+                         generator=torch.Generator().manual_seed(seed % (2**63)),
+                         min_keep=0 if dims is self.all_dims else 1)
 
-    def local_model(self, kept: torch.Tensor) -> nn.Module:
-        """The model the client trains: the full model with the pruned heads' trainable tensors
-        frozen (``prune='parameters'``), or the sub-model without them (``'forward'``)."""
+    def local_model(self, model: nn.Module, kept: torch.Tensor, payload: Payload,
+                    dims=None) -> nn.Module:
+        """The model the client trains: ``model`` (the stage below's, ``dims`` its heads) with
+        the pruned heads' trainable tensors frozen (``prune='parameters'``), or without them
+        (``'forward'``: a sub-model cut from the full model, the payload loaded into it)."""
+        dims = self.all_dims if dims is None else dims
         if bool(kept.all()):
-            return self.model
-        spec = mask_spec(kept, self.all_dims)
+            return model
+        spec = mask_spec(kept, dims)
         if self.opts.prune == "forward":
+            outer = self.client_spec(payload)
+            if outer is None:
+                sub = extract_model(self.model, spec, self.arch)
+            else:  # the stage below's slice, restricted to the kept heads, from the full model
+                sub = extract_model(self.model, restrict(outer, to_full(kept, outer, self.all_dims),
+                                                         self.all_dims), self.arch)
+                self.load_state(dict(sub.named_parameters()),
+                                heads_state(payload.arrays, kept, self.arch, dims))
             # a headless layer's sliced o keeps its adapter (LoRA B: hidden x r): frozen, so the
             # backward does not run down to it for a zero gradient
-            sub = extract_model(self.model, spec, self.arch)
-            return freeze_parameters(sub, self.headless_tensors(sub, kept))
-        return partial_model(self.model, spec, self.arch,
-                             extra=position_cuts(self.positions, kept, self.all_dims))
+            return freeze_parameters(sub, self.headless_tensors(sub, kept, dims))
+        return partial_model(model, spec, self.arch,
+                             extra=position_cuts(self.positions, kept, dims))
 
-    def headless_tensors(self, sub: nn.Module, kept: torch.Tensor) -> set[str]:
+    def headless_tensors(self, sub: nn.Module, kept: torch.Tensor, dims=None) -> set[str]:
         """The trainable attention tensors of ``sub`` in a (family, layer) that keeps no head."""
-        rows = mask_rows(self.all_dims)
+        rows = mask_rows(self.all_dims if dims is None else dims)
         out = set()
         for n, p in sub.named_parameters():
             info = key_info(self.arch, n) if p.requires_grad else None
@@ -188,27 +220,35 @@ class Heads(FedPETuning):
                 out.add(n)
         return out
 
-    def local_params(self, sub: nn.Module, kept: torch.Tensor) -> dict[str, nn.Parameter]:
+    def local_params(self, sub: nn.Module, kept: torch.Tensor, dims=None) -> dict[str, nn.Parameter]:
         """Trainable tensors of the sub-model that the client really trains and uploads: not the
         empty slices, nor the attention tensors of a (family, layer) without heads."""
-        headless = self.headless_tensors(sub, kept)
+        headless = self.headless_tensors(sub, kept, dims)
         return {n: p for n, p in sub.named_parameters()
                 if p.requires_grad and p.numel() and n not in headless}
 
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
+        if self.sits_out(payload):
+            return super().fit(payload, data, seed)
         if len(data) == 0:
             log.warning("client %s has no training data: skipped", payload.config.get("client"))
             return Reply(arrays={}, num_examples=0, metrics=self._skipped_metrics(payload))
-        self.client_model(payload)  # the global state, loaded into the full model in place
-        alpha, imp_flops = self.importance(data, seed) if self.needs_importance else (None, 0.0)
-        kept = self.keep(alpha, seed)
-        sub = self.local_model(kept)
-        params = self.local_params(sub, kept)
+        # the stage below's model (the full one, or the client's sub-model), the payload loaded
+        model, _ = self.client_model(payload)
+        outer = self.client_spec(payload)
+        dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
+        alpha, imp_flops = self.importance(data, seed, model) if self.needs_importance else (None, 0.0)
+        kept = self.keep(alpha, seed) if outer is None else self.keep(alpha, seed, dims)
+        sub = self.local_model(model, kept, payload, dims)
+        params = self.local_params(sub, kept, dims)
         result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss,
                              virtual_tokens=self.adapter.virtual_tokens,
                              pack=self.packs(payload.config))
         for p in sub.parameters():
             p.grad = None  # tensors outside the optimizer (empty slices) may hold a gradient
+        if outer is not None:  # the server reads masks in the full model's layout
+            kept = to_full(kept, outer, self.all_dims)
+            alpha = None if alpha is None else to_full(alpha, outer, self.all_dims)
         arrays = {n: p.detach().clone() for n, p in params.items()}
         if self.opts.pruning != "none":
             arrays[KEPT] = kept.clone()
@@ -219,8 +259,17 @@ class Heads(FedPETuning):
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
 
     # -- metrics -----------------------------------------------------------------------------
+    def trained_spec(self, payload: Payload, arrays: State):
+        """The stage below's slice, restricted to the kept heads when they leave the forward."""
+        outer = super().trained_spec(payload, arrays)
+        if outer is None or self.opts.prune != "forward":
+            return outer
+        return restrict(outer, self._kept_of(arrays), self.all_dims)
+
     def client_metrics(self, model, params, payload, arrays, result: LocalResult) -> dict[str, float]:
         metrics = super().client_metrics(model, params, payload, arrays, result)
+        if self.client_spec(payload) is not None:
+            return metrics  # the sub-model's own count (:meth:`trained_spec`)
         kept = self._kept_of(arrays)
         if self.opts.prune == "parameters":  # every head runs forward (and passes gradients back)
             kept = torch.ones_like(kept)
@@ -285,8 +334,8 @@ class Heads(FedPETuning):
 
     @classmethod
     def report_views(cls, folder, config, metrics, summary) -> list:
-        """Eq. 6 importance per head (mean over every client-round that scored heads) and how
-        often each head was kept."""
+        """The stage below's views, then Eq. 6 importance per head (mean over every client-round
+        that scored heads) and how often each head was kept."""
         from fedslice.viz import heatmap_view
         imp, kept = [], []
         for r in metrics:
@@ -295,7 +344,7 @@ class Heads(FedPETuning):
                     imp.append(np.reshape(c["head_importance"], (-1, int(c["num_heads"]))))
                 if c.get("head_kept") and c.get("num_heads"):
                     kept.append(np.reshape(c["head_kept"], (-1, int(c["num_heads"]))))
-        views = []
+        views = super().report_views(folder, config, metrics, summary)
         if imp:
             m = np.mean(imp, axis=0)
             names = [f"row {i}" for i in range(m.shape[0])]
@@ -315,9 +364,10 @@ class Heads(FedPETuning):
     # -- after training ----------------------------------------------------------------------
     def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],
                       batch_size: int) -> dict[str, Any]:
-        """Means over client-rounds of the head metrics, and Table 6 at the paper's T = 512."""
+        """The stage below's, then the means over client-rounds of the head metrics, and
+        Table 6 at the paper's T = 512."""
         ms = [m for r in records for m in r["client_metrics"] if m.get("num_examples", 0) > 0]
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = super().final_metrics(state, data, records, batch_size)
         for k in ("sparsity", "heads_kept", "headless_layers", "flops_importance", "paper_ops",
                   "paper_ops_dense"):
             vals = [m[k] for m in ms if k in m]
@@ -334,8 +384,16 @@ class Heads(FedPETuning):
     @classmethod
     def plots(cls, run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]],
               summary: dict[str, Any], title: str) -> list[Path]:
-        """``head_importance.png`` and ``head_distance.png`` (:func:`plot_head_importance`)."""
+        """``head_importance.png`` and ``head_distance.png`` (:func:`plot_head_importance`),
+        after the stage below's plots."""
         rounds = (config.get("method") or {}).get("plot_rounds", 10)
-        return plot_head_importance(metrics, run_dir, rounds, title)
+        return super().plots(run_dir, config, metrics, summary, title) + \
+            plot_head_importance(metrics, run_dir, rounds, title)
+
+
+class Heads(HeadStage, FedPETuning):
+    """``heads``: the head stage over FedPETuning's full model."""
+
+    name = "heads"
 
 

@@ -8,11 +8,12 @@ from collections.abc import Mapping
 
 import torch
 
-from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.fl.strategy import Payload, Reply, State, Strategy, Wrapper
 from fedslice.fl.validation import check_num_examples, check_update
 from fedslice.methods.heads.options import HeadsMethod
 from fedslice.slicing.heads import (HeadUpdate, combine_heads, head_deltas, heads_state, keep_mask,
-                                    mask_rows, num_rows)
+                                    mask_rows, num_rows, restrict, sub_dims, to_full)
+from fedslice.slicing.state import extract_state
 from fedslice.slicing.keys import HeadPositions, key_info
 from fedslice.slicing.spec import HEAD_PARTS
 
@@ -37,13 +38,18 @@ def bounded_importance(alpha: torch.Tensor | None, kept: torch.Tensor) -> torch.
     return alpha.float() / mean
 
 
-class HeadsStrategy(Strategy):
-    """Validates head-pruned replies and aggregates them with Eq. 8 (or FedAvg per head)."""
+class HeadsStrategy(Wrapper):
+    """The head stage's server side, around the strategy of the stage below it (``inner``:
+    FedAvg's over the full model, RaFFM's over per-client sub-models), which keeps choosing the
+    payloads, the global state's layout and the work after aggregating. Replies carry only the
+    kept heads' tensors of the client's model (the inner strategy's slice,
+    :meth:`~fedslice.fl.strategy.Strategy.client_slice`, restricted to the heads the client
+    kept); this strategy validates them and aggregates with Eq. 8 (or FedAvg per head), times
+    the inner strategy's per-client factor."""
 
-    def __init__(self, fed, opts: HeadsMethod, arch, dims: list[dict[str, int]],
-                 client_sizes: Mapping[int, int] | None = None,
+    def __init__(self, inner: Strategy, opts: HeadsMethod, arch, dims: list[dict[str, int]],
                  positions: Mapping[str, HeadPositions] | None = None):
-        super().__init__(fed, client_sizes)
+        super().__init__(inner)
         self.opts, self.arch, self.dims = opts, arch, dims  # dims: one dict per stack
         #: adapter tensors outside the blocks that map to heads (a prefix), by name
         self.positions = dict(positions or {})
@@ -58,35 +64,65 @@ class HeadsStrategy(Strategy):
         return torch.ones(self.mask_shape, dtype=torch.bool)
 
     def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
-        """The adapter slices of the heads the client kept (it reports which, in ``KEPT``): every
-        non-empty one, except the attention adapter of a (family, layer) that kept no head (it
-        gets no gradient, and is not sent: :meth:`Heads.local_params`)."""
+        """The adapter slices of the heads the client kept (it reports which, in ``KEPT``), of
+        the tensors the inner strategy expects back: every non-empty one, except the attention
+        adapter of a (family, layer) that kept no head (it gets no gradient, and is not sent:
+        :meth:`HeadStage.local_params`)."""
         kept = self._kept(reply)
         rows = mask_rows(self.dims)
+        spec = self.inner.client_slice(payload)
+        if spec is None:
+            held = heads_state(state, kept, self.arch, self.dims, self.positions)
+            sub_rows, layers = rows, None
+        else:
+            wanted = self.inner.expected_update(state, payload, reply)
+            held = {k: t for k, t in extract_state(state, restrict(spec, kept, self.dims),
+                                                   self.arch).items() if k in wanted}
+            layers = [s.layers for s in restrict(spec, kept, self.dims).stacks]
         out = {}
-        for k, t in heads_state(state, kept, self.arch, self.dims, self.positions).items():
+        for k, t in held.items():
             info = key_info(self.arch, k)
-            if t.numel() == 0 or (info is not None and info.part in HEAD_PARTS and
-                                  not bool(kept[rows[(info.stack, info.family)] + info.layer].any())):
+            if t.numel() == 0:
                 continue
+            if info is not None and info.part in HEAD_PARTS:
+                layer = info.layer if layers is None else layers[info.stack][info.layer]
+                if not bool(kept[rows[(info.stack, info.family)] + layer].any()):
+                    continue
             out[k] = t
         return out
 
     def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
         """The generic checks, plus the client's head reports: the keep-mask (bool, (R, H), as
-        many heads as the sparsity keeps, and present exactly when the method prunes), the
-        importance α of Eq. 8 (in (0, 1] on every kept head, 0 on the pruned ones) and the head
-        metrics the run's summary reads (equal to the mask)."""
+        many heads as the sparsity keeps of the client's model, none outside it, and present
+        exactly when the method prunes), the importance α of Eq. 8 (in (0, 1] on every kept
+        head, 0 on the pruned ones) and the head metrics the run's summary reads (equal to the
+        mask)."""
         size = self.client_sizes.get(payload.config.get("client"))
         if reason := check_num_examples(reply.num_examples, size):
             return reason
-        if reason := self.check_heads(reply):
+        if reason := self.check_heads(reply, self.inner.client_slice(payload)):
             return reason
         model = {k: t for k, t in reply.arrays.items() if k not in (KEPT, ALPHA)}
         return check_update(self.expected_update(state, payload, reply), model, reply.num_examples,
                             reply.metrics, size)
 
-    def check_heads(self, reply: Reply) -> str | None:
+    def expected_counts(self, spec) -> tuple[torch.Tensor, torch.Tensor]:
+        """(heads a client keeps per row, or in all under 'global'; the heads it may keep) for a
+        client of the full model (``spec`` None) or of a sub-model."""
+        o = self.opts
+        mode = "none" if o.pruning == "none" else "importance"
+        if spec is None:
+            want = keep_mask(torch.zeros(self.mask_shape), o.sparsity, scope=o.scope, mode=mode)
+            allowed = torch.ones(self.mask_shape, dtype=torch.bool)
+        else:
+            small = sub_dims(self.dims, spec)
+            shape = (num_rows(small), small[0]["num_heads"])
+            want = to_full(keep_mask(torch.zeros(shape), o.sparsity, scope=o.scope, mode=mode,
+                                     min_keep=1), spec, self.dims)
+            allowed = to_full(torch.ones(shape, dtype=torch.bool), spec, self.dims)
+        return (want.sum(1) if o.scope == "per_layer" else want.sum()), allowed
+
+    def check_heads(self, reply: Reply, spec=None) -> str | None:
         shape, o = self.mask_shape, self.opts
         for key in (KEPT, ALPHA):
             t = reply.arrays.get(key)
@@ -100,12 +136,15 @@ class HeadsStrategy(Strategy):
         kept = self._kept(reply) if KEPT not in reply.arrays else reply.arrays[KEPT]
         if kept.dtype != torch.bool:
             return f"{KEPT} has dtype {kept.dtype}, expected torch.bool"
-        want = keep_mask(torch.zeros(shape), o.sparsity, scope=o.scope,  # the count, not the draw
-                         mode="none" if o.pruning == "none" else "importance")
+        want, allowed = self.expected_counts(spec)
+        if KEPT not in reply.arrays:  # pruning 'none': every head of the client's model
+            kept = allowed
+        if bool((kept & ~allowed).any()):
+            return f"{KEPT} keeps heads outside the client's sub-model"
         got = kept.sum(1) if o.scope == "per_layer" else kept.sum()
-        if not torch.equal(got, want.sum(1) if o.scope == "per_layer" else want.sum()):
+        if not torch.equal(got, want):
             return (f"{KEPT} keeps {got.tolist()} heads, sparsity {o.sparsity} ({o.scope}) "
-                    f"keeps {(want.sum(1) if o.scope == 'per_layer' else want.sum()).tolist()}")
+                    f"keeps {want.tolist()}")
         alpha = reply.arrays.get(ALPHA)
         if o.aggregation == "head_weighted":
             if alpha is None:
@@ -129,13 +168,25 @@ class HeadsStrategy(Strategy):
     def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
                        replies: dict[int, Reply]) -> tuple[list[State], list]:
         """Head-pruned updates scattered to full shape; weights α_hc (Eq. 8) or |D_c| on the
-        kept heads, |D_c| elsewhere."""
-        updates = [HeadUpdate({k: t for k, t in r.arrays.items() if k not in (KEPT, ALPHA)},
-                              self._kept(r), bounded_importance(r.arrays.get(ALPHA), self._kept(r)),
-                              r.num_examples)
-                   for _, r in sorted(replies.items())]
+        kept heads, |D_c| elsewhere (times the inner strategy's factor of the client)."""
+        updates = []
+        for c, r in sorted(replies.items()):
+            kept = self._kept(r)
+            spec = self.inner.client_slice(payloads[c])
+            if spec is not None and KEPT not in r.arrays:
+                kept = self.expected_counts(spec)[1]
+            updates.append(HeadUpdate(
+                {k: t for k, t in r.arrays.items() if k not in (KEPT, ALPHA)}, kept,
+                bounded_importance(r.arrays.get(ALPHA), kept), r.num_examples,
+                spec=None if spec is None else restrict(spec, kept, self.dims),
+                factor=self.inner.client_factor(c)))
         return head_deltas(state, updates, self.arch, self.dims, self.opts.aggregation, self.positions)
 
     def mean(self, server_round: int, state: State, deltas: list[State], weights: list) -> State:
         return combine_heads(state, deltas, weights, self.arch, self.dims, eta=self.fed.server_lr,
                              eps=self.opts.eps, positions=self.positions)
+
+    def combine(self, server_round: int, state: State, deltas: list[State], weights: list,
+                replies: dict[int, Reply]) -> tuple[State, dict]:
+        """This stage's :meth:`mean` (not the inner strategy's)."""
+        return self.mean(server_round, state, deltas, weights), {}

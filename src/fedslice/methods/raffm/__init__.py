@@ -23,6 +23,6 @@ from fedslice.methods.raffm.report import plot_elastic
 from fedslice.methods.raffm.method import ELASTIC, RaFFM
 from fedslice.registry import register_method
 
-register_method(name="raffm", options_cls=RaFFMMethod, method_cls=RaFFM)
+register_method(name="raffm", options_cls=RaFFMMethod, method_cls=RaFFM, stage="submodel")
 
 __all__ = ["ClientPlan", "ELASTIC", "plot_elastic", "RaFFM", "RaFFMMethod", "RaFFMStrategy"]

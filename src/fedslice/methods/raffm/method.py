@@ -20,7 +20,7 @@ from fedslice.compute import model_device, to_device
 from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError
 from fedslice.fl.client import LocalResult
-from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.measure import ClientCost
 from fedslice.methods.base import Method, Role
 from fedslice.methods.raffm.options import RaFFMMethod
@@ -55,6 +55,7 @@ class RaFFM(Method):
     lora_aggregation_hint = ("a client's slice of the salience-ordered model changes when the "
                              "server re-orders it, which a B kept on the client would not follow")
     lora_ranks_per_client = True  # the planner chooses width and rank together
+    sub_models = True
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -138,6 +139,11 @@ class RaFFM(Method):
         for line in lines:
             log.warning("raffm: these clients sit out: %s", line)
 
+    @property
+    def slices(self) -> RaFFMStrategy:
+        """The strategy that plans, slices and re-orders (under any rules and stages)."""
+        return find_inner(self.strategy, RaFFMStrategy)
+
     # -- sub-models --------------------------------------------------------------------------
     def submodel(self, spec: Spec) -> nn.Module:
         """The sub-model of ``spec`` (built once per spec: it shares every unsliced module with the
@@ -157,8 +163,8 @@ class RaFFM(Method):
     def initial_state(self) -> State:
         params = dict(self.model.named_parameters())
         state = {n: params[n].detach().clone() for n in self.state_keys()}
-        self.own_strategy.perm = Permutation.identity(self.all_dims)
-        return self.own_strategy.reorder(state) if self.opts.reorder else state
+        self.slices.perm = Permutation.identity(self.all_dims)
+        return self.slices.reorder(state) if self.opts.reorder else state
 
     @torch.no_grad()
     def _load(self, model: nn.Module, state: State, rank: int | None = None) -> dict[str, nn.Parameter]:
@@ -170,6 +176,13 @@ class RaFFM(Method):
         return params
 
     # -- client ------------------------------------------------------------------------------
+    def client_spec(self, payload: Payload) -> Spec | None:
+        spec = payload.config.get("spec")
+        return None if spec is None else spec_from_dict(spec)
+
+    def sits_out(self, payload: Payload) -> bool:
+        return bool(payload.config.get("sit_out"))
+
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         model = self.submodel(spec_from_dict(payload.config["spec"]))
         params = self._load(model, payload.arrays, payload.config.get("lora_rank"))
@@ -184,7 +197,7 @@ class RaFFM(Method):
         return json.dumps([payload.config["spec"], payload.config.get("lora_rank")], sort_keys=True)
 
     def fit(self, payload: Payload, data, seed: int) -> Reply:
-        if payload.config.get("sit_out"):
+        if self.sits_out(payload):
             return Reply(arrays={}, num_examples=0, metrics=self._sit_out_metrics(payload))
         return super().fit(payload, data, seed)
 
@@ -199,7 +212,7 @@ class RaFFM(Method):
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
         m = super().client_metrics(model, params, payload, arrays, result)
-        spec = spec_from_dict(payload.config["spec"])
+        spec = self.trained_spec(payload, arrays)
         trained = {k: t for k, t in payload.arrays.items() if k in params}
         frozen = {k: t for k, t in payload.arrays.items() if k not in params}
         model_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
@@ -218,7 +231,7 @@ class RaFFM(Method):
 
     def _planned(self, payload: Payload, spec: Spec) -> SpecCost:
         """The planned cost of the client's sub-model (at its LoRA rank)."""
-        cp = self.own_strategy.plans.get(payload.config.get("client"))
+        cp = self.slices.plans.get(payload.config.get("client"))
         if cp is not None and cp.rank_cost is not None:
             return cp.rank_cost
         return self.planner.cost(spec)
@@ -249,7 +262,7 @@ class RaFFM(Method):
 
     def export_state(self, state: State) -> State:
         """The global state in the checkpoint's order of heads and neurons."""
-        return unpermute_state(state, self.own_strategy.perm, self.arch)
+        return unpermute_state(state, self.slices.perm, self.arch)
 
     @classmethod
     def state_from_checkpoint(cls, state: State, server: dict[str, Any], arch: ArchSpec) -> State:
@@ -281,7 +294,7 @@ class RaFFM(Method):
         for size in sorted(set(self.opts.elastic_sizes) | {1.0}):
             plan = self.planner.plan(Budget(flops=size))
             if plan.spec is not None:
-                out.append({"size": size, "spec": in_original_order(plan.spec, self.strategy.perm).to_dict(),
+                out.append({"size": size, "spec": in_original_order(plan.spec, self.slices.perm).to_dict(),
                             "train_flops_ratio": plan.cost.flops_ratio})
         return out
 
@@ -330,9 +343,9 @@ class RaFFM(Method):
         """Elastic sizes, per-tier costs and the plans (merged into summary.json)."""
         per_client = [m for r in records for m in r["client_metrics"]]
         tiers = []
-        groups = sorted({cp.tier for cp in self.own_strategy.plans.values()}, key=lambda t: (t is None, t))
+        groups = sorted({cp.tier for cp in self.slices.plans.values()}, key=lambda t: (t is None, t))
         for tier in groups:
-            cps = [cp for cp in self.own_strategy.plans.values() if cp.tier == tier]
+            cps = [cp for cp in self.slices.plans.values() if cp.tier == tier]
             ran = [m for m in per_client if m.get("tier") == tier and not m.get("sat_out")]
             specs = {cp.plan.spec for cp in cps if cp.plan.spec is not None}
             entry = {"tier": tier, "budget": cps[0].budget.describe() if tier is not None else "distribution",
@@ -355,7 +368,7 @@ class RaFFM(Method):
                 "full_model_planned": full_cost.to_dict(),
                 "sat_out_replies": sum(1 for m in per_client if m.get("sat_out")),
                 "memory_mb_mean": _mean([m.get("memory_mb") for m in per_client if not m.get("sat_out")]),
-                "permutation_applied": not self.own_strategy.perm.is_identity}
+                "permutation_applied": not self.slices.perm.is_identity}
 
 
 

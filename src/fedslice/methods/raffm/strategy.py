@@ -76,6 +76,11 @@ class RaFFMStrategy(Strategy):
     def client_rank(self, client: int) -> int | None:
         return self.plans[client].rank
 
+    def client_slice(self, payload: Payload):
+        """The client's sub-model (its payload's spec; None for a client that sat out)."""
+        spec = payload.config.get("spec")
+        return None if spec is None else spec_from_dict(spec)
+
     def frozen_state_keys(self, trainable, frozen) -> list[str]:
         """The frozen q/k/v/o/FFN tensors: the global state holds them (permuted and sliced on
         the server, sent as frozen slices)."""
@@ -93,7 +98,7 @@ class RaFFMStrategy(Strategy):
         return {k: t for k, t in payload.arrays.items() if _generic(k) in self.trainable}
 
     # -- aggregate ---------------------------------------------------------------------------
-    def size_factor(self, client: int) -> float:
+    def client_factor(self, client: int) -> float:
         """f^p: the client's planned FLOPs fraction to the power ``size_weight`` (1 when p = 0)."""
         p = self.opts.size_weight
         return 1.0 if p == 0 else self.plans[client].plan.cost.flops_ratio ** p
@@ -110,7 +115,7 @@ class RaFFMStrategy(Strategy):
             delta = {k: t.float() - sent.arrays[k].float() for k, t in reply.arrays.items()}
             full, masks = scatter(delta, spec, self.arch, shapes)
             deltas.append(full)
-            w = float(reply.num_examples) * self.size_factor(c)
+            w = float(reply.num_examples) * self.client_factor(c)
             weights.append({k: w * m for k, m in masks.items()})
         return deltas, weights
 
