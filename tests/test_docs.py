@@ -166,7 +166,7 @@ def _shrunk(argv: list[str]) -> list[str]:
     methods = {c.method.name for f in configs for c in load_variants(ROOT / f)}
     if methods <= {"fedpft", "fedot"} and methods:
         extra += ["method.distill.steps=1"]
-    if methods == {"raffm"}:
+    if methods and methods <= {"raffm", "raffm+heads"}:
         extra += ["method.width_steps=4"]
     return argv + [x for s in extra for x in ("--set", s)]
 
