@@ -141,6 +141,24 @@ def test_composed_method_on_architecture(method_name, prune, arch, model_dirs, c
     one_round_keeps_invariants(cfg, arch, (method, data), clients)
 
 
+@pytest.mark.parametrize("prune", ["parameters", "forward"])
+def test_composed_method_with_elastic_depth(prune, model_dirs, corpus, tiny_cfg_dict,
+                                            tiny_gen_cfg_dict, tiny_img_cfg_dict, tmp_path):
+    """raffm+heads where the planner also drops layers: the head stage's rows follow the kept
+    layers (renumbered in the sub-model, in the full layout on the wire)."""
+    d = config("raffm", "bert", model_dirs, corpus, tiny_cfg_dict, tiny_gen_cfg_dict, tmp_path,
+               tiny_img_cfg_dict).model_dump(mode="json", exclude_unset=True)
+    d["method"] = {"name": "raffm+heads", "sparsity": 0.5, "importance_max_examples": 8,
+                   "prune": prune, "elastic_depth": True, "width_steps": 4,
+                   "tiers": [{"share": 0.5, "flops": 0.4}, {"share": 0.5, "flops": 1.0}]}
+    method, data = setup(validate_config(d))
+    specs = {c: cp.plan.spec for c, cp in method.slices.plans.items() if cp.plan.spec}
+    small = next(c for c, s in specs.items() if not s.is_full)
+    from fedslice.slicing.spec import stack_list
+    assert len(stack_list(specs[small])[0].layers) < 4  # a layer dropped
+    one_round_keeps_invariants(method.cfg, "bert", (method, data), [small])
+
+
 def one_round_keeps_invariants(cfg, arch, built=None, clients=None):
     method, data = built or setup(cfg)
     sim = Simulation(cfg, method, data)
