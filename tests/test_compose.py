@@ -103,3 +103,22 @@ def test_raffm_plus_heads_at_full_width_is_heads(tiny_cfg_dict, tmp_path):
     assert sorted(trained) == sorted(want)
     for k in want:
         assert torch.equal(trained[k], want[k]), k
+
+
+@pytest.mark.parametrize("name", ["heads", "raffm+heads"])
+def test_planned_upload_is_what_a_client_sends(name, tiny_cfg_dict, tmp_path):
+    """``fedslice validate`` counts the kept heads' tensors, the keep-mask and the importances:
+    with one count of heads per layer, exactly the tensors (names, shapes) a client sends."""
+    from fedslice.api import setup
+    d = _base(tiny_cfg_dict)
+    d["lora"] = {**d["lora"], "targets": ["q", "k", "v", "o"]}
+    d["method"] = {"name": name, "sparsity": 0.5, "scope": "per_layer",
+                   **({"tiers": [{"share": 0.5, "flops": 0.5}, {"share": 0.5, "flops": 1.0}],
+                       "width_steps": 4} if "raffm" in name else {})}
+    method, data = setup(validate_config(d))
+    state = method.initial_state()
+    payloads = method.strategy.configure_train(1, state, [0, 1, 2, 3])
+    for c, payload in payloads.items():
+        planned = {k: tuple(t.shape) for k, t in method.planned_upload(payload).items()}
+        sent = {k: tuple(t.shape) for k, t in method.fit(payload, data.client(c), 0).arrays.items()}
+        assert planned == sent, c

@@ -190,7 +190,7 @@ def _method_sizes(cfg: ExperimentConfig, plan: Plan, inputs: Inputs, loaded: Loa
         first_contact = []
         for c, payload in payloads.items():
             client_model, params = method.client_model(payload)
-            up = {n: p for n, p in params.items() if n in payload.arrays}
+            up = method.planned_upload(payload)
             plan.costs[c] = ClientCost(
                 bytes_down=measure.tensor_bytes(payload.arrays), bytes_up=measure.tensor_bytes(up),
                 params_down=measure.num_params(payload.arrays), params_up=measure.num_params(up),

@@ -273,6 +273,13 @@ class Method:
         client's LoRA rank, ``lora_rank`` of its payload, when ranks differ)."""
         return self.model, self.load_model(self.model, payload.arrays, payload.config.get("lora_rank"))
 
+    def planned_upload(self, payload: Payload) -> dict[str, torch.Tensor]:
+        """The tensors a client sends back for ``payload`` (their shapes: what ``fedslice
+        validate`` counts before training). Default: the trainable tensors of its model that
+        the payload carries."""
+        _, params = self.client_model(payload)
+        return {n: p for n, p in params.items() if n in payload.arrays}
+
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of one client: returns the trained tensors and measured costs."""
         model, params = self.client_model(payload)

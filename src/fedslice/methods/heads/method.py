@@ -227,6 +227,26 @@ class HeadStage(Method):
         return {n: p for n, p in sub.named_parameters()
                 if p.requires_grad and p.numel() and n not in headless}
 
+    def planned_upload(self, payload: Payload) -> dict[str, torch.Tensor]:
+        """The kept heads' tensors for a keep-mask of the sparsity's size (which heads a client
+        keeps depends on its data; how many does not), its mask and importance vector."""
+        if self.sits_out(payload):
+            return super().planned_upload(payload)
+        model, _ = self.client_model(payload)
+        outer = self.client_spec(payload)
+        dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
+        kept = self.keep(None, 0, dims)
+        if self.opts.pruning != "none":  # the count of 'importance' (ties: the leading heads)
+            kept = keep_mask(torch.zeros(kept.shape), self.opts.sparsity, scope=self.opts.scope,
+                             min_keep=0 if outer is None else 1)
+        params = self.local_params(self.local_model(model, kept, payload, dims), kept, dims)
+        out = dict(params)
+        if self.opts.pruning != "none":
+            out[KEPT] = torch.zeros(self.mask_shape, dtype=torch.bool)
+        if self.opts.aggregation == "head_weighted":
+            out[ALPHA] = torch.zeros(self.mask_shape)
+        return out
+
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         if self.sits_out(payload):
             return super().fit(payload, data, seed)
