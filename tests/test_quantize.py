@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from conftest import save_tiny_model
 from fedslice import measure
+from fedslice.measure.sizes import storage_ptr
 from fedslice.api import run_experiment, setup
 from fedslice.errors import ConfigError
 from fedslice.experiment import validate_config
@@ -81,6 +82,43 @@ def test_meta_model_and_none_are_left_alone():
     assert not Q.quantized_weights(model)
     model, arch = _tiny_bert()
     assert Q.quantize_base(model, "none", arch).layers == 0 and not Q.quantized_weights(model)
+
+
+def test_int8_layer_matches_torchao_and_keeps_no_fp32_copy_for_backward():
+    """fedslice's int8 linear gives torchao's values and input gradients, and a training step
+    saves no fp32 copy of the quantized weights for the backward (torchao's F.linear does:
+    a whole fp32 model's worth of weights again)."""
+    import peft
+    model, arch = _tiny_bert(hidden=128)
+    Q.quantize_base(model, "int8", arch)
+    lin = model.bert.encoder.layer[1].intermediate.dense
+    assert isinstance(lin, Q.FrozenInt8Linear) and isinstance(lin, nn.Linear)
+    x = torch.randn(3, 5, lin.in_features, requires_grad=True)
+    ours = lin(x)
+    (gx,) = torch.autograd.grad(ours.square().sum(), x)
+    x2 = x.detach().clone().requires_grad_(True)
+    theirs = nn.functional.linear(x2, lin.weight, lin.bias)  # torchao's own path
+    (gx2,) = torch.autograd.grad(theirs.square().sum(), x2)
+    assert torch.allclose(ours, theirs, atol=1e-5) and torch.allclose(gx, gx2, atol=1e-4)
+
+    def saved_mb(quantize: str) -> float:
+        m, a = _tiny_bert(hidden=128)
+        Q.quantize_base(m, quantize, a)
+        pm = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["query", "value"]))
+        owned = {storage_ptr(p) for p in pm.parameters()}
+        total = [0]
+
+        def pack(t):
+            if storage_ptr(t) not in owned:
+                total[0] += t.numel() * t.element_size()
+            return t
+        ids = torch.randint(0, 100, (8, 32))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            pm(input_ids=ids, labels=torch.zeros(8, dtype=torch.long)).loss.backward()
+        return total[0] / 2**20
+
+    fp32, int8 = saved_mb("none"), saved_mb("int8")
+    assert int8 <= fp32 * 1.01 + 0.01, (fp32, int8)
 
 
 @pytest.mark.parametrize("axis", [0, 1])
