@@ -7,8 +7,9 @@ Parts (each model in a fresh process, so peak RSS is its own):
   smaller), what stays fp32 (embeddings, classifier / LM head, norms, biases) and the whole
   model's bytes; the logits' difference on a fixed batch.
 * ``step``: LoRA r=16 on q, v (+ the classifier for MiniLM) training steps on a fixed batch
-  (MiniLM: 32 x 64 tokens; SmolLM2: 8 x 64): RSS after loading (+ quantizing + the adapter),
-  peak RSS over the steps, median step time. A timing: take it on a quiet machine (1-min load
+  (MiniLM: 32 x 64 tokens; SmolLM2: 8 x 64): RSS (above the interpreter's) after loading,
+  quantizing, the adapter and reading every weight once (the weights are memory-mapped), peak RSS
+  over the steps, RSS after them, median step time. A timing: take it on a quiet machine (1-min load
   < 1.5); the load before/after is recorded.
 * ``accuracy``: the same federated runs with ``model.quantize`` none and int8:
   ``configs/quantize_sst2.toml`` (MiniLM, the demo's 12 rounds) and ``configs/sst2_smollm2.toml``
@@ -93,6 +94,8 @@ CHILD = textwrap.dedent("""
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4)
         labels = torch.randint(0, 2, (batch,)) if head != "causal_lm" else x
+        with torch.no_grad():  # transformers memory-maps the weights: read them, as a step does
+            sum(float(t.float().sum()) for t in model.parameters() if not Q.is_quantized(t))
         rss_loaded = proc.memory_info().rss
         peak = [rss_loaded]
         stop = threading.Event()
@@ -108,9 +111,10 @@ CHILD = textwrap.dedent("""
             loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - t0)
         stop.set(); t.join()
+        rss_end = proc.memory_info().rss
         out.update(model_mb=measure.module_bytes(model) / 2**20,
                    rss_after_load_mb=(rss_loaded - rss0) / 2**20,
-                   peak_rss_mb=(peak[0] - rss0) / 2**20, step_peak_above_loaded_mb=(peak[0] - rss_loaded) / 2**20,
+                   peak_rss_mb=(peak[0] - rss0) / 2**20, rss_after_steps_mb=(rss_end - rss0) / 2**20, step_peak_above_loaded_mb=(peak[0] - rss_loaded) / 2**20,
                    step_s_median=statistics.median(times[1:] or times), step_s=times,
                    threads=torch.get_num_threads(), batch=[batch, length])
     print("RESULT " + json.dumps(out))

@@ -72,6 +72,26 @@ def test_int8_quantizes_the_blocks_linears_only_smaller_and_close():
     assert all(Q.quantized_weights(model)[n] is quantized[n] for n in quantized)
 
 
+def test_the_weight_file_mapping_is_released(tiny_model_dir):
+    """transformers memory-maps the safetensors file; once quantized, no tensor of the model
+    keeps that mapping (and the fp32 pages of the quantized weights) alive."""
+    import gc
+
+    from fedslice.config import ModelConfig
+    from fedslice.models.loading import load_model
+
+    def mapped() -> list[str]:
+        return [m.path for m in psutil.Process().memory_maps() if str(tiny_model_dir) in m.path]
+
+    loaded = load_model(ModelConfig(name=str(tiny_model_dir)), 2, 0)
+    assert mapped(), "the test assumes transformers maps the weight file"
+    emb = loaded.model.bert.embeddings.word_embeddings.weight
+    Q.quantize_base(loaded.model, "int8", loaded.arch)
+    gc.collect()
+    assert not mapped()
+    assert loaded.model.bert.embeddings.word_embeddings.weight is emb  # same Parameter object
+
+
 def test_meta_model_and_none_are_left_alone():
     from transformers import BertConfig, BertForSequenceClassification
     cfg = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
