@@ -160,6 +160,8 @@ def quantize_base(model: nn.Module, mode: str, arch: ArchSpec) -> QuantReport:
         raise ValueError(f"model.quantize = {mode!r}: unknown (one of {', '.join(MODES)})")
     if todo:
         _own_memory(model)
+        from fedslice.heap import trim_heap
+        trim_heap()  # the quantization's fp32 temporaries back to the system (glibc)
     after = sum(weight_nbytes(getattr(_module(model, n), "weight")) for n in targets)
     report = QuantReport(mode, len(targets), before, after)
     if todo:
