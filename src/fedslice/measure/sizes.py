@@ -52,7 +52,20 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _inner(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The plain tensors that hold a tensor subclass of torchao's (a quantized weight: int8 data
+    and scales), None for any other tensor."""
+    names = getattr(type(t), "tensor_data_names", None)
+    if names is None:
+        return None
+    names = [*names, *(getattr(type(t), "optional_tensor_data_names", None) or [])]
+    return [x for x in (getattr(t, n, None) for n in names) if isinstance(x, torch.Tensor)]
+
+
 def storage_ptr(t: torch.Tensor) -> int:
+    inner = _inner(t)
+    if inner:
+        return storage_ptr(inner[0])
     try:
         return int(t.untyped_storage().data_ptr())
     except Exception:  # sparse / nested / tensor subclasses without a plain storage
@@ -60,6 +73,9 @@ def storage_ptr(t: torch.Tensor) -> int:
 
 
 def storage_nbytes(t: torch.Tensor) -> int:
+    inner = _inner(t)
+    if inner is not None:  # a quantized weight: what its int data and scales take
+        return int(sum(storage_nbytes(x) for x in inner))
     try:
         return int(t.untyped_storage().nbytes())
     except Exception:

@@ -22,12 +22,14 @@ import torch
 
 from fedslice import heap
 from fedslice.config import ExperimentConfig
+from fedslice.errors import ConfigError
 from fedslice.data import data_sources, partition_indices, partition_report
 from fedslice.data.federated import FederatedData
 from fedslice.methods import Method, Role, build_method, method_class
 from fedslice.models.arch import ArchSpec, arch_for
 from fedslice.models.loading import LoadedModel, build_from_config, load_model
 from fedslice.models.loading import load_config as load_model_config
+from fedslice.models.quantize import check_architecture, quantize_base
 from fedslice.tasks import Task, make_task
 
 Weights = Literal["pretrained", "shapes", "random"]
@@ -77,6 +79,10 @@ def load_inputs(cfg: ExperimentConfig, role: Role = "both", weights: Weights | N
     else:
         loaded = build_from_config(cfg.model, k, head=task.head,
                                    device="meta" if weights == "shapes" else "cpu", seed=cfg.seed)
+    if weights != "shapes":
+        # once per process, before the method applies its adapter (peft wraps the quantized
+        # layers) and before client workers fork (they share it): never per client or round
+        quantize_base(loaded.model, cfg.model.quantize, loaded.arch)
     data = prepare_data(cfg, task, task.encode(raw, loaded))
     data.sources = data_sources(raw)  # what checkpoints record: a resume checks its data
     return Inputs(task, raw, loaded, data)
@@ -88,6 +94,10 @@ def check_method(cfg: ExperimentConfig) -> tuple[ArchSpec, Task]:
     arch = arch_for(load_model_config(cfg.model)[0])
     task = make_task(cfg, arch)
     method_class(cfg.method.name).check_supported(arch, task)
+    try:
+        check_architecture(cfg.model.quantize, arch)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return arch, task
 
 

@@ -11,6 +11,7 @@ from functools import lru_cache
 import torch
 import torch.nn as nn
 
+from fedslice.models.quantize import index_select as quantized_index_select, is_quantized
 from fedslice.models.arch import LINEAR, ArchSpec, Attention, Layout, module_at as _get
 from fedslice.registry import adapter_of_module
 from fedslice.slicing.keys import attention_parts
@@ -55,8 +56,11 @@ def install_output_hooks(model: nn.Module) -> None:
 def _slice_param(p: nn.Parameter | None, axis: int | None, idx: torch.Tensor) -> nn.Parameter | None:
     if p is None:
         return None
-    t = p.detach() if axis is None else p.detach().index_select(axis, idx)
-    return nn.Parameter(t, requires_grad=p.requires_grad) if axis is not None else p
+    if axis is None:
+        return p
+    if is_quantized(p):  # a quantized frozen base weight: its int8 rows/columns, no re-quantizing
+        return nn.Parameter(quantized_index_select(p, axis, idx), requires_grad=False)
+    return nn.Parameter(p.detach().index_select(axis, idx), requires_grad=p.requires_grad)
 
 
 def _slice_linear(lin: nn.Module, idx: torch.Tensor, side: str, layout: Layout = LINEAR) -> nn.Module:

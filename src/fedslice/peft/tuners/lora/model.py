@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from fedslice.errors import FedsliceError
+from fedslice.models.quantize import quiet
 from fedslice.models.arch import ArchSpec
 import fedslice.peft.targets as targets
 from fedslice.peft.base import Adapter, Layers, freeze, train_classifier
@@ -56,7 +57,8 @@ def apply_lora(model: nn.Module, arch: ArchSpec, cfg: LoraConfig,
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=names, bias="none", use_dora=use_dora,
                               fan_in_fan_out=arch.layout.transposed)
-    model = get_peft_model(model, peft_cfg)
+    with quiet():  # over a quantized base: peft's warning that its torchao layer cannot merge
+        model = get_peft_model(model, peft_cfg)  # in place (fedslice de-quantizes to merge)
     if cfg.train_classifier:
         train_classifier(model, arch)
     return model
