@@ -733,24 +733,10 @@ def check_quantize_available(mode: str, device: str) -> None:
 
 
 def quantize_refusal(method_cls: type) -> str | None:
-    """Why ``method_cls`` cannot train over a quantized base (None: it can). A method declares it
-    with the class attribute ``quantized_base`` (True, or a string saying why not); until every
-    method does, those whose clients train a model the server builds and sends (fedpft's proxy,
-    fedot's emulator) or whose global state carries frozen base tensors (raffm's sliceable
-    weights) are refused: their sub-model stage must quantize the client's slice
-    (``fedslice.models.quantize.quantize_base``), see docs/quantization.md."""
-    declared = getattr(method_cls, "quantized_base", None)
-    if declared is True:
-        return None
-    if isinstance(declared, str):
-        return declared
-    if getattr(method_cls, "client_model_from_server", False):
-        return ("its clients train a model the server builds and sends (a proxy or emulator); "
-                "quantizing that client model is the sub-model stage's step (not yet wired)")
-    if getattr(method_cls.state_keys, "__qualname__", "") != "Method.state_keys":
-        return ("its global state carries frozen base tensors (sliceable weights the server "
-                "reorders and sends), which a quantized base keeps in the process")
-    return None
+    """Why ``method_cls`` cannot train over a quantized base (None: it can), as the method
+    declares it (``Method.quantized_base``: True, or a string saying why not)."""
+    declared = getattr(method_cls, "quantized_base", True)
+    return None if declared is True else str(declared)
 
 
 # --------------------------------------------------------------------------------------------

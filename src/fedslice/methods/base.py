@@ -83,6 +83,9 @@ class Method:
     #: True: each client trains its own slice of the model (:meth:`client_spec`: RaFFM)
     sub_models: ClassVar[bool] = False
 
+    #: True: clients train over a quantized frozen base (``model.quantize``); else why not
+    quantized_base: ClassVar[bool | str] = True
+
     #: True: ``fit`` depends only on (payload, data, seed) and leaves nothing in this object
     #: that the server or a later client reads, so a round's clients may train in forked worker
     #: processes (``compute.workers``)

@@ -39,6 +39,8 @@ class FedOT(Method):
     name = "fedot"
     batched_clients = True  # every client trains the same adapter + emulator sub-model
     client_model_from_server = True
+    quantized_base = ("its clients train a model the server builds and sends (a proxy or "
+                      "emulator); quantizing that client model is not wired yet")
     adapters = None  # an adapter that can be applied to some layers only (check_config)
     legacy_adapter_option = "adapter_tuning"
 

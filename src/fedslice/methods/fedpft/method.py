@@ -45,6 +45,8 @@ class FedPFT(Method):
     #: holds (and checks its version): that copy must persist, so clients train in this process
     parallel_clients = False
     client_model_from_server = True
+    quantized_base = ("its clients train a model the server builds and sends (a proxy or "
+                      "emulator); quantizing that client model is not wired yet")
     adapters = None  # an adapter inside the attention modules (check_config)
 
     @classmethod

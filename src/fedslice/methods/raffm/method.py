@@ -56,6 +56,9 @@ class RaFFM(Method):
                              "server re-orders it, which a B kept on the client would not follow")
     lora_ranks_per_client = True  # the planner chooses width and rank together
     sub_models = True
+    quantized_base = ("its global state carries frozen base tensors (sliceable weights the server "
+                      "reorders and sends), which a quantized base keeps in the process (not wired: "
+                      "docs/quantization.md)")
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
