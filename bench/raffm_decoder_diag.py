@@ -93,8 +93,16 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", nargs="+", default=["width", "width-noreorder", "depth", "ffn-only"])
     p.add_argument("--out", type=Path, default=Path("bench/results/raffm_decoder_diag"))
+    p.add_argument("--report-only", action="store_true", help="rewrite results.md from results.json")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        saved = json.loads((args.out / "results.json").read_text())
+        sys.argv[1:] = saved["argv"]
+        args.test_mrs = next((int(saved["argv"][i + 1]) for i, a in enumerate(saved["argv"])
+                              if a == "--test-mrs"), args.test_mrs)
+        write(args, saved["results"])
+        return
     res: dict = {}
     for reorder in (True, False):
         wanted = [v for v in args.variants if (v == "width-noreorder") != reorder]
@@ -133,7 +141,7 @@ def main() -> None:
                 res.setdefault(name, {})[str(size)] = r
                 print(f"{name} {size}: layers {r['layers']} heads {r['heads_per_layer']} ffn "
                       f"{r['ffn_per_layer']} params {r['linear_params_M']:.1f}M loss {r['test_loss']:.3f} "
-                      f"ROUGE-L {100 * r['test_rougeL']:.2f} ({r['eval_s']:.0f} s) | {r['sample']!r:.80}",
+                      f"ROUGE-L {r['test_rougeL']:.2f} ({r['eval_s']:.0f} s) | {r['sample']!r:.80}",
                       flush=True)
                 write(args, res)
 
@@ -149,7 +157,7 @@ def write(args, res: dict) -> None:
         for size, r in per.items():
             lines.append(f"| {name} | {size} | {r['layers']} | {r['heads_per_layer']} | {r['ffn_per_layer']} | "
                          f"{r['linear_params_M']:.1f} | {r['forward_gflops_per_example']:.2f} | "
-                         f"{r['test_loss']:.3f} | {100 * r['test_rougeL']:.2f} | {100 * (r['test_bleu'] or 0):.2f} |")
+                         f"{r['test_loss']:.3f} | {r['test_rougeL']:.2f} | {r['test_bleu'] or 0:.2f} |")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     (args.out / "results.json").write_text(json.dumps({"argv": sys.argv[1:], "results": res}, indent=1) + "\n")
 
