@@ -68,6 +68,10 @@ CLAIMS = {
     "raffm": "RaFFM: resource-aware sub-models close to the full model's quality; one model serves every size",
     "fedpft": "FedPFT: a proxy (FFN neurons dropped + KD) tuned, plugged back, close to FedPETuning",
     "fedot": "FedOT baseline: emulator + adapter, below FedPFT",
+    "fedpft-kd100": "FedPFT with 100 layer-KD steps (issue 35 part 5)",
+    "fedpft-kd1000": "FedPFT with 1,000 layer-KD steps (issue 35 part 5)",
+    "raffm-t25only": "RaFFM, every client at 0.25: the 0.25 size given more client-rounds (issue 35 part 4)",
+    "raffm-t25only-full": "as raffm-t25only, the whole sub-model trained (no LoRA)",
 }
 
 
