@@ -46,6 +46,16 @@ VARIANTS = {
                "distill": {"steps": 40, "batch_size": 8, "max_length": 64}},
     "fedot": {"name": "fedot", "distill_emulator": True,
               "distill": {"steps": 40, "batch_size": 8, "max_length": 64}},
+    # issue 35, part 5: the layer-KD budget (the same proxy, 100 / 1,000 steps of 8 x 64 tokens)
+    **{f"fedpft-kd{n}": {"name": "fedpft", "keep_ratio": 0.5, "align_every": 2, "align_steps": 10,
+                         "distill": {"steps": n, "batch_size": 8, "max_length": 64}}
+       for n in (100, 1000)},
+    # issue 35, part 4: is the small sizes' collapse the rounds each size trains? every client at
+    # the 0.25 tier (16 client-rounds of the 0.25 sub-model in 4 rounds, against 2 in "raffm"),
+    # LoRA on q/v as in "raffm", or the whole sub-model trained
+    "raffm-t25only": {"name": "raffm", "tiers": [{"share": 1.0, "flops": 0.25}], "elastic_sizes": [0.25]},
+    "raffm-t25only-full": {"name": "raffm", "tiers": [{"share": 1.0, "flops": 0.25}],
+                           "elastic_sizes": [0.25], "tuning": "full"},
 }
 #: what each row tests (the seed papers' claims)
 CLAIMS = {
@@ -58,6 +68,10 @@ CLAIMS = {
     "raffm": "RaFFM: resource-aware sub-models close to the full model's quality; one model serves every size",
     "fedpft": "FedPFT: a proxy (FFN neurons dropped + KD) tuned, plugged back, close to FedPETuning",
     "fedot": "FedOT baseline: emulator + adapter, below FedPFT",
+    "fedpft-kd100": "FedPFT with 100 layer-KD steps (issue 35 part 5)",
+    "fedpft-kd1000": "FedPFT with 1,000 layer-KD steps (issue 35 part 5)",
+    "raffm-t25only": "RaFFM, every client at 0.25: the 0.25 size given more client-rounds (issue 35 part 4)",
+    "raffm-t25only-full": "as raffm-t25only, the whole sub-model trained (no LoRA)",
 }
 
 
@@ -77,6 +91,8 @@ def config(variant: str, args) -> dict:
     cfg["evaluation"].update(every=args.rounds, dev_generations=10)
     cfg["data"]["max_dev_examples"] = 64
     cfg["output"].update(dir=str(args.out), progress=False, plots=False, save_weights=False)
+    if args.workers:
+        cfg["compute"]["workers"] = args.workers
     return cfg
 
 
@@ -142,6 +158,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--test-mrs", type=int, default=100)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--workers", type=int, default=None, help="compute.workers (1: the run stays on "
+                   "one core; default: the config's 'auto')")
     p.add_argument("--seed", type=int, default=0, help="rows are keyed 'variant@seedN' for N > 0; "
                    "compare them with fedpetuning at the same seed (same partition and test MRs)")
     p.add_argument("--out", type=Path, default=Path("bench/results/e2e_methods"))

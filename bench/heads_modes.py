@@ -237,6 +237,8 @@ def main() -> None:
     p.add_argument("--importance-examples", type=int, default=128)
     p.add_argument("--target", type=float, default=0.8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--workers", default="auto", help="compute.workers: 'auto' (a forked worker "
+                   "per core) or N; 1 keeps a run on one core")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--out", type=Path, default=Path("bench/results/heads_modes"))
     args = p.parse_args()
@@ -265,7 +267,10 @@ def main() -> None:
         folder = args.out / run_name
         if args.rerun or not (folder / "summary.json").is_file():
             t0 = time.perf_counter()
-            folder = run_experiment(validate_config(config(task, run_name, every[name], args, data_dir)))
+            cfg = config(task, run_name, every[name], args, data_dir)
+            if args.workers != "auto":
+                cfg["compute"] = {"workers": int(args.workers)}
+            folder = run_experiment(validate_config(cfg))
             print(f"{run_name}: {time.perf_counter() - t0:.0f} s", flush=True)
         f = figures(folder)
         res.setdefault(task, {}).setdefault(name, {})[seed] = f
