@@ -227,3 +227,34 @@ def test_packed_measured_flops_extrapolate_exactly(model_type, tmp_path_factory)
     assert len(shapes) > 1  # rows of other lengths than the first step's
     res = train_local(model, params, split, cfg, seed=3, loss_fn=loss_fn, pack=True)
     assert res.flops_measured == pytest.approx(want, rel=1e-6)
+
+
+# -- the packed step's attention and dropout ------------------------------------------------------
+def test_uniform_dropout_keeps_the_distribution_and_its_gradient():
+    from fedslice.data.packing import uniform_dropout
+
+    torch.manual_seed(0)
+    x = torch.ones(200_000, requires_grad=True)
+    y = uniform_dropout(x, 0.1)
+    kept = y != 0
+    assert abs(float(kept.float().mean()) - 0.9) < 0.005  # keep probability 1 - p
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / 0.9))  # scaled by 1 / (1 - p)
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach())  # d(x * mask) / dx = mask
+    assert uniform_dropout(x, 0.1, training=False) is x and uniform_dropout(x, 0.0) is x
+
+
+def test_packed_training_runs_eager_attention_with_uniform_masks_and_restores(tmp_path_factory):
+    import torch.nn.functional as F
+
+    from fedslice.data.packing import packed_training, uniform_dropout
+
+    model = _classifier("bert", "sdpa", tmp_path_factory)
+    assert model.config.attention_probs_dropout_prob > 0
+    real = F.dropout
+    with packed_training(_lora(model, ["query", "value"])):
+        assert model.config._attn_implementation == "eager" and F.dropout is uniform_dropout
+    assert model.config._attn_implementation == "sdpa" and F.dropout is real
+    model.config.attention_probs_dropout_prob = 0.0  # no attention dropout: sdpa as it is
+    with packed_training(model):
+        assert model.config._attn_implementation == "sdpa" and F.dropout is real

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ import torch.nn as nn
 from fedslice import progress
 from fedslice.compute import CPU, Compute, model_device, to_device
 from fedslice.data.batching import TokenizedSplit, iter_batches, num_batches
-from fedslice.data.packing import is_packed
+from fedslice.data.packing import is_packed, packed_training
 from fedslice.measure import PeakMemory, count_flops
 from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import (batch_examples, batch_head_positions, batch_real_tokens, batch_rows,
@@ -157,7 +158,9 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     adapter prepends to every sequence (prompt tuning, P-tuning): the model runs on them too, so
     the first step's count is scaled by positions (tokens + virtual tokens x rows), not tokens
     alone (which overstates it when the first batch is shorter than the others). ``pack``: the
-    batches are packed into rows (:mod:`fedslice.data.packing`; the loss must take them).
+    batches are packed into rows (:mod:`fedslice.data.packing`; the loss must take them), and
+    a CPU model with attention dropout trains on eager attention with cheaper dropout masks
+    (:func:`fedslice.data.packing.packed_training`).
     """
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout masks
@@ -176,7 +179,8 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
     scaler = compute.grad_scaler()
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem, \
-            progress.task("local training steps", local_step_count(data, cfg)) as advance:
+            progress.task("local training steps", local_step_count(data, cfg)) as advance, \
+            (packed_training(model) if pack else nullcontext()):
         for step, batch in enumerate(local_batches(data, cfg, gen, pack)):
             advance()
             with count_flops(enabled=step == 0, head=head) as fc:
