@@ -1,5 +1,5 @@
 """Packing (issue 36, target 1): the steady round of the workload bench/perf/minilm_sst2.toml with
-padded batches (``federation.pack = false``, today's default before packing) and packed ones,
+padded batches (``federation.pack = false``, the default before packing) and packed ones (the default),
 at 100 and 1,000 clients (equal steps per round), one run after the other in one invocation;
 the machine's load before and after each run. Steady round = median of rounds 2..R.
 Writes bench/results/perf/packing.json.

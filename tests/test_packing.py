@@ -174,3 +174,87 @@ def test_local_training_packed_matches_padded(tmp_path_factory):
     assert r1.tokens_real == r0.tokens_real and r1.tokens < r0.tokens
     for n in w0:
         torch.testing.assert_close(w0[n], w1[n], atol=TOL, rtol=0, msg=n)
+
+
+# -- measured FLOPs -------------------------------------------------------------------------------
+def _counted_every_step(model, loss_fn, split, cfg, seed):
+    """The FLOPs of every step of ``train_local``'s batches, each counted (what the first step's
+    count is extrapolated to)."""
+    from fedslice.fl.client import local_batches
+    from fedslice.measure import count_flops
+
+    total, shapes = 0, set()
+    model.train()  # as train_local: dropout on (torch's CPU attention then takes its math path)
+    for batch in local_batches(split, cfg, torch.Generator().manual_seed(seed), pack=True):
+        with count_flops() as fc:
+            loss_fn(model, batch).backward()
+        model.zero_grad(set_to_none=True)
+        total += fc.total
+        shapes.add(tuple(batch["input_ids"].shape))
+    return total, shapes
+
+
+def _lora(model, targets):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta", "distilbert", "llama", "gpt2"])
+def test_packed_measured_flops_extrapolate_exactly(model_type, tmp_path_factory):
+    """The first step's count, extrapolated (attention by rows x row length², the head by head
+    positions, the rest by positions), is every step's count summed, to 1e-6, on packed rows of
+    differing shapes (LoRA, the classifier or LM head)."""
+    cfg = {"lr": 1e-3, "batch_size": 8, "local_steps": 6, "max_grad_norm": 1.0,
+           "group_by_length": False}
+    if model_type in ("llama", "gpt2"):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_lm_config(model_type, 300, pad=0, eos=2))
+        model = _lora(model, ["q_proj", "v_proj"] if model_type == "llama" else ["c_attn"])
+        split = pairs(30, 300, pad=0)
+        loss_fn = lambda m, b: lm_loss(m, b, "causal")  # noqa: E731
+    else:
+        model = _classifier(model_type, "sdpa", tmp_path_factory)
+        split = tokenized(40, model.config.vocab_size, types=model_type == "bert")
+        if model_type == "roberta":
+            split.pad_token_id = model.config.pad_token_id
+        model = _lora(model, ["q_lin", "v_lin"] if model_type == "distilbert" else ["query", "value"])
+        loss_fn = lambda m, b: packed_classifier_loss(m, b, model_type)  # noqa: E731
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    want, shapes = _counted_every_step(model, loss_fn, split, cfg, seed=3)
+    assert len(shapes) > 1  # rows of other lengths than the first step's
+    res = train_local(model, params, split, cfg, seed=3, loss_fn=loss_fn, pack=True)
+    assert res.flops_measured == pytest.approx(want, rel=1e-6)
+
+
+# -- the packed step's attention and dropout ------------------------------------------------------
+def test_uniform_dropout_keeps_the_distribution_and_its_gradient():
+    from fedslice.data.packing import uniform_dropout
+
+    torch.manual_seed(0)
+    x = torch.ones(200_000, requires_grad=True)
+    y = uniform_dropout(x, 0.1)
+    kept = y != 0
+    assert abs(float(kept.float().mean()) - 0.9) < 0.005  # keep probability 1 - p
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / 0.9))  # scaled by 1 / (1 - p)
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach())  # d(x * mask) / dx = mask
+    assert uniform_dropout(x, 0.1, training=False) is x and uniform_dropout(x, 0.0) is x
+
+
+def test_packed_training_runs_eager_attention_with_uniform_masks_and_restores(tmp_path_factory):
+    import torch.nn.functional as F
+
+    from fedslice.data.packing import packed_training, uniform_dropout
+
+    model = _classifier("bert", "sdpa", tmp_path_factory)
+    assert model.config.attention_probs_dropout_prob > 0
+    real = F.dropout
+    with packed_training(_lora(model, ["query", "value"])):
+        assert model.config._attn_implementation == "eager" and F.dropout is uniform_dropout
+    assert model.config._attn_implementation == "sdpa" and F.dropout is real
+    model.config.attention_probs_dropout_prob = 0.0  # no attention dropout: sdpa as it is
+    with packed_training(model):
+        assert model.config._attn_implementation == "sdpa" and F.dropout is real

@@ -6,6 +6,9 @@ clip, AdamW) of the workload bench/perf/minilm_sst2.toml, CPU seconds at 1 threa
     .venv/bin/python bench/perf/client_ideas.py eagerattn            # model.attn_implementation = eager
     .venv/bin/python bench/perf/client_ideas.py compile              # torch.compile(dynamic=True)
     .venv/bin/python bench/perf/client_ideas.py cprofile             # where the Python time is
+    .venv/bin/python bench/perf/client_ideas.py fastdrop             # dropout masks from uniform_ (not bernoulli_)
+    .venv/bin/python bench/perf/client_ideas.py eagerfastdrop        # eager attention + those masks
+    .venv/bin/python bench/perf/client_ideas.py packedtraining       # what train_local does: fedslice.data.packing.packed_training
 """
 import sys, time, os
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
@@ -16,7 +19,14 @@ from fedslice.fl.client import local_batches
 mode = sys.argv[1]
 import fedslice.data.packing as P
 if len(sys.argv) > 2: P.ROW_TOKENS = int(sys.argv[2])
-cfg, method, data = build(100, {"model.attn_implementation": "eager"} if mode == "eagerattn" else {})
+cfg, method, data = build(100, {"model.attn_implementation": "eager"} if mode.startswith("eager") and mode != "eager" else {})
+if mode.endswith("fastdrop"):  # every F.dropout (nn.Dropout, eager attention's) from a uniform_ mask
+    import torch.nn.functional as F
+    def fast_dropout(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0.0:
+            return input
+        return input * torch.empty_like(input).uniform_().ge_(p).mul_(1.0 / (1.0 - p))
+    F.dropout = fast_dropout
 state = host_state(method.initial_state())
 pls = method.strategy.configure_train(1, state, [0, 1, 2, 3], cfg.federation.num_clients)
 model, params = method.client_model(pls[0])
@@ -28,8 +38,11 @@ B = {c: batches(c) for c in range(4)}
 loss_fn = method.task.loss
 opt = torch.optim.AdamW(params.values(), lr=1e-3)
 def run(bs):
+    from contextlib import nullcontext
+    from fedslice.data.packing import packed_training
     t0 = time.process_time()
-    for x in bs:
+    with packed_training(model) if mode == "packedtraining" else nullcontext():
+      for x in bs:
         l = loss_fn(model, x); l.backward()
         torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
         opt.step(); opt.zero_grad(set_to_none=True)

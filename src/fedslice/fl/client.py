@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,9 @@ import torch.nn as nn
 from fedslice import progress
 from fedslice.compute import CPU, Compute, model_device, to_device
 from fedslice.data.batching import TokenizedSplit, iter_batches, num_batches
+from fedslice.data.packing import is_packed, packed_training
 from fedslice.measure import PeakMemory, count_flops
+from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import (batch_examples, batch_head_positions, batch_real_tokens, batch_rows,
                                  batch_tokens)
 
@@ -29,7 +32,7 @@ class LocalResult:
     examples: int  # examples trained on, repeats included (FedAvg weights use the partition size)
     head_positions: int  # where the output head ran: examples, or target tokens of an LM task
     tokens: int  # padded tokens processed (what the FLOPs scale with)
-    flops_measured: float  # FlopCounterMode on the first step, scaled by padded tokens
+    flops_measured: float  # FlopCounterMode on the first step, extrapolated (train_local)
     peak_rss_mb: float
     activation_mb: float
     time_s: float
@@ -37,6 +40,9 @@ class LocalResult:
     gpu_peak_mb: float | None = None  # torch.cuda.max_memory_allocated during training (CUDA)
     tokens_real: int | None = None  # non-padding tokens of the batches trained on
     rows: int | None = None  # rows the model ran on (packed batches: fewer than examples)
+    # packed batches: the row length attention's FLOPs go with, sum(rows x length²) / tokens
+    # (rows differ in length from step to step; tokens / rows, their mean, is off by the spread)
+    attention_length: float | None = None
 
 
 def local_batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator, pack: bool = False):
@@ -77,6 +83,50 @@ def _positions(batch: dict[str, torch.Tensor], virtual_tokens: int) -> int:
     return batch_tokens(batch) + (virtual_tokens * batch_rows(batch) if virtual_tokens else 0)
 
 
+def _attention_units(batch: dict[str, torch.Tensor]) -> int:
+    """Query-key pairs of a packed batch's self-attention: rows x row length squared (each row
+    attends over its whole length: the block-diagonal mask hides pairs, it does not skip them)."""
+    rows, length = batch["input_ids"].shape
+    return int(rows) * int(length) ** 2
+
+
+class _FlopExtrapolation:
+    """The first step's counted FLOPs, extrapolated to every step. Padded batches: per position
+    (tokens + virtual tokens). Packed batches, whose rows differ in length from step to step:
+    each part by what it grows with, so the total is the count of every step (to rounding):
+    the attention ops by rows x row length², the head's ops by head positions (examples, or
+    target tokens), the rest (the linear layers) by positions."""
+
+    def __init__(self) -> None:
+        self.per_position = self.per_pair = self.per_head = 0.0
+        self.positions = self.pairs = self.heads = 0
+
+    def first(self, fc, batch: dict[str, torch.Tensor], virtual_tokens: int) -> None:
+        positions = _positions(batch, virtual_tokens)
+        if is_packed(batch) and not virtual_tokens:
+            heads = batch_head_positions(batch)
+            self.per_pair = fc.attention / _attention_units(batch)
+            self.per_head = fc.head / heads if heads else 0.0
+            rest = fc.total - fc.attention - (fc.head if heads else 0)
+            self.per_position = rest / positions
+        else:
+            self.per_position = fc.total / positions
+
+    def add(self, batch: dict[str, torch.Tensor], virtual_tokens: int) -> None:
+        self.positions += _positions(batch, virtual_tokens)
+        if self.per_pair or self.per_head:
+            self.pairs += _attention_units(batch)
+            self.heads += batch_head_positions(batch)
+
+    def attention_length(self) -> float | None:
+        """Packed batches: sum(rows x length²) / sum(rows x length) over the steps."""
+        return self.pairs / self.positions if self.pairs and self.positions else None
+
+    @property
+    def total(self) -> float:
+        return self.per_position * self.positions + self.per_pair * self.pairs + self.per_head * self.heads
+
+
 def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**to_device(batch, model_device(model))).loss
 
@@ -101,13 +151,16 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
 
     ``cfg`` holds the strategy's train config (lr, weight_decay, local_epochs/local_steps,
     batch_size, max_grad_norm, fedprox_mu). The first step runs under a FLOP counter; the total
-    is that count per padded token times the padded tokens of all steps. ``compute``: the
+    is that count per padded token times the padded tokens of all steps (packed batches: each
+    part of the count by what it grows with, :class:`_FlopExtrapolation`). ``compute``: the
     device batches go to and the autocast precision of forward and loss (parameters, gradients
     and optimizer state stay fp32; fp16 scales the loss). ``virtual_tokens``: positions an
     adapter prepends to every sequence (prompt tuning, P-tuning): the model runs on them too, so
     the first step's count is scaled by positions (tokens + virtual tokens x rows), not tokens
     alone (which overstates it when the first batch is shorter than the others). ``pack``: the
-    batches are packed into rows (:mod:`fedslice.data.packing`; the loss must take them).
+    batches are packed into rows (:mod:`fedslice.data.packing`; the loss must take them), and
+    a CPU model with attention dropout trains on eager attention with cheaper dropout masks
+    (:func:`fedslice.data.packing.packed_training`).
     """
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout masks
@@ -120,16 +173,17 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     losses: list[torch.Tensor] = []
     tokens = examples = head_positions = rows = 0
     real = 0
-    flops_per_position = 0.0
-    positions = 0  # where the model ran: tokens + virtual tokens of every row
+    flops = _FlopExtrapolation()
+    head = head_segments(model) if pack else ()
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
     scaler = compute.grad_scaler()
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem, \
-            progress.task("local training steps", local_step_count(data, cfg)) as advance:
+            progress.task("local training steps", local_step_count(data, cfg)) as advance, \
+            (packed_training(model) if pack else nullcontext()):
         for step, batch in enumerate(local_batches(data, cfg, gen, pack)):
             advance()
-            with count_flops(enabled=step == 0) as fc:
+            with count_flops(enabled=step == 0, head=head) as fc:
                 with compute.autocast():
                     # a host batch: the loss moves it to the model's device, and a task reads
                     # it there (target positions) without waiting for the device
@@ -141,7 +195,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
                 if trains:
                     (scaler.scale(total) if scaler else total).backward()
             if step == 0:
-                flops_per_position = fc.total / _positions(batch, virtual_tokens)
+                flops.first(fc, batch, virtual_tokens)
             if trains:
                 _optimizer_step(opt, params, scaler, clip)
             opt.zero_grad(set_to_none=True)
@@ -150,7 +204,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
             # makes the mean non-finite and the server excludes the reply
             losses.append(loss.detach())
             tokens += batch_tokens(batch)  # counted on the host batch: no device reads
-            positions += _positions(batch, virtual_tokens)
+            flops.add(batch, virtual_tokens)
             real = real + batch_real_tokens(batch)
             examples += batch_examples(batch)
             rows += batch_rows(batch)
@@ -159,7 +213,8 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     mean_loss = float(torch.stack(losses).mean()) if losses else math.nan
     nonfinite = bool(losses) and not math.isfinite(mean_loss)
     return LocalResult(loss=mean_loss, steps=len(losses),
-                       examples=examples, head_positions=head_positions, tokens=tokens, flops_measured=flops_per_position * positions,
+                       examples=examples, head_positions=head_positions, tokens=tokens, flops_measured=flops.total,
                        peak_rss_mb=mem.rss_peak_mb or 0.0, activation_mb=mem.tensor_peak_mb,
                        time_s=time.perf_counter() - t0, nonfinite=nonfinite,
-                       gpu_peak_mb=mem.cuda_peak_mb, tokens_real=int(real), rows=rows)
+                       gpu_peak_mb=mem.cuda_peak_mb, tokens_real=int(real), rows=rows,
+                       attention_length=flops.attention_length())

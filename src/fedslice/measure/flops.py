@@ -91,21 +91,69 @@ def _cpu_attention_flop_mapping() -> dict[Any, Any]:
     return mapping
 
 
-class FlopCount:
-    """Result holder of :func:`count_flops`: ``total`` FLOPs (0 when counting was disabled)."""
+def _is_attention_op(op: Any) -> bool:
+    """Whether a counted op is attention's (the scores and the weighted sum: batched matmuls and
+    the fused attention kernels), whose FLOPs grow with the square of a row's length, where
+    the linear layers' grow with its tokens."""
+    name = str(op)
+    return name in ("aten.bmm", "aten.baddbmm") or "attention" in name
 
-    __slots__ = ("total", "enabled")
+
+def head_segments(model: nn.Module) -> tuple[str, ...]:
+    """Name parts of the modules of ``model`` that run at the head positions, not at every
+    token: the classification head (``pooler``, ``classifier``, ``score``) and the LM head (the
+    output embedding's attribute name, e.g. ``lm_head``)."""
+    parts = list(_HEAD_NAME_PARTS)
+    lm_head = _output_embeddings(model)
+    if lm_head is not None:
+        for name, module in model.named_modules():
+            if module is lm_head and name:
+                parts.append(name.split(".")[-1])
+                break
+    return tuple(parts)
+
+
+class FlopCount:
+    """Result holder of :func:`count_flops`: ``total`` FLOPs (0 when counting was disabled), and
+    of them ``attention`` (:func:`_is_attention_op`) and ``head`` (the ops counted in the modules
+    whose name has one of ``head`` parts, :func:`head_segments`; 0 when none were given)."""
+
+    __slots__ = ("total", "enabled", "attention", "head")
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.total = 0
+        self.attention = 0
+        self.head = 0
 
     def __repr__(self) -> str:
-        return f"FlopCount(total={self.total}, enabled={self.enabled})"
+        return (f"FlopCount(total={self.total}, attention={self.attention}, head={self.head}, "
+                f"enabled={self.enabled})")
+
+
+def _split_counts(counts: dict[str, dict[Any, int]], head: Sequence[str]) -> tuple[int, int]:
+    """``(attention, head)`` FLOPs of a counter's per-module counts (module paths below the
+    root's class name; ``"Global"``: every op). A head module's ops (forward and backward, as
+    torch's module tracker attributes them) are counted once, at the outermost module whose
+    last name part is a head part; attention excludes them."""
+    attention = sum(n for op, n in counts.get("Global", {}).items() if _is_attention_op(op))
+    head_total = head_attention = 0
+    if head:
+        def is_head(segment: str) -> bool:
+            return any(part in segment for part in head)
+
+        for path, ops in counts.items():
+            if path == "Global":
+                continue
+            segments = path.split(".")[1:]
+            if segments and is_head(segments[-1]) and not any(is_head(s) for s in segments[:-1]):
+                head_total += sum(ops.values())
+                head_attention += sum(n for op, n in ops.items() if _is_attention_op(op))
+    return attention - head_attention, head_total
 
 
 @contextlib.contextmanager
-def count_flops(enabled: bool = True) -> Iterator[FlopCount]:
+def count_flops(enabled: bool = True, head: Sequence[str] = ()) -> Iterator[FlopCount]:
     """Count the FLOPs of the code in the block::
 
         with count_flops(enabled=step == 0) as fc:
@@ -115,7 +163,9 @@ def count_flops(enabled: bool = True) -> Iterator[FlopCount]:
     Same counter as :func:`measure_step_flops` (including the CPU attention kernels) but around
     the caller's own code, so the real training step is measured without running it twice.
     ``fc.total`` is set when the block ends; with ``enabled=False`` nothing is counted (no
-    overhead) and ``fc.total`` stays 0.
+    overhead) and ``fc.total`` stays 0. ``fc.attention`` and ``fc.head`` split the total
+    (``head``: the head modules' name parts, :func:`head_segments`), for an extrapolation to
+    other batch shapes that scales each part by what it grows with (``fl.client.train_local``).
     """
     result = FlopCount(enabled)
     if not enabled:
@@ -129,6 +179,7 @@ def count_flops(enabled: bool = True) -> Iterator[FlopCount]:
             yield result
     finally:
         result.total = int(counter.get_total_flops())
+        result.attention, result.head = _split_counts(counter.get_flop_counts(), head)
 
 
 def measure_step_flops(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> int:
