@@ -364,7 +364,7 @@ class Method:
         return measure.analytic_train_flops(
             num_layers=num_layers, hidden=self.dims["hidden"], ffn=self.dims["ffn"],
             num_heads=self.dims["num_heads"], tokens=result.tokens,
-            seq_len=result.tokens / max(result.rows or result.examples, 1),  # row length
+            seq_len=result.attention_length or result.tokens / max(result.rows or result.examples, 1),
             trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
             embedding_backward=embedding_backward, examples=result.examples,
             head_positions=result.head_positions, head_linear_params=counts["head_total"],

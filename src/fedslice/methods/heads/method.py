@@ -307,7 +307,8 @@ class HeadStage(Method):
         bottom rows) and the skipped input-gradient of the lowest trained row's q/k/v over the
         kept heads only."""
         d = self.dims
-        seq = result.tokens / max(result.rows or result.examples, 1)  # row length (packed: > example)
+        # the row length attention's FLOPs go with (packed rows: sum(rows x length²) / tokens)
+        seq = result.attention_length or result.tokens / max(result.rows or result.examples, 1)
         bottom = self.frozen_bottom(model)
         base = self.analytic_train_flops(model, result, embedding_backward=False, frozen=bottom,
                                          num_layers=sum(x["num_layers"] for x in self.all_dims))
