@@ -72,18 +72,22 @@ def test_int8_quantizes_the_blocks_linears_only_smaller_and_close():
     assert all(Q.quantized_weights(model)[n] is quantized[n] for n in quantized)
 
 
-def test_the_weight_file_mapping_is_released(tiny_model_dir):
+def test_the_weight_file_mapping_is_released(tiny_model_dir, tmp_path):
     """transformers memory-maps the safetensors file; once quantized, no tensor of the model
-    keeps that mapping (and the fp32 pages of the quantized weights) alive."""
+    keeps that mapping (and the fp32 pages of the quantized weights) alive. (A private copy of
+    the model: other tests in this worker process may still map the shared one.)"""
     import gc
+    import shutil
 
     from fedslice.config import ModelConfig
     from fedslice.models.loading import load_model
 
-    def mapped() -> list[str]:
-        return [m.path for m in psutil.Process().memory_maps() if str(tiny_model_dir) in m.path]
+    own = shutil.copytree(tiny_model_dir, tmp_path / "own-model")
 
-    loaded = load_model(ModelConfig(name=str(tiny_model_dir)), 2, 0)
+    def mapped() -> list[str]:
+        return [m.path for m in psutil.Process().memory_maps() if str(own) in m.path]
+
+    loaded = load_model(ModelConfig(name=str(own)), 2, 0)
     assert mapped(), "the test assumes transformers maps the weight file"
     emb = loaded.model.bert.embeddings.word_embeddings.weight
     Q.quantize_base(loaded.model, "int8", loaded.arch)
