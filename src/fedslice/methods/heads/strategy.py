@@ -76,9 +76,9 @@ class HeadsStrategy(Wrapper):
             sub_rows, layers = rows, None
         else:
             wanted = self.inner.expected_update(state, payload, reply)
-            held = {k: t for k, t in extract_state(state, restrict(spec, kept, self.dims),
-                                                   self.arch).items() if k in wanted}
-            layers = [s.layers for s in restrict(spec, kept, self.dims).stacks]
+            narrowed = restrict(spec, kept, self.dims)
+            held = {k: t for k, t in extract_state(state, narrowed, self.arch).items() if k in wanted}
+            layers = [s.layers for s in narrowed.stacks]
         out = {}
         for k, t in held.items():
             info = key_info(self.arch, k)
