@@ -178,12 +178,13 @@ class HeadStage(Method):
 
     def keep(self, alpha: torch.Tensor | None, seed: int, dims=None) -> torch.Tensor:
         """The (R, H) keep-mask of this client for this round (Eq. 7), over the heads of its
-        model (``dims``: a sub-model's, :func:`fedslice.slicing.heads.sub_dims`)."""
-        dims = self.all_dims if dims is None else dims
-        scores = alpha if alpha is not None else torch.zeros(num_rows(dims), dims[0]["num_heads"])
+        model (``dims``: a sub-model's, :func:`fedslice.slicing.heads.sub_dims`, where at least
+        one head is kept; None: the full model's)."""
+        shape = (num_rows(dims or self.all_dims), (dims or self.all_dims)[0]["num_heads"])
+        scores = alpha if alpha is not None else torch.zeros(shape)
         return keep_mask(scores, self.opts.sparsity, mode=self.opts.pruning, scope=self.opts.scope,
                          generator=torch.Generator().manual_seed(seed % (2**63)),
-                         min_keep=0 if dims is self.all_dims else 1)
+                         min_keep=0 if dims is None else 1)
 
     def local_model(self, model: nn.Module, kept: torch.Tensor, payload: Payload,
                     dims=None) -> nn.Module:
@@ -235,10 +236,9 @@ class HeadStage(Method):
         model, _ = self.client_model(payload)
         outer = self.client_spec(payload)
         dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
-        kept = self.keep(None, 0, dims)
-        if self.opts.pruning != "none":  # the count of 'importance' (ties: the leading heads)
-            kept = keep_mask(torch.zeros(kept.shape), self.opts.sparsity, scope=self.opts.scope,
-                             min_keep=0 if outer is None else 1)
+        mode = "none" if self.opts.pruning == "none" else "importance"  # the count (ties: leading)
+        kept = keep_mask(torch.zeros(num_rows(dims), dims[0]["num_heads"]), self.opts.sparsity,
+                         mode=mode, scope=self.opts.scope, min_keep=0 if outer is None else 1)
         params = self.local_params(self.local_model(model, kept, payload, dims), kept, dims)
         out = dict(params)
         if self.opts.pruning != "none":
@@ -258,7 +258,7 @@ class HeadStage(Method):
         outer = self.client_spec(payload)
         dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
         alpha, imp_flops = self.importance(data, seed, model) if self.needs_importance else (None, 0.0)
-        kept = self.keep(alpha, seed) if outer is None else self.keep(alpha, seed, dims)
+        kept = self.keep(alpha, seed, None if outer is None else dims)
         sub = self.local_model(model, kept, payload, dims)
         params = self.local_params(sub, kept, dims)
         result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss,
