@@ -159,7 +159,7 @@ def test_every_command_is_run_or_marked():
 
 
 def _shrunk(argv: list[str]) -> list[str]:
-    if argv[0] not in ("run", "compare", "validate"):
+    if argv[0] not in ("run", "compare", "validate", "plan"):
         return argv
     configs = [a for a in argv[1:] if a.endswith((".toml", ".yaml", ".yml"))]
     extra = list(SHRINK)
@@ -168,6 +168,8 @@ def _shrunk(argv: list[str]) -> list[str]:
         extra += ["method.distill.steps=1"]
     if methods and methods <= {"raffm", "raffm+heads"}:
         extra += ["method.width_steps=4"]
+    if any(c.budgets is not None for f in configs for c in load_variants(ROOT / f)):
+        extra += ["budgets.width_steps=2"]
     return argv + [x for s in extra for x in ("--set", s)]
 
 

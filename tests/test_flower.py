@@ -213,6 +213,26 @@ def test_serverapp_matches_in_process_engine(tiny_cfg_dict, tmp_path, method):
                                                    "partition.json", "final_trainable.safetensors"}
 
 
+@pytest.mark.parametrize("method,extra", [("raffm+heads", {}), ("fedpetuning", {"lora": {"ranks": [2, 4]}})])
+def test_serverapp_runs_planned_clients_as_in_process(tiny_cfg_dict, tmp_path, method, extra):
+    """[budgets]: each client's plan (sub-model, sparsity or rank, micro-batches) travels in its
+    Flower message; the weights and the plans' records equal the in-process engine's."""
+    tiny_cfg_dict["method"] = {"name": method}
+    tiny_cfg_dict["federation"].update(num_clients=4, clients_per_round=4, rounds=1, pack=False)
+    tiny_cfg_dict["budgets"] = {"tiers": [{"share": 0.5, "memory_mb": 1000},
+                                          {"share": 0.5, "memory_mb": 4.05, "upload_mb_per_round": 0.003}]}
+    tiny_cfg_dict.update(extra)
+    state, records, summary = _in_process(tiny_cfg_dict)
+    assert len({json.dumps(g["plan"], sort_keys=True) for g in summary["plans"]}) == 2
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(4)), _settings(path, tmp_path / "fl"))
+    _assert_same_state(_weights(run_dir), state)
+    _, _, fl_summary = read_run(run_dir)
+    assert [g["plan"] for g in fl_summary["plans"]] == [g["plan"] for g in summary["plans"]]
+    assert [g["measured"]["upload_mb_mean"] for g in fl_summary["plans"]] == \
+        pytest.approx([g["measured"]["upload_mb_mean"] for g in summary["plans"]])
+
+
 @pytest.mark.parametrize("model_type, method", [("llama", "fedpetuning"), ("t5", "fedpetuning"),
                                                ("gpt2", "fedavg")])
 def test_serverapp_matches_in_process_engine_on_generative_models(tiny_gen_cfg_dict, tiny_lm_dirs,

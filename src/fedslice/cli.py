@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--no-timing", action="store_true",
                      help="skip timing one training step of a randomly initialised model")
 
+    pln = sub.add_parser("plan", parents=common,
+                         help="each client's plan under the config's [budgets]: predicted peak "
+                              "memory, GFLOPs and upload per round, and why it was chosen")
+    pln.add_argument("config")
+    pln.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pln.add_argument("--json", metavar="FILE", help="also write every client's plan to FILE")
+
     cmp = sub.add_parser("compare", help="run several configs on the same partition and seed",
                          parents=common)
     cmp.add_argument("configs", nargs="+", help="config files, or one file with [[variants]]")
@@ -162,6 +169,11 @@ def _main(args: argparse.Namespace) -> int:
         raise FedsliceError("fedslice run needs a config file (or --resume RUN_DIR)")
     if args.command == "run" and args.allow_data_change and not args.resume:
         raise FedsliceError("--allow-data-change goes with --resume RUN_DIR")
+    if args.command == "plan":
+        from fedslice.plan import budget_plan
+        cfg = load_config(args.config, args.overrides)
+        print(budget_plan(cfg, args.json))
+        return 0
     if args.command == "validate" or (args.command == "run" and args.dry_run):
         from fedslice.plan import make_plan
         cfg = load_config(args.config, args.overrides)

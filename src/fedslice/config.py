@@ -138,6 +138,78 @@ def check_tier_shares(tiers: list[DeviceTier] | None) -> list[DeviceTier] | None
     return tiers
 
 
+class BudgetTier(Section):
+    """A tier of clients with one budget: its share of the population and at least one limit."""
+
+    name: str | None = Field(None, description="Shown in plans and reports (default: tier<i>).")
+    share: float = Field(gt=0, le=1, description="Fraction of the clients in this tier.")
+    memory_mb: float | None = Field(None, gt=0, description="Peak training memory in MiB "
+                                    "(the model it trains + gradients + AdamW state + saved "
+                                    "activations).")
+    gflops_per_round: float | None = Field(None, gt=0, description="Training GFLOPs a client "
+                                           "may spend per round (its local steps, and the "
+                                           "importance pass of the head stage).")
+    upload_mb_per_round: float | None = Field(None, gt=0, description="MB (1e6 bytes) a client "
+                                              "may send back per round.")
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> "BudgetTier":
+        if self.memory_mb is None and self.gflops_per_round is None and self.upload_mb_per_round is None:
+            raise ValueError("give at least one of memory_mb, gflops_per_round, upload_mb_per_round")
+        return self
+
+
+class BudgetsConfig(Section):
+    """Client budgets: the planner gives every client the plan that trains the most within its
+    budget (sub-model width, head sparsity, LoRA rank, gradient checkpointing, batch split),
+    from costs measured on the run's model (docs/planner.md)."""
+
+    tiers: list[BudgetTier] | None = Field(None, min_length=1, description="Tiers with shares "
+                                           "summing to 1, placed at random among the clients "
+                                           "(seeded).")
+    csv: str | None = Field(None, description="A CSV file with one row per client: a `client` "
+                            "column (ids 0..num_clients-1, each once) and any of memory_mb, "
+                            "gflops_per_round, upload_mb_per_round (empty cell: no limit).")
+    sparsities: list[float] = Field(default_factory=lambda: [0.0, 0.5, 0.75, 0.9], min_length=1,
+                                    description="Head sparsities the planner may give a client "
+                                    "(methods with the head stage).")
+    micro_batches: list[int] = Field(default_factory=lambda: [1, 2, 4], min_length=1,
+                                     description="Batch splits the planner may give a client: "
+                                     "each batch runs as this many micro-batches whose gradients "
+                                     "add up (the same update, less activation memory).")
+    checkpointing: bool = Field(True, description="The planner may turn on gradient "
+                                "checkpointing for a client (less memory, more FLOPs).")
+    width_steps: int = Field(8, gt=0, description="Sub-model widths the planner tries "
+                             "(methods with the sub-model stage): 1/steps .. 1.")
+
+    @field_validator("sparsities")
+    @classmethod
+    def _sparsities(cls, v):
+        for x in v:
+            if not 0 <= x < 1:
+                raise ValueError(f"sparsity {x} is not in [0, 1)")
+        return sorted(set(v))
+
+    @field_validator("micro_batches")
+    @classmethod
+    def _splits(cls, v):
+        for x in v:
+            if x < 1:
+                raise ValueError(f"micro_batches {x} must be >= 1")
+        return sorted(set(v))
+
+    @field_validator("tiers")
+    @classmethod
+    def _shares(cls, v):
+        return check_tier_shares(v)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "BudgetsConfig":
+        if (self.tiers is None) == (self.csv is None):
+            raise ValueError("give the budgets as tiers or as a csv file (one of them)")
+        return self
+
+
 class DataConfig(Section):
     """Where the task's data lives, how its files are read, and how it is split among clients."""
 
@@ -578,6 +650,8 @@ class ExperimentConfig(Section):
     dp: DPConfig = Field(default_factory=DPConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+    budgets: BudgetsConfig | None = Field(None, description="Client budgets and the planner "
+                                          "(unset: every client trains the same plan).")
 
     @field_validator("method", mode="before")
     @classmethod
@@ -653,6 +727,20 @@ class ExperimentConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _budgets(self) -> "ExperimentConfig":
+        """``[budgets]`` replaces a method's own device tiers; micro-batches divide the batch."""
+        if self.budgets is None:
+            return self
+        if any(_not_default(self.method, k) for k in ("tiers", "budget_distribution")):
+            raise ValueError("method.tiers and budgets: the budgets section plans every client "
+                             "(width, rank, ...): remove method.tiers")
+        bs = self.federation.batch_size
+        bad = [k for k in self.budgets.micro_batches if bs % k]
+        if bad:
+            raise ValueError(f"budgets.micro_batches {bad} do not divide federation.batch_size = {bs}")
+        return self
+
+    @model_validator(mode="after")
     def _quantized_base(self) -> "ExperimentConfig":
         """``model.quantize``: the backend runs on ``compute.device``, the adapter keeps the base
         frozen, and the method's clients train the shared model (its global state holds no base
@@ -687,6 +775,16 @@ class ExperimentConfig(Section):
     @property
     def run_name(self) -> str:
         return self.output.name or self.name or self.method.name
+
+
+def _not_default(section: Section, name: str) -> bool:
+    """``section`` has field ``name`` set to something else than its default (a config written
+    back with every default, as Flower's ServerApp sends it, sets them all)."""
+    field = type(section).model_fields.get(name)
+    if field is None or name not in section.model_fields_set:
+        return False
+    default = field.get_default(call_default_factory=True)
+    return getattr(section, name) != default
 
 
 #: the values of ``model.quantize`` (fedslice.models.quantize)

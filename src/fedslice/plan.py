@@ -18,7 +18,7 @@ import torch
 
 from fedslice import measure
 from fedslice.config import ExperimentConfig
-from fedslice.errors import FedsliceError
+from fedslice.errors import ConfigError, FedsliceError
 from fedslice.data.federated import FederatedData
 from fedslice.measure import ClientCost
 from fedslice.models.loading import LoadedModel, build_from_config, load_config
@@ -173,6 +173,9 @@ def make_plan(cfg: ExperimentConfig, *, timing: bool = True) -> Plan:
                               f"({e}); they are measured in the run")
     if note := cfg.method.set_aside_note():
         plan.notes.append(note)
+    if cfg.budgets is not None:
+        plan.notes.append("budgets: each client's plan (measured on the model) is printed by "
+                          "`fedslice plan CONFIG`")
     plan.steps_per_client = {c: _steps(cfg, n) for c, n in enumerate(sizes) if n}
     if timing:
         plan.step_seconds = _time_step(cfg, task, data, k)
@@ -210,3 +213,31 @@ def _method_sizes(cfg: ExperimentConfig, plan: Plan, inputs: Inputs, loaded: Loa
 
 class _NeedsValues(Exception):
     """Building the method read tensor values, which a weightless (meta) model does not have."""
+
+
+def budget_plan(cfg: ExperimentConfig, json_path: str | None = None) -> str:
+    """``fedslice plan``: every client's plan under ``[budgets]``, measured as the run measures
+    it (the model with random weights of the real shapes, quantized as ``model.quantize`` asks,
+    on the task's profile batch), grouped by budget and plan; ``json_path``: every client's plan
+    as JSON. A ConfigError when the config has no budgets or a client's budget fits no plan."""
+    import json
+
+    from fedslice.methods.planner import render_plans
+
+    if cfg.budgets is None:
+        raise ConfigError("fedslice plan: the config has no [budgets] section (tiers or a csv of "
+                          "client budgets)")
+    configure_process(cfg)
+    inputs = load_inputs(cfg, role="both", weights="random")
+    method = inputs.method(cfg, "both")
+    fed = cfg.federation
+    lines = [f"plans for {cfg.run_name} (method {cfg.method.name}, {fed.num_clients} clients, "
+             f"base {cfg.model.quantize if cfg.model.quantize != 'none' else 'fp32'}): measured on "
+             f"a batch of {fed.batch_size} x {cfg.data.max_length} tokens (the longest), FLOPs per "
+             "round for each client's examples"]
+    lines += render_plans(method.plans)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({str(c): p.to_dict() for c, p in sorted(method.plans.items())}, f, indent=1)
+        lines.append(f"every client's plan: {json_path}")
+    return "\n".join(lines)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
@@ -127,6 +128,57 @@ class _FlopExtrapolation:
         return self.per_position * self.positions + self.per_pair * self.pairs + self.per_head * self.heads
 
 
+@contextmanager
+def gradient_checkpointing(model: nn.Module, on: bool = True) -> Iterator[None]:
+    """Gradient checkpointing of ``model``'s transformer blocks (transformers' own, non-reentrant)
+    turned on inside the block and back off after if it was off: a client's plan may checkpoint
+    the shared model for that client only. A model that cannot checkpoint raises ValueError."""
+    if not on:
+        yield
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ValueError(f"gradient checkpointing: {type(base).__name__} does not support it")
+    was = is_checkpointing(base)
+    if not was:
+        _checkpointing_call(base, "enable")
+    try:
+        yield
+    finally:
+        if not was:
+            _checkpointing_call(base, "disable")
+
+
+def _checkpointing_call(model: nn.Module, what: str) -> None:
+    """transformers 5's ``activation_checkpointing_enable/disable`` (non-reentrant), or the
+    older ``gradient_checkpointing_*`` names where a model has only those."""
+    new = getattr(model, f"activation_checkpointing_{what}", None)
+    if new is not None:
+        new(activation_checkpointing_kwargs={"use_reentrant": False}) if what == "enable" else new()
+    elif what == "enable":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    """Whether gradient checkpointing is on (transformers 5 renamed the property)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """An unpacked batch as ``parts`` micro-batches of consecutive rows (fewer when it has fewer
+    rows); every tensor's first dimension is the row."""
+    rows = batch_rows(batch)
+    if parts <= 1 or rows <= 1:
+        return [batch]
+    bounds = [round(i * rows / parts) for i in range(parts + 1)]
+    return [{k: v[lo:hi] for k, v in batch.items()} for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
 def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**to_device(batch, model_device(model))).loss
 
@@ -142,6 +194,31 @@ def _optimizer_step(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter],
         scaler.update()
     else:
         opt.step()
+
+
+def _accumulate(model: nn.Module, params: dict[str, nn.Parameter], batch: dict[str, torch.Tensor],
+                parts: int, loss_fn: LossFn, compute: Compute, scaler, ref, mu: float
+                ) -> tuple[torch.Tensor, bool]:
+    """One step's gradients from ``parts`` micro-batches: each micro-batch's loss weighted by its
+    share of the batch's head positions (examples, or target tokens: what the task's loss
+    averages over), so the gradients add up to the whole batch's; activations are held for one
+    micro-batch at a time. Returns the batch's loss (detached) and whether anything trained."""
+    total_positions = batch_head_positions(batch)
+    loss_sum, trains = None, False
+    for part in split_batch(batch, parts):
+        share = batch_head_positions(part) / max(total_positions, 1)
+        if share == 0:
+            continue
+        with compute.autocast():
+            loss = loss_fn(model, part) * share
+        if loss.requires_grad:
+            trains = True
+            (scaler.scale(loss) if scaler else loss).backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    if ref is not None and trains:
+        prox = _proximal(params, ref, mu)
+        (scaler.scale(prox) if scaler else prox).backward()
+    return (loss_sum if loss_sum is not None else torch.tensor(math.nan)), trains
 
 
 def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: TokenizedSplit,
@@ -160,7 +237,9 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     alone (which overstates it when the first batch is shorter than the others). ``pack``: the
     batches are packed into rows (:mod:`fedslice.data.packing`; the loss must take them), and
     a CPU model with attention dropout trains on eager attention with cheaper dropout masks
-    (:func:`fedslice.data.packing.packed_training`).
+    (:func:`fedslice.data.packing.packed_training`). A client's plan may set
+    ``cfg["micro_batches"]`` (each batch as that many micro-batches whose gradients add up:
+    :func:`_accumulate`) and ``cfg["checkpointing"]`` (:func:`gradient_checkpointing`).
     """
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout masks
@@ -178,22 +257,27 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
     scaler = compute.grad_scaler()
+    micro = int(cfg.get("micro_batches") or 1)
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem, \
             progress.task("local training steps", local_step_count(data, cfg)) as advance, \
-            (packed_training(model) if pack else nullcontext()):
+            (packed_training(model) if pack else nullcontext()), \
+            gradient_checkpointing(model, bool(cfg.get("checkpointing"))):
         for step, batch in enumerate(local_batches(data, cfg, gen, pack)):
             advance()
             with count_flops(enabled=step == 0, head=head) as fc:
-                with compute.autocast():
-                    # a host batch: the loss moves it to the model's device, and a task reads
-                    # it there (target positions) without waiting for the device
-                    loss = loss_fn(model, batch)
-                total = loss + _proximal(params, ref, mu) if ref is not None else loss
-                # False when nothing trained reaches the loss (a sub-model whose decoder keeps no
-                # cross-attention head reads none of its trained encoder): no step to take
-                trains = total.requires_grad
-                if trains:
-                    (scaler.scale(total) if scaler else total).backward()
+                if micro > 1 and not is_packed(batch):
+                    loss, trains = _accumulate(model, params, batch, micro, loss_fn, compute, scaler, ref, mu)
+                else:
+                    with compute.autocast():
+                        # a host batch: the loss moves it to the model's device, and a task reads
+                        # it there (target positions) without waiting for the device
+                        loss = loss_fn(model, batch)
+                    total = loss + _proximal(params, ref, mu) if ref is not None else loss
+                    # False when nothing trained reaches the loss (a sub-model whose decoder keeps no
+                    # cross-attention head reads none of its trained encoder): no step to take
+                    trains = total.requires_grad
+                    if trains:
+                        (scaler.scale(total) if scaler else total).backward()
             if step == 0:
                 flops.first(fc, batch, virtual_tokens)
             if trains:

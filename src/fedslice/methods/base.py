@@ -24,7 +24,8 @@ its config checks in :meth:`Method.check_config`, its plots in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -104,6 +105,10 @@ class Method:
     #: clients may train LoRA at their own rank (``lora.ranks``, chosen by the budget planner)
     lora_ranks_per_client: ClassVar[bool] = False
 
+    #: True: ``[budgets]`` plans each client (:mod:`fedslice.methods.planner`); the strategy at
+    #: the bottom of the method's stages puts a client's plan into its payloads
+    plans_budgets: ClassVar[bool] = False
+
     @classmethod
     def client_statistics(cls, cfg: ExperimentConfig) -> str | None:
         """What a client sends the server under ``cfg`` besides its update, its example count and
@@ -145,6 +150,9 @@ class Method:
         Default: the adapter is one the method trains, and ``peft.method`` does not contradict
         the legacy option when both are given."""
         name = cls.adapter_name(cfg)
+        if cfg.budgets is not None and not cls.plans_budgets:
+            raise ValueError(f"budgets: method {cfg.method.name} does not plan clients by budget "
+                             "(methods that do: fedpetuning, heads, raffm, raffm+heads)")
         if cls.adapters is not None and name not in cls.adapters:
             raise ValueError(f"peft.method={name!r}: method {cfg.method.name} trains "
                              f"{' or '.join(repr(a) for a in cls.adapters)}")
@@ -158,14 +166,16 @@ class Method:
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None,
-                 compute: Compute | None = None):
+                 compute: Compute | None = None, token_lengths: torch.Tensor | None = None):
         """``client_sizes``: client -> size of its partition, when the server knows it (replies
         are checked against it); ``compute``: the device, precision and client concurrency
-        (default: the config's ``[compute]``)."""
+        (default: the config's ``[compute]``); ``token_lengths``: the training examples' token
+        counts, when the server holds the data (the budget planner's batch shapes follow them)."""
         if role not in ("both", "client", "server"):
             raise ValueError(f"role must be 'both', 'client' or 'server', got {role!r}")
         self.cfg, self.role, self.task = cfg, role, task
         self.client_sizes = dict(client_sizes or {})
+        self.token_lengths = token_lengths
         self.compute = compute or Compute.from_config(cfg.compute, cfg.federation.clients_per_round)
         self.arch: ArchSpec = loaded.arch
         self.dims = loaded.arch.dims(loaded.model.config)
@@ -174,6 +184,8 @@ class Method:
             loaded.model.to(self.compute.device)
         self.model = self.prepare_model(loaded.model)
         self._apply_compute_options()
+        #: client -> its plan under ``[budgets]`` (:meth:`make_plans`; empty without budgets)
+        self.plans: dict[int, Any] = {}
         #: the method's own strategy, inside the aggregation rules of the config
         self.strategy = wrap_rules(self.make_strategy(), cfg, role, arch=self.arch)
 
@@ -202,6 +214,53 @@ class Method:
     def make_strategy(self) -> Strategy:
         """The method's own strategy (its payloads and weighting), before the rules wrap it."""
         return Strategy(self.cfg.federation, self.client_sizes)
+
+    # -- budgets (fedslice.methods.planner) --------------------------------------------------
+    def make_plans(self, batch: dict[str, torch.Tensor] | None = None) -> dict[int, Any]:
+        """Every client's plan under ``[budgets]`` (none in the client role: a client reads its
+        plan from its payload), measured on ``batch`` (default: the task's profile batch of
+        federation.batch_size rows as long as the longest training example, capped at
+        data.max_length: a step's peak memory is its longest batch's), its FLOPs scaled to the
+        tokens a batch really holds (:func:`~fedslice.methods.planner.planning_lengths`); kept
+        in :attr:`plans`."""
+        from fedslice.methods.planner import plan_clients, planning_lengths
+
+        if self.cfg.budgets is None or self.role == "client":
+            return {}
+        fed = self.cfg.federation
+        length, per_example = planning_lengths(self.cfg, self.token_lengths)
+        if batch is None:
+            batch = self.task.profile_batch(self.model.config, fed.batch_size, length, self.cfg.seed)
+        self.plans = plan_clients(self, self.cfg.budgets, batch, self.client_sizes, fed.num_clients,
+                                  self.cfg.seed, flops_scale=per_example / length)
+        return self.plans
+
+    def plan_axes(self, budgets) -> dict[str, list]:
+        """The knobs this method's stages let the planner vary, each list best first:
+        ``specs`` ((sub-model spec, width) pairs), ``sparsities``, ``ranks``. Default: the LoRA
+        rank (``lora.ranks``, else ``lora.r``) where clients may train their own."""
+        if self.lora_ranks_per_client and self.adapter.name == "lora":
+            lora = self.cfg.lora
+            return {"ranks": sorted(set(lora.ranks or [lora.r]), reverse=True)}
+        return {}
+
+    @contextmanager
+    def planned_model(self, knobs) -> Iterator[Any]:
+        """The model a client with ``knobs`` trains and the tensors it sends back
+        (:class:`fedslice.methods.planner.PlannedModel`), for measuring; put back after."""
+        from fedslice.methods.planner import PlannedModel
+
+        with (self.adapter.at_rank(self.model, knobs.rank) if knobs.rank is not None else nullcontext()):
+            yield PlannedModel(self.model, self.trainable(self.model))
+
+    def importance_examples(self, n: int) -> int:
+        """Examples a client of ``n`` examples runs an importance pass over per round (0: none)."""
+        return 0
+
+    def can_checkpoint(self) -> bool:
+        """The model clients train supports gradient checkpointing."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return bool(getattr(base, "supports_gradient_checkpointing", False))
 
     # -- state -------------------------------------------------------------------------------
     def trainable(self, model: nn.Module | None = None) -> dict[str, nn.Parameter]:
@@ -295,7 +354,10 @@ class Method:
 
     def packs(self, config: dict[str, Any]) -> bool:
         """Whether a client's training batches are packed: ``federation.pack``, where the
-        architecture, head and adapter allow it (:func:`fedslice.data.packing.packs`)."""
+        architecture, head and adapter allow it (:func:`fedslice.data.packing.packs`), and the
+        client's plan does not split its batches (micro-batches split rows of examples)."""
+        if int(config.get("micro_batches") or 1) > 1:
+            return False
         return bool(config.get("pack")) and packs(self.arch.model_type, self.task.head,
                                                   self.adapter.in_modules)
 
@@ -303,8 +365,11 @@ class Method:
         """Clients whose payloads have equal keys train the same tensors of the same model and
         may share one batched pass; None: this client trains alone. Default: every client trains
         the one shared model (when the method declares ``batched_clients``), clients of one LoRA
-        rank together (tensors of other shapes do not stack)."""
-        return ("model", payload.config.get("lora_rank")) if self.batched_clients else None
+        rank together (tensors of other shapes do not stack); a client whose plan splits its
+        batches or checkpoints trains alone (the batched pass does neither)."""
+        if not self.batched_clients or trains_alone(payload):
+            return None
+        return ("model", payload.config.get("lora_rank"))
 
     def fit_batched(self, jobs: list[tuple[int, Payload, TokenizedSplit, int]], compute: Compute,
                     on_reply) -> None:
@@ -488,6 +553,11 @@ class Method:
         regenerates them, :func:`fedslice.report.plot_run`); returns the paths written.
         Default: none."""
         return []
+
+
+def trains_alone(payload: Payload) -> bool:
+    """The client's plan splits its batches or checkpoints (not in a batched pass)."""
+    return int(payload.config.get("micro_batches") or 1) > 1 or bool(payload.config.get("checkpointing"))
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -183,6 +183,9 @@ def finalize(cfg: ExperimentConfig, method: Method, data: FederatedData, state: 
     summary = summarize(cfg, records, test, time.perf_counter() - t_start, data,
                         primary=method.task.primary_metric)
     summary.update(method.final_metrics(state, data, records, cfg.evaluation.batch_size))
+    if method.plans:  # [budgets]: each group's plan, its predicted and measured costs
+        from fedslice.methods.planner import plan_report
+        summary["plans"] = plan_report(method.plans, records)
     return summary
 
 

@@ -48,7 +48,8 @@ class Inputs:
                loaded: LoadedModel | None = None) -> Method:
         """The method of ``cfg`` over this model (or ``loaded``), sized for these clients."""
         sizes = {c: len(p) for c, p in enumerate(self.data.partitions)}
-        return build_method(cfg, loaded or self.loaded, self.task, role, client_sizes=sizes)
+        return build_method(cfg, loaded or self.loaded, self.task, role, client_sizes=sizes,
+                            token_lengths=self.data.train.lengths)
 
 
 def configure_process(cfg: ExperimentConfig) -> None:

@@ -78,6 +78,11 @@ def _size(dims: Sequence[Mapping[str, int]], spec: Spec) -> int:
     return sum(_linear_params(d, s) for d, s in zip(dims, stack_list(spec)) if s is not None)
 
 
+def spec_params(spec: Spec, dims: Mapping[str, int] | Sequence[Mapping[str, int]]) -> int:
+    """Linear parameters (attention and FFN) of the blocks ``spec`` keeps."""
+    return _size([dims] if isinstance(dims, Mapping) else list(dims), spec)
+
+
 def width_candidates(dims: Mapping[str, int] | Sequence[Mapping[str, int]], steps: int,
                      depth: bool = False) -> list[Spec]:
     """Leading-slice specs, smallest first (by linear parameters); the last is the full model.

@@ -56,10 +56,10 @@ class FedOT(Method):
                              "none")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both", client_sizes: Mapping[int, int] | None = None):
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None, **kw):
         self.loaded = loaded  # the preprocessor and config the distillation corpus is encoded with
         self.opts: FedOTMethod = cfg.method
-        super().__init__(cfg, loaded, task, role, client_sizes)
+        super().__init__(cfg, loaded, task, role, client_sizes, **kw)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         o = self.opts

@@ -15,6 +15,7 @@ from fedslice.config import DeviceTier, ExperimentConfig
 from fedslice.errors import ConfigError
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.methods.base import Method, Role
+from fedslice.methods.planner import PlannedStrategy
 from fedslice.methods.fedpetuning.report import mean_of, rank_tiers
 from fedslice.methods.fedpetuning.strategy import _at_rank, RankedStrategy, RankPlan
 from fedslice.models.loading import LoadedModel
@@ -35,6 +36,7 @@ class FedPETuning(Method):
     batched_clients = True
     lora_aggregations = ("fedit", "ffa", "fedex", "flora", "svd", "fedsa")
     lora_ranks_per_client = True
+    plans_budgets = True
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -50,9 +52,9 @@ class FedPETuning(Method):
         if tiers and not ranks:
             raise ValueError(f"method.tiers: method {cfg.method.name} uses device tiers to choose "
                              "each client's LoRA rank: set lora.ranks (e.g. [4, 8, 16])")
-        if ranks and not tiers:
-            raise ValueError(f"lora.ranks={ranks}: the budgets of method.tiers choose each "
-                             "client's rank: set method.tiers")
+        if ranks and not tiers and cfg.budgets is None:
+            raise ValueError(f"lora.ranks={ranks}: the budgets of method.tiers (or [budgets]) "
+                             "choose each client's rank: set one of them")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None, **kw):
@@ -71,6 +73,10 @@ class FedPETuning(Method):
 
     # -- heterogeneous ranks -------------------------------------------------------------------
     def make_strategy(self) -> Strategy:
+        if self.cfg.budgets is not None:  # every client's plan (a client reads its own)
+            if self.role == "client":
+                return Strategy(self.cfg.federation, self.client_sizes)
+            return PlannedStrategy(self.cfg.federation, self.make_plans(), self.client_sizes)
         tiers = getattr(self.cfg.method, "tiers", None)
         if not tiers or self.role == "client":  # a client never configures payloads
             return Strategy(self.cfg.federation, self.client_sizes)

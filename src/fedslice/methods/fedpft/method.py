@@ -79,13 +79,13 @@ class FedPFT(Method):
                              f"(q, k, v, o): the proxy drops FFN neurons; got {raw or targets}")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both", client_sizes: Mapping[int, int] | None = None):
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None, **kw):
         self.loaded = loaded  # the preprocessor and config the distillation corpus is encoded with
         self.opts: FedPFTMethod = cfg.method
         self.align_logs: list[DistillLog] = []
         self.align_records: list[dict[str, Any]] = []
         self.held_version: int | None = None  # proxy version of this worker's copy (client side)
-        super().__init__(cfg, loaded, task, role, client_sizes)
+        super().__init__(cfg, loaded, task, role, client_sizes, **kw)
 
     # -- construction ----------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:

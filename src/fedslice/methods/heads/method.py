@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.methods.heads.options import HeadsMethod, kept_count, max_sparsity
 from fedslice.methods.heads.report import paper_ops, plot_head_importance
 from fedslice.methods.heads.strategy import ALPHA, HeadsStrategy, KEPT
+from fedslice.methods.planner import PlannedModel
 from fedslice.models.loading import LoadedModel
 from fedslice.slicing.heads import (ensure_eager_attention, head_axes, head_importance, heads_state,
                                     keep_mask, mask_rows, mask_spec, num_rows, position_cuts,
@@ -99,11 +101,11 @@ class HeadStage(Method):
                               "method.prune='parameters'")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both", client_sizes: Mapping[int, int] | None = None):
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None, **kw):
         self.special_ids = special_token_ids(loaded.tokenizer, loaded.model.config)
         self.all_dims = loaded.arch.all_dims(loaded.model.config)
-        super().__init__(cfg, loaded, task, role, client_sizes)
-        self.opts: HeadsMethod = cfg.method
+        self.opts: HeadsMethod = cfg.method  # before the strategy: the budget planner reads it
+        super().__init__(cfg, loaded, task, role, client_sizes, **kw)
         self._check_heads()
 
     @property
@@ -176,13 +178,16 @@ class HeadStage(Method):
             raise ModelError(f"no attention scores for {missing} (got {sorted(scores)})")
         return torch.cat([scores[n].float() for n in names]), float(fc.total)  # (R, H)
 
-    def keep(self, alpha: torch.Tensor | None, seed: int, dims=None) -> torch.Tensor:
+    def keep(self, alpha: torch.Tensor | None, seed: int, dims=None,
+             sparsity: float | None = None) -> torch.Tensor:
         """The (R, H) keep-mask of this client for this round (Eq. 7), over the heads of its
         model (``dims``: a sub-model's, :func:`fedslice.slicing.heads.sub_dims`, where at least
-        one head is kept; None: the full model's)."""
+        one head is kept; None: the full model's), at its plan's ``sparsity`` (None:
+        method.sparsity)."""
         shape = (num_rows(dims or self.all_dims), (dims or self.all_dims)[0]["num_heads"])
         scores = alpha if alpha is not None else torch.zeros(shape)
-        return keep_mask(scores, self.opts.sparsity, mode=self.opts.pruning, scope=self.opts.scope,
+        s = self.opts.sparsity if sparsity is None else sparsity
+        return keep_mask(scores, s, mode=self.opts.pruning, scope=self.opts.scope,
                          generator=torch.Generator().manual_seed(seed % (2**63)),
                          min_keep=0 if dims is None else 1)
 
@@ -236,16 +241,62 @@ class HeadStage(Method):
         model, _ = self.client_model(payload)
         outer = self.client_spec(payload)
         dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
-        mode = "none" if self.opts.pruning == "none" else "importance"  # the count (ties: leading)
-        kept = keep_mask(torch.zeros(num_rows(dims), dims[0]["num_heads"]), self.opts.sparsity,
-                         mode=mode, scope=self.opts.scope, min_keep=0 if outer is None else 1)
-        params = self.local_params(self.local_model(model, kept, payload, dims), kept, dims)
+        kept = self.count_mask(dims, payload.config.get("sparsity"), outer is not None)
+        return self.upload_of(self.local_params(self.local_model(model, kept, payload, dims), kept, dims))
+
+    def count_mask(self, dims, sparsity: float | None, sub_model: bool) -> torch.Tensor:
+        """A keep-mask of the right size over ``dims``' heads: which heads a client keeps
+        depends on its data, how many does not. They are spread over as many (family, layer)
+        rows as they can be (head 0 of every row first, then head 1, ...): a row that keeps a
+        head sends its adapter's shared tensors too (LoRA A of q/v), so this is the most a
+        client of this sparsity can send (the budget planner's upload)."""
+        rows, heads = num_rows(dims), dims[0]["num_heads"]
+        spread = -(torch.arange(heads)[None, :] * rows + torch.arange(rows)[:, None]).float()  # (R, H)
+        mode = "none" if self.opts.pruning == "none" else "importance"
+        s = self.opts.sparsity if sparsity is None else sparsity
+        return keep_mask(spread, s, mode=mode, scope=self.opts.scope, min_keep=1 if sub_model else 0)
+
+    def upload_of(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What a client sends: its kept heads' tensors, its mask and importance vector."""
         out = dict(params)
         if self.opts.pruning != "none":
             out[KEPT] = torch.zeros(self.mask_shape, dtype=torch.bool)
         if self.opts.aggregation == "head_weighted":
             out[ALPHA] = torch.zeros(self.mask_shape)
         return out
+
+    # -- budgets -----------------------------------------------------------------------------
+    def plan_axes(self, budgets) -> dict[str, list]:
+        """The stage below's knobs and the head sparsity (``budgets.sparsities`` that keep a
+        head; method.sparsity alone when the method does not prune)."""
+        axes = dict(super().plan_axes(budgets))
+        if self.opts.pruning == "none":
+            return axes
+        rows, heads = self.mask_shape
+        pool = rows * heads if self.opts.scope == "global" else heads
+        axes["sparsities"] = [s for s in budgets.sparsities if kept_count(rows, heads, s, self.opts.scope) >= 1] \
+            or [max_sparsity(pool)]
+        return axes
+
+    @contextmanager
+    def planned_model(self, knobs) -> Iterator[PlannedModel]:
+        """The stage below's planned model with ``knobs.sparsity`` of its heads pruned (leading
+        heads kept); the importance pass runs on the stage below's model."""
+        with super().planned_model(knobs) as lower:
+            outer = knobs.spec
+            dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
+            kept = self.count_mask(dims, knobs.sparsity, outer is not None)
+            payload = Payload({}, {} if outer is None else {"spec": outer.to_dict()})
+            sub = self.local_model(lower.model, kept, payload, dims)
+            params = self.local_params(sub, kept, dims)
+            yield PlannedModel(sub, self.upload_of(params),
+                               lower.model if self.needs_importance else None)
+
+    def importance_examples(self, n: int) -> int:
+        if not self.needs_importance:
+            return 0
+        cap = self.opts.importance_max_examples
+        return n if cap is None else min(n, cap)
 
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         if self.sits_out(payload):
@@ -258,7 +309,7 @@ class HeadStage(Method):
         outer = self.client_spec(payload)
         dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
         alpha, imp_flops = self.importance(data, seed, model) if self.needs_importance else (None, 0.0)
-        kept = self.keep(alpha, seed, None if outer is None else dims)
+        kept = self.keep(alpha, seed, None if outer is None else dims, payload.config.get("sparsity"))
         sub = self.local_model(model, kept, payload, dims)
         params = self.local_params(sub, kept, dims)
         result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss,

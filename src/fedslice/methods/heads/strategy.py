@@ -100,30 +100,34 @@ class HeadsStrategy(Wrapper):
         size = self.client_sizes.get(payload.config.get("client"))
         if reason := check_num_examples(reply.num_examples, size):
             return reason
-        if reason := self.check_heads(reply, self.inner.client_slice(payload)):
+        if reason := self.check_heads(reply, self.inner.client_slice(payload),
+                                      payload.config.get("sparsity")):
             return reason
         model = {k: t for k, t in reply.arrays.items() if k not in (KEPT, ALPHA)}
         return check_update(self.expected_update(state, payload, reply), model, reply.num_examples,
                             reply.metrics, size)
 
-    def expected_counts(self, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    def expected_counts(self, spec, sparsity: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(heads a client keeps per row, or in all under 'global'; the heads it may keep) for a
-        client of the full model (``spec`` None) or of a sub-model."""
+        client of the full model (``spec`` None) or of a sub-model, at its plan's ``sparsity``
+        (None: method.sparsity)."""
         o = self.opts
+        s = o.sparsity if sparsity is None else sparsity
         mode = "none" if o.pruning == "none" else "importance"
         if spec is None:
-            want = keep_mask(torch.zeros(self.mask_shape), o.sparsity, scope=o.scope, mode=mode)
+            want = keep_mask(torch.zeros(self.mask_shape), s, scope=o.scope, mode=mode)
             allowed = torch.ones(self.mask_shape, dtype=torch.bool)
         else:
             small = sub_dims(self.dims, spec)
             shape = (num_rows(small), small[0]["num_heads"])
-            want = to_full(keep_mask(torch.zeros(shape), o.sparsity, scope=o.scope, mode=mode,
+            want = to_full(keep_mask(torch.zeros(shape), s, scope=o.scope, mode=mode,
                                      min_keep=1), spec, self.dims)
             allowed = to_full(torch.ones(shape, dtype=torch.bool), spec, self.dims)
         return (want.sum(1) if o.scope == "per_layer" else want.sum()), allowed
 
-    def check_heads(self, reply: Reply, spec=None) -> str | None:
+    def check_heads(self, reply: Reply, spec=None, sparsity: float | None = None) -> str | None:
         shape, o = self.mask_shape, self.opts
+        s = o.sparsity if sparsity is None else sparsity
         for key in (KEPT, ALPHA):
             t = reply.arrays.get(key)
             if t is not None and not isinstance(t, torch.Tensor):
@@ -136,14 +140,14 @@ class HeadsStrategy(Wrapper):
         kept = self._kept(reply) if KEPT not in reply.arrays else reply.arrays[KEPT]
         if kept.dtype != torch.bool:
             return f"{KEPT} has dtype {kept.dtype}, expected torch.bool"
-        want, allowed = self.expected_counts(spec)
+        want, allowed = self.expected_counts(spec, sparsity)
         if KEPT not in reply.arrays:  # pruning 'none': every head of the client's model
             kept = allowed
         if bool((kept & ~allowed).any()):
             return f"{KEPT} keeps heads outside the client's sub-model"
         got = kept.sum(1) if o.scope == "per_layer" else kept.sum()
         if not torch.equal(got, want):
-            return (f"{KEPT} keeps {got.tolist()} heads, sparsity {o.sparsity} ({o.scope}) "
+            return (f"{KEPT} keeps {got.tolist()} heads, sparsity {s:g} ({o.scope}) "
                     f"keeps {want.tolist()}")
         alpha = reply.arrays.get(ALPHA)
         if o.aggregation == "head_weighted":

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from fedslice.errors import ConfigError
 from fedslice.fl.client import LocalResult
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.measure import ClientCost
-from fedslice.methods.base import Method, Role
+from fedslice.methods.base import Method, Role, trains_alone
 from fedslice.methods.raffm.options import RaFFMMethod
 from fedslice.methods.raffm.report import plot_elastic
 from fedslice.methods.raffm.strategy import ClientPlan, RaFFMStrategy
@@ -30,7 +31,9 @@ from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.slicing.keys import sliceable_keys
 from fedslice.slicing.permute import Permutation, in_original_order, unpermute_state
-from fedslice.slicing.planner import (Budget, Planner, SpecCost, assign_budgets, choose_rank,
+from fedslice.methods.planner import PlannedModel, plan_config
+from fedslice.slicing.planner import (Budget, Plan, Planner, SpecCost, assign_budgets, choose_rank,
+                                      spec_params,
                                       measure_training_step, width_candidates)
 from fedslice.slicing.salience import scale_tensors
 from fedslice.slicing.spec import Spec, spec_from_dict, spec_sizes, stack_list
@@ -55,6 +58,7 @@ class RaFFM(Method):
     lora_aggregation_hint = ("a client's slice of the salience-ordered model changes when the "
                              "server re-orders it, which a B kept on the client would not follow")
     lora_ranks_per_client = True  # the planner chooses width and rank together
+    plans_budgets = True
     sub_models = True
     quantized_base = ("its global state carries frozen base tensors (sliceable weights the server "
                       "reorders and sends), which a quantized base keeps in the process (not wired: "
@@ -80,11 +84,11 @@ class RaFFM(Method):
                               f"{len(arch.stacks)} stack(s): set it to false")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both", client_sizes: Mapping[int, int] | None = None):
+                 role: Role = "both", client_sizes: Mapping[int, int] | None = None, **kw):
         self.opts: RaFFMMethod = cfg.method
         self._submodels: dict[Spec, nn.Module] = {}
         self._rank_plans: dict = {}
-        super().__init__(cfg, loaded, task, role, client_sizes)
+        super().__init__(cfg, loaded, task, role, client_sizes, **kw)
 
     # -- construction ------------------------------------------------------------------------
     def make_strategy(self) -> Strategy:
@@ -95,6 +99,8 @@ class RaFFM(Method):
                                                self.cfg.seed)
         candidates = width_candidates(self.all_dims, opts.width_steps, opts.elastic_depth)
         ranks = self.cfg.lora.ranks if self.adapter.name == "lora" else None
+        if self.cfg.budgets is not None:
+            return self._budget_strategy(candidates)
         if ranks:
             # width and rank together: the widest sub-model at which the smallest rank fits,
             # then the largest rank that fits at that width; FLOPs are fractions of the full
@@ -111,6 +117,32 @@ class RaFFM(Method):
         return RaFFMStrategy(fed, opts, self.arch, self.all_dims, plans, self.adapter.scale,
                              set(self.trainable()), self.client_sizes,
                              scale_tensors(self.model, self.arch))
+
+    def _budget_strategy(self, candidates: list[Spec]) -> Strategy:
+        """``[budgets]``: every client's sub-model, rank and the rest from the budget planner
+        (:mod:`fedslice.methods.planner`); the elastic sizes keep RaFFM's own planner."""
+        self.planner = Planner(candidates, lambda spec: measure_training_step(
+            self.submodel(spec), self.profile, loss_fn=self.task.loss))
+        plans = {c: ClientPlan(p.tier, p.budget, Plan(p.knobs.spec, self.planner.cost(p.knobs.spec)),
+                               p.knobs.rank, config=plan_config(p))
+                 for c, p in self.make_plans().items()}
+        return RaFFMStrategy(self.cfg.federation, self.opts, self.arch, self.all_dims, plans,
+                             self.adapter.scale, set(self.trainable()), self.client_sizes,
+                             scale_tensors(self.model, self.arch))
+
+    def plan_axes(self, budgets) -> dict[str, list]:
+        """Sub-models of ``budgets.width_steps`` widths (largest first, with their share of the
+        full model's linear parameters) and the LoRA ranks."""
+        specs = width_candidates(self.all_dims, budgets.width_steps, self.opts.elastic_depth)
+        full = spec_params(specs[-1], self.all_dims)
+        return {**super().plan_axes(budgets),
+                "specs": [(s, spec_params(s, self.all_dims) / full) for s in reversed(specs)]}
+
+    @contextmanager
+    def planned_model(self, knobs) -> Iterator[PlannedModel]:
+        model = self.submodel(knobs.spec)
+        with (self.adapter.at_rank(model, knobs.rank) if knobs.rank is not None else nullcontext()):
+            yield PlannedModel(model, self.trainable(model))
 
     def _client_plan(self, tier: int | None, budget: Budget, ranks: list[int] | None) -> ClientPlan:
         plan = self.planner.plan(budget)
@@ -195,7 +227,7 @@ class RaFFM(Method):
 
     def batch_key(self, payload: Payload):
         """Clients training the same sub-model (same slice) share a batched pass."""
-        if payload.config.get("sit_out") or not self.adapter.batched_clients:
+        if payload.config.get("sit_out") or not self.adapter.batched_clients or trains_alone(payload):
             return None
         return json.dumps([payload.config["spec"], payload.config.get("lora_rank")], sort_keys=True)
 
@@ -361,7 +393,9 @@ class RaFFM(Method):
             tier_ranks = {cp.rank for cp in cps if cp.plan.spec is not None}
             if len(tier_ranks) == 1 and None not in tier_ranks:
                 cp = next(cp for cp in cps if cp.plan.spec is not None)
-                entry.update({"lora_rank": cp.rank, "planned": cp.rank_cost.to_dict()})
+                entry["lora_rank"] = cp.rank
+                if cp.rank_cost is not None:  # [budgets]: summary["plans"] has the plan's costs
+                    entry["planned"] = cp.rank_cost.to_dict()
             for k in (*ClientCost.AGGREGATED, "bytes_down_frozen"):
                 vals = [m[k] for m in ran if m.get(k) is not None]
                 entry[f"{k}_mean"] = float(np.mean(vals)) if vals else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fedslice.config import FederationConfig
@@ -29,6 +29,8 @@ class ClientPlan:
     #: the client's LoRA rank (``lora.ranks``; None: lora.r) and the measured cost at that rank
     rank: int | None = None
     rank_cost: SpecCost | None = None
+    #: more of the client's plan for its payloads (``[budgets]``: micro-batches, checkpointing)
+    config: dict = field(default_factory=dict)
 
 
 class RaFFMStrategy(Strategy):
@@ -67,7 +69,7 @@ class RaFFMStrategy(Strategy):
     # -- configure ---------------------------------------------------------------------------
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
         cp = self.plans[client]
-        cfg = {**config, "client": client, "tier": cp.tier, "budget": cp.budget.describe()}
+        cfg = {**config, "client": client, "tier": cp.tier, "budget": cp.budget.describe(), **cp.config}
         if cp.plan.spec is None:
             return Payload(arrays={}, config={**cfg, "sit_out": cp.plan.reason})
         return Payload(arrays=extract_state(state, cp.plan.spec, self.arch),

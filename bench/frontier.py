@@ -1,0 +1,149 @@
+"""Benchmark: the accuracy-versus-budget frontier (issue 34, part 3), SST-2 with MiniLM-L6.
+
+First the dense reference (fedpetuning, LoRA r16 on q/v, every client the whole model); its
+measured client peak memory M (``memory_mb_max``), training GFLOPs per client-round F and upload
+U set the budgets: a client at budget f may use f*M MiB, f*F GFLOPs per round and f*U MB of
+upload. Then, at each budget f, every row plans its clients with ``[budgets]`` (the planner
+tunes each method to the budget: heads its sparsity, raffm its sub-model and rank, and every
+row micro-batches and checkpointing):
+
+  heads          the head stage alone (its FLOPs do not fall: it fits no FLOPs budget < 1);
+  raffm          the sub-model stage alone;
+  int8           fedpetuning over an int8 base (model.quantize): memory, not FLOPs;
+  planned        raffm+heads: the planner's composition;
+  mixed          raffm+heads, a population of thirds at 30%, 50% and 100% (run once).
+
+A row whose budget no plan fits is recorded as such (the planner's message), not run.
+Columns: test accuracy and its difference to dense, measured peak memory (largest client), training
++ importance GFLOPs per client-round, upload and download MB per client-round, wall time.
+Writes ``<out>/<row>.json`` and ``<out>/results.md``. Accuracy runs may share the machine; the
+wall times are then indicative only.
+
+    .venv/bin/python bench/frontier.py --rounds 30 --clients-per-round 4 --local-steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from fedslice.api import run_experiment
+from fedslice.errors import ConfigError
+from fedslice.experiment import validate_config
+
+METHODS = {"dense": "fedpetuning", "heads": "heads", "raffm": "raffm", "int8": "fedpetuning",
+           "planned": "raffm+heads", "mixed": "raffm+heads"}
+
+
+def config(row: str, args, budgets: dict | None) -> dict:
+    method = {"name": METHODS[row]}
+    if "heads" in METHODS[row]:
+        method["importance_max_examples"] = args.importance_examples
+    cfg = {
+        "name": row, "seed": args.seed, "threads": args.threads,
+        "data": {"path": "sst2", "max_length": 64, "partition": "iid",
+                 "max_dev_examples": 256, "max_test_examples": args.test_examples},
+        "model": {"name": "minilm", "quantize": "int8" if row == "int8" else "none"},
+        "lora": {"r": 16, "alpha": 32, "targets": ["q", "v"]},
+        "federation": {"num_clients": 100, "clients_per_round": args.clients_per_round,
+                       "rounds": args.rounds, "local_steps": args.local_steps, "batch_size": 32,
+                       "lr": 1e-3},
+        "compute": {"workers": 1},
+        "method": method,
+        "evaluation": {"every": args.rounds, "batch_size": 128},
+        "output": {"progress": False, "plots": False},
+    }
+    if budgets is not None:
+        cfg["budgets"] = budgets
+    return cfg
+
+
+def tier(f: float, dense: dict, name: str, share: float = 1.0) -> dict:
+    return {"name": name, "share": share, "memory_mb": round(f * dense["memory_mb"], 1),
+            "gflops_per_round": round(f * dense["gflops"], 2),
+            "upload_mb_per_round": round(f * dense["upload_mb"], 4)}
+
+
+def measured(s: dict) -> dict:
+    return {"accuracy": s.get("test_accuracy"), "memory_mb": s.get("memory_mb_max"),
+            "gflops": ((s.get("flops_measured_mean") or 0) + (s.get("flops_importance_mean") or 0)) / 1e9,
+            "upload_mb": (s.get("bytes_up_mean") or 0) / 1e6,
+            "download_mb": (s.get("bytes_down_mean") or 0) / 1e6,
+            "wall_s": s.get("bench_wall_s"), "plans": s.get("plans")}
+
+
+def run_row(name: str, row: str, args, budgets: dict | None) -> dict:
+    path = args.out / f"{name}.json"
+    if path.is_file() and not args.again:
+        return json.loads(path.read_text())
+    t0 = time.time()
+    try:
+        run = run_experiment(validate_config(config(row, args, budgets)), args.out / "runs", progress=False)
+    except ConfigError as e:
+        out = {"row": name, "fits": False, "why": str(e).splitlines()[1].strip() if "\n" in str(e) else str(e),
+               "budgets": budgets}
+    else:
+        s = json.loads((run / "summary.json").read_text())
+        s["bench_wall_s"] = time.time() - t0
+        out = {"row": name, "fits": True, "budgets": budgets, **measured(s)}
+    path.write_text(json.dumps(out, indent=1))
+    print(name, {k: v for k, v in out.items() if k not in ("plans", "budgets")}, flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--clients-per-round", type=int, default=4)
+    ap.add_argument("--local-steps", type=int, default=8)
+    ap.add_argument("--importance-examples", type=int, default=32)
+    ap.add_argument("--test-examples", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budgets", type=float, nargs="*", default=[0.5, 0.3])
+    ap.add_argument("--rows", nargs="*", default=["heads", "raffm", "int8", "planned", "mixed"])
+    ap.add_argument("--again", action="store_true", help="re-run rows whose results exist")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/frontier_sst2"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    load0 = os.getloadavg()[0]
+    dense = run_row("dense", "dense", args, None)
+    for f in args.budgets:
+        for row in args.rows:
+            if row == "mixed":
+                continue
+            run_row(f"{row}@{f:g}", row, args, {"tiers": [tier(f, dense, f"{f:.0%}")]})
+    if "mixed" in args.rows:
+        run_row("mixed", "mixed", args, {"tiers": [tier(f, dense, f"{f:.0%}", s) for f, s in
+                                                   ((0.3, 0.33), (0.5, 0.33), (1.0, 0.34))]})
+    write_table(args, dense, load0, os.getloadavg()[0])
+
+
+def write_table(args, dense: dict, load0: float, load1: float) -> None:
+    rows = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"), key=lambda p: p.stat().st_mtime)]
+    lines = [f"SST-2 / MiniLM-L6, LoRA r16 q/v, 100 clients, {args.clients_per_round} per round, "
+             f"{args.rounds} rounds, {args.local_steps} local steps x 32, seed {args.seed}, threads "
+             f"{args.threads}; dense client: {dense['memory_mb']:.0f} MiB peak, {dense['gflops']:.1f} "
+             f"GFLOPs/round, {dense['upload_mb']:.3f} MB up; load {load0:.1f} -> {load1:.1f}.", "",
+             "| row | fits | test acc | Δ vs dense (pt) | peak MiB (× dense) | GFLOPs/round (× dense) | "
+             "up MB (× dense) | down MB | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r.get("fits"):
+            lines.append(f"| {r['row']} | no: {r['why'][:110]} | | | | | | | |")
+            continue
+        acc = r["accuracy"] or float("nan")
+        lines.append(
+            f"| {r['row']} | yes | {100 * acc:.2f} | {100 * (acc - dense['accuracy']):+.2f} | "
+            f"{r['memory_mb']:.0f} ({r['memory_mb'] / dense['memory_mb']:.2f}) | "
+            f"{r['gflops']:.1f} ({r['gflops'] / dense['gflops']:.2f}) | "
+            f"{r['upload_mb']:.3f} ({r['upload_mb'] / dense['upload_mb']:.2f}) | {r['download_mb']:.3f} | "
+            f"{r['wall_s'] or float('nan'):.0f} |")
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

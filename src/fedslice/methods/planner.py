@@ -1,0 +1,483 @@
+"""The budget planner: each client's plan from its budget and costs measured on the run's model.
+
+A client declares a budget (``[budgets]``: tiers with shares, or a CSV row per client): peak
+training memory, training GFLOPs per round, upload MB per round, any of them. A plan is a point
+of the knobs the run's stages expose (:class:`Knobs`): the sub-model (RaFFM's salience-ordered
+width slice), the head sparsity (the head stage), the LoRA rank (``lora.ranks``), gradient
+checkpointing and the batch split (micro-batches whose gradients add up to the batch's). The
+base's precision is the run's (``model.quantize``), measured as it is.
+
+"Trains the most" is lexicographic, largest first: the sub-model's size (what the client's
+update reaches, and what it could serve), then the heads it keeps, then the LoRA rank; among
+plans equal on those, the least overhead (no checkpointing, fewest micro-batches). The costs
+are measured, not modelled: a training step of the client's model at its knobs on a profile
+batch (``federation.batch_size`` x ``data.max_length``, the worst case; FLOPs with PyTorch's
+FLOP counter, memory = the model's tensors + gradients and AdamW state of the trainable ones +
+the peak of tensors saved for backward), scaled to the client's examples per round; upload =
+the bytes of the tensors the client would send. A budget no plan fits is a ConfigError naming
+the client, its budget and the cheapest plan's cost.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from fedslice import measure
+from fedslice.config import BudgetsConfig
+from fedslice.errors import ConfigError
+from fedslice.fl.client import gradient_checkpointing
+from fedslice.fl.strategy import Payload, State, Strategy
+from fedslice.slicing.planner import measure_training_step
+from fedslice.slicing.spec import Spec, spec_sizes
+
+log = logging.getLogger(__name__)
+
+_MB = 1e6
+BUDGET_FIELDS = ("memory_mb", "gflops_per_round", "upload_mb_per_round")
+
+
+@dataclass(frozen=True)
+class ClientBudget:
+    """One client's limits (None: no limit) and where they come from (for messages)."""
+
+    memory_mb: float | None = None
+    gflops_per_round: float | None = None
+    upload_mb_per_round: float | None = None
+    name: str = ""  # the tier's name, or 'csv'
+    field: str = "budgets"  # 'budgets.tiers[1]' / 'budgets.csv row 4'
+
+    def describe(self) -> str:
+        parts = []
+        if self.memory_mb is not None:
+            parts.append(f"{self.memory_mb:g} MiB")
+        if self.gflops_per_round is not None:
+            parts.append(f"{self.gflops_per_round:g} GFLOPs/round")
+        if self.upload_mb_per_round is not None:
+            parts.append(f"{self.upload_mb_per_round:g} MB up/round")
+        return ", ".join(parts)
+
+    def limits(self) -> dict[str, float]:
+        return {k: v for k in BUDGET_FIELDS if (v := getattr(self, k)) is not None}
+
+
+def read_budget_csv(path: Path, num_clients: int) -> dict[int, ClientBudget]:
+    """Client -> budget from a CSV with a ``client`` column and any of :data:`BUDGET_FIELDS`
+    (an empty cell: no limit); every client of the federation once. Errors name the file, the
+    row (the header is row 1) and the field."""
+    where = f"budgets.csv {path}"
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+            columns = [c.strip() for c in (rows[0].keys() if rows else [])]
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file") from None
+    if "client" not in columns:
+        raise ConfigError(f"{where}: no `client` column (columns: {columns or 'none'})")
+    limits = [c for c in columns if c in BUDGET_FIELDS]
+    if not limits:
+        raise ConfigError(f"{where}: no budget column: give at least one of {', '.join(BUDGET_FIELDS)}")
+    if unknown := [c for c in columns if c not in BUDGET_FIELDS and c != "client"]:
+        raise ConfigError(f"{where}: unknown column(s) {unknown} (known: client, {', '.join(BUDGET_FIELDS)})")
+    out: dict[int, ClientBudget] = {}
+    for i, row in enumerate(rows, start=2):
+        row = {k.strip(): (v or "").strip() for k, v in row.items() if k is not None}
+        try:
+            client = int(row["client"])
+        except ValueError:
+            raise ConfigError(f"{where} row {i}, client: {row['client']!r} is not a client id") from None
+        if not 0 <= client < num_clients:
+            raise ConfigError(f"{where} row {i}, client: {client} is not a client of this "
+                              f"federation (ids 0..{num_clients - 1})")
+        if client in out:
+            raise ConfigError(f"{where} row {i}, client: client {client} has a second row")
+        values = {}
+        for k in limits:
+            if not row.get(k):
+                continue
+            try:
+                values[k] = float(row[k])
+            except ValueError:
+                raise ConfigError(f"{where} row {i}, {k}: {row[k]!r} is not a number") from None
+            if not math.isfinite(values[k]) or values[k] <= 0:
+                raise ConfigError(f"{where} row {i}, {k}: {row[k]} is not a positive number")
+        if not values:
+            raise ConfigError(f"{where} row {i}: no budget (every one of {', '.join(limits)} is empty)")
+        out[client] = ClientBudget(**values, name="csv", field=f"budgets.csv row {i}")
+    if missing := sorted(set(range(num_clients)) - set(out)):
+        raise ConfigError(f"{where}: no row for client(s) {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    return out
+
+
+def client_budgets(cfg: BudgetsConfig, num_clients: int, seed: int,
+                   base: Path | None = None) -> dict[int, tuple[int | None, ClientBudget]]:
+    """Client -> (tier index or None for a CSV, budget), reproducible from ``seed``: tiers get
+    ``share * num_clients`` clients (largest remainders), placed at random."""
+    if cfg.csv is not None:
+        path = Path(cfg.csv)
+        if not path.is_absolute() and base is not None and not path.exists():
+            path = base / path
+        return {c: (None, b) for c, b in read_budget_csv(path, num_clients).items()}
+    tiers = cfg.tiers
+    rng = np.random.default_rng([seed, 0x7A11])
+    exact = [t.share * num_clients for t in tiers]
+    counts = [math.floor(x) for x in exact]
+    for i in sorted(range(len(tiers)), key=lambda i: counts[i] - exact[i])[: num_clients - sum(counts)]:
+        counts[i] += 1
+    labels = np.repeat(np.arange(len(tiers)), counts)
+    rng.shuffle(labels)
+    out = {}
+    for c, i in enumerate(labels.tolist()):
+        t = tiers[i]
+        out[c] = (i, ClientBudget(t.memory_mb, t.gflops_per_round, t.upload_mb_per_round,
+                                  name=t.name or f"tier{i}", field=f"budgets.tiers[{i}]"))
+    return out
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One plan: what a client trains (None: the stage is absent or at the run's setting)."""
+
+    spec: Spec | None = None  # the sub-model (None: the whole model)
+    sparsity: float | None = None  # the head stage's sparsity
+    rank: int | None = None  # the LoRA rank
+    checkpointing: bool = False
+    micro_batches: int = 1
+    width: float = 1.0  # the sub-model's share of the full model's linear parameters
+
+    def payload_config(self) -> dict[str, Any]:
+        """What the client reads from its payload's config (the sub-model and rank travel as the
+        stages below put them: ``spec``, ``lora_rank``)."""
+        out: dict[str, Any] = {"micro_batches": self.micro_batches, "checkpointing": self.checkpointing}
+        if self.sparsity is not None:
+            out["sparsity"] = self.sparsity
+        return out
+
+    def describe(self, overhead: bool = True) -> str:
+        parts = []
+        if self.spec is not None:
+            parts.append(f"width {self.width:.2f}")
+        if self.sparsity is not None:
+            parts.append(f"sparsity {self.sparsity:g}")
+        if self.rank is not None:
+            parts.append(f"rank {self.rank}")
+        if overhead:
+            parts.append("checkpointing" if self.checkpointing else "no checkpointing")
+            parts.append(f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}")
+        return ", ".join(parts) or "the whole model"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "spec"}
+        if self.spec is not None:
+            d.update(spec_sizes(self.spec))
+        return d
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    """What a client with some knobs trains (from :meth:`Method.planned_model`): the model, the
+    tensors it sends back, and the model its importance pass runs on (the head stage; None)."""
+
+    model: nn.Module
+    upload: Mapping[str, torch.Tensor]
+    importance_model: nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class KnobCost:
+    """Measured costs of one plan on the profile batch."""
+
+    memory_mb: float  # peak training memory of a step (its micro-batch's activations)
+    step_flops: float  # FLOPs of one step over a whole batch (every micro-batch)
+    upload_bytes: int
+    importance_flops_per_example: float = 0.0
+
+
+@dataclass
+class ClientPlan:
+    """A client's plan, its predicted costs and why it was chosen."""
+
+    client: int
+    tier: int | None
+    budget: ClientBudget
+    knobs: Knobs
+    memory_mb: float
+    gflops_per_round: float
+    upload_mb: float
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"client": self.client, "tier": self.tier, "budget_name": self.budget.name,
+                "budget": self.budget.limits(), **self.knobs.to_dict(),
+                "predicted": {"memory_mb": self.memory_mb, "gflops_per_round": self.gflops_per_round,
+                              "upload_mb": self.upload_mb}, "reason": self.reason}
+
+
+def examples_per_round(fed, n: int) -> int:
+    """Examples a client of ``n`` examples trains on per round (local steps x batch, or epochs x n)."""
+    return fed.local_steps * fed.batch_size if fed.local_steps else fed.local_epochs * n
+
+
+class BudgetPlanner:
+    """Plans clients of ``method`` (built up to its strategy) under their budgets; costs are
+    measured once per plan and cached."""
+
+    def __init__(self, method, cfg: BudgetsConfig, batch: dict[str, torch.Tensor],
+                 flops_scale: float = 1.0):
+        self.method, self.cfg, self.batch, self.flops_scale = method, cfg, batch, flops_scale
+        self.rows = len(batch["input_ids"] if "input_ids" in batch else batch["pixel_values"])
+        axes = method.plan_axes(cfg)
+        self.specs: list[tuple[Spec | None, float]] = axes.get("specs") or [(None, 1.0)]  # largest first
+        self.sparsities: list[float | None] = axes.get("sparsities") or [None]  # fewest pruned first
+        self.ranks: list[int | None] = axes.get("ranks") or [None]  # largest first
+        ckpt = [False, True] if cfg.checkpointing and method.can_checkpoint() else [False]
+        #: least overhead first
+        self.overheads = [(c, m) for c in ckpt for m in cfg.micro_batches]
+        self._costs: dict[Knobs, KnobCost] = {}
+
+    # -- costs -------------------------------------------------------------------------------
+    def cost(self, knobs: Knobs) -> KnobCost:
+        if knobs not in self._costs:
+            self._costs[knobs] = self._measure(knobs)
+        return self._costs[knobs]
+
+    def _measure(self, knobs: Knobs) -> KnobCost:
+        rows = self.rows // knobs.micro_batches
+        part = {k: v[:rows] for k, v in self.batch.items()}
+        with self.method.planned_model(knobs) as planned, gradient_checkpointing(planned.model, knobs.checkpointing):
+            flops, memory, _, _ = measure_training_step(planned.model, part, loss_fn=self.method.task.loss)
+            upload = measure.tensor_bytes(planned.upload)
+            imp = 0.0
+            if planned.importance_model is not None:
+                imp = self._forward_flops(planned.importance_model) / self.rows
+        return KnobCost(memory, flops * knobs.micro_batches, upload, imp)
+
+    def _forward_flops(self, model: nn.Module) -> float:
+        """FLOPs of a forward pass over the profile batch (two rows, scaled: linear in rows)."""
+        part = {k: v[:2] for k, v in self.batch.items() if k != "labels"}
+        was = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), measure.count_flops() as fc:
+                model(**part)
+        finally:
+            model.train(was)
+        return float(fc.total) * self.rows / 2
+
+    def predicted(self, knobs: Knobs, examples: int, importance_examples: int) -> dict[str, float]:
+        c = self.cost(knobs)
+        # training batches hold about flops_scale x the profile's tokens; an importance pass
+        # runs a client's examples in few large batches, each padded to its longest: counted at
+        # the profile's length (the data's longest), an upper bound
+        gflops = (self.flops_scale * c.step_flops / self.rows * examples
+                  + c.importance_flops_per_example * importance_examples) / 1e9
+        return {"memory_mb": c.memory_mb, "gflops_per_round": gflops, "upload_mb_per_round": c.upload_bytes / _MB}
+
+    # -- choice ------------------------------------------------------------------------------
+    def _candidates(self) -> Iterator[Knobs]:
+        for spec, width in self.specs:
+            for s in self.sparsities:
+                for r in self.ranks:
+                    for ckpt, mb in self.overheads:
+                        yield Knobs(spec, s, r, ckpt, mb, width)
+
+    def _violations(self, budget: ClientBudget, pred: Mapping[str, float]) -> list[str]:
+        out = []
+        for k, limit in budget.limits().items():
+            if pred[k] > limit * (1 + 1e-9):
+                unit = {"memory_mb": "MiB", "gflops_per_round": "GFLOPs/round",
+                        "upload_mb_per_round": "MB up/round"}[k]
+                out.append(f"{pred[k]:.4g} {unit} > {limit:g}")
+        return out
+
+    def _cheapest(self, spec, width, sparsity, rank) -> Knobs:
+        """The least-memory point of a (sub-model, sparsity, rank): every memory saving on."""
+        ckpt = any(c for c, _ in self.overheads)
+        return Knobs(spec, sparsity, rank, ckpt, max(m for _, m in self.overheads), width)
+
+    def plan(self, client: int, tier: int | None, budget: ClientBudget, examples: int,
+             importance_examples: int = 0) -> ClientPlan | None:
+        """The most-training plan whose predicted costs fit ``budget``; None when none does.
+        Pruned search: a sub-model whose cheapest point (largest sparsity, smallest rank, every
+        memory saving) does not fit is skipped whole, then the same per sparsity and per rank.
+        The plan says why: what the nearest larger plan it passed over needs."""
+        def check(knobs):
+            pred = self.predicted(knobs, examples, importance_examples)
+            return self._violations(budget, pred), pred
+
+        passed = None  # (the nearest larger plan passed over, what it needs)
+        s_min, r_min = self.sparsities[-1], self.ranks[-1]
+        for spec, width in self.specs:
+            if over := check(self._cheapest(spec, width, s_min, r_min))[0]:
+                passed = (f"{Knobs(spec, width=width).describe(overhead=False)}, at its least", over)
+                continue  # not even the sub-model's smallest point fits
+            for s in self.sparsities:
+                if over := check(self._cheapest(spec, width, s, r_min))[0]:
+                    passed = (f"{Knobs(spec, s, width=width).describe(overhead=False)}, at its least", over)
+                    continue
+                for r in self.ranks:
+                    if over := check(self._cheapest(spec, width, s, r))[0]:
+                        passed = (f"{Knobs(spec, s, r, width=width).describe(overhead=False)}, at its least", over)
+                        continue
+                    for ckpt, mb in self.overheads:
+                        knobs = Knobs(spec, s, r, ckpt, mb, width)
+                        over, pred = check(knobs)
+                        if not over:
+                            return self._plan(client, tier, budget, knobs, pred, passed)
+                        passed = (knobs.describe(), over)
+        return None
+
+    def _plan(self, client, tier, budget, knobs, pred, passed) -> ClientPlan:
+        why = "the most-training plan (largest sub-model, most heads, highest rank, least overhead)"
+        if passed is not None:
+            why = f"the next larger plan ({passed[0]}) needs {'; '.join(passed[1])}"
+        return ClientPlan(client, tier, budget, knobs, pred["memory_mb"], pred["gflops_per_round"],
+                          pred["upload_mb_per_round"], why)
+
+    def cheapest(self, examples: int, importance_examples: int = 0) -> str:
+        """What the smallest plan (the last sub-model, sparsity and rank) costs at the least:
+        memory with every saving on, FLOPs without checkpointing (it recomputes), upload."""
+        spec, width = self.specs[-1]
+        small = self._cheapest(spec, width, self.sparsities[-1], self.ranks[-1])
+        low_flops = replace(small, checkpointing=False)
+        mem = self.predicted(small, examples, importance_examples)
+        flops = self.predicted(low_flops, examples, importance_examples)
+        return (f"the cheapest plan ({low_flops.describe().rsplit(', no checkpointing', 1)[0]}) needs "
+                f"{mem['memory_mb']:.1f} MiB ({'checkpointing, ' if small.checkpointing else ''}"
+                f"{small.micro_batches} micro-batches), {flops['gflops_per_round']:.4g} GFLOPs/round, "
+                f"{mem['upload_mb_per_round']:.4g} MB up/round")
+
+
+def planning_lengths(cfg, lengths: torch.Tensor | None) -> tuple[int, float]:
+    """(the profile batch's sequence length, the tokens a training example costs on average).
+
+    The length is the longest training example's, capped at data.max_length (data.max_length
+    without the data): peak memory is the longest batch's. Per example, a padded batch costs the
+    expected longest of ``federation.batch_size`` random examples (order statistics of the
+    lengths, drawn with replacement); packed or length-grouped batches their mean length."""
+    cap = cfg.data.max_length
+    if lengths is None or len(lengths) == 0:
+        return cap, float(cap)
+    lens = torch.clamp(torch.as_tensor(lengths).flatten(), max=cap).double()
+    longest = int(lens.max())
+    if cfg.federation.pack or cfg.federation.group_by_length:
+        return longest, float(lens.mean())
+    ordered, _ = torch.sort(lens)
+    n, b = len(ordered), cfg.federation.batch_size
+    cdf = (torch.arange(1, n + 1, dtype=torch.float64) / n) ** b  # P(max <= i-th smallest)
+    expected = float((ordered * (cdf - torch.cat([cdf.new_zeros(1), cdf[:-1]]))).sum())
+    return longest, expected
+
+
+def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
+                 client_sizes: Mapping[int, int], num_clients: int, seed: int,
+                 base: Path | None = None, flops_scale: float = 1.0) -> dict[int, ClientPlan]:
+    """Every client's plan (clients of equal budget and size share one search), or a ConfigError
+    naming the clients no plan fits, their budget and the cheapest plan's cost. ``flops_scale``:
+    the tokens of a real example over the profile batch's row length (FLOPs go with tokens)."""
+    planner = BudgetPlanner(method, budgets, batch, flops_scale)
+    fed = method.cfg.federation
+    plans: dict[int, ClientPlan] = {}
+    memo: dict[tuple, ClientPlan | None] = {}
+    failed: list[str] = []
+    for c, (tier, budget) in sorted(client_budgets(budgets, num_clients, seed, base).items()):
+        n = int(client_sizes.get(c, fed.batch_size))
+        examples = examples_per_round(fed, n)
+        imp = method.importance_examples(n)
+        key = (tuple(sorted(budget.limits().items())), examples, imp)
+        if key not in memo:
+            memo[key] = planner.plan(c, tier, budget, examples, imp)
+        p = memo[key]
+        if p is None:
+            failed.append(f"client {c} ({budget.field}, {budget.name}): budget {budget.describe()}; "
+                          + planner.cheapest(examples, imp))
+            continue
+        plans[c] = replace(p, client=c, tier=tier, budget=budget)
+    if failed:
+        shown = failed[:10] + ([f"... and {len(failed) - 10} more"] if len(failed) > 10 else [])
+        raise ConfigError("no plan fits the budget of some clients:\n  " + "\n  ".join(shown))
+    return plans
+
+
+def plan_groups(plans: Mapping[int, ClientPlan]) -> list[tuple[list[int], ClientPlan]]:
+    """Clients that share a budget and a plan, as (clients, one plan), in order of first client."""
+    groups: dict[tuple, list[int]] = {}
+    for c, p in sorted(plans.items()):
+        key = (p.budget.name, p.budget.field if p.tier is not None else "", p.knobs,
+               round(p.gflops_per_round, 6), round(p.memory_mb, 6))
+        groups.setdefault(key, []).append(c)
+    return [(cs, plans[cs[0]]) for cs in groups.values()]
+
+
+def render_plans(plans: Mapping[int, ClientPlan]) -> list[str]:
+    """Lines of ``fedslice plan``: one per group of clients with the same budget and plan."""
+    lines = []
+    for clients, p in plan_groups(plans):
+        shown = ", ".join(map(str, clients[:8])) + (", ..." if len(clients) > 8 else "")
+        lines.append(f"  {p.budget.name} ({p.budget.describe()}): {len(clients)} client(s) [{shown}]")
+        lines.append(f"    plan: {p.knobs.describe()}")
+        lines.append(f"    predicted: {p.memory_mb:.1f} MiB peak, {p.gflops_per_round:.4g} GFLOPs/round, "
+                     f"{p.upload_mb:.4g} MB up/round")
+        lines.append(f"    why: {p.reason}")
+    return lines
+
+
+class PlannedStrategy(Strategy):
+    """FedAvg whose clients train their plans: each payload's config carries the client's knobs
+    (:meth:`Knobs.payload_config`), its tier and budget; its LoRA rank is the plan's
+    (``client_rank``: the ``lora_ranks`` rule truncates payloads and pads replies)."""
+
+    def __init__(self, fed, plans: Mapping[int, ClientPlan], client_sizes: Mapping[int, int] | None = None):
+        super().__init__(fed, client_sizes)
+        self.plans = dict(plans)
+
+    def client_rank(self, client: int) -> int | None:
+        p = self.plans.get(client)
+        return None if p is None else p.knobs.rank
+
+    def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
+        p = super().payload_for(server_round, state, client, config)
+        p.config.update(plan_config(self.plans.get(client)))
+        return p
+
+
+def plan_config(plan: ClientPlan | None) -> dict[str, Any]:
+    """What a payload's config carries of a client's plan (nothing without one)."""
+    if plan is None:
+        return {}
+    return {**plan.knobs.payload_config(), "tier": plan.tier, "budget": plan.budget.describe()}
+
+
+def plan_report(plans: Mapping[int, ClientPlan], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per group of clients with one budget and plan: the plan, its predicted costs and the
+    measured ones over its client-rounds (peak memory: the largest; FLOPs and upload: the mean)."""
+    per_client = [m for r in records for m in r.get("client_metrics", []) if m.get("used", True)]
+    out = []
+    for clients, p in plan_groups(plans):
+        ran = [m for m in per_client if m.get("client") in set(clients)]
+
+        def values(key):
+            return [float(m[key]) for m in ran if m.get(key) is not None]
+
+        mem, up = values("memory_mb"), values("bytes_up")
+        # training and the head stage's importance pass, per client-round
+        flops = [float(m["flops_measured"]) + float(m.get("flops_importance") or 0.0)
+                 for m in ran if m.get("flops_measured") is not None]
+        out.append({"clients": clients, "budget_name": p.budget.name, "budget": p.budget.limits(),
+                    "plan": p.knobs.to_dict(), "why": p.reason,
+                    "predicted": {"memory_mb": p.memory_mb, "gflops_per_round": p.gflops_per_round,
+                                  "upload_mb": p.upload_mb},
+                    "measured": {"client_rounds": len(ran),
+                                 "memory_mb_max": max(mem) if mem else None,
+                                 "gflops_per_round_mean": sum(flops) / len(flops) / 1e9 if flops else None,
+                                 "upload_mb_mean": sum(up) / len(up) / _MB if up else None}})
+    return out

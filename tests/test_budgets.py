@@ -1,0 +1,257 @@
+"""Client budgets and the planner (issue 34, part 2): ``[budgets]``, :mod:`fedslice.methods.planner`.
+
+What is checked: bad budgets are refused at load naming the row and field; tiers are placed as
+their shares say; the two memory savings a plan may switch on (micro-batches, gradient
+checkpointing) leave the update unchanged; a planned run trains every client at its plan, and
+each client's measured peak memory is within 10% of the prediction, its upload exactly the
+predicted bytes (at most, for the head stage: the prediction is the most a client of that
+sparsity sends), its FLOPs within 2% on data of one length; a budget no plan fits is a
+ConfigError naming the client, its budget and the cheapest plan's cost; ``fedslice plan``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedslice.api import run_experiment
+from fedslice.errors import ConfigError
+from fedslice.experiment import validate_config
+from fedslice.fl.client import is_checkpointing
+from fedslice.methods.planner import client_budgets, read_budget_csv
+
+
+def _cfg(tiny_cfg_dict, budgets, method="fedpetuning", **extra) -> dict:
+    d = json.loads(json.dumps(tiny_cfg_dict))
+    d["federation"] = {**d["federation"], "num_clients": 4, "clients_per_round": 4, "rounds": 1,
+                       "local_steps": 2, "pack": False}
+    d["method"] = {"name": method}
+    d["budgets"] = budgets
+    for k, v in extra.items():
+        d[k] = {**d.get(k, {}), **v}
+    return d
+
+
+# -- bad input ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("budgets,field", [
+    ({"tiers": [{"share": 1.0}]}, "budgets.tiers.0"),
+    ({"tiers": [{"share": 1.0, "memory_mb": -5}]}, "budgets.tiers.0.memory_mb"),
+    ({"tiers": [{"share": 1.0, "gflops_per_round": 0}]}, "budgets.tiers.0.gflops_per_round"),
+    ({"tiers": [{"share": 0.5, "memory_mb": 10}]}, "budgets.tiers"),
+    ({"tiers": [{"share": 1.0, "memory_mb": 10}], "csv": "x.csv"}, "budgets"),
+    ({}, "budgets"),
+    ({"tiers": [{"share": 1.0, "memory_mb": 10}], "sparsities": [1.0]}, "budgets.sparsities"),
+    ({"tiers": [{"share": 1.0, "memory_mb": 10}], "micro_batches": [3]}, "micro_batches"),
+])
+def test_bad_budgets_are_refused_at_load_naming_the_field(tiny_cfg_dict, budgets, field):
+    with pytest.raises(ConfigError) as e:
+        validate_config(_cfg(tiny_cfg_dict, budgets))
+    assert field in str(e.value), str(e.value)
+
+
+def test_budgets_refuse_a_method_that_does_not_plan_and_method_tiers(tiny_cfg_dict):
+    tiers = {"tiers": [{"share": 1.0, "memory_mb": 100}]}
+    with pytest.raises(ConfigError, match="budgets: method fedavg does not plan"):
+        validate_config(_cfg(tiny_cfg_dict, tiers, method="fedavg"))
+    d = _cfg(tiny_cfg_dict, tiers, method="raffm")
+    d["method"]["tiers"] = [{"share": 1.0, "flops": 0.5}]
+    with pytest.raises(ConfigError, match="method.tiers and budgets"):
+        validate_config(d)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("client,memory_mb\n0,100\n1,100\n7,100\n3,100\n", "row 4, client: 7 is not a client"),
+    ("client,memory_mb\n0,100\n1,abc\n2,100\n3,100\n", "row 3, memory_mb: 'abc' is not a number"),
+    ("client,memory_mb\n0,100\n1,-1\n2,100\n3,100\n", "row 3, memory_mb: -1 is not a positive"),
+    ("client,memory_mb\n0,100\n0,100\n2,100\n3,100\n", "row 3, client: client 0 has a second row"),
+    ("client,memory_mb\n0,100\n1,100\n2,100\n", "no row for client(s) [3]"),
+    ("id,memory_mb\n0,100\n", "no `client` column"),
+    ("client,ram\n0,100\n", "no budget column"),
+    ("client,memory_mb,disk\n0,100,1\n", "unknown column(s) ['disk']"),
+    ("client,memory_mb,upload_mb_per_round\n0,100,\n1,,\n2,1,1\n3,1,1\n", "row 3: no budget"),
+])
+def test_a_bad_budget_csv_names_the_row_and_field(tmp_path, text, message):
+    path = tmp_path / "budgets.csv"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        read_budget_csv(path, 4)
+    assert message in str(e.value) and str(path) in str(e.value), str(e.value)
+
+
+def test_csv_budgets_are_per_client_and_empty_cells_are_no_limit(tmp_path):
+    path = tmp_path / "b.csv"
+    path.write_text("client,memory_mb,upload_mb_per_round\n1,200,\n0,100,0.5\n")
+    b = read_budget_csv(path, 2)
+    assert b[0].limits() == {"memory_mb": 100.0, "upload_mb_per_round": 0.5}
+    assert b[1].limits() == {"memory_mb": 200.0} and b[1].field == "budgets.csv row 2"
+
+
+def test_tiers_get_their_shares_of_the_clients_reproducibly(tiny_cfg_dict):
+    cfg = validate_config(_cfg(tiny_cfg_dict, {"tiers": [
+        {"share": 0.3, "memory_mb": 1}, {"share": 0.7, "memory_mb": 2, "name": "big"}]}))
+    a = client_budgets(cfg.budgets, 10, seed=0)
+    assert sorted(t for t, _ in a.values()) == [0] * 3 + [1] * 7
+    assert a == client_budgets(cfg.budgets, 10, seed=0)
+    assert {b.name for t, b in a.values() if t == 1} == {"big"}
+
+
+# -- what a plan switches on leaves the update unchanged -----------------------------------------
+def _tiny_model(tiny_model_dir):
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def _trainable(model):
+    for n, p in model.named_parameters():
+        # not the key bias: softmax ignores it, its gradient is rounding noise that AdamW scales up
+        p.requires_grad = ("classifier" in n or "layer.1." in n) and "key.bias" not in n
+    return model, {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _train(tiny_model_dir, tiny_data_dir, **cfg):
+    from fedslice.data.batching import TokenizedSplit
+    from fedslice.fl.client import train_local
+    from transformers import AutoTokenizer
+
+    model, params = _trainable(_tiny_model(tiny_model_dir))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    lines = (tiny_data_dir / "train.tsv").read_text().splitlines()[1:25]
+    enc = tok([line.split("\t")[0] for line in lines], truncation=True, max_length=16)
+    data = TokenizedSplit([torch.tensor(x) for x in enc["input_ids"]], None,
+                          torch.tensor([int(line.split("\t")[1]) for line in lines]), tok.pad_token_id)
+    result = train_local(model, params, data, {"lr": 1e-2, "batch_size": 8, "local_steps": 3, **cfg}, seed=0)
+    return model, params, result
+
+
+def _grads(model, params, batch, parts=1, ckpt=False):
+    from fedslice.compute import CPU
+    from fedslice.fl.client import _accumulate, _hf_loss, gradient_checkpointing
+
+    model.train()
+    for p in params.values():
+        p.grad = None
+    with gradient_checkpointing(model, ckpt):
+        if parts == 1:
+            loss = _hf_loss(model, batch)
+            loss.backward()
+        else:
+            loss, _ = _accumulate(model, params, batch, parts, _hf_loss, CPU, None, None, 0.0)
+    return float(loss), {n: p.grad.clone() for n, p in params.items()}
+
+
+def test_micro_batches_and_checkpointing_give_the_batch_gradient(tiny_model_dir, tiny_data_dir):
+    """The gradient of a batch split into micro-batches (each loss weighted by its share of the
+    batch), or under gradient checkpointing, is the whole batch's (fp32 rounding)."""
+    model, params = _trainable(_tiny_model(tiny_model_dir))
+    ids = torch.randint(1000, 2000, (8, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(8, 12, dtype=torch.long)
+    mask[5:, 9:] = 0  # rows of different lengths
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1] * 4)}
+    loss, ref = _grads(model, params, batch)
+    for parts, ckpt in ((2, False), (4, False), (3, False), (1, True), (2, True)):
+        got_loss, got = _grads(model, params, batch, parts, ckpt)
+        assert got_loss == pytest.approx(loss, abs=1e-6)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=f"{parts} {ckpt} {n}")
+        assert not is_checkpointing(model)  # switched back off after
+
+
+def test_train_local_honours_the_plans_savings(tiny_model_dir, tiny_data_dir):
+    _, _, r0 = _train(tiny_model_dir, tiny_data_dir)
+    _, _, split = _train(tiny_model_dir, tiny_data_dir, micro_batches=4)
+    _, _, ckpt = _train(tiny_model_dir, tiny_data_dir, checkpointing=True)
+    assert split.activation_mb < r0.activation_mb  # one micro-batch's activations at a time
+    assert ckpt.activation_mb < r0.activation_mb  # block inputs only
+    assert split.loss == pytest.approx(r0.loss, abs=1e-3) and ckpt.loss == pytest.approx(r0.loss, abs=1e-3)
+
+
+# -- planned runs -------------------------------------------------------------------------------
+def _plans(run) -> list[dict]:
+    return json.loads((run / "summary.json").read_text())["plans"]
+
+
+def test_a_planned_run_meets_its_predictions(tiny_cfg_dict, one_length_data_dir, tmp_path):
+    """fedpetuning with LoRA ranks: a generous tier trains rank 4 whole, a tight one a smaller
+    rank or split batches; per group, the measured peak memory is within 10% of the predicted,
+    the upload exactly the predicted bytes, the FLOPs within 2% (every example one length)."""
+    d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 0.5, "memory_mb": 1000, "name": "big"},
+                                       {"share": 0.5, "memory_mb": 3.95, "name": "small"}]},
+             data={"path": str(one_length_data_dir)}, lora={"ranks": [2, 4]})
+    run = run_experiment(validate_config(d), tmp_path / "planned", progress=False)
+    groups = {g["budget_name"]: g for g in _plans(run)}
+    assert groups["big"]["plan"]["rank"] == 4 and groups["big"]["plan"]["micro_batches"] == 1
+    small = groups["small"]["plan"]
+    assert (small["rank"], small["micro_batches"], small["checkpointing"]) != (4, 1, False)
+    assert "needs" in groups["small"]["why"] and "> 3.95" in groups["small"]["why"]
+    for g in groups.values():
+        pred, meas = g["predicted"], g["measured"]
+        assert meas["client_rounds"] == len(g["clients"])
+        assert meas["memory_mb_max"] == pytest.approx(pred["memory_mb"], rel=0.10)
+        assert meas["memory_mb_max"] <= g["budget"].get("memory_mb", 1e9)
+        assert meas["upload_mb_mean"] == pytest.approx(pred["upload_mb"], rel=1e-9)
+        assert meas["gflops_per_round_mean"] == pytest.approx(pred["gflops_per_round"], rel=0.02)
+
+
+@pytest.mark.parametrize("method", ["heads", "raffm+heads"])
+def test_the_head_and_sub_model_stages_plan_within_budget(tiny_cfg_dict, tmp_path, method):
+    """An upload budget below the dense adapter buys a sparsity (and, with raffm, a narrower
+    sub-model under a memory budget too); the replies are accepted at the client's own sparsity
+    and every measured cost is within its budget."""
+    tight = {"share": 0.5, "name": "tight", "upload_mb_per_round": 0.003}
+    if method == "raffm+heads":
+        tight["memory_mb"] = 4.05
+    d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 0.5, "memory_mb": 1000, "name": "big"}, tight]},
+             method=method)
+    run = run_experiment(validate_config(d), tmp_path / method, progress=False)
+    groups = {g["budget_name"]: g for g in _plans(run)}
+    assert groups["big"]["plan"]["sparsity"] == 0.0
+    assert groups["tight"]["plan"]["sparsity"] > 0
+    for g in groups.values():
+        meas = g["measured"]
+        assert meas["client_rounds"] == len(g["clients"])  # no reply refused
+        assert meas["upload_mb_mean"] <= g["predicted"]["upload_mb"] + 1e-12
+        assert meas["upload_mb_mean"] <= g["budget"].get("upload_mb_per_round", 1e9)
+        assert meas["memory_mb_max"] == pytest.approx(g["predicted"]["memory_mb"], rel=0.10)
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    kept = {m["client"]: sum(m["head_kept"]) for r in metrics for m in r.get("client_metrics", [])
+            if "head_kept" in m}
+    by_client = {c: g["plan"]["sparsity"] for g in groups.values() for c in g["clients"]}
+    for c, n in kept.items():  # 2 layers x 4 heads, global scope
+        assert n == round((1 - by_client[c]) * 8) or (method == "raffm+heads" and n >= 1)
+
+
+def test_a_budget_no_plan_fits_names_the_client_and_the_cheapest_plan(tiny_cfg_dict, tmp_path):
+    d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 0.5, "memory_mb": 1000},
+                                       {"share": 0.5, "memory_mb": 1.0, "name": "watch"}]},
+             lora={"ranks": [2, 4]})
+    with pytest.raises(ConfigError) as e:
+        run_experiment(validate_config(d), tmp_path / "no", progress=False)
+    msg = str(e.value)
+    assert "client" in msg and "budgets.tiers[1], watch" in msg and "budget 1 MiB" in msg
+    assert "the cheapest plan (rank 2) needs" in msg and "MiB" in msg
+    assert not (tmp_path / "no").exists()  # nothing trained, no run folder
+
+
+def test_fedslice_plan_prints_each_tier_and_writes_every_client(tiny_cfg_dict, tmp_path, capsys):
+    import tomli_w
+
+    from fedslice.cli import main
+    d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 0.5, "memory_mb": 1000, "name": "big"},
+                                       {"share": 0.5, "upload_mb_per_round": 0.003, "name": "thin"}]},
+             method="heads")
+    path = tmp_path / "c.toml"
+    path.write_bytes(tomli_w.dumps(d).encode())
+    out = tmp_path / "plans.json"
+    assert main(["plan", str(path), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "big (1000 MiB): 2 client(s)" in text and "thin (0.003 MB up/round): 2 client(s)" in text
+    assert "plan: sparsity 0.75" in text and "why: the next larger plan" in text
+    plans = json.loads(out.read_text())
+    assert sorted(plans) == ["0", "1", "2", "3"]
+    assert all(p["predicted"]["upload_mb"] <= p["budget"].get("upload_mb_per_round", 1e9) for p in plans.values())
