@@ -189,6 +189,13 @@ def test_a_planned_run_meets_its_predictions(tiny_cfg_dict, one_length_data_dir,
     small = groups["small"]["plan"]
     assert (small["rank"], small["micro_batches"], small["checkpointing"]) != (4, 1, False)
     assert "needs" in groups["small"]["why"] and "> 3.95" in groups["small"]["why"]
+    per_client = json.loads((run / "plans.json").read_text())
+    assert sorted(per_client) == ["0", "1", "2", "3"]
+    assert {c: p["rank"] for c, p in per_client.items()} == \
+        {str(c): g["plan"]["rank"] for g in groups.values() for c in g["clients"]}
+    from fedslice.html_report import write_run_report
+    html = write_run_report(run).read_text()
+    assert "Client plans ([budgets])" in html and "the next larger plan" in html
     for g in groups.values():
         pred, meas = g["predicted"], g["measured"]
         assert meas["client_rounds"] == len(g["clients"])

@@ -217,6 +217,9 @@ def run_views(folder: Path) -> tuple[dict, list[dict], dict, list[View]]:
     part = _partition_view(folder, labels)
     if part is not None:
         views.append(part)
+    if summary.get("plans"):
+        from fedslice.methods.planner import plans_view
+        views.append(plans_view(summary["plans"]))
     views.extend(method_views(folder, config, metrics, summary))
     views.append(View("Config", None, [], "The resolved experiment config (config.json)."))
     return config, metrics, summary, views

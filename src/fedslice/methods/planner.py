@@ -253,8 +253,14 @@ class BudgetPlanner:
     def _measure(self, knobs: Knobs) -> KnobCost:
         rows = self.rows // knobs.micro_batches
         part = {k: v[:rows] for k, v in self.batch.items()}
+        # a batch's FLOPs, upload and importance do not depend on its split: counted once
+        known = next((c for k, c in self._costs.items()
+                      if replace(k, micro_batches=1) == replace(knobs, micro_batches=1)), None)
         with self.method.planned_model(knobs) as planned, gradient_checkpointing(planned.model, knobs.checkpointing):
-            flops, memory, _, _ = measure_training_step(planned.model, part, loss_fn=self.method.task.loss)
+            flops, memory, _, _ = measure_training_step(planned.model, part, loss_fn=self.method.task.loss,
+                                                        flops=known is None)
+            if known is not None:
+                return replace(known, memory_mb=memory)
             upload = measure.tensor_bytes(planned.upload)
             imp = 0.0
             if planned.importance_model is not None:
@@ -481,3 +487,29 @@ def plan_report(plans: Mapping[int, ClientPlan], records: list[dict[str, Any]]) 
                                  "gflops_per_round_mean": sum(flops) / len(flops) / 1e9 if flops else None,
                                  "upload_mb_mean": sum(up) / len(up) / _MB if up else None}})
     return out
+
+
+def plans_view(groups: list[dict[str, Any]]):
+    """The HTML report's view of a planned run (``summary["plans"]``): per group of clients, its
+    budget, plan and why, predicted against measured peak memory, GFLOPs and upload per round."""
+    from fedslice.viz import View, figure, svg
+
+    names = [f"{g['budget_name']} ({len(g['clients'])})" for g in groups]
+    fig, axes = figure(width=9.0, height=3.0, ncols=3)
+    for ax, (key, mkey, label) in zip(axes, (("memory_mb", "memory_mb_max", "peak MiB"),
+                                             ("gflops_per_round", "gflops_per_round_mean", "GFLOPs / round"),
+                                             ("upload_mb", "upload_mb_mean", "MB up / round"))):
+        xs = range(len(groups))
+        ax.bar([x - 0.2 for x in xs], [g["predicted"][key] for g in groups], 0.4, label="predicted")
+        ax.bar([x + 0.2 for x in xs], [g["measured"][mkey] or 0 for g in groups], 0.4, label="measured")
+        ax.set_xticks(list(xs), names, fontsize=7, rotation=20)
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=7)
+    rows = [{"group": n, "budget": ", ".join(f"{k} {v:g}" for k, v in g["budget"].items()),
+             "plan": ", ".join(f"{k} {v}" for k, v in g["plan"].items() if v is not None),
+             **{f"predicted {k}": v for k, v in g["predicted"].items()},
+             **{f"measured {k}": v for k, v in g["measured"].items()}, "why": g["why"]}
+            for n, g in zip(names, groups)]
+    return View("Client plans ([budgets])", svg(fig), rows,
+                "Each group of clients with one budget and plan (fedslice plan): predicted costs "
+                "against those measured over its client-rounds (peak memory: the largest).")

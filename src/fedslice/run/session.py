@@ -19,6 +19,8 @@ one. On its own it keeps the rounds in memory (a run without a folder: tests, be
 
 from __future__ import annotations
 
+import json
+
 import logging
 import re
 import time
@@ -215,6 +217,9 @@ def save_results(run: RunDir, cfg: ExperimentConfig, method: Method, state: Stat
     latest weights of an earlier failure go (the run is complete)."""
     run.write_summary(summary)
     method.write_artifacts(run.path)
+    if method.plans:  # [budgets]: every client's plan, as `fedslice plan --json` writes it
+        (run.path / "plans.json").write_text(json.dumps(
+            {str(c): p.to_dict() for c, p in sorted(method.plans.items())}, indent=1))
     if cfg.output.save_weights:
         run.save_weights(method.export_state(state))
     for name in (CHECKPOINT, LATEST_WEIGHTS):

@@ -128,8 +128,8 @@ def profile_batch(vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
 
 def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
                           measure_rows: int | None = 2,
-                          loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None
-                          ) -> tuple[float, float, int, int]:
+                          loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
+                          flops: bool = True) -> tuple[float, float, int, int]:
     """(FLOPs, memory MiB, params, trainable params) of one training step of ``model`` on ``batch``.
 
     Memory = every parameter + gradient and two AdamW moments per trainable parameter + the peak
@@ -139,6 +139,7 @@ def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
     dimension, and the measurement is then ~16x cheaper (``None``: run the whole batch). The
     RNG state and train/eval mode are restored and the gradients left as None. ``loss_fn``
     (a task's loss: e.g. logits at target positions only) replaces ``model(**batch).loss``.
+    ``flops=False``: memory only (no FLOP counter, which slows every op down); FLOPs are 0.
     """
     rows = len(batch["input_ids"] if "input_ids" in batch else batch["pixel_values"])
     if measure_rows is not None and measure_rows < rows:
@@ -156,7 +157,7 @@ def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
     model.train()
     try:
         with torch.random.fork_rng(), torch.enable_grad():
-            with PeakMemory(model, interval_s=1.0) as mem, count_flops() as fc:
+            with PeakMemory(model, interval_s=1.0) as mem, count_flops(enabled=flops) as fc:
                 batch = to_device(batch, model_device(model))
                 loss = loss_fn(model, dict(batch)) if loss_fn else model(**batch).loss
                 loss.backward()
