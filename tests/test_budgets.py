@@ -160,6 +160,12 @@ def test_micro_batches_and_checkpointing_give_the_batch_gradient(tiny_model_dir,
         for n in ref:
             torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=f"{parts} {ckpt} {n}")
         assert not is_checkpointing(model)  # switched back off after
+    from fedslice.measure import count_flops
+    with count_flops() as after:  # nothing left behind (transformers' input-grad hook)
+        _grads(model, params, batch)
+    with count_flops() as fresh:
+        _grads(*_trainable(_tiny_model(tiny_model_dir)), batch)
+    assert after.total == fresh.total
 
 
 def test_train_local_honours_the_plans_savings(tiny_model_dir, tiny_data_dir):

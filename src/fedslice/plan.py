@@ -230,11 +230,14 @@ def budget_plan(cfg: ExperimentConfig, json_path: str | None = None) -> str:
     configure_process(cfg)
     inputs = load_inputs(cfg, role="both", weights="random")
     method = inputs.method(cfg, "both")
+    from fedslice.methods.planner import planning_lengths
+
     fed = cfg.federation
+    longest, per_example = planning_lengths(cfg, inputs.data.train.lengths)
     lines = [f"plans for {cfg.run_name} (method {cfg.method.name}, {fed.num_clients} clients, "
              f"base {cfg.model.quantize if cfg.model.quantize != 'none' else 'fp32'}): measured on "
-             f"a batch of {fed.batch_size} x {cfg.data.max_length} tokens (the longest), FLOPs per "
-             "round for each client's examples"]
+             f"a batch of {fed.batch_size} x {longest} tokens (the longest example), FLOPs per "
+             f"round for each client's examples at {per_example:.1f} tokens each"]
     lines += render_plans(method.plans)
     if json_path:
         with open(json_path, "w") as f:

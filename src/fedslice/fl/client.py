@@ -141,7 +141,14 @@ def gradient_checkpointing(model: nn.Module, on: bool = True) -> Iterator[None]:
         raise ValueError(f"gradient checkpointing: {type(base).__name__} does not support it")
     was = is_checkpointing(base)
     if not was:
+        hooked = bool(getattr(base, "_require_grads_hooks", None))
         _checkpointing_call(base, "enable")
+        if not hooked and hasattr(base, "disable_input_require_grads"):
+            # transformers also makes the embeddings' output require grad (for reentrant
+            # checkpointing and peft): non-reentrant checkpointing does not need it, and kept it
+            # would run the backward down through the frozen bottom blocks, for this client and
+            # every later one of the shared model
+            base.disable_input_require_grads()
     try:
         yield
     finally:

@@ -219,8 +219,8 @@ class Method:
     def make_plans(self, batch: dict[str, torch.Tensor] | None = None) -> dict[int, Any]:
         """Every client's plan under ``[budgets]`` (none in the client role: a client reads its
         plan from its payload), measured on ``batch`` (default: the task's profile batch of
-        federation.batch_size rows as long as the longest training example, capped at
-        data.max_length: a step's peak memory is its longest batch's), its FLOPs scaled to the
+        federation.batch_size rows as long as the longest training example: a step's peak
+        memory is its longest batch's), its FLOPs scaled to the
         tokens a batch really holds (:func:`~fedslice.methods.planner.planning_lengths`); kept
         in :attr:`plans`."""
         from fedslice.methods.planner import plan_clients, planning_lengths

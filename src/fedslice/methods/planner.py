@@ -366,14 +366,14 @@ class BudgetPlanner:
 def planning_lengths(cfg, lengths: torch.Tensor | None) -> tuple[int, float]:
     """(the profile batch's sequence length, the tokens a training example costs on average).
 
-    The length is the longest training example's, capped at data.max_length (data.max_length
-    without the data): peak memory is the longest batch's. Per example, a padded batch costs the
-    expected longest of ``federation.batch_size`` random examples (order statistics of the
-    lengths, drawn with replacement); packed or length-grouped batches their mean length."""
-    cap = cfg.data.max_length
+    The length is the longest training example's as encoded (a generation task's prompt and
+    target together; data.max_length without the data): peak memory is the longest batch's.
+    Per example, a padded batch costs the expected longest of ``federation.batch_size`` random
+    examples (order statistics of the lengths, drawn with replacement); packed or length-grouped
+    batches their mean length."""
     if lengths is None or len(lengths) == 0:
-        return cap, float(cap)
-    lens = torch.clamp(torch.as_tensor(lengths).flatten(), max=cap).double()
+        return cfg.data.max_length, float(cfg.data.max_length)
+    lens = torch.as_tensor(lengths).flatten().double()
     longest = int(lens.max())
     if cfg.federation.pack or cfg.federation.group_by_length:
         return longest, float(lens.mean())

@@ -270,6 +270,8 @@ class HeadStage(Method):
         """The stage below's knobs and the head sparsity (``budgets.sparsities`` that keep a
         head; method.sparsity alone when the method does not prune)."""
         axes = dict(super().plan_axes(budgets))
+        if "specs" in axes:  # sub-models whose heads the stage can prune (whole key/value groups)
+            axes["specs"] = [(s, w) for s, w in axes["specs"] if self._prunable(s)]
         if self.opts.pruning == "none":
             return axes
         rows, heads = self.mask_shape
@@ -277,6 +279,13 @@ class HeadStage(Method):
         axes["sparsities"] = [s for s in budgets.sparsities if kept_count(rows, heads, s, self.opts.scope) >= 1] \
             or [max_sparsity(pool)]
         return axes
+
+    def _prunable(self, spec) -> bool:
+        try:
+            sub_dims(self.all_dims, spec)
+        except ModelError:
+            return False
+        return True
 
     @contextmanager
     def planned_model(self, knobs) -> Iterator[PlannedModel]:
