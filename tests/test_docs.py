@@ -170,6 +170,10 @@ def _shrunk(argv: list[str]) -> list[str]:
         extra += ["method.width_steps=4"]
     if any(c.budgets is not None for f in configs for c in load_variants(ROOT / f)):
         extra += ["budgets.width_steps=2"]
+    kinds = {c.task.kind for f in configs for c in load_variants(ROOT / f)}
+    if kinds == {"generation"}:  # each prompt (E2E: a meaning representation) with all its
+        # references: 8 prompts are ~100 rows whose dev and test losses take most of the run
+        extra += ["data.max_dev_examples=2", "data.max_test_examples=2"]
     return argv + [x for s in extra for x in ("--set", s)]
 
 

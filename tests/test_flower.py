@@ -3,6 +3,7 @@ and end-to-end runs on Flower's Deployment Engine (SuperLink + SuperNodes on loo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -348,12 +349,15 @@ _have_flower = pytest.mark.skipif(not (BIN / "flower-superlink").exists(),
                                   reason="Flower's executables are not installed beside python")
 
 
-def needs_flower(test):
+def needs_flower(test, group: str = "deployment"):
     """An end-to-end deployment test (marker ``deployment``: ``-m "not deployment"`` skips).
     Under pytest-xdist (``make test``: ``--dist loadgroup``) every one of them runs on the same
     worker, one after another: their SuperLinks, SuperNodes and ServerApps never compete with
-    each other for the cores or for loopback ports."""
-    return pytest.mark.xdist_group("deployment")(pytest.mark.deployment(_have_flower(test)))
+    each other for the cores or for loopback ports. ``group="ray"``: the tests that start Ray
+    (Flower's simulation engine, the GPU check's Flower baseline) run on one worker of their
+    own, beside the deployment group (they start no SuperNode), so the two longest groups of
+    the suite do not run one after the other."""
+    return pytest.mark.xdist_group(group)(pytest.mark.deployment(_have_flower(test)))
 
 
 @pytest.fixture
@@ -435,11 +439,13 @@ def loopback(tmp_path_factory):
     assert not alive, f"processes left running: {alive}"
 
 
-def _run_on(fed, tmp_path: Path, config: Path, timeout: float = 240.0) -> Path:
+def _run_on(fed, tmp_path: Path, config: Path, timeout: float = 240.0,
+            round_timeout: float = 90.0) -> Path:
     """Submit ``config`` to a running federation (``flwr run``), wait for it to complete; its
     run folder."""
     result = tmp_path / "result.txt"
-    run_id = _submit(fed, tmp_path, config, **{"result-file": str(result), "round-timeout": 90.0,
+    run_id = _submit(fed, tmp_path, config, **{"result-file": str(result),
+                                               "round-timeout": round_timeout,
                                                "connect-timeout": 60.0})
     status = fed.wait(run_id, timeout, finished_hint=result.exists)
     assert status == "finished:completed" and result.is_file(), fed.run_log(run_id)[-3000:]
@@ -486,10 +492,12 @@ def test_deployed_image_classification_matches_in_process(tiny_img_cfg_dict, tmp
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 def test_deploy_local_tls_and_supernode_auth(tiny_cfg_dict, tmp_path, started):
     """TLS certificates made with openssl in the test, SuperNode keys registered with
-    `flwr supernode register`; full fine-tuning (fedavg) gives the in-process weights."""
+    `flwr supernode register`; full fine-tuning (fedavg) gives the in-process weights. One
+    round: what TLS and authentication change is the connection (the rounds after the first
+    are the plain deployment's, test_deploy_local_two_supernodes_matches_in_process)."""
     from fedslice.flower.deploy import deploy_local
 
-    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedavg")
+    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedavg", rounds=1)
     run_dir = deploy_local(path, nodes=2, out_dir=tmp_path / "runs", tls=True, auth=True,
                            round_timeout=90, connect_timeout=60, timeout=240,
                            workdir=tmp_path / "work")
@@ -499,7 +507,7 @@ def test_deploy_local_tls_and_supernode_auth(tiny_cfg_dict, tmp_path, started):
     _check_deployed_run(run_dir, tiny_cfg_dict)
 
 
-@needs_flower
+@functools.partial(needs_flower, group="ray")
 def test_simulation_engine_matches_in_process(tiny_cfg_dict, tmp_path, started):
     """Flower's simulation engine (Ray, the `simulation` extra): 4 virtual SuperNodes, 2 per
     round, same selections and weights as the in-process engine."""

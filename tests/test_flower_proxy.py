@@ -14,6 +14,7 @@ import copy
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,9 +29,8 @@ from fedslice.flower.server_app import run as server_run
 from fedslice.output import read_run
 
 from test_flower import (InProcessGrid, _assert_same_state, _check_deployed_run, _in_process,
-                         _nodes, _settings, _weights, _write_config, needs_flower)
-from test_flower import flwr_home, started  # noqa: F401  (fixtures: a private FLWR_HOME; the
-#                                              deployment's processes, stopped afterwards)
+                         _nodes, _run_on, _settings, _weights, _write_config, needs_flower)
+from test_flower import flwr_home  # noqa: F401  (fixture: a private FLWR_HOME)
 
 PROXY_METHODS = ("fedpft", "fedot")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
@@ -291,44 +291,72 @@ def _hub_cache(root: Path, model_dir: Path, weights: bool) -> Path:
     return root
 
 
-@needs_flower
-@pytest.mark.parametrize("method", PROXY_METHODS)
-def test_deployed_supernodes_never_open_the_full_model(tiny_cfg_dict, model_dir, tmp_path,
-                                                       monkeypatch, started, method):
-    """SuperLink + 2 SuperNodes; the model is the hub id ``REPO_ID``, resolved offline from each
-    machine's own hub cache: the server's holds the weights, the nodes' only config and
-    tokenizer. The run completes with the in-process engine's weights; the nodes' processes
-    opened the config and tokenizer and nothing else of a model; each client received exactly
-    its proxy once, less than the full model."""
-    from fedslice.flower import local
-    from fedslice.flower.deploy import deploy_local
+@pytest.fixture(scope="module")
+def weightless_nodes(tmp_path_factory, model_dir):
+    """SuperLink + 2 SuperNodes on loopback, shared by the proxy methods' deployments (one run
+    each; starting a federation costs more than a tiny run). The model is the hub id
+    ``REPO_ID``, resolved offline from each machine's own hub cache: the server's holds the
+    weights, the nodes' only config and tokenizer; the nodes' Python processes (SuperNode,
+    ClientApps) append every file they open under the folder to an audit log. Every process
+    and its descendants are checked gone at the end."""
+    import psutil
 
-    server_cache = _hub_cache(tmp_path / "server-hub", model_dir, weights=True)
-    node_cache = _hub_cache(tmp_path / "node-hub", model_dir, weights=False)
-    audit_dir, audit_log = tmp_path / "audit", tmp_path / "opened.tsv"
+    from fedslice.flower import local
+
+    root = tmp_path_factory.mktemp("weightless")
+    server_cache = _hub_cache(root / "server-hub", model_dir, weights=True)
+    node_cache = _hub_cache(root / "node-hub", model_dir, weights=False)
+    audit_dir, audit_log = root / "audit", root / "opened.tsv"
     audit_dir.mkdir()
     (audit_dir / "sitecustomize.py").write_text(AUDIT_SITECUSTOMIZE)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(server_cache))
-    start = local.start_process  # the `started` fixture's: every process is tracked and stopped
+    start = local.start_process
 
     def start_node_without_weights(name, argv, env, log_dir):
         if name.startswith("supernode"):
-            env = {**env, "HF_HUB_CACHE": str(node_cache), "FEDSLICE_AUDIT_ROOT": str(tmp_path),
+            env = {**env, "HF_HUB_CACHE": str(node_cache), "FEDSLICE_AUDIT_ROOT": str(root),
                    "FEDSLICE_AUDIT_LOG": str(audit_log),
                    "PYTHONPATH": os.pathsep.join([str(audit_dir), env.get("PYTHONPATH", "")])}
         return start(name, argv, env, log_dir)
-    monkeypatch.setattr(local, "start_process", start_node_without_weights)
 
+    # the processes take their environment when they start: only the start is patched
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_HUB_CACHE", str(server_cache))
+        mp.setattr(local, "start_process", start_node_without_weights)
+        fed = local.LocalFederation(root / "work", nodes=2,
+                                    server_roots=[tmp_path_factory.getbasetemp()])
+        fed.__enter__()
+    try:
+        family = [psutil.Process(p.pid) for p in fed.processes]
+        yield SimpleNamespace(fed=fed, server_cache=server_cache, node_cache=node_cache,
+                              audit_log=audit_log)
+        family += [c for p in fed.processes for c in local._descendants(p.pid)]
+    finally:
+        fed.__exit__(None, None, None)
+    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in alive:
+        p.kill()
+    assert not alive, f"processes left running: {alive}"
+
+
+@needs_flower
+@pytest.mark.parametrize("method", PROXY_METHODS)
+def test_deployed_supernodes_never_open_the_full_model(tiny_cfg_dict, model_dir, tmp_path,
+                                                       weightless_nodes, method):
+    """SuperLink + 2 SuperNodes whose hub cache holds the model's config and tokenizer only
+    (``weightless_nodes``). The run completes with the in-process engine's weights; the nodes'
+    processes opened the config and tokenizer and nothing else of a model; each client received
+    exactly its proxy once, less than the full model."""
+    nodes = weightless_nodes
     cfg_dict = _cfg(tiny_cfg_dict, model_dir, method, tmp_path)
     cfg_dict["model"]["name"] = REPO_ID
     path = _write_config(cfg_dict, tmp_path / f"{method}.json")
-    run_dir = deploy_local(path, nodes=2, out_dir=tmp_path / "runs", round_timeout=120,
-                           connect_timeout=60, timeout=300, workdir=tmp_path / "work")
+    run_dir = _run_on(nodes.fed, tmp_path, path, timeout=300, round_timeout=120)
+    node_cache, server_cache, audit_log = nodes.node_cache, nodes.server_cache, nodes.audit_log
 
     local_cfg = copy.deepcopy(cfg_dict)  # this process resolved its hub cache at import: a path
     local_cfg["model"]["name"] = str(model_dir)
-    _check_deployed_run(run_dir, local_cfg)
+    _check_deployed_run(run_dir, local_cfg, logs=False)
 
     opened = [line.split("\t") for line in audit_log.read_text().splitlines()]
     clientapps = {(pid, who) for pid, who, _ in opened if "clientapp" in who}

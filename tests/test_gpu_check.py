@@ -28,8 +28,9 @@ def test_benchmarks_has_the_gpu_check_section_and_no_dry_figures():
     assert "dry run" not in text.split(BEGIN, 1)[1].split(END, 1)[0]
 
 
-# Ray (the Flower baseline) beside the deployment tests' Ray: one worker for both
-@pytest.mark.xdist_group("deployment")
+# Ray (the Flower baseline) beside the Flower simulation test's Ray: one worker for both (the
+# "ray" group), beside the deployment group's worker (tests/test_flower.py: needs_flower)
+@pytest.mark.xdist_group("ray")
 def test_dry_run_runs_every_step_and_writes_only_its_table(tmp_path):
     original = (REPO / "BENCHMARKS.md").read_text()
     results = {f: f.read_bytes() for f in (REPO / "bench" / "results").rglob("*.json")}

@@ -210,8 +210,12 @@ def test_memory_limit_below_every_submodel_names_field_and_clients(tiny_cfg_dict
 
 @pytest.mark.parametrize("tuning", ["lora", "full"])
 def test_two_round_run_with_tiers(tiny_cfg_dict, tuning):
+    """Packed batches (rows of several examples): every client's analytic FLOPs equal the
+    measured ones, sliced sub-models too (the packed extrapolation is exact; the analytic count
+    takes attention at the packed row length and leaves out the bottom block's gradients autograd
+    skips). Before: a sliced client's attention correction used the example length, 39% over."""
     tiers = [{"share": 0.5, "flops": 0.4}, {"share": 0.25, "flops": 1.0}, {"share": 0.25, "flops": 0.02}]
-    tiny_cfg_dict["federation"].update(num_clients=4, clients_per_round=4)
+    tiny_cfg_dict["federation"].update(num_clients=4, clients_per_round=4, pack=True)
     method, state, records, summary = _run(_raffm(tiny_cfg_dict, tiers=tiers, tuning=tuning,
                                                   reorder_every=1, width_steps=8))
     plans = method.strategy.plans
@@ -225,8 +229,9 @@ def test_two_round_run_with_tiers(tiny_cfg_dict, tuning):
         f_small = by_client[small[0]]["flops_measured"]
         f_full = next(m["flops_measured"] for m in rec["client_metrics"] if m.get("tier") == 1)
         assert f_small < 0.5 * f_full
-        assert by_client[small[0]]["flops_measured"] == pytest.approx(
-            by_client[small[0]]["flops_analytic"], rel=0.03)
+        for m in by_client.values():
+            if not m["sat_out"]:
+                assert m["flops_measured"] == pytest.approx(m["flops_analytic"], rel=1e-9), m["tier"]
     assert summary["sat_out_replies"] == 2 * len(sat)
     sizes = [e["size"] for e in summary["elastic"]]
     assert sizes == [0.25, 0.5, 0.75, 1.0]

@@ -336,15 +336,14 @@ class FederationConfig(Section):
     batch_size: int = Field(32, gt=0)
     group_by_length: bool = Field(True, description="Batch local examples of similar length "
                                   "together (less padding, same examples per epoch).")
-    pack: bool = Field(False, description="Pack each training batch's examples end to end into "
+    pack: bool = Field(True, description="Pack each training batch's examples end to end into "
                        "rows (block-diagonal attention, positions restart per example): a step "
                        "costs its real tokens, not its padding. The same examples and loss as "
                        "padded batches (equal to float rounding without dropout; with dropout "
                        "the masks are drawn over other shapes: false reproduces a run made "
                        "before packing). Where the architecture and task allow it: encoder "
                        "classification (bert, roberta, distilbert) and causal-LM tasks (llama, "
-                       "gpt2); elsewhere batches stay padded (docs/performance.md says why). Off by "
-                       "default until RaFFM's sliced clients' packed FLOPs are explained.")
+                       "gpt2); elsewhere batches stay padded (docs/performance.md says why).")
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)

@@ -252,6 +252,66 @@ def frozen_bottom(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[int, i
     return frozen, sum(linear_param_counts(b)["total"] for b in blocks[:frozen])
 
 
+def _decomposed_attention(model: nn.Module) -> bool:
+    """Whether ``model``'s attention trains as separate matmuls, whose gradients autograd takes
+    one by one (eager attention; torch's CPU sdpa under attention dropout, its math path): a
+    fused kernel (CPU sdpa without dropout, CUDA) computes every input-gradient anyway."""
+    from fedslice.data.packing import attention_dropout
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if config is None:
+        return False
+    if getattr(config, "_attn_implementation", None) == "eager":
+        return True
+    return bool(attention_dropout(config)) and all(p.device.type == "cpu" for p in base.parameters())
+
+
+def _trains(module: nn.Module) -> bool:
+    return any(p.requires_grad and p.numel() for p in module.parameters())
+
+
+def bottom_skips(model: nn.Module, arch, frozen_layers: int = 0) -> dict[str, float]:
+    """What autograd leaves out in the lowest trained block of a one-stack ``model`` (block
+    ``frozen_layers``) when no gradient is needed at its input (frozen embeddings), beyond the
+    q/k/v input-gradients :func:`analytic_train_flops` already subtracts, as its keyword
+    arguments:
+
+    * ``bottom_attention_skipped``: the attention width of the attention-gradient matmuls it
+      does not run (each ``2·s·width·T`` FLOPs): the keys' gradient when k trains nothing (LoRA
+      on q and v), the queries' when q trains nothing, the probabilities' when neither does,
+      the values' when v trains nothing. Only where attention runs as separate matmuls
+      (:func:`_decomposed_attention`); not for a fused q/k/v projection.
+    * ``bottom_adapter_input_params``: the weights of the LoRA A matrices of the block's q/k/v,
+      whose input is the block's input too (their input-gradient is not computed either).
+
+    Empty for an encoder-decoder, a model whose embeddings train, or no trained block."""
+    if len(arch.stacks) != 1 or embeddings_train(model):
+        return {}
+    from fedslice.models.arch import module_at
+
+    blocks = arch.blocks(model)
+    if frozen_layers >= len(blocks):
+        return {}
+    att = arch.stacks[0].attention[0]
+    block = blocks[frozen_layers]
+    mods = {part: module_at(block, getattr(att, part)) for part in ("q", "k", "v")}
+    adapter = 0
+    for m in {id(m): m for m in mods.values()}.values():
+        for name, sub in m.named_modules():
+            if name.split(".")[0] == "lora_A" and is_linear(sub):
+                adapter += sub.weight.numel()
+    out: dict[str, float] = {"bottom_adapter_input_params": adapter}
+    if att.fused_qkv or not _decomposed_attention(model):
+        return out
+    q = mods["q"]
+    q = getattr(q, "base_layer", q)
+    width = getattr(q, "out_features", None) or q.weight.shape[0]
+    tq, tk, tv = (_trains(mods[p]) for p in ("q", "k", "v"))
+    out["bottom_attention_skipped"] = float(width) * ((not tq) + (not tk) + (not tq and not tk) + (not tv))
+    return out
+
+
 def analytic_train_flops(
     *,
     num_layers: int,
@@ -272,6 +332,8 @@ def analytic_train_flops(
     adapter_flops: float = 0.0,
     frozen_layers: int = 0,
     frozen_linear_params: int = 0,
+    bottom_attention_skipped: float = 0.0,
+    bottom_adapter_input_params: int = 0,
 ) -> dict[str, float]:
     """Analytic FLOPs of training on ``tokens`` tokens (forward + backward; optimizer excluded).
 
@@ -312,6 +374,12 @@ def analytic_train_flops(
     q/k/v input-gradient is the lowest trained block's. Only with frozen embeddings and no
     virtual tokens or prefix keys (those need the gradient at the bottom).
 
+    With frozen embeddings and no virtual tokens or prefix keys, autograd also skips in the
+    lowest trained block the attention-gradient matmuls of ``bottom_attention_skipped`` width
+    (``2·s·width·T`` FLOPs each: the keys' gradient under LoRA on q and v) and the
+    input-gradients of ``bottom_adapter_input_params`` adapter weights that read the block's
+    input (its LoRA A matrices): :func:`bottom_skips`.
+
     Returns ``{"forward", "backward", "total"}`` in FLOPs (floats).
     """
     del ffn, num_heads  # documented: they do not enter the count
@@ -329,6 +397,9 @@ def analytic_train_flops(
         input_grads -= 2.0 * frozen_linear_params * T + 2.0 * attn_fwd * frozen_layers / num_layers
     if not embedding_backward and frozen_layers < num_layers:
         input_grads -= 2.0 * (3 * hidden * hidden) * T
+        if not prefix_keys:
+            input_grads -= 2.0 * seq_len * T * bottom_attention_skipped \
+                + 2.0 * bottom_adapter_input_params * T
     weight_grads = 2.0 * trainable_linear_params * T + 2.0 * head_trainable_linear_params * heads
     backward = input_grads + weight_grads + adapter_flops
     return {"forward": forward, "backward": backward, "total": forward + backward}

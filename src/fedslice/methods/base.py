@@ -435,6 +435,8 @@ class Method:
             head_positions=result.head_positions, head_linear_params=counts["head_total"],
             head_trainable_linear_params=counts["head_trainable"],
             frozen_layers=frozen[0], frozen_linear_params=frozen[1],
+            # the lowest trained block's attention- and LoRA-A input-gradients autograd skips
+            **({} if embedding_backward else measure.bottom_skips(model, self.arch, frozen[0])),
             **self.adapter_flops(model, result))
 
     def frozen_bottom(self, model: nn.Module) -> tuple[int, int]:

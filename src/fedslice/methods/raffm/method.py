@@ -275,7 +275,9 @@ class RaFFM(Method):
         """:func:`measure.analytic_train_flops` of the sub-model: its linears are counted from the
         model; the attention term uses each kept layer's attention width, not the hidden size."""
         d, T = self.dims["hidden"], result.tokens
-        s = T / max(result.examples, 1)
+        # the row length attention's FLOPs go with, as in the base count it is taken from
+        # (packed rows: longer than an example; dividing by examples undercounts the excess)
+        s = result.attention_length or T / max(result.rows or result.examples, 1)
         specs = [x for x in stack_list(spec) if x is not None]
         embeddings = measure.embeddings_train(model)  # full tuning: layer 0's input-gradient too
         bottom = self.frozen_bottom(model)  # (0, 0) when the embeddings train
