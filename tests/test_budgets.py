@@ -182,13 +182,16 @@ def _plans(run) -> list[dict]:
     return json.loads((run / "summary.json").read_text())["plans"]
 
 
-def test_a_planned_run_meets_its_predictions(tiny_cfg_dict, one_length_data_dir, tmp_path):
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_planned_run_meets_its_predictions(tiny_cfg_dict, one_length_data_dir, tmp_path, pack):
     """fedpetuning with LoRA ranks: a generous tier trains rank 4 whole, a tight one a smaller
     rank or split batches; per group, the measured peak memory is within 10% of the predicted,
-    the upload exactly the predicted bytes, the FLOPs within 2% (every example one length)."""
+    the upload exactly the predicted bytes, the FLOPs within 2% (every example one length);
+    packed batches (a plan of one micro-batch) are predicted on a packed profile batch."""
     d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 0.5, "memory_mb": 1000, "name": "big"},
                                        {"share": 0.5, "memory_mb": 3.95, "name": "small"}]},
-             data={"path": str(one_length_data_dir)}, lora={"ranks": [2, 4]})
+             data={"path": str(one_length_data_dir)}, lora={"ranks": [2, 4]},
+             federation={"pack": pack})
     run = run_experiment(validate_config(d), tmp_path / "planned", progress=False)
     groups = {g["budget_name"]: g for g in _plans(run)}
     assert groups["big"]["plan"]["rank"] == 4 and groups["big"]["plan"]["micro_batches"] == 1

@@ -231,8 +231,13 @@ class Method:
         length, per_example = planning_lengths(self.cfg, self.token_lengths)
         if batch is None:
             batch = self.task.profile_batch(self.model.config, fed.batch_size, length, self.cfg.seed)
+        packed, packed_scale = None, 1.0
+        if self.packs({"pack": fed.pack}):  # what a client of one micro-batch trains on
+            packed = self.task.packed_profile_batch(self.model.config, fed.batch_size, length, self.cfg.seed)
+            packed_scale = planning_lengths(self.cfg, self.token_lengths, packed=True)[1] / length
         self.plans = plan_clients(self, self.cfg.budgets, batch, self.client_sizes, fed.num_clients,
-                                  self.cfg.seed, flops_scale=per_example / length)
+                                  self.cfg.seed, flops_scale=per_example / length,
+                                  packed_batch=packed, packed_scale=packed_scale)
         return self.plans
 
     def plan_axes(self, budgets) -> dict[str, list]:

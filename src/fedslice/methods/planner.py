@@ -24,6 +24,7 @@ import csv
 import logging
 import math
 from collections.abc import Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ import torch.nn as nn
 
 from fedslice import measure
 from fedslice.config import BudgetsConfig
+from fedslice.data.packing import packed_training
 from fedslice.errors import ConfigError
 from fedslice.fl.client import gradient_checkpointing
 from fedslice.fl.strategy import Payload, State, Strategy
@@ -232,8 +234,13 @@ class BudgetPlanner:
     measured once per plan and cached."""
 
     def __init__(self, method, cfg: BudgetsConfig, batch: dict[str, torch.Tensor],
-                 flops_scale: float = 1.0):
+                 flops_scale: float = 1.0, packed_batch: dict[str, torch.Tensor] | None = None,
+                 packed_scale: float = 1.0):
+        """``batch``: ``federation.batch_size`` examples padded to the longest; ``packed_batch``:
+        the same examples packed into rows, what a client trains on when its batches pack (a
+        plan of one micro-batch: a split trains unpacked)."""
         self.method, self.cfg, self.batch, self.flops_scale = method, cfg, batch, flops_scale
+        self.packed_batch, self.packed_scale = packed_batch, packed_scale
         self.rows = len(batch["input_ids"] if "input_ids" in batch else batch["pixel_values"])
         axes = method.plan_axes(cfg)
         self.specs: list[tuple[Spec | None, float]] = axes.get("specs") or [(None, 1.0)]  # largest first
@@ -250,13 +257,23 @@ class BudgetPlanner:
             self._costs[knobs] = self._measure(knobs)
         return self._costs[knobs]
 
+    def _packs(self, knobs: Knobs) -> bool:
+        return self.packed_batch is not None and knobs.micro_batches == 1
+
     def _measure(self, knobs: Knobs) -> KnobCost:
-        rows = self.rows // knobs.micro_batches
-        part = {k: v[:rows] for k, v in self.batch.items()}
-        # a batch's FLOPs, upload and importance do not depend on its split: counted once
-        known = next((c for k, c in self._costs.items()
-                      if replace(k, micro_batches=1) == replace(knobs, micro_batches=1)), None)
-        with self.method.planned_model(knobs) as planned, gradient_checkpointing(planned.model, knobs.checkpointing):
+        packed = self._packs(knobs)
+        if packed:
+            part = self.packed_batch
+        else:
+            rows = self.rows // knobs.micro_batches
+            part = {k: v[:rows] for k, v in self.batch.items()}
+        # a padded batch's FLOPs, upload and importance do not depend on its split: counted once
+        known = None if packed else next(
+            (c for k, c in self._costs.items() if not self._packs(k)
+             and replace(k, micro_batches=1) == replace(knobs, micro_batches=1)), None)
+        with self.method.planned_model(knobs) as planned, \
+                gradient_checkpointing(planned.model, knobs.checkpointing), \
+                (packed_training(planned.model) if packed else nullcontext()):
             flops, memory, _, _ = measure_training_step(planned.model, part, loss_fn=self.method.task.loss,
                                                         flops=known is None)
             if known is not None:
@@ -265,7 +282,7 @@ class BudgetPlanner:
             imp = 0.0
             if planned.importance_model is not None:
                 imp = self._forward_flops(planned.importance_model) / self.rows
-        return KnobCost(memory, flops * knobs.micro_batches, upload, imp)
+        return KnobCost(memory, flops * (1 if packed else knobs.micro_batches), upload, imp)
 
     def _forward_flops(self, model: nn.Module) -> float:
         """FLOPs of a forward pass over the profile batch (two rows, scaled: linear in rows)."""
@@ -284,7 +301,8 @@ class BudgetPlanner:
         # training batches hold about flops_scale x the profile's tokens; an importance pass
         # runs a client's examples in few large batches, each padded to its longest: counted at
         # the profile's length (the data's longest), an upper bound
-        gflops = (self.flops_scale * c.step_flops / self.rows * examples
+        scale = self.packed_scale if self._packs(knobs) else self.flops_scale
+        gflops = (scale * c.step_flops / self.rows * examples
                   + c.importance_flops_per_example * importance_examples) / 1e9
         return {"memory_mb": c.memory_mb, "gflops_per_round": gflops, "upload_mb_per_round": c.upload_bytes / _MB}
 
@@ -363,22 +381,35 @@ class BudgetPlanner:
                 f"{mem['upload_mb_per_round']:.4g} MB up/round")
 
 
-def planning_lengths(cfg, lengths: torch.Tensor | None) -> tuple[int, float]:
+def planning_lengths(cfg, lengths: torch.Tensor | None, packed: bool = False) -> tuple[int, float]:
     """(the profile batch's sequence length, the tokens a training example costs on average).
 
     The length is the longest training example's as encoded (a generation task's prompt and
     target together; data.max_length without the data): peak memory is the longest batch's.
-    Per example, a padded batch costs the expected longest of ``federation.batch_size`` random
-    examples (order statistics of the lengths, drawn with replacement); packed or length-grouped
-    batches their mean length."""
+    Per example: packed batches (``packed``) cost their rows x row length, simulated on random
+    batches of the lengths as :func:`fedslice.data.packing.row_capacity` lays them out;
+    length-grouped padded batches about the mean length; random padded batches the expected
+    longest of ``federation.batch_size`` examples (order statistics, drawn with replacement)."""
     if lengths is None or len(lengths) == 0:
         return cfg.data.max_length, float(cfg.data.max_length)
     lens = torch.as_tensor(lengths).flatten().double()
     longest = int(lens.max())
-    if cfg.federation.pack or cfg.federation.group_by_length:
+    b = cfg.federation.batch_size
+    if packed:
+        from fedslice.data.packing import ROW_TOKENS, row_capacity
+
+        rng = np.random.default_rng(0)
+        as_int = lens.long().numpy()
+        cost = []
+        for _ in range(200):
+            batch = as_int[rng.integers(0, len(as_int), size=b)].tolist()
+            capacity, place = row_capacity(batch, ROW_TOKENS)
+            cost.append(capacity * (1 + max(r for r, _ in place)))
+        return longest, float(np.mean(cost)) / b
+    if cfg.federation.group_by_length:
         return longest, float(lens.mean())
     ordered, _ = torch.sort(lens)
-    n, b = len(ordered), cfg.federation.batch_size
+    n = len(ordered)
     cdf = (torch.arange(1, n + 1, dtype=torch.float64) / n) ** b  # P(max <= i-th smallest)
     expected = float((ordered * (cdf - torch.cat([cdf.new_zeros(1), cdf[:-1]]))).sum())
     return longest, expected
@@ -386,11 +417,15 @@ def planning_lengths(cfg, lengths: torch.Tensor | None) -> tuple[int, float]:
 
 def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
                  client_sizes: Mapping[int, int], num_clients: int, seed: int,
-                 base: Path | None = None, flops_scale: float = 1.0) -> dict[int, ClientPlan]:
+                 base: Path | None = None, flops_scale: float = 1.0,
+                 packed_batch: dict[str, torch.Tensor] | None = None,
+                 packed_scale: float = 1.0) -> dict[int, ClientPlan]:
     """Every client's plan (clients of equal budget and size share one search), or a ConfigError
     naming the clients no plan fits, their budget and the cheapest plan's cost. ``flops_scale``:
-    the tokens of a real example over the profile batch's row length (FLOPs go with tokens)."""
-    planner = BudgetPlanner(method, budgets, batch, flops_scale)
+    the tokens a real example costs over the profile batch's row length (FLOPs go with tokens);
+    ``packed_batch``: the same examples packed, what a client whose batches pack trains on
+    (``packed_scale``: its ``flops_scale``)."""
+    planner = BudgetPlanner(method, budgets, batch, flops_scale, packed_batch, packed_scale)
     fed = method.cfg.federation
     plans: dict[int, ClientPlan] = {}
     memo: dict[tuple, ClientPlan | None] = {}

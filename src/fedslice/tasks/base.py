@@ -53,6 +53,19 @@ class Task:
         from fedslice.slicing.planner import profile_batch
         return profile_batch(config.vocab_size, batch_size, seq_len, seed, self.head)
 
+    def packed_profile_batch(self, config, batch_size: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
+        """:meth:`profile_batch`'s examples packed into rows, as a packed training batch is
+        (classification, or a causal LM's prompt and target halves: the heads that pack)."""
+        from fedslice.data.packing import pack_causal, pack_classification
+
+        batch = self.profile_batch(config, batch_size, seq_len, seed)
+        ids = batch["input_ids"]  # (B, T)
+        if self.head == "causal_lm":
+            half = seq_len // 2
+            return pack_causal(list(ids[:, :half]), list(ids[:, half:]), 0)
+        lens = torch.full((len(ids),), seq_len, dtype=torch.int64)
+        return pack_classification(ids.flatten(), None, lens, batch["labels"], 0)
+
     def limit(self, split, n: int | None, seed: int):
         """A seeded subset of ``n`` examples (quick runs)."""
         return split if n is None or n >= len(split) else split.subset(sample_rows(len(split), n, seed))
