@@ -84,7 +84,8 @@ class HeadStage(Method):
                    "cannot use it")
             raise ValueError(f"method.prune='forward' with peft.method={name!r}: the {name} "
                              f"adapter {why}; use method.prune='parameters' or lora, dora, ia3")
-        if getattr(cfg.method, "importance_source", "pass") == "first_step":
+        source = getattr(cfg.method, "importance_source", "pass")
+        if source in ("first_step", "training"):
             why = ("method.prune='forward' (a forward-mode client's sub-model needs its keep-mask "
                    "before its first forward; use importance_source='pass' with a small "
                    "method.importance_max_examples)" if cfg.method.prune == "forward" else
@@ -92,9 +93,9 @@ class HeadStage(Method):
                    if cfg.federation.pack else
                    f"federation.weight_decay = {cfg.federation.weight_decay} (AdamW's decay would "
                    "move the pruned heads' rows, which must keep their values)"
-                   if cfg.federation.weight_decay else None)
+                   if cfg.federation.weight_decay and source == "first_step" else None)
             if why is not None:
-                raise ValueError(f"method.importance_source='first_step' cannot run with {why}")
+                raise ValueError(f"method.importance_source={source!r} cannot run with {why}")
         opts = cfg.adapter_options(name)
         targets = getattr(opts, "targets", None)
         if targets is not None and getattr(opts, "target_modules", None) is None \
@@ -275,6 +276,10 @@ class HeadStage(Method):
             alpha, kept, sub, params, result = self._fit_first_step(model, payload, data, seed,
                                                                     dims, outer)
             imp_flops = 0.0  # no forward of its own: the scores come from training's first step
+        elif self.needs_importance and self.opts.importance_source == "training":
+            alpha, kept, sub, params, result = self._fit_training(model, payload, data, seed,
+                                                                  dims, outer)
+            imp_flops = 0.0  # no forward of its own: the scores come from training's forwards
         else:
             alpha, imp_flops = self.importance(data, seed, model) if self.needs_importance else (None, 0.0)
             kept = self.keep(alpha, seed, None if outer is None else dims)
@@ -333,7 +338,32 @@ class HeadStage(Method):
         sub = self.local_model(model, kept, payload, dims)
         return alpha, kept, sub, self.local_params(sub, kept, dims), result
 
-    def first_step_loss(self, on_scores: Callable[[torch.Tensor], None]):
+    def _fit_training(self, model: nn.Module, payload: Payload, data: TokenizedSplit, seed: int,
+                      dims, outer):
+        """``importance_source = "training"``: train every trainable tensor of ``model``, every
+        step's forward captured (:meth:`first_step_loss` with ``every_step``); after training,
+        the keep-mask of the mean scores over all training batches, and the kept heads' tensors
+        of the trained model (:meth:`local_model`, :meth:`local_params`) as the upload."""
+        shape = (num_rows(dims), dims[0]["num_heads"])
+        full = self.local_params(model, torch.ones(shape, dtype=torch.bool), dims)
+        total: dict[str, torch.Tensor] = {}
+
+        def on_scores(alpha: torch.Tensor, n: int) -> None:
+            total["sum"] = total.get("sum", 0) + alpha * n
+            total["n"] = total.get("n", 0) + n
+
+        result = train_local(model, full, data, payload.config, seed,
+                             loss_fn=self.first_step_loss(on_scores, every_step=True),
+                             virtual_tokens=self.adapter.virtual_tokens,
+                             pack=self.packs(payload.config))
+        if not total:
+            raise ModelError("importance_source='training': training ran no step to score heads on")
+        alpha = total["sum"] / total["n"]
+        kept = self.keep(alpha, seed, None if outer is None else dims)
+        sub = self.local_model(model, kept, payload, dims)
+        return alpha, kept, sub, self.local_params(sub, kept, dims), result
+
+    def first_step_loss(self, on_scores: Callable[..., None], every_step: bool = False):
         """A training loss that, on its first call, runs the task's loss with eager attention
         and ``output_attentions=True``, scores the heads on that batch (Eq. 6, the same scoring
         as :func:`fedslice.slicing.heads.head_importance`, on the training-mode weights: after
@@ -344,7 +374,7 @@ class HeadStage(Method):
 
         def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
             nonlocal done
-            if done:
+            if done and not every_step:
                 return self.task.loss(m, batch)
             done = True
             outs: list = []
@@ -375,7 +405,11 @@ class HeadStage(Method):
             if missing := [n for n in names if n not in sums]:
                 raise ModelError(f"no attention scores for {missing} (got {sorted(sums)})")
             n = max(batch_examples(batch), 1)
-            on_scores(torch.cat([sums[k].float().cpu() for k in names]) / n)
+            alpha = torch.cat([sums[k].float().cpu() for k in names]) / n
+            if every_step:
+                on_scores(alpha, n)
+            else:
+                on_scores(alpha)
             return loss
 
         return loss_fn
