@@ -1,9 +1,9 @@
 """Issue 35 part 1: what heads' importance (Eq. 6) costs, and the cheap ways to score heads.
 
     OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python bench/heads_importance_cost.py --seeds 0 \\
-        --only dense today first_step fwd-today fwd-sample8
+        --only dense today first_step training
     OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python bench/heads_importance_cost.py --seeds 1 2 \\
-        --only dense today first_step
+        --only today first_step training
     .venv/bin/python bench/heads_importance_cost.py --report-only --seeds 0 1 2
     OMP_NUM_THREADS=1 .venv/bin/python bench/heads_importance_cost.py --rank   # scores only
 
