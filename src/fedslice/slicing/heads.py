@@ -115,6 +115,35 @@ def real_positions(att: torch.Tensor, tq: int, tk: int) -> torch.Tensor:
     return att[..., att.shape[-2] - tq:, att.shape[-1] - tk:]
 
 
+def batch_confidence_sums(out, batch: dict[str, torch.Tensor], model: nn.Module,
+                          special: torch.Tensor, sink_keys: int = 0, arch=None
+                          ) -> dict[str, torch.Tensor]:
+    """{family name: (L, H)} sum over the examples of ``batch`` of the head confidence, from the
+    attention weights of ``out`` (a model output run with ``output_attentions=True`` on
+    ``batch``); ``special``: the token ids that are no keys, on the batch's device. The scoring
+    of one batch of :func:`head_importance`, also used on a training batch's forward
+    (``method.importance_source = "first_step"``)."""
+    arch = arch_for(model) if arch is None else arch
+    sums: dict[str, torch.Tensor] = {}
+    for fam in arch.attention_outputs:
+        atts = getattr(out, fam.output, None)
+        if not atts:
+            continue
+        if arch.image is not None:  # (B, T): patches count, prefix tokens are no keys
+            q_mask = batch["attention_mask"]
+            keys = q_mask.bool().clone()
+            keys[:, :arch.image.prefix_tokens] = False
+        else:
+            q_ids, q_mask = _tokens(batch, fam.queries, model.config)
+            k_ids, k_mask = _tokens(batch, fam.keys, model.config)
+            keys = k_mask.bool() & ~torch.isin(k_ids, special)   # (B, Tk)
+        if fam.causal and sink_keys:
+            keys = drop_sinks(keys, sink_keys)
+        atts = [real_positions(a.detach(), q_mask.shape[1], keys.shape[1]) for a in atts]
+        sums[fam.name] = confidence(atts, q_mask, keys, fam.causal).sum(0)  # (L, H)
+    return sums
+
+
 @torch.no_grad()
 def head_importance(model: nn.Module, data: TokenizedSplit, special_token_ids: Iterable[int],
                     batch_size: int = 64, sink_keys: int = 0) -> dict[str, torch.Tensor]:
@@ -128,7 +157,6 @@ def head_importance(model: nn.Module, data: TokenizedSplit, special_token_ids: I
         raise ValueError("head importance of an empty dataset")
     special = torch.tensor(sorted(set(special_token_ids)), dtype=torch.int64)
     arch = arch_for(model)
-    families = arch.attention_outputs
     previous = ensure_eager_attention(model)
     was_training = model.training
     model.eval()
@@ -141,23 +169,9 @@ def head_importance(model: nn.Module, data: TokenizedSplit, special_token_ids: I
             batch.pop("labels", None)
             batch = to_device(batch, device)
             out = model(**batch, output_attentions=True)
-            for fam in families:
-                atts = getattr(out, fam.output, None)
-                if not atts:
-                    continue
-                if arch.image is not None:  # (B, T): patches count, prefix tokens are no keys
-                    q_mask = batch["attention_mask"]
-                    keys = q_mask.bool().clone()
-                    keys[:, :arch.image.prefix_tokens] = False
-                else:
-                    q_ids, q_mask = _tokens(batch, fam.queries, model.config)
-                    k_ids, k_mask = _tokens(batch, fam.keys, model.config)
-                    keys = k_mask.bool() & ~torch.isin(k_ids, special)   # (B, Tk)
-                if fam.causal and sink_keys:
-                    keys = drop_sinks(keys, sink_keys)
-                atts = [real_positions(a, q_mask.shape[1], keys.shape[1]) for a in atts]
-                conf = confidence(atts, q_mask, keys, fam.causal).sum(0)  # (L, H)
-                sums[fam.name] = sums.get(fam.name, 0) + conf
+            for name, conf in batch_confidence_sums(out, batch, model, special, sink_keys,
+                                                    arch).items():
+                sums[name] = sums.get(name, 0) + conf
     finally:
         model.train(was_training)
         if previous != "eager":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from fedslice import measure
+from fedslice.compute import model_device, to_device
 from fedslice.config import ExperimentConfig
 from fedslice.data.batching import TokenizedSplit
 from fedslice.data.partition import sample_rows
@@ -30,14 +31,15 @@ from fedslice.methods.heads.report import paper_ops, plot_head_importance
 from fedslice.methods.heads.strategy import ALPHA, HeadsStrategy, KEPT
 from fedslice.methods.planner import PlannedModel
 from fedslice.models.loading import LoadedModel
-from fedslice.slicing.heads import (ensure_eager_attention, head_axes, head_importance, heads_state,
+from fedslice.slicing.heads import (batch_confidence_sums, ensure_eager_attention, head_axes, head_importance, heads_state,
                                     keep_mask, mask_rows, mask_spec, num_rows, position_cuts,
                                     restrict, sub_dims, to_full)
 from fedslice.slicing.keys import key_info
-from fedslice.slicing.partial import freeze_parameters, partial_model
+from fedslice.slicing.partial import PartialLinear, freeze_parameters, partial_model
 from fedslice.slicing.spec import HEAD_PARTS
 from fedslice.slicing.surgery import extract_model
 from fedslice.tasks import Task
+from fedslice.tasks.base import batch_examples
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,18 @@ class HeadStage(Method):
                    "cannot use it")
             raise ValueError(f"method.prune='forward' with peft.method={name!r}: the {name} "
                              f"adapter {why}; use method.prune='parameters' or lora, dora, ia3")
+        source = getattr(cfg.method, "importance_source", "pass")
+        if source in ("first_step", "training"):
+            why = ("method.prune='forward' (a forward-mode client's sub-model needs its keep-mask "
+                   "before its first forward; use importance_source='pass' with a small "
+                   "method.importance_max_examples)" if cfg.method.prune == "forward" else
+                   "federation.pack = true (a packed batch's rows hold several examples)"
+                   if cfg.federation.pack else
+                   f"federation.weight_decay = {cfg.federation.weight_decay} (AdamW's decay would "
+                   "move the pruned heads' rows, which must keep their values)"
+                   if cfg.federation.weight_decay and source == "first_step" else None)
+            if why is not None:
+                raise ValueError(f"method.importance_source={source!r} cannot run with {why}")
         opts = cfg.adapter_options(name)
         targets = getattr(opts, "targets", None)
         if targets is not None and getattr(opts, "target_modules", None) is None \
@@ -302,8 +316,8 @@ class HeadStage(Method):
                                lower.model if self.needs_importance else None)
 
     def importance_examples(self, n: int) -> int:
-        if not self.needs_importance:
-            return 0
+        if not self.needs_importance or self.opts.importance_source != "pass":
+            return 0  # no pass of its own: scored from training's forwards
         cap = self.opts.importance_max_examples
         return n if cap is None else min(n, cap)
 
@@ -317,13 +331,22 @@ class HeadStage(Method):
         model, _ = self.client_model(payload)
         outer = self.client_spec(payload)
         dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
-        alpha, imp_flops = self.importance(data, seed, model) if self.needs_importance else (None, 0.0)
-        kept = self.keep(alpha, seed, None if outer is None else dims, payload.config.get("sparsity"))
-        sub = self.local_model(model, kept, payload, dims)
-        params = self.local_params(sub, kept, dims)
-        result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss,
-                             virtual_tokens=self.adapter.virtual_tokens,
-                             pack=self.packs(payload.config))
+        if self.needs_importance and self.opts.importance_source == "first_step":
+            alpha, kept, sub, params, result = self._fit_first_step(model, payload, data, seed,
+                                                                    dims, outer)
+            imp_flops = 0.0  # no forward of its own: the scores come from training's first step
+        elif self.needs_importance and self.opts.importance_source == "training":
+            alpha, kept, sub, params, result = self._fit_training(model, payload, data, seed,
+                                                                  dims, outer)
+            imp_flops = 0.0  # no forward of its own: the scores come from training's forwards
+        else:
+            alpha, imp_flops = self.importance(data, seed, model) if self.needs_importance else (None, 0.0)
+            kept = self.keep(alpha, seed, None if outer is None else dims, payload.config.get("sparsity"))
+            sub = self.local_model(model, kept, payload, dims)
+            params = self.local_params(sub, kept, dims)
+            result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss,
+                                 virtual_tokens=self.adapter.virtual_tokens,
+                                 pack=self.packs(payload.config))
         for p in sub.parameters():
             p.grad = None  # tensors outside the optimizer (empty slices) may hold a gradient
         if outer is not None:  # the server reads masks in the full model's layout
@@ -337,6 +360,148 @@ class HeadStage(Method):
         metrics = self.client_metrics(sub, params, payload, arrays, result)
         metrics.update(self.head_metrics(kept, alpha, result, imp_flops))
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
+
+    def _fit_first_step(self, model: nn.Module, payload: Payload, data: TokenizedSplit, seed: int,
+                        dims, outer):
+        """``importance_source = "first_step"`` (``prune = "parameters"``): train ``model``'s
+        every trainable tensor; the first step's forward runs with eager attention and returns
+        its attention weights, which score the heads (Eq. 6 on that batch, :meth:`first_step_loss`);
+        the keep-mask follows, and before that step's backward every tensor the mask prunes (the
+        pruned heads' rows, a headless layer's attention adapter) gets a gradient hook that zeroes
+        its gradient, so with AdamW and no weight decay it keeps its value exactly. Returns
+        (alpha, kept, the parameter-pruned model, its trained tensors, the training result): the
+        model and tensors are those :meth:`local_model` and :meth:`local_params` give, built from
+        the trained model."""
+        shape = (num_rows(dims), dims[0]["num_heads"])
+        full = self.local_params(model, torch.ones(shape, dtype=torch.bool), dims)
+        handles: list = []
+        found: dict[str, torch.Tensor] = {}
+
+        def on_scores(alpha: torch.Tensor) -> None:
+            kept = self.keep(alpha, seed, None if outer is None else dims, payload.config.get("sparsity"))
+            found.update(alpha=alpha, kept=kept)
+            for name, mask in self.gradient_masks(model, kept, payload, dims, full).items():
+                handles.append(full[name].register_hook(lambda g, m=mask: g * m.to(g.dtype)))
+
+        try:
+            result = train_local(model, full, data, payload.config, seed,
+                                 loss_fn=self.first_step_loss(on_scores),
+                                 virtual_tokens=self.adapter.virtual_tokens,
+                                 pack=self.packs(payload.config))
+        finally:
+            for h in handles:
+                h.remove()
+        if "kept" not in found:
+            raise ModelError("importance_source='first_step': training ran no step to score heads on")
+        alpha, kept = found["alpha"], found["kept"]
+        sub = self.local_model(model, kept, payload, dims)
+        return alpha, kept, sub, self.local_params(sub, kept, dims), result
+
+    def _fit_training(self, model: nn.Module, payload: Payload, data: TokenizedSplit, seed: int,
+                      dims, outer):
+        """``importance_source = "training"``: train every trainable tensor of ``model``, every
+        step's forward captured (:meth:`first_step_loss` with ``every_step``); after training,
+        the keep-mask of the mean scores over all training batches, and the kept heads' tensors
+        of the trained model (:meth:`local_model`, :meth:`local_params`) as the upload."""
+        shape = (num_rows(dims), dims[0]["num_heads"])
+        full = self.local_params(model, torch.ones(shape, dtype=torch.bool), dims)
+        total: dict[str, torch.Tensor] = {}
+
+        def on_scores(alpha: torch.Tensor, n: int) -> None:
+            total["sum"] = total.get("sum", 0) + alpha * n
+            total["n"] = total.get("n", 0) + n
+
+        result = train_local(model, full, data, payload.config, seed,
+                             loss_fn=self.first_step_loss(on_scores, every_step=True),
+                             virtual_tokens=self.adapter.virtual_tokens,
+                             pack=self.packs(payload.config))
+        if not total:
+            raise ModelError("importance_source='training': training ran no step to score heads on")
+        alpha = total["sum"] / total["n"]
+        kept = self.keep(alpha, seed, None if outer is None else dims, payload.config.get("sparsity"))
+        sub = self.local_model(model, kept, payload, dims)
+        return alpha, kept, sub, self.local_params(sub, kept, dims), result
+
+    def first_step_loss(self, on_scores: Callable[..., None], every_step: bool = False):
+        """A training loss that, on its first call, runs the task's loss with eager attention
+        and ``output_attentions=True``, scores the heads on that batch (Eq. 6, the same scoring
+        as :func:`fedslice.slicing.heads.head_importance`, on the training-mode weights: after
+        attention dropout) and passes the (R, H) scores to ``on_scores`` before returning the
+        loss (so before the backward); every later call is the task's loss."""
+        done = False
+        names = [f.name for f in self.arch.attention_outputs]
+
+        def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            nonlocal done
+            if done and not every_step:
+                return self.task.loss(m, batch)
+            done = True
+            outs: list = []
+            forward = m.forward
+
+            def capture(*args, **kwargs):
+                out = forward(*args, **{**kwargs, "output_attentions": True})
+                outs.append(out)
+                return out
+
+            previous = ensure_eager_attention(m)
+            m.forward = capture
+            try:
+                loss = self.task.loss(m, batch)
+            finally:
+                del m.forward
+                if previous != "eager":
+                    base = m.get_base_model() if hasattr(m, "get_base_model") else m
+                    base.set_attn_implementation(previous)
+            if not outs:
+                raise ModelError("importance_source='first_step': the task's loss did not call "
+                                 "the model")
+            device = model_device(m)
+            special = torch.tensor(self.special_ids, dtype=torch.int64, device=device)
+            with torch.no_grad():
+                sums = batch_confidence_sums(outs[-1], to_device(batch, device), m, special,
+                                             self.opts.sink_keys)
+            if missing := [n for n in names if n not in sums]:
+                raise ModelError(f"no attention scores for {missing} (got {sorted(sums)})")
+            n = max(batch_examples(batch), 1)
+            alpha = torch.cat([sums[k].float().cpu() for k in names]) / n
+            if every_step:
+                on_scores(alpha, n)
+            else:
+                on_scores(alpha)
+            return loss
+
+        return loss_fn
+
+    def gradient_masks(self, model: nn.Module, kept: torch.Tensor, payload: Payload, dims,
+                       full: Mapping[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+        """{name: 0/1 mask} for each tensor of ``full`` (``model``'s trainable tensors) that the
+        parameter-pruned model of ``kept`` (:meth:`local_model`) does not train whole: zeros where
+        it is frozen, along the pruned rows or columns of a partly trained tensor. The masks are
+        read off that model (its :class:`PartialLinear` kept indices, its partly trained
+        modules' kept entries, its frozen modules)."""
+        sub = self.local_model(model, kept, payload, dims)
+        trained = {n: p for n, p in sub.named_parameters() if p.requires_grad}
+        kept_idx: dict[str, tuple[torch.Tensor, int]] = {}
+        for mname, mod in sub.named_modules():
+            prefix = f"{mname}." if mname else ""
+            if isinstance(mod, PartialLinear):
+                kept_idx[f"{prefix}weight"] = (mod.idx, mod.axis)
+            for leaf, (_, inverse, axis) in mod.__dict__.get("_partial", {}).items():
+                size = mod._parameters[leaf].shape[axis]
+                kept_idx[f"{prefix}{leaf}"] = (torch.argsort(inverse)[:size], axis)
+        masks = {}
+        for name, p in full.items():
+            if name not in trained:
+                masks[name] = torch.zeros_like(p, dtype=torch.bool)
+            elif trained[name].shape != p.shape:
+                idx, axis = kept_idx[name]
+                m = torch.zeros(p.shape[axis], dtype=torch.bool)
+                m[idx.cpu()] = True
+                view = [1] * p.dim()
+                view[axis] = -1
+                masks[name] = m.view(view).expand_as(p).to(p.device)
+        return masks
 
     # -- metrics -----------------------------------------------------------------------------
     def trained_spec(self, payload: Payload, arrays: State):

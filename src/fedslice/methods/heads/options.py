@@ -42,6 +42,21 @@ class HeadsMethod(MethodOptions):
     importance_max_examples: int | None = Field(
         None, gt=0, description="Score heads on at most this many local examples (seeded sample); "
         "default: all of them, as in the paper.")
+    importance_source: Literal["pass", "first_step", "training"] = Field(
+        "pass", description="Where Eq. 6's attention weights come from: 'pass' (the paper): a "
+        "separate inference forward over the (sampled) local examples before training, counted "
+        "in flops_importance; 'first_step': the client's first training batch, captured from "
+        "that step's own forward (eager attention for that step only, weights after attention "
+        "dropout), so no extra forward runs and flops_importance is 0. The first step trains "
+        "every head-tied row and the pruned rows' gradients are zeroed, so their values never "
+        "change; the weight gradients of the pruned rows are computed (training FLOPs are "
+        "dense's). Needs prune='parameters' (a 'forward' client's sub-model needs its mask "
+        "before its first forward), no packing and federation.weight_decay = 0. 'training' "
+        "(not the paper's rule): every training step's forward is captured (eager attention), "
+        "the client trains every head and, after training, keeps and sends the top heads of "
+        "the scores over all its training batches (no separate forward, flops_importance 0, "
+        "training FLOPs dense's; the pruned heads' local training is discarded); needs "
+        "prune='parameters' and no packing.")
     plot_rounds: int = Field(10, ge=0, description="Rounds drawn in head_importance.png.")
 
 
