@@ -17,7 +17,7 @@ from fedslice.slicing.heads import head_importance
 def _cfg(tiny_cfg_dict, federation=None, **method):
     d = dict(tiny_cfg_dict)
     d["lora"] = {"r": 4, "alpha": 8, "targets": ["q", "v", "o"]}
-    d["federation"] = {**d["federation"], **(federation or {})}
+    d["federation"] = {**d["federation"], "pack": False, **(federation or {})}  # first_step: unpacked
     d["method"] = {"name": "heads", "sparsity": 0.5, **method}
     return validate_config(d)
 
@@ -122,7 +122,7 @@ def test_first_step_keeps_pruned_tensors_exactly_and_trains_like_the_pass(tiny_c
     for src in ("pass", "first_step"):
         method, data = setup(_cfg(tiny_cfg_dict, sparsity=0.75, importance_source=src))
         _no_attention_dropout(method.model)
-        method.keep = lambda alpha, seed, dims=None: fixed.clone()
+        method.keep = lambda alpha, seed, dims=None, sparsity=None: fixed.clone()
         state, payload, replies[src] = _fit(method, data)
         methods[src] = (method, state)
     a, b = replies["pass"], replies["first_step"]
