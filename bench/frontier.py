@@ -50,7 +50,7 @@ def config(row: str, args, budgets: dict | None) -> dict:
         "lora": {"r": 16, "alpha": 32, "targets": ["q", "v"]},
         "federation": {"num_clients": 100, "clients_per_round": args.clients_per_round,
                        "rounds": args.rounds, "local_steps": args.local_steps, "batch_size": 32,
-                       "lr": 1e-3},
+                       "lr": 1e-3, "pack": False},  # every row as the dense one was taken
         "compute": {"workers": 1},
         "method": method,
         "evaluation": {"every": args.rounds, "batch_size": 128},

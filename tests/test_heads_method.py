@@ -247,3 +247,18 @@ def test_analytic_flops_stop_the_backward_above_a_headless_bottom_layer(tiny_cfg
     assert ratios["dense"] == pytest.approx(1.0, rel=1e-9)
     assert ratios["pruned"] == pytest.approx(1.0, rel=1e-9), ratios
     assert seen == 1
+
+
+def test_forward_mode_clients_one_after_another_in_one_process(tiny_cfg_dict):
+    """A forward-mode client's sub-model is cut after the full model's output-capturing hooks
+    are on it; a second client's importance pass then records each layer once (transformers
+    marks only the module whose forward first asked, and cutting installed a second set on the
+    task model: every layer twice, a (2L, H) score)."""
+    d = json.loads(json.dumps(tiny_cfg_dict))
+    d["method"] = {"name": "heads", "prune": "forward", "sparsity": 0.5}
+    d["federation"].update(num_clients=4, clients_per_round=4, rounds=1)
+    d["compute"] = {"workers": 1}
+    cfg = validate_config(d)
+    method, data = setup(cfg)
+    _, records, _ = Simulation(cfg, method, data).run()
+    assert records[0]["clients"] == [0, 1, 2, 3] and not records[0].get("excluded")

@@ -47,10 +47,16 @@ def install_output_hooks(model: nn.Module) -> None:
     except ImportError:  # an older transformers: outputs are returned, not hooked
         return
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    for m in base.modules():
-        if hasattr(type(m), "_can_record_outputs") and getattr(type(m), "_can_record_outputs", None):
-            maybe_install_capturing_hooks(m)
-            return
+    # the task model (BertForSequenceClassification) and its inner model (BertModel) both declare
+    # what they record, and transformers installs at the first call of whichever forward asks,
+    # marking only that module: one set of hooks covers every module, so all are marked
+    owners = [m for m in base.modules() if getattr(type(m), "_can_record_outputs", None)]
+    if not owners:
+        return
+    if not any(getattr(m, "_output_capturing_hooks_installed", False) for m in owners):
+        maybe_install_capturing_hooks(owners[0])
+    for m in owners:
+        m._output_capturing_hooks_installed = True
 
 
 def _slice_param(p: nn.Parameter | None, axis: int | None, idx: torch.Tensor) -> nn.Parameter | None:
