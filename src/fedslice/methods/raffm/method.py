@@ -32,7 +32,7 @@ from fedslice.slicing.keys import sliceable_keys
 from fedslice.slicing.permute import Permutation, in_original_order, unpermute_state
 from fedslice.slicing.planner import (Budget, Planner, SpecCost, assign_budgets, choose_rank,
                                       measure_training_step, width_candidates)
-from fedslice.slicing.salience import scale_tensors
+from fedslice.slicing.salience import output_activations, scale_tensors
 from fedslice.slicing.spec import Spec, spec_from_dict, spec_sizes, stack_list
 from fedslice.slicing.state import extract_state
 from fedslice.slicing.surgery import extract_model
@@ -82,6 +82,7 @@ class RaFFM(Method):
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None):
         self.opts: RaFFMMethod = cfg.method
+        self._loaded = loaded  # salience = 'activation' reads the dev split with its tokenizer
         self._submodels: dict[Spec, nn.Module] = {}
         self._rank_plans: dict = {}
         super().__init__(cfg, loaded, task, role, client_sizes)
@@ -167,7 +168,41 @@ class RaFFM(Method):
         params = dict(self.model.named_parameters())
         state = {n: params[n].detach().clone() for n in self.state_keys()}
         self.slices.perm = Permutation.identity(self.all_dims)
+        if self.opts.salience == "activation":
+            self.slices.activations = self.calibration_activations
         return self.slices.reorder(state) if self.opts.reorder else state
+
+    # -- activation-aware salience -----------------------------------------------------------
+    def calibration_batches(self) -> list[dict[str, torch.Tensor]]:
+        """``method.calibration_examples`` examples the server has (``calibration = "dev"``: the
+        first rows of the dev split, seeded; ``"profile"``, or no dev split: the planner's
+        synthetic profile batch, at most its rows), in batches of ``federation.batch_size``."""
+        if getattr(self, "_calibration", None) is not None:
+            return self._calibration
+        n, bs = self.opts.calibration_examples, self.cfg.federation.batch_size
+        split = None
+        if self.opts.calibration == "dev":
+            splits = self.task.encode(self.task.load_raw(), self._loaded)
+            dev = splits.get("dev")
+            if dev is not None and len(dev):
+                split = self.task.limit(dev, self.cfg.data.max_dev_examples, self.cfg.seed)
+        if split is not None:
+            idx = np.random.default_rng(self.cfg.seed).permutation(len(split))[:n].tolist()
+            batches = [split.collate(idx[i:i + bs]) for i in range(0, len(idx), bs)]
+        else:
+            if self.opts.calibration == "dev":
+                log.warning("raffm: salience = 'activation' without a dev split: calibrating on "
+                            "the synthetic profile batch")
+            rows = batch_rows(self.profile)
+            batches = [{k: v[:min(n, rows)] for k, v in self.profile.items()}]
+        self._calibration = batches
+        return batches
+
+    def calibration_activations(self, state: State) -> dict:
+        """The output projections' mean |input| (:func:`output_activations`) of the full model
+        holding ``state`` over :meth:`calibration_batches`."""
+        model = self.eval_model(state)
+        return output_activations(model, self.arch, self.calibration_batches())
 
     @torch.no_grad()
     def _load(self, model: nn.Module, state: State, rank: int | None = None) -> dict[str, nn.Parameter]:

@@ -48,7 +48,15 @@ class RaFFMMethod(MethodOptions):
     tiers: list[RaFFMTier] = Field(default_factory=_default_tiers, min_length=1)
     budget_distribution: BudgetDistribution | None = Field(
         None, description="If set, each client's FLOPs budget is drawn from it (tiers unused).")
-    salience: Literal["l1", "l2"] = "l1"
+    salience: Literal["l1", "l2", "activation"] = Field(
+        "l1", description="How heads/neurons are ranked: L1 or L2 weight norm (RaFFM's, no data), "
+        "or 'activation': mean |input| x L1 column norm of the output projection over a "
+        "calibration batch (keeps a decoder's massive-activation FFN units in the small sizes).")
+    calibration: Literal["dev", "profile"] = Field(
+        "dev", description="salience = 'activation': the calibration batch is the server's dev "
+        "split (real examples) or the planner's synthetic profile batch (random tokens: no data).")
+    calibration_examples: int = Field(32, gt=0, description="salience = 'activation': examples "
+                                      "in the calibration batch.")
     size_weight: float = Field(0.0, ge=0, description="Slice aggregation weighs a client by "
                                "examples x f^p, f = its sub-model's planned FLOPs fraction, p = "
                                "this (RaFFM Eq. 7's per-configuration step eta_c); 0: examples only.")
