@@ -144,3 +144,40 @@ def test_run_with_activation_salience(tiny_gen_cfg_dict, calibration):
     back = permute_state(method.export_state(state), method.slices.perm, method.arch)
     for k in state:
         torch.testing.assert_close(back[k], state[k])
+
+
+def test_sandwich_masked_pass_is_the_smallest_submodel(llama):
+    """The sandwich rule's second pass (the client's sub-model with the units past the smallest
+    size's masked) computes exactly the smallest size's sub-model."""
+    from fedslice.methods.raffm.method import _masked, _nested_masks
+    from fedslice.slicing.spec import SliceSpec
+    from fedslice.slicing.surgery import extract_model
+    arch = arch_for(llama)
+    d = arch.all_dims(llama.config)[0]
+    own = SliceSpec.leading(d, 4, 40)
+    small = SliceSpec.leading(d, 2, 12)
+    big, little = extract_model(llama, own, arch), extract_model(llama, small, arch)
+    masks = _nested_masks(big, arch, own, small)
+    assert len(masks) == 2 * d["num_layers"]
+    with torch.no_grad(), _masked(masks):
+        masked = big(**_batch(2, 9, seed=3)).logits
+    torch.testing.assert_close(masked, _logits(little), atol=1e-5, rtol=0)
+    assert (_logits(big) - masked).abs().max() > 1e-3  # the hooks are gone after the block
+    assert _nested_masks(big, arch, own, SliceSpec.leading(d, 2, 12, layers=[0])) == []
+
+
+def test_run_with_sandwich(tiny_gen_cfg_dict):
+    cfg = tiny_gen_cfg_dict
+    cfg["federation"].update(num_clients=2, clients_per_round=2)
+    cfg["method"] = {"name": "raffm", "sandwich": True, "width_steps": 4,
+                     "tiers": [{"share": 0.5, "flops": 0.985}, {"share": 0.5, "flops": 1.0}],
+                     "elastic_sizes": [0.985, 1.0]}
+    cfg = validate_config(cfg)
+    method, data = setup(cfg)
+    state, records, summary = Simulation(cfg, method, data).run()
+    small = method.smallest_spec()
+    by_tier = {m["tier"]: m for m in records[0]["client_metrics"]}
+    assert set(by_tier) == {0, 1} and small is not None
+    # the full-size client ran two passes per step: its measured FLOPs are about twice the
+    # planned full model's (the nested pass runs on the full width, masked)
+    assert by_tier[1]["flops_measured"] > 1.5 * by_tier[1]["flops_analytic"]

@@ -128,7 +128,7 @@ def _head_scores(W, k: int, l: int, f: int, dims: Mapping[str, int], elem) -> to
 Activations = Mapping[tuple[int, int, str], torch.Tensor]
 
 
-def _output_modules(model: nn.Module, arch: ArchSpec) -> dict[tuple[int, int, str], nn.Module]:
+def output_modules(model: nn.Module, arch: ArchSpec) -> dict[tuple[int, int, str], nn.Module]:
     """(stack, layer, 'o' / 'ffn_out') -> the self-attention / FFN output projection module."""
     out = {}
     for name, module in model.named_modules():
@@ -164,7 +164,7 @@ def output_activations(model: nn.Module, arch: ArchSpec,
             counts[where] = counts.get(where, 0) + float(n)
         return fn
 
-    handles = [m.register_forward_pre_hook(hook(w)) for w, m in _output_modules(model, arch).items()]
+    handles = [m.register_forward_pre_hook(hook(w)) for w, m in output_modules(model, arch).items()]
     was = model.training
     model.eval()
     try:

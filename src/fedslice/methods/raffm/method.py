@@ -230,14 +230,44 @@ class RaFFM(Method):
 
     def batch_key(self, payload: Payload):
         """Clients training the same sub-model (same slice) share a batched pass."""
-        if payload.config.get("sit_out") or not self.adapter.batched_clients:
+        if payload.config.get("sit_out") or not self.adapter.batched_clients or self.opts.sandwich:
             return None
         return json.dumps([payload.config["spec"], payload.config.get("lora_rank")], sort_keys=True)
 
     def fit(self, payload: Payload, data, seed: int) -> Reply:
         if self.sits_out(payload):
             return Reply(arrays={}, num_examples=0, metrics=self._sit_out_metrics(payload))
+        if self.opts.sandwich:
+            return self._fit_sandwich(payload, data, seed)
         return super().fit(payload, data, seed)
+
+    # -- the sandwich rule -------------------------------------------------------------------
+    def smallest_spec(self) -> Spec | None:
+        """The smallest elastic size's sub-model (None: no size fits)."""
+        return self.planner.plan(Budget(flops=min(self.opts.elastic_sizes))).spec
+
+    def _fit_sandwich(self, payload: Payload, data, seed: int) -> Reply:
+        """Local training whose every step adds the loss of the smallest elastic size nested in
+        the client's sub-model: its leading heads and FFN units per layer, the rest masked (their
+        inputs to W_o / W_out zeroed, so the pass computes exactly that slice's function)."""
+        from fedslice.fl.client import train_local
+        model, params = self.client_model(payload)
+        own = spec_from_dict(payload.config["spec"])
+        masks = _nested_masks(model, self.arch, own, self.smallest_spec())
+
+        def loss_fn(m, batch):
+            loss = self.task.loss(m, batch)
+            if masks:
+                with _masked(masks):
+                    loss = loss + self.task.loss(m, batch)
+            return loss
+
+        result = train_local(model, params, data, payload.config, seed, loss_fn=loss_fn,
+                             compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
+                             pack=self.packs(payload.config))
+        arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
+        metrics = self.client_metrics(model, params, payload, arrays, result)
+        return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
 
     @staticmethod
     def _sit_out_metrics(payload: Payload) -> dict[str, Any]:
@@ -409,6 +439,59 @@ class RaFFM(Method):
                 "permutation_applied": not self.slices.perm.is_identity}
 
 
+
+def _nested_masks(model: nn.Module, arch: ArchSpec, own: Spec, small: Spec | None
+                  ) -> list[tuple[nn.Module, int]]:
+    """(output projection module of the client's sub-model, channels the smallest size keeps)
+    for every self-attention W_o and FFN W_out where the smallest size keeps fewer units than
+    the client's sub-model; [] when the client's sub-model is the smallest size or the two keep
+    different layers (depth: the sandwich rule here is width only)."""
+    from fedslice.slicing.salience import output_modules
+    if small is None:
+        return []
+    out = []
+    for k, (a, b) in enumerate(zip(stack_list(own), stack_list(small))):
+        if a is None or b is None:
+            continue
+        if tuple(a.layers) != tuple(b.layers):
+            return []
+        for i, (ha, hb, fa, fb) in enumerate(zip(a.heads, b.heads, a.neurons, b.neurons)):
+            # both leading slices of one order: the smallest's units are the first of the client's
+            if tuple(hb) != tuple(ha[:len(hb)]) or tuple(fb) != tuple(fa[:len(fb)]):
+                return []
+    mods = output_modules(model, arch)
+    for k, (a, b) in enumerate(zip(stack_list(own), stack_list(small))):
+        if a is None or b is None:
+            continue
+        for i, (ha, hb, fa, fb) in enumerate(zip(a.heads, b.heads, a.neurons, b.neurons)):
+            if len(hb) < len(ha):
+                out.append((mods[(k, i, "o")], len(hb) * a.head_dim))
+            if len(fb) < len(fa):
+                out.append((mods[(k, i, "ffn_out")], len(fb)))
+    return out
+
+
+class _masked:
+    """Within the block, the inputs of each (module, n) past channel n are zeroed."""
+
+    def __init__(self, masks: list[tuple[nn.Module, int]]):
+        self.masks, self.handles = masks, []
+
+    def __enter__(self):
+        def hook(n):
+            def fn(module, args):
+                x = args[0]
+                keep = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device)
+                keep[:n] = 1
+                return (x * keep, *args[1:])
+            return fn
+        self.handles = [m.register_forward_pre_hook(hook(n)) for m, n in self.masks]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return False
 
 
 def _mean(vals):

@@ -71,6 +71,10 @@ class RaFFMMethod(MethodOptions):
     on_infeasible: Literal["sit_out", "error"] = Field(
         "sit_out", description="A client whose budget is below the smallest sub-model sits out "
         "(recorded), or the run fails naming the tier and clients.")
+    sandwich: bool = Field(False, description="Sandwich rule: every local step also trains the "
+                           "smallest elastic size nested in the client's sub-model (its leading "
+                           "heads/FFN units; the others' outputs masked), loss = own + smallest. "
+                           "Costs a second forward/backward of the client's sub-model per step.")
     profile_batch_size: int | None = Field(None, gt=0, description="Batch the planner measures "
                                            "(default: federation.batch_size).")
     profile_seq_len: int | None = Field(None, gt=1, description="Sequence length the planner "
