@@ -173,6 +173,11 @@ def main() -> None:
                 write(args, res)
 
 
+def _num(v) -> str:
+    """A score, or '—' where none was measured (``--nll-only``)."""
+    return "—" if v is None or v != v else f"{v:.2f}"
+
+
 def write(args, res: dict) -> None:
     lines = ["# RaFFM on SmolLM2: the pretrained model's slices before training (issue 35, part 4)", "",
              f"Command: `python bench/raffm_decoder_diag.py {' '.join(sys.argv[1:])}`  ",
@@ -184,7 +189,7 @@ def write(args, res: dict) -> None:
         for size, r in per.items():
             lines.append(f"| {name} | {size} | {r['layers']} | {r['heads_per_layer']} | {r['ffn_per_layer']} | "
                          f"{r['linear_params_M']:.1f} | {r['forward_gflops_per_example']:.2f} | "
-                         f"{r['test_loss']:.3f} | {r['test_rougeL']:.2f} | {r['test_bleu'] or 0:.2f} |")
+                         f"{r['test_loss']:.3f} | {_num(r['test_rougeL'])} | {_num(r['test_bleu'])} |")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     (args.out / "results.json").write_text(json.dumps({"argv": sys.argv[1:], "results": res}, indent=1) + "\n")
 
