@@ -54,6 +54,14 @@ VARIANTS = {
     # the 0.25 tier (16 client-rounds of the 0.25 sub-model in 4 rounds, against 2 in "raffm"),
     # LoRA on q/v as in "raffm", or the whole sub-model trained
     "raffm-t25only": {"name": "raffm", "tiers": [{"share": 1.0, "flops": 0.25}], "elastic_sizes": [0.25]},
+    # issue 35, part 4: activation-aware salience (mean |input| x L1 column norm of W_o / W_out,
+    # 32 dev rows), and the sandwich rule (every step also trains the smallest size, nested)
+    "raffm-act": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
+                  "elastic_sizes": QUARTERS, "salience": "activation"},
+    "raffm-act-sandwich": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
+                           "elastic_sizes": QUARTERS, "salience": "activation", "sandwich": True},
+    "raffm-sandwich": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
+                       "elastic_sizes": QUARTERS, "sandwich": True},
     "raffm-t25only-full": {"name": "raffm", "tiers": [{"share": 1.0, "flops": 0.25}],
                            "elastic_sizes": [0.25], "tuning": "full"},
 }
@@ -72,6 +80,9 @@ CLAIMS = {
     "fedpft-kd1000": "FedPFT with 1,000 layer-KD steps (issue 35 part 5)",
     "raffm-t25only": "RaFFM, every client at 0.25: the 0.25 size given more client-rounds (issue 35 part 4)",
     "raffm-t25only-full": "as raffm-t25only, the whole sub-model trained (no LoRA)",
+    "raffm-act": "RaFFM, activation-aware salience: the small sizes keep the units the decoder needs (issue 35 part 4)",
+    "raffm-act-sandwich": "raffm-act + the sandwich rule (each step also trains the nested smallest size)",
+    "raffm-sandwich": "RaFFM (L1 salience) + the sandwich rule",
 }
 
 
@@ -139,9 +150,10 @@ def write(results: dict, args) -> None:
             if key(v, seed) in results:
                 lines.append("| " + " | ".join(_fmt(x) for x in row(results[key(v, seed)], base))
                              + f" | {CLAIMS[v]} |")
-    raffm = results.get("raffm")
-    if raffm and raffm.get("elastic"):
-        lines += ["", "raffm elastic inference (the one global model at several sizes):", "",
+    for name, raffm in results.items():
+        if not (name.startswith("raffm") and raffm.get("elastic")):
+            continue
+        lines += ["", f"{name} elastic inference (the one global model at several sizes):", "",
                   "| size | heads/layer | FFN/layer | test ROUGE-L | forward GFLOPs/example |", "|---|---|---|---|---|"]
         for e in raffm["elastic"]:
             st = (e.get("stacks") or [e])[0] if "stacks" in e else e

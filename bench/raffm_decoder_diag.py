@@ -16,11 +16,21 @@ on E2E test MRs (target NLL over all their references, greedy ROUGE-L):
   evenly with the first and last kept (``slicing.planner.depth_layers``, the rule the planner's
   ``method.elastic_depth`` candidates use; the planner itself mixes depth and width);
 * ``ffn-only``: every layer and every head, only the FFN sliced (salience order) to the same
-  linear parameters: which of attention and FFN slicing does the damage.
+  linear parameters: which of attention and FFN slicing does the damage;
+* ``heads-only``: every layer and every FFN unit, only the heads sliced to the width slice's
+  heads per layer (whole key/value groups as the planner keeps them).
+
+``--salience l1 activation`` scores every variant under each salience (``method.salience``):
+``activation`` ranks FFN unit j by mean|a_j| x ||W_out[:, j]||_1 and query head h by the same
+summed over its W_o input channels, on ``method.calibration_examples`` (32) dev-split examples
+(``method.calibration = "dev"``, the server's held-out rows, the default).
 
 Writes ``results.md`` / ``results.json`` under ``--out``::
 
     OMP_NUM_THREADS=1 nice -n 10 python bench/raffm_decoder_diag.py --test-mrs 30
+    OMP_NUM_THREADS=1 nice -n 10 python bench/raffm_decoder_diag.py --test-mrs 20 \
+        --salience l1 activation --variants width ffn-only heads-only --nll-only \
+        --out bench/results/raffm_salience
 """
 
 from __future__ import annotations
@@ -46,12 +56,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SIZES = [0.25, 0.5, 0.75, 1.0]
 
 
-def config(args, reorder: bool) -> dict:
+def config(args, reorder: bool, salience: str = "l1") -> dict:
     cfg = load_config(ROOT / "configs/e2e_smollm2.toml").model_dump(mode="json")
     cfg.update(name="raffm-diag", seed=args.seed, threads=args.threads)
     cfg["compute"]["workers"] = 1
     cfg["method"] = {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in SIZES],
-                     "elastic_sizes": SIZES, "reorder": reorder}
+                     "elastic_sizes": SIZES, "reorder": reorder, "salience": salience}
     cfg["data"]["max_test_examples"] = args.test_mrs
     cfg["data"]["max_dev_examples"] = 8
     cfg["output"].update(dir=str(args.out), progress=False, plots=False, save_weights=False)
@@ -75,7 +85,14 @@ def score(method, spec, state, data, args) -> dict:
         model.eval()
         model(**to_device(rows, model_device(model)))
     t0 = time.perf_counter()
-    res = method.task.evaluate(model, data.test, args.batch_size)
+    if args.nll_only:  # no generation: the target NLL alone (a fraction of the time)
+        from fedslice.tasks.text2text import eval_mode
+        with torch.no_grad(), eval_mode(model):
+            res = {"loss": method.task.target_nll(model, data.test, args.batch_size),
+                   "rougeL": float("nan")}
+        method.task.last_samples = [{}]
+    else:
+        res = method.task.evaluate(model, data.test, args.batch_size)
     return {"layers": len(spec.layers), "heads_per_layer": sorted({len(h) for h in spec.heads}),
             "ffn_per_layer": sorted({len(f) for f in spec.neurons}),
             "linear_params_M": linear_params(method.dims_full, spec) / 1e6,
@@ -92,6 +109,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", nargs="+", default=["width", "width-noreorder", "depth", "ffn-only"])
+    p.add_argument("--salience", nargs="+", default=["l1"], choices=["l1", "l2", "activation"],
+                   help="method.salience of the reordered variants (rows named variant/salience "
+                   "when more than one)")
+    p.add_argument("--nll-only", action="store_true", help="score the test NLL only (no generation)")
+    p.add_argument("--sizes", nargs="+", type=float, default=SIZES)
     p.add_argument("--out", type=Path, default=Path("bench/results/raffm_decoder_diag"))
     p.add_argument("--report-only", action="store_true", help="rewrite results.md from results.json")
     args = p.parse_args()
@@ -104,18 +126,20 @@ def main() -> None:
         write(args, saved["results"])
         return
     res: dict = {}
-    for reorder in (True, False):
+    runs = [(True, s) for s in args.salience] + [(False, "l1")]
+    for reorder, sal in runs:
         wanted = [v for v in args.variants if (v == "width-noreorder") != reorder]
         if not wanted:
             continue
-        method, data = setup(validate_config(config(args, reorder)))
+        tag = f"/{sal}" if len(args.salience) > 1 and reorder else ""
+        method, data = setup(validate_config(config(args, reorder, sal)))
         dims = method.arch.all_dims(method.model.config)
         dims = dims[0] if isinstance(dims, list) else dims
         method.dims_full = dims
         state = method.initial_state()
         full = method.planner.candidates[-1]
         full_p = linear_params(dims, full)
-        for size in SIZES:
+        for size in args.sizes:
             wspec = method.planner.plan(Budget(flops=size)).spec
             frac = linear_params(dims, wspec) / full_p
             specs = {}
@@ -133,9 +157,12 @@ def main() -> None:
                     f = round((frac * full_p - attn) / (3 * d * L))
                     if f >= 1:
                         specs["ffn-only"] = SliceSpec.leading(dims, dims["num_heads"], f)
+                if "heads-only" in wanted:
+                    specs["heads-only"] = SliceSpec.leading(dims, len(wspec.heads[0]), dims["ffn"])
             else:
                 specs["width-noreorder"] = wspec
             for name, spec in specs.items():
+                name += tag
                 r = score(method, spec, state, data, args)
                 r["planned_flops_fraction"] = size
                 res.setdefault(name, {})[str(size)] = r
@@ -144,6 +171,11 @@ def main() -> None:
                       f"ROUGE-L {r['test_rougeL']:.2f} ({r['eval_s']:.0f} s) | {r['sample']!r:.80}",
                       flush=True)
                 write(args, res)
+
+
+def _num(v) -> str:
+    """A score, or '—' where none was measured (``--nll-only``)."""
+    return "—" if v is None or v != v else f"{v:.2f}"
 
 
 def write(args, res: dict) -> None:
@@ -157,7 +189,7 @@ def write(args, res: dict) -> None:
         for size, r in per.items():
             lines.append(f"| {name} | {size} | {r['layers']} | {r['heads_per_layer']} | {r['ffn_per_layer']} | "
                          f"{r['linear_params_M']:.1f} | {r['forward_gflops_per_example']:.2f} | "
-                         f"{r['test_loss']:.3f} | {r['test_rougeL']:.2f} | {r['test_bleu'] or 0:.2f} |")
+                         f"{r['test_loss']:.3f} | {_num(r['test_rougeL'])} | {_num(r['test_bleu'])} |")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     (args.out / "results.json").write_text(json.dumps({"argv": sys.argv[1:], "results": res}, indent=1) + "\n")
 

@@ -15,6 +15,8 @@ accuracy vs size / FLOPs) and ``<out>/results.md`` (the tables for BENCHMARKS.md
 
     .venv/bin/python bench/raffm_sst2.py --minutes 45
     .venv/bin/python bench/raffm_sst2.py --rounds 30 --local-steps 8      # no time limit
+    .venv/bin/python bench/raffm_sst2.py --runs raffm --rounds 10 --local-steps 12 --salience activation \
+        --threads 1 --out bench/results/raffm-sst2-act                    # issue 35 part 4
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ TIERS = (0.25, 0.5, 0.75, 1.0)
 
 def config(kind: str, args) -> dict:
     raffm = {"name": "raffm", "tuning": "lora", "width_steps": args.width_steps,
-             "elastic_sizes": list(TIERS), "size_weight": args.size_weight}
+             "elastic_sizes": list(TIERS), "size_weight": args.size_weight,
+             "salience": args.salience}
     method = {"fedpetuning": {"name": "fedpetuning"},
               "smallest": {**raffm, "tiers": [{"share": 1.0, "flops": TIERS[0]}]},
               "raffm": {**raffm, "tiers": [{"share": 0.25, "flops": f} for f in TIERS]}}[kind]
@@ -178,6 +181,8 @@ def main() -> None:
     p.add_argument("--width-steps", type=int, default=24)
     p.add_argument("--size-weight", type=float, default=0.0, help="method.size_weight of raffm: "
                    "aggregation weight examples x (sub-model FLOPs fraction)^p")
+    p.add_argument("--salience", default="l1", choices=["l1", "l2", "activation"],
+                   help="method.salience of the raffm runs (issue 35 part 4)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench/results/raffm"))

@@ -1,4 +1,4 @@
-"""L1 / L2 salience of attention heads and FFN neurons, per stack and layer, from a state dict.
+"""L1 / L2 / activation-aware salience of attention heads and FFN neurons, per stack and layer.
 
 Query head h of an attention family is the group of rows ``h*head_dim:(h+1)*head_dim`` of W_q
 and the same columns of W_o, plus its key/value rows: its own rows of W_k and W_v, or under
@@ -13,6 +13,14 @@ scales are in the state). With an adapter's tensors in the state, the effective 
 ``adapter_scale`` = alpha / r, DoRA's normalised and magnitude-scaled weight, IA3's scaled rows
 or columns); without a scale, LoRA's base weight.
 
+``norm = "activation"`` (data-aware, for decoders with a few massive-activation FFN units that
+weight norms miss): FFN neuron j scores ``mean|a_j| * ||W_out[:, j]||_1`` with ``a_j`` its input
+to the output projection, averaged over the real tokens of a calibration batch; a self-attention
+query head scores the same over its ``head_dim`` input channels of W_o (summed), i.e. the L1 size
+of what the unit writes into the residual stream. The activations come from
+:func:`output_activations` (forward hooks on the W_o / W_out modules of the model holding the
+state). Cross-attention heads keep their L1 score.
+
 :func:`salience_order` turns salience into a function-preserving :class:`Permutation`: under
 grouped-query attention groups are ordered by salience and query heads within their group; T5
 stacks (one relative-bias table for every layer) get one head order per stack, by salience
@@ -21,10 +29,11 @@ summed over the layers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 from fedslice.models.arch import ArchSpec
 from fedslice.registry import adapter_owning
@@ -115,11 +124,70 @@ def _head_scores(W, k: int, l: int, f: int, dims: Mapping[str, int], elem) -> to
     return own.view(H, hd).sum(1) + kv.repeat_interleave(g) / g  # (H,)
 
 
+#: (stack, layer, 'o' or 'ffn_out') -> (in,) mean |input| of that output projection per channel
+Activations = Mapping[tuple[int, int, str], torch.Tensor]
+
+
+def output_modules(model: nn.Module, arch: ArchSpec) -> dict[tuple[int, int, str], nn.Module]:
+    """(stack, layer, 'o' / 'ffn_out') -> the self-attention / FFN output projection module."""
+    out = {}
+    for name, module in model.named_modules():
+        info = key_info(arch, name + ".weight") if name else None
+        if info is None or info.leaf != "weight" or info.family != 0 or info.part not in ("o", "ffn_out"):
+            continue
+        out[(info.stack, info.layer, info.part)] = module
+    return out
+
+
+@torch.no_grad()
+def output_activations(model: nn.Module, arch: ArchSpec,
+                       batches: Iterable[Mapping[str, torch.Tensor]]) -> dict[tuple[int, int, str], torch.Tensor]:
+    """Mean |input| per channel of every self-attention (W_o) and FFN (W_out) output projection of
+    ``model`` over ``batches`` (model inputs; ``labels`` is dropped). A batch's
+    ``attention_mask`` excludes padding where the projection's input has the batch's (B, T) shape
+    (an encoder-decoder's other stack: every position counts)."""
+    from fedslice.compute import model_device, to_device
+    sums: dict = {}
+    counts: dict = {}
+    mask: list[torch.Tensor | None] = [None]
+
+    def hook(where):
+        def fn(module, args):
+            a = args[0].detach().float().abs()  # (..., in)
+            m = mask[0]
+            if m is not None and a.dim() == 3 and tuple(a.shape[:2]) == tuple(m.shape):
+                w = m.to(a.device, a.dtype)[..., None]
+                s, n = (a * w).sum((0, 1)), w.sum()
+            else:
+                s, n = a.reshape(-1, a.shape[-1]).sum(0), a.numel() // a.shape[-1]
+            sums[where] = sums.get(where, 0) + s.cpu()
+            counts[where] = counts.get(where, 0) + float(n)
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(w)) for w, m in output_modules(model, arch).items()]
+    was = model.training
+    model.eval()
+    try:
+        device = model_device(model)
+        for batch in batches:
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            mask[0] = inputs.get("attention_mask")
+            model(**to_device(inputs, device))
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was)
+    return {w: sums[w] / max(counts[w], 1.0) for w in sums}
+
+
 def salience(state: Mapping[str, torch.Tensor], arch: ArchSpec, dims: Mapping[str, int],
-             norm: str = "l1", adapter_scale: float | None = None, stack: int = 0) -> list[LayerSalience]:
+             norm: str = "l1", adapter_scale: float | None = None, stack: int = 0,
+             activations: Activations | None = None) -> list[LayerSalience]:
     """Salience of every head and FFN neuron of every layer of one stack (see module doc)."""
+    if norm == "activation":
+        return _activation_salience(state, arch, dims, adapter_scale, stack, activations)
     if norm not in ("l1", "l2"):
-        raise ValueError(f"norm must be 'l1' or 'l2', got {norm!r}")
+        raise ValueError(f"norm must be 'l1', 'l2' or 'activation', got {norm!r}")
     W = part_weights(state, arch, adapter_scale)
     elem = torch.abs if norm == "l1" else torch.square
     finish = (lambda x: x) if norm == "l1" else torch.sqrt
@@ -134,11 +202,33 @@ def salience(state: Mapping[str, torch.Tensor], arch: ArchSpec, dims: Mapping[st
     return out
 
 
+def _activation_salience(state, arch: ArchSpec, dims: Mapping[str, int], adapter_scale, stack: int,
+                         activations: Activations | None) -> list[LayerSalience]:
+    """``norm = "activation"`` (module doc): mean |input| x L1 column norm of the output projection."""
+    if activations is None:
+        raise ValueError("norm='activation' needs the activations (output_activations of the model "
+                         "holding the state over a calibration batch)")
+    W = part_weights(state, arch, adapter_scale)
+    l1 = salience(state, arch, dims, "l1", adapter_scale, stack)
+    H, hd = dims["num_heads"], dims["head_dim"]
+    out = []
+    for l, base in enumerate(l1):
+        def score(part):
+            a = activations.get((stack, l, part))
+            if a is None:
+                raise KeyError(f"no activations for stack {stack} layer {l} part {part}")
+            return a.to(W[stack, l, part, 0].device) * W[stack, l, part, 0].abs().sum(0)  # (in,)
+        heads = score("o").view(H, hd).sum(1)
+        out.append(LayerSalience(heads, score("ffn_out"), base.cross))
+    return out
+
+
 def model_salience(state: Mapping[str, torch.Tensor], arch: ArchSpec,
                    dims: Sequence[Mapping[str, int]], norm: str = "l1",
-                   adapter_scale: float | None = None) -> list[list[LayerSalience]]:
+                   adapter_scale: float | None = None,
+                   activations: Activations | None = None) -> list[list[LayerSalience]]:
     """:func:`salience` of every stack."""
-    return [salience(state, arch, d, norm, adapter_scale, k) for k, d in enumerate(dims)]
+    return [salience(state, arch, d, norm, adapter_scale, k, activations) for k, d in enumerate(dims)]
 
 
 def _desc(x: torch.Tensor) -> list[int]:

@@ -35,7 +35,7 @@ from fedslice.methods.planner import PlannedModel, plan_config
 from fedslice.slicing.planner import (Budget, Plan, Planner, SpecCost, assign_budgets, choose_rank,
                                       spec_params,
                                       measure_training_step, width_candidates)
-from fedslice.slicing.salience import scale_tensors
+from fedslice.slicing.salience import output_activations, scale_tensors
 from fedslice.slicing.spec import Spec, spec_from_dict, spec_sizes, stack_list
 from fedslice.slicing.state import extract_state
 from fedslice.slicing.surgery import extract_model
@@ -86,6 +86,7 @@ class RaFFM(Method):
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None, **kw):
         self.opts: RaFFMMethod = cfg.method
+        self._loaded = loaded  # salience = 'activation' reads the dev split with its tokenizer
         self._submodels: dict[Spec, nn.Module] = {}
         self._rank_plans: dict = {}
         super().__init__(cfg, loaded, task, role, client_sizes, **kw)
@@ -199,7 +200,41 @@ class RaFFM(Method):
         params = dict(self.model.named_parameters())
         state = {n: params[n].detach().clone() for n in self.state_keys()}
         self.slices.perm = Permutation.identity(self.all_dims)
+        if self.opts.salience == "activation":
+            self.slices.activations = self.calibration_activations
         return self.slices.reorder(state) if self.opts.reorder else state
+
+    # -- activation-aware salience -----------------------------------------------------------
+    def calibration_batches(self) -> list[dict[str, torch.Tensor]]:
+        """``method.calibration_examples`` examples the server has (``calibration = "dev"``: the
+        first rows of the dev split, seeded; ``"profile"``, or no dev split: the planner's
+        synthetic profile batch, at most its rows), in batches of ``federation.batch_size``."""
+        if getattr(self, "_calibration", None) is not None:
+            return self._calibration
+        n, bs = self.opts.calibration_examples, self.cfg.federation.batch_size
+        split = None
+        if self.opts.calibration == "dev":
+            splits = self.task.encode(self.task.load_raw(), self._loaded)
+            dev = splits.get("dev")
+            if dev is not None and len(dev):
+                split = self.task.limit(dev, self.cfg.data.max_dev_examples, self.cfg.seed)
+        if split is not None:
+            idx = np.random.default_rng(self.cfg.seed).permutation(len(split))[:n].tolist()
+            batches = [split.collate(idx[i:i + bs]) for i in range(0, len(idx), bs)]
+        else:
+            if self.opts.calibration == "dev":
+                log.warning("raffm: salience = 'activation' without a dev split: calibrating on "
+                            "the synthetic profile batch")
+            rows = batch_rows(self.profile)
+            batches = [{k: v[:min(n, rows)] for k, v in self.profile.items()}]
+        self._calibration = batches
+        return batches
+
+    def calibration_activations(self, state: State) -> dict:
+        """The output projections' mean |input| (:func:`output_activations`) of the full model
+        holding ``state`` over :meth:`calibration_batches`."""
+        model = self.eval_model(state)
+        return output_activations(model, self.arch, self.calibration_batches())
 
     @torch.no_grad()
     def _load(self, model: nn.Module, state: State, rank: int | None = None) -> dict[str, nn.Parameter]:
@@ -227,14 +262,45 @@ class RaFFM(Method):
 
     def batch_key(self, payload: Payload):
         """Clients training the same sub-model (same slice) share a batched pass."""
-        if payload.config.get("sit_out") or not self.adapter.batched_clients or trains_alone(payload):
+        if payload.config.get("sit_out") or not self.adapter.batched_clients or self.opts.sandwich \
+                or trains_alone(payload):
             return None
         return json.dumps([payload.config["spec"], payload.config.get("lora_rank")], sort_keys=True)
 
     def fit(self, payload: Payload, data, seed: int) -> Reply:
         if self.sits_out(payload):
             return Reply(arrays={}, num_examples=0, metrics=self._sit_out_metrics(payload))
+        if self.opts.sandwich:
+            return self._fit_sandwich(payload, data, seed)
         return super().fit(payload, data, seed)
+
+    # -- the sandwich rule -------------------------------------------------------------------
+    def smallest_spec(self) -> Spec | None:
+        """The smallest elastic size's sub-model (None: no size fits)."""
+        return self.planner.plan(Budget(flops=min(self.opts.elastic_sizes))).spec
+
+    def _fit_sandwich(self, payload: Payload, data, seed: int) -> Reply:
+        """Local training whose every step adds the loss of the smallest elastic size nested in
+        the client's sub-model: its leading heads and FFN units per layer, the rest masked (their
+        inputs to W_o / W_out zeroed, so the pass computes exactly that slice's function)."""
+        from fedslice.fl.client import train_local
+        model, params = self.client_model(payload)
+        own = spec_from_dict(payload.config["spec"])
+        masks = _nested_masks(model, self.arch, own, self.smallest_spec())
+
+        def loss_fn(m, batch):
+            loss = self.task.loss(m, batch)
+            if masks:
+                with _masked(masks):
+                    loss = loss + self.task.loss(m, batch)
+            return loss
+
+        result = train_local(model, params, data, payload.config, seed, loss_fn=loss_fn,
+                             compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
+                             pack=self.packs(payload.config))
+        arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
+        metrics = self.client_metrics(model, params, payload, arrays, result)
+        return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
 
     @staticmethod
     def _sit_out_metrics(payload: Payload) -> dict[str, Any]:
@@ -410,6 +476,59 @@ class RaFFM(Method):
                 "permutation_applied": not self.slices.perm.is_identity}
 
 
+
+def _nested_masks(model: nn.Module, arch: ArchSpec, own: Spec, small: Spec | None
+                  ) -> list[tuple[nn.Module, int]]:
+    """(output projection module of the client's sub-model, channels the smallest size keeps)
+    for every self-attention W_o and FFN W_out where the smallest size keeps fewer units than
+    the client's sub-model; [] when the client's sub-model is the smallest size or the two keep
+    different layers (depth: the sandwich rule here is width only)."""
+    from fedslice.slicing.salience import output_modules
+    if small is None:
+        return []
+    out = []
+    for k, (a, b) in enumerate(zip(stack_list(own), stack_list(small))):
+        if a is None or b is None:
+            continue
+        if tuple(a.layers) != tuple(b.layers):
+            return []
+        for i, (ha, hb, fa, fb) in enumerate(zip(a.heads, b.heads, a.neurons, b.neurons)):
+            # both leading slices of one order: the smallest's units are the first of the client's
+            if tuple(hb) != tuple(ha[:len(hb)]) or tuple(fb) != tuple(fa[:len(fb)]):
+                return []
+    mods = output_modules(model, arch)
+    for k, (a, b) in enumerate(zip(stack_list(own), stack_list(small))):
+        if a is None or b is None:
+            continue
+        for i, (ha, hb, fa, fb) in enumerate(zip(a.heads, b.heads, a.neurons, b.neurons)):
+            if len(hb) < len(ha):
+                out.append((mods[(k, i, "o")], len(hb) * a.head_dim))
+            if len(fb) < len(fa):
+                out.append((mods[(k, i, "ffn_out")], len(fb)))
+    return out
+
+
+class _masked:
+    """Within the block, the inputs of each (module, n) past channel n are zeroed."""
+
+    def __init__(self, masks: list[tuple[nn.Module, int]]):
+        self.masks, self.handles = masks, []
+
+    def __enter__(self):
+        def hook(n):
+            def fn(module, args):
+                x = args[0]
+                keep = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device)
+                keep[:n] = 1
+                return (x * keep, *args[1:])
+            return fn
+        self.handles = [m.register_forward_pre_hook(hook(n)) for m, n in self.masks]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return False
 
 
 def _mean(vals):

@@ -48,7 +48,15 @@ class RaFFMMethod(MethodOptions):
     tiers: list[RaFFMTier] = Field(default_factory=_default_tiers, min_length=1)
     budget_distribution: BudgetDistribution | None = Field(
         None, description="If set, each client's FLOPs budget is drawn from it (tiers unused).")
-    salience: Literal["l1", "l2"] = "l1"
+    salience: Literal["l1", "l2", "activation"] = Field(
+        "l1", description="How heads/neurons are ranked: L1 or L2 weight norm (RaFFM's, no data), "
+        "or 'activation': mean |input| x L1 column norm of the output projection over a "
+        "calibration batch (keeps a decoder's massive-activation FFN units in the small sizes).")
+    calibration: Literal["dev", "profile"] = Field(
+        "dev", description="salience = 'activation': the calibration batch is the server's dev "
+        "split (real examples) or the planner's synthetic profile batch (random tokens: no data).")
+    calibration_examples: int = Field(32, gt=0, description="salience = 'activation': examples "
+                                      "in the calibration batch.")
     size_weight: float = Field(0.0, ge=0, description="Slice aggregation weighs a client by "
                                "examples x f^p, f = its sub-model's planned FLOPs fraction, p = "
                                "this (RaFFM Eq. 7's per-configuration step eta_c); 0: examples only.")
@@ -63,6 +71,10 @@ class RaFFMMethod(MethodOptions):
     on_infeasible: Literal["sit_out", "error"] = Field(
         "sit_out", description="A client whose budget is below the smallest sub-model sits out "
         "(recorded), or the run fails naming the tier and clients.")
+    sandwich: bool = Field(False, description="Sandwich rule: every local step also trains the "
+                           "smallest elastic size nested in the client's sub-model (its leading "
+                           "heads/FFN units; the others' outputs masked), loss = own + smallest. "
+                           "Costs a second forward/backward of the client's sub-model per step.")
     profile_batch_size: int | None = Field(None, gt=0, description="Batch the planner measures "
                                            "(default: federation.batch_size).")
     profile_seq_len: int | None = Field(None, gt=1, description="Sequence length the planner "

@@ -49,12 +49,21 @@ class RaFFMStrategy(Strategy):
         self.trainable = None if trainable is None else {_generic(k) for k in trainable}
         self.adapter_scale = adapter_scale  # the adapter's scale in salience (LoRA: alpha / r)
         self.perm = Permutation.identity(dims)
+        #: salience = 'activation': state -> the output projections' mean |input| of the model
+        #: holding that state over the calibration batch (set by the method)
+        self.activations = None
 
     # -- ordering ----------------------------------------------------------------------------
     def reorder(self, state: State) -> State:
         """Salience-order heads and neurons of ``state``; tracks the cumulative permutation."""
+        acts = None
+        if self.opts.salience == "activation":
+            if self.activations is None:
+                raise RuntimeError("salience = 'activation': the strategy has no calibration "
+                                   "forward (RaFFMStrategy.activations is unset)")
+            acts = self.activations(state)
         sal = model_salience({**self.scales, **state}, self.arch, self.dims, self.opts.salience,
-                             self.adapter_scale)
+                             self.adapter_scale, acts)
         rel = salience_order(sal, self.dims, self.arch)
         self.perm = self.perm.then(rel)
         return permute_state(state, rel, self.arch)
