@@ -388,8 +388,9 @@ def planning_lengths(cfg, lengths: torch.Tensor | None, packed: bool = False) ->
     target together; data.max_length without the data): peak memory is the longest batch's.
     Per example: packed batches (``packed``) cost their rows x row length, simulated on random
     batches of the lengths as :func:`fedslice.data.packing.row_capacity` lays them out;
-    length-grouped padded batches about the mean length; random padded batches the expected
-    longest of ``federation.batch_size`` examples (order statistics, drawn with replacement)."""
+    length-grouped padded batches their longest, simulated as ``iter_batches`` groups (windows of
+    16 random batches sorted by length); random padded batches the expected longest of
+    ``federation.batch_size`` examples (order statistics, drawn with replacement)."""
     if lengths is None or len(lengths) == 0:
         return cfg.data.max_length, float(cfg.data.max_length)
     lens = torch.as_tensor(lengths).flatten().double()
@@ -407,7 +408,14 @@ def planning_lengths(cfg, lengths: torch.Tensor | None, packed: bool = False) ->
             cost.append(capacity * (1 + max(r for r, _ in place)))
         return longest, float(np.mean(cost)) / b
     if cfg.federation.group_by_length:
-        return longest, float(lens.mean())
+        # iter_batches' grouping: windows of 16 shuffled batches sorted by length, cut in batches
+        rng = np.random.default_rng(0)
+        as_float = lens.numpy()
+        cost = []
+        for _ in range(50):
+            window = np.sort(as_float[rng.integers(0, len(as_float), size=16 * b)])[::-1]
+            cost.append(float(window.reshape(16, b).max(axis=1).mean()))
+        return longest, float(np.mean(cost))
     ordered, _ = torch.sort(lens)
     n = len(ordered)
     cdf = (torch.arange(1, n + 1, dtype=torch.float64) / n) ** b  # P(max <= i-th smallest)
