@@ -271,3 +271,24 @@ def test_fedslice_plan_prints_each_tier_and_writes_every_client(tiny_cfg_dict, t
     plans = json.loads(out.read_text())
     assert sorted(plans) == ["0", "1", "2", "3"]
     assert all(p["predicted"]["upload_mb"] <= p["budget"].get("upload_mb_per_round", 1e9) for p in plans.values())
+
+
+def test_a_sub_model_is_skipped_only_when_no_overhead_brings_it_within_budget(tiny_cfg_dict):
+    """Checkpointing saves memory and costs FLOPs: a budget that the least-memory point
+    (checkpointing + the most micro-batches) misses on FLOPs, but micro-batches alone meet, is
+    planned with micro-batches and no checkpointing, not refused."""
+    from fedslice.methods.planner import BudgetPlanner, ClientBudget, Knobs
+    from fedslice.run.setup import load_inputs
+
+    cfg = validate_config(_cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, "memory_mb": 1000}]},
+                               federation={"pack": False}))
+    method = load_inputs(cfg, "both").method(cfg, "both")
+    planner = BudgetPlanner(method, cfg.budgets, method.task.profile_batch(method.model.config, 8, 16, 0))
+    split = planner.predicted(Knobs(rank=4, micro_batches=4), 16, 0)
+    ckpt = planner.predicted(Knobs(rank=4, checkpointing=True, micro_batches=4), 16, 0)
+    whole = planner.predicted(Knobs(rank=4), 16, 0)
+    assert ckpt["gflops_per_round"] > split["gflops_per_round"] and whole["memory_mb"] > split["memory_mb"]
+    budget = ClientBudget(memory_mb=(split["memory_mb"] + whole["memory_mb"]) / 2,
+                          gflops_per_round=(split["gflops_per_round"] + ckpt["gflops_per_round"]) / 2)
+    plan = planner.plan(0, 0, budget, 16)
+    assert plan is not None and not plan.knobs.checkpointing and plan.knobs.micro_batches > 1

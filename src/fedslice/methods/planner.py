@@ -328,6 +328,22 @@ class BudgetPlanner:
         ckpt = any(c for c, _ in self.overheads)
         return Knobs(spec, sparsity, rank, ckpt, max(m for _, m in self.overheads), width)
 
+    def _out_of_reach(self, budget: ClientBudget, spec, width, sparsity, rank, examples: int,
+                      importance_examples: int) -> list[str]:
+        """What no overhead of a (sub-model, sparsity, rank) brings within ``budget``: its memory
+        at the least-memory point (every saving on), its FLOPs and upload at the least-FLOPs
+        points (no checkpointing: it recomputes; one micro-batch, packed where batches pack,
+        and the most); empty when some overhead may fit."""
+        least_mem = self._cheapest(spec, width, sparsity, rank)
+        no_ckpt = [Knobs(spec, sparsity, rank, False, m, width)
+                   for m in {min(m for _, m in self.overheads), least_mem.micro_batches}]
+        mem = self.predicted(least_mem, examples, importance_examples)
+        rest = [self.predicted(k, examples, importance_examples) for k in no_ckpt]
+        best = {"memory_mb": mem["memory_mb"],
+                "gflops_per_round": min(r["gflops_per_round"] for r in rest),
+                "upload_mb_per_round": min(r["upload_mb_per_round"] for r in rest)}
+        return self._violations(budget, best)
+
     def plan(self, client: int, tier: int | None, budget: ClientBudget, examples: int,
              importance_examples: int = 0) -> ClientPlan | None:
         """The most-training plan whose predicted costs fit ``budget``; None when none does.
@@ -338,18 +354,21 @@ class BudgetPlanner:
             pred = self.predicted(knobs, examples, importance_examples)
             return self._violations(budget, pred), pred
 
+        def reach(spec, width, s, r):
+            return self._out_of_reach(budget, spec, width, s, r, examples, importance_examples)
+
         passed = None  # (the nearest larger plan passed over, what it needs)
         s_min, r_min = self.sparsities[-1], self.ranks[-1]
         for spec, width in self.specs:
-            if over := check(self._cheapest(spec, width, s_min, r_min))[0]:
+            if over := reach(spec, width, s_min, r_min):
                 passed = (f"{Knobs(spec, width=width).describe(overhead=False)}, at its least", over)
                 continue  # not even the sub-model's smallest point fits
             for s in self.sparsities:
-                if over := check(self._cheapest(spec, width, s, r_min))[0]:
+                if over := reach(spec, width, s, r_min):
                     passed = (f"{Knobs(spec, s, width=width).describe(overhead=False)}, at its least", over)
                     continue
                 for r in self.ranks:
-                    if over := check(self._cheapest(spec, width, s, r))[0]:
+                    if over := reach(spec, width, s, r):
                         passed = (f"{Knobs(spec, s, r, width=width).describe(overhead=False)}, at its least", over)
                         continue
                     for ckpt, mb in self.overheads:
