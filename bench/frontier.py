@@ -47,7 +47,9 @@ def config(row: str, args, budgets: dict | None) -> dict:
         "data": {"path": "sst2", "max_length": 64, "partition": "iid",
                  "max_dev_examples": 256, "max_test_examples": args.test_examples},
         "model": {"name": "minilm", "quantize": "int8" if row == "int8" else "none"},
-        "lora": {"r": 16, "alpha": 32, "targets": ["q", "v"]},
+        # the planner may lower the rank of the rows whose clients can have their own (raffm, int8)
+        "lora": {"r": 16, "alpha": 32, "targets": ["q", "v"],
+                 **({"ranks": [4, 8, 16]} if budgets is not None and row in ("raffm", "int8") else {})},
         "federation": {"num_clients": 100, "clients_per_round": args.clients_per_round,
                        "rounds": args.rounds, "local_steps": args.local_steps, "batch_size": 32,
                        "lr": 1e-3, "pack": False},  # every row as the dense one was taken

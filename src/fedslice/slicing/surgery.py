@@ -47,16 +47,22 @@ def install_output_hooks(model: nn.Module) -> None:
     except ImportError:  # an older transformers: outputs are returned, not hooked
         return
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    # the task model (BertForSequenceClassification) and its inner model (BertModel) both declare
-    # what they record, and transformers installs at the first call of whichever forward asks,
-    # marking only that module: one set of hooks covers every module, so all are marked
-    owners = [m for m in base.modules() if getattr(type(m), "_can_record_outputs", None)]
-    if not owners:
-        return
-    if not any(getattr(m, "_output_capturing_hooks_installed", False) for m in owners):
-        maybe_install_capturing_hooks(owners[0])
-    for m in owners:
-        m._output_capturing_hooks_installed = True
+    # a task model (BertForSequenceClassification) and its inner model (BertModel) declare the
+    # same recordings, and transformers installs at the first call of whichever forward asks,
+    # marking only that module: the outermost's hooks cover the inner one's modules, so both are
+    # marked. Owners with recordings of their own (BART's encoder and decoder) install their own.
+    owners = [(n, m) for n, m in base.named_modules() if getattr(type(m), "_can_record_outputs", None)]
+    groups: dict[str, list[nn.Module]] = {}
+    for name, m in owners:
+        spec = type(m)._can_record_outputs
+        top = next((n for n, o in owners if type(o)._can_record_outputs is spec
+                    and (n == "" or name == n or name.startswith(n + "."))), name)
+        groups.setdefault(top, []).append(m)
+    for members in groups.values():
+        if not any(getattr(m, "_output_capturing_hooks_installed", False) for m in members):
+            maybe_install_capturing_hooks(members[0])
+        for m in members:
+            m._output_capturing_hooks_installed = True
 
 
 def _slice_param(p: nn.Parameter | None, axis: int | None, idx: torch.Tensor) -> nn.Parameter | None:
