@@ -25,7 +25,7 @@ import logging
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from fedslice.data.packing import packed_training
 from fedslice.errors import ConfigError
 from fedslice.fl.client import gradient_checkpointing
 from fedslice.fl.strategy import Payload, State, Strategy
-from fedslice.slicing.planner import measure_training_step
+from fedslice.slicing.planner import measure_training_step, tier_of_clients
 from fedslice.slicing.spec import Spec, spec_sizes
 
 log = logging.getLogger(__name__)
@@ -120,26 +120,15 @@ def read_budget_csv(path: Path, num_clients: int) -> dict[int, ClientBudget]:
     return out
 
 
-def client_budgets(cfg: BudgetsConfig, num_clients: int, seed: int,
-                   base: Path | None = None) -> dict[int, tuple[int | None, ClientBudget]]:
-    """Client -> (tier index or None for a CSV, budget), reproducible from ``seed``: tiers get
-    ``share * num_clients`` clients (largest remainders), placed at random."""
+def client_budgets(cfg: BudgetsConfig, num_clients: int, seed: int
+                   ) -> dict[int, tuple[int | None, ClientBudget]]:
+    """Client -> (tier index or None for a CSV, budget), reproducible from ``seed``
+    (:func:`fedslice.slicing.planner.tier_of_clients`, as ``method.tiers`` are placed)."""
     if cfg.csv is not None:
-        path = Path(cfg.csv)
-        if not path.is_absolute() and base is not None and not path.exists():
-            path = base / path
-        return {c: (None, b) for c, b in read_budget_csv(path, num_clients).items()}
-    tiers = cfg.tiers
-    rng = np.random.default_rng([seed, 0x7A11])
-    exact = [t.share * num_clients for t in tiers]
-    counts = [math.floor(x) for x in exact]
-    for i in sorted(range(len(tiers)), key=lambda i: counts[i] - exact[i])[: num_clients - sum(counts)]:
-        counts[i] += 1
-    labels = np.repeat(np.arange(len(tiers)), counts)
-    rng.shuffle(labels)
+        return {c: (None, b) for c, b in read_budget_csv(Path(cfg.csv), num_clients).items()}
     out = {}
-    for c, i in enumerate(labels.tolist()):
-        t = tiers[i]
+    for c, i in enumerate(tier_of_clients([t.share for t in cfg.tiers], num_clients, seed)):
+        t = cfg.tiers[i]
         out[c] = (i, ClientBudget(t.memory_mb, t.gflops_per_round, t.upload_mb_per_round,
                                   name=t.name or f"tier{i}", field=f"budgets.tiers[{i}]"))
     return out
@@ -444,7 +433,7 @@ def planning_lengths(cfg, lengths: torch.Tensor | None, packed: bool = False) ->
 
 def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
                  client_sizes: Mapping[int, int], num_clients: int, seed: int,
-                 base: Path | None = None, flops_scale: float = 1.0,
+                 flops_scale: float = 1.0,
                  packed_batch: dict[str, torch.Tensor] | None = None,
                  packed_scale: float = 1.0) -> dict[int, ClientPlan]:
     """Every client's plan (clients of equal budget and size share one search), or a ConfigError
@@ -457,7 +446,7 @@ def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
     plans: dict[int, ClientPlan] = {}
     memo: dict[tuple, ClientPlan | None] = {}
     failed: list[str] = []
-    for c, (tier, budget) in sorted(client_budgets(budgets, num_clients, seed, base).items()):
+    for c, (tier, budget) in sorted(client_budgets(budgets, num_clients, seed).items()):
         n = int(client_sizes.get(c, fed.batch_size))
         examples = examples_per_round(fed, n)
         imp = method.importance_examples(n)

@@ -261,25 +261,31 @@ def smallest_valid(budget: Budget, smallest: SpecCost) -> float:
     return min(1.0, value) if flops else value
 
 
+def tier_of_clients(shares: Sequence[float], num_clients: int, seed: int) -> list[int]:
+    """Each client's tier: tier i gets ``shares[i] * num_clients`` clients (largest remainders for
+    the rounding), placed at random, reproducible from ``seed``."""
+    rng = np.random.default_rng([seed, 0x7A11])
+    exact = [x * num_clients for x in shares]
+    counts = [math.floor(x) for x in exact]
+    for i in sorted(range(len(shares)), key=lambda i: counts[i] - exact[i])[: num_clients - sum(counts)]:
+        counts[i] += 1
+    labels = np.repeat(np.arange(len(shares)), counts)
+    rng.shuffle(labels)
+    return labels.tolist()
+
+
 def assign_budgets(tiers: Sequence, distribution, num_clients: int, seed: int) -> list[tuple[int | None, Budget]]:
     """(tier index or None, budget) of every client, reproducible from ``seed``.
 
     Tiers get ``share * num_clients`` clients (largest remainders for the rounding), placed at
     random; with a distribution, every client draws its FLOPs fraction from it.
     """
-    rng = np.random.default_rng([seed, 0x7A11])
     if distribution is not None:
+        rng = np.random.default_rng([seed, 0x7A11])
         draws = rng.uniform(distribution.low, distribution.high, size=num_clients)
         return [(None, Budget(flops=float(x), field="method.budget_distribution")) for x in draws]
-    exact = [t.share * num_clients for t in tiers]
-    counts = [math.floor(x) for x in exact]
-    by_remainder = sorted(range(len(tiers)), key=lambda i: counts[i] - exact[i])
-    for i in by_remainder[: num_clients - sum(counts)]:
-        counts[i] += 1
-    labels = np.repeat(np.arange(len(tiers)), counts)
-    rng.shuffle(labels)
     out = []
-    for tier in labels.tolist():
+    for tier in tier_of_clients([t.share for t in tiers], num_clients, seed):
         t = tiers[tier]
         field = f"method.tiers[{tier}].{'flops' if t.flops is not None else 'memory_mb'}"
         out.append((tier, Budget(flops=t.flops, memory_mb=t.memory_mb, field=field)))
