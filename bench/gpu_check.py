@@ -5,7 +5,8 @@ GPU is at hand: ``bash bench/gpu_check.sh`` (about 5 minutes; it stops at 8).
 Steps, one table row each:
 
 1. ``device``: a short MiniLM + LoRA run with ``compute.device = "cuda"`` in fp32 and in bf16
-   against the same run on the CPU (trained weights: the difference relative to the update),
+   against the same run on the CPU (trained weights: the difference relative to the update;
+   dropout off on both sides, whose masks come from two different generators),
    and no host sync per local step (CUDA's sync debug mode counts the same syncs for 2 and for 6
    local steps of a client: the loss is read once per client).
 2. ``batched``: the MiniLM workload's steady round with a round's clients in one batched pass
@@ -52,15 +53,17 @@ DRY_WORKLOAD = {"num_clients": 4, "clients_per_round": 2, "local_steps": 1, "bat
 class Check:
     """The run's settings: dry (CPU, a tiny model and data set) or real (the GPU, the workload)."""
 
-    def __init__(self, dry: bool, work: Path):
+    def __init__(self, dry: bool, work: Path, model: str | None = None, decoder: str | None = None):
         self.dry, self.work = dry, work
         self.device = "cpu" if dry else "cuda"
         self.tiny = tiny_classifier(work / "tiny") if dry else None
+        #: folders in place of MiniLM and SmolLM2 (a GPU machine without the bundled weights)
+        self.model, self.decoder = model, decoder
 
     def model_sets(self) -> list[str]:
-        """The dry run's model and data in place of MiniLM and SST-2."""
+        """The dry run's model and data in place of MiniLM and SST-2 (or ``--model``'s folder)."""
         if not self.dry:
-            return []
+            return [f'model.name="{self.model}"'] if self.model else []
         model, data = self.tiny
         return [f'model.name="{model}"', f'data.path="{data}"', "compute.workers=1"]
 
@@ -119,14 +122,15 @@ def relative_difference(run: dict, ref: dict) -> float:
     return math.sqrt(num / den) if den else math.inf
 
 
-def syncs_per_client(steps: int) -> int:
+def syncs_per_client(steps: int, sets: list[str]) -> int:
     """Host syncs CUDA's debug mode reports during one client's local training of ``steps``."""
     import torch
 
     from fedslice.api import setup
     from fedslice.experiment import load_config
 
-    cfg = load_config(WORKLOAD, ["federation.num_clients=4", 'compute.device="cuda"'])
+    cfg = load_config(WORKLOAD, ["federation.num_clients=4", "federation.clients_per_round=2",
+                                 'compute.device="cuda"', *sets])
     method, data = setup(cfg)
     payload = method.strategy.configure_train(1, method.initial_state(), [0])[0]
     payload.config["local_steps"] = steps
@@ -140,15 +144,38 @@ def syncs_per_client(steps: int) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def without_dropout(model: str, folder: Path) -> Path:
+    """``model`` (a folder or a bundled name) with every dropout probability of its config at 0:
+    the CPU and a GPU draw different dropout masks from the same seed (two generators), so the
+    runs compared in step 1 train without dropout. Weights and tokenizer files are linked."""
+    from transformers import AutoConfig
+
+    from fedslice.models.loading import resolve_model_path
+
+    src = Path(resolve_model_path(model))
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (folder / f.name).symlink_to(f.resolve())
+    config = AutoConfig.from_pretrained(src)
+    for key, value in config.to_dict().items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+    config.save_pretrained(folder)
+    return folder
+
+
 def check_device(c: Check) -> dict:
-    ref = _short_run(['compute.device="cpu"', "compute.workers=1", *c.model_sets()])
+    model = c.tiny[0] if c.dry else (c.model or "minilm")
+    sets = [*c.model_sets(), f'model.name="{without_dropout(str(model), c.work / "no-dropout")}"']
+    ref = _short_run(['compute.device="cpu"', "compute.workers=1", *sets])
     if c.dry:  # the comparison itself, CPU against CPU (one deterministic path)
-        again = _short_run(['compute.device="cpu"', *c.model_sets()])
+        again = _short_run(['compute.device="cpu"', *sets])
         diff = relative_difference(again, ref)
         return {"figure": f"CPU vs CPU {diff:.1e}", "ok": diff <= 1e-6}
-    fp32 = relative_difference(_short_run(['compute.device="cuda"']), ref)
-    bf16 = relative_difference(_short_run(['compute.device="cuda"', 'compute.precision="bf16"']), ref)
-    syncs = {s: syncs_per_client(s) for s in (2, 6)}
+    fp32 = relative_difference(_short_run(['compute.device="cuda"', *sets]), ref)
+    bf16 = relative_difference(_short_run(['compute.device="cuda"', 'compute.precision="bf16"', *sets]), ref)
+    syncs = {s: syncs_per_client(s, c.model_sets()) for s in (2, 6)}
     return {"figure": f"fp32 {fp32:.1e}, bf16 {bf16:.1e} of the update; syncs per client "
                       f"{syncs[2]} (2 steps), {syncs[6]} (6 steps)",
             "ok": fp32 <= 1e-3 and bf16 <= 0.1 and syncs[2] == syncs[6]}
@@ -184,7 +211,8 @@ def check_batched(c: Check, rounds: int) -> dict:
 def check_flower(c: Check, rounds: int) -> dict:
     ours = getattr(c, "batched", None) or fedslice_round(c, "batched", ["compute.batched_clients=true"], rounds)
     res = c.work / "flower.json"
-    workload = {**DRY_WORKLOAD, "model": str(c.tiny[0]), "data": str(c.tiny[1])} if c.dry else {}
+    workload = {**DRY_WORKLOAD, "model": str(c.tiny[0]), "data": str(c.tiny[1])} if c.dry else \
+        ({"model": c.model} if c.model else {})
     env = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'bench' / 'perf'}", "FLOWER_BENCH_DEVICE": c.device,
            "FLOWER_BENCH_WORKLOAD": json.dumps(workload)}
     r = run_measured([python(), "bench/perf/flower_baseline.py", str(res), str(rounds)], env=env, timeout=600)
@@ -239,6 +267,7 @@ def check_decoder(c: Check) -> dict:
         args = ["--steps", "2", "--repeats", "1", "--set", f'model.name="{model}"']
     else:
         args = ["--device", "cuda", "--precision", "bf16"]
+        args += ["--set", f'model.name="{c.decoder}"'] if c.decoder else []
     got = _bench_json(c, "bench/decoder_client.py", args)
     ratio = got["ratio"]
     return {"figure": f"{got['median_tokens_per_s']['fedslice']:.0f} vs "
@@ -264,13 +293,13 @@ def run_steps(c: Check, steps: list[str], rounds: int) -> dict[str, dict]:
     return rows
 
 
-def table(rows: dict[str, dict], info: dict, dry: bool, total_s: float) -> str:
+def table(rows: dict[str, dict], info: dict, dry: bool, total_s: float, stand_ins: str = "") -> str:
     verdict = (lambda r: "dry run: ok" if r["ok"] else "dry run: FAILED") if dry else \
         (lambda r: "met" if r["ok"] else "**missed**")
     where = "dry run on the CPU (tiny workloads: not GPU figures)" if dry else info.get("gpu", "GPU")
     lines = [BEGIN, f"`bash bench/gpu_check.sh{' --dry' if dry else ''}` ({info['date']}, {where}, "
              f"load {info['loadavg_start']:.2f} at start, {info['loadavg_end']:.2f} at end; "
-             f"{total_s:.0f} s in all, limit 480 s)", "",
+             f"{total_s:.0f} s in all, limit 480 s){stand_ins}", "",
              "| step | target | figure | seconds | result |", "|---|---|---|---|---|"]
     lines += [f"| {s} | {TARGETS[s]} | {r['figure'].replace('|', '/')} | {r['seconds']:.0f} | {verdict(r)} |"
               for s, r in rows.items()]
@@ -292,6 +321,9 @@ def main() -> int:
     ap.add_argument("--benchmarks", default=str(ROOT / "BENCHMARKS.md"), help="where the table goes")
     ap.add_argument("--only", default=",".join(STEPS))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model", help="a model folder in place of MiniLM (bench/random_weights.py makes "
+                                    "one of the same shape where the weights cannot travel)")
+    ap.add_argument("--decoder", help="likewise, a folder in place of SmolLM2")
     args = ap.parse_args()
     import torch
 
@@ -301,10 +333,12 @@ def main() -> int:
     info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry else None
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        rows = run_steps(Check(args.dry, Path(tmp)), args.only.split(","), 2 if args.dry else args.rounds)
+        check = Check(args.dry, Path(tmp), args.model, args.decoder)
+        rows = run_steps(check, args.only.split(","), 2 if args.dry else args.rounds)
     info["loadavg_end"] = os.getloadavg()[0]
     total = time.perf_counter() - t0
-    text = table(rows, info, args.dry, total)
+    named = [f"{what} from {path}" for what, path in (("MiniLM", args.model), ("SmolLM2", args.decoder)) if path]
+    text = table(rows, info, args.dry, total, f"; {', '.join(named)}" if named else "")
     write_table(Path(args.benchmarks), text)
     print(text)
     return 0 if all(r["ok"] for r in rows.values()) and (args.dry or total <= 480) else 1

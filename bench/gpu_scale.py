@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "perf"))
 from common import machine, save  # noqa: E402
 
-from fedslice.compute import Compute  # noqa: E402
+from fedslice.compute import Compute, to_device  # noqa: E402
 from fedslice.fl.batched import train_batched  # noqa: E402
 from fedslice.measure import count_flops  # noqa: E402
 from fedslice.models.arch import arch_for  # noqa: E402
@@ -57,7 +57,9 @@ def matmul_peak(device, dtype, n=8192, reps=20) -> float:
 
 
 def lm_losses(model, batch, rows):
-    """Per-client causal LM loss (every position is a target here)."""
+    """Per-client causal LM loss (every position is a target here). The batched pass hands the
+    host batch over; a task's loss moves it to the model's device, and so does this one."""
+    batch = to_device(batch, next(model.parameters()).device)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
                                            batch["input_ids"][:, 1:].flatten(), reduction="none")

@@ -364,3 +364,73 @@ def test_setup_sets_the_release_policy_only_when_asked(tiny_cfg_dict, monkeypatc
     tiny_cfg_dict["compute"] = {"release_memory": True}
     setup(validate_config(tiny_cfg_dict))
     assert calls == [heap.RELEASE_THRESHOLD]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_count_flops_grouped_query_attention_counts_the_query_heads(kv_heads):
+    """SDPA with fewer key/value heads (GQA) counts the products of every query head: 2 score
+    products forward, 5 backward, ``2 B H S^2 D`` FLOPs each -- the same with 4, 2 or 1 key/value
+    heads (torch before 2.13 refused the shapes on the fused kernels: the GPU check's 1B LLaMA)."""
+    b, h, s, d = 2, 4, 8, 16
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    k = torch.randn(b, kv_heads, s, d, requires_grad=True)
+    v = torch.randn(b, kv_heads, s, d, requires_grad=True)
+    with count_flops() as fc:
+        out = nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=kv_heads != h)
+        out.sum().backward()
+    assert fc.total == 7 * 2 * b * h * s * s * d
+    assert fc.attention == fc.total
+
+
+def test_saved_tensors_are_counted_on_the_batches_no_earlier_one_dominates():
+    """:class:`LargestBatches` picks a batch unless an earlier pick is as large in every
+    dimension; ``PeakMemory(saved_tensors=False)`` counts only inside ``track()``."""
+    from fedslice.measure import LargestBatches
+
+    pick = LargestBatches()
+    small = {"input_ids": torch.zeros(4, 8), "labels": torch.zeros(4)}
+    assert pick(small) and not pick(dict(small))  # equal shapes: dominated
+    assert pick({"input_ids": torch.zeros(2, 16), "labels": torch.zeros(2)})  # longer rows
+    assert not pick({"input_ids": torch.zeros(2, 8), "labels": torch.zeros(2)})
+    assert pick({"input_ids": torch.zeros(4, 8), "labels": torch.zeros(4), "extra": torch.zeros(1)})
+    x = torch.randn(6, 5)
+    layer = nn.Linear(5, 5)
+    with PeakMemory(layer, saved_tensors=False) as off:
+        layer(x).sum().backward()
+    with PeakMemory(layer, saved_tensors=False) as on:
+        with on.track():
+            layer(x).sum().backward()
+    with PeakMemory(layer) as every:
+        layer(x).sum().backward()
+    assert off.saved_activation_mb == 0 and on.saved_activation_mb == every.saved_activation_mb > 0
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_train_local_reports_the_activation_peak_of_every_step(pack, tmp_path, monkeypatch):
+    """Counting the dominant batches only gives train_local the same activation peak as
+    counting every step (variable lengths, length grouping off: batches of every shape)."""
+    from conftest import save_tiny_model
+    from transformers import AutoModelForSequenceClassification
+
+    import fedslice.fl.client as client
+    from fedslice.data.batching import TokenizedSplit
+    from fedslice.tasks.classification import packed_classifier_loss
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(save_tiny_model(tmp_path, "bert")).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(5, model.config.vocab_size, (int(n),), generator=g)
+           for n in torch.randint(2, 30, (48,), generator=g)]
+    split = TokenizedSplit(ids, None, torch.randint(0, 2, (48,), generator=g), 0)
+    cfg = {"lr": 1e-3, "batch_size": 6, "local_steps": 8, "group_by_length": False}
+    loss = (lambda m, b: packed_classifier_loss(m, b, "bert")) if pack else (lambda m, b: m(**b).loss)
+    params = {n: p for n, p in model.named_parameters() if "classifier" in n}
+    picked = client.train_local(model, params, split, cfg, seed=0, loss_fn=loss, pack=pack)
+
+    class Every:
+        def __call__(self, batch):
+            return True
+
+    monkeypatch.setattr(client, "LargestBatches", Every)
+    every = client.train_local(model, params, split, cfg, seed=0, loss_fn=loss, pack=pack)
+    assert picked.activation_mb == every.activation_mb > 0

@@ -258,3 +258,39 @@ def test_packed_training_runs_eager_attention_with_uniform_masks_and_restores(tm
     model.config.attention_probs_dropout_prob = 0.0  # no attention dropout: sdpa as it is
     with packed_training(model):
         assert model.config._attn_implementation == "sdpa" and F.dropout is real
+
+
+class _HostReads:
+    """Records, by dispatch, the ops that on a GPU copy host data to the device or read a device
+    value back (each a host sync): a tensor made from Python data, ``.item()``, ``nonzero``."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = self.seen = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if any(k in str(func) for k in ("lift_fresh", "_local_scalar_dense", "nonzero")):
+                    seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_type", ["bert", "roberta", "distilbert"])
+def test_packed_classifier_loss_makes_no_tensor_from_host_data(model_type, attn, tmp_path_factory):
+    """The packed batch is built on the host; its loss (which moves it to the model's device)
+    then makes no tensor from Python data and reads no value back: on a GPU each would be a host
+    sync per step (the mask's ``position_ids.new_tensor(0)`` was, found by the GPU check)."""
+    model = _classifier(model_type, attn, tmp_path_factory)
+    split = tokenized(12, model.config.vocab_size, types=model_type == "bert")
+    if model_type == "roberta":
+        split.pad_token_id = model.config.pad_token_id
+    batch = split.collate_packed(list(range(12)))
+    reads = _HostReads()
+    with reads.mode:
+        loss = packed_classifier_loss(model, batch, model_type)
+        loss.backward()
+    assert reads.seen == []

@@ -136,7 +136,7 @@ def block_mask(attention_mask: torch.Tensor, position_ids: torch.Tensor, causal:
     (and, ``causal``, only those before it); padding sees only padding (no row of the softmax is
     empty). Boolean (True: attend; what sdpa takes), or ``additive`` of that dtype (0 or its
     minimum; what eager attention adds to its scores)."""
-    first = (position_ids == position_ids.new_tensor(0)) | (
+    first = (position_ids == 0) | (  # a Python 0: no tensor made on the device (a host copy and sync)
         torch.arange(position_ids.shape[1], device=position_ids.device) == 0)
     # the example each token belongs to (1, 2, ... per row; padding 0)
     segment = torch.cumsum((first & attention_mask.bool()).to(torch.int64), 1) * attention_mask  # (R, C)

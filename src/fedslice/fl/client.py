@@ -17,7 +17,7 @@ from fedslice import progress
 from fedslice.compute import CPU, Compute, model_device, to_device
 from fedslice.data.batching import TokenizedSplit, iter_batches, num_batches
 from fedslice.data.packing import is_packed, packed_training
-from fedslice.measure import PeakMemory, count_flops
+from fedslice.measure import LargestBatches, PeakMemory, count_flops
 from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import (batch_examples, batch_head_positions, batch_real_tokens, batch_rows,
                                  batch_tokens)
@@ -265,13 +265,15 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
     scaler = compute.grad_scaler()
     micro = int(cfg.get("micro_batches") or 1)
-    with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem, \
+    measured = LargestBatches()  # the steps whose saved tensors are counted (the peak's)
+    with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01, saved_tensors=False) as mem, \
             progress.task("local training steps", local_step_count(data, cfg)) as advance, \
             (packed_training(model) if pack else nullcontext()), \
             gradient_checkpointing(model, bool(cfg.get("checkpointing"))):
         for step, batch in enumerate(local_batches(data, cfg, gen, pack)):
             advance()
-            with count_flops(enabled=step == 0, head=head) as fc:
+            with count_flops(enabled=step == 0, head=head) as fc, \
+                    (mem.track() if measured(batch) else nullcontext()):
                 if micro > 1 and not is_packed(batch):
                     loss, trains = _accumulate(model, params, batch, micro, loss_fn, compute, scaler, ref, mu)
                 else:

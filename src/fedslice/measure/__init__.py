@@ -7,9 +7,9 @@ round."""
 from fedslice.measure.cost import ClientCost
 from fedslice.measure.flops import (FlopCount, analytic_train_flops, bottom_skips, count_flops,
                                     embeddings_train, frozen_bottom, linear_param_counts, measure_step_flops)
-from fedslice.measure.memory import PeakMemory
+from fedslice.measure.memory import LargestBatches, PeakMemory
 from fedslice.measure.sizes import module_bytes, num_params, tensor_bytes, trainable_state_bytes
 
-__all__ = ["ClientCost", "FlopCount", "PeakMemory", "analytic_train_flops", "bottom_skips", "count_flops",
-           "embeddings_train", "frozen_bottom", "linear_param_counts", "measure_step_flops",
+__all__ = ["ClientCost", "FlopCount", "LargestBatches", "PeakMemory", "analytic_train_flops", "bottom_skips",
+           "count_flops", "embeddings_train", "frozen_bottom", "linear_param_counts", "measure_step_flops",
            "module_bytes", "num_params", "tensor_bytes", "trainable_state_bytes"]

@@ -62,32 +62,41 @@ def linear_param_counts(model: nn.Module) -> dict[str, int]:
     return counts
 
 
-def _cpu_attention_flop_mapping() -> dict[Any, Any]:
-    """FLOP formulas for the fused CPU attention kernels that torch's counter does not know.
+def _kv_heads_as_query(query_shape, key_shape, value_shape) -> tuple:
+    """Grouped-query attention's key/value shapes ``(B, H_kv, S, D)`` with the query's ``H`` heads:
+    the kernel broadcasts each key/value head over its group, so it runs the products of ``H``
+    heads (how torch 2.13 counts them; earlier versions refuse H != H_kv)."""
+    h = query_shape[1]
+    return query_shape, (*key_shape[:1], h, *key_shape[2:]), (*value_shape[:1], h, *value_shape[2:])
+
+
+def _attention_flop_mapping() -> dict[Any, Any]:
+    """FLOP formulas for the attention kernels, where torch's counter does not know them or
+    refuses grouped-query attention (torch before 2.13 on the fused CUDA kernels).
 
     On CPU, ``scaled_dot_product_attention`` dispatches to
     ``aten._scaled_dot_product_flash_attention_for_cpu``, which :class:`FlopCounterMode` does not
     count (it counts the CUDA kernels). We count it the same way torch counts the CUDA flash
-    kernel: 2 matmuls forward, 5 backward (the scores are recomputed).
+    kernel: 2 matmuls forward, 5 backward (the scores are recomputed). Every fused SDPA kernel is
+    counted with the key/value heads broadcast to the query's (:func:`_kv_heads_as_query`).
     """
     from torch.utils import flop_counter as fc
 
-    mapping: dict[Any, Any] = {}
+    def _fwd(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_flop_count(*_kv_heads_as_query(query_shape, key_shape, value_shape))
+
+    def _bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_backward_flop_count(grad_out_shape,
+                                           *_kv_heads_as_query(query_shape, key_shape, value_shape))
+
     aten = torch.ops.aten
-    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    if fwd is not None and fwd not in fc.flop_registry:
-
-        def _fwd(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-            return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
-
-        mapping[fwd] = _fwd
-    if bwd is not None and bwd not in fc.flop_registry:
-
-        def _bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-            return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
-
-        mapping[bwd] = _bwd
+    mapping: dict[Any, Any] = {}
+    for kernel in ("flash_attention_for_cpu", "flash_attention", "efficient_attention", "cudnn_attention"):
+        for name, formula in ((f"_scaled_dot_product_{kernel}", _fwd),
+                              (f"_scaled_dot_product_{kernel}_backward", _bwd)):
+            op = getattr(aten, name, None)
+            if op is not None:
+                mapping[op] = formula
     return mapping
 
 
@@ -173,7 +182,7 @@ def count_flops(enabled: bool = True, head: Sequence[str] = ()) -> Iterator[Flop
         return
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_flop_mapping())
+    counter = FlopCounterMode(display=False, custom_mapping=_attention_flop_mapping())
     try:
         with counter:
             yield result

@@ -72,6 +72,11 @@ class PeakMemory:
       precedence, and what it saves is then not counted — correctly so for checkpointing.
 
     ``extra_bytes`` may also be set on the object before the block ends.
+
+    ``saved_tensors=False`` installs no hooks for the whole block: only the blocks under
+    :meth:`track` are counted (a training loop tracks the steps whose batch no earlier tracked
+    batch dominates, :class:`LargestBatches`; each hook call is Python work per saved tensor,
+    which on a GPU, where a step is launch-bound, costs a third of a small decoder's step).
     """
 
     def __init__(
@@ -81,8 +86,10 @@ class PeakMemory:
         extra_bytes: int = 0,
         interval_s: float = 0.002,
         device: torch.device | str | None = None,
+        saved_tensors: bool = True,
     ) -> None:
         self.extra_bytes = int(extra_bytes)
+        self._every_block = bool(saved_tensors)
         self.interval_s = float(interval_s)
         self._param_ptrs: set[int] = set()
         if model is not None:
@@ -199,12 +206,19 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_base = torch.cuda.memory_allocated(self.device)
         self._active = True
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        if self._every_block:
+            self._hooks = self.track()
+            self._hooks.__enter__()
         return self
 
+    def track(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """A context counting the tensors saved for backward inside it (the whole block does
+        unless ``saved_tensors=False``)."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._hooks.__exit__(exc_type, exc, tb)
+        if self._hooks is not None:
+            self._hooks.__exit__(exc_type, exc, tb)
         self._hooks = None
         self._active = False
         if self._use_cuda:
@@ -262,3 +276,25 @@ def _is_parameter(t: torch.Tensor) -> bool:
         return True
     base = getattr(t, "_base", None)
     return base is not None and isinstance(base, nn.Parameter)
+
+
+class LargestBatches:
+    """Which batches of a loop to measure the saved tensors of: a batch is measured unless an
+    earlier measured batch has the same tensors, each at least as large in every dimension
+    (activations grow with every dimension of the input: rows, length, examples packed), so the
+    peak over the measured batches is the peak over all of them."""
+
+    def __init__(self) -> None:
+        self._measured: list[dict[str, tuple[int, ...]]] = []
+
+    def __call__(self, batch) -> bool:
+        shapes = {k: tuple(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        if any(_dominates(m, shapes) for m in self._measured):
+            return False
+        self._measured.append(shapes)
+        return True
+
+
+def _dominates(a: dict[str, tuple[int, ...]], b: dict[str, tuple[int, ...]]) -> bool:
+    return a.keys() == b.keys() and all(
+        len(a[k]) == len(b[k]) and all(x >= y for x, y in zip(a[k], b[k])) for k in a)
