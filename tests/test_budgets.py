@@ -292,3 +292,58 @@ def test_a_sub_model_is_skipped_only_when_no_overhead_brings_it_within_budget(ti
                           gflops_per_round=(split["gflops_per_round"] + ckpt["gflops_per_round"]) / 2)
     plan = planner.plan(0, 0, budget, 16)
     assert plan is not None and not plan.knobs.checkpointing and plan.knobs.micro_batches > 1
+
+
+@pytest.mark.parametrize("method", ["heads", "raffm+heads"])
+def test_the_head_stage_trains_each_clients_lora_rank(tiny_cfg_dict, tmp_path, method):
+    """With lora.ranks the head stage takes the planner's rank too: an upload budget met by a
+    lower rank keeps every head (the planner's order: most heads before highest rank); a
+    tighter one prunes heads as well. Replies come back at the client's rank and kept heads (no
+    reply refused) and the upload is within the budget."""
+    tiers = [{"share": 0.5, "memory_mb": 1000, "name": "big"},
+             {"share": 0.25, "name": "tight", "upload_mb_per_round": 0.0042},
+             {"share": 0.25, "name": "tighter", "upload_mb_per_round": 0.0018}]
+    d = _cfg(tiny_cfg_dict, {"tiers": tiers, "sparsities": [0.0, 0.5, 0.75]}, method=method,
+             lora={"ranks": [2, 4]}, federation={"rounds": 2})
+    run = run_experiment(validate_config(d), tmp_path / method, progress=False)
+    groups = {g["budget_name"]: g for g in _plans(run)}
+    big, tight, tighter = (groups[k]["plan"] for k in ("big", "tight", "tighter"))
+    assert (big["rank"], big["sparsity"]) == (4, 0.0)
+    assert (tight["rank"], tight["sparsity"]) == (2, 0.0)  # a lower rank before pruning heads
+    assert tighter["rank"] == 2 and tighter["sparsity"] > 0
+    for g in groups.values():
+        meas = g["measured"]
+        assert meas["client_rounds"] == 2 * len(g["clients"])  # no reply refused
+        assert meas["upload_mb_mean"] <= g["predicted"]["upload_mb"] + 1e-12
+        assert meas["upload_mb_mean"] <= g["budget"].get("upload_mb_per_round", 1e9)
+
+
+def test_rank_components_no_client_holds_keep_their_values_under_the_head_stage(tiny_cfg_dict, tmp_path):
+    """Every client at rank 2 of 4, some heads pruned: the global LoRA A rows and B columns past
+    rank 2 end exactly where they started (no holder: the lora_ranks rule's holders average),
+    the components within it moved."""
+    from safetensors.torch import load_file
+
+    from fedslice.api import setup
+
+    d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, "upload_mb_per_round": 0.0018}],
+                             "sparsities": [0.5, 0.75]}, method="heads", lora={"ranks": [2, 4]})
+    cfg = validate_config(d)
+    start = setup(cfg)[0].initial_state()
+    run = run_experiment(cfg, tmp_path / "r2", progress=False)
+    end = load_file(run / "final_trainable.safetensors")
+    lora = [k for k in end if "lora_A" in k or "lora_B" in k]
+    assert lora
+    for k in lora:
+        a, b = (end[k], start[k]) if "lora_A" in k else (end[k].T, start[k].T)  # rank first
+        assert torch.equal(a[2:], b[2:]), k
+    assert any(not torch.equal(end[k], start[k]) for k in lora)
+
+
+def test_forward_mode_refuses_per_client_ranks(tiny_cfg_dict):
+    """A forward-mode client's sub-model is cut from the full-rank adapter: refused at load."""
+    d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, "upload_mb_per_round": 0.004}]}, method="heads",
+             lora={"ranks": [2, 4]})
+    d["method"]["prune"] = "forward"
+    with pytest.raises(ConfigError, match="lora.ranks.*forward"):
+        validate_config(d)

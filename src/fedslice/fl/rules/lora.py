@@ -321,7 +321,7 @@ class LoraRanks(Rule):
         super().check_config(cfg, method_cls)
         if not getattr(method_cls, "lora_ranks_per_client", False):
             raise ValueError(f"{cls.setting(cfg)}: method.name={cfg.method.name!r} trains every "
-                             "client at lora.r (ranks per device tier: fedpetuning, raffm)")
+                             "client at lora.r (ranks per client: fedpetuning, raffm, heads, raffm+heads)")
 
     @classmethod
     def from_config(cls, inner: Strategy, cfg: ExperimentConfig, role: str) -> Strategy:

@@ -53,8 +53,9 @@ class FedPETuning(Method):
             raise ValueError(f"method.tiers: method {cfg.method.name} uses device tiers to choose "
                              "each client's LoRA rank: set lora.ranks (e.g. [4, 8, 16])")
         if ranks and not tiers and cfg.budgets is None:
-            raise ValueError(f"lora.ranks={ranks}: the budgets of method.tiers (or [budgets]) "
-                             "choose each client's rank: set one of them")
+            where = "method.tiers (or [budgets])" if hasattr(cfg.method, "tiers") else "[budgets]"
+            raise ValueError(f"lora.ranks={ranks}: method {cfg.method.name} takes each client's rank "
+                             f"from the budgets of {where}: set one of them")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None, **kw):

@@ -69,7 +69,9 @@ class HeadStage(Method):
     lora_aggregations = ("fedit", "ffa", "fedex", "flora", "svd")
     lora_aggregation_hint = ("a client keeps no B of its own: the heads it prunes change every "
                              "round, and Eq. 8 weighs the head-tied B rows it sends")
-    lora_ranks_per_client = False
+    # per-client LoRA ranks (lora.ranks: tiers or the planner) as the stage below trains them:
+    # the rank axis of a head-tied tensor is not its head axis (B: rows by head, columns by
+    # rank), so a client's kept heads are cut from its rank's tensors
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -85,6 +87,10 @@ class HeadStage(Method):
                    "cannot use it")
             raise ValueError(f"method.prune='forward' with peft.method={name!r}: the {name} "
                              f"adapter {why}; use method.prune='parameters' or lora, dora, ia3")
+        if cfg.method.prune == "forward" and adapter.name == "lora" and cfg.lora.ranks is not None:
+            raise ValueError(f"lora.ranks={cfg.lora.ranks} with method.prune='forward': a forward-mode "
+                             "client's sub-model is cut from the full-rank adapter; use "
+                             "method.prune='parameters' for per-client ranks")
         source = getattr(cfg.method, "importance_source", "pass")
         if source in ("first_step", "training"):
             why = ("method.prune='forward' (a forward-mode client's sub-model needs its keep-mask "
