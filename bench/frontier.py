@@ -11,6 +11,7 @@ row micro-batches and checkpointing):
   raffm          the sub-model stage alone;
   int8           fedpetuning over an int8 base (model.quantize): memory, not FLOPs;
   planned        raffm+heads: the planner's composition;
+  planned-fs     the same with heads' importance from the first local step (no pass of its own);
   mixed          raffm+heads, a population of thirds at 30%, 50% and 100% (run once).
 
 A row whose budget no plan fits is recorded as such (the planner's message), not run.
@@ -20,6 +21,7 @@ Writes ``<out>/<row>.json`` and ``<out>/results.md``. Accuracy runs may share th
 wall times are then indicative only.
 
     .venv/bin/python bench/frontier.py --rounds 30 --clients-per-round 4 --local-steps 8
+    .venv/bin/python bench/frontier.py --upload-only --budgets 0.1 --rows heads raffm planned
 """
 
 from __future__ import annotations
@@ -35,21 +37,24 @@ from fedslice.errors import ConfigError
 from fedslice.experiment import validate_config
 
 METHODS = {"dense": "fedpetuning", "heads": "heads", "raffm": "raffm", "int8": "fedpetuning",
-           "planned": "raffm+heads", "mixed": "raffm+heads"}
+           "planned": "raffm+heads", "planned-fs": "raffm+heads", "mixed": "raffm+heads"}
 
 
 def config(row: str, args, budgets: dict | None) -> dict:
     method = {"name": METHODS[row]}
     if "heads" in METHODS[row]:
         method["importance_max_examples"] = args.importance_examples
+        if row.endswith("-fs"):  # the paper's rule: scores from the first local step, no pass
+            method["importance_source"] = "first_step"
     cfg = {
         "name": row, "seed": args.seed, "threads": args.threads,
         "data": {"path": "sst2", "max_length": 64, "partition": "iid",
                  "max_dev_examples": 256, "max_test_examples": args.test_examples},
         "model": {"name": "minilm", "quantize": "int8" if row == "int8" else "none"},
-        # the planner may lower the rank of the rows whose clients can have their own (raffm, int8)
+        # the planner may lower each client's rank in every planned row (the head stage takes
+        # ranks since 2026-11-26 18:20; the rows "planned" and "heads" before had none)
         "lora": {"r": 16, "alpha": 32, "targets": ["q", "v"],
-                 **({"ranks": [4, 8, 16]} if budgets is not None and row in ("raffm", "int8") else {})},
+                 **({"ranks": [4, 8, 16]} if budgets is not None else {})},
         "federation": {"num_clients": 100, "clients_per_round": args.clients_per_round,
                        "rounds": args.rounds, "local_steps": args.local_steps, "batch_size": 32,
                        "lr": 1e-3, "pack": False},  # every row as the dense one was taken
@@ -63,7 +68,9 @@ def config(row: str, args, budgets: dict | None) -> dict:
     return cfg
 
 
-def tier(f: float, dense: dict, name: str, share: float = 1.0) -> dict:
+def tier(f: float, dense: dict, name: str, share: float = 1.0, upload_only: bool = False) -> dict:
+    if upload_only:  # a client whose link, not its device, is what it cannot afford
+        return {"name": name, "share": share, "upload_mb_per_round": round(f * dense["upload_mb"], 4)}
     return {"name": name, "share": share, "memory_mb": round(f * dense["memory_mb"], 1),
             "gflops_per_round": round(f * dense["gflops"], 2),
             "upload_mb_per_round": round(f * dense["upload_mb"], 4)}
@@ -107,6 +114,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budgets", type=float, nargs="*", default=[0.5, 0.3])
     ap.add_argument("--rows", nargs="*", default=["heads", "raffm", "int8", "planned", "mixed"])
+    ap.add_argument("--upload-only", action="store_true",
+                    help="budgets on upload alone (rows named <row>@up<f>): memory and FLOPs free")
     ap.add_argument("--again", action="store_true", help="re-run rows whose results exist")
     ap.add_argument("--out", type=Path, default=Path("bench/results/frontier_sst2"))
     args = ap.parse_args()
@@ -117,7 +126,8 @@ def main() -> None:
         for row in args.rows:
             if row == "mixed":
                 continue
-            run_row(f"{row}@{f:g}", row, args, {"tiers": [tier(f, dense, f"{f:.0%}")]})
+            at = f"up{f:g}" if args.upload_only else f"{f:g}"
+            run_row(f"{row}@{at}", row, args, {"tiers": [tier(f, dense, f"{f:.0%}", upload_only=args.upload_only)]})
     if "mixed" in args.rows:
         run_row("mixed", "mixed", args, {"tiers": [tier(f, dense, f"{f:.0%}", s) for f, s in
                                                    ((0.3, 0.33), (0.5, 0.33), (1.0, 0.34))]})
