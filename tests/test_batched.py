@@ -114,3 +114,27 @@ def test_image_lora_batched_equals_sequential(tiny_img_cfg_dict):
     batched pass over the tiny DINOv2 (no dropout in its config): the sequential weights."""
     tiny_img_cfg_dict["federation"].update(num_clients=4, clients_per_round=3, rounds=2)
     _compare(tiny_img_cfg_dict)
+
+
+def test_batched_pass_reports_the_activation_peak_of_every_step(tiny_cfg_dict, monkeypatch):
+    """The batched pass counts saved tensors on the stacked batches no earlier counted one
+    dominates; each client's activation figure is the one counting every step gives."""
+    import fedslice.fl.batched as batched
+
+    # one example per client and step, in no order, unpacked: stacked batches of every length
+    tiny_cfg_dict["federation"].update(num_clients=6, clients_per_round=2, rounds=1, local_steps=12,
+                                       batch_size=1, group_by_length=False, pack=False)
+
+    def activations():
+        _, records = _run(tiny_cfg_dict, True)
+        assert records[0]["client_mode"] == "batched"
+        return {m["client"]: m["activation_mb"] for m in records[0]["client_metrics"]}
+
+    picked = activations()
+
+    class Every:
+        def __call__(self, batch):
+            return True
+
+    monkeypatch.setattr(batched, "LargestBatches", Every)
+    assert picked == activations() and all(v > 0 for v in picked.values())

@@ -31,7 +31,7 @@ import torch.nn as nn
 from fedslice.compute import CPU, Compute
 from fedslice.data.batching import TokenizedSplit, stack_batches
 from fedslice.fl.client import LocalResult, local_batches, local_step_count
-from fedslice.measure import PeakMemory, count_flops
+from fedslice.measure import LargestBatches, PeakMemory, count_flops
 from fedslice.peft import Adapter
 from fedslice.tasks.base import batch_examples, batch_head_positions, batch_real_tokens, batch_tokens
 
@@ -182,7 +182,8 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
     padded_total = 0
     optimizer_bytes = 3 * sum(t.numel() * t.element_size() for c in clients for t in c.tensors.values())
     t0 = time.perf_counter()
-    with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01) as mem, \
+    measured = LargestBatches()  # the stacked batches whose saved tensors are counted (the peak's)
+    with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01, saved_tensors=False) as mem, \
             stacked(model, names, stack, adapter):
         step = 0
         while True:
@@ -192,7 +193,7 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
             own = [next(c.batches) for c in active]
             batch, rows = stack_batches(own, pad)  # on the host: the task's loss moves it
             stack.rows, stack.params = rows, [c.tensors for c in active]
-            with count_flops(enabled=step == 0) as fc:
+            with count_flops(enabled=step == 0) as fc, (mem.track() if measured(batch) else contextlib.nullcontext()):
                 with compute.autocast():
                     losses = client_losses(model, batch, rows)
                 total = sum(losses)
