@@ -47,7 +47,6 @@ def test_bad_importance_source_names_the_field(tiny_cfg_dict):
 @pytest.mark.parametrize("extra,federation,why", [
     ({"prune": "forward"}, None, "prune='forward'"),
     ({}, {"weight_decay": 0.01}, "weight_decay"),
-    ({}, {"pack": True}, "pack"),
 ])
 def test_first_step_refuses_what_it_cannot_run_naming_the_fields(tiny_cfg_dict, extra, federation, why):
     with pytest.raises(ConfigError, match="importance_source=.first_step.") as e:
@@ -191,3 +190,50 @@ def test_training_source_keeps_the_top_heads_of_all_training_batches(tiny_cfg_di
     assert torch.equal(reply.arrays[KEPT], method.keep(ref, 3))
     with pytest.raises(ConfigError, match="importance_source='training'"):
         _cfg(tiny_cfg_dict, importance_source="training", prune="forward")
+
+
+# -- packed batches -------------------------------------------------------------------------------
+@pytest.mark.parametrize("family,sinks", [("bert", 0), ("llama", 0), ("llama", 1)])
+def test_packed_batch_scores_equal_the_padded_batchs(family, sinks, tiny_model_dir, tiny_lm_dirs):
+    """The confidence summed over a packed batch's examples (each query's keys its own
+    example's) equals the padded batch's, for an encoder and a causal decoder (with sink keys
+    dropped per example), to float rounding."""
+    from transformers import AutoModel
+
+    from fedslice.data.batching import TokenizedSplit
+    from fedslice.data.packing import model_inputs
+    from fedslice.slicing.heads import batch_confidence_sums, ensure_eager_attention
+
+    folder = tiny_model_dir if family == "bert" else tiny_lm_dirs["llama"]
+    model = AutoModel.from_pretrained(folder).eval()
+    ensure_eager_attention(model)
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(5, 200, (int(n),), generator=g) for n in torch.randint(2, 12, (9,), generator=g)]
+    split = TokenizedSplit(ids, None, torch.zeros(9, dtype=torch.int64), 0)
+    special = torch.tensor([0, 1, 2])
+    padded, packed = split.collate(list(range(9))), split.collate_packed(list(range(9)))
+    assert packed["input_ids"].shape[0] < 9  # rows hold several examples
+    with torch.no_grad():
+        out_p = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
+                      output_attentions=True)
+        inputs = model_inputs(packed, model, causal=family == "llama")
+        out_k = model(**{k: v for k, v in inputs.items() if k != "token_type_ids"}, output_attentions=True)
+    ref = batch_confidence_sums(out_p, padded, model, special, sinks)
+    got = batch_confidence_sums(out_k, packed, model, special, sinks)
+    assert ref.keys() == got.keys() and ref
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=0)
+
+
+def test_first_step_on_packed_batches_scores_like_the_pass(tiny_cfg_dict):
+    """federation.pack = true: the first step's packed forward scores the heads as the pass
+    does on those examples (without attention dropout), so the kept heads are the same."""
+    method, data = setup(_cfg(tiny_cfg_dict, {"pack": True}, sparsity=0.5, importance_source="first_step"))
+    _no_attention_dropout(method.model)
+    _, payload, reply = _fit(method, data, examples=8)
+    model, _ = method.client_model(payload)
+    ref = head_importance(model, data.client(0).subset(torch.arange(8)), method.special_ids)
+    ref = torch.cat([ref[f.name] for f in method.arch.attention_outputs])
+    got = torch.tensor(reply.metrics["head_importance"]).view_as(ref)
+    torch.testing.assert_close(got, ref.float(), atol=2e-6, rtol=0)
+    assert torch.equal(reply.arrays[KEPT], method.keep(ref, 3))

@@ -130,16 +130,21 @@ def is_packed(batch: dict[str, torch.Tensor]) -> bool:
     return "example_starts" in batch
 
 
+def segment_ids(attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """``(R, C)``: the example each token of a packed batch belongs to, 1, 2, ... along each row,
+    0 on padding (an example starts where its position is 0)."""
+    first = (position_ids == 0) | (  # a Python 0: no tensor made on the device (a host copy and sync)
+        torch.arange(position_ids.shape[1], device=position_ids.device) == 0)
+    return torch.cumsum((first & attention_mask.bool()).to(torch.int64), 1) * attention_mask
+
+
 def block_mask(attention_mask: torch.Tensor, position_ids: torch.Tensor, causal: bool,
                additive: torch.dtype | None = None) -> torch.Tensor:
     """The ``(R, 1, C, C)`` mask of a packed batch: each token sees the tokens of its own example
     (and, ``causal``, only those before it); padding sees only padding (no row of the softmax is
     empty). Boolean (True: attend; what sdpa takes), or ``additive`` of that dtype (0 or its
     minimum; what eager attention adds to its scores)."""
-    first = (position_ids == 0) | (  # a Python 0: no tensor made on the device (a host copy and sync)
-        torch.arange(position_ids.shape[1], device=position_ids.device) == 0)
-    # the example each token belongs to (1, 2, ... per row; padding 0)
-    segment = torch.cumsum((first & attention_mask.bool()).to(torch.int64), 1) * attention_mask  # (R, C)
+    segment = segment_ids(attention_mask, position_ids)  # (R, C)
     allowed = segment[:, :, None] == segment[:, None, :]  # (R, C, C)
     if causal:
         allowed = allowed & torch.ones_like(allowed[0]).tril()

@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from fedslice.compute import model_device, to_device
 from fedslice.data.batching import TokenizedSplit, iter_batches
+from fedslice.data.packing import segment_ids
 from fedslice.errors import ConfigError, ModelError
 from fedslice.models.arch import arch_for
 from fedslice.slicing.aggregate import aggregate_deltas
@@ -49,7 +50,8 @@ Dims = Mapping[str, int] | Sequence[Mapping[str, int]]
 
 
 def confidence(attentions: Iterable[torch.Tensor], query_mask: torch.Tensor,
-               key_mask: torch.Tensor, causal: bool = False) -> torch.Tensor:
+               key_mask: torch.Tensor, causal: bool = False,
+               segments: torch.Tensor | None = None) -> torch.Tensor:
     """Per-example head confidence.
 
     attentions: one (B, H, Tq, Tk) tensor of probabilities per layer.
@@ -57,22 +59,36 @@ def confidence(attentions: Iterable[torch.Tensor], query_mask: torch.Tensor,
     key_mask:   (B, Tk), 1 on keys that may be attended (not padding, not special).
     causal:     self-attention where query i sees keys <= i (then Tq = Tk and the real keys are
                 the real queries).
+    segments:   (B, T) of packed self-attention rows (``fedslice.data.packing.segment_ids``:
+                the example of each token, 0 on padding): a query's keys are its own example's.
     Returns (B, L, H): mean over counted queries of the max over allowed keys; a query is counted
-    if it is real, has an allowed key and (causal) sees 2+ real tokens.
+    if it is real, has an allowed key and (causal) sees 2+ real tokens. Packed: (B * S, L, H),
+    one entry per (row, example slot), zero where a row holds fewer examples.
     """
     q, k = query_mask.bool(), key_mask.bool()
     allowed = k[:, None, :].expand(-1, q.shape[1], -1)                   # (B, Tq, Tk)
+    same = None if segments is None else segments[:, :, None] == segments[:, None, :]  # (B, T, T)
+    if same is not None:
+        allowed = allowed & same
     counted = q & allowed.any(-1)                                        # (B, Tq)
     if causal:
-        seen = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()  # (Tq, Tk)
+        seen = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()  # (Tq, Tk)
         allowed = allowed & seen
-        counted = q & allowed.any(-1) & ((q[:, None, :] & seen).sum(-1) >= 2)
+        own = seen if same is None else seen & same                     # (B?, Tq, Tk)
+        counted = q & allowed.any(-1) & ((q[:, None, :] & own).sum(-1) >= 2)
     w = counted.float()
+    # packed: each counted query's weight in its example's mean, (B, Tq, S)
+    slots = None if segments is None else \
+        torch.nn.functional.one_hot(segments, int(segments.max()) + 1)[..., 1:].float() * w[:, :, None]
     out = []
     for att in attentions:
         peak = (att * allowed[:, None].to(att.dtype)).amax(dim=-1)         # (B, H, Tq)
-        out.append((peak * w[:, None, :]).sum(-1) / w.sum(-1).clamp_min(1)[:, None])  # (B, H)
-    return torch.stack(out, dim=1)                                       # (B, L, H)
+        if slots is None:
+            out.append((peak * w[:, None, :]).sum(-1) / w.sum(-1).clamp_min(1)[:, None])  # (B, H)
+        else:
+            sums = torch.einsum("bhq,bqs->bsh", peak, slots)              # (B, S, H)
+            out.append((sums / slots.sum(1).clamp_min(1)[:, :, None]).flatten(0, 1))  # (B * S, H)
+    return torch.stack(out, dim=1)                                       # (B, L, H) or (B * S, L, H)
 
 
 def ensure_eager_attention(model: nn.Module) -> str:
@@ -108,6 +124,15 @@ def drop_sinks(key_mask: torch.Tensor, n: int) -> torch.Tensor:
     return k & (k.long().cumsum(-1) > n)
 
 
+def first_keys(key_mask: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, T): the first ``n`` allowed keys of each example of packed rows (``drop_sinks`` per
+    example)."""
+    k = key_mask.bool()
+    seg = torch.nn.functional.one_hot(segments, int(segments.max()) + 1)[..., 1:] & k[:, :, None]  # (B, T, S)
+    rank = seg.long().cumsum(1)                                          # (B, T, S)
+    return ((rank <= n) & seg).any(-1)
+
+
 def real_positions(att: torch.Tensor, tq: int, tk: int) -> torch.Tensor:
     """The weights (B, H, Tq, Tk) of the real queries and keys of a (B, H, P+Tq, P'+Tk) map:
     an adapter may prepend virtual tokens (prompt tuning: queries and keys) or keys (prefix
@@ -137,10 +162,14 @@ def batch_confidence_sums(out, batch: dict[str, torch.Tensor], model: nn.Module,
             q_ids, q_mask = _tokens(batch, fam.queries, model.config)
             k_ids, k_mask = _tokens(batch, fam.keys, model.config)
             keys = k_mask.bool() & ~torch.isin(k_ids, special)   # (B, Tk)
+        segments = None
+        if "example_starts" in batch:  # packed rows (self-attention of one stack)
+            segments = segment_ids(batch["attention_mask"], batch["position_ids"])
         if fam.causal and sink_keys:
-            keys = drop_sinks(keys, sink_keys)
+            keys = drop_sinks(keys, sink_keys) if segments is None else \
+                keys & ~first_keys(keys, segments, sink_keys)
         atts = [real_positions(a.detach(), q_mask.shape[1], keys.shape[1]) for a in atts]
-        sums[fam.name] = confidence(atts, q_mask, keys, fam.causal).sum(0)  # (L, H)
+        sums[fam.name] = confidence(atts, q_mask, keys, fam.causal, segments).sum(0)  # (L, H)
     return sums
 
 

@@ -96,8 +96,6 @@ class HeadStage(Method):
             why = ("method.prune='forward' (a forward-mode client's sub-model needs its keep-mask "
                    "before its first forward; use importance_source='pass' with a small "
                    "method.importance_max_examples)" if cfg.method.prune == "forward" else
-                   "federation.pack = true (a packed batch's rows hold several examples)"
-                   if cfg.federation.pack else
                    f"federation.weight_decay = {cfg.federation.weight_decay} (AdamW's decay would "
                    "move the pruned heads' rows, which must keep their values)"
                    if cfg.federation.weight_decay and source == "first_step" else None)

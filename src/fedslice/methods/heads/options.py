@@ -51,12 +51,13 @@ class HeadsMethod(MethodOptions):
         "every head-tied row and the pruned rows' gradients are zeroed, so their values never "
         "change; the weight gradients of the pruned rows are computed (training FLOPs are "
         "dense's). Needs prune='parameters' (a 'forward' client's sub-model needs its mask "
-        "before its first forward), no packing and federation.weight_decay = 0. 'training' "
+        "before its first forward) and federation.weight_decay = 0; packed batches are scored "
+        "per example (each query's keys its own example's). 'training' "
         "(not the paper's rule): every training step's forward is captured (eager attention), "
         "the client trains every head and, after training, keeps and sends the top heads of "
         "the scores over all its training batches (no separate forward, flops_importance 0, "
         "training FLOPs dense's; the pruned heads' local training is discarded); needs "
-        "prune='parameters' and no packing.")
+        "prune='parameters'.")
     plot_rounds: int = Field(10, ge=0, description="Rounds drawn in head_importance.png.")
 
 
