@@ -347,3 +347,37 @@ def test_forward_mode_refuses_per_client_ranks(tiny_cfg_dict):
     d["method"]["prune"] = "forward"
     with pytest.raises(ConfigError, match="lora.ranks.*forward"):
         validate_config(d)
+
+
+def test_a_flops_budget_the_pass_does_not_fit_takes_importance_from_the_first_step(tiny_cfg_dict, tmp_path):
+    """The head stage's importance pass costs FLOPs its sparsity does not save: a client whose
+    FLOPs budget fits training but not the pass gets ``importance_source = "first_step"`` (no
+    pass: its flops_importance is 0) while a generous tier keeps the pass; with
+    ``budgets.importance_sources = ["pass"]`` that budget fits no plan."""
+    from fedslice.api import setup
+
+    def plans(tiers, **extra):
+        d = _cfg(tiny_cfg_dict, {"tiers": tiers, **extra}, method="heads")
+        method, _ = setup(validate_config(d))
+        return d, {p.budget.name: p for p in method.plans.values()}
+
+    _, probe = plans([{"share": 0.5, "name": "pass", "memory_mb": 1e4},
+                      {"share": 0.5, "name": "first", "memory_mb": 1e3}],
+                     importance_sources=["pass"])
+    with_pass = probe["pass"].gflops_per_round
+    _, probe = plans([{"share": 1.0, "name": "first", "memory_mb": 1e4}], importance_sources=["first_step"])
+    without = probe["first"].gflops_per_round
+    assert without < with_pass
+    middle = round((with_pass + without) / 2, 6)
+    tiers = [{"share": 0.5, "name": "big", "memory_mb": 1e4},
+             {"share": 0.5, "name": "tight", "gflops_per_round": middle}]
+    d, got = plans(tiers)
+    assert got["big"].knobs.importance == "pass" and got["tight"].knobs.importance == "first_step"
+    assert "importance from the first step" in got["tight"].knobs.describe()
+    run = run_experiment(validate_config(d), tmp_path / "fs", progress=False)
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    by_client = {c: g["budget_name"] for g in _plans(run) for c in g["clients"]}
+    imp = {by_client[m["client"]]: m["flops_importance"] for r in metrics for m in r.get("client_metrics", [])}
+    assert imp["tight"] == 0 and imp["big"] > 0
+    with pytest.raises(ConfigError, match="no plan fits"):
+        plans(tiers, importance_sources=["pass"])

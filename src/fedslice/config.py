@@ -181,6 +181,13 @@ class BudgetsConfig(Section):
                                 "checkpointing for a client (less memory, more FLOPs).")
     width_steps: int = Field(8, gt=0, description="Sub-model widths the planner tries "
                              "(methods with the sub-model stage): 1/steps .. 1.")
+    importance_sources: list[Literal["pass", "first_step"]] = Field(
+        default_factory=lambda: ["pass", "first_step"], min_length=1,
+        description="Where the head stage's clients may take head importance from, best first, "
+        "when method.importance_source is 'pass': the paper's separate pass, or (a client whose "
+        "budget the pass's FLOPs do not fit) the first training step's forward (no pass: "
+        "method.importance_source = 'first_step' for that client; needs prune='parameters' and "
+        "federation.weight_decay = 0, else the pass only).")
 
     @field_validator("sparsities")
     @classmethod
@@ -189,6 +196,11 @@ class BudgetsConfig(Section):
             if not 0 <= x < 1:
                 raise ValueError(f"sparsity {x} is not in [0, 1)")
         return sorted(set(v))
+
+    @field_validator("importance_sources")
+    @classmethod
+    def _sources(cls, v):
+        return sorted(set(v), key=v.index)
 
     @field_validator("micro_batches")
     @classmethod

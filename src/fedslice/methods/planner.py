@@ -144,6 +144,7 @@ class Knobs:
     checkpointing: bool = False
     micro_batches: int = 1
     width: float = 1.0  # the sub-model's share of the full model's linear parameters
+    importance: str | None = None  # where the head stage's scores come from ("pass", "first_step")
 
     def payload_config(self) -> dict[str, Any]:
         """What the client reads from its payload's config (the sub-model and rank travel as the
@@ -151,6 +152,8 @@ class Knobs:
         out: dict[str, Any] = {"micro_batches": self.micro_batches, "checkpointing": self.checkpointing}
         if self.sparsity is not None:
             out["sparsity"] = self.sparsity
+        if self.importance is not None:
+            out["importance_source"] = self.importance
         return out
 
     def describe(self, overhead: bool = True) -> str:
@@ -161,6 +164,8 @@ class Knobs:
             parts.append(f"sparsity {self.sparsity:g}")
         if self.rank is not None:
             parts.append(f"rank {self.rank}")
+        if self.importance == "first_step":
+            parts.append("importance from the first step")
         if overhead:
             parts.append("checkpointing" if self.checkpointing else "no checkpointing")
             parts.append(f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}")
@@ -235,6 +240,7 @@ class BudgetPlanner:
         self.specs: list[tuple[Spec | None, float]] = axes.get("specs") or [(None, 1.0)]  # largest first
         self.sparsities: list[float | None] = axes.get("sparsities") or [None]  # fewest pruned first
         self.ranks: list[int | None] = axes.get("ranks") or [None]  # largest first
+        self.importances: list[str | None] = axes.get("importances") or [None]  # best first
         ckpt = [False, True] if cfg.checkpointing and method.can_checkpoint() else [False]
         #: least overhead first
         self.overheads = [(c, m) for c in ckpt for m in cfg.micro_batches]
@@ -300,8 +306,9 @@ class BudgetPlanner:
         for spec, width in self.specs:
             for s in self.sparsities:
                 for r in self.ranks:
-                    for ckpt, mb in self.overheads:
-                        yield Knobs(spec, s, r, ckpt, mb, width)
+                    for imp in self.importances:
+                        for ckpt, mb in self.overheads:
+                            yield Knobs(spec, s, r, ckpt, mb, width, imp)
 
     def _violations(self, budget: ClientBudget, pred: Mapping[str, float]) -> list[str]:
         out = []
@@ -312,19 +319,21 @@ class BudgetPlanner:
                 out.append(f"{pred[k]:.4g} {unit} > {limit:g}")
         return out
 
-    def _cheapest(self, spec, width, sparsity, rank) -> Knobs:
-        """The least-memory point of a (sub-model, sparsity, rank): every memory saving on."""
+    def _cheapest(self, spec, width, sparsity, rank, importance=None) -> Knobs:
+        """The least-memory point of a (sub-model, sparsity, rank, importance source): every
+        memory saving on (the last importance source, the cheapest, where none is given)."""
         ckpt = any(c for c, _ in self.overheads)
-        return Knobs(spec, sparsity, rank, ckpt, max(m for _, m in self.overheads), width)
+        imp = self.importances[-1] if importance is None else importance
+        return Knobs(spec, sparsity, rank, ckpt, max(m for _, m in self.overheads), width, imp)
 
     def _out_of_reach(self, budget: ClientBudget, spec, width, sparsity, rank, examples: int,
-                      importance_examples: int) -> list[str]:
+                      importance_examples: int, importance=None) -> list[str]:
         """What no overhead of a (sub-model, sparsity, rank) brings within ``budget``: its memory
         at the least-memory point (every saving on), its FLOPs and upload at the least-FLOPs
         points (no checkpointing: it recomputes; one micro-batch, packed where batches pack,
         and the most); empty when some overhead may fit."""
-        least_mem = self._cheapest(spec, width, sparsity, rank)
-        no_ckpt = [Knobs(spec, sparsity, rank, False, m, width)
+        least_mem = self._cheapest(spec, width, sparsity, rank, importance)
+        no_ckpt = [Knobs(spec, sparsity, rank, False, m, width, least_mem.importance)
                    for m in {min(m for _, m in self.overheads), least_mem.micro_batches}]
         mem = self.predicted(least_mem, examples, importance_examples)
         rest = [self.predicted(k, examples, importance_examples) for k in no_ckpt]
@@ -343,8 +352,8 @@ class BudgetPlanner:
             pred = self.predicted(knobs, examples, importance_examples)
             return self._violations(budget, pred), pred
 
-        def reach(spec, width, s, r):
-            return self._out_of_reach(budget, spec, width, s, r, examples, importance_examples)
+        def reach(spec, width, s, r, imp=None):
+            return self._out_of_reach(budget, spec, width, s, r, examples, importance_examples, imp)
 
         passed = None  # (the nearest larger plan passed over, what it needs)
         s_min, r_min = self.sparsities[-1], self.ranks[-1]
@@ -360,16 +369,22 @@ class BudgetPlanner:
                     if over := reach(spec, width, s, r):
                         passed = (f"{Knobs(spec, s, r, width=width).describe(overhead=False)}, at its least", over)
                         continue
-                    for ckpt, mb in self.overheads:
-                        knobs = Knobs(spec, s, r, ckpt, mb, width)
-                        over, pred = check(knobs)
-                        if not over:
-                            return self._plan(client, tier, budget, knobs, pred, passed)
-                        passed = (knobs.describe(), over)
+                    for imp in self.importances:
+                        if len(self.importances) > 1 and (over := reach(spec, width, s, r, imp)):
+                            passed = (f"{Knobs(spec, s, r, width=width, importance=imp).describe(overhead=False)}"
+                                      ", at its least", over)
+                            continue
+                        for ckpt, mb in self.overheads:
+                            knobs = Knobs(spec, s, r, ckpt, mb, width, imp)
+                            over, pred = check(knobs)
+                            if not over:
+                                return self._plan(client, tier, budget, knobs, pred, passed)
+                            passed = (knobs.describe(), over)
         return None
 
     def _plan(self, client, tier, budget, knobs, pred, passed) -> ClientPlan:
-        why = "the most-training plan (largest sub-model, most heads, highest rank, least overhead)"
+        why = ("the most-training plan (largest sub-model, most heads, highest rank, the "
+               "importance pass, least overhead)")
         if passed is not None:
             why = f"the next larger plan ({passed[0]}) needs {'; '.join(passed[1])}"
         return ClientPlan(client, tier, budget, knobs, pred["memory_mb"], pred["gflops_per_round"],

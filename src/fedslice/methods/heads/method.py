@@ -292,6 +292,9 @@ class HeadStage(Method):
             axes["specs"] = [(s, w) for s, w in axes["specs"] if self._prunable(s)]
         if self.opts.pruning == "none":
             return axes
+        if self.needs_importance and self.opts.importance_source == "pass" and \
+                self.opts.prune == "parameters" and not self.cfg.federation.weight_decay:
+            axes["importances"] = list(budgets.importance_sources)  # the pass, then the first step
         rows, heads = self.mask_shape
         pool = rows * heads if self.opts.scope == "global" else heads
         axes["sparsities"] = [s for s in budgets.sparsities if kept_count(rows, heads, s, self.opts.scope) >= 1] \
@@ -316,8 +319,9 @@ class HeadStage(Method):
             payload = Payload({}, {} if outer is None else {"spec": outer.to_dict()})
             sub = self.local_model(lower.model, kept, payload, dims)
             params = self.local_params(sub, kept, dims)
+            source = knobs.importance or self.opts.importance_source
             yield PlannedModel(sub, self.upload_of(params),
-                               lower.model if self.needs_importance else None)
+                               lower.model if self.needs_importance and source == "pass" else None)
 
     def importance_examples(self, n: int) -> int:
         if not self.needs_importance or self.opts.importance_source != "pass":
@@ -335,11 +339,12 @@ class HeadStage(Method):
         model, _ = self.client_model(payload)
         outer = self.client_spec(payload)
         dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
-        if self.needs_importance and self.opts.importance_source == "first_step":
+        source = payload.config.get("importance_source", self.opts.importance_source)  # a plan's
+        if self.needs_importance and source == "first_step":
             alpha, kept, sub, params, result = self._fit_first_step(model, payload, data, seed,
                                                                     dims, outer)
             imp_flops = 0.0  # no forward of its own: the scores come from training's first step
-        elif self.needs_importance and self.opts.importance_source == "training":
+        elif self.needs_importance and source == "training":
             alpha, kept, sub, params, result = self._fit_training(model, payload, data, seed,
                                                                   dims, outer)
             imp_flops = 0.0  # no forward of its own: the scores come from training's forwards
