@@ -8,6 +8,7 @@ untrained (pruned under ``prune = "parameters"`` by every client that held it) i
 attends to noise. Writes ``bench/results/adapters_e2e/untrained_adapters.json``.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/prefix_untrained.py prefix lora-r16
+    OMP_NUM_THREADS=1 .venv/bin/python bench/prefix_untrained.py prefix:zeros   # prefix.init = "zeros"
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ def main(names: list[str]) -> None:
     variants = {v["name"]: v for v in base.pop("variants")}
     out = {}
     for name in names:
-        v = {k: val for k, val in variants[name].items() if k != "name"}
+        variant, _, init = name.partition(":")
+        v = {k: val for k, val in variants[variant].items() if k != "name"}
+        if init:
+            v["prefix"] = {**v.get("prefix", {}), "init": init}
         cfg = json.loads(json.dumps(base))
         for k, val in v.items():
             cfg[k] = {**cfg.get(k, {}), **val}
-        cfg["name"] = f"{name}-untrained"
+        cfg["name"] = f"{name.replace(':', '-')}-untrained"
         cfg["method"] = {"name": "fedpetuning"}
         cfg["federation"].update(rounds=1, lr=1e-12)
         cfg["evaluation"]["every"] = 1
@@ -41,7 +45,8 @@ def main(names: list[str]) -> None:
         out[name] = {k: s[k] for k in s if "rouge" in k or "bleu" in k}
         print(name, out[name], flush=True)
     dest = Path("bench/results/adapters_e2e/untrained_adapters.json")
-    dest.write_text(json.dumps(out, indent=1))
+    old = json.loads(dest.read_text()) if dest.is_file() else {}
+    dest.write_text(json.dumps({**old, **out}, indent=1))
 
 
 if __name__ == "__main__":

@@ -483,3 +483,25 @@ def test_prompt_tuning_costs_the_model_on_its_virtual_tokens(tiny_cfg_dict):
         flops[(name, P)] = method.fit(payload, data.client(0), 0).metrics["flops_measured"]
     assert flops[("prompt", 16)] > 1.3 * flops[("prompt", 4)]
     assert flops[("prefix", 16)] < flops[("prompt", 16)]
+
+
+@pytest.mark.parametrize("projection", [False, True])
+def test_prefix_init_zeros_adds_nothing_to_the_values_until_trained(projection, tiny_lm_dirs):
+    """``prefix.init = "zeros"``: the prefix's keys and values start at zero (the embedding, or
+    the projection's last layer), where peft's ``random`` does not, and the zero prefix still
+    gets a gradient (the values' through the attention weights)."""
+    base = _lm(tiny_lm_dirs, "llama")
+    a = arch_for(base)
+    zeros = PrefixAdapter(PrefixConfig(num_virtual_tokens=3, init="zeros", projection=projection), a)
+    random = PrefixAdapter(PrefixConfig(num_virtual_tokens=3, projection=projection), a)
+    model = zeros.apply(copy.deepcopy(base))
+    leaves = ("transform.2.weight", "transform.2.bias") if projection else ("embedding.weight",)
+    zeroed = {n: p for n, p in zeros.tensors(model).items() if n.endswith(leaves)}
+    assert zeroed and all(float(p.abs().max()) == 0 for p in zeroed.values())
+    assert any(float(p.abs().max()) > 0 for n, p in random.tensors(random.apply(copy.deepcopy(base))).items()
+               if n.endswith(leaves))
+    ids = torch.randint(5, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert any(p.grad is not None and float(p.grad.abs().max()) > 0 for p in zeroed.values())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from fedslice.config import AdapterOptions
@@ -17,4 +19,9 @@ class PrefixConfig(AdapterOptions):
                              "directly.")
     encoder_hidden_size: int | None = Field(None, gt=0, description="The MLP's hidden width "
                                             "(default: the model's hidden size).")
+    init: Literal["random", "zeros"] = Field(
+        "random", description="The prefix's first values: 'random' (peft's: normal keys and values, "
+        "which every head then attends to before any training), or 'zeros' (zero keys and values: "
+        "the prefix adds nothing to a head's output until trained, only taking a share of its "
+        "attention; with projection, the MLP's last layer starts at zero).")
     train_classifier: bool = True

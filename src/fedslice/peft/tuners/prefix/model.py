@@ -47,6 +47,17 @@ class PrefixAdapter(PromptLearningAdapter):
                                   encoder_hidden_size=o.encoder_hidden_size or common["token_dim"],
                                   **common)
 
+    def apply(self, model: nn.Module, layers=None) -> nn.Module:
+        model = super().apply(model, layers)
+        if self.options.init == "zeros":
+            for name, p in self.tensors(model).items():
+                leaf = name.split("prompt_encoder.", 1)[-1].split(".", 1)[-1]
+                if leaf in (("transform.2.weight", "transform.2.bias") if self.options.projection
+                            else ("embedding.weight",)):
+                    with torch.no_grad():
+                        p.zero_()
+        return model
+
     def head_positions(self, name: str, shape: torch.Size, dims: Sequence[Mapping[str, int]]
                        ) -> HeadPositions | None:
         """The prefix axis of ``embedding.weight`` (columns; rows of the projection's last
