@@ -487,13 +487,13 @@ def test_prompt_tuning_costs_the_model_on_its_virtual_tokens(tiny_cfg_dict):
 
 @pytest.mark.parametrize("projection", [False, True])
 def test_prefix_init_zeros_adds_nothing_to_the_values_until_trained(projection, tiny_lm_dirs):
-    """``prefix.init = "zeros"``: the prefix's keys and values start at zero (the embedding, or
+    """``prefix.init = "zeros"`` (the default): the prefix's keys and values start at zero (the embedding, or
     the projection's last layer), where peft's ``random`` does not, and the zero prefix still
     gets a gradient (the values' through the attention weights)."""
     base = _lm(tiny_lm_dirs, "llama")
     a = arch_for(base)
-    zeros = PrefixAdapter(PrefixConfig(num_virtual_tokens=3, init="zeros", projection=projection), a)
-    random = PrefixAdapter(PrefixConfig(num_virtual_tokens=3, projection=projection), a)
+    zeros = PrefixAdapter(PrefixConfig(num_virtual_tokens=3, projection=projection), a)  # the default
+    random = PrefixAdapter(PrefixConfig(num_virtual_tokens=3, init="random", projection=projection), a)
     model = zeros.apply(copy.deepcopy(base))
     leaves = ("transform.2.weight", "transform.2.bias") if projection else ("embedding.weight",)
     zeroed = {n: p for n, p in zeros.tensors(model).items() if n.endswith(leaves)}

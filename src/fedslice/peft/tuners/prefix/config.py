@@ -19,9 +19,11 @@ class PrefixConfig(AdapterOptions):
                              "directly.")
     encoder_hidden_size: int | None = Field(None, gt=0, description="The MLP's hidden width "
                                             "(default: the model's hidden size).")
-    init: Literal["random", "zeros"] = Field(
-        "random", description="The prefix's first values: 'random' (peft's: normal keys and values, "
-        "which every head then attends to before any training), or 'zeros' (zero keys and values: "
-        "the prefix adds nothing to a head's output until trained, only taking a share of its "
-        "attention; with projection, the MLP's last layer starts at zero).")
+    init: Literal["zeros", "random"] = Field(
+        "zeros", description="The prefix's first values: 'zeros' (zero keys and values: the prefix "
+        "adds nothing to a head's output until trained, only taking a share of its attention; "
+        "with projection, the MLP's last layer starts at zero), or 'random' (peft's normal keys "
+        "and values, which every head attends to before any training: on E2E an untrained "
+        "random prefix scores ROUGE-L 3.9 against the base model's 23.3, and a head pruned by "
+        "every client keeps it; runs before 2026-11-26 used it).")
     train_classifier: bool = True
