@@ -244,7 +244,23 @@ def test_documented_commands_run(tmp_path, monkeypatch, capsys):
     assert (work / "runs" / "fedpetuning-sst2-demo" / "report.html").is_file()
 
 
-CONFIGS = sorted([*(ROOT / "configs").glob("*.toml"), *(ROOT / "bench").rglob("*.toml")])
+def _not_ignored(paths: list[Path]) -> list[Path]:
+    """The files git does not ignore (a benchmark's run folders under bench/results hold the
+    config.toml each run writes: results, not configs); all of them outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "check-ignore", "--stdin"], cwd=ROOT, capture_output=True,
+                             text=True, input="\n".join(str(p.relative_to(ROOT)) for p in paths))
+    except OSError:
+        return paths
+    if out.returncode not in (0, 1):  # 128: not a git checkout
+        return paths
+    ignored = set(out.stdout.split())
+    return [p for p in paths if str(p.relative_to(ROOT)) not in ignored]
+
+
+CONFIGS = _not_ignored(sorted([*(ROOT / "configs").glob("*.toml"), *(ROOT / "bench").rglob("*.toml")]))
 
 
 def config_header(path: Path) -> str:
