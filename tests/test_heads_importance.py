@@ -31,6 +31,17 @@ def _fit(method, data, client=0, seed=3, examples=None):
     return state, payload, method.fit(payload, split, seed)
 
 
+def _assert_scores_like_the_pass(method, data, payload, reply):
+    """The reply's head scores are the pass's on the client's 8 examples, with the payload's
+    weights (training moved the model), to float rounding; so are the kept heads."""
+    model, _ = method.client_model(payload)
+    ref = head_importance(model, data.client(0).subset(torch.arange(8)), method.special_ids)
+    ref = torch.cat([ref[f.name] for f in method.arch.attention_outputs])
+    got = torch.tensor(reply.metrics["head_importance"]).view_as(ref)
+    torch.testing.assert_close(got, ref.float(), atol=2e-6, rtol=0)
+    assert torch.equal(reply.arrays[KEPT], method.keep(ref, 3))
+
+
 def _no_attention_dropout(model):
     """Attention dropout off (the eager kernel reads ``self.dropout.p`` in training mode)."""
     for m in model.modules():
@@ -104,12 +115,7 @@ def test_first_step_scores_equal_the_pass_on_the_same_batch(tiny_cfg_dict):
     method, data = setup(_cfg(tiny_cfg_dict, sparsity=0.5, importance_source="first_step"))
     _no_attention_dropout(method.model)
     _, payload, reply = _fit(method, data, examples=8)
-    model, _ = method.client_model(payload)  # the payload's weights (training moved the model)
-    ref = head_importance(model, data.client(0).subset(torch.arange(8)), method.special_ids)
-    ref = torch.cat([ref[f.name] for f in method.arch.attention_outputs])
-    got = torch.tensor(reply.metrics["head_importance"]).view_as(ref)
-    torch.testing.assert_close(got, ref.float(), atol=2e-6, rtol=0)
-    assert torch.equal(reply.arrays[KEPT], method.keep(ref, 3))
+    _assert_scores_like_the_pass(method, data, payload, reply)
 
 
 def test_first_step_keeps_pruned_tensors_exactly_and_trains_like_the_pass(tiny_cfg_dict):
@@ -182,12 +188,7 @@ def test_training_source_keeps_the_top_heads_of_all_training_batches(tiny_cfg_di
     _no_attention_dropout(method.model)
     _, payload, reply = _fit(method, data, examples=8)
     assert reply.metrics["flops_importance"] == 0.0
-    model, _ = method.client_model(payload)
-    ref = head_importance(model, data.client(0).subset(torch.arange(8)), method.special_ids)
-    ref = torch.cat([ref[f.name] for f in method.arch.attention_outputs])
-    got = torch.tensor(reply.metrics["head_importance"]).view_as(ref)
-    torch.testing.assert_close(got, ref.float(), atol=2e-6, rtol=0)
-    assert torch.equal(reply.arrays[KEPT], method.keep(ref, 3))
+    _assert_scores_like_the_pass(method, data, payload, reply)
     with pytest.raises(ConfigError, match="importance_source='training'"):
         _cfg(tiny_cfg_dict, importance_source="training", prune="forward")
 
@@ -231,9 +232,4 @@ def test_first_step_on_packed_batches_scores_like_the_pass(tiny_cfg_dict):
     method, data = setup(_cfg(tiny_cfg_dict, {"pack": True}, sparsity=0.5, importance_source="first_step"))
     _no_attention_dropout(method.model)
     _, payload, reply = _fit(method, data, examples=8)
-    model, _ = method.client_model(payload)
-    ref = head_importance(model, data.client(0).subset(torch.arange(8)), method.special_ids)
-    ref = torch.cat([ref[f.name] for f in method.arch.attention_outputs])
-    got = torch.tensor(reply.metrics["head_importance"]).view_as(ref)
-    torch.testing.assert_close(got, ref.float(), atol=2e-6, rtol=0)
-    assert torch.equal(reply.arrays[KEPT], method.keep(ref, 3))
+    _assert_scores_like_the_pass(method, data, payload, reply)
