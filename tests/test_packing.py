@@ -229,6 +229,45 @@ def test_packed_measured_flops_extrapolate_exactly(model_type, tmp_path_factory)
     assert res.flops_measured == pytest.approx(want, rel=1e-6)
 
 
+def test_later_clients_reuse_the_packed_rates_and_a_changed_structure_recounts(monkeypatch):
+    """A second client of the same shared model counts no FLOPs (the first's per-unit rates hold
+    for its packed batches: its figure is still every step's count summed, to 1e-6); a model
+    whose trainable set changed, or another loss, is counted again."""
+    import fedslice.fl.client as client
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = _lora(AutoModelForCausalLM.from_config(tiny_lm_config("llama", 300, pad=0, eos=2)),
+                  ["q_proj", "v_proj"])
+    loss_fn = lambda m, b: lm_loss(m, b, "causal")  # noqa: E731
+    cfg = {"lr": 1e-3, "batch_size": 8, "local_steps": 4, "max_grad_norm": 1.0,
+           "group_by_length": False}
+    counted = []
+    real = client.count_flops
+
+    def recording(enabled=True, head=()):
+        counted.append(enabled)
+        return real(enabled=enabled, head=head)
+
+    monkeypatch.setattr(client, "count_flops", recording)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    train_local(model, params, pairs(30, 300, pad=0), cfg, seed=3, loss_fn=loss_fn, pack=True)
+    assert counted == [True, False, False, False]
+    counted.clear()
+    other = pairs(24, 300, pad=0, seed=7)
+    want, _ = _counted_every_step(model, loss_fn, other, cfg, seed=5)
+    res = train_local(model, params, other, cfg, seed=5, loss_fn=loss_fn, pack=True)
+    assert not any(counted) and res.flops_measured == pytest.approx(want, rel=1e-6)
+    for changed in ("trainable", "loss"):
+        counted.clear()
+        if changed == "trainable":
+            next(p for n, p in model.named_parameters() if "embed" in n).requires_grad_(True)
+        else:
+            loss_fn = lambda m, b: lm_loss(m, b, "causal")  # noqa: E731
+        train_local(model, params, other, cfg, seed=5, loss_fn=loss_fn, pack=True)
+        assert counted[0] is True, changed
+
+
 # -- the packed step's attention and dropout ------------------------------------------------------
 def test_uniform_dropout_keeps_the_distribution_and_its_gradient():
     from fedslice.data.packing import uniform_dropout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -104,7 +105,7 @@ class _FlopExtrapolation:
 
     def first(self, fc, batch: dict[str, torch.Tensor], virtual_tokens: int) -> None:
         positions = _positions(batch, virtual_tokens)
-        if is_packed(batch) and not virtual_tokens:
+        if self.counts_rates(batch, virtual_tokens):
             heads = batch_head_positions(batch)
             self.per_pair = fc.attention / _attention_units(batch)
             self.per_head = fc.head / heads if heads else 0.0
@@ -112,6 +113,20 @@ class _FlopExtrapolation:
             self.per_position = rest / positions
         else:
             self.per_position = fc.total / positions
+
+    @staticmethod
+    def counts_rates(batch: dict[str, torch.Tensor], virtual_tokens: int) -> bool:
+        """Whether the first step gives per-unit rates that hold for any batch of the same model
+        (packed batches without virtual tokens), not a per-position figure of its shape."""
+        return is_packed(batch) and not virtual_tokens
+
+    @property
+    def rates(self) -> tuple[float, float, float]:
+        return self.per_position, self.per_pair, self.per_head
+
+    @rates.setter
+    def rates(self, value: tuple[float, float, float]) -> None:
+        self.per_position, self.per_pair, self.per_head = value
 
     def add(self, batch: dict[str, torch.Tensor], virtual_tokens: int) -> None:
         self.positions += _positions(batch, virtual_tokens)
@@ -126,6 +141,39 @@ class _FlopExtrapolation:
     @property
     def total(self) -> float:
         return self.per_position * self.positions + self.per_pair * self.pairs + self.per_head * self.heads
+
+
+class _RateCache:
+    """Packed steps' FLOP rates per model and structure, so a round's clients of one shared
+    model count FLOPs once, not each on its first step (the counter's per-op Python costs about
+    a second per client of a launch-bound GPU step). The rates are per unit (position, query-key
+    pair, head position), so they hold for every packed batch of the same structure: what the
+    count runs through (trainable and frozen tensors' names and shapes, the peft adapter that is
+    active, the loss, checkpointing, the head modules). A model that changes in any of these is
+    counted again; one that is garbage-collected drops its entries."""
+
+    def __init__(self, per_model: int = 8) -> None:
+        self._models: weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[float, float, float]]] = \
+            weakref.WeakKeyDictionary()
+        self.per_model = per_model
+
+    @staticmethod
+    def key(model: nn.Module, loss_fn: LossFn, checkpointing: bool, head: tuple[str, ...]) -> tuple:
+        params = tuple((n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters())
+        adapters = getattr(model, "active_adapters", None)
+        return (loss_fn, checkpointing, head, repr(adapters), params)  # the loss_fn is held: no id reuse
+
+    def get(self, model: nn.Module, key: tuple) -> tuple[float, float, float] | None:
+        return self._models.get(model, {}).get(key)
+
+    def put(self, model: nn.Module, key: tuple, rates: tuple[float, float, float]) -> None:
+        entries = self._models.setdefault(model, {})
+        if len(entries) >= self.per_model:
+            entries.pop(next(iter(entries)))
+        entries[key] = rates
+
+
+_RATES = _RateCache()
 
 
 @contextmanager
@@ -236,7 +284,8 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     ``cfg`` holds the strategy's train config (lr, weight_decay, local_epochs/local_steps,
     batch_size, max_grad_norm, fedprox_mu). The first step runs under a FLOP counter; the total
     is that count per padded token times the padded tokens of all steps (packed batches: each
-    part of the count by what it grows with, :class:`_FlopExtrapolation`). ``compute``: the
+    part of the count by what it grows with, :class:`_FlopExtrapolation`, whose rates a later
+    client of the same model and structure reuses without counting: :class:`_RateCache`). ``compute``: the
     device batches go to and the autocast precision of forward and loss (parameters, gradients
     and optimizer state stay fp32; fp16 scales the loss). ``virtual_tokens``: positions an
     adapter prepends to every sequence (prompt tuning, P-tuning): the model runs on them too, so
@@ -261,6 +310,8 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     real = 0
     flops = _FlopExtrapolation()
     head = head_segments(model) if pack else ()
+    rate_key = _RATES.key(model, loss_fn, bool(cfg.get("checkpointing")), head) if pack else None
+    cached = _RATES.get(model, rate_key) if pack else None
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
     scaler = compute.grad_scaler()
@@ -272,7 +323,8 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
             gradient_checkpointing(model, bool(cfg.get("checkpointing"))):
         for step, batch in enumerate(local_batches(data, cfg, gen, pack)):
             advance()
-            with count_flops(enabled=step == 0, head=head) as fc, \
+            counted = step == 0 and not (cached and flops.counts_rates(batch, virtual_tokens))
+            with count_flops(enabled=counted, head=head) as fc, \
                     (mem.track() if measured(batch) else nullcontext()):
                 if micro > 1 and not is_packed(batch):
                     loss, trains = _accumulate(model, params, batch, micro, loss_fn, compute, scaler, ref, mu)
@@ -287,8 +339,12 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
                     trains = total.requires_grad
                     if trains:
                         (scaler.scale(total) if scaler else total).backward()
-            if step == 0:
+            if counted:
                 flops.first(fc, batch, virtual_tokens)
+                if rate_key is not None and flops.counts_rates(batch, virtual_tokens):
+                    _RATES.put(model, rate_key, flops.rates)
+            elif step == 0:
+                flops.rates = cached
             if trains:
                 _optimizer_step(opt, params, scaler, clip)
             opt.zero_grad(set_to_none=True)
