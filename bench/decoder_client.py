@@ -81,7 +81,9 @@ def collate(pad: int):
 
 
 def run_trainer(method, data, steps: int, batch: int, lr: float, precision: str = "fp32",
-                device: str = "cpu") -> dict:
+                device: str = "cpu", seed: int = 0) -> dict:
+    """``seed``: the batch order (each repeat takes another, as fedslice's client does: a repeat
+    of the same order would find its shapes' kernels and plans already made)."""
     from transformers import Trainer, TrainingArguments
 
     model = method.model  # the same peft model (LoRA on q/v), state reset by the caller
@@ -98,7 +100,7 @@ def run_trainer(method, data, steps: int, batch: int, lr: float, precision: str 
                                  learning_rate=lr, weight_decay=0.0, max_grad_norm=1.0,
                                  lr_scheduler_type="constant", warmup_steps=0, report_to=[],
                                  save_strategy="no", logging_strategy="no", use_cpu=device == "cpu",
-                                 dataloader_num_workers=0, remove_unused_columns=False, seed=0,
+                                 dataloader_num_workers=0, remove_unused_columns=False, seed=seed,
                                  bf16=precision == "bf16")
         trainer = Trainer(model=model, args=args, train_dataset=Examples(data), data_collator=counted)
         t = time.perf_counter()
@@ -143,7 +145,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for name in ("trainer", "fedslice"):
             method.load_state(method.trainable(), start)
-            r = run_trainer(method, data, args.steps, 8, 2e-3, args.precision, args.device) if name == "trainer" else \
+            r = run_trainer(method, data, args.steps, 8, 2e-3, args.precision, args.device, seed=rep + 1) if name == "trainer" else \
                 run_fedslice(method, data, args.steps, client_seed(0, rep + 1, 0))
             rows[name].append(r)
             print(f"{name} #{rep}: {r['tokens_per_s']:.0f} real tokens/s ({r['time_s']:.1f} s)", flush=True)

@@ -7,7 +7,7 @@ FLOP count (:func:`fedslice.measure.count_flops`) -- and the Trainer + peft
 client at the same step counts. The variants patch the two measurements out of
 ``fedslice.fl.client`` for this process only (an experiment, not a setting).
 
-    python bench/decoder_overhead.py --device cuda --precision bf16 [--set model.name=FOLDER]
+    python bench/decoder_overhead.py --device cuda --precision bf16 [--set model.name=FOLDER] [--variants ...] [--profile]
 """
 
 from __future__ import annotations
@@ -55,6 +55,30 @@ VARIANTS = {"default": (PEAK, COUNT), "saved tensors every step": (EveryStep, CO
             "neither": (NoSavedTensors, no_count)}
 
 
+def profiled(name: str, fn) -> None:
+    """Print where ``fn()``'s time goes: torch.profiler's ops and kernels by self CUDA time and by
+    self CPU time, and cProfile's Python functions by own time."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as p:
+        fn()
+    table = p.key_averages()
+    print(f"== {name}: by self CUDA time", flush=True)
+    print(table.table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
+    print(f"== {name}: by self CPU time", flush=True)
+    print(table.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    pr.disable()
+    print(f"== {name}: Python functions by own time", flush=True)
+    pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+
+
 def timed_fit(method, data, start, steps: int, seed: int) -> float:
     method.load_state(method.trainable(), start)
     return dc.run_fedslice(method, data, steps, seed)["time_s"]
@@ -67,6 +91,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--json")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where a 12-step fedslice client's and Trainer's time goes")
     args = ap.parse_args()
     cfg = load_config("configs/e2e_smollm2.toml", [
         "compute.workers=1", f'compute.precision="{args.precision}"', "data.max_length=64",
@@ -76,7 +103,8 @@ def main() -> None:
     start = {n: p.detach().clone() for n, p in method.trainable().items()}
     timed_fit(method, data, start, 12, 0)  # warm-up: kernels, allocator, first FLOP count
     out = {}
-    for name, (peak, count) in VARIANTS.items():
+    for name in args.variants:
+        peak, count = VARIANTS[name]
         client.PeakMemory, client.count_flops = peak, count
         t = {s: statistics.median(timed_fit(method, data, start, s, r + 1) for r in range(args.repeats))
              for s in (12, 36)}
@@ -88,14 +116,18 @@ def main() -> None:
     trainer = {}
     for s in (12, 36):
         runs = []
-        for _ in range(args.repeats):
+        for r in range(args.repeats):
             method.load_state(method.trainable(), start)
-            runs.append(dc.run_trainer(method, data, s, 8, 2e-3, args.precision, args.device)["time_s"])
+            runs.append(dc.run_trainer(method, data, s, 8, 2e-3, args.precision, args.device, seed=r + 1)["time_s"])
         trainer[s] = statistics.median(runs)
     per_step = (trainer[36] - trainer[12]) / 24
     out["trainer"] = {"t12_s": trainer[12], "t36_s": trainer[36], "per_step_ms": 1e3 * per_step,
                       "fixed_ms": 1e3 * (trainer[12] - 12 * per_step)}
     print("trainer", {k: round(v, 4) for k, v in out["trainer"].items()}, flush=True)
+    if args.profile:
+        profiled("fedslice", lambda: timed_fit(method, data, start, 12, 9))
+        method.load_state(method.trainable(), start)
+        profiled("trainer", lambda: dc.run_trainer(method, data, 12, 8, 2e-3, args.precision, args.device, seed=9))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -432,5 +432,60 @@ def test_train_local_reports_the_activation_peak_of_every_step(pack, tmp_path, m
             return True
 
     monkeypatch.setattr(client, "LargestBatches", Every)
+    monkeypatch.setattr(client, "_SAVED", client._ModelCache(per_model=8))  # measure, not recall
     every = client.train_local(model, params, split, cfg, seed=0, loss_fn=loss, pack=pack)
     assert picked.activation_mb == every.activation_mb > 0
+
+
+def test_a_block_peak_is_its_own_and_a_recalled_peak_counts_as_measured():
+    x = torch.randn(6, 5)
+    big, small = nn.Linear(5, 5), nn.Linear(5, 2)
+    with PeakMemory(saved_tensors=False) as mem:
+        with mem.track_block() as first:
+            torch.relu(big(x)).sum().backward()
+        with mem.track_block() as second:
+            torch.relu(small(x)).sum().backward()
+    assert first.peak_bytes > second.peak_bytes > 0  # each block's own peak
+    assert mem.saved_activation_mb == first.peak_bytes / 2**20  # the running peak: the larger
+    with PeakMemory(saved_tensors=False) as recalled:
+        recalled.add_saved_peak(first.peak_bytes)
+        with recalled.track_block():
+            torch.relu(small(x)).sum().backward()
+    assert recalled.saved_activation_mb == mem.saved_activation_mb
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_later_client_recalls_the_saved_tensor_peaks_of_shapes_already_measured(pack, tmp_path, monkeypatch):
+    """A second client of the same model on batches of shapes already measured installs no
+    saved-tensor hooks and reports the same activation peak; a changed trainable set measures
+    again."""
+    from conftest import save_tiny_model
+    from transformers import AutoModelForSequenceClassification
+
+    import fedslice.fl.client as client
+    from fedslice.data.batching import TokenizedSplit
+    from fedslice.tasks.classification import packed_classifier_loss
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(save_tiny_model(tmp_path, "bert")).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(5, model.config.vocab_size, (int(n),), generator=g)
+           for n in torch.randint(2, 30, (48,), generator=g)]
+    split = TokenizedSplit(ids, None, torch.randint(0, 2, (48,), generator=g), 0)
+    cfg = {"lr": 1e-3, "batch_size": 6, "local_steps": 8, "group_by_length": False}
+    loss = (lambda m, b: packed_classifier_loss(m, b, "bert")) if pack else (lambda m, b: m(**b).loss)
+    params = {n: p for n, p in model.named_parameters() if "classifier" in n}
+    first = client.train_local(model, params, split, cfg, seed=0, loss_fn=loss, pack=pack)
+    blocks = []
+    real = PeakMemory.track_block
+
+    def recording(self):
+        blocks.append(1)
+        return real(self)
+
+    monkeypatch.setattr(PeakMemory, "track_block", recording)
+    again = client.train_local(model, params, split, cfg, seed=0, loss_fn=loss, pack=pack)
+    assert not blocks and again.activation_mb == first.activation_mb > 0
+    next(p for n, p in model.named_parameters() if "word_embeddings" in n).requires_grad_(False)
+    client.train_local(model, params, split, cfg, seed=0, loss_fn=loss, pack=pack)
+    assert blocks  # another structure: measured again

@@ -143,37 +143,44 @@ class _FlopExtrapolation:
         return self.per_position * self.positions + self.per_pair * self.pairs + self.per_head * self.heads
 
 
-class _RateCache:
-    """Packed steps' FLOP rates per model and structure, so a round's clients of one shared
-    model count FLOPs once, not each on its first step (the counter's per-op Python costs about
-    a second per client of a launch-bound GPU step). The rates are per unit (position, query-key
-    pair, head position), so they hold for every packed batch of the same structure: what the
-    count runs through (trainable and frozen tensors' names and shapes, the peft adapter that is
-    active, the loss, checkpointing, the head modules). A model that changes in any of these is
-    counted again; one that is garbage-collected drops its entries."""
+class _ModelCache:
+    """Figures measured on a shared model that depend only on what it computes, kept per model
+    so a round's later clients of the same model skip measuring them again: the packed steps'
+    FLOP rates (the counter's per-op Python costs about a second per client of a launch-bound GPU
+    step) and a batch shape's saved-tensor peak (hooks on every saved tensor: a quarter of a
+    small decoder's GPU step). Keys hold what the figure depends on (:func:`structure`, and the
+    caller's additions); a model that changes in any of it is measured again, one that is
+    garbage-collected drops its entries. At most ``per_model`` entries per model (oldest out)."""
 
-    def __init__(self, per_model: int = 8) -> None:
-        self._models: weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[float, float, float]]] = \
-            weakref.WeakKeyDictionary()
+    def __init__(self, per_model: int) -> None:
+        self._models: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Any]] = weakref.WeakKeyDictionary()
         self.per_model = per_model
 
-    @staticmethod
-    def key(model: nn.Module, loss_fn: LossFn, checkpointing: bool, head: tuple[str, ...]) -> tuple:
-        params = tuple((n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters())
-        adapters = getattr(model, "active_adapters", None)
-        return (loss_fn, checkpointing, head, repr(adapters), params)  # the loss_fn is held: no id reuse
-
-    def get(self, model: nn.Module, key: tuple) -> tuple[float, float, float] | None:
+    def get(self, model: nn.Module, key: tuple) -> Any:
         return self._models.get(model, {}).get(key)
 
-    def put(self, model: nn.Module, key: tuple, rates: tuple[float, float, float]) -> None:
+    def put(self, model: nn.Module, key: tuple, value: Any) -> None:
         entries = self._models.setdefault(model, {})
-        if len(entries) >= self.per_model:
+        if key not in entries and len(entries) >= self.per_model:
             entries.pop(next(iter(entries)))
-        entries[key] = rates
+        entries[key] = value
 
 
-_RATES = _RateCache()
+def structure(model: nn.Module, loss_fn: LossFn, checkpointing: bool, head: tuple[str, ...]) -> tuple:
+    """What a training step of ``model`` computes, for :class:`_ModelCache` keys: every tensor's
+    name, shape and whether it trains, the active peft adapter, the loss (held, so its id is not
+    reused), checkpointing and the head modules."""
+    params = tuple((n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters())
+    return (loss_fn, checkpointing, head, repr(getattr(model, "active_adapters", None)), params)
+
+
+def _shapes(batch: dict[str, torch.Tensor]) -> tuple:
+    return tuple((k, tuple(v.shape)) for k, v in batch.items() if isinstance(v, torch.Tensor))
+
+
+_RATES = _ModelCache(per_model=8)  # structure -> packed FLOP rates
+_SAVED = _ModelCache(per_model=8)  # (structure, precision, ...) -> {batch shapes: saved-tensor peak bytes}
+_SHAPES_KEPT = 4096  # batch shapes remembered per key
 
 
 @contextmanager
@@ -285,7 +292,8 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     batch_size, max_grad_norm, fedprox_mu). The first step runs under a FLOP counter; the total
     is that count per padded token times the padded tokens of all steps (packed batches: each
     part of the count by what it grows with, :class:`_FlopExtrapolation`, whose rates a later
-    client of the same model and structure reuses without counting: :class:`_RateCache`). ``compute``: the
+    client of the same model and structure reuses without counting: :class:`_ModelCache`; so
+    are the saved-tensor peaks of the batch shapes measured). ``compute``: the
     device batches go to and the autocast precision of forward and loss (parameters, gradients
     and optimizer state stay fp32; fp16 scales the loss). ``virtual_tokens``: positions an
     adapter prepends to every sequence (prompt tuning, P-tuning): the model runs on them too, so
@@ -310,12 +318,17 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     real = 0
     flops = _FlopExtrapolation()
     head = head_segments(model) if pack else ()
-    rate_key = _RATES.key(model, loss_fn, bool(cfg.get("checkpointing")), head) if pack else None
-    cached = _RATES.get(model, rate_key) if pack else None
+    what = structure(model, loss_fn, bool(cfg.get("checkpointing")), head)
+    cached = _RATES.get(model, what) if pack else None
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
     scaler = compute.grad_scaler()
     micro = int(cfg.get("micro_batches") or 1)
+    saved_key = (what, compute.device.type, compute.precision, micro, mu > 0)
+    saved_peaks = _SAVED.get(model, saved_key)
+    if saved_peaks is None:
+        saved_peaks = {}
+        _SAVED.put(model, saved_key, saved_peaks)
     measured = LargestBatches()  # the steps whose saved tensors are counted (the peak's)
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01, saved_tensors=False) as mem, \
             progress.task("local training steps", local_step_count(data, cfg)) as advance, \
@@ -324,8 +337,12 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
         for step, batch in enumerate(local_batches(data, cfg, gen, pack)):
             advance()
             counted = step == 0 and not (cached and flops.counts_rates(batch, virtual_tokens))
+            shape_key = _shapes(batch) if measured(batch) else None
+            known = saved_peaks.get(shape_key) if shape_key else None
+            if known is not None:
+                mem.add_saved_peak(known)  # this shape's peak, measured on an earlier client
             with count_flops(enabled=counted, head=head) as fc, \
-                    (mem.track() if measured(batch) else nullcontext()):
+                    (mem.track_block() if shape_key and known is None else nullcontext()) as block:
                 if micro > 1 and not is_packed(batch):
                     loss, trains = _accumulate(model, params, batch, micro, loss_fn, compute, scaler, ref, mu)
                 else:
@@ -339,10 +356,12 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
                     trains = total.requires_grad
                     if trains:
                         (scaler.scale(total) if scaler else total).backward()
+            if block is not None and len(saved_peaks) < _SHAPES_KEPT:
+                saved_peaks[shape_key] = block.peak_bytes
             if counted:
                 flops.first(fc, batch, virtual_tokens)
-                if rate_key is not None and flops.counts_rates(batch, virtual_tokens):
-                    _RATES.put(model, rate_key, flops.rates)
+                if pack and flops.counts_rates(batch, virtual_tokens):
+                    _RATES.put(model, what, flops.rates)
             elif step == 0:
                 flops.rates = cached
             if trains:

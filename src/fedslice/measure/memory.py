@@ -3,10 +3,12 @@ deterministically, the peak bytes of tensors saved for backward (activations).""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -36,6 +38,15 @@ class _SavedRef:
         release, self._release = self._release, None
         if release is not None:
             release()
+
+
+class BlockPeak:
+    """What :meth:`PeakMemory.track_block` yields: the block's saved-tensor peak, in bytes."""
+
+    __slots__ = ("peak_bytes",)
+
+    def __init__(self) -> None:
+        self.peak_bytes = 0
 
 
 class PeakMemory:
@@ -198,9 +209,11 @@ class PeakMemory:
             trim_heap()
             self._hwm = _reset_rss_high_water_mark()
             self._rss_base = self._rss_peak = proc.memory_info().rss
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._sample, args=(proc,), name="fedslice-peak-rss", daemon=True)
-            self._thread.start()
+            if not self._hwm:  # the kernel's mark misses nothing: no sampler to take the GIL
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._sample, args=(proc,), name="fedslice-peak-rss",
+                                                daemon=True)
+                self._thread.start()
         if self._use_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -216,6 +229,27 @@ class PeakMemory:
         unless ``saved_tensors=False``)."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
+    @contextlib.contextmanager
+    def track_block(self) -> Iterator[BlockPeak]:
+        """:meth:`track`, and the block's own peak of saved bytes in the ``peak_bytes`` of what
+        it yields (the running peak stays the maximum over every block)."""
+        block = BlockPeak()
+        with self._lock:
+            before, self._peak = self._peak, self._current
+        try:
+            with self.track():
+                yield block
+        finally:
+            with self._lock:
+                block.peak_bytes = self._peak
+                self._peak = max(before, self._peak)
+
+    def add_saved_peak(self, nbytes: int) -> None:
+        """A block's saved-tensor peak measured elsewhere (the same computation on an earlier
+        call: :meth:`track_block`), counted as if this block had been tracked."""
+        with self._lock:
+            self._peak = max(self._peak, self._current + int(nbytes))
+
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._hooks is not None:
             self._hooks.__exit__(exc_type, exc, tb)
@@ -228,6 +262,7 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
             self._thread = None
+        if self._rss_base:
             try:
                 import psutil
 
