@@ -58,13 +58,17 @@ RATING = {"1 out of 5": "low", "low": "low", "3 out of 5": "average", "average":
           "5 out of 5": "high", "high": "high"}
 
 
-def variants(b2_modes=MODES) -> dict[str, dict]:
-    """name -> method options, in the order they are run (90% rows first)."""
+def variants(b2_modes=MODES, per_layer: bool = False) -> dict[str, dict]:
+    """name -> method options, in the order they are run (90% rows first). ``per_layer``: also
+    ``forward{75,90}-per_layer``, forward mode keeping the same share of heads in every layer
+    (``method.scope = "per_layer"``: no layer left without heads; issue 35 part 2)."""
     out = {"dense": {"pruning": "none", "aggregation": "fedavg", "sparsity": 0.0}}
     for s in sorted(SPARSITIES, reverse=True):
         for mode in MODES:
             out[f"{mode}{round(100 * s)}"] = {"pruning": "importance", "aggregation": "head_weighted",
                                                "sparsity": s, "prune": mode}
+        if per_layer and s > 0.5:
+            out[f"forward{round(100 * s)}-per_layer"] = {**out[f"forward{round(100 * s)}"], "scope": "per_layer"}
         if s == 0.9:
             for mode in b2_modes:
                 out[f"B2-{mode}90"] = {"pruning": "random", "aggregation": "fedavg", "sparsity": 0.9,
@@ -165,7 +169,7 @@ def table(task: str, names: list[str], res: dict, seeds: list[int]) -> list[dict
                                / (f["flops_measured"] + f["flops_importance"]) if d else None
                                for f, d in zip(per, dense)])
         accs = [f["test_accuracy"] for f in per]
-        opts = variants(MODES)[name]
+        opts = variants(MODES, per_layer=True)[name]
         row = {
             "run": name,
             "mode": opts.get("prune", "-") if opts["sparsity"] else "-",
@@ -195,7 +199,8 @@ def write_report(args, header: list[str], res: dict, counts: dict) -> None:
             continue
         title = {"sst2": "SST-2 (GLUE; test = GLUE validation, 872 sentences)",
                  "e2e_rating": "E2E customer rating (3 classes; test = E2E test refs with a rating)"}[task]
-        sweep = ["dense"] + [f"{m}{round(100 * s)}" for m in MODES for s in SPARSITIES]
+        sweep = ["dense"] + [f"{m}{round(100 * s)}" for m in MODES for s in SPARSITIES] + \
+            [f"forward{round(100 * s)}-per_layer" for s in SPARSITIES]
         t1 = ["dense", "B2-parameters90", "parameters90", "B2-forward90", "forward90"]
         t1 = [n for n in t1 if n in res[task]]
         out += [f"## {title}", "", "### Sparsity sweep (the shape of Fig. 4), random selection", "",
@@ -240,6 +245,8 @@ def main() -> None:
     p.add_argument("--workers", default="auto", help="compute.workers: 'auto' (a forked worker "
                    "per core) or N; 1 keeps a run on one core")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--per-layer", action="store_true",
+                   help="also forward mode at 75%% and 90%% with every layer keeping heads (scope per_layer)")
     p.add_argument("--out", type=Path, default=Path("bench/results/heads_modes"))
     args = p.parse_args()
     args.track_test = False
@@ -254,7 +261,7 @@ def main() -> None:
               f"(random selection) of 100 (SST-2) / {args.e2e_clients} (E2E), IID, lr {args.lr:g} "
               f"(SST-2) / {args.e2e_lr:g} (E2E), max length 64, "
               f"importance on {args.importance_examples} local sentences, seeds {args.seeds}"]
-    every = variants(args.b2_modes)
+    every = variants(args.b2_modes, per_layer=args.per_layer)
     names = [n for n in every if not args.only or n in args.only or n == "dense"]
     first = [n for n in names if n == "dense" or n.endswith("90")]
     # order: every task's dense + 90% rows first, so a cut-short sweep still has the headline
