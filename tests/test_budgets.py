@@ -381,3 +381,64 @@ def test_a_flops_budget_the_pass_does_not_fit_takes_importance_from_the_first_st
     assert imp["tight"] == 0 and imp["big"] > 0
     with pytest.raises(ConfigError, match="no plan fits"):
         plans(tiers, importance_sources=["pass"])
+
+
+# -- the base's precision per client (budgets.precisions) --------------------------------------
+@pytest.mark.parametrize("method,extra,message", [
+    ("fedpetuning", {"model": {"quantize": "int8"}}, "model.quantize = 'int8' quantizes the base of every client"),
+    ("raffm", {}, "does not compose with method.name = 'raffm'"),
+    ("heads", {"prune": "forward"}, "prune = 'forward' cuts each client's sub-model"),
+])
+def test_planned_precisions_are_refused_where_a_quantized_copy_cannot_train(tiny_cfg_dict, method, extra, message):
+    options = {k: extra.pop(k) for k in list(extra) if not isinstance(extra[k], dict)}
+    d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, "memory_mb": 1000}], "precisions": ["none", "int8"]},
+             method=method, **extra)
+    d["method"].update(options)
+    with pytest.raises(ConfigError, match="budgets.precisions") as e:
+        validate_config(d)
+    assert message in str(e.value)
+
+
+def test_a_quantized_copy_shares_the_frozen_fp32_tensors_and_leaves_the_model_alone(tiny_cfg_dict):
+    from fedslice.models.quantize import base_linears, is_quantized
+    from fedslice.run.setup import load_inputs
+
+    cfg = validate_config(_cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, "memory_mb": 1000}],
+                                               "precisions": ["none", "int8"]}))
+    method = load_inputs(cfg, "both").method(cfg, "both")
+    before = {n: p.detach().clone() for n, p in method.model.named_parameters()}
+    twin = method.base_at("int8")
+    assert method.base_at("int8") is twin and method.base_at("none") is method.model  # once per process
+    assert all(torch.equal(before[n], p) for n, p in method.model.named_parameters())
+    assert not any(is_quantized(p) for p in method.model.parameters())
+    linears = base_linears(twin, method.arch)
+    assert linears and all(is_quantized(m.weight) for m in linears.values())
+    ours = {id(p) for p in method.model.parameters()}
+    for n, p in twin.named_parameters():
+        quantized = is_quantized(p)
+        assert (id(p) in ours) == (not p.requires_grad and not quantized), n  # shared: frozen fp32 only
+
+
+def test_a_memory_budget_the_fp32_base_misses_trains_over_an_int8_copy(tiny_cfg_dict, one_length_data_dir,
+                                                                      tmp_path):
+    """Just under the fp32 base's predicted memory (rank 4, no other saving), the planner keeps
+    rank 4 over an int8 copy (the base's precision before the rank); the client trains it, its
+    reply is accepted and its measured memory is the prediction (10%), under the fp32 client's."""
+    budgets = {"tiers": [{"share": 1.0, "memory_mb": 1000, "name": "big"}], "precisions": ["none"],
+               "micro_batches": [1], "checkpointing": False}
+    extra = {"data": {"path": str(one_length_data_dir)}, "lora": {"ranks": [2, 4]}}
+    run = run_experiment(validate_config(_cfg(tiny_cfg_dict, budgets, **extra)), tmp_path / "fp32", progress=False)
+    fp32 = _plans(run)[0]["predicted"]["memory_mb"]
+    budgets["precisions"] = ["none", "int8"]
+    budgets["tiers"] = [{"share": 0.5, "memory_mb": 1000, "name": "big"},
+                        {"share": 0.5, "memory_mb": 0.997 * fp32, "name": "small"}]
+    run = run_experiment(validate_config(_cfg(tiny_cfg_dict, budgets, **extra)), tmp_path / "p", progress=False)
+    groups = {g["budget_name"]: g for g in _plans(run)}
+    assert groups["big"]["plan"]["precision"] in (None, "none") and groups["big"]["plan"]["rank"] == 4
+    assert groups["small"]["plan"]["precision"] == "int8" and groups["small"]["plan"]["rank"] == 4
+    assert "rank 4" in groups["small"]["why"] and f"> {0.997 * fp32:g}" in groups["small"]["why"]
+    for g in groups.values():
+        meas = g["measured"]
+        assert meas["client_rounds"] == len(g["clients"])  # every reply accepted
+        assert meas["memory_mb_max"] == pytest.approx(g["predicted"]["memory_mb"], rel=0.10)
+    assert groups["small"]["measured"]["memory_mb_max"] < groups["big"]["measured"]["memory_mb_max"]

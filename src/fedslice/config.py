@@ -189,6 +189,20 @@ class BudgetsConfig(Section):
         "method.importance_source = 'first_step' for that client; needs prune='parameters' and "
         "federation.weight_decay = 0, else the pass only).")
 
+    precisions: list[Literal["none", "int8", "nf4"]] = Field(
+        default_factory=lambda: ["none"], min_length=1,
+        description="Base precisions the planner may give a client, best first: 'none' (the run's "
+        "fp32 base), or a quantized copy of the base ('int8'; 'nf4' on CUDA), made once per "
+        "process, for a client whose memory budget the fp32 base does not fit (tried after "
+        "checkpointing and batch splits, before a lower rank, more pruned heads or a narrower "
+        "sub-model). Needs model.quantize = 'none' and a method whose clients train the shared "
+        "model (fedpetuning; heads with prune = 'parameters').")
+
+    @field_validator("precisions")
+    @classmethod
+    def _precisions(cls, v):
+        return sorted(set(v), key=v.index)
+
     @field_validator("sparsities")
     @classmethod
     def _sparsities(cls, v):
@@ -749,6 +763,36 @@ class ExperimentConfig(Section):
         bad = [k for k in self.budgets.micro_batches if bs % k]
         if bad:
             raise ValueError(f"budgets.micro_batches {bad} do not divide federation.batch_size = {bs}")
+        return self
+
+    @model_validator(mode="after")
+    def _planned_precisions(self) -> "ExperimentConfig":
+        """``budgets.precisions`` beyond the run's base: quantized copies of an fp32 base, in a
+        mode this device runs, under a method and adapter that train over a quantized base."""
+        b = self.budgets
+        if b is None or b.precisions == ["none"]:
+            return self
+        lower = [m for m in b.precisions if m != "none"]
+        if self.model.quantize != "none":
+            raise ValueError(f"budgets.precisions = {b.precisions}: a client's quantized copy is made "
+                             f"from the fp32 base, but model.quantize = {self.model.quantize!r} "
+                             "quantizes the base of every client already: set one of them")
+        for mode in lower:
+            try:
+                check_quantize_available(mode, self.compute.device)
+            except ValueError as e:
+                raise ValueError(f"budgets.precisions: {e}") from None
+        method = METHODS.get(self.method.name).method_cls  # one that plans budgets: an adapter's
+        why = quantize_refusal(method) or getattr(method, "precision_refusal", lambda cfg: None)(self)
+        if why:
+            raise ValueError(f"budgets.precisions = {b.precisions} does not compose with method.name = "
+                             f"{self.method.name!r}: {why}")
+        for entry in RULES.entries():
+            rule = entry.rule_cls
+            if getattr(rule, "changes_base", False) and rule.selected(self):
+                raise ValueError(f"budgets.precisions = {b.precisions} does not compose with "
+                                 f"{rule.setting(self)}: that rule folds the clients' updates into "
+                                 "the fp32 base every round, which a client's quantized copy would not follow")
         return self
 
     @model_validator(mode="after")

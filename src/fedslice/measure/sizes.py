@@ -14,6 +14,15 @@ def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     return int(sum(t.numel() * t.element_size() for t in tensors.values()))
 
 
+def held_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds: ``numel * element_size``, or for a quantized weight (a torchao
+    tensor subclass, whose dtype is the high-precision one) its int data and scales."""
+    inner = _inner(t)
+    if inner is not None:
+        return int(sum(held_bytes(x) for x in inner))
+    return int(t.numel() * t.element_size())
+
+
 def num_params(tensors: Mapping[str, torch.Tensor]) -> int:
     """Total number of elements in ``tensors``."""
     return int(sum(t.numel() for t in tensors.values()))

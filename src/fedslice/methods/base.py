@@ -184,6 +184,8 @@ class Method:
             loaded.model.to(self.compute.device)
         self.model = self.prepare_model(loaded.model)
         self._apply_compute_options()
+        #: precision -> the quantized copy of ``model`` its planned clients train (made on first use)
+        self._bases: dict[str, nn.Module] = {}
         #: client -> its plan under ``[budgets]`` (:meth:`make_plans`; empty without budgets)
         self.plans: dict[int, Any] = {}
         #: the method's own strategy, inside the aggregation rules of the config
@@ -242,12 +244,16 @@ class Method:
 
     def plan_axes(self, budgets) -> dict[str, list]:
         """The knobs this method's stages let the planner vary, each list best first:
-        ``specs`` ((sub-model spec, width) pairs), ``sparsities``, ``ranks``. Default: the LoRA
-        rank (``lora.ranks``, else ``lora.r``) where clients may train their own."""
+        ``specs`` ((sub-model spec, width) pairs), ``sparsities``, ``ranks``, ``precisions``.
+        Default: the LoRA rank (``lora.ranks``, else ``lora.r``) where clients may train their
+        own, and the base's precision (``budgets.precisions``)."""
+        axes: dict[str, list] = {}
         if self.lora_ranks_per_client and self.adapter.name == "lora":
             lora = self.cfg.lora
-            return {"ranks": sorted(set(lora.ranks or [lora.r]), reverse=True)}
-        return {}
+            axes["ranks"] = sorted(set(lora.ranks or [lora.r]), reverse=True)
+        if budgets.precisions != ["none"]:
+            axes["precisions"] = list(budgets.precisions)  # best first (checked at load)
+        return axes
 
     @contextmanager
     def planned_model(self, knobs) -> Iterator[Any]:
@@ -255,8 +261,9 @@ class Method:
         (:class:`fedslice.methods.planner.PlannedModel`), for measuring; put back after."""
         from fedslice.methods.planner import PlannedModel
 
-        with (self.adapter.at_rank(self.model, knobs.rank) if knobs.rank is not None else nullcontext()):
-            yield PlannedModel(self.model, self.trainable(self.model))
+        model = self.base_at(knobs.precision)
+        with (self.adapter.at_rank(model, knobs.rank) if knobs.rank is not None else nullcontext()):
+            yield PlannedModel(model, self.trainable(model))
 
     def importance_examples(self, n: int) -> int:
         """Examples a client of ``n`` examples runs an importance pass over per round (0: none)."""
@@ -337,8 +344,31 @@ class Method:
 
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         """The model a client trains and its trainable tensors, with the payload loaded (at the
-        client's LoRA rank, ``lora_rank`` of its payload, when ranks differ)."""
-        return self.model, self.load_model(self.model, payload.arrays, payload.config.get("lora_rank"))
+        client's LoRA rank, ``lora_rank`` of its payload, when ranks differ; over the base at
+        its plan's precision, ``base_precision``: :meth:`base_at`)."""
+        model = self.base_at(payload.config.get("base_precision"))
+        return model, self.load_model(model, payload.arrays, payload.config.get("lora_rank"))
+
+    @classmethod
+    def precision_refusal(cls, cfg: ExperimentConfig) -> str | None:
+        """Why a client's plan cannot pick its base's precision (``budgets.precisions``) under
+        this method and ``cfg``; None: it can (its clients train :meth:`base_at`'s model)."""
+        return None
+
+    def base_at(self, precision: str | None) -> nn.Module:
+        """The model clients planned at ``precision`` train: the run's (None, 'none'), or a copy
+        of it with its frozen block linears quantized (``budgets.precisions``), made once per
+        process (workers forked after it share it) and kept: never per client or round. It
+        shares every frozen fp32 tensor with the run's model
+        (:func:`fedslice.models.quantize.quantized_copy`)."""
+        if precision in (None, "none", self.cfg.model.quantize):
+            return self.model
+        if precision not in self._bases:
+            from fedslice.models.quantize import quantized_copy, quiet
+
+            with quiet():
+                self._bases[precision] = quantized_copy(self.model, precision, self.arch)
+        return self._bases[precision]
 
     def planned_upload(self, payload: Payload) -> dict[str, torch.Tensor]:
         """The tensors a client sends back for ``payload`` (their shapes: what ``fedslice
@@ -374,7 +404,7 @@ class Method:
         batches or checkpoints trains alone (the batched pass does neither)."""
         if not self.batched_clients or trains_alone(payload):
             return None
-        return ("model", payload.config.get("lora_rank"))
+        return ("model", payload.config.get("lora_rank"), payload.config.get("base_precision"))
 
     def fit_batched(self, jobs: list[tuple[int, Payload, TokenizedSplit, int]], compute: Compute,
                     on_reply) -> None:

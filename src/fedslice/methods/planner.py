@@ -145,6 +145,7 @@ class Knobs:
     micro_batches: int = 1
     width: float = 1.0  # the sub-model's share of the full model's linear parameters
     importance: str | None = None  # where the head stage's scores come from ("pass", "first_step")
+    precision: str | None = None  # the base's ("none": the run's fp32; "int8", "nf4": a quantized copy)
 
     def payload_config(self) -> dict[str, Any]:
         """What the client reads from its payload's config (the sub-model and rank travel as the
@@ -154,6 +155,8 @@ class Knobs:
             out["sparsity"] = self.sparsity
         if self.importance is not None:
             out["importance_source"] = self.importance
+        if self.precision not in (None, "none"):
+            out["base_precision"] = self.precision
         return out
 
     def describe(self, overhead: bool = True) -> str:
@@ -166,6 +169,8 @@ class Knobs:
             parts.append(f"rank {self.rank}")
         if self.importance == "first_step":
             parts.append("importance from the first step")
+        if self.precision not in (None, "none"):
+            parts.append(f"{self.precision} base")
         if overhead:
             parts.append("checkpointing" if self.checkpointing else "no checkpointing")
             parts.append(f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}")
@@ -241,6 +246,7 @@ class BudgetPlanner:
         self.sparsities: list[float | None] = axes.get("sparsities") or [None]  # fewest pruned first
         self.ranks: list[int | None] = axes.get("ranks") or [None]  # largest first
         self.importances: list[str | None] = axes.get("importances") or [None]  # best first
+        self.precisions: list[str | None] = axes.get("precisions") or [None]  # most precise first
         ckpt = [False, True] if cfg.checkpointing and method.can_checkpoint() else [False]
         #: least overhead first
         self.overheads = [(c, m) for c in ckpt for m in cfg.micro_batches]
@@ -307,8 +313,9 @@ class BudgetPlanner:
             for s in self.sparsities:
                 for r in self.ranks:
                     for imp in self.importances:
-                        for ckpt, mb in self.overheads:
-                            yield Knobs(spec, s, r, ckpt, mb, width, imp)
+                        for prec in self.precisions:
+                            for ckpt, mb in self.overheads:
+                                yield Knobs(spec, s, r, ckpt, mb, width, imp, prec)
 
     def _violations(self, budget: ClientBudget, pred: Mapping[str, float]) -> list[str]:
         out = []
@@ -324,7 +331,8 @@ class BudgetPlanner:
         memory saving on (the last importance source, the cheapest, where none is given)."""
         ckpt = any(c for c, _ in self.overheads)
         imp = self.importances[-1] if importance is None else importance
-        return Knobs(spec, sparsity, rank, ckpt, max(m for _, m in self.overheads), width, imp)
+        return Knobs(spec, sparsity, rank, ckpt, max(m for _, m in self.overheads), width, imp,
+                     self.precisions[-1])
 
     def _out_of_reach(self, budget: ClientBudget, spec, width, sparsity, rank, examples: int,
                       importance_examples: int, importance=None) -> list[str]:
@@ -333,7 +341,8 @@ class BudgetPlanner:
         points (no checkpointing: it recomputes; one micro-batch, packed where batches pack,
         and the most); empty when some overhead may fit."""
         least_mem = self._cheapest(spec, width, sparsity, rank, importance)
-        no_ckpt = [Knobs(spec, sparsity, rank, False, m, width, least_mem.importance)
+        # (the base's precision changes its bytes, not its operations: the least-memory one)
+        no_ckpt = [Knobs(spec, sparsity, rank, False, m, width, least_mem.importance, least_mem.precision)
                    for m in {min(m for _, m in self.overheads), least_mem.micro_batches}]
         mem = self.predicted(least_mem, examples, importance_examples)
         rest = [self.predicted(k, examples, importance_examples) for k in no_ckpt]
@@ -374,17 +383,18 @@ class BudgetPlanner:
                             passed = (f"{Knobs(spec, s, r, width=width, importance=imp).describe(overhead=False)}"
                                       ", at its least", over)
                             continue
-                        for ckpt, mb in self.overheads:
-                            knobs = Knobs(spec, s, r, ckpt, mb, width, imp)
-                            over, pred = check(knobs)
-                            if not over:
-                                return self._plan(client, tier, budget, knobs, pred, passed)
-                            passed = (knobs.describe(), over)
+                        for prec in self.precisions:
+                            for ckpt, mb in self.overheads:
+                                knobs = Knobs(spec, s, r, ckpt, mb, width, imp, prec)
+                                over, pred = check(knobs)
+                                if not over:
+                                    return self._plan(client, tier, budget, knobs, pred, passed)
+                                passed = (knobs.describe(), over)
         return None
 
     def _plan(self, client, tier, budget, knobs, pred, passed) -> ClientPlan:
         why = ("the most-training plan (largest sub-model, most heads, highest rank, the "
-               "importance pass, least overhead)")
+               "importance pass, the most precise base, least overhead)")
         if passed is not None:
             why = f"the next larger plan ({passed[0]}) needs {'; '.join(passed[1])}"
         return ClientPlan(client, tier, budget, knobs, pred["memory_mb"], pred["gflops_per_round"],

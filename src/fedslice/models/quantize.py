@@ -170,6 +170,27 @@ def quantize_base(model: nn.Module, mode: str, arch: ArchSpec) -> QuantReport:
     return report
 
 
+def quantized_copy(model: nn.Module, mode: str, arch: ArchSpec) -> nn.Module:
+    """A copy of ``model`` (an fp32 base, adapter applied or not) whose frozen block linears are
+    quantized to ``mode`` (:func:`quantize_base`), for clients planned at a lower precision than
+    the run's base (``budgets.precisions``). The copy shares every frozen tensor that stays fp32
+    with ``model`` (embeddings, norms, biases, the head: one copy in memory) and reads the fp32
+    linear weights it quantizes without copying them; trainable tensors are its own. ``model``
+    is left unchanged."""
+    import copy
+
+    if mode not in ("int8", "nf4"):
+        raise ValueError(f"budgets.precisions: {mode!r} is not a quantization (int8 or nf4)")
+    # frozen tensors and buffers are shared, not copied (the linears' fp32 weights too: the
+    # copy's modules get quantized weights of their own, the shared ones stay the model's)
+    memo = {id(p): p for p in model.parameters() if not p.requires_grad}
+    memo.update({id(b): b for b in model.buffers()})
+    twin = copy.deepcopy(model, memo)
+    todo = {n: m for n, m in base_linears(twin, arch).items() if not is_quantized(m.weight)}
+    (_int8 if mode == "int8" else _nf4)(twin, todo)
+    return twin
+
+
 @torch.no_grad()
 def _own_memory(model: nn.Module) -> None:
     """Give every tensor that stays fp32 its own memory. transformers reads a safetensors file by

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from fedslice.compute import model_device, to_device
 from fedslice.measure import PeakMemory, count_flops
+from fedslice.measure.sizes import held_bytes
 from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec, stack_list
 
 _MIB = float(1 << 20)
@@ -151,7 +152,7 @@ def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
     n_params = sum(p.numel() for p in params)
     trainable = [p for p in params if p.requires_grad]
     n_train = sum(p.numel() for p in trainable)
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    param_bytes = sum(held_bytes(p) for p in params)  # a quantized base's int8 data, not fp32
     state_bytes = 3 * sum(p.numel() * p.element_size() for p in trainable)
     was_training = model.training
     model.train()

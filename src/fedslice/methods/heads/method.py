@@ -74,6 +74,13 @@ class HeadStage(Method):
     # rank), so a client's kept heads are cut from its rank's tensors
 
     @classmethod
+    def precision_refusal(cls, cfg: ExperimentConfig) -> str | None:
+        if cfg.method.prune == "forward":
+            return ("method.prune = 'forward' cuts each client's sub-model from the fp32 model; "
+                    "use method.prune = 'parameters'")
+        return super().precision_refusal(cfg)
+
+    @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
         super().check_config(cfg)
         adapter = cls.adapter_class(cfg)
