@@ -10,6 +10,8 @@ row micro-batches and checkpointing):
   heads          the head stage alone (its FLOPs do not fall: it fits no FLOPs budget < 1);
   raffm          the sub-model stage alone;
   int8           fedpetuning over an int8 base (model.quantize): memory, not FLOPs;
+  fp32-int8      fedpetuning whose planner may give a client an int8 copy of the fp32 base
+                 (budgets.precisions = ["none", "int8"]): per client, only where fp32 misses;
   planned        raffm+heads: the planner's composition;
   planned-fs     the same with heads' importance from the first local step (no pass of its own);
   mixed          raffm+heads, a population of thirds at 30%, 50% and 100% (run once).
@@ -22,6 +24,7 @@ wall times are then indicative only.
 
     .venv/bin/python bench/frontier.py --rounds 30 --clients-per-round 4 --local-steps 8
     .venv/bin/python bench/frontier.py --upload-only --budgets 0.1 --rows heads raffm planned
+    .venv/bin/python bench/frontier.py --memory-only --budgets 0.25 --rows raffm fp32-int8
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from fedslice.errors import ConfigError
 from fedslice.experiment import validate_config
 
 METHODS = {"dense": "fedpetuning", "heads": "heads", "raffm": "raffm", "int8": "fedpetuning",
+           "fp32-int8": "fedpetuning",
            "planned": "raffm+heads", "planned-fs": "raffm+heads", "mixed": "raffm+heads"}
 
 
@@ -64,13 +68,16 @@ def config(row: str, args, budgets: dict | None) -> dict:
         "output": {"progress": False, "plots": False},
     }
     if budgets is not None:
-        cfg["budgets"] = budgets
+        cfg["budgets"] = {**budgets, **({"precisions": ["none", "int8"]} if row == "fp32-int8" else {})}
     return cfg
 
 
-def tier(f: float, dense: dict, name: str, share: float = 1.0, upload_only: bool = False) -> dict:
+def tier(f: float, dense: dict, name: str, share: float = 1.0, upload_only: bool = False,
+         memory_only: bool = False) -> dict:
     if upload_only:  # a client whose link, not its device, is what it cannot afford
         return {"name": name, "share": share, "upload_mb_per_round": round(f * dense["upload_mb"], 4)}
+    if memory_only:  # a client whose memory, not its compute or link, is what it cannot afford
+        return {"name": name, "share": share, "memory_mb": round(f * dense["memory_mb"], 1)}
     return {"name": name, "share": share, "memory_mb": round(f * dense["memory_mb"], 1),
             "gflops_per_round": round(f * dense["gflops"], 2),
             "upload_mb_per_round": round(f * dense["upload_mb"], 4)}
@@ -116,6 +123,8 @@ def main() -> None:
     ap.add_argument("--rows", nargs="*", default=["heads", "raffm", "int8", "planned", "mixed"])
     ap.add_argument("--upload-only", action="store_true",
                     help="budgets on upload alone (rows named <row>@up<f>): memory and FLOPs free")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="budgets on memory alone (rows named <row>@mem<f>): FLOPs and upload free")
     ap.add_argument("--again", action="store_true", help="re-run rows whose results exist")
     ap.add_argument("--out", type=Path, default=Path("bench/results/frontier_sst2"))
     args = ap.parse_args()
@@ -126,8 +135,9 @@ def main() -> None:
         for row in args.rows:
             if row == "mixed":
                 continue
-            at = f"up{f:g}" if args.upload_only else f"{f:g}"
-            run_row(f"{row}@{at}", row, args, {"tiers": [tier(f, dense, f"{f:.0%}", upload_only=args.upload_only)]})
+            at = f"up{f:g}" if args.upload_only else f"mem{f:g}" if args.memory_only else f"{f:g}"
+            run_row(f"{row}@{at}", row, args, {"tiers": [tier(f, dense, f"{f:.0%}", upload_only=args.upload_only,
+                                                              memory_only=args.memory_only)]})
     if "mixed" in args.rows:
         run_row("mixed", "mixed", args, {"tiers": [tier(f, dense, f"{f:.0%}", s) for f, s in
                                                    ((0.3, 0.33), (0.5, 0.33), (1.0, 0.34))]})
