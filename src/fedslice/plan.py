@@ -234,8 +234,12 @@ def budget_plan(cfg: ExperimentConfig, json_path: str | None = None) -> str:
 
     fed = cfg.federation
     longest, per_example = planning_lengths(cfg, inputs.data.train.lengths)
+    base = cfg.model.quantize if cfg.model.quantize != "none" else "fp32"
+    lower = [m for m in (cfg.budgets.precisions if cfg.budgets else []) if m != "none"]
+    if lower:
+        base += f", or a client's {'/'.join(lower)} copy where its plan says"
     lines = [f"plans for {cfg.run_name} (method {cfg.method.name}, {fed.num_clients} clients, "
-             f"base {cfg.model.quantize if cfg.model.quantize != 'none' else 'fp32'}): measured on "
+             f"base {base}): measured on "
              f"a batch of {fed.batch_size} x {longest} tokens (the longest example), FLOPs per "
              f"round for each client's examples at {per_example:.1f} tokens each"]
     lines += render_plans(method.plans)
