@@ -489,3 +489,52 @@ def test_a_later_client_recalls_the_saved_tensor_peaks_of_shapes_already_measure
     next(p for n, p in model.named_parameters() if "word_embeddings" in n).requires_grad_(False)
     client.train_local(model, params, split, cfg, seed=0, loss_fn=loss, pack=pack)
     assert blocks  # another structure: measured again
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert", "vit", "deit", "dinov2", "gpt2",
+                                  "llama", "t5", "bart"])
+def test_the_lean_counter_counts_what_torchs_counter_counts(arch, model_dirs):
+    """``count_flops`` without a count by module runs a lean dispatch mode, not
+    ``FlopCounterMode``: on a training step (forward, loss, backward) of every architecture of
+    the table, with LoRA, the total and the attention share are the same, exactly."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoConfig, AutoModelForImageClassification
+
+    from fedslice.measure.flops import _attention_flop_mapping, _is_attention_op
+
+    torch.manual_seed(0)
+    folder = model_dirs[arch]
+    config = AutoConfig.from_pretrained(folder)
+    if arch in ("vit", "deit", "dinov2"):
+        model = AutoModelForImageClassification.from_pretrained(folder)
+        size = config.image_size
+        batch = {"pixel_values": torch.randn(2, 3, size, size), "labels": torch.tensor([0, 1])}
+    else:
+        from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
+
+        ids = torch.randint(5, 100, (2, 7))
+        if arch in ("t5", "bart"):
+            model = AutoModelForSeq2SeqLM.from_pretrained(folder)
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids[:, :5].clone()}
+        elif arch in ("gpt2", "llama"):
+            model = AutoModelForCausalLM.from_pretrained(folder)
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(folder)
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1])}
+    from fedslice.models.arch import arch_for
+    from fedslice.peft import LoraAdapter, LoraConfig
+
+    model = LoraAdapter(LoraConfig(r=2, alpha=4, targets=["q", "v"]), arch_for(config)).apply(model)
+
+    def step():
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    with count_flops() as lean:
+        step()
+    torchs = FlopCounterMode(display=False, custom_mapping=_attention_flop_mapping())
+    with torchs:
+        step()
+    attention = sum(n for op, n in torchs.get_flop_counts()["Global"].items() if _is_attention_op(op))
+    assert lean.total == torchs.get_total_flops() > 0 and lean.attention == attention
