@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _MB = 1e6
 BUDGET_FIELDS = ("memory_mb", "gflops_per_round", "upload_mb_per_round")
+UNITS = {"memory_mb": "MiB", "gflops_per_round": "GFLOPs/round", "upload_mb_per_round": "MB up/round"}
 
 
 @dataclass(frozen=True)
@@ -59,14 +60,7 @@ class ClientBudget:
     field: str = "budgets"  # 'budgets.tiers[1]' / 'budgets.csv row 4'
 
     def describe(self) -> str:
-        parts = []
-        if self.memory_mb is not None:
-            parts.append(f"{self.memory_mb:g} MiB")
-        if self.gflops_per_round is not None:
-            parts.append(f"{self.gflops_per_round:g} GFLOPs/round")
-        if self.upload_mb_per_round is not None:
-            parts.append(f"{self.upload_mb_per_round:g} MB up/round")
-        return ", ".join(parts)
+        return ", ".join(f"{v:g} {UNITS[k]}" for k, v in self.limits().items())
 
     def limits(self) -> dict[str, float]:
         return {k: v for k in BUDGET_FIELDS if (v := getattr(self, k)) is not None}
@@ -321,9 +315,7 @@ class BudgetPlanner:
         out = []
         for k, limit in budget.limits().items():
             if pred[k] > limit * (1 + 1e-9):
-                unit = {"memory_mb": "MiB", "gflops_per_round": "GFLOPs/round",
-                        "upload_mb_per_round": "MB up/round"}[k]
-                out.append(f"{pred[k]:.4g} {unit} > {limit:g}")
+                out.append(f"{pred[k]:.4g} {UNITS[k]} > {limit:g}")
         return out
 
     def _cheapest(self, spec, width, sparsity, rank, importance=None) -> Knobs:
