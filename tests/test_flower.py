@@ -539,10 +539,12 @@ def _wait_for_line(path: Path, text: str, timeout: float) -> None:
 
 
 #: The killed-SuperNode test's round timeout: the healthy node's reply must arrive within it
-#: (a ClientApp process started, torch imported, 3 steps of the tiny model). Measured
-#: 2026-11-26: two-node rounds of the tiny model took 12-16 s at load 5 (both ClientApps at
-#: once); 40 s before, now 25 s, the wait the test spends on the dead node's missing reply.
-KILLED_ROUND_TIMEOUT_S = 25.0
+#: (a ClientApp process started, torch imported, 3 steps of the tiny model: <= 11 s after the
+#: train message at load 5.3, 2026-11-26). A shorter one saves little: the run's end-of-run
+#: message waits for the dead node until the SuperLink drops it (Flower 1.41: 2 missed 30 s
+#: heartbeats): the run finished 48 s after the kill at 40 s, 45 s after it at 25 s (the test,
+#: back to back at load 5.3-5.6: 79 s at 40 s, 74 s at 25 s with the result-file hint below).
+KILLED_ROUND_TIMEOUT_S = 40.0
 
 
 @needs_flower
