@@ -177,7 +177,7 @@ def test_parameters_mode_keeps_outputs_and_trains_only_kept_slices(arch, tiny_lm
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_forward_mode_with_headless_layers_trains_and_aggregates(arch, tiny_gen_cfg_dict, tiny_lm_dirs):
-    method, data = setup(_cfg(tiny_gen_cfg_dict, tiny_lm_dirs, arch, prune="forward", sparsity=0.75))
+    method, data = setup(_cfg(tiny_gen_cfg_dict, tiny_lm_dirs, arch, prune="forward", sparsity=0.75, scope="global"))
     rows = method.mask_shape[0]
     alpha = torch.linspace(1.0, 0.01, rows * 4).view(rows, 4)  # the last rows keep no head
     method.importance = lambda d, s, model=None: (alpha, 0.0)
@@ -190,6 +190,28 @@ def test_forward_mode_with_headless_layers_trains_and_aggregates(arch, tiny_gen_
     result = method.strategy.aggregate_train(1, state, {0: payload}, {0: reply})
     assert result.used == [0]
     torch.testing.assert_close(reply.arrays[ALPHA], alpha * kept)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_mode_keeps_heads_in_every_layer_by_default(arch, tiny_gen_cfg_dict, tiny_lm_dirs):
+    """``prune = "forward"`` ranks heads per layer unless told otherwise (issue 35, part 2): the
+    scores that leave the last layers headless under ``scope = "global"`` keep the same share of
+    every layer here; the client trains and its reply aggregates."""
+    method, data = setup(_cfg(tiny_gen_cfg_dict, tiny_lm_dirs, arch, prune="forward", sparsity=0.75))
+    assert method.opts.scope == "per_layer"
+    rows = method.mask_shape[0]
+    alpha = torch.linspace(1.0, 0.01, rows * 4).view(rows, 4)  # global ranking: the last rows keep none
+    method.importance = lambda d, s, model=None: (alpha, 0.0)
+    state = method.initial_state()
+    payload = method.strategy.configure_train(1, state, [0])[0]
+    reply = method.fit(payload, data.client(0), 0)
+    kept = reply.arrays[KEPT]
+    assert kept.sum(1).tolist() == [1] * rows and reply.metrics["headless_layers"] == 0
+    assert reply.metrics["loss"] == reply.metrics["loss"]  # trained (finite)
+    assert method.strategy.check_reply(state, payload, reply) is None
+    assert method.strategy.aggregate_train(1, state, {0: payload}, {0: reply}).used == [0]
+    parameters = _cfg(tiny_gen_cfg_dict, tiny_lm_dirs, arch, prune="parameters", sparsity=0.75)
+    assert parameters.method.scope == "global"  # the paper's rule where heads stay in the forward
 
 
 def _gqa_state(arch, dims, r, gen):

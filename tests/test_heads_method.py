@@ -38,7 +38,7 @@ def _fit(method, data, client=0, alpha=None, seed=3):
 
 @pytest.mark.parametrize("prune", ["parameters", "forward"])
 def test_upload_holds_only_kept_heads_and_headless_layer_is_skipped(tiny_cfg_dict, prune):
-    method, data = setup(_cfg(tiny_cfg_dict, sparsity=0.75, prune=prune))
+    method, data = setup(_cfg(tiny_cfg_dict, sparsity=0.75, prune=prune, scope="global"))  # a headless layer
     arch, hd = method.arch, method.dims["head_dim"]
     alpha = torch.tensor([[0.9, 0.1, 0.8, 0.2], [0.3, 0.2, 0.1, 0.05]])  # layer 1 keeps none
     state, payload, reply = _fit(method, data, alpha=alpha)
@@ -205,7 +205,7 @@ def test_two_prune_modes_send_the_same_bytes_and_differ_in_flops(tiny_cfg_dict):
     replies = {}
     for name, method_opts in (("dense", {"pruning": "none", "aggregation": "fedavg"}),
                               ("parameters", {"sparsity": 0.75, "prune": "parameters"}),
-                              ("forward", {"sparsity": 0.75, "prune": "forward"})):
+                              ("forward", {"sparsity": 0.75, "prune": "forward", "scope": "global"})):
         method, data = setup(_cfg(tiny_cfg_dict, **method_opts))
         state, payload, reply = _fit(method, data, alpha=alpha)
         assert method.strategy.check_reply(state, payload, reply) is None
@@ -234,7 +234,7 @@ def test_analytic_flops_stop_the_backward_above_a_headless_bottom_layer(tiny_cfg
     alpha = torch.tensor([[0.1, 0.05, 0.02, 0.01], [0.9, 0.8, 0.3, 0.2]])  # layer 0 keeps none
     ratios = {}
     for name, opts in (("dense", {"pruning": "none", "aggregation": "fedavg"}),
-                       ("pruned", {"sparsity": 0.5, "prune": prune})):
+                       ("pruned", {"sparsity": 0.5, "prune": prune, "scope": "global"})):
         method, data = setup(_cfg(tiny_cfg_dict, **opts))
         assert len(set(data.train.lengths.tolist())) == 1
         _, _, reply = _fit(method, data, alpha=alpha)
