@@ -405,14 +405,13 @@ def test_saved_tensors_are_counted_on_the_batches_no_earlier_one_dominates():
     assert off.saved_activation_mb == 0 and on.saved_activation_mb == every.saved_activation_mb > 0
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_train_local_reports_the_activation_peak_of_every_step(pack, tmp_path, monkeypatch):
-    """Counting the dominant batches only gives train_local the same activation peak as
-    counting every step (variable lengths, length grouping off: batches of every shape)."""
+def _variable_length_client(tmp_path, pack: bool):
+    """A tiny BERT classifier (eval mode: no dropout), 48 examples of 2-29 tokens, a train config
+    of 8 steps of 6 without length grouping (batches of every shape), the loss (packed or
+    padded) and the classifier's parameters."""
     from conftest import save_tiny_model
     from transformers import AutoModelForSequenceClassification
 
-    import fedslice.fl.client as client
     from fedslice.data.batching import TokenizedSplit
     from fedslice.tasks.classification import packed_classifier_loss
 
@@ -425,6 +424,16 @@ def test_train_local_reports_the_activation_peak_of_every_step(pack, tmp_path, m
     cfg = {"lr": 1e-3, "batch_size": 6, "local_steps": 8, "group_by_length": False}
     loss = (lambda m, b: packed_classifier_loss(m, b, "bert")) if pack else (lambda m, b: m(**b).loss)
     params = {n: p for n, p in model.named_parameters() if "classifier" in n}
+    return model, split, cfg, loss, params
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_train_local_reports_the_activation_peak_of_every_step(pack, tmp_path, monkeypatch):
+    """Counting the dominant batches only gives train_local the same activation peak as
+    counting every step (variable lengths, length grouping off: batches of every shape)."""
+    import fedslice.fl.client as client
+
+    model, split, cfg, loss, params = _variable_length_client(tmp_path, pack)
     picked = client.train_local(model, params, split, cfg, seed=0, loss_fn=loss, pack=pack)
 
     class Every:
@@ -459,22 +468,9 @@ def test_a_later_client_recalls_the_saved_tensor_peaks_of_shapes_already_measure
     """A second client of the same model on batches of shapes already measured installs no
     saved-tensor hooks and reports the same activation peak; a changed trainable set measures
     again."""
-    from conftest import save_tiny_model
-    from transformers import AutoModelForSequenceClassification
-
     import fedslice.fl.client as client
-    from fedslice.data.batching import TokenizedSplit
-    from fedslice.tasks.classification import packed_classifier_loss
 
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(save_tiny_model(tmp_path, "bert")).eval()
-    g = torch.Generator().manual_seed(1)
-    ids = [torch.randint(5, model.config.vocab_size, (int(n),), generator=g)
-           for n in torch.randint(2, 30, (48,), generator=g)]
-    split = TokenizedSplit(ids, None, torch.randint(0, 2, (48,), generator=g), 0)
-    cfg = {"lr": 1e-3, "batch_size": 6, "local_steps": 8, "group_by_length": False}
-    loss = (lambda m, b: packed_classifier_loss(m, b, "bert")) if pack else (lambda m, b: m(**b).loss)
-    params = {n: p for n, p in model.named_parameters() if "classifier" in n}
+    model, split, cfg, loss, params = _variable_length_client(tmp_path, pack)
     first = client.train_local(model, params, split, cfg, seed=0, loss_fn=loss, pack=pack)
     blocks = []
     real = PeakMemory.track_block

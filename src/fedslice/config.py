@@ -787,13 +787,20 @@ class ExperimentConfig(Section):
         if why:
             raise ValueError(f"budgets.precisions = {b.precisions} does not compose with method.name = "
                              f"{self.method.name!r}: {why}")
+        if folding := self._base_folding_rule():
+            raise ValueError(f"budgets.precisions = {b.precisions} does not compose with {folding}: "
+                             "that rule folds the clients' updates into the fp32 base every round, "
+                             "which a client's quantized copy would not follow")
+        return self
+
+    def _base_folding_rule(self) -> str | None:
+        """The setting of a selected aggregation rule that folds updates into the base weights
+        on the server (``changes_base``), None when none is selected."""
         for entry in RULES.entries():
             rule = entry.rule_cls
             if getattr(rule, "changes_base", False) and rule.selected(self):
-                raise ValueError(f"budgets.precisions = {b.precisions} does not compose with "
-                                 f"{rule.setting(self)}: that rule folds the clients' updates into "
-                                 "the fp32 base every round, which a client's quantized copy would not follow")
-        return self
+                return rule.setting(self)
+        return None
 
     @model_validator(mode="after")
     def _quantized_base(self) -> "ExperimentConfig":
@@ -814,13 +821,10 @@ class ExperimentConfig(Section):
         if why:
             raise ValueError(f"model.quantize = {mode!r} does not compose with method.name = "
                              f"{self.method.name!r} yet: {why}")
-        for entry in RULES.entries():
-            rule = entry.rule_cls
-            if getattr(rule, "changes_base", False) and rule.selected(self):
-                raise ValueError(f"model.quantize = {mode!r} does not compose with "
-                                 f"{rule.setting(self)}: that rule folds the clients' updates "
-                                 "into the frozen base weights on the server every round, and a "
-                                 "quantized base is never re-quantized")
+        if folding := self._base_folding_rule():
+            raise ValueError(f"model.quantize = {mode!r} does not compose with {folding}: that rule "
+                             "folds the clients' updates into the frozen base weights on the server "
+                             "every round, and a quantized base is never re-quantized")
         return self
 
     def adapter_options(self, name: str) -> AdapterOptions | None:
