@@ -142,6 +142,7 @@ def main() -> None:
                 "flops": sum(r.flops_measured for _, r in out), "peak_gpu_mb": peak}
 
     results = {}
+    timed_pass(1, 1)  # warm-up (CUDA context, kernels, allocator): not in the first row's short pass
     for k in (1, args.clients):
         short, long = timed_pass(k, args.steps), timed_pass(k, long_steps)
         # the steady state: what the longer pass's extra steps cost (the fixed cost per pass --

@@ -161,17 +161,7 @@ def _split_counts(counts: dict[str, dict[Any, int]], head: Sequence[str]) -> tup
     return attention - head_attention, head_total
 
 
-_REGISTRY: dict[Any, Any] | None = None
-
-
-def _registry() -> dict[Any, Any]:
-    """op overload packet -> FLOP formula: torch's counter's, with :func:`_attention_flop_mapping`."""
-    global _REGISTRY
-    if _REGISTRY is None:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        _REGISTRY = dict(FlopCounterMode(display=False, custom_mapping=_attention_flop_mapping()).flop_registry)
-    return _REGISTRY
+_OP_COUNTER: type | None = None
 
 
 def _op_counter():
@@ -179,36 +169,41 @@ def _op_counter():
     per op; an op it would decompose, decomposed the same way), without its module tracker,
     which hooks every module's forward and backward: its Python work per module and per op cost
     a quarter of a CPU step and about a second per client on a GPU. Used where no count by
-    module is asked for; the totals are the same (``tests/test_costs.py``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    module is asked for; the totals are the same (``tests/test_costs.py``). The class and its
+    formulas are made once per process (torch's dispatch-mode module loads on first use)."""
+    global _OP_COUNTER
+    if _OP_COUNTER is None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import FlopCounterMode
 
-    composite = torch._C.DispatchKey.CompositeImplicitAutograd
+        registry = dict(FlopCounterMode(display=False, custom_mapping=_attention_flop_mapping()).flop_registry)
+        composite = torch._C.DispatchKey.CompositeImplicitAutograd
 
-    class OpCounter(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.registry = _registry()
-            self.by_op: dict[Any, int] = {}
+        class OpCounter(TorchDispatchMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.by_op: dict[Any, int] = {}
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            packet = func._overloadpacket
-            formula = self.registry.get(packet)
-            if formula is None:
-                if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), composite):
-                    with self:  # as FlopCounterMode: count what the op decomposes into
-                        out = func.decompose(*args, **kwargs)
-                    if out is not NotImplemented:
-                        return out
-                return func(*args, **kwargs)
-            out = func(*args, **kwargs)
-            self.by_op[packet] = self.by_op.get(packet, 0) + int(formula(*args, **kwargs, out_val=out))
-            return out
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                packet = func._overloadpacket
+                formula = registry.get(packet)
+                if formula is None:
+                    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), composite):
+                        with self:  # as FlopCounterMode: count what the op decomposes into
+                            out = func.decompose(*args, **kwargs)
+                        if out is not NotImplemented:
+                            return out
+                    return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+                self.by_op[packet] = self.by_op.get(packet, 0) + int(formula(*args, **kwargs, out_val=out))
+                return out
 
-        def total(self) -> int:
-            return int(sum(self.by_op.values()))
+            def total(self) -> int:
+                return int(sum(self.by_op.values()))
 
-    return OpCounter()
+        _OP_COUNTER = OpCounter
+    return _OP_COUNTER()
 
 
 @contextlib.contextmanager

@@ -15,11 +15,17 @@ def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
 
 
 def held_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor holds: ``numel * element_size``, or for a quantized weight (a torchao
-    tensor subclass, whose dtype is the high-precision one) its int data and scales."""
+    """Bytes that hold ``t``: a quantized weight's int data and scales (a torchao tensor
+    subclass, whose dtype is the high-precision one; a bitsandbytes 4-bit parameter and its
+    quantization state), a plain tensor's ``numel * element_size``."""
     inner = _inner(t)
     if inner is not None:
         return int(sum(held_bytes(x) for x in inner))
+    if type(t).__name__ == "Params4bit" and getattr(t, "quant_state", None) is not None:
+        qs = t.quant_state
+        extra = sum(x.numel() * x.element_size() for x in (qs.absmax, getattr(qs, "code", None))
+                    if isinstance(x, torch.Tensor))
+        return int(t.data.numel() * t.data.element_size() + extra)
     return int(t.numel() * t.element_size())
 
 

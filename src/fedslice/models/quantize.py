@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from fedslice.config import QUANTIZE_MODES as MODES, quantize_available as available  # noqa: F401
 from fedslice.config import check_quantize_available as check_available  # noqa: F401
+from fedslice.measure.sizes import held_bytes
 from fedslice.models.arch import ArchSpec, unwrap_model
 
 log = logging.getLogger(__name__)
@@ -302,20 +303,8 @@ def _nf4(model: nn.Module, todo: dict[str, nn.Linear]) -> None:
 
 # -- sizes, slicing, de-quantizing -----------------------------------------------------------
 
-def weight_nbytes(t: torch.Tensor) -> int:
-    """Bytes that hold ``t``: a quantized tensor's int data and scales (what it really takes),
-    a plain tensor's ``numel * element_size``."""
-    names = getattr(type(t), "tensor_data_names", None)
-    if names is not None:  # torchao: qdata, scale (+ optional zero_point, ...)
-        extra = getattr(type(t), "optional_tensor_data_names", []) or []
-        inner = [getattr(t, n, None) for n in [*names, *extra]]
-        return int(sum(x.numel() * x.element_size() for x in inner if isinstance(x, torch.Tensor)))
-    if type(t).__name__ == "Params4bit" and getattr(t, "quant_state", None) is not None:
-        qs = t.quant_state
-        extra = sum(x.numel() * x.element_size() for x in (qs.absmax, getattr(qs, "code", None))
-                    if isinstance(x, torch.Tensor))
-        return int(t.data.numel() * t.data.element_size() + extra)
-    return int(t.numel() * t.element_size())
+#: bytes that hold a (quantized or plain) weight: :func:`fedslice.measure.sizes.held_bytes`
+weight_nbytes = held_bytes
 
 
 def quantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:
