@@ -14,7 +14,10 @@ row micro-batches and checkpointing):
                  (budgets.precisions = ["none", "int8"]): per client, only where fp32 misses;
   planned        raffm+heads: the planner's composition;
   planned-fs     the same with heads' importance from the first local step (no pass of its own);
-  mixed          raffm+heads, a population of thirds at 30%, 50% and 100% (run once).
+  mixed          raffm+heads, a population of thirds at 30%, 50% and 100% (run once);
+  planned-work   raffm+heads whose planner may also give a client part of the round's local
+                 steps (budgets.local_work = LOCAL_WORK): fewer steps before a narrower model;
+  mixed-work     the mixed population with local work.
 
 A row whose budget no plan fits is recorded as such (the planner's message), not run.
 Columns: test accuracy and its difference to dense, measured peak memory (largest client), training
@@ -25,6 +28,7 @@ wall times are then indicative only.
     .venv/bin/python bench/frontier.py --rounds 30 --clients-per-round 4 --local-steps 8
     .venv/bin/python bench/frontier.py --upload-only --budgets 0.1 --rows heads raffm planned
     .venv/bin/python bench/frontier.py --memory-only --budgets 0.25 --rows raffm fp32-int8
+    .venv/bin/python bench/frontier.py --budgets 0.4 --memory-share 0.5 --upload-share 0.5 --rows planned-work
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ from fedslice.experiment import validate_config
 
 METHODS = {"dense": "fedpetuning", "heads": "heads", "raffm": "raffm", "int8": "fedpetuning",
            "fp32-int8": "fedpetuning",
-           "planned": "raffm+heads", "planned-fs": "raffm+heads", "mixed": "raffm+heads"}
+           "planned": "raffm+heads", "planned-fs": "raffm+heads", "mixed": "raffm+heads",
+           "planned-work": "raffm+heads", "mixed-work": "raffm+heads"}
+#: budgets.local_work of the ``-work`` rows: shares of the round's local steps a client may train
+LOCAL_WORK = [1.0, 0.75, 0.5, 0.375, 0.25]
 
 
 def config(row: str, args, budgets: dict | None) -> dict:
@@ -68,19 +75,22 @@ def config(row: str, args, budgets: dict | None) -> dict:
         "output": {"progress": False, "plots": False},
     }
     if budgets is not None:
-        cfg["budgets"] = {**budgets, **({"precisions": ["none", "int8"]} if row == "fp32-int8" else {})}
+        cfg["budgets"] = {**budgets, **({"precisions": ["none", "int8"]} if row == "fp32-int8" else {}),
+                          **({"local_work": LOCAL_WORK} if row.endswith("-work") else {})}
     return cfg
 
 
 def tier(f: float, dense: dict, name: str, share: float = 1.0, upload_only: bool = False,
-         memory_only: bool = False) -> dict:
+         memory_only: bool = False, memory_f: float | None = None, upload_f: float | None = None) -> dict:
+    """A tier at ``f`` of the dense client's measured costs (``memory_f``, ``upload_f``: other
+    shares for memory and upload, as the issue's target puts them: 0.5 memory, 0.4 FLOPs)."""
     if upload_only:  # a client whose link, not its device, is what it cannot afford
         return {"name": name, "share": share, "upload_mb_per_round": round(f * dense["upload_mb"], 4)}
     if memory_only:  # a client whose memory, not its compute or link, is what it cannot afford
         return {"name": name, "share": share, "memory_mb": round(f * dense["memory_mb"], 1)}
-    return {"name": name, "share": share, "memory_mb": round(f * dense["memory_mb"], 1),
+    return {"name": name, "share": share, "memory_mb": round((memory_f or f) * dense["memory_mb"], 1),
             "gflops_per_round": round(f * dense["gflops"], 2),
-            "upload_mb_per_round": round(f * dense["upload_mb"], 4)}
+            "upload_mb_per_round": round((upload_f or f) * dense["upload_mb"], 4)}
 
 
 def measured(s: dict) -> dict:
@@ -125,6 +135,10 @@ def main() -> None:
                     help="budgets on upload alone (rows named <row>@up<f>): memory and FLOPs free")
     ap.add_argument("--memory-only", action="store_true",
                     help="budgets on memory alone (rows named <row>@mem<f>): FLOPs and upload free")
+    ap.add_argument("--memory-share", type=float, default=None,
+                    help="memory at this share of dense's instead of the budget's (rows <row>@<f>m<share>)")
+    ap.add_argument("--upload-share", type=float, default=None,
+                    help="upload at this share of dense's instead of the budget's (rows <row>@<f>u<share>)")
     ap.add_argument("--again", action="store_true", help="re-run rows whose results exist")
     ap.add_argument("--out", type=Path, default=Path("bench/results/frontier_sst2"))
     args = ap.parse_args()
@@ -133,14 +147,19 @@ def main() -> None:
     dense = run_row("dense", "dense", args, None)
     for f in args.budgets:
         for row in args.rows:
-            if row == "mixed":
+            if row.startswith("mixed"):
                 continue
             at = f"up{f:g}" if args.upload_only else f"mem{f:g}" if args.memory_only else f"{f:g}"
+            at += (f"m{args.memory_share:g}" if args.memory_share else "") + \
+                (f"u{args.upload_share:g}" if args.upload_share else "")
             run_row(f"{row}@{at}", row, args, {"tiers": [tier(f, dense, f"{f:.0%}", upload_only=args.upload_only,
-                                                              memory_only=args.memory_only)]})
-    if "mixed" in args.rows:
-        run_row("mixed", "mixed", args, {"tiers": [tier(f, dense, f"{f:.0%}", s) for f, s in
-                                                   ((0.3, 0.33), (0.5, 0.33), (1.0, 0.34))]})
+                                                              memory_only=args.memory_only,
+                                                              memory_f=args.memory_share,
+                                                              upload_f=args.upload_share)]})
+    for row in ("mixed", "mixed-work"):
+        if row in args.rows:
+            run_row(row, row, args, {"tiers": [tier(f, dense, f"{f:.0%}", s) for f, s in
+                                               ((0.3, 0.33), (0.5, 0.33), (1.0, 0.34))]})
     write_table(args, dense, load0, os.getloadavg()[0])
 
 

@@ -442,3 +442,64 @@ def test_a_memory_budget_the_fp32_base_misses_trains_over_an_int8_copy(tiny_cfg_
         assert meas["client_rounds"] == len(g["clients"])  # every reply accepted
         assert meas["memory_mb_max"] == pytest.approx(g["predicted"]["memory_mb"], rel=0.10)
     assert groups["small"]["measured"]["memory_mb_max"] < groups["big"]["measured"]["memory_mb_max"]
+
+
+# -- partial local work (budgets.local_work) -----------------------------------------------------
+@pytest.mark.parametrize("by,pack", [("batch", False), ("batch", True), ("steps", False)])
+def test_a_flops_budget_takes_partial_local_work_before_a_narrower_sub_model(tiny_cfg_dict, one_length_data_dir,
+                                                                            tmp_path, by, pack):
+    """A FLOPs budget between half and all of the full model's round: without ``local_work`` the
+    sub-model stage narrows the model; with ``local_work = [1.0, 0.5]`` the client keeps the full
+    width and trains half its round (the planner's order: width before local work): every step
+    on half the batch (``by = "batch"``) or half the steps (``"steps"``). Its measured FLOPs are
+    the prediction (2%, every example one length; packed: on a packed profile batch of the
+    plan's rows), its steps and memory what the plan says."""
+    from fedslice.api import setup
+
+    extra = {"data": {"path": str(one_length_data_dir)}, "federation": {"pack": pack}}
+
+    def plans(tiers, **more):
+        d = _cfg(tiny_cfg_dict, {"tiers": tiers, "micro_batches": [1], "checkpointing": False, **more},
+                 method="raffm", **extra)
+        method, _ = setup(validate_config(d))
+        return d, {p.budget.name: p for p in method.plans.values()}
+
+    _, probe = plans([{"share": 1.0, "name": "all", "memory_mb": 1e4}])
+    full = probe["all"]
+    assert full.knobs.width == 1.0 and full.knobs.steps is None and full.knobs.batch is None
+    tiers = [{"share": 0.5, "name": "big", "memory_mb": 1e4},
+             {"share": 0.5, "name": "tight", "gflops_per_round": round(0.6 * full.gflops_per_round, 6)}]
+    _, narrowed = plans(tiers)
+    assert narrowed["tight"].knobs.width < 1.0
+    d, got = plans(tiers, local_work=[0.5, 1.0], local_work_by=by)
+    tight, batch = got["tight"], d["federation"]["batch_size"]
+    assert tight.knobs.width == 1.0 and got["big"].knobs == full.knobs
+    assert (tight.knobs.batch, tight.knobs.steps) == ((batch // 2, None) if by == "batch" else (None, 1))
+    if not pack:  # (packed rows of half the examples are laid out otherwise: not exactly half)
+        assert tight.gflops_per_round == pytest.approx(full.gflops_per_round / 2, rel=0.02)
+    assert ("per step" if by == "batch" else "1 local step") in tight.knobs.describe()
+    if by == "batch":  # half the rows per step: less activation memory
+        assert tight.memory_mb < full.memory_mb
+    run = run_experiment(validate_config(d), tmp_path / "work", progress=False)
+    groups = {g["budget_name"]: g for g in _plans(run)}
+    for g in groups.values():
+        assert g["measured"]["client_rounds"] == len(g["clients"])
+        assert g["measured"]["gflops_per_round_mean"] == pytest.approx(g["predicted"]["gflops_per_round"], rel=0.02)
+        assert g["measured"]["memory_mb_max"] == pytest.approx(g["predicted"]["memory_mb"], rel=0.10)
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = {m["client"]: m["steps"] for r in metrics for m in r.get("client_metrics", [])}
+    assert {steps[c] for c in groups["tight"]["clients"]} == {2 if by == "batch" else 1}
+    assert {steps[c] for c in groups["big"]["clients"]} == {2}
+
+
+@pytest.mark.parametrize("budgets,extra,message", [
+    ({"local_work": [0.0]}, {}, "budgets.local_work"),
+    ({"local_work": [1.5]}, {}, "budgets.local_work"),
+    ({"local_work": [1.0, 0.5], "local_work_by": "steps"}, {"federation": {"local_steps": None, "local_epochs": 1}},
+     "federation.local_steps, which is not set"),
+    ({"local_work_by": "rows"}, {}, "budgets.local_work_by"),
+])
+def test_bad_local_work_is_refused_at_load(tiny_cfg_dict, budgets, extra, message):
+    with pytest.raises(ConfigError) as e:
+        validate_config(_cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, "memory_mb": 10}], **budgets}, **extra))
+    assert message in str(e.value), str(e.value)

@@ -161,8 +161,8 @@ class BudgetTier(Section):
 
 class BudgetsConfig(Section):
     """Client budgets: the planner gives every client the plan that trains the most within its
-    budget (sub-model width, head sparsity, LoRA rank, gradient checkpointing, batch split),
-    from costs measured on the run's model (docs/planner.md)."""
+    budget (sub-model width, local work, head sparsity, LoRA rank, base precision, gradient
+    checkpointing, batch split), from costs measured on the run's model (docs/planner.md)."""
 
     tiers: list[BudgetTier] | None = Field(None, min_length=1, description="Tiers with shares "
                                            "summing to 1, placed at random among the clients "
@@ -189,6 +189,18 @@ class BudgetsConfig(Section):
         "method.importance_source = 'first_step' for that client; needs prune='parameters' and "
         "federation.weight_decay = 0, else the pass only).")
 
+    local_work: list[float] = Field(
+        default_factory=lambda: [1.0], min_length=1,
+        description="Shares of a round's local work the planner may give a client, most first: "
+        "a client whose FLOPs budget its sub-model's whole round does not fit trains that share "
+        "of it (budgets.local_work_by) before a narrower sub-model is tried (partial local work, "
+        "as FedProx and FedNova allow). [1.0]: every client trains the whole round.")
+    local_work_by: Literal["batch", "steps"] = Field(
+        "batch", description="How a share of local work is cut: 'batch' (every local step on "
+        "round(share x federation.batch_size) examples: fewer FLOPs and less activation memory, "
+        "as many optimizer steps) or 'steps' (round(share x federation.local_steps) steps of "
+        "whole batches; needs federation.local_steps).")
+
     precisions: list[Literal["none", "int8", "nf4"]] = Field(
         default_factory=lambda: ["none"], min_length=1,
         description="Base precisions the planner may give a client, best first: 'none' (the run's "
@@ -210,6 +222,14 @@ class BudgetsConfig(Section):
             if not 0 <= x < 1:
                 raise ValueError(f"sparsity {x} is not in [0, 1)")
         return sorted(set(v))
+
+    @field_validator("local_work")
+    @classmethod
+    def _work(cls, v):
+        for x in v:
+            if not 0 < x <= 1:
+                raise ValueError(f"local_work share {x} is not in (0, 1]")
+        return sorted(set(v), reverse=True)
 
     @field_validator("importance_sources")
     @classmethod
@@ -763,6 +783,11 @@ class ExperimentConfig(Section):
         bad = [k for k in self.budgets.micro_batches if bs % k]
         if bad:
             raise ValueError(f"budgets.micro_batches {bad} do not divide federation.batch_size = {bs}")
+        if self.budgets.local_work != [1.0] and self.budgets.local_work_by == "steps" and \
+                not self.federation.local_steps:
+            raise ValueError(f"budgets.local_work_by = 'steps': shares of federation.local_steps, "
+                             "which is not set (the run trains local epochs): set "
+                             "federation.local_steps or budgets.local_work_by = 'batch'")
         return self
 
     @model_validator(mode="after")

@@ -233,13 +233,18 @@ class Method:
         length, per_example = planning_lengths(self.cfg, self.token_lengths)
         if batch is None:
             batch = self.task.profile_batch(self.model.config, fed.batch_size, length, self.cfg.seed)
-        packed, packed_scale = None, 1.0
+        packed_of = None
         if self.packs({"pack": fed.pack}):  # what a client of one micro-batch trains on
-            packed = self.task.packed_profile_batch(self.model.config, fed.batch_size, length, self.cfg.seed)
-            packed_scale = planning_lengths(self.cfg, self.token_lengths, packed=True)[1] / length
+            def packed_of(rows: int) -> tuple[dict, float]:
+                """``rows`` examples packed, and the tokens a packed example costs over ``length``."""
+                packed = self.task.packed_profile_batch(self.model.config, rows, length, self.cfg.seed)
+                return packed, planning_lengths(self.cfg, self.token_lengths, True, rows)[1] / length
+        def scale_of(rows: int) -> float:  # a plan's smaller batch holds less padding
+            return planning_lengths(self.cfg, self.token_lengths, batch_size=rows)[1] / length
+
         self.plans = plan_clients(self, self.cfg.budgets, batch, self.client_sizes, fed.num_clients,
-                                  self.cfg.seed, flops_scale=per_example / length,
-                                  packed_batch=packed, packed_scale=packed_scale)
+                                  self.cfg.seed, flops_scale=per_example / length, packed_of=packed_of,
+                                  scale_of=scale_of)
         return self.plans
 
     def plan_axes(self, budgets) -> dict[str, list]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -140,6 +140,8 @@ class Knobs:
     width: float = 1.0  # the sub-model's share of the full model's linear parameters
     importance: str | None = None  # where the head stage's scores come from ("pass", "first_step")
     precision: str | None = None  # the base's ("none": the run's fp32; "int8", "nf4": a quantized copy)
+    steps: int | None = None  # local steps per round (None: federation.local_steps, every one)
+    batch: int | None = None  # examples per local step (None: federation.batch_size)
 
     def payload_config(self) -> dict[str, Any]:
         """What the client reads from its payload's config (the sub-model and rank travel as the
@@ -151,12 +153,20 @@ class Knobs:
             out["importance_source"] = self.importance
         if self.precision not in (None, "none"):
             out["base_precision"] = self.precision
+        if self.steps is not None:
+            out["local_steps"] = self.steps
+        if self.batch is not None:
+            out["batch_size"] = self.batch
         return out
 
     def describe(self, overhead: bool = True) -> str:
         parts = []
         if self.spec is not None:
             parts.append(f"width {self.width:.2f}")
+        if self.steps is not None:
+            parts.append(f"{self.steps} local step{'s' if self.steps > 1 else ''}")
+        if self.batch is not None:
+            parts.append(f"{self.batch} example{'s' if self.batch > 1 else ''} per step")
         if self.sparsity is not None:
             parts.append(f"sparsity {self.sparsity:g}")
         if self.rank is not None:
@@ -227,13 +237,15 @@ class BudgetPlanner:
     measured once per plan and cached."""
 
     def __init__(self, method, cfg: BudgetsConfig, batch: dict[str, torch.Tensor],
-                 flops_scale: float = 1.0, packed_batch: dict[str, torch.Tensor] | None = None,
-                 packed_scale: float = 1.0):
-        """``batch``: ``federation.batch_size`` examples padded to the longest; ``packed_batch``:
-        the same examples packed into rows, what a client trains on when its batches pack (a
-        plan of one micro-batch: a split trains unpacked)."""
+                 flops_scale: float = 1.0, packed_of: Callable[[int], tuple[dict, float]] | None = None,
+                 scale_of: Callable[[int], float] | None = None):
+        """``batch``: ``federation.batch_size`` examples padded to the longest; ``flops_scale``:
+        the tokens a real batch of that size holds over the profile's (``scale_of(n)``: the
+        same for batches of ``n`` examples, a plan's smaller batch); ``packed_of(n)``: the
+        first ``n`` examples packed into rows, what a client trains on when its batches pack (a
+        plan of one micro-batch: a split trains unpacked), and its ``flops_scale``."""
         self.method, self.cfg, self.batch, self.flops_scale = method, cfg, batch, flops_scale
-        self.packed_batch, self.packed_scale = packed_batch, packed_scale
+        self.packed_of, self.scale_of = packed_of, scale_of
         self.rows = len(batch["input_ids"] if "input_ids" in batch else batch["pixel_values"])
         axes = method.plan_axes(cfg)
         self.specs: list[tuple[Spec | None, float]] = axes.get("specs") or [(None, 1.0)]  # largest first
@@ -241,34 +253,56 @@ class BudgetPlanner:
         self.ranks: list[int | None] = axes.get("ranks") or [None]  # largest first
         self.importances: list[str | None] = axes.get("importances") or [None]  # best first
         self.precisions: list[str | None] = axes.get("precisions") or [None]  # most precise first
-        ckpt = [False, True] if cfg.checkpointing and method.can_checkpoint() else [False]
-        #: least overhead first
-        self.overheads = [(c, m) for c in ckpt for m in cfg.micro_batches]
+        self.local_steps = method.cfg.federation.local_steps or 0
+        #: a round's local work, most first: {} (all of it), then {"batch": rows per step} or
+        #: {"steps": local steps} at each share of ``budgets.local_work``
+        self.works: list[dict[str, int]] = [{}]
+        whole = self.rows if cfg.local_work_by == "batch" else self.local_steps
+        cut = {max(1, math.floor(w * whole + 0.5)) for w in cfg.local_work if w < 1} - {whole}
+        self.works += [{cfg.local_work_by: n} for n in sorted(cut, reverse=True)]
+        self.checkpoints = [False, True] if cfg.checkpointing and method.can_checkpoint() else [False]
         self._costs: dict[Knobs, KnobCost] = {}
+        self._packed: dict[int, tuple[dict, float]] = {}
+
+    def overheads(self, knobs: Knobs | None = None) -> list[tuple[bool, int]]:
+        """(checkpointing, micro-batches), least overhead first: the splits of ``knobs``' batch."""
+        rows = self.rows if knobs is None or knobs.batch is None else knobs.batch
+        splits = [m for m in self.cfg.micro_batches if rows % m == 0] or [1]
+        return [(c, m) for c in self.checkpoints for m in splits]
 
     # -- costs -------------------------------------------------------------------------------
     def cost(self, knobs: Knobs) -> KnobCost:
+        """One step's costs (a plan's local steps change how many, not what a step costs)."""
+        knobs = replace(knobs, steps=None)
         if knobs not in self._costs:
             self._costs[knobs] = self._measure(knobs)
         return self._costs[knobs]
 
-    def _packs(self, knobs: Knobs) -> bool:
-        return self.packed_batch is not None and knobs.micro_batches == 1
+    def _rows(self, knobs: Knobs) -> int:
+        return self.rows if knobs.batch is None else knobs.batch
+
+    def _packed_batch(self, knobs: Knobs) -> tuple[dict, float] | None:
+        """The packed profile batch of ``knobs``' rows and its FLOPs scale (None: it trains unpacked)."""
+        if self.packed_of is None or knobs.micro_batches != 1:
+            return None
+        rows = self._rows(knobs)
+        if rows not in self._packed:
+            self._packed[rows] = self.packed_of(rows)
+        return self._packed[rows]
 
     def _measure(self, knobs: Knobs) -> KnobCost:
-        packed = self._packs(knobs)
-        if packed:
-            part = self.packed_batch
+        packed = self._packed_batch(knobs)
+        if packed is not None:
+            part = packed[0]
         else:
-            rows = self.rows // knobs.micro_batches
-            part = {k: v[:rows] for k, v in self.batch.items()}
+            part = {k: v[:self._rows(knobs) // knobs.micro_batches] for k, v in self.batch.items()}
         # a padded batch's FLOPs, upload and importance do not depend on its split: counted once
-        known = None if packed else next(
-            (c for k, c in self._costs.items() if not self._packs(k)
+        known = None if packed is not None else next(
+            (c for k, c in self._costs.items() if self._packed_batch(k) is None
              and replace(k, micro_batches=1) == replace(knobs, micro_batches=1)), None)
         with self.method.planned_model(knobs) as planned, \
                 gradient_checkpointing(planned.model, knobs.checkpointing), \
-                (packed_training(planned.model) if packed else nullcontext()):
+                (packed_training(planned.model) if packed is not None else nullcontext()):
             flops, memory, _, _ = measure_training_step(planned.model, part, loss_fn=self.method.task.loss,
                                                         flops=known is None)
             if known is not None:
@@ -277,7 +311,7 @@ class BudgetPlanner:
             imp = 0.0
             if planned.importance_model is not None:
                 imp = self._forward_flops(planned.importance_model) / self.rows
-        return KnobCost(memory, flops * (1 if packed else knobs.micro_batches), upload, imp)
+        return KnobCost(memory, flops * (1 if packed is not None else knobs.micro_batches), upload, imp)
 
     def _forward_flops(self, model: nn.Module) -> float:
         """FLOPs of a forward pass over the profile batch (two rows, scaled: linear in rows)."""
@@ -292,24 +326,34 @@ class BudgetPlanner:
         return float(fc.total) * self.rows / 2
 
     def predicted(self, knobs: Knobs, examples: int, importance_examples: int) -> dict[str, float]:
+        """A plan's costs for a client of ``examples`` per round at full work."""
         c = self.cost(knobs)
         # training batches hold about flops_scale x the profile's tokens; an importance pass
         # runs a client's examples in few large batches, each padded to its longest: counted at
         # the profile's length (the data's longest), an upper bound
-        scale = self.packed_scale if self._packs(knobs) else self.flops_scale
-        gflops = (scale * c.step_flops / self.rows * examples
+        packed = self._packed_batch(knobs)
+        rows = self._rows(knobs)
+        scale = packed[1] if packed is not None else \
+            self.scale_of(rows) if self.scale_of is not None and rows != self.rows else self.flops_scale
+        examples = examples * rows / self.rows  # partial local work: its share of the examples
+        if knobs.steps is not None:
+            examples = examples * knobs.steps / self.local_steps
+        gflops = (scale * c.step_flops / rows * examples
                   + c.importance_flops_per_example * importance_examples) / 1e9
         return {"memory_mb": c.memory_mb, "gflops_per_round": gflops, "upload_mb_per_round": c.upload_bytes / _MB}
 
     # -- choice ------------------------------------------------------------------------------
     def _candidates(self) -> Iterator[Knobs]:
+        """Every plan, in the planner's order: the most-training first."""
         for spec, width in self.specs:
-            for s in self.sparsities:
-                for r in self.ranks:
-                    for imp in self.importances:
-                        for prec in self.precisions:
-                            for ckpt, mb in self.overheads:
-                                yield Knobs(spec, s, r, ckpt, mb, width, imp, prec)
+            for work in self.works:
+                for s in self.sparsities:
+                    for r in self.ranks:
+                        for imp in self.importances:
+                            for prec in self.precisions:
+                                knobs = Knobs(spec, s, r, False, 1, width, imp, prec, **work)
+                                for ckpt, mb in self.overheads(knobs):
+                                    yield replace(knobs, checkpointing=ckpt, micro_batches=mb)
 
     def _violations(self, budget: ClientBudget, pred: Mapping[str, float]) -> list[str]:
         out = []
@@ -318,25 +362,26 @@ class BudgetPlanner:
                 out.append(f"{pred[k]:.4g} {UNITS[k]} > {limit:g}")
         return out
 
-    def _cheapest(self, spec, width, sparsity, rank, importance=None) -> Knobs:
-        """The least-memory point of a (sub-model, sparsity, rank, importance source): every
-        memory saving on (the last importance source, the cheapest, where none is given)."""
-        ckpt = any(c for c, _ in self.overheads)
+    def _cheapest(self, spec, width, sparsity, rank, importance=None, work=None) -> Knobs:
+        """The least-memory point of a (sub-model, local work, sparsity, rank, importance
+        source): every memory saving on (the last importance source, the cheapest, where none is
+        given; the least local work where ``work`` is not given)."""
         imp = self.importances[-1] if importance is None else importance
-        return Knobs(spec, sparsity, rank, ckpt, max(m for _, m in self.overheads), width, imp,
-                     self.precisions[-1])
+        knobs = Knobs(spec, sparsity, rank, False, 1, width, imp, self.precisions[-1],
+                      **(self.works[-1] if work is None else work))
+        ckpt = any(c for c, _ in self.overheads(knobs))
+        return replace(knobs, checkpointing=ckpt, micro_batches=max(m for _, m in self.overheads(knobs)))
 
-    def _out_of_reach(self, budget: ClientBudget, spec, width, sparsity, rank, examples: int,
-                      importance_examples: int, importance=None) -> list[str]:
-        """What no overhead of a (sub-model, sparsity, rank) brings within ``budget``: its memory
-        at the least-memory point (every saving on), its FLOPs and upload at the least-FLOPs
-        points (no checkpointing: it recomputes; one micro-batch, packed where batches pack,
-        and the most); empty when some overhead may fit."""
-        least_mem = self._cheapest(spec, width, sparsity, rank, importance)
+    def _out_of_reach(self, budget: ClientBudget, examples: int, importance_examples: int,
+                      least: Knobs) -> list[str]:
+        """What no overhead of a (sub-model, local work, sparsity, rank) brings within
+        ``budget``: its memory at the least-memory point ``least`` (every saving on), its FLOPs
+        and upload at the least-FLOPs points (no checkpointing: it recomputes; one micro-batch,
+        packed where batches pack, and the most); empty when some overhead may fit."""
         # (the base's precision changes its bytes, not its operations: the least-memory one)
-        no_ckpt = [Knobs(spec, sparsity, rank, False, m, width, least_mem.importance, least_mem.precision)
-                   for m in {min(m for _, m in self.overheads), least_mem.micro_batches}]
-        mem = self.predicted(least_mem, examples, importance_examples)
+        no_ckpt = [replace(least, checkpointing=False, micro_batches=m)
+                   for m in {min(m for _, m in self.overheads(least)), least.micro_batches}]
+        mem = self.predicted(least, examples, importance_examples)
         rest = [self.predicted(k, examples, importance_examples) for k in no_ckpt]
         best = {"memory_mb": mem["memory_mb"],
                 "gflops_per_round": min(r["gflops_per_round"] for r in rest),
@@ -346,55 +391,63 @@ class BudgetPlanner:
     def plan(self, client: int, tier: int | None, budget: ClientBudget, examples: int,
              importance_examples: int = 0) -> ClientPlan | None:
         """The most-training plan whose predicted costs fit ``budget``; None when none does.
-        Pruned search: a sub-model whose cheapest point (largest sparsity, smallest rank, every
-        memory saving) does not fit is skipped whole, then the same per sparsity and per rank.
+        Pruned search, one knob at a time in the order of :meth:`_candidates`: a sub-model whose
+        cheapest point (least local work, largest sparsity, smallest rank, every memory saving)
+        does not fit is skipped whole, then the same per local work, per sparsity and per rank.
         The plan says why: what the nearest larger plan it passed over needs."""
-        def check(knobs):
-            pred = self.predicted(knobs, examples, importance_examples)
-            return self._violations(budget, pred), pred
-
-        def reach(spec, width, s, r, imp=None):
-            return self._out_of_reach(budget, spec, width, s, r, examples, importance_examples, imp)
-
         passed = None  # (the nearest larger plan passed over, what it needs)
+
+        def fits(least: Knobs, shown: Knobs) -> bool:
+            """Some overhead of ``least``'s point may fit; else ``shown`` (its fixed knobs) passed."""
+            nonlocal passed
+            over = self._out_of_reach(budget, examples, importance_examples, least)
+            if over:
+                passed = (f"{shown.describe(overhead=False)}, at its least", over)
+            return not over
+
         s_min, r_min = self.sparsities[-1], self.ranks[-1]
         for spec, width in self.specs:
-            if over := reach(spec, width, s_min, r_min):
-                passed = (f"{Knobs(spec, width=width).describe(overhead=False)}, at its least", over)
+            if not fits(self._cheapest(spec, width, s_min, r_min), Knobs(spec, width=width)):
                 continue  # not even the sub-model's smallest point fits
-            for s in self.sparsities:
-                if over := reach(spec, width, s, r_min):
-                    passed = (f"{Knobs(spec, s, width=width).describe(overhead=False)}, at its least", over)
+            for work in self.works:
+                if len(self.works) > 1 and not fits(self._cheapest(spec, width, s_min, r_min, work=work),
+                                                    Knobs(spec, width=width, **work)):
                     continue
-                for r in self.ranks:
-                    if over := reach(spec, width, s, r):
-                        passed = (f"{Knobs(spec, s, r, width=width).describe(overhead=False)}, at its least", over)
+                for s in self.sparsities:
+                    if not fits(self._cheapest(spec, width, s, r_min, work=work),
+                                Knobs(spec, s, width=width, **work)):
                         continue
-                    for imp in self.importances:
-                        if len(self.importances) > 1 and (over := reach(spec, width, s, r, imp)):
-                            passed = (f"{Knobs(spec, s, r, width=width, importance=imp).describe(overhead=False)}"
-                                      ", at its least", over)
+                    for r in self.ranks:
+                        if not fits(self._cheapest(spec, width, s, r, work=work),
+                                    Knobs(spec, s, r, width=width, **work)):
                             continue
-                        for prec in self.precisions:
-                            for ckpt, mb in self.overheads:
-                                knobs = Knobs(spec, s, r, ckpt, mb, width, imp, prec)
-                                over, pred = check(knobs)
-                                if not over:
-                                    return self._plan(client, tier, budget, knobs, pred, passed)
-                                passed = (knobs.describe(), over)
+                        for imp in self.importances:
+                            if len(self.importances) > 1 and not fits(
+                                    self._cheapest(spec, width, s, r, imp, work=work),
+                                    Knobs(spec, s, r, width=width, importance=imp, **work)):
+                                continue
+                            for prec in self.precisions:
+                                point = Knobs(spec, s, r, False, 1, width, imp, prec, **work)
+                                for ckpt, mb in self.overheads(point):
+                                    knobs = replace(point, checkpointing=ckpt, micro_batches=mb)
+                                    pred = self.predicted(knobs, examples, importance_examples)
+                                    over = self._violations(budget, pred)
+                                    if not over:
+                                        return self._plan(client, tier, budget, knobs, pred, passed)
+                                    passed = (knobs.describe(), over)
         return None
 
     def _plan(self, client, tier, budget, knobs, pred, passed) -> ClientPlan:
-        why = ("the most-training plan (largest sub-model, most heads, highest rank, the "
-               "importance pass, the most precise base, least overhead)")
+        why = ("the most-training plan (largest sub-model, every local step, most heads, highest "
+               "rank, the importance pass, the most precise base, least overhead)")
         if passed is not None:
             why = f"the next larger plan ({passed[0]}) needs {'; '.join(passed[1])}"
         return ClientPlan(client, tier, budget, knobs, pred["memory_mb"], pred["gflops_per_round"],
                           pred["upload_mb_per_round"], why)
 
     def cheapest(self, examples: int, importance_examples: int = 0) -> str:
-        """What the smallest plan (the last sub-model, sparsity and rank) costs at the least:
-        memory with every saving on, FLOPs without checkpointing (it recomputes), upload."""
+        """What the smallest plan (the last sub-model, local steps, sparsity and rank) costs at
+        the least: memory with every saving on, FLOPs without checkpointing (it recomputes), upload."""
         spec, width = self.specs[-1]
         small = self._cheapest(spec, width, self.sparsities[-1], self.ranks[-1])
         low_flops = replace(small, checkpointing=False)
@@ -406,7 +459,8 @@ class BudgetPlanner:
                 f"{mem['upload_mb_per_round']:.4g} MB up/round")
 
 
-def planning_lengths(cfg, lengths: torch.Tensor | None, packed: bool = False) -> tuple[int, float]:
+def planning_lengths(cfg, lengths: torch.Tensor | None, packed: bool = False,
+                     batch_size: int | None = None) -> tuple[int, float]:
     """(the profile batch's sequence length, the tokens a training example costs on average).
 
     The length is the longest training example's as encoded (a generation task's prompt and
@@ -420,7 +474,7 @@ def planning_lengths(cfg, lengths: torch.Tensor | None, packed: bool = False) ->
         return cfg.data.max_length, float(cfg.data.max_length)
     lens = torch.as_tensor(lengths).flatten().double()
     longest = int(lens.max())
-    b = cfg.federation.batch_size
+    b = batch_size or cfg.federation.batch_size
     if packed:
         from fedslice.data.packing import ROW_TOKENS, row_capacity
 
@@ -451,14 +505,14 @@ def planning_lengths(cfg, lengths: torch.Tensor | None, packed: bool = False) ->
 def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
                  client_sizes: Mapping[int, int], num_clients: int, seed: int,
                  flops_scale: float = 1.0,
-                 packed_batch: dict[str, torch.Tensor] | None = None,
-                 packed_scale: float = 1.0) -> dict[int, ClientPlan]:
+                 packed_of: Callable[[int], tuple[dict, float]] | None = None,
+                 scale_of: Callable[[int], float] | None = None) -> dict[int, ClientPlan]:
     """Every client's plan (clients of equal budget and size share one search), or a ConfigError
     naming the clients no plan fits, their budget and the cheapest plan's cost. ``flops_scale``:
     the tokens a real example costs over the profile batch's row length (FLOPs go with tokens);
-    ``packed_batch``: the same examples packed, what a client whose batches pack trains on
-    (``packed_scale``: its ``flops_scale``)."""
-    planner = BudgetPlanner(method, budgets, batch, flops_scale, packed_batch, packed_scale)
+    ``packed_of(n)``: the first ``n`` examples packed, what a client whose batches pack trains
+    on, and its ``flops_scale``; ``scale_of(n)``: ``flops_scale`` for batches of ``n`` examples."""
+    planner = BudgetPlanner(method, budgets, batch, flops_scale, packed_of, scale_of)
     fed = method.cfg.federation
     plans: dict[int, ClientPlan] = {}
     memo: dict[tuple, ClientPlan | None] = {}
