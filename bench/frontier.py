@@ -76,7 +76,9 @@ def config(row: str, args, budgets: dict | None) -> dict:
     }
     if budgets is not None:
         cfg["budgets"] = {**budgets, **({"precisions": ["none", "int8"]} if row == "fp32-int8" else {}),
-                          **({"local_work": LOCAL_WORK} if row.endswith("-work") else {})}
+                          # local work is the planner's default since 2026-11-27: rows without
+                          # "-work" keep every client's whole round, as they were taken
+                          "local_work": LOCAL_WORK if row.endswith("-work") else [1.0]}
     return cfg
 
 

@@ -250,7 +250,7 @@ def test_a_budget_no_plan_fits_names_the_client_and_the_cheapest_plan(tiny_cfg_d
         run_experiment(validate_config(d), tmp_path / "no", progress=False)
     msg = str(e.value)
     assert "client" in msg and "budgets.tiers[1], watch" in msg and "budget 1 MiB" in msg
-    assert "the cheapest plan (rank 2) needs" in msg and "MiB" in msg
+    assert "the cheapest plan (2 examples per step, rank 2) needs" in msg and "MiB" in msg
     assert not (tmp_path / "no").exists()  # nothing trained, no run folder
 
 
@@ -448,8 +448,8 @@ def test_a_memory_budget_the_fp32_base_misses_trains_over_an_int8_copy(tiny_cfg_
 @pytest.mark.parametrize("by,pack", [("batch", False), ("batch", True), ("steps", False)])
 def test_a_flops_budget_takes_partial_local_work_before_a_narrower_sub_model(tiny_cfg_dict, one_length_data_dir,
                                                                             tmp_path, by, pack):
-    """A FLOPs budget between half and all of the full model's round: without ``local_work`` the
-    sub-model stage narrows the model; with ``local_work = [1.0, 0.5]`` the client keeps the full
+    """A FLOPs budget between half and all of the full model's round: with ``local_work = [1.0]``
+    the sub-model stage narrows the model; with ``local_work = [1.0, 0.5]`` the client keeps the full
     width and trains half its round (the planner's order: width before local work): every step
     on half the batch (``by = "batch"``) or half the steps (``"steps"``). Its measured FLOPs are
     the prediction (2%, every example one length; packed: on a packed profile batch of the
@@ -469,7 +469,7 @@ def test_a_flops_budget_takes_partial_local_work_before_a_narrower_sub_model(tin
     assert full.knobs.width == 1.0 and full.knobs.steps is None and full.knobs.batch is None
     tiers = [{"share": 0.5, "name": "big", "memory_mb": 1e4},
              {"share": 0.5, "name": "tight", "gflops_per_round": round(0.6 * full.gflops_per_round, 6)}]
-    _, narrowed = plans(tiers)
+    _, narrowed = plans(tiers, local_work=[1.0])
     assert narrowed["tight"].knobs.width < 1.0
     d, got = plans(tiers, local_work=[0.5, 1.0], local_work_by=by)
     tight, batch = got["tight"], d["federation"]["batch_size"]

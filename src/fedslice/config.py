@@ -190,11 +190,12 @@ class BudgetsConfig(Section):
         "federation.weight_decay = 0, else the pass only).")
 
     local_work: list[float] = Field(
-        default_factory=lambda: [1.0], min_length=1,
+        default_factory=lambda: [1.0, 0.75, 0.5, 0.375, 0.25], min_length=1,
         description="Shares of a round's local work the planner may give a client, most first: "
-        "a client whose FLOPs budget its sub-model's whole round does not fit trains that share "
-        "of it (budgets.local_work_by) before a narrower sub-model is tried (partial local work, "
-        "as FedProx and FedNova allow). [1.0]: every client trains the whole round.")
+        "a client whose budget its sub-model's whole round does not fit (with every memory "
+        "saving) trains that share of it (budgets.local_work_by) before a narrower sub-model "
+        "is tried (partial local work, as FedProx and FedNova allow). [1.0]: every client "
+        "trains the whole round.")
     local_work_by: Literal["batch", "steps"] = Field(
         "batch", description="How a share of local work is cut: 'batch' (every local step on "
         "round(share x federation.batch_size) examples: fewer FLOPs and less activation memory, "
