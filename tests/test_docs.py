@@ -1,8 +1,8 @@
 """The documentation (issue 25, part 5): the README is a short front page, the site builds with
 ``mkdocs build --strict``, the generated references are current, and every command shown in a
-shell block of the README or docs/ is run by a test: fedslice commands are run here, one after
-another in a scratch folder whose ``../shared/data`` holds the first rows of the real data sets
-(runs also shrunk by ``--set`` to one round on a few examples: the documented commands, with the
+shell block of the README or docs/ is run by a test: fedslice commands are run here, each a test
+of its own (with the commands that read the folder it writes), in a scratch folder whose
+``../shared/data`` holds the first rows of the real data sets (runs also shrunk by ``--set`` to one round on a few examples: the documented commands, with the
 real models, on a smaller budget); other commands name the test that runs them, or are marked
 ``# needs the network``."""
 
