@@ -1,13 +1,14 @@
 """The documentation (issue 25, part 5): the README is a short front page, the site builds with
 ``mkdocs build --strict``, the generated references are current, and every command shown in a
-shell block of the README or docs/ is run by a test: fedslice commands are run here, one after
-another in a scratch folder whose ``../shared/data`` holds the first rows of the real data sets
-(runs also shrunk by ``--set`` to one round on a few examples: the documented commands, with the
+shell block of the README or docs/ is run by a test: fedslice commands are run here, each a test
+of its own (with the commands that read the folder it writes), in a scratch folder whose
+``../shared/data`` holds the first rows of the real data sets (runs also shrunk by ``--set`` to one round on a few examples: the documented commands, with the
 real models, on a smaller budget); other commands name the test that runs them, or are marked
 ``# needs the network``."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from fedslice.cli import main
-from fedslice.experiment import load_variants, validate_config
+from fedslice.experiment import load_config, load_variants, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -198,7 +199,6 @@ def _first_images(real: Path, dest: Path, train: int = 200, test: int = 50) -> N
                                      else head + array.tobytes())
 
 
-@pytest.mark.slow
 def _scratch(tmp_path: Path, monkeypatch) -> Path:
     """A scratch folder with the repository's configs and a small ../shared beside it (each
     data file's first rows, the models), the working directory of the documented commands."""
@@ -222,57 +222,101 @@ def _scratch(tmp_path: Path, monkeypatch) -> Path:
     return work
 
 
-def _budgets(cmd: str) -> bool:
-    """A command of the budget planner's config: a part of its own (the planner measures its
-    plans' training steps: the longest commands), run beside the others on another worker."""
-    return "configs/budgets_" in cmd
+def _argv(cmd: str) -> list[str]:
+    """A command's arguments after ``fedslice``, without its verbosity."""
+    return [a for a in shlex.split(cmd)[1:] if a not in ("-q", "-v", "-vv")]
 
 
-def _run_documented(part: str, capsys) -> int:
-    """Run the fedslice commands of the docs and config headers of one ``part`` ('budgets':
-    :func:`_budgets`; 'rest': the others), in page order; each must exit 0. Returns how many ran."""
-    seen = set()
+def documented_fedslice() -> list[tuple[str, str]]:
+    """The fedslice commands of the docs and config headers this file runs (not marked, not run
+    by another test; each once, its verbosity aside), in page order, without their comments."""
     order = ["quickstart.md", "architectures.md", "results.md", "README.md"]
     cmds = sorted(documented(), key=lambda pc: order.index(pc[0]) if pc[0] in order else 99)
-    ran = 0
+    out, seen = [], set()
     for page, cmd in cmds:
         if _marked(cmd):  # the mark is in the command's comment
             continue
         cmd = _without_comment(cmd)
-        if not cmd.startswith("fedslice ") or _covered(cmd) or cmd in seen:
+        if not cmd.startswith("fedslice ") or _covered(cmd) or tuple(_argv(cmd)) in seen:
             continue
-        if _budgets(cmd) != (part == "budgets"):
-            continue
-        argv = [a for a in shlex.split(cmd)[1:] if a not in ("-q", "-v", "-vv")]
-        if tuple(argv) in seen:  # the same command but for its verbosity
-            continue
-        seen.add(cmd)
-        seen.add(tuple(argv))
-        argv = _shrunk(argv)
-        try:
-            code = main(argv)
-        except SystemExit as e:  # --version, --help
-            code = e.code
-        out = capsys.readouterr()
-        assert code == 0, f"{page}: `{cmd}` exited {code}: {out.err[-2000:]}"
-        ran += 1
-    return ran
+        seen.add(tuple(_argv(cmd)))
+        out.append((page, cmd))
+    return out
 
 
-def test_documented_commands_run(tmp_path, monkeypatch, capsys):
-    """Every fedslice command of the docs and of the config headers but the budget planner's,
-    in page order, in one scratch folder (with the repository's configs and ../shared beside
-    it): each exits 0."""
+def _writes(argv: list[str]) -> str | None:
+    """The run folder a ``fedslice run`` writes (``--out`` or output.dir, then the run's name);
+    None for other commands and for a config that does not load (its test then fails)."""
+    from fedslice.cli import build_parser
+    from fedslice.run.session import folder_name
+
+    if argv[0] != "run":
+        return None
+    args = build_parser().parse_args(argv)
+    if args.config is None or args.dry_run:  # --resume continues a folder; --dry-run writes none
+        return None
+    try:
+        cfg = load_config(ROOT / args.config, args.overrides)  # what `fedslice run` loads
+    except Exception:  # noqa: BLE001 (reported by the command itself, when it runs)
+        return None
+    return os.path.normpath(Path(args.out or cfg.output.dir) / folder_name(cfg))
+
+
+def documented_tests() -> list[list[tuple[str, str]]]:
+    """The commands of :func:`documented_fedslice` as tests: each command a test of its own, but
+    for one that names the folder an earlier ``fedslice run`` writes (report, export, predict,
+    evaluate): it runs after that run (the first that writes it), in the run's test."""
+    tests: list[list[tuple[str, str]]] = []
+    writers: dict[str, list[tuple[str, str]]] = {}
+    for page, cmd in documented_fedslice():
+        argv = _argv(cmd)
+        reader = next((writers[os.path.normpath(a)] for a in argv[1:]
+                       if os.path.normpath(a) in writers), None)
+        if reader is not None:
+            reader.append((page, cmd))
+            continue
+        tests.append([(page, cmd)])
+        folder = _writes(argv)
+        if folder is not None:
+            writers.setdefault(folder, tests[-1])
+    return tests
+
+
+DOCUMENTED = documented_tests()
+
+
+def test_documented_commands_are_found():
+    """The commands are found (the pages' and headers' parsing still works), the demo's run with
+    the commands that read its folder among them."""
+    assert len(DOCUMENTED) >= 15
+    demo = next(t for t in DOCUMENTED if t[0][1] == "fedslice run configs/fedpetuning_sst2.toml")
+    assert {_argv(c)[0] for _, c in demo} >= {"run", "report", "export", "predict", "evaluate"}
+
+
+def _run(page: str, cmd: str, capsys) -> None:
+    argv = _shrunk(_argv(cmd))
+    try:
+        code = main(argv)
+    except SystemExit as e:  # --version, --help
+        code = e.code
+    out = capsys.readouterr()
+    assert code == 0, f"{page}: `{cmd}` exited {code}: {out.err[-2000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("commands", DOCUMENTED, ids=[t[0][1].removeprefix("fedslice ") for t in DOCUMENTED])
+def test_documented_commands_run(commands, tmp_path, monkeypatch, capsys):
+    """A fedslice command of the docs or of a config header (with the commands that read the
+    folder it writes, after it, in page order), in a scratch folder with the repository's
+    configs and a small ../shared beside it: each exits 0, and each run leaves its folder."""
     work = _scratch(tmp_path, monkeypatch)
-    assert _run_documented("rest", capsys) >= 10
-    assert (work / "runs" / "fedpetuning-sst2-demo" / "report.html").is_file()
-
-
-def test_documented_budget_commands_run(tmp_path, monkeypatch, capsys):
-    """The budget planner's documented commands (``fedslice plan``/``run`` of its configs),
-    apart from the others: no other command reads what they write."""
-    _scratch(tmp_path, monkeypatch)
-    assert _run_documented("budgets", capsys) >= 2
+    for page, cmd in commands:
+        _run(page, cmd, capsys)
+        folder = _writes(_argv(cmd))
+        if folder is not None:
+            assert (work / folder / "summary.json").is_file(), f"{page}: `{cmd}` wrote no {folder}"
+    if commands[0][1] == "fedslice run configs/fedpetuning_sst2.toml":
+        assert (work / "runs" / "fedpetuning-sst2-demo" / "report.html").is_file()
 
 
 def _not_ignored(paths: list[Path]) -> list[Path]:
