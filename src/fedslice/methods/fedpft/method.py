@@ -260,7 +260,8 @@ class FedPFT(Method):
         """Neuron-level KD after every ``align_every``-th round (Sec. 3.5); after the last round
         the head re-fit (``method.head_refit_steps``)."""
         state, metrics = self._align(server_round, state, replies)
-        if server_round == self.cfg.federation.rounds and self.opts.head_refit_steps and self.corpus is not None:
+        last = server_round == self.cfg.federation.rounds
+        if last and self.opts.head_refit_steps and self.corpus is not None:
             state, refit = self._refit_head(server_round, state)
             metrics = {**metrics, **refit}
         return state, metrics
