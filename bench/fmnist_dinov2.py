@@ -241,12 +241,12 @@ def claims(by: dict, partition: str) -> list[str]:
         mean = statistics.fmean(gaps)
         out.append(f"- FedPFT − FedPETuning over {len(pairs)} seed(s): {', '.join(f'{g:+.2f}' for g in gaps)} pt "
                    f"(mean {mean:+.2f}): within 1.5 pt: {'met' if mean >= -1.5 else 'missed'}")
-    for s in sorted({s for (v, p, s) in by if p == partition and v == "fedpft_refit"}):
-        a, b = by.get(("fedpetuning", partition, s)), by[("fedpft_refit", partition, s)]
+    for v, s in sorted((v, s) for (v, p, s) in by if p == partition and v in REFIT):
+        a, b = by.get(("fedpetuning", partition, s)), by[(v, partition, s)]
         if a:
             gap = 100 * (b["test_accuracy"] - a["test_accuracy"])
-            out.append(f"- FedPFT + head re-fit − FedPETuning (seed {s}): {gap:+.2f} pt: within 3 pt "
-                       f"(issue 35, part 5): {'met' if gap >= -3 else 'missed'}")
+            out.append(f"- FedPFT + head re-fit, {b['head_refit_steps']} steps − FedPETuning (seed {s}): "
+                       f"{gap:+.2f} pt: within 3 pt (issue 35, part 5): {'met' if gap >= -3 else 'missed'}")
     for s in seeds:
         a, b = by.get(("fedpft", partition, s)), by.get(("fedot", partition, s))
         if a and b:
