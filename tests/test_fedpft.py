@@ -490,3 +490,90 @@ def test_keep_ratio_one_without_kd_trains_fedpetunings_model(pft_cfg):
                                rtol=0, atol=1e-6)
     assert pft_summary["test_accuracy"] == ref_summary["test_accuracy"]
     assert [r.get("dev_accuracy") for r in pft_records] == [r.get("dev_accuracy") for r in ref_records]
+
+
+# -- head re-fit after FL (method.head_refit_steps) --------------------------------------------
+
+def _head_keys(state):
+    return {k for k in state if "classifier" in k}
+
+
+def _refit_setup(pft_cfg, steps=30, **opts):
+    pft_cfg["method"].update({"kd": "before", "head_refit_steps": steps, "head_refit_lr": 5e-2, **opts})
+    method, data = setup(validate_config(pft_cfg))
+    return method, data
+
+
+def test_head_refit_is_off_by_default_and_zero_steps_is_a_noop(pft_cfg):
+    from fedslice.methods.fedpft.refit import refit_head
+    method, _ = setup(validate_config(pft_cfg))
+    assert method.opts.head_refit_steps == 0
+    state = method.initial_state()
+    new, metrics = method.on_round_end(pft_cfg["federation"]["rounds"], state, {})
+    assert new is state and metrics == {} and method.refit_log is None and method.proxy_head == {}
+    head = {k: p for k, p in method.trainable(method.model).items() if "classifier" in k}
+    before = {k: p.detach().clone() for k, p in head.items()}
+    split = method.corpus.split
+    log = refit_head(method.model, head, split, torch.zeros(len(split), 2), steps=0, lr=1.0,
+                     batch_size=4, temperature=1.0, seed=0)
+    assert log.steps == 0 and not log.losses
+    assert all(torch.equal(p, before[k]) for k, p in head.items())
+
+
+def test_head_refit_changes_only_the_head_and_reduces_the_kl_to_the_proxy(pft_cfg):
+    from fedslice.methods.fedpft.refit import mean_kl, soft_targets
+    method, _ = _refit_setup(pft_cfg)
+    g = torch.Generator().manual_seed(5)
+    # confident predictions, and a proxy far from the full model (its FFNs perturbed)
+    scale = {"lora_": 0.2, "classifier": 3.0, **{k: 2.0 for k in method.proxy_params}}
+    state = {k: v + sum(torch.randn(v.shape, generator=g) * s for p, s in scale.items() if p in k)
+             for k, v in method.initial_state().items()}
+    split, rounds = method.corpus.split, pft_cfg["federation"]["rounds"]
+    proxy_logits = _logits(method.proxy_model(state))
+    targets, flops, tokens = soft_targets(method.proxy_model(state), split, 4)  # (N, 2)
+    assert targets.shape == (len(split), 2) and flops > 0 and tokens > 0
+    kl_before = mean_kl(method.eval_model(state), split, targets, 1.0, 4)
+    new, metrics = method.on_round_end(rounds, state, {})
+    changed = {k for k in state if not torch.equal(new[k], state[k])}
+    assert changed == _head_keys(state)  # the classifier only: LoRA and the proxy's FFNs kept
+    kl_after = mean_kl(method.eval_model(new), split, targets, 1.0, 4)
+    assert kl_before > 1e-3 and kl_after < 0.5 * kl_before, (kl_before, kl_after)
+    assert metrics["head_refit_steps"] == 30 and metrics["head_refit_flops"] > flops
+    assert metrics["head_refit_examples"] == len(split) and metrics["head_refit_time_s"] > 0
+    # the proxy keeps the head FL trained: its predictions are unchanged
+    torch.testing.assert_close(_logits(method.proxy_model(new)), proxy_logits, rtol=0, atol=0)
+    saved = method.server_state()  # a resumed run keeps the proxy's head and the log
+    other, _ = setup(validate_config(pft_cfg))
+    other.load_server_state(saved)
+    assert other.refit_log.losses == method.refit_log.losses
+    assert all(torch.equal(other.proxy_head[k], state[k]) for k in _head_keys(state))
+
+
+def test_head_refit_only_after_the_last_round(pft_cfg):
+    method, _ = _refit_setup(pft_cfg, kd="none")  # no KD: the corpus is still built for the re-fit
+    assert method.corpus is not None
+    state = method.initial_state()
+    new, metrics = method.on_round_end(1, state, {})  # of 2 rounds
+    assert new is state and metrics == {} and method.refit_log is None
+
+
+def test_head_refit_end_to_end(pft_cfg, tmp_path):
+    import json
+
+    from fedslice.api import run_experiment
+    pft_cfg["method"].update(head_refit_steps=4)
+    pft_cfg["output"].update(dir=str(tmp_path / "runs"))
+    run = run_experiment(validate_config(pft_cfg))
+    summary = json.loads((run / "summary.json").read_text())
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert summary["head_refit_steps"] == 4 and summary["head_refit_flops"] > 0
+    assert "head_refit_loss_start" in records[-1] and "head_refit_steps" not in records[0]
+    curves = json.loads((run / "fedpft_distill.json").read_text())
+    assert len(curves["phases"]["head re-fit after FL"]["losses"]) == 4
+
+
+def test_head_refit_needs_a_classifier_head(pft_cfg):
+    pft_cfg["method"]["head_refit_steps"] = 5
+    pft_cfg["task"] = {"kind": "generation", "prompt": "{sentence}", "target": "{label}"}
+    with pytest.raises(ConfigError, match="method.head_refit_steps = 5.*no classifier head"):
+        validate_config(pft_cfg)

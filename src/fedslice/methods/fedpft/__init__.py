@@ -27,6 +27,13 @@
 5. **Plug-in**: LoRA + classifier are the very tensors of the full model (shared modules), so
    evaluation runs the full model: ``test_accuracy`` is the full FM's; ``proxy_*_accuracy`` the
    proxy's.
+6. **Head re-fit** (``method.head_refit_steps`` > 0; off by default, not in the paper): after the
+   last round the server distils the proxy's predictions (soft labels, KL) on the distillation
+   corpus into the plugged-in full model's classifier, everything else frozen
+   (:mod:`~fedslice.methods.fedpft.refit`): no labels and no client data are read. The global
+   state (what is evaluated and saved) holds the re-fitted head; ``proxy_*_accuracy`` is the
+   proxy's with the head FL trained. Its cost is ``head_refit_flops`` / ``_time_s`` in the
+   summary (the proxy's pass over the corpus for the soft labels included).
 
 A client never reads the full model (FedPFT's premise): the first payload of a client carries the
 whole proxy: its compressed FFNs in ``arrays`` and its other frozen tensors (embeddings,

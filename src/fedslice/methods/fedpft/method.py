@@ -5,6 +5,7 @@ end. See :mod:`fedslice.methods.fedpft`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from fedslice.methods.base import Method, Role
 from fedslice.methods.fedpft.options import FedPFTMethod, KD_BEFORE, KD_DURING, UPDATE_PREFIX
 from fedslice.methods.fedpft.proxy import (build_proxy, compressed_units, ffn_modules, ffn_weights,
                                            global_layer, proxy_slice, stack_offsets)
+from fedslice.methods.fedpft.refit import head_params, refit_head, soft_targets
 from fedslice.methods.fedpft.strategy import FedPFTStrategy
 from fedslice.methods.submodel import (ClientBase, cached_distill, make_corpus,
                                        concat_logs, named_params, sub_accuracy, sub_seed,
@@ -77,6 +79,13 @@ class FedPFT(Method):
         if raw is not None or (targets is not None and set(targets) - {"q", "k", "v", "o"}):
             raise ValueError(f"{name}.targets: method fedpft trains its adapter on attention only "
                              f"(q, k, v, o): the proxy drops FFN neurons; got {raw or targets}")
+        steps = cfg.method.head_refit_steps
+        if steps and (cfg.task.kind == "generation" or cfg.task.label_words):
+            what = "generation" if cfg.task.kind == "generation" else "classification with label_words"
+            raise ValueError(f"method.head_refit_steps = {steps}: the head re-fit distils the proxy's "
+                             f"class probabilities into the full model's classifier; task {what} has "
+                             "no classifier head (the LM head is tied to the embeddings): set "
+                             "method.head_refit_steps = 0")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None, **kw):
@@ -84,6 +93,8 @@ class FedPFT(Method):
         self.opts: FedPFTMethod = cfg.method
         self.align_logs: list[DistillLog] = []
         self.align_records: list[dict[str, Any]] = []
+        self.refit_log: DistillLog | None = None  # the head re-fit after the last round
+        self.proxy_head: State = {}  # the classifier as FL trained it (the proxy's), once re-fit
         self.held_version: int | None = None  # proxy version of this worker's copy (client side)
         super().__init__(cfg, loaded, task, role, client_sizes, **kw)
 
@@ -124,9 +135,10 @@ class FedPFT(Method):
     def _corpus(self) -> Corpus | None:
         """The distillation corpus (checked now; an empty one fails before FL starts)."""
         o = self.opts
-        if o.kd == "none" or not self.compressed:
+        if (o.kd == "none" and not o.head_refit_steps) or not self.compressed:
             return None
-        steps = max(o.distill.steps if o.kd in KD_BEFORE else 0, o.align_steps if o.kd in KD_DURING else 0)
+        steps = max(o.distill.steps if o.kd in KD_BEFORE else 0, o.align_steps if o.kd in KD_DURING else 0,
+                    o.head_refit_steps)
         corpus = make_corpus(self.cfg, o.distill, self.task, self.loaded, steps, "method.distill.corpus")
         if o.kd in KD_DURING and o.align_steps > 0:
             _ = corpus.split  # packed now, not at the first alignment
@@ -245,7 +257,18 @@ class FedPFT(Method):
     # -- server ------------------------------------------------------------------------------
     def on_round_end(self, server_round: int, state: State,
                      replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
-        """Neuron-level KD after every ``align_every``-th round (Sec. 3.5)."""
+        """Neuron-level KD after every ``align_every``-th round (Sec. 3.5); after the last round
+        the head re-fit (``method.head_refit_steps``)."""
+        state, metrics = self._align(server_round, state, replies)
+        last = server_round == self.cfg.federation.rounds
+        if last and self.opts.head_refit_steps and self.corpus is not None:
+            state, refit = self._refit_head(server_round, state)
+            metrics = {**metrics, **refit}
+        return state, metrics
+
+    def _align(self, server_round: int, state: State,
+               replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
+        """Neuron-level KD, in an alignment round."""
         if not find_inner(self.strategy, FedPFTStrategy).align_round(server_round):
             return state, {}
         reports = [split_report(r.arrays)[1] for r in replies.values()]
@@ -268,14 +291,37 @@ class FedPFT(Method):
         self.align_records.append(rec)
         return new_state, {"align_neurons": n, **lg.summary("align")}
 
+    def _refit_head(self, server_round: int, state: State) -> tuple[State, dict[str, Any]]:
+        """Distil the proxy's predictions on the corpus into the full model's classifier (the
+        plugged-in model's head); the proxy keeps the head FL trained (``proxy_head``)."""
+        o, split = self.opts, self.corpus.split
+        self._load(state)
+        head = head_params(self.trainable(self.model), self.adapter.owns)
+        self.proxy_head = {k: state[k].detach().clone() for k in head}
+        t0 = time.perf_counter()
+        targets, flops, tokens = soft_targets(self.proxy, split, o.distill.batch_size)  # (N, C)
+        lg = refit_head(self.model, head, split, targets, steps=o.head_refit_steps, lr=o.head_refit_lr,
+                        batch_size=o.distill.batch_size, temperature=o.head_refit_temperature,
+                        seed=sub_seed(self.cfg.seed, server_round, 3))
+        lg.flops, lg.tokens = lg.flops + flops, lg.tokens + tokens  # the targets' proxy pass too
+        lg.time_s = time.perf_counter() - t0
+        self.refit_log = lg
+        new_state = {**state, **{k: p.detach().clone() for k, p in head.items()}}
+        return new_state, {**lg.summary("head_refit"), "head_refit_examples": len(split)}
+
     def server_state(self) -> dict[str, Any]:
         return {"align_logs": [lg.to_dict() for lg in self.align_logs],
-                "align_records": self.align_records, "held_version": self.held_version}
+                "align_records": self.align_records, "held_version": self.held_version,
+                "refit_log": None if self.refit_log is None else self.refit_log.to_dict(),
+                "proxy_head": self.proxy_head}
 
     def load_server_state(self, state: dict[str, Any]) -> None:
         self.align_logs = [DistillLog.from_dict(d) for d in state["align_logs"]]
         self.align_records = list(state["align_records"])
         self.held_version = state["held_version"]
+        refit = state.get("refit_log")  # absent in a checkpoint of an older version
+        self.refit_log = None if refit is None else DistillLog.from_dict(refit)
+        self.proxy_head = dict(state.get("proxy_head") or {})
 
     def _neuron_kd(self, update: dict[int, torch.Tensor], seed: int) -> DistillLog:
         """Re-distil the selected neurons (W1 rows, b1, W2 columns); everything else fixed."""
@@ -303,7 +349,8 @@ class FedPFT(Method):
         return sorted(self.proxy_params)
 
     def proxy_model(self, state: State) -> nn.Module:
-        self._load(state)
+        """The proxy with ``state`` loaded; after a head re-fit, with the head FL trained."""
+        self._load({**state, **self.proxy_head})
         return self.proxy
 
     # -- reporting ---------------------------------------------------------------------------
@@ -321,6 +368,8 @@ class FedPFT(Method):
         if during is not None:
             out.update({k: v for k, v in during.summary("kd_during").items()
                         if not k.endswith(("_start", "_end"))})
+        if self.refit_log is not None:
+            out.update(self.refit_log.summary("head_refit"))
         return out
 
     @classmethod
@@ -331,7 +380,8 @@ class FedPFT(Method):
 
     def write_artifacts(self, folder: Path) -> None:
         phases = {"layer-level KD before FL": self.kd_before,
-                  "neuron-level KD during FL": concat_logs(self.align_logs)}
+                  "neuron-level KD during FL": concat_logs(self.align_logs),
+                  "head re-fit after FL": self.refit_log}
         write_curves(folder, "fedpft_distill", phases, plot=self.cfg.output.plots,
                      extra={"cached": self.kd_cached, "compressed_layers": self.compressed,
                             "kept_neurons": self._widths()[self.compressed[0]] if self.compressed else None,

@@ -43,6 +43,16 @@ class FedPFTMethod(MethodOptions):
                             "almost never give; 0: exact zeros, e.g. ReLU).")
     apoz_max_examples: int | None = Field(None, gt=0, description="APoZ on a seeded sample of "
                                           "this many local examples (default: all, as the paper).")
+    head_refit_steps: int = Field(0, ge=0, description="After the last round, AdamW steps that "
+                                  "re-fit the plugged-in full model's classifier to the proxy's "
+                                  "predictions (soft labels, no ground-truth labels) on the "
+                                  "distillation corpus (distill.corpus: data the server holds), "
+                                  "the rest frozen; 0: off (the paper's plug-in). Classifier heads "
+                                  "only (not generation or label_words).")
+    head_refit_lr: float = Field(1e-3, gt=0, description="Learning rate of the head re-fit "
+                                 "(constant).")
+    head_refit_temperature: float = Field(1.0, gt=0, description="Softmax temperature of the "
+                                          "head re-fit's KL (the loss is scaled by T^2).")
 
     @field_validator("keep_ratio", "align_proportion")
     @classmethod
