@@ -15,8 +15,9 @@ row micro-batches and checkpointing):
   planned        raffm+heads: the planner's composition;
   planned-fs     the same with heads' importance from the first local step (no pass of its own);
   mixed          raffm+heads, a population of thirds at 30%, 50% and 100% (run once);
-  planned-work   raffm+heads whose planner may also give a client part of the round's local
-                 steps (budgets.local_work = LOCAL_WORK): fewer steps before a narrower model;
+  planned-work   raffm+heads whose planner may also give a client part of a round's local work
+                 (budgets.local_work = LOCAL_WORK or --local-work; by default fewer examples per
+                 step) before a narrower model;
   mixed-work     the mixed population with local work.
 
 A row whose budget no plan fits is recorded as such (the planner's message), not run.
@@ -47,7 +48,7 @@ METHODS = {"dense": "fedpetuning", "heads": "heads", "raffm": "raffm", "int8": "
            "fp32-int8": "fedpetuning",
            "planned": "raffm+heads", "planned-fs": "raffm+heads", "mixed": "raffm+heads",
            "planned-work": "raffm+heads", "mixed-work": "raffm+heads"}
-#: budgets.local_work of the ``-work`` rows: shares of the round's local steps a client may train
+#: budgets.local_work of the ``-work`` rows: shares of a round's local work a client may train
 LOCAL_WORK = [1.0, 0.75, 0.5, 0.375, 0.25]
 
 
@@ -78,7 +79,7 @@ def config(row: str, args, budgets: dict | None) -> dict:
         cfg["budgets"] = {**budgets, **({"precisions": ["none", "int8"]} if row == "fp32-int8" else {}),
                           # local work is the planner's default since 2026-11-27: rows without
                           # "-work" keep every client's whole round, as they were taken
-                          "local_work": LOCAL_WORK if row.endswith("-work") else [1.0]}
+                          "local_work": (args.local_work or LOCAL_WORK) if row.endswith("-work") else [1.0]}
     return cfg
 
 
@@ -141,6 +142,8 @@ def main() -> None:
                     help="memory at this share of dense's instead of the budget's (rows <row>@<f>m<share>)")
     ap.add_argument("--upload-share", type=float, default=None,
                     help="upload at this share of dense's instead of the budget's (rows <row>@<f>u<share>)")
+    ap.add_argument("--local-work", type=float, nargs="+", default=None,
+                    help="budgets.local_work of the -work rows (default LOCAL_WORK; rows <row>-lw<n>@...)")
     ap.add_argument("--again", action="store_true", help="re-run rows whose results exist")
     ap.add_argument("--out", type=Path, default=Path("bench/results/frontier_sst2"))
     args = ap.parse_args()
@@ -154,7 +157,8 @@ def main() -> None:
             at = f"up{f:g}" if args.upload_only else f"mem{f:g}" if args.memory_only else f"{f:g}"
             at += (f"m{args.memory_share:g}" if args.memory_share else "") + \
                 (f"u{args.upload_share:g}" if args.upload_share else "")
-            run_row(f"{row}@{at}", row, args, {"tiers": [tier(f, dense, f"{f:.0%}", upload_only=args.upload_only,
+            tag = f"-lw{len(args.local_work)}" if args.local_work and row.endswith("-work") else ""
+            run_row(f"{row}{tag}@{at}", row, args, {"tiers": [tier(f, dense, f"{f:.0%}", upload_only=args.upload_only,
                                                               memory_only=args.memory_only,
                                                               memory_f=args.memory_share,
                                                               upload_f=args.upload_share)]})
