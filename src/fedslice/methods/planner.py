@@ -343,18 +343,6 @@ class BudgetPlanner:
         return {"memory_mb": c.memory_mb, "gflops_per_round": gflops, "upload_mb_per_round": c.upload_bytes / _MB}
 
     # -- choice ------------------------------------------------------------------------------
-    def _candidates(self) -> Iterator[Knobs]:
-        """Every plan, in the planner's order: the most-training first."""
-        for spec, width in self.specs:
-            for work in self.works:
-                for s in self.sparsities:
-                    for r in self.ranks:
-                        for imp in self.importances:
-                            for prec in self.precisions:
-                                knobs = Knobs(spec, s, r, False, 1, width, imp, prec, **work)
-                                for ckpt, mb in self.overheads(knobs):
-                                    yield replace(knobs, checkpointing=ckpt, micro_batches=mb)
-
     def _violations(self, budget: ClientBudget, pred: Mapping[str, float]) -> list[str]:
         out = []
         for k, limit in budget.limits().items():
@@ -391,7 +379,8 @@ class BudgetPlanner:
     def plan(self, client: int, tier: int | None, budget: ClientBudget, examples: int,
              importance_examples: int = 0) -> ClientPlan | None:
         """The most-training plan whose predicted costs fit ``budget``; None when none does.
-        Pruned search, one knob at a time in the order of :meth:`_candidates`: a sub-model whose
+        Pruned search, most-training first, one knob at a time: sub-model, local work, sparsity,
+        rank, importance source, precision, then the overheads. A sub-model whose
         cheapest point (least local work, largest sparsity, smallest rank, every memory saving)
         does not fit is skipped whole, then the same per local work, per sparsity and per rank.
         The plan says why: what the nearest larger plan it passed over needs."""
