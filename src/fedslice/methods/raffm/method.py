@@ -9,6 +9,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ from fedslice.methods.planner import PlannedModel, plan_config
 from fedslice.slicing.planner import (Budget, Plan, Planner, SpecCost, assign_budgets, choose_rank,
                                       spec_params,
                                       measure_training_step, width_candidates)
-from fedslice.slicing.salience import output_activations, scale_tensors
+from fedslice.slicing.salience import model_salience, output_activations, scale_tensors
+from fedslice.slicing.widths import salience_width_candidates
 from fedslice.slicing.spec import Spec, spec_from_dict, spec_sizes, stack_list
 from fedslice.slicing.state import extract_state
 from fedslice.slicing.surgery import extract_model
@@ -98,7 +100,7 @@ class RaFFM(Method):
         self.profile = self.task.profile_batch(self.model.config, opts.profile_batch_size or fed.batch_size,
                                                opts.profile_seq_len or self.cfg.data.max_length,
                                                self.cfg.seed)
-        candidates = width_candidates(self.all_dims, opts.width_steps, opts.elastic_depth)
+        candidates = self.width_specs(opts.width_steps)
         ranks = self.cfg.lora.ranks if self.adapter.name == "lora" else None
         if self.cfg.budgets is not None:
             return self._budget_strategy(candidates)
@@ -134,10 +136,29 @@ class RaFFM(Method):
     def plan_axes(self, budgets) -> dict[str, list]:
         """Sub-models of ``budgets.width_steps`` widths (largest first, with their share of the
         full model's linear parameters) and the LoRA ranks."""
-        specs = width_candidates(self.all_dims, budgets.width_steps, self.opts.elastic_depth)
+        specs = self.width_specs(budgets.width_steps)
         full = spec_params(specs[-1], self.all_dims)
         return {**super().plan_axes(budgets),
                 "specs": [(s, spec_params(s, self.all_dims) / full) for s in reversed(specs)]}
+
+    def width_specs(self, steps: int) -> list[Spec]:
+        """The planner's sub-models at widths 1/steps .. 1, smallest first: the same width in
+        every layer, or (``method.widths = "salience"``) per-layer widths from the salience of
+        the model as loaded (:func:`salience_width_candidates`)."""
+        if self.opts.widths == "uniform":
+            return width_candidates(self.all_dims, steps, self.opts.elastic_depth)
+        return salience_width_candidates(self.loaded_salience, self.all_dims, steps,
+                                         self.arch.head_bias is not None)
+
+    @cached_property
+    def loaded_salience(self) -> list:
+        """``method.salience`` of the model as loaded: what the first reorder ranks by (one
+        calibration pass however many width grids are made)."""
+        state = {n: p.detach() for n, p in self.model.named_parameters()}
+        acts = (output_activations(self.model, self.arch, self.calibration_batches())
+                if self.opts.salience == "activation" else None)
+        return model_salience({**scale_tensors(self.model, self.arch), **state}, self.arch,
+                              self.all_dims, self.opts.salience, self.adapter.scale, acts)
 
     @contextmanager
     def planned_model(self, knobs) -> Iterator[PlannedModel]:
