@@ -60,6 +60,11 @@ VARIANTS = {
                   "elastic_sizes": QUARTERS, "salience": "activation"},
     "raffm-act-sandwich": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
                            "elastic_sizes": QUARTERS, "salience": "activation", "sandwich": True},
+    # issue 35, part 4: per-layer widths from each layer's measured loss rise (16 dev rows,
+    # widths 1/8 .. 7/8 per layer) at the uniform slices' linear parameters
+    "raffm-act-measured": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
+                           "elastic_sizes": QUARTERS, "salience": "activation", "widths": "measured",
+                           "width_levels": 8, "calibration_examples": 16},
     "raffm-sandwich": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
                        "elastic_sizes": QUARTERS, "sandwich": True},
     "raffm-t25only-full": {"name": "raffm", "tiers": [{"share": 1.0, "flops": 0.25}],
@@ -81,6 +86,7 @@ CLAIMS = {
     "raffm-t25only": "RaFFM, every client at 0.25: the 0.25 size given more client-rounds (issue 35 part 4)",
     "raffm-t25only-full": "as raffm-t25only, the whole sub-model trained (no LoRA)",
     "raffm-act": "RaFFM, activation-aware salience: the small sizes keep the units the decoder needs (issue 35 part 4)",
+    "raffm-act-measured": "raffm-act with per-layer widths from each layer's measured loss rise (issue 35 part 4)",
     "raffm-act-sandwich": "raffm-act + the sandwich rule (each step also trains the nested smallest size)",
     "raffm-sandwich": "RaFFM (L1 salience) + the sandwich rule",
 }

@@ -31,9 +31,6 @@ Writes ``results.md`` / ``results.json`` under ``--out``::
     OMP_NUM_THREADS=1 nice -n 10 python bench/raffm_decoder_diag.py --test-mrs 20 \
         --salience l1 activation --variants width ffn-only heads-only --nll-only \
         --out bench/results/raffm_salience
-    OMP_NUM_THREADS=1 nice -n 10 python bench/raffm_decoder_diag.py --test-mrs 20 \
-        --salience activation --widths salience --variants width --nll-only \
-        --sizes 0.25 0.5 0.75 --out bench/results/raffm_salience_widths
 """
 
 from __future__ import annotations
@@ -60,13 +57,11 @@ SIZES = [0.25, 0.5, 0.75, 1.0]
 
 
 def config(args, reorder: bool, salience: str = "l1") -> dict:
-    widths = args.widths if reorder else "uniform"
     cfg = load_config(ROOT / "configs/e2e_smollm2.toml").model_dump(mode="json")
     cfg.update(name="raffm-diag", seed=args.seed, threads=args.threads)
     cfg["compute"]["workers"] = 1
     cfg["method"] = {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in SIZES],
-                     "elastic_sizes": SIZES, "reorder": reorder, "salience": salience,
-                     "widths": widths}
+                     "elastic_sizes": SIZES, "reorder": reorder, "salience": salience}
     cfg["data"]["max_test_examples"] = args.test_mrs
     cfg["data"]["max_dev_examples"] = 8
     cfg["output"].update(dir=str(args.out), progress=False, plots=False, save_weights=False)
@@ -98,8 +93,8 @@ def score(method, spec, state, data, args) -> dict:
         method.task.last_samples = [{}]
     else:
         res = method.task.evaluate(model, data.test, args.batch_size)
-    return {"layers": len(spec.layers), "heads_per_layer": _range(len(h) for h in spec.heads),
-            "ffn_per_layer": _range(len(f) for f in spec.neurons),
+    return {"layers": len(spec.layers), "heads_per_layer": sorted({len(h) for h in spec.heads}),
+            "ffn_per_layer": sorted({len(f) for f in spec.neurons}),
             "linear_params_M": linear_params(method.dims_full, spec) / 1e6,
             "forward_gflops_per_example": fc.total / 2e9,
             "test_loss": res["loss"], "test_rougeL": res["rougeL"], "test_bleu": res.get("bleu"),
@@ -117,9 +112,6 @@ def main() -> None:
     p.add_argument("--salience", nargs="+", default=["l1"], choices=["l1", "l2", "activation"],
                    help="method.salience of the reordered variants (rows named variant/salience "
                    "when more than one)")
-    p.add_argument("--widths", choices=["uniform", "salience"], default="uniform",
-                   help="method.widths of the reordered variants (rows tagged '+salience-widths'): "
-                   "the same width in every layer, or per-layer widths from salience")
     p.add_argument("--nll-only", action="store_true", help="score the test NLL only (no generation)")
     p.add_argument("--sizes", nargs="+", type=float, default=SIZES)
     p.add_argument("--out", type=Path, default=Path("bench/results/raffm_decoder_diag"))
@@ -140,7 +132,6 @@ def main() -> None:
         if not wanted:
             continue
         tag = f"/{sal}" if len(args.salience) > 1 and reorder else ""
-        tag += "+salience-widths" if reorder and args.widths == "salience" else ""
         method, data = setup(validate_config(config(args, reorder, sal)))
         dims = method.arch.all_dims(method.model.config)
         dims = dims[0] if isinstance(dims, list) else dims
@@ -180,12 +171,6 @@ def main() -> None:
                       f"ROUGE-L {r['test_rougeL']:.2f} ({r['eval_s']:.0f} s) | {r['sample']!r:.80}",
                       flush=True)
                 write(args, res)
-
-
-def _range(sizes) -> list[int]:
-    """One size, or the smallest and largest of a layer's (per-layer widths)."""
-    s = sorted(set(sizes))
-    return s if len(s) == 1 else [s[0], s[-1]]
 
 
 def _num(v) -> str:

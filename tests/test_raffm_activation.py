@@ -149,7 +149,8 @@ def test_run_with_activation_salience(tiny_gen_cfg_dict, calibration):
 def test_sandwich_masked_pass_is_the_smallest_submodel(llama):
     """The sandwich rule's second pass (the client's sub-model with the units past the smallest
     size's masked) computes exactly the smallest size's sub-model."""
-    from fedslice.methods.raffm.method import _masked, _nested_masks
+    from fedslice.methods.raffm.method import _nested_masks
+    from fedslice.slicing.masks import masked_inputs
     from fedslice.slicing.spec import SliceSpec
     from fedslice.slicing.surgery import extract_model
     arch = arch_for(llama)
@@ -159,7 +160,7 @@ def test_sandwich_masked_pass_is_the_smallest_submodel(llama):
     big, little = extract_model(llama, own, arch), extract_model(llama, small, arch)
     masks = _nested_masks(big, arch, own, small)
     assert len(masks) == 2 * d["num_layers"]
-    with torch.no_grad(), _masked(masks):
+    with torch.no_grad(), masked_inputs(masks):
         masked = big(**_batch(2, 9, seed=3)).logits
     torch.testing.assert_close(masked, _logits(little), atol=1e-5, rtol=0)
     assert (_logits(big) - masked).abs().max() > 1e-3  # the hooks are gone after the block

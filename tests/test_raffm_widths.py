@@ -1,106 +1,130 @@
-"""RaFFM's salience-allocated per-layer widths (``method.widths = "salience"``, issue 35 part 4):
-the allocation against a hand-worked reference, nesting, the spec grid on the tiny LLaMA and a
-run end to end."""
+"""RaFFM's measured per-layer widths (``method.widths = "measured"``, issue 35 part 4): the masks
+compute the sub-model exactly, the allocation is the exhaustive optimum, the candidate grid, the
+option's checks and a run end to end."""
 
 from __future__ import annotations
+
+import copy
+import itertools
 
 import pytest
 import torch
 from pydantic import ValidationError
 
 from fedslice.api import setup
+from fedslice.errors import ConfigError
 from fedslice.experiment import validate_config
 from fedslice.methods.raffm import RaFFMMethod
 from fedslice.models.arch import arch_for
 from fedslice.run.engine import Simulation
+from fedslice.slicing.masks import masked_inputs
+from fedslice.slicing.permute import permute_model
 from fedslice.slicing.planner import spec_params, width_candidates
-from fedslice.slicing.salience import LayerSalience, model_salience, output_activations
-from fedslice.slicing.widths import allocate, salience_width_candidates, shares_in_order
+from fedslice.slicing.salience import model_salience, output_modules, salience_order
+from fedslice.slicing.spec import SliceSpec
+from fedslice.slicing.surgery import extract_model
+from fedslice.slicing.widths import allocate, layer_masks, level_sizes, measured_width_candidates
 
 
-def test_allocate_keeps_the_largest_shares_and_one_unit_per_layer():
-    concentrated = torch.tensor([0.9, 0.05, 0.05], dtype=torch.float64)
-    flat = torch.full((3,), 1 / 3, dtype=torch.float64)
-    # 3 of 6: the first unit of each layer, then the flat layer's 1/3 before the 0.05s
-    assert allocate([concentrated, flat], 0.5) == [1, 2]
-    assert allocate([concentrated, flat], 4 / 6) == [1, 3]
-    assert allocate([concentrated, flat], 5 / 6) == [2, 3]  # tie 0.05 / 0.05: the earlier unit
-    assert allocate([concentrated, flat], 1.0) == [3, 3]
-    assert allocate([concentrated, flat], 0.01) == [1, 1]  # never below one unit per layer
-
-
-def test_allocation_is_nested_and_matches_a_greedy_reference():
-    g = torch.Generator().manual_seed(0)
-    scores = [torch.rand(n, generator=g) ** 4 for n in (7, 12, 5, 9)]
-    shares = [shares_in_order(s, torch.argsort(s, descending=True).tolist()) for s in scores]
-    prev = [0] * 4
-    for j in range(1, 34):
-        w = j / 33
-        got = allocate(shares, w)
-        # reference: start at one unit per layer, add the unit of largest share one at a time
-        ref, want = [1] * 4, max(4, round(w * 33))
-        while sum(ref) < want:
-            best = max((float(shares[l][ref[l]]), -l) for l in range(4) if ref[l] < len(shares[l]))
-            ref[-best[1]] += 1
-        assert got == ref and sum(got) == want
-        assert all(a >= b for a, b in zip(got, prev))  # a larger width keeps a superset
-        prev = got
-
-
-def test_shares_follow_the_order_and_never_increase():
-    s = torch.tensor([1.0, 4.0, 2.0, 3.0])
-    # grouped-query order (groups whole) may put a smaller score first: the running minimum
-    out = shares_in_order(s, [1, 0, 3, 2])
-    torch.testing.assert_close(out, torch.tensor([0.4, 0.1, 0.1, 0.1], dtype=torch.float64))
-    torch.testing.assert_close(shares_in_order(torch.zeros(3), [0, 1, 2]),
-                               torch.full((3,), 1 / 3, dtype=torch.float64))
-
-
-def test_candidates_on_the_tiny_llama(tiny_lm_dirs):
+@pytest.fixture(scope="module")
+def llama(tiny_lm_dirs):
     import transformers as T
     model = T.AutoModelForCausalLM.from_pretrained(tiny_lm_dirs["llama"], attn_implementation="eager")
-    arch = arch_for(model)
-    dims = arch.all_dims(model.config)
-    mlp = model.model.layers[0].mlp
-    with torch.no_grad():  # layer 0's FFN salience in one unit: it keeps fewer units than others
-        mlp.gate_proj.weight[1:] *= 1e-3
-        mlp.up_proj.weight[1:] *= 1e-3
-        mlp.down_proj.weight[:, 1:] *= 1e-3
-    sal = model_salience(model.state_dict(), arch, dims, "l1")
-    specs = salience_width_candidates(sal, dims, 4)
+    model.eval()
+    return model
+
+
+def _logits(model):
+    ids = torch.randint(5, 400, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_masks_in_salience_order_compute_the_reordered_leading_slice(llama):
+    """Layer l cut to widths[l] by masks in a (non-identity) salience order gives exactly the
+    logits of the leading slice of the model permuted to that order."""
+    arch = arch_for(llama)
+    dims = arch.all_dims(llama.config)
+    perm = salience_order(model_salience(llama.state_dict(), arch, dims, "l1"), dims, arch)
+    order = perm.stacks[0]
+    assert not perm.is_identity
+    widths = [0.25, 0.75][: dims[0]["num_layers"]]
+    with masked_inputs(layer_masks(output_modules(llama, arch), dims[0], order, widths)):
+        masked = _logits(llama)
+    permuted = copy.deepcopy(llama)
+    permute_model(permuted, perm, arch)
+    sizes = [level_sizes(dims[0], w) for w in widths]
+    spec = SliceSpec.leading(dims[0], [h for h, _ in sizes], [f for _, f in sizes])
+    torch.testing.assert_close(masked, _logits(extract_model(permuted, spec, arch)), atol=1e-5, rtol=0)
+    assert (masked - _logits(llama)).abs().max() > 1e-3  # and the hooks are gone after the block
+
+
+def test_allocate_is_the_exhaustive_optimum():
+    g = torch.Generator().manual_seed(0)
+    cost = [3, 5, 8, 12]
+    for trial in range(20):
+        rise = (torch.rand(4, 4, generator=g) * torch.tensor([4.0, 2.0, 1.0, 0.0])).tolist()
+        budget = 12 + trial * 2
+        got = allocate(rise, cost, budget, unit=1)
+        feasible = [c for c in itertools.product(range(4), repeat=4) if sum(cost[k] for k in c) <= budget]
+        best = min(sum(rise[l][k] for l, k in enumerate(c)) for c in feasible)
+        assert sum(cost[k] for k in got) <= budget
+        assert sum(rise[l][k] for l, k in enumerate(got)) == pytest.approx(best, abs=1e-12)
+    with pytest.raises(ValueError, match="below every layer"):
+        allocate(rise, cost, 11, unit=1)
+
+
+def test_candidates_put_the_units_where_cutting_costs(llama):
+    dims = arch_for(llama).all_dims(llama.config)[0]
+    levels = [0.25, 0.5, 0.75]
+    # layer 0 loses nothing when cut, layer 1 a lot: layer 1 keeps units first
+    rise = [[0.0, 0.0, 0.0], [9.0, 5.0, 1.0]]
+    specs = measured_width_candidates(rise, dims, levels, 4)
     uniform = width_candidates(dims, 4)
-    assert specs[-1].is_full and len(specs) == 4
-    params = [spec_params(s, dims[0]) for s in specs]
+    assert len(specs) == 4 and specs[-1].is_full
+    params = [spec_params(s, dims) for s in specs]
     assert params == sorted(params)
-    d, F, H = dims[0], dims[0]["ffn"], dims[0]["num_heads"]
-    for spec, w in zip(specs, (0.25, 0.5, 0.75, 1.0)):
-        assert sum(map(len, spec.neurons)) == max(d["num_layers"], round(w * F * d["num_layers"]))
-        assert sum(map(len, spec.heads)) == max(d["num_layers"], round(w * H * d["num_layers"]))
-    half = specs[1]
-    assert len(half.neurons[0]) < min(len(f) for f in half.neurons[1:])
-    assert len(set(map(len, uniform[1].neurons))) == 1  # the default grid is uniform
+    for spec, uni in zip(specs, uniform):  # within each uniform width's linear parameters
+        assert spec_params(spec, dims) <= spec_params(uni, dims)
+    # the half-width budget (2 x half a layer): layer 0 at a quarter, layer 1 at three quarters;
+    # three quarters (2 x 0.75): layer 1 whole and the rest of the budget spent on layer 0
+    assert [s.describe()["ffn"] for s in specs] == [[12, 12], [12, 36], [24, 48], [48, 48]]
+    assert [s.describe()["heads"] for s in specs] == [[1, 1], [1, 3], [2, 4], [4, 4]]
+    with pytest.raises(ValueError, match="rise must be"):
+        measured_width_candidates(rise[:1], dims, levels, 4)
 
 
-def test_option_needs_reorder_and_excludes_depth():
+def test_option_checks():
     assert RaFFMMethod().widths == "uniform"
-    with pytest.raises(ValidationError, match="reorder"):
-        RaFFMMethod(widths="salience", reorder=False)
     with pytest.raises(ValidationError, match="elastic_depth"):
-        RaFFMMethod(widths="salience", elastic_depth=True)
+        RaFFMMethod(widths="measured", elastic_depth=True)
+    with pytest.raises(ValidationError):
+        RaFFMMethod(widths="measured", width_levels=1)
 
 
-def test_run_with_salience_widths(tiny_gen_cfg_dict):
+def test_encoder_decoder_is_refused(tiny_gen_cfg_dict, tiny_lm_dirs):
+    cfg = tiny_gen_cfg_dict
+    cfg["model"]["name"] = str(tiny_lm_dirs["t5"])
+    cfg["method"] = {"name": "raffm", "widths": "measured"}
+    with pytest.raises(ConfigError, match="widths = 'measured' is for one-stack models"):
+        setup(validate_config(cfg))
+
+
+def test_run_with_measured_widths(tiny_gen_cfg_dict):
     cfg = tiny_gen_cfg_dict
     cfg["federation"].update(num_clients=2, clients_per_round=2)
-    cfg["method"] = {"name": "raffm", "widths": "salience", "salience": "activation",
-                     "calibration_examples": 6, "width_steps": 4,
+    cfg["method"] = {"name": "raffm", "widths": "measured", "salience": "activation",
+                     "calibration_examples": 6, "width_steps": 4, "width_levels": 4,
                      "tiers": [{"share": 0.5, "flops": 0.985}, {"share": 0.5, "flops": 1.0}],
                      "elastic_sizes": [0.985, 1.0]}
     cfg = validate_config(cfg)
     method, data = setup(cfg)
+    rise = method.layer_rise
+    assert len(rise) == 2 and all(len(r) == 3 for r in rise)
+    # cutting a layer changes the random model's loss, either way (the masks are active)
+    assert all(abs(x) > 1e-6 and x == x for r in rise for x in r)
+    assert method.planner.candidates == method.width_specs(4)
+    assert method.layer_rise is rise  # measured once
     state, records, summary = Simulation(cfg, method, data).run()
-    specs = method.planner.candidates
-    assert specs == method.width_specs(4)  # one salience pass, the same grid
-    assert any(len(set(map(len, s.neurons))) > 1 for s in specs[:-1])  # per-layer widths
     assert [e["size"] for e in summary["elastic"]] == [0.985, 1.0]
     assert not any(m.get("sat_out") for r in records for m in r["client_metrics"])

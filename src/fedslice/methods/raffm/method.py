@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -36,9 +37,11 @@ from fedslice.methods.planner import PlannedModel, plan_config
 from fedslice.slicing.planner import (Budget, Plan, Planner, SpecCost, assign_budgets, choose_rank,
                                       spec_params,
                                       measure_training_step, width_candidates)
-from fedslice.slicing.salience import model_salience, output_activations, scale_tensors
-from fedslice.slicing.widths import salience_width_candidates
-from fedslice.slicing.spec import Spec, spec_from_dict, spec_sizes, stack_list
+from fedslice.slicing.masks import masked_inputs
+from fedslice.slicing.salience import (model_salience, output_activations, output_modules,
+                                       scale_tensors, stack_order)
+from fedslice.slicing.widths import layer_rise, measured_width_candidates
+from fedslice.slicing.spec import SliceSpec, Spec, spec_from_dict, spec_sizes, stack_list
 from fedslice.slicing.state import extract_state
 from fedslice.slicing.surgery import extract_model
 from fedslice.tasks import Task
@@ -84,6 +87,9 @@ class RaFFM(Method):
             raise ConfigError(f"method.elastic_depth: dropping layers is for one-stack models "
                               f"without a shared position-bias table; {arch.model_type} has "
                               f"{len(arch.stacks)} stack(s): set it to false")
+        if task.cfg.method.widths == "measured" and len(arch.stacks) > 1:
+            raise ConfigError(f"method.widths = 'measured' is for one-stack models; "
+                              f"{arch.model_type} has {len(arch.stacks)} stacks: set it to 'uniform'")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None, **kw):
@@ -143,22 +149,50 @@ class RaFFM(Method):
 
     def width_specs(self, steps: int) -> list[Spec]:
         """The planner's sub-models at widths 1/steps .. 1, smallest first: the same width in
-        every layer, or (``method.widths = "salience"``) per-layer widths from the salience of
-        the model as loaded (:func:`salience_width_candidates`)."""
+        every layer, or (``method.widths = "measured"``) per-layer widths from each layer's
+        measured loss rise (:func:`measured_width_candidates`)."""
         if self.opts.widths == "uniform":
             return width_candidates(self.all_dims, steps, self.opts.elastic_depth)
-        return salience_width_candidates(self.loaded_salience, self.all_dims, steps,
-                                         self.arch.head_bias is not None)
+        return measured_width_candidates(self.layer_rise, self.all_dims[0], self.width_levels, steps)
+
+    @property
+    def width_levels(self) -> list[float]:
+        n = self.opts.width_levels
+        return [j / n for j in range(1, n)]
 
     @cached_property
     def loaded_salience(self) -> list:
-        """``method.salience`` of the model as loaded: what the first reorder ranks by (one
-        calibration pass however many width grids are made)."""
+        """``method.salience`` of the model as loaded: what the first reorder ranks by."""
         state = {n: p.detach() for n, p in self.model.named_parameters()}
         acts = (output_activations(self.model, self.arch, self.calibration_batches())
                 if self.opts.salience == "activation" else None)
         return model_salience({**scale_tensors(self.model, self.arch), **state}, self.arch,
                               self.all_dims, self.opts.salience, self.adapter.scale, acts)
+
+    @cached_property
+    def layer_rise(self) -> list[list[float]]:
+        """(layers, width levels) the calibration loss with one layer cut to each level in the
+        order the sub-models are cut in (salience order, or the checkpoint's without reorder),
+        minus the full model's (:func:`layer_rise`; measured once, on the server)."""
+        dims = self.all_dims[0]
+        order = (stack_order(self.loaded_salience[0], dims, self.arch.head_bias is not None)
+                 if self.opts.reorder else SliceSpec.full(dims))
+        batches, model = self.calibration_batches(), self.model
+
+        @torch.no_grad()
+        def loss(masks) -> float:
+            with masked_inputs(masks):
+                return sum(float(self.task.loss(model, dict(b))) for b in batches) / len(batches)
+
+        t0, was = time.perf_counter(), model.training
+        model.eval()
+        try:
+            rise = layer_rise(loss, output_modules(model, self.arch), dims, order, self.width_levels)
+        finally:
+            model.train(was)
+        log.info("raffm: measured widths: %d layers x %d levels in %.1f s", len(rise),
+                 len(self.width_levels), time.perf_counter() - t0)
+        return rise
 
     @contextmanager
     def planned_model(self, knobs) -> Iterator[PlannedModel]:
@@ -312,7 +346,7 @@ class RaFFM(Method):
         def loss_fn(m, batch):
             loss = self.task.loss(m, batch)
             if masks:
-                with _masked(masks):
+                with masked_inputs(masks):
                     loss = loss + self.task.loss(m, batch)
             return loss
 
@@ -504,7 +538,6 @@ def _nested_masks(model: nn.Module, arch: ArchSpec, own: Spec, small: Spec | Non
     for every self-attention W_o and FFN W_out where the smallest size keeps fewer units than
     the client's sub-model; [] when the client's sub-model is the smallest size or the two keep
     different layers (depth: the sandwich rule here is width only)."""
-    from fedslice.slicing.salience import output_modules
     if small is None:
         return []
     out = []
@@ -527,29 +560,6 @@ def _nested_masks(model: nn.Module, arch: ArchSpec, own: Spec, small: Spec | Non
             if len(fb) < len(fa):
                 out.append((mods[(k, i, "ffn_out")], len(fb)))
     return out
-
-
-class _masked:
-    """Within the block, the inputs of each (module, n) past channel n are zeroed."""
-
-    def __init__(self, masks: list[tuple[nn.Module, int]]):
-        self.masks, self.handles = masks, []
-
-    def __enter__(self):
-        def hook(n):
-            def fn(module, args):
-                x = args[0]
-                keep = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device)
-                keep[:n] = 1
-                return (x * keep, *args[1:])
-            return fn
-        self.handles = [m.register_forward_pre_hook(hook(n)) for m, n in self.masks]
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-        return False
 
 
 def _mean(vals):

@@ -65,11 +65,14 @@ class RaFFMMethod(MethodOptions):
     reorder_every: int = Field(0, ge=0, description="Re-order every R rounds (0: only once).")
     width_steps: int = Field(48, gt=0, description="Width grid of the planner: sub-models keep "
                              "round(w*H) heads and round(w*F) neurons, w = 1/steps .. 1.")
-    widths: Literal["uniform", "salience"] = Field(
+    widths: Literal["uniform", "measured"] = Field(
         "uniform", description="Per-layer widths of the planner's sub-models: the same share of "
-        "heads and FFN units in every layer (RaFFM's), or 'salience': the same share of the "
-        "whole stack's heads and units, each layer keeping the units that hold most of its "
-        "salience (cuts where a layer's salience is flat; needs reorder = true).")
+        "heads and FFN units in every layer (RaFFM's), or 'measured': at each width's linear "
+        "parameters, the per-layer widths that least raise the loss of the calibration batch "
+        "(each layer cut alone to each of width_levels widths first: layers x levels forward "
+        "passes on the server, once; one-stack models).")
+    width_levels: int = Field(8, ge=2, description="widths = 'measured': a layer keeps 1/n, 2/n, "
+                              ".. or all of its heads and FFN units.")
     elastic_depth: bool = Field(False, description="The planner may also drop layers.")
     elastic_sizes: list[float] = Field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0],
                                        description="FLOPs fractions evaluated after training.")
@@ -87,12 +90,9 @@ class RaFFMMethod(MethodOptions):
 
     @model_validator(mode="after")
     def _widths(self) -> "RaFFMMethod":
-        if self.widths == "salience" and not self.reorder:
-            raise ValueError("widths = 'salience' keeps each layer's most salient units as a "
-                             "leading slice: it needs reorder = true")
-        if self.widths == "salience" and self.elastic_depth:
-            raise ValueError("widths = 'salience' and elastic_depth = true do not combine: the "
-                             "salience widths keep every layer")
+        if self.widths == "measured" and self.elastic_depth:
+            raise ValueError("widths = 'measured' and elastic_depth = true do not combine: the "
+                             "measured widths keep every layer")
         return self
 
     @field_validator("elastic_sizes")
