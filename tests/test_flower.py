@@ -468,8 +468,12 @@ def test_deploy_local_two_supernodes_matches_in_process(tiny_cfg_dict, tmp_path,
 @needs_flower
 def test_deployed_generation_on_a_decoder_matches_in_process(tiny_gen_cfg_dict, tmp_path, loopback):
     """A decoder LLM (tiny LLaMA, grouped-query attention) generating on SuperLink + 2
-    SuperNodes: the in-process weights, and BLEU/ROUGE in the summary."""
-    tiny_gen_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=2)
+    SuperNodes: the in-process weights, and BLEU/ROUGE in the summary. One round: a node's
+    later rounds are its first again (a fresh ClientApp process; fedpetuning keeps nothing in
+    Context.state), deployed in test_deploy_local_two_supernodes_matches_in_process and on
+    this decoder through the ServerApp/ClientApp code in
+    test_serverapp_matches_in_process_engine_on_generative_models (2 rounds each)."""
+    tiny_gen_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=1)
     run_dir = _run_on(loopback, tmp_path, _write_config(tiny_gen_cfg_dict, tmp_path / "gen.json"))
     _check_deployed_run(run_dir, tiny_gen_cfg_dict, logs=False)
     _, _, summary = read_run(run_dir)
@@ -479,8 +483,9 @@ def test_deployed_generation_on_a_decoder_matches_in_process(tiny_gen_cfg_dict, 
 @needs_flower
 def test_deployed_image_classification_matches_in_process(tiny_img_cfg_dict, tmp_path, loopback):
     """A tiny DINOv2 classifying images on SuperLink + 2 SuperNodes (each node preprocesses its
-    images): the in-process weights and per-class test accuracy."""
-    tiny_img_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=2)
+    images): the in-process weights and per-class test accuracy. One round, as the decoder's
+    above (2 rounds: test_serverapp_matches_in_process_engine_on_images[fedpetuning])."""
+    tiny_img_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=1)
     run_dir = _run_on(loopback, tmp_path, _write_config(tiny_img_cfg_dict, tmp_path / "img.json"))
     _check_deployed_run(run_dir, tiny_img_cfg_dict, logs=False)
     _, _, summary = read_run(run_dir)
@@ -527,6 +532,16 @@ def _submit(fed, tmp_path: Path, config: Path, **run_config) -> int:
 
     values = {"config": str(config), "out-dir": str(tmp_path / "runs"), **run_config}
     return fed.submit(write_app(tmp_path / "app"), _run_config(tmp_path / "rc.toml", values))
+
+
+def _task_finished(fed, run_id: int):
+    """A cheap ``finished_hint`` for ``fed.wait`` where the run writes no result file (it fails):
+    the SuperLink has logged the end of the run's ServerApp task. A hint only: the wait still
+    returns the status ``flwr ls`` reports (read within a second of the hint, not at the next
+    5 s poll)."""
+    pattern = re.compile(rf"Finished task \d+ of run {run_id}\b")
+    log_path = fed.log_dir / "superlink.log"
+    return lambda: log_path.is_file() and bool(pattern.search(log_path.read_text(errors="replace")))
 
 
 def _wait_for_line(path: Path, text: str, timeout: float) -> None:
@@ -588,10 +603,10 @@ def test_bad_input_fails_the_run_with_a_clear_error(tiny_cfg_dict, tmp_path, sta
     with LocalFederation(tmp_path / "work", nodes=1, node_config={"partition-id": 5},
                          server_roots=[tmp_path]) as fed:
         missing = _submit(fed, tmp_path, tmp_path / "missing.toml")
-        assert fed.wait(missing, timeout=120) == "finished:failed"
+        assert fed.wait(missing, timeout=120, finished_hint=_task_finished(fed, missing)) == "finished:failed"
         assert f"config file {tmp_path / 'missing.toml'} does not exist" in fed.run_log(missing)
         bad_node = _submit(fed, tmp_path, path, **{"connect-timeout": 60.0})
-        assert fed.wait(bad_node, timeout=120) == "finished:failed"
+        assert fed.wait(bad_node, timeout=120, finished_hint=_task_finished(fed, bad_node)) == "finished:failed"
         assert "partition-id=5 is out of range" in fed.run_log(bad_node)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
