@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
@@ -268,6 +268,64 @@ def test_node_that_lost_its_kept_state_recovers(tiny_cfg_dict, tmp_path, method,
     reasons = [[e["reason"] for e in m["excluded"]] for m in metrics]
     assert reasons[0] == [] and reasons[2] == []  # round 1: sent whole; round 3: whole again
     assert len(reasons[1]) == 2 and all(reason in r for r in reasons[1])
+
+
+class TimedGrid(InProcessGrid):
+    """Replies that arrive ``delays[i]`` s after the push of message ``i`` (never, for None);
+    counts the pulls."""
+
+    def __init__(self, delays: list[float | None]):
+        super().__init__({})
+        self.delays, self.pulls, self.due = list(delays), 0, {}
+
+    def push_messages(self, messages):
+        ids = []
+        for msg, delay in zip(messages, self.delays):
+            msg.metadata.__dict__["_message_id"] = msg.object_id
+            reply = Message(RecordDict(), reply_to=msg)
+            self.due[msg.object_id] = (None if delay is None else time.monotonic() + delay, reply)
+            ids.append(msg.object_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        now = time.monotonic()
+        ready = [i for i in message_ids if i in self.due and self.due[i][0] is not None
+                 and self.due[i][0] <= now]
+        return [self.due.pop(i)[1] for i in ready]
+
+
+def _messages(n: int) -> list[Message]:
+    return [Message(RecordDict({"c": ConfigRecord({"i": i})}), dst_node_id=100 + i,
+                    message_type="query") for i in range(n)]
+
+
+def test_promptgrid_returns_the_replies_as_they_arrive():
+    """Flower 1.41's send_and_receive pulls every 3 s: each round, query and end of run waited up
+    to 3 s after its last reply. The ServerApp's grid pulls every REPLY_POLL_S: the same replies
+    (all of them, or those in before the timeout), a quarter of a second after the last."""
+    from fedslice.flower.server_app import REPLY_POLL_S, PromptGrid
+
+    assert REPLY_POLL_S <= 0.25
+    grid, messages = TimedGrid([0.2, 0.6]), _messages(2)
+    t0 = time.monotonic()
+    replies = list(PromptGrid(grid).send_and_receive(messages, timeout=30))
+    waited = time.monotonic() - t0
+    assert [r.metadata.reply_to_message_id for r in replies] == [m.object_id for m in messages]
+    assert 0.6 <= waited < 0.6 + REPLY_POLL_S + 0.5, waited
+    assert 3 <= grid.pulls <= 10
+    # a reply that never comes: what is in by the timeout, returned at the timeout
+    grid = TimedGrid([0.1, None])
+    t0 = time.monotonic()
+    replies = list(PromptGrid(grid).send_and_receive(_messages(2), timeout=1.0))
+    assert len(replies) == 1 and 1.0 <= time.monotonic() - t0 < 1.5
+    # no timeout: until every reply is in
+    replies = list(PromptGrid(TimedGrid([0.3, 0.1])).send_and_receive(_messages(2)))
+    assert len(replies) == 2
+    # the in-memory grid's own interval (0.1 s) is kept
+    grid = TimedGrid([])
+    grid.pull_interval = 0.1
+    assert PromptGrid(grid).poll == 0.1 and PromptGrid(TimedGrid([])).poll == REPLY_POLL_S
 
 
 def test_failed_node_is_excluded_and_recorded(tiny_cfg_dict, tmp_path):
