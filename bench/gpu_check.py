@@ -20,8 +20,9 @@ Steps, one table row each:
    Trainer + peft client (target >= 1.5x).
 
 ``--dry`` runs every step on the CPU with tiny workloads (2 clients, a step or two, a 2-layer
-LLaMA on a 440-row E2E-like data set) and skips only the CUDA checks, so the script cannot rot (tests/test_gpu_check.py, in CI);
-its table says "dry" on every row and goes to ``--benchmarks`` (CI: a copy).
+LLaMA on a 440-row E2E-like data set) and skips only the CUDA checks, so the script cannot rot
+(tests/test_gpu_check.py, in CI); its table says "dry" on every row and goes to
+``--benchmarks`` (CI: a copy).
 
     bash bench/gpu_check.sh [--dry] [--benchmarks BENCHMARKS.md] [--only device,batched,...]
 """

@@ -661,10 +661,12 @@ def test_bad_input_fails_the_run_with_a_clear_error(tiny_cfg_dict, tmp_path, sta
     with LocalFederation(tmp_path / "work", nodes=1, node_config={"partition-id": 5},
                          server_roots=[tmp_path]) as fed:
         missing = _submit(fed, tmp_path, tmp_path / "missing.toml")
-        assert fed.wait(missing, timeout=120, finished_hint=_task_finished(fed, missing)) == "finished:failed"
+        ended = _task_finished(fed, missing)
+        assert fed.wait(missing, timeout=120, finished_hint=ended) == "finished:failed"
         assert f"config file {tmp_path / 'missing.toml'} does not exist" in fed.run_log(missing)
         bad_node = _submit(fed, tmp_path, path, **{"connect-timeout": 60.0})
-        assert fed.wait(bad_node, timeout=120, finished_hint=_task_finished(fed, bad_node)) == "finished:failed"
+        ended = _task_finished(fed, bad_node)
+        assert fed.wait(bad_node, timeout=120, finished_hint=ended) == "finished:failed"
         assert "partition-id=5 is out of range" in fed.run_log(bad_node)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
