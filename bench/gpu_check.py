@@ -20,8 +20,9 @@ Steps, one table row each:
    Trainer + peft client (target >= 1.5x).
 
 ``--dry`` runs every step on the CPU with tiny workloads (2 clients, a step or two, a 2-layer
-LLaMA) and skips only the CUDA checks, so the script cannot rot (tests/test_gpu_check.py, in CI);
-its table says "dry" on every row and goes to ``--benchmarks`` (CI: a copy).
+LLaMA on a 440-row E2E-like data set) and skips only the CUDA checks, so the script cannot rot
+(tests/test_gpu_check.py, in CI); its table says "dry" on every row and goes to
+``--benchmarks`` (CI: a copy).
 
     bash bench/gpu_check.sh [--dry] [--benchmarks BENCHMARKS.md] [--only device,batched,...]
 """
@@ -264,10 +265,34 @@ def tiny_llama(folder: Path) -> Path:
     return folder
 
 
+def tiny_data_to_text(folder: Path) -> Path:
+    """An E2E-like data set (train.csv and test.csv, columns mr and ref) of 100 and 10 MRs, 4
+    references each: the dry run's decoder client (client 0 of 20) gets ~18 examples, enough
+    for its 2 steps of 8, and the ~9,400 rows of E2E NLG's bundled files are not encoded."""
+    import csv
+    import random
+
+    rng = random.Random(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    names, areas = ["Aromi", "Cotto", "Zizzi", "Giraffe", "Alimentum"], ["city centre", "riverside"]
+    for split, n in (("train", 100), ("test", 10)):
+        with (folder / f"{split}.csv").open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["mr", "ref"])
+            for i in range(n):
+                name, area = names[i % len(names)], areas[(i // len(names)) % 2]
+                for _ in range(4):
+                    w.writerow([f"name[{name}{i}], area[{area}]",
+                                f"{name}{i} is in the {area}{rng.choice(['.', '!'])}"])
+    return folder
+
+
 def check_decoder(c: Check) -> dict:
     if c.dry:
         model = tiny_llama(c.work / "tiny-llama")
-        args = ["--steps", "2", "--repeats", "1", "--set", f'model.name="{model}"']
+        data = tiny_data_to_text(c.work / "tiny-d2t")
+        args = ["--steps", "2", "--repeats", "1", "--set", f'model.name="{model}"',
+                "--set", f'data.path="{data}"']
     else:
         args = ["--device", "cuda", "--precision", "bf16"]
         args += ["--set", f'model.name="{c.decoder}"'] if c.decoder else []

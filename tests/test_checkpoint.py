@@ -58,6 +58,14 @@ def test_resume_is_bit_identical(tiny_cfg_dict, tmp_path, monkeypatch, method):
         tiny_cfg_dict["faults"] = {"dropout": 0.3}
     tiny_cfg_dict["method"] = {"name": method, **method_options(method, tmp_path)}
     tiny_cfg_dict["federation"]["rounds"] = 3
+    if method != "fedpetuning":
+        # one client after another in this process: a round's forked workers cost ~0.5 s (the
+        # full gc.collect before the fork) in each of the 3 runs' rounds, and what a checkpoint
+        # must hold is the same (a resumed run builds a fresh method either way; in-process,
+        # state a client leaves on the method object is lost at the resume too). Resuming with
+        # forked workers: the fedpetuning case; forked = in-process weights per method:
+        # test_workers.py and every other test of tiny_cfg_dict (compute.workers "auto")
+        tiny_cfg_dict["compute"] = {"workers": 1}
     if method == "heads":
         tiny_cfg_dict["federation"]["selection"] = "loss_gap"  # selector state is resumed too
     reference = run_experiment(validate_config(tiny_cfg_dict), tmp_path / "ref")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
@@ -270,6 +270,64 @@ def test_node_that_lost_its_kept_state_recovers(tiny_cfg_dict, tmp_path, method,
     assert len(reasons[1]) == 2 and all(reason in r for r in reasons[1])
 
 
+class TimedGrid(InProcessGrid):
+    """Replies that arrive ``delays[i]`` s after the push of message ``i`` (never, for None);
+    counts the pulls."""
+
+    def __init__(self, delays: list[float | None]):
+        super().__init__({})
+        self.delays, self.pulls, self.due = list(delays), 0, {}
+
+    def push_messages(self, messages):
+        ids = []
+        for msg, delay in zip(messages, self.delays):
+            msg.metadata.__dict__["_message_id"] = msg.object_id
+            reply = Message(RecordDict(), reply_to=msg)
+            self.due[msg.object_id] = (None if delay is None else time.monotonic() + delay, reply)
+            ids.append(msg.object_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        now = time.monotonic()
+        ready = [i for i in message_ids if i in self.due and self.due[i][0] is not None
+                 and self.due[i][0] <= now]
+        return [self.due.pop(i)[1] for i in ready]
+
+
+def _messages(n: int) -> list[Message]:
+    return [Message(RecordDict({"c": ConfigRecord({"i": i})}), dst_node_id=100 + i,
+                    message_type="query") for i in range(n)]
+
+
+def test_promptgrid_returns_the_replies_as_they_arrive():
+    """Flower 1.41's send_and_receive pulls every 3 s: each round, query and end of run waited up
+    to 3 s after its last reply. The ServerApp's grid pulls every REPLY_POLL_S: the same replies
+    (all of them, or those in before the timeout), a quarter of a second after the last."""
+    from fedslice.flower.server_app import REPLY_POLL_S, PromptGrid
+
+    assert REPLY_POLL_S <= 0.25
+    grid, messages = TimedGrid([0.2, 0.6]), _messages(2)
+    t0 = time.monotonic()
+    replies = list(PromptGrid(grid).send_and_receive(messages, timeout=30))
+    waited = time.monotonic() - t0
+    assert [r.metadata.reply_to_message_id for r in replies] == [m.object_id for m in messages]
+    assert 0.6 <= waited < 0.6 + REPLY_POLL_S + 0.5, waited
+    assert 3 <= grid.pulls <= 10
+    # a reply that never comes: what is in by the timeout, returned at the timeout
+    grid = TimedGrid([0.1, None])
+    t0 = time.monotonic()
+    replies = list(PromptGrid(grid).send_and_receive(_messages(2), timeout=1.0))
+    assert len(replies) == 1 and 1.0 <= time.monotonic() - t0 < 1.5
+    # no timeout: until every reply is in
+    replies = list(PromptGrid(TimedGrid([0.3, 0.1])).send_and_receive(_messages(2)))
+    assert len(replies) == 2
+    # the in-memory grid's own interval (0.1 s) is kept
+    grid = TimedGrid([])
+    grid.pull_interval = 0.1
+    assert PromptGrid(grid).poll == 0.1 and PromptGrid(TimedGrid([])).poll == REPLY_POLL_S
+
+
 def test_failed_node_is_excluded_and_recorded(tiny_cfg_dict, tmp_path):
     tiny_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, min_replies=1)
     path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
@@ -468,8 +526,12 @@ def test_deploy_local_two_supernodes_matches_in_process(tiny_cfg_dict, tmp_path,
 @needs_flower
 def test_deployed_generation_on_a_decoder_matches_in_process(tiny_gen_cfg_dict, tmp_path, loopback):
     """A decoder LLM (tiny LLaMA, grouped-query attention) generating on SuperLink + 2
-    SuperNodes: the in-process weights, and BLEU/ROUGE in the summary."""
-    tiny_gen_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=2)
+    SuperNodes: the in-process weights, and BLEU/ROUGE in the summary. One round: a node's
+    later rounds are its first again (a fresh ClientApp process; fedpetuning keeps nothing in
+    Context.state), deployed in test_deploy_local_two_supernodes_matches_in_process and on
+    this decoder through the ServerApp/ClientApp code in
+    test_serverapp_matches_in_process_engine_on_generative_models (2 rounds each)."""
+    tiny_gen_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=1)
     run_dir = _run_on(loopback, tmp_path, _write_config(tiny_gen_cfg_dict, tmp_path / "gen.json"))
     _check_deployed_run(run_dir, tiny_gen_cfg_dict, logs=False)
     _, _, summary = read_run(run_dir)
@@ -479,8 +541,9 @@ def test_deployed_generation_on_a_decoder_matches_in_process(tiny_gen_cfg_dict, 
 @needs_flower
 def test_deployed_image_classification_matches_in_process(tiny_img_cfg_dict, tmp_path, loopback):
     """A tiny DINOv2 classifying images on SuperLink + 2 SuperNodes (each node preprocesses its
-    images): the in-process weights and per-class test accuracy."""
-    tiny_img_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=2)
+    images): the in-process weights and per-class test accuracy. One round, as the decoder's
+    above (2 rounds: test_serverapp_matches_in_process_engine_on_images[fedpetuning])."""
+    tiny_img_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=1)
     run_dir = _run_on(loopback, tmp_path, _write_config(tiny_img_cfg_dict, tmp_path / "img.json"))
     _check_deployed_run(run_dir, tiny_img_cfg_dict, logs=False)
     _, _, summary = read_run(run_dir)
@@ -527,6 +590,16 @@ def _submit(fed, tmp_path: Path, config: Path, **run_config) -> int:
 
     values = {"config": str(config), "out-dir": str(tmp_path / "runs"), **run_config}
     return fed.submit(write_app(tmp_path / "app"), _run_config(tmp_path / "rc.toml", values))
+
+
+def _task_finished(fed, run_id: int):
+    """A cheap ``finished_hint`` for ``fed.wait`` where the run writes no result file (it fails):
+    the SuperLink has logged the end of the run's ServerApp task. A hint only: the wait still
+    returns the status ``flwr ls`` reports (read within a second of the hint, not at the next
+    5 s poll)."""
+    pattern = re.compile(rf"Finished task \d+ of run {run_id}\b")
+    log_path = fed.log_dir / "superlink.log"
+    return lambda: log_path.is_file() and bool(pattern.search(log_path.read_text(errors="replace")))
 
 
 def _wait_for_line(path: Path, text: str, timeout: float) -> None:
@@ -588,10 +661,12 @@ def test_bad_input_fails_the_run_with_a_clear_error(tiny_cfg_dict, tmp_path, sta
     with LocalFederation(tmp_path / "work", nodes=1, node_config={"partition-id": 5},
                          server_roots=[tmp_path]) as fed:
         missing = _submit(fed, tmp_path, tmp_path / "missing.toml")
-        assert fed.wait(missing, timeout=120) == "finished:failed"
+        ended = _task_finished(fed, missing)
+        assert fed.wait(missing, timeout=120, finished_hint=ended) == "finished:failed"
         assert f"config file {tmp_path / 'missing.toml'} does not exist" in fed.run_log(missing)
         bad_node = _submit(fed, tmp_path, path, **{"connect-timeout": 60.0})
-        assert fed.wait(bad_node, timeout=120) == "finished:failed"
+        ended = _task_finished(fed, bad_node)
+        assert fed.wait(bad_node, timeout=120, finished_hint=ended) == "finished:failed"
         assert "partition-id=5 is out of range" in fed.run_log(bad_node)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
