@@ -67,6 +67,8 @@ TASKS = {"sst2": ("accuracy", "test_accuracy", 100, (30, 4, 8), "bench/results/f
 def e2e_config(row: str, args, method: dict) -> dict:
     """The E2E / SmolLM2 run of a row: ``configs/e2e_smollm2.toml`` as bench/e2e_methods.py takes it."""
     cfg = load_config(ROOT / "configs/e2e_smollm2.toml").model_dump(mode="json")
+    if "raffm" in method["name"]:  # after training, the global model at the full size only: each
+        method["elastic_sizes"] = [1.0]  # size is one more generation pass over dev and test
     cfg.update(name=f"e2e-{row}", seed=args.seed, threads=args.threads, method=method)
     cfg["model"]["quantize"] = "int8" if row == "int8" else "none"
     cfg["federation"].update(rounds=args.rounds, clients_per_round=args.clients_per_round,
