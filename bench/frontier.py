@@ -18,7 +18,9 @@ row micro-batches and checkpointing):
   planned-work   raffm+heads whose planner may also give a client part of a round's local work
                  (budgets.local_work = LOCAL_WORK or --local-work; by default fewer examples per
                  step) before a narrower model;
-  mixed-work     the mixed population with local work.
+  mixed-work     the mixed population with local work;
+  int8-work      int8 with local work (budgets.local_work as the -work rows): the whole model at
+                 fewer examples per step (raffm+heads does not compose with a quantized base).
 
 A row whose budget no plan fits is recorded as such (the planner's message), not run.
 Columns: test accuracy and its difference to dense, measured peak memory (largest client), training
@@ -55,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = {"dense": "fedpetuning", "heads": "heads", "raffm": "raffm", "int8": "fedpetuning",
            "fp32-int8": "fedpetuning",
            "planned": "raffm+heads", "planned-fs": "raffm+heads", "mixed": "raffm+heads",
-           "planned-work": "raffm+heads", "mixed-work": "raffm+heads"}
+           "planned-work": "raffm+heads", "mixed-work": "raffm+heads", "int8-work": "fedpetuning"}
 #: budgets.local_work of the ``-work`` rows: shares of a round's local work a client may train
 LOCAL_WORK = [1.0, 0.75, 0.5, 0.375, 0.25]
 #: per task: the row's metric key, the summary's key for it, its scale in the table, the defaults
@@ -70,7 +72,7 @@ def e2e_config(row: str, args, method: dict) -> dict:
     if "raffm" in method["name"]:  # after training, the global model at the full size only: each
         method["elastic_sizes"] = [1.0]  # size is one more generation pass over dev and test
     cfg.update(name=f"e2e-{row}", seed=args.seed, threads=args.threads, method=method)
-    cfg["model"]["quantize"] = "int8" if row == "int8" else "none"
+    cfg["model"]["quantize"] = "int8" if row.startswith("int8") else "none"
     cfg["federation"].update(rounds=args.rounds, clients_per_round=args.clients_per_round,
                              local_steps=args.local_steps)
     cfg["data"].update(max_test_examples=args.test_examples, max_dev_examples=64)
@@ -95,7 +97,7 @@ def config(row: str, args, budgets: dict | None) -> dict:
         "name": row, "seed": args.seed, "threads": args.threads,
         "data": {"path": "sst2", "max_length": 64, "partition": "iid",
                  "max_dev_examples": 256, "max_test_examples": args.test_examples},
-        "model": {"name": "minilm", "quantize": "int8" if row == "int8" else "none"},
+        "model": {"name": "minilm", "quantize": "int8" if row.startswith("int8") else "none"},
         # the planner may lower each client's rank in every planned row (the head stage takes
         # ranks since 2026-11-26 18:20; the rows "planned" and "heads" before had none)
         "lora": {"r": 16, "alpha": 32, "targets": ["q", "v"],
