@@ -1,4 +1,4 @@
-"""Benchmark: the accuracy-versus-budget frontier (issue 34, part 3), SST-2 with MiniLM-L6.
+"""Benchmark: the accuracy-versus-budget frontier (issue 34, part 3), SST-2 / MiniLM-L6 or E2E / SmolLM2.
 
 First the dense reference (fedpetuning, LoRA r16 on q/v, every client the whole model); its
 measured client peak memory M (``memory_mb_max``), training GFLOPs per client-round F and upload
@@ -18,7 +18,9 @@ row micro-batches and checkpointing):
   planned-work   raffm+heads whose planner may also give a client part of a round's local work
                  (budgets.local_work = LOCAL_WORK or --local-work; by default fewer examples per
                  step) before a narrower model;
-  mixed-work     the mixed population with local work.
+  mixed-work     the mixed population with local work;
+  int8-work      int8 with local work (budgets.local_work as the -work rows): the whole model at
+                 fewer examples per step (raffm+heads does not compose with a quantized base).
 
 A row whose budget no plan fits is recorded as such (the planner's message), not run.
 Columns: test accuracy and its difference to dense, measured peak memory (largest client), training
@@ -26,10 +28,16 @@ Columns: test accuracy and its difference to dense, measured peak memory (larges
 Writes ``<out>/<row>.json`` and ``<out>/results.md``. Accuracy runs may share the machine; the
 wall times are then indicative only.
 
+``--task e2e``: E2E NLG with SmolLM2-135M-Instruct, the set-up of ``configs/e2e_smollm2.toml`` (as
+``bench/e2e_methods.py`` takes it: 20 clients, 4 per round, 6 LoRA steps x 8, by default 4 rounds),
+the same rows and budgets; the metric is the test ROUGE-L (BLEU kept too), out
+``bench/results/frontier_e2e``.
+
     .venv/bin/python bench/frontier.py --rounds 30 --clients-per-round 4 --local-steps 8
     .venv/bin/python bench/frontier.py --upload-only --budgets 0.1 --rows heads raffm planned
     .venv/bin/python bench/frontier.py --memory-only --budgets 0.25 --rows raffm fp32-int8
     .venv/bin/python bench/frontier.py --budgets 0.4 --memory-share 0.5 --upload-share 0.5 --rows planned-work
+    .venv/bin/python bench/frontier.py --task e2e --test-examples 50 --budgets 0.3 --rows planned-work int8
 """
 
 from __future__ import annotations
@@ -42,14 +50,36 @@ from pathlib import Path
 
 from fedslice.api import run_experiment
 from fedslice.errors import ConfigError
-from fedslice.experiment import validate_config
+from fedslice.experiment import load_config, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 METHODS = {"dense": "fedpetuning", "heads": "heads", "raffm": "raffm", "int8": "fedpetuning",
            "fp32-int8": "fedpetuning",
            "planned": "raffm+heads", "planned-fs": "raffm+heads", "mixed": "raffm+heads",
-           "planned-work": "raffm+heads", "mixed-work": "raffm+heads"}
+           "planned-work": "raffm+heads", "mixed-work": "raffm+heads", "int8-work": "fedpetuning"}
 #: budgets.local_work of the ``-work`` rows: shares of a round's local work a client may train
 LOCAL_WORK = [1.0, 0.75, 0.5, 0.375, 0.25]
+#: per task: the row's metric key, the summary's key for it, its scale in the table, the defaults
+#: of --rounds / --clients-per-round / --local-steps and of --out
+TASKS = {"sst2": ("accuracy", "test_accuracy", 100, (30, 4, 8), "bench/results/frontier_sst2"),
+         "e2e": ("rougeL", "test_rougeL", 1, (4, 4, 6), "bench/results/frontier_e2e")}
+
+
+def e2e_config(row: str, args, method: dict) -> dict:
+    """The E2E / SmolLM2 run of a row: ``configs/e2e_smollm2.toml`` as bench/e2e_methods.py takes it."""
+    cfg = load_config(ROOT / "configs/e2e_smollm2.toml").model_dump(mode="json")
+    if "raffm" in method["name"]:  # after training, the global model at the full size only: each
+        method["elastic_sizes"] = [1.0]  # size is one more generation pass over dev and test
+    cfg.update(name=f"e2e-{row}", seed=args.seed, threads=args.threads, method=method)
+    cfg["model"]["quantize"] = "int8" if row.startswith("int8") else "none"
+    cfg["federation"].update(rounds=args.rounds, clients_per_round=args.clients_per_round,
+                             local_steps=args.local_steps)
+    cfg["data"].update(max_test_examples=args.test_examples, max_dev_examples=64)
+    cfg["evaluation"].update(every=args.rounds, dev_generations=10)
+    cfg["compute"]["workers"] = 1
+    cfg["output"].update(progress=False, plots=False, save_weights=False)
+    return cfg
 
 
 def config(row: str, args, budgets: dict | None) -> dict:
@@ -58,11 +88,16 @@ def config(row: str, args, budgets: dict | None) -> dict:
         method["importance_max_examples"] = args.importance_examples
         if row.endswith("-fs"):  # the paper's rule: scores from the first local step, no pass
             method["importance_source"] = "first_step"
+    if args.task == "e2e":
+        cfg = e2e_config(row, args, method)
+        if budgets is not None:
+            cfg["lora"]["ranks"] = [4, 8, 16]
+        return with_budgets(cfg, row, args, budgets)
     cfg = {
         "name": row, "seed": args.seed, "threads": args.threads,
         "data": {"path": "sst2", "max_length": 64, "partition": "iid",
                  "max_dev_examples": 256, "max_test_examples": args.test_examples},
-        "model": {"name": "minilm", "quantize": "int8" if row == "int8" else "none"},
+        "model": {"name": "minilm", "quantize": "int8" if row.startswith("int8") else "none"},
         # the planner may lower each client's rank in every planned row (the head stage takes
         # ranks since 2026-11-26 18:20; the rows "planned" and "heads" before had none)
         "lora": {"r": 16, "alpha": 32, "targets": ["q", "v"],
@@ -75,6 +110,10 @@ def config(row: str, args, budgets: dict | None) -> dict:
         "evaluation": {"every": args.rounds, "batch_size": 128},
         "output": {"progress": False, "plots": False},
     }
+    return with_budgets(cfg, row, args, budgets)
+
+
+def with_budgets(cfg: dict, row: str, args, budgets: dict | None) -> dict:
     if budgets is not None:
         cfg["budgets"] = {**budgets, **({"precisions": ["none", "int8"]} if row == "fp32-int8" else {}),
                           # local work is the planner's default since 2026-11-27: rows without
@@ -96,8 +135,10 @@ def tier(f: float, dense: dict, name: str, share: float = 1.0, upload_only: bool
             "upload_mb_per_round": round((upload_f or f) * dense["upload_mb"], 4)}
 
 
-def measured(s: dict) -> dict:
-    return {"accuracy": s.get("test_accuracy"), "memory_mb": s.get("memory_mb_max"),
+def measured(s: dict, task: str = "sst2") -> dict:
+    metric, key = TASKS[task][:2]
+    return {metric: s.get(key), **({"bleu": s.get("test_bleu")} if task == "e2e" else {}),
+            "memory_mb": s.get("memory_mb_max"),
             "gflops": ((s.get("flops_measured_mean") or 0) + (s.get("flops_importance_mean") or 0)) / 1e9,
             "upload_mb": (s.get("bytes_up_mean") or 0) / 1e6,
             "download_mb": (s.get("bytes_down_mean") or 0) / 1e6,
@@ -117,7 +158,7 @@ def run_row(name: str, row: str, args, budgets: dict | None) -> dict:
     else:
         s = json.loads((run / "summary.json").read_text())
         s["bench_wall_s"] = time.time() - t0
-        out = {"row": name, "fits": True, "budgets": budgets, **measured(s)}
+        out = {"row": name, "fits": True, "budgets": budgets, **measured(s, args.task)}
     path.write_text(json.dumps(out, indent=1))
     print(name, {k: v for k, v in out.items() if k not in ("plans", "budgets")}, flush=True)
     return out
@@ -125,9 +166,10 @@ def run_row(name: str, row: str, args, budgets: dict | None) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--clients-per-round", type=int, default=4)
-    ap.add_argument("--local-steps", type=int, default=8)
+    ap.add_argument("--task", choices=list(TASKS), default="sst2")
+    ap.add_argument("--rounds", type=int, default=None, help="default 30 (sst2), 4 (e2e)")
+    ap.add_argument("--clients-per-round", type=int, default=None, help="default 4")
+    ap.add_argument("--local-steps", type=int, default=None, help="default 8 (sst2), 6 (e2e)")
     ap.add_argument("--importance-examples", type=int, default=32)
     ap.add_argument("--test-examples", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
@@ -145,8 +187,12 @@ def main() -> None:
     ap.add_argument("--local-work", type=float, nargs="+", default=None,
                     help="budgets.local_work of the -work rows (default LOCAL_WORK; rows <row>-lw<n>@...)")
     ap.add_argument("--again", action="store_true", help="re-run rows whose results exist")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/frontier_sst2"))
+    ap.add_argument("--out", type=Path, default=None, help="default bench/results/frontier_<task>")
     args = ap.parse_args()
+    *_, defaults, out = TASKS[args.task]
+    for name, d in zip(("rounds", "clients_per_round", "local_steps"), defaults):
+        setattr(args, name, d if getattr(args, name) is None else getattr(args, name))
+    args.out = args.out or Path(out)
     args.out.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()[0]
     dense = run_row("dense", "dense", args, None)
@@ -171,19 +217,27 @@ def main() -> None:
 
 def write_table(args, dense: dict, load0: float, load1: float) -> None:
     rows = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"), key=lambda p: p.stat().st_mtime)]
-    lines = [f"SST-2 / MiniLM-L6, LoRA r16 q/v, 100 clients, {args.clients_per_round} per round, "
-             f"{args.rounds} rounds, {args.local_steps} local steps x 32, seed {args.seed}, threads "
+    metric, _, scale, *_ = TASKS[args.task]
+    e2e = args.task == "e2e"
+    setting = (f"E2E NLG / SmolLM2-135M-Instruct (configs/e2e_smollm2.toml), LoRA r16 q/v, 20 clients, "
+               f"{args.clients_per_round} per round, {args.rounds} rounds, {args.local_steps} local steps "
+               f"x 8, test = {args.test_examples or 200} MRs (all references)" if e2e else
+               f"SST-2 / MiniLM-L6, LoRA r16 q/v, 100 clients, {args.clients_per_round} per round, "
+               f"{args.rounds} rounds, {args.local_steps} local steps x 32")
+    lines = [f"{setting}, seed {args.seed}, threads "
              f"{args.threads}; dense client: {dense['memory_mb']:.0f} MiB peak, {dense['gflops']:.1f} "
              f"GFLOPs/round, {dense['upload_mb']:.3f} MB up; load {load0:.1f} -> {load1:.1f}.", "",
-             "| row | fits | test acc | Δ vs dense (pt) | peak MiB (× dense) | GFLOPs/round (× dense) | "
-             "up MB (× dense) | down MB | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+             f"| row | fits | {'test ROUGE-L | BLEU' if e2e else 'test acc'} | Δ vs dense (pt) | peak MiB (× dense) | "
+             "GFLOPs/round (× dense) | up MB (× dense) | down MB | wall s |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if e2e else "")]
     for r in rows:
         if not r.get("fits"):
-            lines.append(f"| {r['row']} | no: {r['why'][:110]} | | | | | | | |")
+            lines.append(f"| {r['row']} | no: {r['why'][:110]} | | | | | | | |" + (" |" if e2e else ""))
             continue
-        acc = r["accuracy"] or float("nan")
+        acc = r[metric] or float("nan")
+        bleu = f" {r.get('bleu') or float('nan'):.2f} |" if e2e else ""
         lines.append(
-            f"| {r['row']} | yes | {100 * acc:.2f} | {100 * (acc - dense['accuracy']):+.2f} | "
+            f"| {r['row']} | yes | {scale * acc:.2f} |{bleu} {scale * (acc - dense[metric]):+.2f} | "
             f"{r['memory_mb']:.0f} ({r['memory_mb'] / dense['memory_mb']:.2f}) | "
             f"{r['gflops']:.1f} ({r['gflops'] / dense['gflops']:.2f}) | "
             f"{r['upload_mb']:.3f} ({r['upload_mb'] / dense['upload_mb']:.2f}) | {r['download_mb']:.3f} | "

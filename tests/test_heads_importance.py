@@ -152,6 +152,27 @@ def test_first_step_keeps_pruned_tensors_exactly_and_trains_like_the_pass(tiny_c
             assert torch.equal(params[n].detach(), state[n]), n
 
 
+@pytest.mark.parametrize("source", ["first_step", "training"])
+def test_captured_steps_run_under_gradient_checkpointing(tiny_cfg_dict, source):
+    """A client the planner gives checkpointing: the backward recomputes the captured step's
+    forward, which must run with the eager attention it ran with (sdpa there: the recomputed
+    tensors differ and torch raises); the run's attention is back after training, and the
+    scores are the unchecked client's."""
+    replies = {}
+    for ckpt in (False, True):
+        method, data = setup(_cfg(tiny_cfg_dict, sparsity=0.5, importance_source=source))
+        _no_attention_dropout(method.model)
+        base = method.model.get_base_model() if hasattr(method.model, "get_base_model") else method.model
+        assert base.config._attn_implementation == "sdpa"
+        state = method.initial_state()
+        payload = method.strategy.configure_train(1, state, [0])[0]
+        payload.config["checkpointing"] = ckpt
+        replies[ckpt] = method.fit(payload, data.client(0), 3)
+        assert base.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(torch.tensor(replies[True].metrics["head_importance"]),
+                               torch.tensor(replies[False].metrics["head_importance"]))
+
+
 def test_first_step_runs_end_to_end(tiny_cfg_dict):
     from fedslice.api import run_experiment
     import json

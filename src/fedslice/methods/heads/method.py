@@ -399,12 +399,13 @@ class HeadStage(Method):
             for name, mask in self.gradient_masks(model, kept, payload, dims, full).items():
                 handles.append(full[name].register_hook(lambda g, m=mask: g * m.to(g.dtype)))
 
+        loss_fn = self.first_step_loss(on_scores)
         try:
-            result = train_local(model, full, data, payload.config, seed,
-                                 loss_fn=self.first_step_loss(on_scores),
+            result = train_local(model, full, data, payload.config, seed, loss_fn=loss_fn,
                                  virtual_tokens=self.adapter.virtual_tokens,
                                  pack=self.packs(payload.config))
         finally:
+            loss_fn.restore()
             for h in handles:
                 h.remove()
         if "kept" not in found:
@@ -427,10 +428,13 @@ class HeadStage(Method):
             total["sum"] = total.get("sum", 0) + alpha * n
             total["n"] = total.get("n", 0) + n
 
-        result = train_local(model, full, data, payload.config, seed,
-                             loss_fn=self.first_step_loss(on_scores, every_step=True),
-                             virtual_tokens=self.adapter.virtual_tokens,
-                             pack=self.packs(payload.config))
+        loss_fn = self.first_step_loss(on_scores, every_step=True)
+        try:
+            result = train_local(model, full, data, payload.config, seed, loss_fn=loss_fn,
+                                 virtual_tokens=self.adapter.virtual_tokens,
+                                 pack=self.packs(payload.config))
+        finally:
+            loss_fn.restore()
         if not total:
             raise ModelError("importance_source='training': training ran no step to score heads on")
         alpha = total["sum"] / total["n"]
@@ -443,12 +447,23 @@ class HeadStage(Method):
         and ``output_attentions=True``, scores the heads on that batch (Eq. 6, the same scoring
         as :func:`fedslice.slicing.heads.head_importance`, on the training-mode weights: after
         attention dropout) and passes the (R, H) scores to ``on_scores`` before returning the
-        loss (so before the backward); every later call is the task's loss."""
+        loss (so before the backward); every later call is the task's loss. The model's own
+        attention comes back at the next call, or at ``loss_fn.restore()`` (call it after
+        training): only once the captured step's backward has run, which under gradient
+        checkpointing recomputes that forward and must run it as it ran (eager)."""
         done = False
         names = [f.name for f in self.arch.attention_outputs]
+        pending: list[tuple[nn.Module, str]] = []  # (model, the attention eager replaced)
+
+        def restore() -> None:
+            while pending:
+                m, previous = pending.pop()
+                base = m.get_base_model() if hasattr(m, "get_base_model") else m
+                base.set_attn_implementation(previous)
 
         def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
             nonlocal done
+            restore()  # the previous call's backward has run
             if done and not every_step:
                 return self.task.loss(m, batch)
             done = True
@@ -461,14 +476,13 @@ class HeadStage(Method):
                 return out
 
             previous = ensure_eager_attention(m)
+            if previous != "eager":
+                pending.append((m, previous))
             m.forward = capture
             try:
                 loss = self.task.loss(m, batch)
             finally:
                 del m.forward
-                if previous != "eager":
-                    base = m.get_base_model() if hasattr(m, "get_base_model") else m
-                    base.set_attn_implementation(previous)
             if not outs:
                 raise ModelError("importance_source='first_step': the task's loss did not call "
                                  "the model")
@@ -487,6 +501,7 @@ class HeadStage(Method):
                 on_scores(alpha)
             return loss
 
+        loss_fn.restore = restore
         return loss_fn
 
     def gradient_masks(self, model: nn.Module, kept: torch.Tensor, payload: Payload, dims,
