@@ -65,6 +65,10 @@ VARIANTS = {
     "raffm-act-measured": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
                            "elastic_sizes": QUARTERS, "salience": "activation", "widths": "measured",
                            "width_levels": 8, "calibration_examples": 16},
+    # the same with widths 1/4, 1/2, 3/4 per layer (30 x 3 calibration passes instead of 30 x 7)
+    "raffm-act-measured4": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
+                            "elastic_sizes": QUARTERS, "salience": "activation", "widths": "measured",
+                            "width_levels": 4, "calibration_examples": 16},
     "raffm-sandwich": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
                        "elastic_sizes": QUARTERS, "sandwich": True},
     "raffm-t25only-full": {"name": "raffm", "tiers": [{"share": 1.0, "flops": 0.25}],
@@ -87,6 +91,7 @@ CLAIMS = {
     "raffm-t25only-full": "as raffm-t25only, the whole sub-model trained (no LoRA)",
     "raffm-act": "RaFFM, activation-aware salience: the small sizes keep the units the decoder needs (issue 35 part 4)",
     "raffm-act-measured": "raffm-act with per-layer widths from each layer's measured loss rise (issue 35 part 4)",
+    "raffm-act-measured4": "raffm-act-measured with 4 width levels (1/4 .. 3/4 per layer)",
     "raffm-act-sandwich": "raffm-act + the sandwich rule (each step also trains the nested smallest size)",
     "raffm-sandwich": "RaFFM (L1 salience) + the sandwich rule",
 }
