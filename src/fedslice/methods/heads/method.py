@@ -399,15 +399,8 @@ class HeadStage(Method):
             for name, mask in self.gradient_masks(model, kept, payload, dims, full).items():
                 handles.append(full[name].register_hook(lambda g, m=mask: g * m.to(g.dtype)))
 
-        loss_fn = self.first_step_loss(on_scores)
-        try:
-            result = train_local(model, full, data, payload.config, seed, loss_fn=loss_fn,
-                                 virtual_tokens=self.adapter.virtual_tokens,
-                                 pack=self.packs(payload.config))
-        finally:
-            loss_fn.restore()
-            for h in handles:
-                h.remove()
+        result = self._train_capturing(model, full, data, payload, seed,
+                                       self.first_step_loss(on_scores), handles)
         if "kept" not in found:
             raise ModelError("importance_source='first_step': training ran no step to score heads on")
         alpha, kept = found["alpha"], found["kept"]
@@ -428,19 +421,27 @@ class HeadStage(Method):
             total["sum"] = total.get("sum", 0) + alpha * n
             total["n"] = total.get("n", 0) + n
 
-        loss_fn = self.first_step_loss(on_scores, every_step=True)
-        try:
-            result = train_local(model, full, data, payload.config, seed, loss_fn=loss_fn,
-                                 virtual_tokens=self.adapter.virtual_tokens,
-                                 pack=self.packs(payload.config))
-        finally:
-            loss_fn.restore()
+        result = self._train_capturing(model, full, data, payload, seed,
+                                       self.first_step_loss(on_scores, every_step=True))
         if not total:
             raise ModelError("importance_source='training': training ran no step to score heads on")
         alpha = total["sum"] / total["n"]
         kept = self.keep(alpha, seed, None if outer is None else dims, payload.config.get("sparsity"))
         sub = self.local_model(model, kept, payload, dims)
         return alpha, kept, sub, self.local_params(sub, kept, dims), result
+
+    def _train_capturing(self, model: nn.Module, params, data: TokenizedSplit, payload: Payload,
+                         seed: int, loss_fn, handles=()):
+        """:func:`train_local` with a capturing ``loss_fn`` (:meth:`first_step_loss`); its attention
+        restored and the gradient-mask ``handles`` removed afterwards, whatever happens."""
+        try:
+            return train_local(model, params, data, payload.config, seed, loss_fn=loss_fn,
+                               virtual_tokens=self.adapter.virtual_tokens,
+                               pack=self.packs(payload.config))
+        finally:
+            loss_fn.restore()
+            for h in handles:
+                h.remove()
 
     def first_step_loss(self, on_scores: Callable[..., None], every_step: bool = False):
         """A training loss that, on its first call, runs the task's loss with eager attention
