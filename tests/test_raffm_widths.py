@@ -98,6 +98,8 @@ def test_option_checks():
     assert RaFFMMethod().widths == "uniform"
     with pytest.raises(ValidationError, match="elastic_depth"):
         RaFFMMethod(widths="measured", elastic_depth=True)
+    with pytest.raises(ValidationError, match="sandwich"):
+        RaFFMMethod(widths="measured", sandwich=True)
     with pytest.raises(ValidationError):
         RaFFMMethod(widths="measured", width_levels=1)
 
@@ -128,3 +130,14 @@ def test_run_with_measured_widths(tiny_gen_cfg_dict):
     state, records, summary = Simulation(cfg, method, data).run()
     assert [e["size"] for e in summary["elastic"]] == [0.985, 1.0]
     assert not any(m.get("sat_out") for r in records for m in r["client_metrics"])
+
+
+def test_a_flower_client_measures_no_widths(tiny_gen_cfg_dict):
+    """A ClientApp process builds the method in the client role for every message: it reads its
+    sub-model from the payload and must not pay the server's layers x levels passes."""
+    cfg = tiny_gen_cfg_dict
+    cfg["method"] = {"name": "raffm", "widths": "measured", "width_steps": 4, "width_levels": 4,
+                     "tiers": [{"share": 1.0, "flops": 1.0}], "elastic_sizes": [1.0]}
+    client, _ = setup(validate_config(cfg), role="client")
+    assert "layer_rise" not in vars(client)  # the cached property never ran
+    assert client.width_specs(4) == width_candidates(client.all_dims, 4)

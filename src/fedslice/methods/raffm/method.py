@@ -150,8 +150,10 @@ class RaFFM(Method):
     def width_specs(self, steps: int) -> list[Spec]:
         """The planner's sub-models at widths 1/steps .. 1, smallest first: the same width in
         every layer, or (``method.widths = "measured"``) per-layer widths from each layer's
-        measured loss rise (:func:`measured_width_candidates`)."""
-        if self.opts.widths == "uniform":
+        measured loss rise (:func:`measured_width_candidates`). A Flower client (``role =
+        "client"``) reads its sub-model from its payload and measures no rises: its grid is the
+        uniform one."""
+        if self.opts.widths == "uniform" or self.role == "client":
             return width_candidates(self.all_dims, steps, self.opts.elastic_depth)
         return measured_width_candidates(self.layer_rise, self.all_dims[0], self.width_levels, steps)
 

@@ -93,6 +93,10 @@ class RaFFMMethod(MethodOptions):
         if self.widths == "measured" and self.elastic_depth:
             raise ValueError("widths = 'measured' and elastic_depth = true do not combine: the "
                              "measured widths keep every layer")
+        if self.widths == "measured" and self.sandwich:
+            raise ValueError("widths = 'measured' and sandwich = true do not combine: the "
+                             "sandwich's smallest size is planned in each client's process, "
+                             "which measures no widths")
         return self
 
     @field_validator("elastic_sizes")
