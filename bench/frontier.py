@@ -37,6 +37,7 @@ the same rows and budgets; the metric is the test ROUGE-L (BLEU kept too), out
     .venv/bin/python bench/frontier.py --upload-only --budgets 0.1 --rows heads raffm planned
     .venv/bin/python bench/frontier.py --memory-only --budgets 0.25 --rows raffm fp32-int8
     .venv/bin/python bench/frontier.py --budgets 0.4 --memory-share 0.5 --upload-share 0.5 --rows planned-work
+    .venv/bin/python bench/frontier.py --task e2e --budgets 0.3 --rows planned-work --measured-widths
     .venv/bin/python bench/frontier.py --task e2e --test-examples 50 --budgets 0.3 --rows planned-work int8
 """
 
@@ -88,6 +89,8 @@ def config(row: str, args, budgets: dict | None) -> dict:
         method["importance_max_examples"] = args.importance_examples
         if row.endswith("-fs"):  # the paper's rule: scores from the first local step, no pass
             method["importance_source"] = "first_step"
+    if args.measured_widths and "raffm" in METHODS[row]:  # issue 35 part 4's sub-models
+        method.update(salience="activation", widths="measured", width_levels=4, calibration_examples=16)
     if args.task == "e2e":
         cfg = e2e_config(row, args, method)
         if budgets is not None:
@@ -186,6 +189,9 @@ def main() -> None:
                     help="upload at this share of dense's instead of the budget's (rows <row>@<f>u<share>)")
     ap.add_argument("--local-work", type=float, nargs="+", default=None,
                     help="budgets.local_work of the -work rows (default LOCAL_WORK; rows <row>-lw<n>@...)")
+    ap.add_argument("--measured-widths", action="store_true",
+                    help="raffm rows: activation salience and measured per-layer widths (4 levels, "
+                    "16 calibration rows; rows <row>-mw@...)")
     ap.add_argument("--again", action="store_true", help="re-run rows whose results exist")
     ap.add_argument("--out", type=Path, default=None, help="default bench/results/frontier_<task>")
     args = ap.parse_args()
@@ -204,6 +210,7 @@ def main() -> None:
             at += (f"m{args.memory_share:g}" if args.memory_share else "") + \
                 (f"u{args.upload_share:g}" if args.upload_share else "")
             tag = f"-lw{len(args.local_work)}" if args.local_work and row.endswith("-work") else ""
+            tag += "-mw" if args.measured_widths and "raffm" in METHODS[row] else ""
             run_row(f"{row}{tag}@{at}", row, args, {"tiers": [tier(f, dense, f"{f:.0%}", upload_only=args.upload_only,
                                                               memory_only=args.memory_only,
                                                               memory_f=args.memory_share,
