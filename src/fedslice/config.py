@@ -129,6 +129,14 @@ class DeviceTier(Section):
         return self
 
 
+def check_fractions(values: list[float], what: str) -> list[float]:
+    """``values`` if each is in (0, 1], else a ValueError naming the first that is not."""
+    for x in values:
+        if not 0 < x <= 1:
+            raise ValueError(f"{what} {x} is not in (0, 1]")
+    return values
+
+
 def check_tier_shares(tiers: list[DeviceTier] | None) -> list[DeviceTier] | None:
     """Tier shares sum to 1 (a ValueError otherwise)."""
     if tiers is not None:
@@ -227,10 +235,7 @@ class BudgetsConfig(Section):
     @field_validator("local_work")
     @classmethod
     def _work(cls, v):
-        for x in v:
-            if not 0 < x <= 1:
-                raise ValueError(f"local_work share {x} is not in (0, 1]")
-        return sorted(set(v), reverse=True)
+        return sorted(set(check_fractions(v, "local_work share")), reverse=True)
 
     @field_validator("importance_sources")
     @classmethod

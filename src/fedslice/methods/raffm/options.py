@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from fedslice.config import DeviceTier, MethodOptions, Section, check_tier_shares
+from fedslice.config import DeviceTier, MethodOptions, Section, check_fractions, check_tier_shares
 
 
 RaFFMTier = DeviceTier  # the older name
@@ -102,10 +102,7 @@ class RaFFMMethod(MethodOptions):
     @field_validator("elastic_sizes")
     @classmethod
     def _sizes(cls, v):
-        for x in v:
-            if not 0 < x <= 1:
-                raise ValueError(f"size {x} is not a fraction of the full model's FLOPs in (0, 1]")
-        return v
+        return check_fractions(v, "size (a fraction of the full model's FLOPs)")
 
     @field_validator("tiers")
     @classmethod
