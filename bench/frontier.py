@@ -20,7 +20,10 @@ row micro-batches and checkpointing):
                  step) before a narrower model;
   mixed-work     the mixed population with local work;
   int8-work      int8 with local work (budgets.local_work as the -work rows): the whole model at
-                 fewer examples per step (raffm+heads does not compose with a quantized base).
+                 fewer examples per step;
+  planned-int8-work  planned-work whose planner may also give a client an int8 copy of its slice
+                 (budgets.precisions = ["none", "int8"]; raffm+heads over a quantized copy, since
+                 2026-11-27 05:20): the whole model over int8 where fp32 misses, before a slice.
 
 A row whose budget no plan fits is recorded as such (the planner's message), not run.
 Columns: test accuracy and its difference to dense, measured peak memory (largest client), training
@@ -39,6 +42,7 @@ the same rows and budgets; the metric is the test ROUGE-L (BLEU kept too), out
     .venv/bin/python bench/frontier.py --budgets 0.4 --memory-share 0.5 --upload-share 0.5 --rows planned-work
     .venv/bin/python bench/frontier.py --task e2e --budgets 0.3 --rows planned-work --measured-widths
     .venv/bin/python bench/frontier.py --task e2e --test-examples 50 --budgets 0.3 --rows planned-work int8
+    .venv/bin/python bench/frontier.py --task e2e --test-examples 50 --threads 2 --budgets 0.3 0.5 --rows planned-int8-work
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = {"dense": "fedpetuning", "heads": "heads", "raffm": "raffm", "int8": "fedpetuning",
            "fp32-int8": "fedpetuning",
            "planned": "raffm+heads", "planned-fs": "raffm+heads", "mixed": "raffm+heads",
-           "planned-work": "raffm+heads", "mixed-work": "raffm+heads", "int8-work": "fedpetuning"}
+           "planned-work": "raffm+heads", "mixed-work": "raffm+heads", "int8-work": "fedpetuning",
+           "planned-int8-work": "raffm+heads"}
 #: budgets.local_work of the ``-work`` rows: shares of a round's local work a client may train
 LOCAL_WORK = [1.0, 0.75, 0.5, 0.375, 0.25]
 #: per task: the row's metric key, the summary's key for it, its scale in the table, the defaults
@@ -118,7 +123,8 @@ def config(row: str, args, budgets: dict | None) -> dict:
 
 def with_budgets(cfg: dict, row: str, args, budgets: dict | None) -> dict:
     if budgets is not None:
-        cfg["budgets"] = {**budgets, **({"precisions": ["none", "int8"]} if row == "fp32-int8" else {}),
+        cfg["budgets"] = {**budgets, **({"precisions": ["none", "int8"]}
+                                        if row in ("fp32-int8", "planned-int8-work") else {}),
                           # local work is the planner's default since 2026-11-27: rows without
                           # "-work" keep every client's whole round, as they were taken
                           "local_work": (args.local_work or LOCAL_WORK) if row.endswith("-work") else [1.0]}

@@ -386,7 +386,7 @@ def test_a_flops_budget_the_pass_does_not_fit_takes_importance_from_the_first_st
 # -- the base's precision per client (budgets.precisions) --------------------------------------
 @pytest.mark.parametrize("method,extra,message", [
     ("fedpetuning", {"model": {"quantize": "int8"}}, "model.quantize = 'int8' quantizes the base of every client"),
-    ("raffm", {}, "does not compose with method.name = 'raffm'"),
+    ("raffm", {"model": {"quantize": "int8"}}, "model.quantize = 'int8' quantizes the base of every client"),
     ("heads", {"prune": "forward"}, "prune = 'forward' cuts each client's sub-model"),
 ])
 def test_planned_precisions_are_refused_where_a_quantized_copy_cannot_train(tiny_cfg_dict, method, extra, message):
@@ -442,6 +442,81 @@ def test_a_memory_budget_the_fp32_base_misses_trains_over_an_int8_copy(tiny_cfg_
         assert meas["client_rounds"] == len(g["clients"])  # every reply accepted
         assert meas["memory_mb_max"] == pytest.approx(g["predicted"]["memory_mb"], rel=0.10)
     assert groups["small"]["measured"]["memory_mb_max"] < groups["big"]["measured"]["memory_mb_max"]
+
+
+@pytest.mark.parametrize("method", ["raffm", "raffm+heads"])
+def test_a_raffm_client_under_its_fp32_slice_trains_an_int8_copy_of_the_slice(tiny_cfg_dict, one_length_data_dir,
+                                                                             tmp_path, method, monkeypatch):
+    """Sub-model stage over a quantized copy: just under the full-width fp32 client's predicted
+    memory, the planner keeps the full width over int8 (the precision before a narrower slice);
+    the client's reply is accepted, its measured memory is the prediction (10%) and under the
+    fp32 client's; the slice is quantized once per order of the base, not per round (as many
+    quantizations over 3 rounds as over 1)."""
+    import fedslice.models.quantize as quantize
+
+    calls = []
+    real = quantize.quantized_copy
+    monkeypatch.setattr(quantize, "quantized_copy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    budgets = {"tiers": [{"share": 1.0, "memory_mb": 1000, "name": "big"}], "precisions": ["none"],
+               "micro_batches": [1], "checkpointing": False, "width_steps": 4}
+    extra = {"data": {"path": str(one_length_data_dir)}}
+    run = run_experiment(validate_config(_cfg(tiny_cfg_dict, budgets, method=method, **extra)),
+                         tmp_path / "fp32", progress=False)
+    fp32 = _plans(run)[0]["predicted"]["memory_mb"]
+    budgets["precisions"] = ["none", "int8"]
+    budgets["tiers"] = [{"share": 0.5, "memory_mb": 1000, "name": "big"},
+                        {"share": 0.5, "memory_mb": 0.997 * fp32, "name": "small"}]
+    counts = {}
+    for rounds in (1, 3):
+        calls.clear()
+        d = _cfg(tiny_cfg_dict, budgets, method=method, federation={"rounds": rounds}, **extra)
+        run = run_experiment(validate_config(d), tmp_path / f"p{rounds}", progress=False)
+        counts[rounds] = len(calls)
+    assert counts[1] == counts[3] > 0
+    groups = {g["budget_name"]: g for g in _plans(run)}
+    assert groups["big"]["plan"]["precision"] in (None, "none")
+    assert groups["small"]["plan"]["precision"] == "int8" and groups["small"]["plan"]["width"] == 1.0
+    for g in groups.values():
+        meas = g["measured"]
+        assert meas["client_rounds"] == 3 * len(g["clients"])  # every reply accepted
+        assert meas["memory_mb_max"] == pytest.approx(g["predicted"]["memory_mb"], rel=0.10)
+    assert groups["small"]["measured"]["memory_mb_max"] < groups["big"]["measured"]["memory_mb_max"]
+
+
+def test_an_int8_raffm_client_trains_the_quantized_slice_the_server_sent(tiny_cfg_dict):
+    """The int8 copy of a client's slice is the payload's frozen fp32 slice quantized (each
+    weight within half its row's scale), in the server's salience order; its LoRA tensors are
+    the payload's; a second payload of the same order reuses the copy, a new order makes another."""
+    from fedslice.api import setup
+    from fedslice.fl.strategy import Payload
+    from fedslice.models.quantize import dequantize, is_quantized
+    from fedslice.slicing.state import extract_state
+
+    d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, "memory_mb": 1000}], "precisions": ["int8"],
+                             "width_steps": 4}, method="raffm")
+    method, _ = setup(validate_config(d))
+    state = method.initial_state()
+    sent = method.strategy.configure_train(1, state, [0])[0]
+    assert sent.config["base_precision"] == "int8"
+    assert sent.config["base_order"] == method.slices.perm.digest
+    narrow = method.planner.candidates[1]  # a slice of half the width (width_steps 4)
+    assert not narrow.is_full
+    narrowed = Payload(extract_state(state, narrow, method.arch), {**sent.config, "spec": narrow.to_dict()})
+    for payload in (narrowed, sent):
+        model, params = method.client_model(payload)
+        named = dict(model.named_parameters())
+        quantized = {k for k, p in named.items() if is_quantized(p)}
+        assert quantized and quantized <= set(payload.arrays)
+        for k in quantized:
+            w, frozen = named[k], payload.arrays[k]
+            assert w.shape == frozen.shape, k
+            err = (dequantize(w) - frozen).abs().amax(dim=1)  # (out,)
+            assert bool((err <= w.scale.reshape(-1) / 2 + 1e-7).all()), k
+        for k, p in params.items():
+            assert torch.equal(p, payload.arrays[k]), k
+    assert method.client_model(payload)[0] is model  # the same order: the same copy
+    other = Payload(payload.arrays, {**payload.config, "base_order": "another"})
+    assert method.client_model(other)[0] is not model
 
 
 # -- partial local work (budgets.local_work) -----------------------------------------------------

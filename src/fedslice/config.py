@@ -814,7 +814,9 @@ class ExperimentConfig(Section):
             except ValueError as e:
                 raise ValueError(f"budgets.precisions: {e}") from None
         method = METHODS.get(self.method.name).method_cls  # one that plans budgets: an adapter's
-        why = quantize_refusal(method) or getattr(method, "precision_refusal", lambda cfg: None)(self)
+        # the method's own answer (raffm quantizes each client's slice though its global state
+        # holds fp32 base tensors); by default, whether it trains over a quantized base at all
+        why = getattr(method, "precision_refusal", lambda cfg: quantize_refusal(method))(self)
         if why:
             raise ValueError(f"budgets.precisions = {b.precisions} does not compose with method.name = "
                              f"{self.method.name!r}: {why}")

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.nn as nn
 
-from fedslice.config import ExperimentConfig
+from fedslice.config import ExperimentConfig, quantize_refusal
 from fedslice.errors import ConfigError
 from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.data.packing import packs
@@ -357,8 +357,9 @@ class Method:
     @classmethod
     def precision_refusal(cls, cfg: ExperimentConfig) -> str | None:
         """Why a client's plan cannot pick its base's precision (``budgets.precisions``) under
-        this method and ``cfg``; None: it can (its clients train :meth:`base_at`'s model)."""
-        return None
+        this method and ``cfg``; None: it can (its clients train :meth:`base_at`'s model).
+        Default: where the method trains over a quantized base (:attr:`quantized_base`)."""
+        return quantize_refusal(cls)
 
     def base_at(self, precision: str | None) -> nn.Module:
         """The model clients planned at ``precision`` train: the run's (None, 'none'), or a copy

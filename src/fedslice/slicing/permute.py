@@ -18,8 +18,11 @@ so permuting is :func:`~fedslice.slicing.state.extract_state` (one code path for
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 import torch.nn as nn
@@ -107,6 +110,13 @@ class Permutation:
         return self._map(None, inv)
 
     # -- JSON --------------------------------------------------------------------------------
+    @cached_property
+    def digest(self) -> str:
+        """A short digest of the permutation: equal digests, equal orders (a client over a
+        quantized copy of its slice re-quantizes only when the server's order changes)."""
+        text = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha1(text).hexdigest()[:16]
+
     def to_dict(self) -> dict:
         return {"stacks": [s.to_dict() for s in self.stacks]}
 

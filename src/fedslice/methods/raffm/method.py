@@ -25,6 +25,7 @@ from fedslice.errors import ConfigError
 from fedslice.fl.client import LocalResult
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.measure import ClientCost
+from fedslice.measure.sizes import held_bytes
 from fedslice.methods.base import Method, Role, trains_alone
 from fedslice.methods.raffm.options import RaFFMMethod
 from fedslice.methods.raffm.report import plot_elastic
@@ -65,9 +66,16 @@ class RaFFM(Method):
     lora_ranks_per_client = True  # the planner chooses width and rank together
     plans_budgets = True
     sub_models = True
-    quantized_base = ("its global state carries frozen base tensors (sliceable weights the server "
-                      "reorders and sends), which a quantized base keeps in the process (not wired: "
-                      "docs/quantization.md)")
+    quantized_base = ("its global state carries the frozen base tensors the server reorders and "
+                      "slices in fp32, so the server's base stays fp32: let each client train over a "
+                      "quantized copy of its slice with budgets.precisions = ['int8'] "
+                      "(docs/quantization.md)")
+
+    @classmethod
+    def precision_refusal(cls, cfg: ExperimentConfig) -> str | None:
+        """None: a client planned at a lower precision trains an int8 copy of its slice
+        (:meth:`submodel_at`)."""
+        return None
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -96,6 +104,9 @@ class RaFFM(Method):
         self.opts: RaFFMMethod = cfg.method
         self._loaded = loaded  # salience = 'activation' reads the dev split with its tokenizer
         self._submodels: dict[Spec, nn.Module] = {}
+        #: (spec, precision) -> (the base order its frozen slices were quantized in, the
+        #: quantized copy of the sub-model): :meth:`submodel_at`
+        self._quantized: dict[tuple[Spec, str], tuple[str | None, nn.Module]] = {}
         self._rank_plans: dict = {}
         super().__init__(cfg, loaded, task, role, client_sizes, **kw)
 
@@ -198,7 +209,7 @@ class RaFFM(Method):
 
     @contextmanager
     def planned_model(self, knobs) -> Iterator[PlannedModel]:
-        model = self.submodel(knobs.spec)
+        model = self.submodel_at(knobs.spec, knobs.precision)
         with (self.adapter.at_rank(model, knobs.rank) if knobs.rank is not None else nullcontext()):
             yield PlannedModel(model, self.trainable(model))
 
@@ -244,6 +255,29 @@ class RaFFM(Method):
         if spec not in self._submodels:
             self._submodels[spec] = self.model if spec.is_full else extract_model(self.model, spec, self.arch)
         return self._submodels[spec]
+
+    def submodel_at(self, spec: Spec, precision: str | None, order: str | None = None) -> nn.Module:
+        """The sub-model of ``spec`` over a base at ``precision`` (``budgets.precisions``): the
+        fp32 one (None, 'none'), or a copy of it whose frozen block linears are quantized
+        (:func:`fedslice.models.quantize.quantized_copy`: slice, then quantize the slice). The
+        copy is made from the frozen slices the fp32 sub-model holds and kept for the base
+        ``order`` they are in (a digest of the server's permutation, ``base_order`` of the
+        payload): the frozen slices change only when the server re-orders, so a process
+        quantizes each slice once per order, never per client or per round. A new order drops
+        every copy of an older one."""
+        if precision in (None, "none"):
+            return self.submodel(spec)
+        held = self._quantized.get((spec, precision))
+        if held is not None and held[0] == order:
+            return held[1]
+        if order is not None:  # copies of another order (or the planner's) are stale
+            self._quantized = {k: v for k, v in self._quantized.items() if v[0] == order}
+        from fedslice.models.quantize import quantized_copy, quiet
+
+        with quiet():
+            model = quantized_copy(self.submodel(spec), precision, self.arch)
+        self._quantized[(spec, precision)] = (order, model)
+        return model
 
     def state_keys(self) -> list[str]:
         names = [n for n, _ in self.model.named_parameters()]
@@ -295,11 +329,16 @@ class RaFFM(Method):
 
     @torch.no_grad()
     def _load(self, model: nn.Module, state: State, rank: int | None = None) -> dict[str, nn.Parameter]:
-        """``state`` loaded into ``model`` (a sub-model), its LoRA at ``rank`` (None: lora.r)."""
+        """``state`` loaded into ``model`` (a sub-model), its LoRA at ``rank`` (None: lora.r).
+        A quantized weight keeps its values: it was quantized from the same frozen slice
+        (:meth:`submodel_at`, for the payload's base order)."""
+        from fedslice.models.quantize import is_quantized
+
         self.adapter.resize(model, rank)
         params = dict(model.named_parameters())
         for k, t in state.items():
-            params[k].copy_(t)
+            if not is_quantized(params[k]):
+                params[k].copy_(t)
         return params
 
     # -- client ------------------------------------------------------------------------------
@@ -311,8 +350,20 @@ class RaFFM(Method):
         return bool(payload.config.get("sit_out"))
 
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
-        model = self.submodel(spec_from_dict(payload.config["spec"]))
-        params = self._load(model, payload.arrays, payload.config.get("lora_rank"))
+        """The client's sub-model with its payload loaded; a client planned at a lower precision
+        (``base_precision``) trains the quantized copy of its slice (:meth:`submodel_at`), made
+        from the payload's frozen slices the first time their order is seen."""
+        spec, config = spec_from_dict(payload.config["spec"]), payload.config
+        rank, precision = config.get("lora_rank"), config.get("base_precision")
+        if precision not in (None, "none"):
+            order = config.get("base_order")
+            held = self._quantized.get((spec, precision))
+            if held is None or held[0] != order:  # this order's frozen slices, then quantize them
+                self._load(self.submodel(spec), payload.arrays, rank)
+            model = self.submodel_at(spec, precision, order)
+        else:
+            model = self.submodel(spec)
+        params = self._load(model, payload.arrays, rank)
         return model, {n: p for n, p in params.items() if p.requires_grad}
 
     batched_clients = True  # clients of one sub-model size train together
@@ -322,7 +373,8 @@ class RaFFM(Method):
         if payload.config.get("sit_out") or not self.adapter.batched_clients or self.opts.sandwich \
                 or trains_alone(payload):
             return None
-        return json.dumps([payload.config["spec"], payload.config.get("lora_rank")], sort_keys=True)
+        return json.dumps([payload.config["spec"], payload.config.get("lora_rank"),
+                           payload.config.get("base_precision")], sort_keys=True)
 
     def fit(self, payload: Payload, data, seed: int) -> Reply:
         if self.sits_out(payload):
@@ -373,7 +425,7 @@ class RaFFM(Method):
         spec = self.trained_spec(payload, arrays)
         trained = {k: t for k, t in payload.arrays.items() if k in params}
         frozen = {k: t for k, t in payload.arrays.items() if k not in params}
-        model_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+        model_bytes = sum(held_bytes(p) for p in {id(p): p for p in model.parameters()}.values())
         m.update({
             "tier": payload.config.get("tier"), "sat_out": 0,
             # comparable with fedpetuning: the trained tensors; the frozen sub-model slices are

@@ -81,6 +81,9 @@ class RaFFMStrategy(Strategy):
         cfg = {**config, "client": client, "tier": cp.tier, "budget": cp.budget.describe(), **cp.config}
         if cp.plan.spec is None:
             return Payload(arrays={}, config={**cfg, "sit_out": cp.plan.reason})
+        if cfg.get("base_precision") not in (None, "none"):
+            # a client over a quantized copy of its slice quantizes once per order of the base
+            cfg["base_order"] = self.perm.digest
         return Payload(arrays=extract_state(state, cp.plan.spec, self.arch),
                        config={**cfg, "spec": cp.plan.spec.to_dict()})
 
