@@ -252,6 +252,28 @@ def test_flower_serverapp_matches_in_process_over_an_int8_base(tiny_cfg_dict, tm
     _assert_same_state(_weights(run_dir), method.export_state(state))
 
 
+@pytest.mark.parametrize("method", ["raffm", "raffm+heads"])
+def test_flower_serverapp_matches_in_process_over_int8_slices(tiny_cfg_dict, tmp_path, monkeypatch, method):
+    """The sub-model stage over int8 copies of each client's slice (budgets.precisions): a
+    ServerApp with ClientApps (each quantizing the slice its payload carries) ends at the
+    in-process run's state."""
+    from fedslice.flower.server_app import run as server_run
+    from test_flower import InProcessGrid, _assert_same_state, _nodes, _settings, _weights, \
+        _write_config
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+    d = tiny_cfg_dict
+    d["method"] = {"name": method}
+    d["budgets"] = {"tiers": [{"share": 1.0, "memory_mb": 1000}], "precisions": ["int8"], "width_steps": 4}
+    d["federation"].update(num_clients=3, clients_per_round=2, pack=False)
+    method, state, records, _ = _run(d)
+    assert {m["client"] for r in records for m in r["client_metrics"]}
+    assert {cp.knobs.precision for cp in method.plans.values()} == {"int8"}
+    path = _write_config(d, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(3)), _settings(path, tmp_path / "fl"))
+    _assert_same_state(_weights(run_dir), method.export_state(state))
+
+
 # --------------------------------------------------------------------------------------------
 # Quantized once: memory flat over 20 rounds
 # --------------------------------------------------------------------------------------------
