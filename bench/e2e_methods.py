@@ -69,6 +69,12 @@ VARIANTS = {
     "raffm-act-measured4": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
                             "elastic_sizes": QUARTERS, "salience": "activation", "widths": "measured",
                             "width_levels": 4, "calibration_examples": 16},
+    # finer widths at the small end (1/32 .. 3/4: 30 x 7 calibration passes), so the 0.25 size's
+    # budget can cut some layers below 1/4 and keep others wider
+    "raffm-act-measured-fine": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
+                                "elastic_sizes": QUARTERS, "salience": "activation", "widths": "measured",
+                                "width_levels": [0.03125, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.75],
+                                "calibration_examples": 16},
     "raffm-sandwich": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
                        "elastic_sizes": QUARTERS, "sandwich": True},
     "raffm-t25only-full": {"name": "raffm", "tiers": [{"share": 1.0, "flops": 0.25}],
@@ -92,6 +98,7 @@ CLAIMS = {
     "raffm-act": "RaFFM, activation-aware salience: the small sizes keep the units the decoder needs (issue 35 part 4)",
     "raffm-act-measured": "raffm-act with per-layer widths from each layer's measured loss rise (issue 35 part 4)",
     "raffm-act-measured4": "raffm-act-measured with 4 width levels (1/4 .. 3/4 per layer)",
+    "raffm-act-measured-fine": "raffm-act-measured with widths 1/32, 1/16, 1/8, 1/4, 3/8, 1/2, 3/4 per layer",
     "raffm-act-sandwich": "raffm-act + the sandwich rule (each step also trains the nested smallest size)",
     "raffm-sandwich": "RaFFM (L1 salience) + the sandwich rule",
 }

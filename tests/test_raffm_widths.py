@@ -100,8 +100,12 @@ def test_option_checks():
         RaFFMMethod(widths="measured", elastic_depth=True)
     with pytest.raises(ValidationError, match="sandwich"):
         RaFFMMethod(widths="measured", sandwich=True)
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValidationError, match="at least 2"):
         RaFFMMethod(widths="measured", width_levels=1)
+    assert RaFFMMethod(widths="measured", width_levels=[0.0625, 0.25, 0.5]).width_levels == [0.0625, 0.25, 0.5]
+    for bad in ([], [0.5, 0.25], [0.25, 0.25], [0.0, 0.5], [0.5, 1.0]):
+        with pytest.raises(ValidationError, match="ascend strictly within"):
+            RaFFMMethod(widths="measured", width_levels=bad)
 
 
 def test_encoder_decoder_is_refused(tiny_gen_cfg_dict, tiny_lm_dirs):
@@ -112,17 +116,18 @@ def test_encoder_decoder_is_refused(tiny_gen_cfg_dict, tiny_lm_dirs):
         setup(validate_config(cfg))
 
 
-def test_run_with_measured_widths(tiny_gen_cfg_dict):
+@pytest.mark.parametrize("levels,count", [(4, 3), ([0.125, 0.5], 2)])
+def test_run_with_measured_widths(tiny_gen_cfg_dict, levels, count):
     cfg = tiny_gen_cfg_dict
     cfg["federation"].update(num_clients=2, clients_per_round=2)
     cfg["method"] = {"name": "raffm", "widths": "measured", "salience": "activation",
-                     "calibration_examples": 6, "width_steps": 4, "width_levels": 4,
+                     "calibration_examples": 6, "width_steps": 4, "width_levels": levels,
                      "tiers": [{"share": 0.5, "flops": 0.985}, {"share": 0.5, "flops": 1.0}],
                      "elastic_sizes": [0.985, 1.0]}
     cfg = validate_config(cfg)
     method, data = setup(cfg)
     rise = method.layer_rise
-    assert len(rise) == 2 and all(len(r) == 3 for r in rise)
+    assert len(rise) == 2 and all(len(r) == count for r in rise)
     # cutting a layer changes the random model's loss, either way (the masks are active)
     assert all(abs(x) > 1e-6 and x == x for r in rise for x in r)
     assert method.planner.candidates == method.width_specs(4)

@@ -171,7 +171,7 @@ class RaFFM(Method):
     @property
     def width_levels(self) -> list[float]:
         n = self.opts.width_levels
-        return [j / n for j in range(1, n)]
+        return [j / n for j in range(1, n)] if isinstance(n, int) else list(n)
 
     @cached_property
     def loaded_salience(self) -> list:

@@ -71,8 +71,10 @@ class RaFFMMethod(MethodOptions):
         "parameters, the per-layer widths that least raise the loss of the calibration batch "
         "(each layer cut alone to each of width_levels widths first: layers x levels forward "
         "passes on the server, once; one-stack models).")
-    width_levels: int = Field(8, ge=2, description="widths = 'measured': a layer keeps 1/n, 2/n, "
-                              ".. or all of its heads and FFN units.")
+    width_levels: int | list[float] = Field(
+        8, description="widths = 'measured': the widths a layer may keep, n: 1/n, 2/n, .. or all "
+        "of its heads and FFN units; a list: those fractions (ascending, in (0, 1)) or all, e.g. "
+        "[0.0625, 0.125, 0.25, 0.375, 0.5, 0.75] for finer cuts at the small end.")
     elastic_depth: bool = Field(False, description="The planner may also drop layers.")
     elastic_sizes: list[float] = Field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0],
                                        description="FLOPs fractions evaluated after training.")
@@ -98,6 +100,17 @@ class RaFFMMethod(MethodOptions):
                              "sandwich's smallest size is planned in each client's process, "
                              "which measures no widths")
         return self
+
+    @field_validator("width_levels")
+    @classmethod
+    def _levels(cls, v):
+        if isinstance(v, int):
+            if v < 2:
+                raise ValueError(f"an integer number of levels must be at least 2, got {v}")
+            return v
+        if not v or not all(0 < a < b <= 1 for a, b in zip(v, list(v[1:]) + [1.0])):
+            raise ValueError(f"a list of widths must ascend strictly within (0, 1), got {v}")
+        return v
 
     @field_validator("elastic_sizes")
     @classmethod
