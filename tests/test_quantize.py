@@ -252,11 +252,13 @@ def test_flower_serverapp_matches_in_process_over_an_int8_base(tiny_cfg_dict, tm
     _assert_same_state(_weights(run_dir), method.export_state(state))
 
 
-@pytest.mark.parametrize("method", ["raffm", "raffm+heads"])
-def test_flower_serverapp_matches_in_process_over_int8_slices(tiny_cfg_dict, tmp_path, monkeypatch, method):
-    """The sub-model stage over int8 copies of each client's slice (budgets.precisions): a
-    ServerApp with ClientApps (each quantizing the slice its payload carries) ends at the
-    in-process run's state."""
+@pytest.mark.parametrize("method,how", [("raffm", "precisions"), ("raffm+heads", "precisions"),
+                                        ("raffm", "quantize")])
+def test_flower_serverapp_matches_in_process_over_int8_slices(tiny_cfg_dict, tmp_path, monkeypatch,
+                                                              method, how):
+    """The sub-model stage over int8 copies of each client's slice (budgets.precisions, or
+    model.quantize): a ServerApp with ClientApps (each quantizing the slice its payload carries)
+    ends at the in-process run's state."""
     from fedslice.flower.server_app import run as server_run
     from test_flower import InProcessGrid, _assert_same_state, _nodes, _settings, _weights, \
         _write_config
@@ -264,14 +266,73 @@ def test_flower_serverapp_matches_in_process_over_int8_slices(tiny_cfg_dict, tmp
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
     d = tiny_cfg_dict
     d["method"] = {"name": method}
-    d["budgets"] = {"tiers": [{"share": 1.0, "memory_mb": 1000}], "precisions": ["int8"], "width_steps": 4}
+    if how == "precisions":
+        d["budgets"] = {"tiers": [{"share": 1.0, "memory_mb": 1000}], "precisions": ["int8"], "width_steps": 4}
+    else:
+        d["method"].update(tiers=[{"share": 0.5, "flops": 0.6}, {"share": 0.5, "flops": 1.0}],
+                           elastic_sizes=[1.0], width_steps=4)
+        _quantized_cfg(d)
     d["federation"].update(num_clients=3, clients_per_round=2, pack=False)
     method, state, records, _ = _run(d)
     assert {m["client"] for r in records for m in r["client_metrics"]}
-    assert {cp.knobs.precision for cp in method.plans.values()} == {"int8"}
+    if how == "precisions":
+        assert {cp.knobs.precision for cp in method.plans.values()} == {"int8"}
     path = _write_config(d, tmp_path / "exp.json")
     run_dir = server_run(InProcessGrid(_nodes(3)), _settings(path, tmp_path / "fl"))
     _assert_same_state(_weights(run_dir), method.export_state(state))
+
+
+@pytest.mark.parametrize("method", ["raffm", "raffm+heads"])
+def test_raffm_over_an_int8_base_quantizes_each_client_slice_once(tiny_cfg_dict, monkeypatch, method):
+    """model.quantize under the sub-model stage: the server keeps the fp32 model it orders and
+    slices; each client trains an int8 copy of its slice (its memory under the fp32 run's
+    client's of the same slice), made once per slice and order (as many quantizations over 3
+    rounds as over 1); the server evaluates the int8 copy of the full model; only adapter and
+    classifier tensors change."""
+    calls = []
+    real = Q.quantized_copy
+    monkeypatch.setattr(Q, "quantized_copy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    d = tiny_cfg_dict
+    d["method"] = {"name": method, "tiers": [{"share": 0.5, "flops": 0.6}, {"share": 0.5, "flops": 1.0}],
+                   "elastic_sizes": [0.6, 1.0], "width_steps": 4}
+    d["federation"].update(num_clients=4, clients_per_round=4)
+    fp32 = _run(json.loads(json.dumps(d)))
+    counts = {}
+    for rounds in (1, 3):
+        calls.clear()
+        q = json.loads(json.dumps(_quantized_cfg(d)))
+        q["federation"]["rounds"] = rounds
+        qmethod, state, records, summary = _run(q)
+        counts[rounds] = len(calls)
+    assert counts[1] == counts[3] > 0
+    assert not Q.quantized_weights(qmethod.model)  # the server's model stays fp32
+    assert Q.quantized_weights(qmethod.eval_model(state))  # it evaluates what clients train
+    init = qmethod.start
+    changed = [k for k in state if not torch.equal(state[k], init[k])]
+    assert changed and all(qmethod.adapter.owns(k) or "classifier" in k for k in changed)
+    by_client = {m["client"]: m for m in records[-1]["client_metrics"]}
+    for m in fp32[2][-1]["client_metrics"]:
+        assert by_client[m["client"]]["model_mb"] < m["model_mb"]
+    assert [e["size"] for e in summary["elastic"]] == [0.6, 1.0]
+
+
+def test_export_of_raffm_over_int8_holds_the_evaluated_values(tiny_cfg_dict, tmp_path):
+    """The merged export of a raffm run over an int8 base is the de-quantized base the server
+    evaluated (not the fp32 checkpoint the state carries) with the adapter merged."""
+    from transformers import AutoModelForSequenceClassification
+
+    tiny_cfg_dict["federation"]["lr"] = 5e-2
+    tiny_cfg_dict["method"] = {"name": "raffm", "tiers": [{"share": 1.0, "flops": 1.0}],
+                               "elastic_sizes": [1.0]}
+    run = run_experiment(validate_config(_quantized_cfg(tiny_cfg_dict)))
+    evaluated = trained_model(read_run(run)).model
+    assert Q.quantized_weights(evaluated)
+    x = torch.randint(5, 100, (3, 10))
+    with torch.no_grad():
+        ref = evaluated(input_ids=x).logits
+    plain = AutoModelForSequenceClassification.from_pretrained(export_run(run, "merged")).eval()
+    with torch.no_grad():
+        assert torch.allclose(plain(input_ids=x).logits, ref, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,7 +440,6 @@ def test_missing_library_and_unknown_value(tiny_cfg_dict, monkeypatch):
 @pytest.mark.parametrize("change, words", [
     ({"method": {"name": "fedavg"}}, ["model.quantize", "peft.method = 'none'", "fedavg"]),
     ({"method": {"name": "raffm"}, "peft": {"method": "none"}}, ["peft.method = 'none'", "raffm"]),
-    ({"method": {"name": "raffm"}}, ["model.quantize", "method.name = 'raffm'"]),
     ({"method": {"name": "fedpft"}}, ["model.quantize", "method.name = 'fedpft'"]),
     ({"method": {"name": "fedot"}}, ["model.quantize", "method.name = 'fedot'"]),
     ({"lora": {"aggregation": "fedex"}}, ["model.quantize", "lora.aggregation"]),

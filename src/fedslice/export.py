@@ -40,7 +40,7 @@ from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, FedsliceError
 from fedslice.models.arch import CLASSIFIER_HEADS, ArchSpec, arch_for
 from fedslice.models.loading import LoadedModel, load_model
-from fedslice.models.quantize import dequantize_base, quantize_base, quiet
+from fedslice.models.quantize import dequantize_base, quantize_base, quantized_weights, quiet
 from fedslice.output import (CONFIG_JSON, LATEST_WEIGHTS, SUMMARY, WEIGHTS, is_staging,
                              write_json_atomic)
 from fedslice.methods import method_class
@@ -212,11 +212,16 @@ def trained_model(run: TrainedRun, *, head_as_modules_to_save: bool = False,
     cfg, info = run.cfg, run.info
     loaded = load_model(cfg.model, info.get("num_labels"), cfg.seed, head=info["head"])
     arch = loaded.arch
+    quantized: set[str] = set()
     if cfg.model.quantize != "none":
         quantize_base(loaded.model, cfg.model.quantize, arch)  # the same, deterministic values
+        quantized = set(quantized_weights(loaded.model))
         if dequantized:
             dequantize_base(loaded.model)
-    state = {k: t for k, t in run.state.items() if k not in set(info.get("exclude", []))}
+    # a frozen base tensor the method carried in its state (raffm: the checkpoint's fp32 value)
+    # stays as the quantized model holds it: what the run evaluated
+    state = {k: t for k, t in run.state.items()
+             if k not in set(info.get("exclude", [])) and base_name(k) not in quantized}
     adapter = make_adapter(cfg, method_class(cfg.method.name).adapter_name(cfg), arch)
     own = {k: t for k, t in state.items() if adapter.owns(k)}
     adapter = adapter if own else None  # full fine-tuning, or nothing of the adapter trained

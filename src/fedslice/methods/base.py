@@ -87,6 +87,11 @@ class Method:
     #: True: clients train over a quantized frozen base (``model.quantize``); else why not
     quantized_base: ClassVar[bool | str] = True
 
+    #: True: the run's model stays fp32 and each client quantizes its own slice of it
+    #: (``model.quantize``: RaFFM, whose server orders and slices the fp32 base); False: the
+    #: run's model is quantized once when it is loaded (:func:`fedslice.run.setup.load_inputs`)
+    quantizes_slices: ClassVar[bool] = False
+
     #: True: ``fit`` depends only on (payload, data, seed) and leaves nothing in this object
     #: that the server or a later client reads, so a round's clients may train in forked worker
     #: processes (``compute.workers``)

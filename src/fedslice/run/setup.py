@@ -80,9 +80,10 @@ def load_inputs(cfg: ExperimentConfig, role: Role = "both", weights: Weights | N
     else:
         loaded = build_from_config(cfg.model, k, head=task.head,
                                    device="meta" if weights == "shapes" else "cpu", seed=cfg.seed)
-    if weights != "shapes":
+    if weights != "shapes" and not method_class(cfg.method.name).quantizes_slices:
         # once per process, before the method applies its adapter (peft wraps the quantized
         # layers) and before client workers fork (they share it): never per client or round
+        # (a method that quantizes each client's slice keeps the fp32 model it slices)
         quantize_base(loaded.model, cfg.model.quantize, loaded.arch)
     data = prepare_data(cfg, task, task.encode(raw, loaded))
     data.sources = data_sources(raw)  # what checkpoints record: a resume checks its data

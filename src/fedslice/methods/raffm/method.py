@@ -66,10 +66,9 @@ class RaFFM(Method):
     lora_ranks_per_client = True  # the planner chooses width and rank together
     plans_budgets = True
     sub_models = True
-    quantized_base = ("its global state carries the frozen base tensors the server reorders and "
-                      "slices in fp32, so the server's base stays fp32: let each client train over a "
-                      "quantized copy of its slice with budgets.precisions = ['int8'] "
-                      "(docs/quantization.md)")
+    # model.quantize: the server orders and slices the fp32 base (its global state carries the
+    # frozen slices); each client trains over a quantized copy of its slice (submodel_at)
+    quantizes_slices = True
 
     @classmethod
     def precision_refusal(cls, cfg: ExperimentConfig) -> str | None:
@@ -107,6 +106,9 @@ class RaFFM(Method):
         #: (spec, precision) -> (the base order its frozen slices were quantized in, the
         #: quantized copy of the sub-model): :meth:`submodel_at`
         self._quantized: dict[tuple[Spec, str], tuple[str | None, nn.Module]] = {}
+        #: the precision of every client's base (``model.quantize``; None: fp32); a client's plan
+        #: may lower it (``budgets.precisions``, with an fp32 run base)
+        self.client_precision = None if cfg.model.quantize == "none" else cfg.model.quantize
         self._rank_plans: dict = {}
         super().__init__(cfg, loaded, task, role, client_sizes, **kw)
 
@@ -126,29 +128,29 @@ class RaFFM(Method):
             # then the largest rank that fits at that width; FLOPs are fractions of the full
             # model at lora.r
             self.planner = Planner(candidates, lambda spec: self.measure_at_rank(
-                self.submodel(spec), ranks[0], self.profile), reference=lambda: self.measure_at_rank(
-                self.submodel(candidates[-1]), self.cfg.lora.r, self.profile)[0])
+                self.client_submodel(spec), ranks[0], self.profile), reference=lambda: self.measure_at_rank(
+                self.client_submodel(candidates[-1]), self.cfg.lora.r, self.profile)[0])
         else:
             self.planner = Planner(candidates, lambda spec: measure_training_step(
-                self.submodel(spec), self.profile, loss_fn=self.task.loss))
+                self.client_submodel(spec), self.profile, loss_fn=self.task.loss))
         budgets = assign_budgets(opts.tiers, opts.budget_distribution, fed.num_clients, self.cfg.seed)
         plans = {c: self._client_plan(tier, b, ranks) for c, (tier, b) in enumerate(budgets)}
         self._check_feasible(plans)
         return RaFFMStrategy(fed, opts, self.arch, self.all_dims, plans, self.adapter.scale,
                              set(self.trainable()), self.client_sizes,
-                             scale_tensors(self.model, self.arch))
+                             scale_tensors(self.model, self.arch), self.client_precision)
 
     def _budget_strategy(self, candidates: list[Spec]) -> Strategy:
         """``[budgets]``: every client's sub-model, rank and the rest from the budget planner
         (:mod:`fedslice.methods.planner`); the elastic sizes keep RaFFM's own planner."""
         self.planner = Planner(candidates, lambda spec: measure_training_step(
-            self.submodel(spec), self.profile, loss_fn=self.task.loss))
+            self.client_submodel(spec), self.profile, loss_fn=self.task.loss))
         plans = {c: ClientPlan(p.tier, p.budget, Plan(p.knobs.spec, self.planner.cost(p.knobs.spec)),
                                p.knobs.rank, config=plan_config(p))
                  for c, p in self.make_plans().items()}
         return RaFFMStrategy(self.cfg.federation, self.opts, self.arch, self.all_dims, plans,
                              self.adapter.scale, set(self.trainable()), self.client_sizes,
-                             scale_tensors(self.model, self.arch))
+                             scale_tensors(self.model, self.arch), self.client_precision)
 
     def plan_axes(self, budgets) -> dict[str, list]:
         """Sub-models of ``budgets.width_steps`` widths (largest first, with their share of the
@@ -209,7 +211,7 @@ class RaFFM(Method):
 
     @contextmanager
     def planned_model(self, knobs) -> Iterator[PlannedModel]:
-        model = self.submodel_at(knobs.spec, knobs.precision)
+        model = self.client_submodel(knobs.spec, knobs.precision)
         with (self.adapter.at_rank(model, knobs.rank) if knobs.rank is not None else nullcontext()):
             yield PlannedModel(model, self.trainable(model))
 
@@ -219,7 +221,7 @@ class RaFFM(Method):
             return ClientPlan(tier, budget, plan)
         key = (plan.spec, budget)
         if key not in self._rank_plans:
-            model = self.submodel(plan.spec)
+            model = self.client_submodel(plan.spec)
             self._rank_plans[key] = choose_rank(budget, ranks, lambda r: self.planner.cost_of(
                 self.measure_at_rank(model, r, self.profile)))
         rank, cost = self._rank_plans[key]
@@ -255,6 +257,11 @@ class RaFFM(Method):
         if spec not in self._submodels:
             self._submodels[spec] = self.model if spec.is_full else extract_model(self.model, spec, self.arch)
         return self._submodels[spec]
+
+    def client_submodel(self, spec: Spec, precision: str | None = None) -> nn.Module:
+        """The sub-model of ``spec`` a client trains, for the planner to measure: over the base
+        at ``precision`` (a plan's), else at the run's clients' (``model.quantize``)."""
+        return self.submodel_at(spec, precision if precision not in (None, "none") else self.client_precision)
 
     def submodel_at(self, spec: Spec, precision: str | None, order: str | None = None) -> nn.Module:
         """The sub-model of ``spec`` over a base at ``precision`` (``budgets.precisions``): the
@@ -354,7 +361,7 @@ class RaFFM(Method):
         (``base_precision``) trains the quantized copy of its slice (:meth:`submodel_at`), made
         from the payload's frozen slices the first time their order is seen."""
         spec, config = spec_from_dict(payload.config["spec"]), payload.config
-        rank, precision = config.get("lora_rank"), config.get("base_precision")
+        rank, precision = config.get("lora_rank"), config.get("base_precision") or self.client_precision
         if precision not in (None, "none"):
             order = config.get("base_order")
             held = self._quantized.get((spec, precision))
@@ -469,8 +476,19 @@ class RaFFM(Method):
 
     # -- server evaluation -------------------------------------------------------------------
     def eval_model(self, state: State) -> nn.Module:
+        """The full model holding ``state``; under ``model.quantize``, its quantized copy (made
+        once per order of the base, as a client's)."""
         self._load(self.model, state)
-        return self.model
+        return self._quantized_like_clients(self.planner.candidates[-1], self.model, state)
+
+    def _quantized_like_clients(self, spec: Spec, model: nn.Module, state: State) -> nn.Module:
+        """``model`` (the sub-model of ``spec``, ``state`` loaded), or under ``model.quantize``
+        the quantized copy of it the run's clients train (:meth:`submodel_at`) with ``state``."""
+        if self.client_precision is None:
+            return model
+        quantized = self.submodel_at(spec, self.client_precision, self.slices.perm.digest)
+        self._load(quantized, state)
+        return quantized
 
     def export_state(self, state: State) -> State:
         """The global state in the checkpoint's order of heads and neurons."""
@@ -523,8 +541,10 @@ class RaFFM(Method):
             if plan.spec is None:
                 out.append({"size": size, "error": plan.reason})
                 continue
+            sliced = extract_state(state, plan.spec, self.arch)
             model = self.submodel(plan.spec)
-            self._load(model, extract_state(state, plan.spec, self.arch))
+            self._load(model, sliced)
+            model = self._quantized_like_clients(plan.spec, model, sliced)
             rows = {k: v[:2] for k, v in self.profile.items() if k != "labels"}  # linear in rows
             with torch.no_grad(), measure.count_flops() as fc:
                 model.eval()

@@ -40,7 +40,8 @@ class RaFFMStrategy(Strategy):
     def __init__(self, fed: FederationConfig, opts: RaFFMMethod, arch: ArchSpec,
                  dims: list[Mapping[str, int]], plans: dict[int, ClientPlan],
                  adapter_scale: float | None, trainable: set[str] | None = None,
-                 client_sizes: Mapping[int, int] | None = None, scales: State | None = None):
+                 client_sizes: Mapping[int, int] | None = None, scales: State | None = None,
+                 base_precision: str | None = None):
         super().__init__(fed, client_sizes)
         self.opts, self.arch, self.dims, self.plans = opts, arch, dims, plans
         #: frozen layer scales salience reads (DINOv2); the state's own values win
@@ -49,6 +50,8 @@ class RaFFMStrategy(Strategy):
         self.trainable = None if trainable is None else {_generic(k) for k in trainable}
         self.adapter_scale = adapter_scale  # the adapter's scale in salience (LoRA: alpha / r)
         self.perm = Permutation.identity(dims)
+        #: every client's base precision (``model.quantize``; None: fp32, or a plan's own)
+        self.base_precision = base_precision
         #: salience = 'activation': state -> the output projections' mean |input| of the model
         #: holding that state over the calibration batch (set by the method)
         self.activations = None
@@ -81,7 +84,7 @@ class RaFFMStrategy(Strategy):
         cfg = {**config, "client": client, "tier": cp.tier, "budget": cp.budget.describe(), **cp.config}
         if cp.plan.spec is None:
             return Payload(arrays={}, config={**cfg, "sit_out": cp.plan.reason})
-        if cfg.get("base_precision") not in (None, "none"):
+        if (cfg.get("base_precision") or self.base_precision) not in (None, "none"):
             # a client over a quantized copy of its slice quantizes once per order of the base
             cfg["base_order"] = self.perm.digest
         return Payload(arrays=extract_state(state, cp.plan.spec, self.arch),
