@@ -316,6 +316,23 @@ def test_raffm_over_an_int8_base_quantizes_each_client_slice_once(tiny_cfg_dict,
     assert [e["size"] for e in summary["elastic"]] == [0.6, 1.0]
 
 
+def test_raffm_over_an_int8_decoder_generates(tiny_gen_cfg_dict):
+    """The sub-model stage over int8 slices of a decoder (LLaMA-shaped: grouped key/value heads,
+    gated FFN): a round, the evaluated model int8, every elastic size generates."""
+    # (the tiny decoder's FLOPs are mostly its LM head: its half-width slice is 0.984x)
+    tiny_gen_cfg_dict["method"] = {"name": "raffm", "tiers": [{"share": 0.5, "flops": 0.985},
+                                                              {"share": 0.5, "flops": 1.0}],
+                                   "elastic_sizes": [0.985, 1.0], "width_steps": 4}
+    method, state, records, summary = _run(_quantized_cfg(tiny_gen_cfg_dict))
+    assert not Q.quantized_weights(method.model)
+    names = Q.quantized_weights(method.eval_model(state))
+    assert any("mlp.gate_proj" in n for n in names) and any("self_attn.q_proj" in n for n in names)
+    assert not any(m["sat_out"] for r in records for m in r["client_metrics"])
+    assert all(m["model_mb"] > 0 for r in records for m in r["client_metrics"])
+    assert [e["size"] for e in summary["elastic"]] == [0.985, 1.0]
+    assert all("test_rougeL" in e for e in summary["elastic"])
+
+
 def test_export_of_raffm_over_int8_holds_the_evaluated_values(tiny_cfg_dict, tmp_path):
     """The merged export of a raffm run over an int8 base is the de-quantized base the server
     evaluated (not the fp32 checkpoint the state carries) with the adapter merged."""
