@@ -12,6 +12,7 @@ ConfigError naming the client, its budget and the cheapest plan's cost; ``fedsli
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -451,15 +452,23 @@ def test_a_raffm_client_under_its_fp32_slice_trains_an_int8_copy_of_the_slice(ti
     memory, the planner keeps the full width over int8 (the precision before a narrower slice);
     the client's reply is accepted, its measured memory is the prediction (10%) and under the
     fp32 client's; the slice is quantized once per order of the base, not per round (as many
-    quantizations over 3 rounds as over 1)."""
+    quantizations over 3 rounds as over 1, counted in every process: clients train in forked
+    workers, which inherit the copies the round's preparation made)."""
     import fedslice.models.quantize as quantize
 
-    calls = []
+    log = tmp_path / "quantized.log"
     real = quantize.quantized_copy
-    monkeypatch.setattr(quantize, "quantized_copy", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def counted(*a, **k):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real(*a, **k)
+
+    monkeypatch.setattr(quantize, "quantized_copy", counted)
     budgets = {"tiers": [{"share": 1.0, "memory_mb": 1000, "name": "big"}], "precisions": ["none"],
                "micro_batches": [1], "checkpointing": False, "width_steps": 4}
-    extra = {"data": {"path": str(one_length_data_dir)}}
+    extra = {"data": {"path": str(one_length_data_dir)},
+             "compute": {"workers": 2, "batched_clients": False}}
     run = run_experiment(validate_config(_cfg(tiny_cfg_dict, budgets, method=method, **extra)),
                          tmp_path / "fp32", progress=False)
     fp32 = _plans(run)[0]["predicted"]["memory_mb"]
@@ -468,10 +477,12 @@ def test_a_raffm_client_under_its_fp32_slice_trains_an_int8_copy_of_the_slice(ti
                         {"share": 0.5, "memory_mb": 0.997 * fp32, "name": "small"}]
     counts = {}
     for rounds in (1, 3):
-        calls.clear()
+        log.unlink(missing_ok=True)
         d = _cfg(tiny_cfg_dict, budgets, method=method, federation={"rounds": rounds}, **extra)
         run = run_experiment(validate_config(d), tmp_path / f"p{rounds}", progress=False)
-        counts[rounds] = len(calls)
+        pids = log.read_text().split()
+        counts[rounds] = len(pids)
+        assert set(pids) == {str(os.getpid())}  # no worker quantized
     assert counts[1] == counts[3] > 0
     groups = {g["budget_name"]: g for g in _plans(run)}
     assert groups["big"]["plan"]["precision"] in (None, "none")

@@ -381,6 +381,10 @@ class Method:
                 self._bases[precision] = quantized_copy(self.model, precision, self.arch)
         return self._bases[precision]
 
+    def prepare_clients(self, payloads: Mapping[int, Payload]) -> None:
+        """Build, in this process, what a round's clients will share, before forked workers
+        train them (they inherit it; what a worker builds dies with it). Default: nothing."""
+
     def planned_upload(self, payload: Payload) -> dict[str, torch.Tensor]:
         """The tensors a client sends back for ``payload`` (their shapes: what ``fedslice
         validate`` counts before training). Default: the trainable tensors of its model that

@@ -48,6 +48,7 @@ class ClientRunner:
             jobs = [(c, payloads[c], data(c), seeds[c]) for c in clients]
             method.fit_batched(jobs, self.compute, on_reply)
         elif mode == "workers":
+            method.prepare_clients(payloads)
             run_forked(lambda c: method.fit(payloads[c], data(c), seeds[c]), clients,
                        self.compute.workers, on_result=on_reply, on_start=progress.silence)
         else:

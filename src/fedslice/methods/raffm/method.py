@@ -357,21 +357,32 @@ class RaFFM(Method):
         return bool(payload.config.get("sit_out"))
 
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
-        """The client's sub-model with its payload loaded; a client planned at a lower precision
-        (``base_precision``) trains the quantized copy of its slice (:meth:`submodel_at`), made
-        from the payload's frozen slices the first time their order is seen."""
-        spec, config = spec_from_dict(payload.config["spec"]), payload.config
-        rank, precision = config.get("lora_rank"), config.get("base_precision") or self.client_precision
-        if precision not in (None, "none"):
-            order = config.get("base_order")
-            held = self._quantized.get((spec, precision))
-            if held is None or held[0] != order:  # this order's frozen slices, then quantize them
-                self._load(self.submodel(spec), payload.arrays, rank)
-            model = self.submodel_at(spec, precision, order)
-        else:
-            model = self.submodel(spec)
-        params = self._load(model, payload.arrays, rank)
+        """The client's sub-model (:meth:`client_base`) with its payload loaded."""
+        model = self.client_base(payload)
+        params = self._load(model, payload.arrays, payload.config.get("lora_rank"))
         return model, {n: p for n, p in params.items() if p.requires_grad}
+
+    def client_base(self, payload: Payload) -> nn.Module:
+        """The sub-model the client of ``payload`` trains: its fp32 slice, or over a quantized
+        base (``base_precision``, ``model.quantize``) the quantized copy of the slice
+        (:meth:`submodel_at`), made from the payload's frozen slices the first time their order
+        is seen."""
+        spec, config = spec_from_dict(payload.config["spec"]), payload.config
+        precision = config.get("base_precision") or self.client_precision
+        if precision in (None, "none"):
+            return self.submodel(spec)
+        order = config.get("base_order")
+        held = self._quantized.get((spec, precision))
+        if held is None or held[0] != order:  # this order's frozen slices, then quantize them
+            self._load(self.submodel(spec), payload.arrays, config.get("lora_rank"))
+        return self.submodel_at(spec, precision, order)
+
+    def prepare_clients(self, payloads: Mapping[int, Payload]) -> None:
+        """The quantized copies of the round's slices made here, before workers fork (they
+        inherit them): a worker never quantizes."""
+        for payload in payloads.values():
+            if not self.sits_out(payload):
+                self.client_base(payload)
 
     batched_clients = True  # clients of one sub-model size train together
 
