@@ -59,6 +59,37 @@ def test_masks_in_salience_order_compute_the_reordered_leading_slice(llama):
     assert (masked - _logits(llama)).abs().max() > 1e-3  # and the hooks are gone after the block
 
 
+def test_replaying_the_blocks_below_a_cut_gives_the_same_loss_without_computing_them(llama):
+    """A pass cut at layer 1 with block 0 replayed from the uncut pass: the same logits, bit for
+    bit, as computing block 0 again; block 0's attention does not run; outside the context the
+    blocks compute again."""
+    from fedslice.slicing.replay import BlockReplay
+
+    arch = arch_for(llama)
+    dims = arch.all_dims(llama.config)[0]
+    blocks = arch.blocks(llama)
+    replay = BlockReplay(blocks)
+    calls = []
+    handle = blocks[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
+    masks = layer_masks(output_modules(llama, arch), dims, SliceSpec.full(dims), [1.0, 0.25])
+    try:
+        with replay(0, 1):  # nothing recorded yet: computes
+            _logits(llama)
+        assert len(calls) == 1
+        with replay(0, None):
+            uncut = _logits(llama)
+        with masked_inputs(masks):
+            computed = _logits(llama)
+        calls.clear()
+        with masked_inputs(masks), replay(0, 1):
+            replayed = _logits(llama)
+        assert calls == []
+        assert torch.equal(replayed, computed) and not torch.equal(replayed, uncut)
+        assert torch.equal(_logits(llama), uncut) and calls == [1]
+    finally:
+        handle.remove()
+
+
 def test_allocate_is_the_exhaustive_optimum():
     g = torch.Generator().manual_seed(0)
     cost = [3, 5, 8, 12]

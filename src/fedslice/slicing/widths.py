@@ -57,12 +57,14 @@ def layer_masks(modules, dims: Mapping[str, int], order: SliceSpec, widths: Sequ
     return slice_masks(modules, order, [level_sizes(dims, w) if w < 1 else None for w in widths])
 
 
-def layer_rise(loss: Callable[[list[Mask]], float], modules, dims: Mapping[str, int],
+def layer_rise(loss: Callable[[list[Mask], int | None], float], modules, dims: Mapping[str, int],
                order: SliceSpec, levels: Sequence[float]) -> list[list[float]]:
-    """(L, K) the loss with layer l alone cut to ``levels[k]``, minus the uncut loss."""
+    """(L, K) the loss with layer l alone cut to ``levels[k]``, minus the uncut loss.
+    ``loss(masks, l)``: the calibration loss under ``masks``, which cut layer ``l`` only (None:
+    the uncut pass, called first), so the blocks below l may be replayed (:mod:`.replay`)."""
     L = dims["num_layers"]
-    base = loss([])
-    return [[loss(layer_masks(modules, dims, order, [w if i == l else 1.0 for i in range(L)])) - base
+    base = loss([], None)
+    return [[loss(layer_masks(modules, dims, order, [w if i == l else 1.0 for i in range(L)]), l) - base
              for w in levels] for l in range(L)]
 
 

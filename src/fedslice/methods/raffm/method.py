@@ -39,6 +39,7 @@ from fedslice.slicing.planner import (Budget, Plan, Planner, SpecCost, assign_bu
                                       spec_params,
                                       measure_training_step, width_candidates)
 from fedslice.slicing.masks import masked_inputs
+from fedslice.slicing.replay import BlockReplay
 from fedslice.slicing.salience import (model_salience, output_activations, output_modules,
                                        scale_tensors, stack_order)
 from fedslice.slicing.widths import layer_rise, measured_width_candidates
@@ -193,11 +194,15 @@ class RaFFM(Method):
         order = (stack_order(self.loaded_salience[0], dims, self.arch.head_bias is not None)
                  if self.opts.reorder else SliceSpec.full(dims))
         batches, model = self.calibration_batches(), self.model
+        replay = BlockReplay(self.arch.blocks(model))  # blocks below the cut: the uncut pass's
 
         @torch.no_grad()
-        def loss(masks) -> float:
-            with masked_inputs(masks):
-                return sum(float(self.task.loss(model, dict(b))) for b in batches) / len(batches)
+        def loss(masks, layer: int | None) -> float:
+            total = 0.0
+            for i, b in enumerate(batches):
+                with masked_inputs(masks), replay(i, layer):
+                    total += float(self.task.loss(model, dict(b)))
+            return total / len(batches)
 
         t0, was = time.perf_counter(), model.training
         model.eval()
