@@ -142,8 +142,14 @@ def _ctx(run_id: int, node_id: int = 3, **node_config) -> Context:
                    run_config={})
 
 
-def test_supernode_caps_the_runs_it_keeps_and_removes_a_run_at_its_end(tmp_path, flwr_home):
+def test_supernode_caps_the_runs_it_keeps_and_removes_a_run_at_its_end(tmp_path, flwr_home, monkeypatch):
     import torch
+    from flwr.supercore.task_identity import TaskIdentity
+
+    # a Message takes its run id from the process's task identity, which a ServerApp sets (here:
+    # set, not left to whichever earlier test of this worker process set it)
+    for name, value in (("_run_id", 9), ("_node_id", 1), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, name, value)
 
     model = {"base.w": torch.ones(3)}
     folder = flwr_home / "fedslice-node-state"
