@@ -268,7 +268,8 @@ class RaFFM(Method):
         at ``precision`` (a plan's), else at the run's clients' (``model.quantize``)."""
         return self.submodel_at(spec, precision if precision not in (None, "none") else self.client_precision)
 
-    def submodel_at(self, spec: Spec, precision: str | None, order: str | None = None) -> nn.Module:
+    def submodel_at(self, spec: Spec, precision: str | None, order: str | None = None,
+                    frozen: State | None = None) -> nn.Module:
         """The sub-model of ``spec`` over a base at ``precision`` (``budgets.precisions``): the
         fp32 one (None, 'none'), or a copy of it whose frozen block linears are quantized
         (:func:`fedslice.models.quantize.quantized_copy`: slice, then quantize the slice). The
@@ -276,7 +277,8 @@ class RaFFM(Method):
         ``order`` they are in (a digest of the server's permutation, ``base_order`` of the
         payload): the frozen slices change only when the server re-orders, so a process
         quantizes each slice once per order, never per client or per round. A new order drops
-        every copy of an older one."""
+        every copy of an older one. ``frozen``: the slices of this order (a payload's arrays),
+        loaded into the fp32 sub-model before a new copy is made."""
         if precision in (None, "none"):
             return self.submodel(spec)
         held = self._quantized.get((spec, precision))
@@ -286,6 +288,12 @@ class RaFFM(Method):
             self._quantized = {k: v for k, v in self._quantized.items() if v[0] == order}
         from fedslice.models.quantize import quantized_copy, quiet
 
+        if frozen is not None:  # this order's frozen slices (the trained tensors load per client)
+            params = dict(self.submodel(spec).named_parameters())
+            with torch.no_grad():
+                for k, t in frozen.items():
+                    if not params[k].requires_grad:
+                        params[k].copy_(t)
         with quiet():
             model = quantized_copy(self.submodel(spec), precision, self.arch)
         self._quantized[(spec, precision)] = (order, model)
@@ -376,11 +384,7 @@ class RaFFM(Method):
         precision = config.get("base_precision") or self.client_precision
         if precision in (None, "none"):
             return self.submodel(spec)
-        order = config.get("base_order")
-        held = self._quantized.get((spec, precision))
-        if held is None or held[0] != order:  # this order's frozen slices, then quantize them
-            self._load(self.submodel(spec), payload.arrays, config.get("lora_rank"))
-        return self.submodel_at(spec, precision, order)
+        return self.submodel_at(spec, precision, config.get("base_order"), payload.arrays)
 
     def prepare_clients(self, payloads: Mapping[int, Payload]) -> None:
         """The quantized copies of the round's slices made here, before workers fork (they
