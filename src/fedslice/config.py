@@ -210,6 +210,17 @@ class BudgetsConfig(Section):
         "as many optimizer steps) or 'steps' (round(share x federation.local_steps) steps of "
         "whole batches; needs federation.local_steps).")
 
+    adapter_depths: list[float] = Field(
+        default_factory=lambda: [1.0], min_length=1,
+        description="Shares of the model's blocks whose adapter tensors the planner may let a "
+        "client train, deepest first (the top round(share x blocks) blocks, in forward order; the "
+        "classifier and what follows the blocks always train): the backward stops below the "
+        "lowest trained block, so a client trains more examples per round for the same FLOPs "
+        "and sends only its blocks' tensors (each aggregated over the clients that trained it). "
+        "Tried after the local work (more examples with fewer adapted blocks first). [1.0]: "
+        "every client trains every adapter tensor. Not with an adapter whose tensors sit at the "
+        "input (prompt, P-tuning, prefix) nor with raffm's method.elastic_depth.")
+
     precisions: list[Literal["none", "int8", "nf4"]] = Field(
         default_factory=lambda: ["none"], min_length=1,
         description="Base precisions the planner may give a client, best first: 'none' (the run's "
@@ -236,6 +247,11 @@ class BudgetsConfig(Section):
     @classmethod
     def _work(cls, v):
         return sorted(set(check_fractions(v, "local_work share")), reverse=True)
+
+    @field_validator("adapter_depths")
+    @classmethod
+    def _depths(cls, v):
+        return sorted(set(check_fractions(v, "adapter_depths share")), reverse=True)
 
     @field_validator("importance_sources")
     @classmethod

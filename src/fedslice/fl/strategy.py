@@ -193,10 +193,25 @@ class Strategy:
                                         self.client_sizes.get(payload.config.get("client"))):
             return reason
         try:
+            if payload.config.get("frozen_tensors"):
+                return self._check_below_depth(state, payload, reply)
             return self.check_reply(state, payload, reply)
         except Exception as e:  # noqa: BLE001 - a malformed reply must never end the round
             log.warning("validation raised on a malformed reply", exc_info=True)
             return f"malformed reply ({type(e).__name__}: {e})"
+
+    def _check_below_depth(self, state: State, payload: Payload, reply: Reply) -> str | None:
+        """:meth:`check_reply` of a client whose plan leaves the tensors below its adapter depth
+        frozen (``frozen_tensors``): it must not send them, and its other tensors are checked
+        as if it had sent those unchanged (they are then absent from its update: each is
+        averaged over the clients that trained it)."""
+        below = payload.config["frozen_tensors"]
+        if sent := [k for k in below if k in reply.arrays]:
+            return (f"tensor {sent[0]} is below the client's adapter depth (its plan leaves it "
+                    "frozen)")
+        expected = self.expected_update(state, payload, reply)
+        filled = {**reply.arrays, **{k: expected[k] for k in below if k in expected}}
+        return self.check_reply(state, payload, Reply(filled, reply.num_examples, reply.metrics))
 
     def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
                        replies: dict[int, Reply]) -> tuple[list[State], list]:

@@ -185,7 +185,7 @@ def train(msg: Message, context: Context) -> Message:
     if client != pid:
         raise RuntimeError(f"payload for client {client} reached the node of partition {pid}")
     method.load_client_state(load_kept(context))
-    reply = method.fit(payload, data.client(pid), client_seed(cfg.seed, payload.config["round"], pid))
+    reply = method.train_client(payload, data.client(pid), client_seed(cfg.seed, payload.config["round"], pid))
     if state := method.client_state():
         store_kept(context, state, received_model=bool(payload.model))
     return Message(encode_reply(reply), reply_to=msg)

@@ -48,6 +48,7 @@ from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import Adapter, make_adapter
 from fedslice.registry import ADAPTERS
+from fedslice.slicing.depth import freeze, frozen, frozen_below
 from fedslice.slicing.planner import measure_training_step
 from fedslice.tasks import Task
 from fedslice.tasks.base import batch_examples
@@ -162,12 +163,31 @@ class Method:
             raise ValueError(f"peft.method={name!r}: method {cfg.method.name} trains "
                              f"{' or '.join(repr(a) for a in cls.adapters)}")
         check_lora_fields(cfg, name)
+        if cfg.budgets is not None and cfg.budgets.adapter_depths != [1.0]:
+            cls.check_adapter_depth(cfg)
         option = cls.legacy_adapter_option
         if option and cfg.peft.method is not None and option in cfg.method.model_fields_set:
             value = getattr(cfg.method, option)
             if _legacy_adapter(value) != cfg.peft.method:
                 raise ValueError(f"peft.method={cfg.peft.method!r} contradicts method.{option}="
                                  f"{value!r} (its older spelling; 'full' is 'none'): set one")
+
+    @classmethod
+    def check_adapter_depth(cls, cfg: ExperimentConfig) -> None:
+        """A ValueError naming the fields when clients cannot train the adapters of the top
+        blocks only (``budgets.adapter_depths`` below 1): an adapter whose tensors sit at the
+        input (the backward must reach them: no saving), or a LoRA rule that needs every
+        client's every factor."""
+        adapter = cls.adapter_class(cfg)
+        depths = f"budgets.adapter_depths={cfg.budgets.adapter_depths}"
+        if not adapter.in_modules:
+            raise ValueError(f"{depths}: the {adapter.name} adapter's tensors sit at the input, "
+                             "below every block (the backward always reaches them): use lora, "
+                             "dora, ia3 or none, or adapter_depths = [1.0]")
+        if cls.adapter_name(cfg) == "lora" and cfg.lora.aggregation not in ("fedit", "ffa"):
+            raise ValueError(f"{depths}: lora.aggregation={cfg.lora.aggregation!r} combines every "
+                             "client's every LoRA factor; a client at a lower depth sends only "
+                             "its top blocks' factors (use 'fedit' or 'ffa')")
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None,
@@ -193,6 +213,9 @@ class Method:
         self._bases: dict[str, nn.Module] = {}
         #: client -> its plan under ``[budgets]`` (:meth:`make_plans`; empty without budgets)
         self.plans: dict[int, Any] = {}
+        #: the tensors the client being trained leaves frozen (its plan's adapter depth:
+        #: :meth:`freeze_plan`), thawed when it is done (:meth:`train_client`)
+        self._plan_frozen: list[nn.Parameter] = []
         #: the method's own strategy, inside the aggregation rules of the config
         self.strategy = wrap_rules(self.make_strategy(), cfg, role, arch=self.arch)
 
@@ -263,7 +286,33 @@ class Method:
             axes["ranks"] = sorted(set(lora.ranks or [lora.r]), reverse=True)
         if budgets.precisions != ["none"]:
             axes["precisions"] = list(budgets.precisions)  # best first (checked at load)
+        if budgets.adapter_depths != [1.0]:
+            axes["depths"] = list(budgets.adapter_depths)  # deepest first
         return axes
+
+    def depth_frozen(self, share: float | None) -> tuple[str, ...]:
+        """The trainable tensors a client at adapter depth ``share`` leaves frozen: those below
+        the top ``share`` of the blocks (:mod:`fedslice.slicing.depth`); none at None or 1."""
+        return frozen_below(self.model, self.arch, share)
+
+    def freeze_plan(self, model: nn.Module, payload: Payload) -> nn.Module:
+        """``model`` with the tensors its client's plan leaves frozen (``frozen_tensors`` of the
+        payload: its adapter depth) frozen until the client is done (:meth:`train_client`)."""
+        names = payload.config.get("frozen_tensors")
+        if names:
+            self._plan_frozen.extend(freeze(model, names))
+        return model
+
+    def train_client(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
+        """:meth:`fit` of one client; the tensors its plan froze (:meth:`freeze_plan`) train
+        again after it, whatever happens (the model is shared with the server and later
+        clients)."""
+        try:
+            return self.fit(payload, data, seed)
+        finally:
+            for p in self._plan_frozen:
+                p.requires_grad_(True)
+            self._plan_frozen.clear()
 
     @contextmanager
     def planned_model(self, knobs) -> Iterator[Any]:
@@ -272,7 +321,8 @@ class Method:
         from fedslice.methods.planner import PlannedModel
 
         model = self.base_at(knobs.precision)
-        with (self.adapter.at_rank(model, knobs.rank) if knobs.rank is not None else nullcontext()):
+        with (self.adapter.at_rank(model, knobs.rank) if knobs.rank is not None else nullcontext()), \
+                frozen(model, self.depth_frozen(knobs.depth)):
             yield PlannedModel(model, self.trainable(model))
 
     def importance_examples(self, n: int) -> int:
@@ -357,7 +407,11 @@ class Method:
         client's LoRA rank, ``lora_rank`` of its payload, when ranks differ; over the base at
         its plan's precision, ``base_precision``: :meth:`base_at`)."""
         model = self.base_at(payload.config.get("base_precision"))
-        return model, self.load_model(model, payload.arrays, payload.config.get("lora_rank"))
+        params = self.load_model(model, payload.arrays, payload.config.get("lora_rank"))
+        if not payload.config.get("frozen_tensors"):
+            return model, params
+        self.freeze_plan(model, payload)
+        return model, {n: p for n, p in params.items() if p.requires_grad}
 
     @classmethod
     def precision_refusal(cls, cfg: ExperimentConfig) -> str | None:
@@ -439,7 +493,7 @@ class Method:
             names = [n for n in params if n in group[0][1].arrays]
             if len(group) == 1 or not can_stack(model, names, self.adapter):
                 for c, payload, data, seed in group:
-                    on_reply(c, self.fit(payload, data, seed))
+                    on_reply(c, self.train_client(payload, data, seed))
                 continue
             for lo in range(0, len(group), size):
                 chunk = group[lo:lo + size]
@@ -608,8 +662,11 @@ class Method:
 
 
 def trains_alone(payload: Payload) -> bool:
-    """The client's plan splits its batches or checkpoints (not in a batched pass)."""
-    return int(payload.config.get("micro_batches") or 1) > 1 or bool(payload.config.get("checkpointing"))
+    """The client's plan splits its batches, checkpoints or trains the top blocks' adapters
+    only (not in a batched pass)."""
+    c = payload.config
+    return int(c.get("micro_batches") or 1) > 1 or bool(c.get("checkpointing")) \
+        or bool(c.get("frozen_tensors"))
 
 
 def _on_meta(model: nn.Module) -> bool:

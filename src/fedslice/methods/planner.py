@@ -3,12 +3,16 @@
 A client declares a budget (``[budgets]``: tiers with shares, or a CSV row per client): peak
 training memory, training GFLOPs per round, upload MB per round, any of them. A plan is a point
 of the knobs the run's stages expose (:class:`Knobs`): the sub-model (RaFFM's salience-ordered
-width slice), the head sparsity (the head stage), the LoRA rank (``lora.ranks``), gradient
+width slice), the local work per round (``budgets.local_work``), the adapter depth (the top
+blocks whose adapters train, ``budgets.adapter_depths``), the head sparsity (the head stage),
+the LoRA rank (``lora.ranks``), gradient
 checkpointing and the batch split (micro-batches whose gradients add up to the batch's). The
 base's precision is the run's (``model.quantize``), measured as it is.
 
 "Trains the most" is lexicographic, largest first: the sub-model's size (what the client's
-update reaches, and what it could serve), then the heads it keeps, then the LoRA rank; among
+update reaches, and what it could serve), then its local work (examples per round), then the
+adapter depth (more examples over the top blocks before fewer over every block: measured on
+SST-2, bench/local_work_sst2.py), then the heads it keeps, then the LoRA rank; among
 plans equal on those, the least overhead (no checkpointing, fewest micro-batches). The costs
 are measured, not modelled: a training step of the client's model at its knobs on a profile
 batch (``federation.batch_size`` x ``data.max_length``, the worst case; FLOPs with PyTorch's
@@ -142,6 +146,7 @@ class Knobs:
     precision: str | None = None  # the base's ("none": the run's fp32; "int8", "nf4": a quantized copy)
     steps: int | None = None  # local steps per round (None: federation.local_steps, every one)
     batch: int | None = None  # examples per local step (None: federation.batch_size)
+    depth: float | None = None  # share of the top blocks whose adapters train (None: every block)
 
     def payload_config(self) -> dict[str, Any]:
         """What the client reads from its payload's config (the sub-model and rank travel as the
@@ -157,6 +162,8 @@ class Knobs:
             out["local_steps"] = self.steps
         if self.batch is not None:
             out["batch_size"] = self.batch
+        if self.depth is not None:
+            out["adapter_depth"] = self.depth
         return out
 
     def describe(self, overhead: bool = True) -> str:
@@ -167,6 +174,8 @@ class Knobs:
             parts.append(f"{self.steps} local step{'s' if self.steps > 1 else ''}")
         if self.batch is not None:
             parts.append(f"{self.batch} example{'s' if self.batch > 1 else ''} per step")
+        if self.depth is not None and self.depth < 1:
+            parts.append(f"adapters in the top {self.depth:.0%} of blocks")
         if self.sparsity is not None:
             parts.append(f"sparsity {self.sparsity:g}")
         if self.rank is not None:
@@ -219,6 +228,8 @@ class ClientPlan:
     gflops_per_round: float
     upload_mb: float
     reason: str = ""
+    #: the trainable tensors the plan leaves frozen (below its adapter depth), by name
+    frozen: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"client": self.client, "tier": self.tier, "budget_name": self.budget.name,
@@ -253,6 +264,7 @@ class BudgetPlanner:
         self.ranks: list[int | None] = axes.get("ranks") or [None]  # largest first
         self.importances: list[str | None] = axes.get("importances") or [None]  # best first
         self.precisions: list[str | None] = axes.get("precisions") or [None]  # most precise first
+        self.depths: list[float | None] = axes.get("depths") or [None]  # deepest first
         self.local_steps = method.cfg.federation.local_steps or 0
         #: a round's local work, most first: {} (all of it), then {"batch": rows per step} or
         #: {"steps": local steps} at each share of ``budgets.local_work``
@@ -350,13 +362,15 @@ class BudgetPlanner:
                 out.append(f"{pred[k]:.4g} {UNITS[k]} > {limit:g}")
         return out
 
-    def _cheapest(self, spec, width, sparsity, rank, importance=None, work=None) -> Knobs:
-        """The least-memory point of a (sub-model, local work, sparsity, rank, importance
-        source): every memory saving on (the last importance source, the cheapest, where none is
-        given; the least local work where ``work`` is not given)."""
+    def _cheapest(self, spec, width, sparsity, rank, importance=None, work=None, depth=None) -> Knobs:
+        """The least-memory point of a (sub-model, local work, adapter depth, sparsity, rank,
+        importance source): every memory saving on (the last importance source, the cheapest,
+        where none is given; the least local work and the shallowest adapters where ``work``
+        and ``depth`` are not given)."""
         imp = self.importances[-1] if importance is None else importance
         knobs = Knobs(spec, sparsity, rank, False, 1, width, imp, self.precisions[-1],
-                      **(self.works[-1] if work is None else work))
+                      **(self.works[-1] if work is None else work),
+                      depth=self.depths[-1] if depth is None else depth)
         ckpt = any(c for c, _ in self.overheads(knobs))
         return replace(knobs, checkpointing=ckpt, micro_batches=max(m for _, m in self.overheads(knobs)))
 
@@ -398,25 +412,26 @@ class BudgetPlanner:
         for spec, width in self.specs:
             if not fits(self._cheapest(spec, width, s_min, r_min), Knobs(spec, width=width)):
                 continue  # not even the sub-model's smallest point fits
-            for work in self.works:
-                if len(self.works) > 1 and not fits(self._cheapest(spec, width, s_min, r_min, work=work),
-                                                    Knobs(spec, width=width, **work)):
+            for work, d in ((w, d) for w in self.works for d in self.depths):
+                if (len(self.works) > 1 or len(self.depths) > 1) and not fits(
+                        self._cheapest(spec, width, s_min, r_min, work=work, depth=d),
+                        Knobs(spec, width=width, depth=d, **work)):
                     continue
                 for s in self.sparsities:
-                    if not fits(self._cheapest(spec, width, s, r_min, work=work),
-                                Knobs(spec, s, width=width, **work)):
+                    if not fits(self._cheapest(spec, width, s, r_min, work=work, depth=d),
+                                Knobs(spec, s, width=width, depth=d, **work)):
                         continue
                     for r in self.ranks:
-                        if not fits(self._cheapest(spec, width, s, r, work=work),
-                                    Knobs(spec, s, r, width=width, **work)):
+                        if not fits(self._cheapest(spec, width, s, r, work=work, depth=d),
+                                    Knobs(spec, s, r, width=width, depth=d, **work)):
                             continue
                         for imp in self.importances:
                             if len(self.importances) > 1 and not fits(
-                                    self._cheapest(spec, width, s, r, imp, work=work),
-                                    Knobs(spec, s, r, width=width, importance=imp, **work)):
+                                    self._cheapest(spec, width, s, r, imp, work=work, depth=d),
+                                    Knobs(spec, s, r, width=width, importance=imp, depth=d, **work)):
                                 continue
                             for prec in self.precisions:
-                                point = Knobs(spec, s, r, False, 1, width, imp, prec, **work)
+                                point = Knobs(spec, s, r, False, 1, width, imp, prec, **work, depth=d)
                                 for ckpt, mb in self.overheads(point):
                                     knobs = replace(point, checkpointing=ckpt, micro_batches=mb)
                                     pred = self.predicted(knobs, examples, importance_examples)
@@ -427,12 +442,13 @@ class BudgetPlanner:
         return None
 
     def _plan(self, client, tier, budget, knobs, pred, passed) -> ClientPlan:
-        why = ("the most-training plan (largest sub-model, every local step, most heads, highest "
-               "rank, the importance pass, the most precise base, least overhead)")
+        why = ("the most-training plan (largest sub-model, every local step, every block's "
+               "adapters, most heads, highest rank, the importance pass, the most precise base, "
+               "least overhead)")
         if passed is not None:
             why = f"the next larger plan ({passed[0]}) needs {'; '.join(passed[1])}"
         return ClientPlan(client, tier, budget, knobs, pred["memory_mb"], pred["gflops_per_round"],
-                          pred["upload_mb_per_round"], why)
+                          pred["upload_mb_per_round"], why, self.method.depth_frozen(knobs.depth))
 
     def cheapest(self, examples: int, importance_examples: int = 0) -> str:
         """What the smallest plan (the last sub-model, local steps, sparsity and rank) costs at
@@ -571,7 +587,8 @@ def plan_config(plan: ClientPlan | None) -> dict[str, Any]:
     """What a payload's config carries of a client's plan (nothing without one)."""
     if plan is None:
         return {}
-    return {**plan.knobs.payload_config(), "tier": plan.tier, "budget": plan.budget.describe()}
+    return {**plan.knobs.payload_config(), "tier": plan.tier, "budget": plan.budget.describe(),
+            **({"frozen_tensors": list(plan.frozen)} if plan.frozen else {})}
 
 
 def plan_report(plans: Mapping[int, ClientPlan], records: list[dict[str, Any]]) -> list[dict[str, Any]]:

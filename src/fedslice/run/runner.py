@@ -49,9 +49,9 @@ class ClientRunner:
             method.fit_batched(jobs, self.compute, on_reply)
         elif mode == "workers":
             method.prepare_clients(payloads)
-            run_forked(lambda c: method.fit(payloads[c], data(c), seeds[c]), clients,
+            run_forked(lambda c: method.train_client(payloads[c], data(c), seeds[c]), clients,
                        self.compute.workers, on_result=on_reply, on_start=progress.silence)
         else:
             for c in clients:
-                on_reply(c, method.fit(payloads[c], data(c), seeds[c]))
+                on_reply(c, method.train_client(payloads[c], data(c), seeds[c]))
         return mode

@@ -66,6 +66,10 @@ class Rule(Wrapper):
         if cls.needs_same_shaped and getattr(method_cls, "sends_slices", False):
             raise ValueError(f"{cls.setting(cfg)} needs same-shaped updates; method "
                              f"{cfg.method.name} sends slices{cls.slices_hint}")
+        if cls.needs_same_shaped and cfg.budgets is not None and cfg.budgets.adapter_depths != [1.0]:
+            raise ValueError(f"{cls.setting(cfg)} needs same-shaped updates; with "
+                             f"budgets.adapter_depths={cfg.budgets.adapter_depths} a client sends "
+                             f"its top blocks' tensors only{cls.slices_hint}")
 
     @classmethod
     def from_config(cls, inner: Strategy, cfg: ExperimentConfig, role: str) -> Strategy:

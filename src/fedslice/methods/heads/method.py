@@ -236,7 +236,9 @@ class HeadStage(Method):
                                 heads_state(payload.arrays, kept, self.arch, dims))
             # a headless layer's sliced o keeps its adapter (LoRA B: hidden x r): frozen, so the
             # backward does not run down to it for a zero gradient
-            return freeze_parameters(sub, self.headless_tensors(sub, kept, dims))
+            # and the tensors below the client's adapter depth (its plan's)
+            return freeze_parameters(sub, self.headless_tensors(sub, kept, dims)
+                                     | set(payload.config.get("frozen_tensors") or ()))
         return partial_model(model, spec, self.arch,
                              extra=position_cuts(self.positions, kept, dims))
 
@@ -323,7 +325,8 @@ class HeadStage(Method):
             outer = knobs.spec
             dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
             kept = self.count_mask(dims, knobs.sparsity, outer is not None)
-            payload = Payload({}, {} if outer is None else {"spec": outer.to_dict()})
+            payload = Payload({}, {**({} if outer is None else {"spec": outer.to_dict()}),
+                                   "frozen_tensors": self.depth_frozen(knobs.depth)})
             sub = self.local_model(lower.model, kept, payload, dims)
             params = self.local_params(sub, kept, dims)
             source = knobs.importance or self.opts.importance_source

@@ -39,6 +39,7 @@ from fedslice.slicing.planner import (Budget, Plan, Planner, SpecCost, assign_bu
                                       spec_params,
                                       measure_training_step, width_candidates)
 from fedslice.slicing.masks import masked_inputs
+from fedslice.slicing.depth import frozen
 from fedslice.slicing.replay import BlockReplay
 from fedslice.slicing.salience import (model_salience, output_activations, output_modules,
                                        scale_tensors, stack_order)
@@ -81,6 +82,11 @@ class RaFFM(Method):
     def check_config(cls, cfg: ExperimentConfig) -> None:
         super().check_config(cfg)
         adapter = cls.adapter_class(cfg)
+        if cfg.budgets is not None and cfg.budgets.adapter_depths != [1.0] and cfg.method.elastic_depth:
+            raise ValueError(f"budgets.adapter_depths={cfg.budgets.adapter_depths}: with "
+                             "method.elastic_depth a sub-model drops blocks and renumbers the rest, "
+                             "so the top blocks' tensors are not named as the full model's: set "
+                             "one of them off")
         if adapter.head_tied and not adapter.in_modules:
             raise ValueError(f"peft.method={adapter.name!r}: method raffm trains sub-models that "
                              f"keep fewer heads per layer, and the {adapter.name} adapter's "
@@ -217,7 +223,8 @@ class RaFFM(Method):
     @contextmanager
     def planned_model(self, knobs) -> Iterator[PlannedModel]:
         model = self.client_submodel(knobs.spec, knobs.precision)
-        with (self.adapter.at_rank(model, knobs.rank) if knobs.rank is not None else nullcontext()):
+        with (self.adapter.at_rank(model, knobs.rank) if knobs.rank is not None else nullcontext()), \
+                frozen(model, self.depth_frozen(knobs.depth)):
             yield PlannedModel(model, self.trainable(model))
 
     def _client_plan(self, tier: int | None, budget: Budget, ranks: list[int] | None) -> ClientPlan:
@@ -373,6 +380,7 @@ class RaFFM(Method):
         """The client's sub-model (:meth:`client_base`) with its payload loaded."""
         model = self.client_base(payload)
         params = self._load(model, payload.arrays, payload.config.get("lora_rank"))
+        self.freeze_plan(model, payload)  # its plan's adapter depth (after resize: same tensors)
         return model, {n: p for n, p in params.items() if p.requires_grad}
 
     def client_base(self, payload: Payload) -> nn.Module:
