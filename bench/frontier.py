@@ -24,6 +24,9 @@ row micro-batches and checkpointing):
   planned-int8-work  planned-work whose planner may also give a client an int8 copy of its slice
                  (budgets.precisions = ["none", "int8"]; raffm+heads over a quantized copy, since
                  2026-11-27 05:20): the whole model over int8 where fp32 misses, before a slice.
+  planned-depth-work, planned-int8-depth-work  those two whose planner may also train the
+                 adapters of the top half of the blocks only (budgets.adapter_depths = DEPTHS,
+                 since 2026-11-27 08:00): more examples per step for the same FLOPs.
 
 A row whose budget no plan fits is recorded as such (the planner's message), not run.
 Columns: test accuracy and its difference to dense, measured peak memory (largest client), training
@@ -43,6 +46,8 @@ the same rows and budgets; the metric is the test ROUGE-L (BLEU kept too), out
     .venv/bin/python bench/frontier.py --task e2e --budgets 0.3 --rows planned-work --measured-widths
     .venv/bin/python bench/frontier.py --task e2e --test-examples 50 --budgets 0.3 --rows planned-work int8
     .venv/bin/python bench/frontier.py --task e2e --test-examples 50 --threads 2 --budgets 0.3 0.5 --rows planned-int8-work
+    .venv/bin/python bench/frontier.py --budgets 0.4 --memory-share 0.5 --upload-share 0.5 --rows planned-depth-work
+    .venv/bin/python bench/frontier.py --task e2e --test-examples 50 --threads 2 --budgets 0.3 --rows planned-int8-depth-work
 """
 
 from __future__ import annotations
@@ -63,7 +68,10 @@ METHODS = {"dense": "fedpetuning", "heads": "heads", "raffm": "raffm", "int8": "
            "fp32-int8": "fedpetuning",
            "planned": "raffm+heads", "planned-fs": "raffm+heads", "mixed": "raffm+heads",
            "planned-work": "raffm+heads", "mixed-work": "raffm+heads", "int8-work": "fedpetuning",
-           "planned-int8-work": "raffm+heads"}
+           "planned-int8-work": "raffm+heads", "planned-depth-work": "raffm+heads",
+           "planned-int8-depth-work": "raffm+heads"}
+#: budgets.adapter_depths of the ``-depth-`` rows: shares of the top blocks whose adapters train
+DEPTHS = [1.0, 0.5]
 #: budgets.local_work of the ``-work`` rows: shares of a round's local work a client may train
 LOCAL_WORK = [1.0, 0.75, 0.5, 0.375, 0.25]
 #: per task: the row's metric key, the summary's key for it, its scale in the table, the defaults
@@ -124,7 +132,9 @@ def config(row: str, args, budgets: dict | None) -> dict:
 def with_budgets(cfg: dict, row: str, args, budgets: dict | None) -> dict:
     if budgets is not None:
         cfg["budgets"] = {**budgets, **({"precisions": ["none", "int8"]}
-                                        if row in ("fp32-int8", "planned-int8-work") else {}),
+                                        if row in ("fp32-int8", "planned-int8-work",
+                                                   "planned-int8-depth-work") else {}),
+                          **({"adapter_depths": DEPTHS} if "-depth-" in row else {}),
                           # local work is the planner's default since 2026-11-27: rows without
                           # "-work" keep every client's whole round, as they were taken
                           "local_work": (args.local_work or LOCAL_WORK) if row.endswith("-work") else [1.0]}

@@ -118,7 +118,7 @@ def test_frozen_tensors_are_averaged_over_the_clients_that_trained_them(tiny_cfg
         assert not torch.equal(result.state[key], state[key])
 
 
-def test_a_reply_with_a_frozen_tensor_is_rejected(tiny_cfg_dict, one_length_data_dir):
+def test_a_reply_with_a_frozen_tensor_is_rejected_and_the_upload_is_predicted(tiny_cfg_dict, one_length_data_dir):
     d, _, _ = _plans(tiny_cfg_dict, one_length_data_dir, "fedpetuning", 0.8)
     method, data = setup(validate_config(d))
     state = method.initial_state()
@@ -126,6 +126,11 @@ def test_a_reply_with_a_frozen_tensor_is_rejected(tiny_cfg_dict, one_length_data
     c = next(c for c in payloads if payloads[c].config.get("frozen_tensors"))
     reply = method.train_client(payloads[c], data.client(c), c)
     assert method.strategy.validate(state, payloads[c], reply) is None
+    # what `fedslice validate` counts: the reply's tensors; the next client's model trains all
+    assert set(method.planned_upload(payloads[c])) == set(reply.arrays)
+    big = next(b for b in payloads if not payloads[b].config.get("frozen_tensors"))
+    _, params = method.client_model(payloads[big])
+    assert set(payloads[c].config["frozen_tensors"]) <= set(params)
     lower = payloads[c].config["frozen_tensors"][0]
     bad = Reply({**reply.arrays, lower: state[lower].clone()}, reply.num_examples, reply.metrics)
     assert "below the client's adapter depth" in method.strategy.validate(state, payloads[c], bad)

@@ -297,22 +297,27 @@ class Method:
 
     def freeze_plan(self, model: nn.Module, payload: Payload) -> nn.Module:
         """``model`` with the tensors its client's plan leaves frozen (``frozen_tensors`` of the
-        payload: its adapter depth) frozen until the client is done (:meth:`train_client`)."""
+        payload: its adapter depth) frozen until the client is done (:meth:`train_client`) or
+        the next client's model is asked for (:meth:`thaw_plan` first)."""
         names = payload.config.get("frozen_tensors")
         if names:
             self._plan_frozen.extend(freeze(model, names))
         return model
 
+    def thaw_plan(self) -> None:
+        """The tensors :meth:`freeze_plan` froze train again (the model is shared with the
+        server and the other clients)."""
+        for p in self._plan_frozen:
+            p.requires_grad_(True)
+        self._plan_frozen.clear()
+
     def train_client(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """:meth:`fit` of one client; the tensors its plan froze (:meth:`freeze_plan`) train
-        again after it, whatever happens (the model is shared with the server and later
-        clients)."""
+        again after it, whatever happens."""
         try:
             return self.fit(payload, data, seed)
         finally:
-            for p in self._plan_frozen:
-                p.requires_grad_(True)
-            self._plan_frozen.clear()
+            self.thaw_plan()
 
     @contextmanager
     def planned_model(self, knobs) -> Iterator[Any]:
@@ -406,11 +411,12 @@ class Method:
         """The model a client trains and its trainable tensors, with the payload loaded (at the
         client's LoRA rank, ``lora_rank`` of its payload, when ranks differ; over the base at
         its plan's precision, ``base_precision``: :meth:`base_at`)."""
+        self.thaw_plan()  # what an earlier client's plan froze (a caller outside train_client)
         model = self.base_at(payload.config.get("base_precision"))
         params = self.load_model(model, payload.arrays, payload.config.get("lora_rank"))
         if not payload.config.get("frozen_tensors"):
             return model, params
-        self.freeze_plan(model, payload)
+        self.freeze_plan(model, payload)  # after loading: a resized adapter has new tensors
         return model, {n: p for n, p in params.items() if p.requires_grad}
 
     @classmethod

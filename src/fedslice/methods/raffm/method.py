@@ -378,6 +378,7 @@ class RaFFM(Method):
 
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         """The client's sub-model (:meth:`client_base`) with its payload loaded."""
+        self.thaw_plan()  # what an earlier client's plan froze (a caller outside train_client)
         model = self.client_base(payload)
         params = self._load(model, payload.arrays, payload.config.get("lora_rank"))
         self.freeze_plan(model, payload)  # its plan's adapter depth (after resize: same tensors)
