@@ -26,12 +26,12 @@ from fedslice.slicing.depth import block_positions, depth_cut, frozen_below
 LAYER0 = "base_model.model.bert.encoder.layer.0."
 
 
-def _cfg(tiny_cfg_dict, data_dir, method="fedpetuning", tiers=None, **budgets) -> dict:
+def _cfg(tiny_cfg_dict, data_dir, method="fedpetuning", tiers=None, options=None, **budgets) -> dict:
     d = json.loads(json.dumps(tiny_cfg_dict))
     d["data"]["path"] = str(data_dir)
     d["federation"] = {**d["federation"], "num_clients": 4, "clients_per_round": 4, "rounds": 1,
                        "local_steps": 2, "pack": False}
-    d["method"] = {"name": method}
+    d["method"] = {"name": method, **(options or {})}
     d["budgets"] = {"tiers": tiers or [{"share": 1.0, "name": "all", "memory_mb": 1e4}],
                     "micro_batches": [1], "checkpointing": False, "local_work": [1.0], **budgets}
     return d
@@ -54,25 +54,30 @@ def test_positions_and_the_tensors_a_depth_freezes(tiny_cfg_dict, one_length_dat
         depth_cut(0.0, 6)
 
 
-def _plans(tiny_cfg_dict, data_dir, method, share):
+def _plans(tiny_cfg_dict, data_dir, method, share, options=None):
     """(config, plans by tier name) with a 'tight' tier at ``share`` of the whole round's FLOPs."""
-    probe, _ = setup(validate_config(_cfg(tiny_cfg_dict, data_dir, method)))
+    probe, _ = setup(validate_config(_cfg(tiny_cfg_dict, data_dir, method, options=options)))
     full = next(iter(probe.plans.values()))
     tiers = [{"share": 0.5, "name": "big", "memory_mb": 1e4},
              {"share": 0.5, "name": "tight", "gflops_per_round": round(share * full.gflops_per_round, 6)}]
-    d = _cfg(tiny_cfg_dict, data_dir, method, tiers, adapter_depths=[1.0, 0.5])
+    d = _cfg(tiny_cfg_dict, data_dir, method, tiers, options, adapter_depths=[1.0, 0.5])
     m, _ = setup(validate_config(d))
     return d, full, {p.budget.name: p for p in m.plans.values()}
 
 
-@pytest.mark.parametrize("method,share", [("fedpetuning", 0.8), ("raffm", 0.8), ("raffm+heads", 0.55)])
+FORWARD = {"prune": "forward", "sparsity": 0.5}
+
+
+@pytest.mark.parametrize("method,share,options", [("fedpetuning", 0.8, None), ("raffm", 0.8, None),
+                                                  ("raffm+heads", 0.55, None), ("heads", 0.75, FORWARD)])
 def test_a_flops_budget_trains_the_top_blocks_adapters_as_predicted(tiny_cfg_dict, one_length_data_dir,
-                                                                   tmp_path, method, share):
+                                                                   tmp_path, method, share, options):
     """The whole round at every block misses the tight tier's FLOPs (raffm+heads: even with
-    heads' importance from the first step); the top half of the blocks fits at the full width
-    and batch. Measured FLOPs (2%), memory (10%) and upload (exactly) are the predictions, and
-    each tight client sends none of the lower block's tensors."""
-    d, full, got = _plans(tiny_cfg_dict, one_length_data_dir, method, share)
+    heads' importance from the first step; heads in forward mode: at every sparsity); the top
+    half of the blocks fits at the full width and batch. Measured FLOPs (2%), memory (10%) and
+    upload (exactly) are the predictions, and each tight client sends none of the lower block's
+    tensors."""
+    d, full, got = _plans(tiny_cfg_dict, one_length_data_dir, method, share, options)
     tight = got["tight"]
     assert tight.knobs.depth == 0.5 and tight.knobs.width == 1.0 and tight.knobs.batch is None
     assert got["big"].frozen == () and [n.startswith(LAYER0) for n in tight.frozen] == [True] * 4
