@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="more config overrides (bench/gpu_check.py --dry: a tiny model)")
     ap.add_argument("--json", help="also write the results here (bench/gpu_check.py)")
+    ap.add_argument("--peak-size", type=int, default=2048, help="the CPU matmul peak's matrix size "
+                    "(bench/gpu_check.py --dry: a small one; the figure is not kept)")
     args = ap.parse_args()
     info = machine()
     torch.set_num_threads(args.threads)
@@ -149,7 +151,7 @@ def main() -> None:
                 run_fedslice(method, data, args.steps, client_seed(0, rep + 1, 0))
             rows[name].append(r)
             print(f"{name} #{rep}: {r['tokens_per_s']:.0f} real tokens/s ({r['time_s']:.1f} s)", flush=True)
-    peak = matmul_peak(args.threads) if args.device == "cpu" else cuda_matmul_peak(torch.bfloat16 if args.precision == "bf16" else torch.float32)
+    peak = matmul_peak(args.threads, args.peak_size) if args.device == "cpu" else cuda_matmul_peak(torch.bfloat16 if args.precision == "bf16" else torch.float32)
     med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in rows.items()}
     fps = statistics.median(r["flops_per_s"] for r in rows["fedslice"])
     out = {"machine": {**info, "loadavg_end": __import__("os").getloadavg()[0]}, "args": vars(args),

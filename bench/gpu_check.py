@@ -22,7 +22,10 @@ Steps, one table row each:
 ``--dry`` runs every step on the CPU with tiny workloads (2 clients, a step or two, a 2-layer
 LLaMA on a 440-row E2E-like data set) and skips only the CUDA checks, so the script cannot rot
 (tests/test_gpu_check.py, in CI); its table says "dry" on every row and goes to
-``--benchmarks`` (CI: a copy).
+``--benchmarks`` (CI: a copy). A dry run keeps torch to one thread in every process it starts
+(``DRY_THREADS``) and the Flower baseline to one Ray actor: on a busy machine (CI's workers beside
+it) 2 threads per process of a tiny model cost more in waits at OpenMP's barriers than they
+compute (bench/gpu_scale.py --tiny: 26 s at 2 threads, 6.5 s at 1, at load 6).
 
     bash bench/gpu_check.sh [--dry] [--benchmarks BENCHMARKS.md] [--only device,batched,...]
 """
@@ -50,6 +53,8 @@ TARGETS = {"device": "fp32 <= 1e-3, bf16 <= 0.1 of the update; syncs per client 
            "llama1b": ">= 35% of the bf16 matmul peak", "decoder": ">= 1.5x Trainer + peft"}
 #: the dry run's workload: 4 clients, 2 per round, one local step of 8 (a tiny BERT, tiny data)
 DRY_WORKLOAD = {"num_clients": 4, "clients_per_round": 2, "local_steps": 1, "batch_size": 8}
+#: the dry run's torch threads, in this process and (OMP_NUM_THREADS) every process it starts
+DRY_THREADS = 1
 
 
 class Check:
@@ -67,7 +72,8 @@ class Check:
         if not self.dry:
             return [f'model.name="{self.model}"'] if self.model else []
         model, data = self.tiny
-        return [f'model.name="{model}"', f'data.path="{data}"', "compute.workers=1"]
+        return [f'model.name="{model}"', f'data.path="{data}"', "compute.workers=1",
+                f"threads={DRY_THREADS}"]
 
     def workload_sets(self, rounds: int) -> list[str]:
         sets = [f"federation.rounds={rounds}", f'compute.device="{self.device}"', *self.model_sets()]
@@ -217,6 +223,8 @@ def check_flower(c: Check, rounds: int) -> dict:
         ({"model": c.model} if c.model else {})
     env = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'bench' / 'perf'}", "FLOWER_BENCH_DEVICE": c.device,
            "FLOWER_BENCH_WORKLOAD": json.dumps(workload)}
+    if c.dry:  # one Ray actor (the default: 2) trains the tiny clients one after the other
+        env["FLOWER_BENCH_CPUS"] = "1"
     r = run_measured([python(), "bench/perf/flower_baseline.py", str(res), str(rounds)], env=env, timeout=600)
     if r["rc"] or not res.is_file():
         raise RuntimeError(f"the Flower baseline failed:\n{r['tail']}")
@@ -291,8 +299,8 @@ def check_decoder(c: Check) -> dict:
     if c.dry:
         model = tiny_llama(c.work / "tiny-llama")
         data = tiny_data_to_text(c.work / "tiny-d2t")
-        args = ["--steps", "2", "--repeats", "1", "--set", f'model.name="{model}"',
-                "--set", f'data.path="{data}"']
+        args = ["--steps", "2", "--repeats", "1", "--threads", str(DRY_THREADS), "--peak-size", "256",
+                "--set", f'model.name="{model}"', "--set", f'data.path="{data}"']
     else:
         args = ["--device", "cuda", "--precision", "bf16"]
         args += ["--set", f'model.name="{c.decoder}"'] if c.decoder else []
@@ -354,8 +362,12 @@ def main() -> int:
                                     "one of the same shape where the weights cannot travel)")
     ap.add_argument("--decoder", help="likewise, a folder in place of SmolLM2")
     args = ap.parse_args()
+    if args.dry:  # before torch starts its thread pool; the steps' processes inherit it
+        os.environ["OMP_NUM_THREADS"] = str(DRY_THREADS)
     import torch
 
+    if args.dry:
+        torch.set_num_threads(DRY_THREADS)
     if not args.dry and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU visible: bench/gpu_check.sh --dry runs the CPU rehearsal")
     info = machine()
