@@ -48,6 +48,7 @@ the same rows and budgets; the metric is the test ROUGE-L (BLEU kept too), out
     .venv/bin/python bench/frontier.py --task e2e --test-examples 50 --threads 2 --budgets 0.3 0.5 --rows planned-int8-work
     .venv/bin/python bench/frontier.py --budgets 0.4 --memory-share 0.5 --upload-share 0.5 --rows planned-depth-work
     .venv/bin/python bench/frontier.py --task e2e --test-examples 50 --threads 2 --budgets 0.3 --rows planned-int8-depth-work
+    .venv/bin/python bench/frontier.py --task e2e --test-examples 50 --budgets 0.3 --rows planned-int8-depth-work --depths 1 0.5 0.25
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def with_budgets(cfg: dict, row: str, args, budgets: dict | None) -> dict:
         cfg["budgets"] = {**budgets, **({"precisions": ["none", "int8"]}
                                         if row in ("fp32-int8", "planned-int8-work",
                                                    "planned-int8-depth-work") else {}),
-                          **({"adapter_depths": DEPTHS} if "-depth-" in row else {}),
+                          **({"adapter_depths": args.depths or DEPTHS} if "-depth-" in row else {}),
                           # local work is the planner's default since 2026-11-27: rows without
                           # "-work" keep every client's whole round, as they were taken
                           "local_work": (args.local_work or LOCAL_WORK) if row.endswith("-work") else [1.0]}
@@ -205,6 +206,8 @@ def main() -> None:
                     help="upload at this share of dense's instead of the budget's (rows <row>@<f>u<share>)")
     ap.add_argument("--local-work", type=float, nargs="+", default=None,
                     help="budgets.local_work of the -work rows (default LOCAL_WORK; rows <row>-lw<n>@...)")
+    ap.add_argument("--depths", type=float, nargs="+", default=None,
+                    help="budgets.adapter_depths of the -depth- rows (default DEPTHS; rows <row>-d<n>@...)")
     ap.add_argument("--measured-widths", action="store_true",
                     help="raffm rows: activation salience and measured per-layer widths (4 levels, "
                     "16 calibration rows; rows <row>-mw@...)")
@@ -227,6 +230,7 @@ def main() -> None:
                 (f"u{args.upload_share:g}" if args.upload_share else "")
             tag = f"-lw{len(args.local_work)}" if args.local_work and row.endswith("-work") else ""
             tag += "-mw" if args.measured_widths and "raffm" in METHODS[row] else ""
+            tag += f"-d{len(args.depths)}" if args.depths and "-depth-" in row else ""
             run_row(f"{row}{tag}@{at}", row, args, {"tiers": [tier(f, dense, f"{f:.0%}", upload_only=args.upload_only,
                                                               memory_only=args.memory_only,
                                                               memory_f=args.memory_share,

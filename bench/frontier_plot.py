@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TASKS = {"sst2": ("bench/results/frontier_sst2", "accuracy", 100, "SST-2 / MiniLM-L6: test accuracy (%)", 1.5),
          "e2e": ("bench/results/frontier_e2e", "rougeL", 1, "E2E / SmolLM2-135M: test ROUGE-L", 3.0)}
 #: the rows drawn, in legend order (each method alone, then the planner's compositions)
-ROWS = ["heads", "raffm", "int8", "int8-work", "planned", "planned-work", "planned-int8-work"]
+ROWS = ["heads", "raffm", "int8", "int8-work", "planned", "planned-work", "planned-int8-work",
+        "planned-depth-work", "planned-int8-depth-work"]
 BUDGET = re.compile(r"^(?P<row>[a-z0-9-]+)@(?P<f>[0-9.]+)$")
 
 
@@ -44,7 +45,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     colors = dict(zip(ROWS, plt.get_cmap("tab10").colors))
-    markers = dict(zip(ROWS, "s^Dvo*P"))
+    markers = dict(zip(ROWS, "s^Dvo*PXh"))
     fig, axes = plt.subplots(1, len(TASKS), figsize=(11, 4.6))
     handles = {}
     for ax, (task, (folder, key, scale, label, band)) in zip(axes, TASKS.items()):
