@@ -414,8 +414,6 @@ class Method:
         self.thaw_plan()  # what an earlier client's plan froze (a caller outside train_client)
         model = self.base_at(payload.config.get("base_precision"))
         params = self.load_model(model, payload.arrays, payload.config.get("lora_rank"))
-        if not payload.config.get("frozen_tensors"):
-            return model, params
         self.freeze_plan(model, payload)  # after loading: a resized adapter has new tensors
         return model, {n: p for n, p in params.items() if p.requires_grad}
 

@@ -162,9 +162,7 @@ class Knobs:
             out["local_steps"] = self.steps
         if self.batch is not None:
             out["batch_size"] = self.batch
-        if self.depth is not None:
-            out["adapter_depth"] = self.depth
-        return out
+        return out  # the adapter depth travels as the tensors it freezes (ClientPlan.frozen)
 
     def describe(self, overhead: bool = True) -> str:
         parts = []
