@@ -3,7 +3,8 @@
 The workload (bench/perf/minilm_sst2.toml): MiniLM-L6 + LoRA r16 on q/v and the classifier,
 SST-2, 100 IID clients, 10 per round, 8 local steps x 32 sentences, max length 64, 3 rounds.
 Flower runs a ClientApp written the usual way (bench/perf/flower_baseline.py: HF + peft, padded
-batches, AdamW; Ray with one CPU per actor, as many actors as cores). fedslice runs:
+batches, AdamW; ``flower-gbl``: the same with batches of similar length, as HF's
+``group_by_length`` makes them; Ray with one CPU per actor, as many actors as cores). fedslice runs:
 
 * ``sequential``: one client after another at all cores' threads, padded batches
   (``group_by_length = false``, ``compute.workers = 1``): the equal padded work of Flower's;
@@ -53,11 +54,13 @@ def run_fedslice(name: str, sets: list[str], rounds: int, out: Path) -> dict:
             "test_accuracy": summary.get("test_accuracy")}
 
 
-def run_flower(rounds: int, out: Path) -> dict:
-    res, mark = out / "flower.json", out / "flower-first-step"
+def run_flower(rounds: int, out: Path, group_by_length: bool = False) -> dict:
+    tag = "flower-gbl" if group_by_length else "flower"
+    res, mark = out / f"{tag}.json", out / f"{tag}-first-step"
     t0 = time.time()
     r = run_measured([python(), "bench/perf/flower_baseline.py", str(res), str(rounds)],
                      env={"FLOWER_BENCH_FIRST_STEP": str(mark),
+                          "FLOWER_BENCH_GROUP_BY_LENGTH": "1" if group_by_length else "0",
                           "PYTHONPATH": str(ROOT / "src") + ":" + str(ROOT / "bench" / "perf")})
     got = json.loads(res.read_text()) if res.exists() else {}
     start = float(mark.read_text()) - t0 if mark.exists() else None
@@ -67,7 +70,7 @@ def run_flower(rounds: int, out: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", default="flower," + ",".join(VARIANTS))
+    ap.add_argument("--only", default="flower,flower-gbl," + ",".join(VARIANTS))
     ap.add_argument("--name", default="vs_flower", help="results file bench/results/perf/NAME.json")
     args = ap.parse_args()
     info = machine()
@@ -75,8 +78,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only.split(","):
             t = time.strftime("%H:%M:%S")
-            rows[name] = run_flower(args.rounds, Path(tmp)) if name == "flower" else \
-                run_fedslice(name, VARIANTS[name], args.rounds, Path(tmp))
+            rows[name] = run_flower(args.rounds, Path(tmp), name == "flower-gbl") \
+                if name.startswith("flower") else run_fedslice(name, VARIANTS[name], args.rounds, Path(tmp))
             r = rows[name]
             r["steady_round_s"] = median(r.get("round_times_s", [])[1:])
             print(f"{t} {name}: rc={r['rc']} steady round {r['steady_round_s']} s, rounds "
@@ -86,11 +89,12 @@ def main() -> None:
             if r["rc"]:
                 print(r["tail"])
     info["loadavg_end"] = __import__("os").getloadavg()[0]
-    base = rows.get("flower", {}).get("steady_round_s")
-    for name, r in rows.items():
-        if base and r.get("steady_round_s"):
-            r["speedup_vs_flower"] = base / r["steady_round_s"]
-            print(f"{name}: {r['speedup_vs_flower']:.2f}x Flower's steady round")
+    for ref in ("flower", "flower-gbl"):
+        base = rows.get(ref, {}).get("steady_round_s")
+        for name, r in rows.items():
+            if base and r.get("steady_round_s") and not name.startswith("flower"):
+                r[f"speedup_vs_{ref}"] = base / r["steady_round_s"]
+                print(f"{name}: {r[f'speedup_vs_{ref}']:.2f}x {ref}'s steady round")
     print("saved", save(args.name, {"machine": info, "rounds": args.rounds, "runs": rows}))
 
 

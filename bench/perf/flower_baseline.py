@@ -25,6 +25,12 @@ WORKLOAD = dict(num_clients=100, clients_per_round=10, local_steps=8, batch_size
 # any key above, "model" a model folder and "data" a data set in place of MiniLM and SST-2)
 WORKLOAD.update(json.loads(os.environ.get("FLOWER_BENCH_WORKLOAD") or "{}"))
 DEVICE = os.environ.get("FLOWER_BENCH_DEVICE", "cpu")
+# FLOWER_BENCH_GROUP_BY_LENGTH=1: batches of similar length, as a user gets from HF's
+# `group_by_length` (LengthGroupedSampler: shuffled megabatches, each sorted by length)
+GROUP_BY_LENGTH = os.environ.get("FLOWER_BENCH_GROUP_BY_LENGTH", "") not in ("", "0")
+MEGABATCH = 16  # batches per sorted megabatch: fedslice's window (HF's is 50; 16 is the kinder to
+#                 Flower here: a client's ~670 rows are 21 batches, so 50 would sort them all and,
+#                 in HF's longest-first batch order, train the 8 longest batches)
 _CACHE: dict = {}
 
 
@@ -47,6 +53,14 @@ def _data():
                                   scheme="iid", seed=WORKLOAD["seed"])
         _CACHE["data"] = (tok, enc, labels, parts, raw)
     return _CACHE["data"]
+
+
+def _lengths():
+    """Token count of every training example (what the length grouping sorts by)."""
+    if "lengths" not in _CACHE:
+        _, enc, _, _, _ = _data()
+        _CACHE["lengths"] = [len(ids) for ids in enc["train"]["input_ids"]]
+    return _CACHE["lengths"]
 
 
 def _model():
@@ -81,6 +95,23 @@ def _batch(tok, enc, labels, rows):
     return batch
 
 
+def epoch_batches(rows, lengths, gen):
+    """One epoch of a client's rows as batches: shuffled, or (GROUP_BY_LENGTH) shuffled, sorted
+    by length within each megabatch of MEGABATCH batches, the batch order shuffled again (the
+    batches then hold similar lengths while which rows are trained stays random)."""
+    import torch
+
+    bs = WORKLOAD["batch_size"]
+    order = rows[torch.randperm(len(rows), generator=gen).numpy()]
+    if not GROUP_BY_LENGTH:
+        return [order[lo:lo + bs] for lo in range(0, len(order), bs)]
+    mega = MEGABATCH * bs
+    parts = [sorted(order[lo:lo + mega], key=lambda i: -lengths[i]) for lo in range(0, len(order), mega)]
+    flat = [i for part in parts for i in part]
+    batches = [flat[lo:lo + bs] for lo in range(0, len(flat), bs)]
+    return [batches[k] for k in torch.randperm(len(batches), generator=gen).tolist()]
+
+
 def client_app():
     import torch
     from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -107,10 +138,10 @@ def client_app():
         opt = torch.optim.AdamW(params.values(), lr=WORKLOAD["lr"])
         model.train()
         done, losses = 0, []
+        lengths = _lengths()
         while done < WORKLOAD["local_steps"]:
-            order = rows[torch.randperm(len(rows), generator=gen).numpy()]
-            for lo in range(0, len(order), WORKLOAD["batch_size"]):
-                batch = _batch(tok, enc["train"], labels["train"], order[lo:lo + WORKLOAD["batch_size"]])
+            for chunk in epoch_batches(rows, lengths, gen):
+                batch = _batch(tok, enc["train"], labels["train"], chunk)
                 batch = {k: v.to(DEVICE) for k, v in batch.items()}
                 if mark and not os.path.exists(mark):
                     Path(mark).write_text(str(time.time()))
