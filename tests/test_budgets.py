@@ -375,6 +375,9 @@ def test_a_flops_budget_the_pass_does_not_fit_takes_importance_from_the_first_st
     d, got = plans(tiers)
     assert got["big"].knobs.importance == "pass" and got["tight"].knobs.importance == "first_step"
     assert "importance from the first step" in got["tight"].knobs.describe()
+    assert "the importance pass" in got["big"].knobs.describe()
+    # the plan passed over is named as such, not in words that read like the chosen plan
+    assert "the importance pass" in got["tight"].reason, got["tight"].reason
     run = run_experiment(validate_config(d), tmp_path / "fs", progress=False)
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     by_client = {c: g["budget_name"] for g in _plans(run) for c in g["clients"]}

@@ -180,6 +180,8 @@ class Knobs:
             parts.append(f"rank {self.rank}")
         if self.importance == "first_step":
             parts.append("importance from the first step")
+        elif self.importance == "pass":
+            parts.append("the importance pass")
         if self.precision not in (None, "none"):
             parts.append(f"{self.precision} base")
         if overhead:
