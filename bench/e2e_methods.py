@@ -80,6 +80,11 @@ VARIANTS = {
     "raffm-t25only-full": {"name": "raffm", "tiers": [{"share": 1.0, "flops": 0.25}],
                            "elastic_sizes": [0.25], "tuning": "full"},
 }
+# RaFFM's own setting: each client fine-tunes its whole sub-model (no LoRA), so a slice's weights
+# can repair what slicing broke; at a full fine-tuning learning rate (federation.lr below)
+VARIANTS["raffm-act-measured-fine-full"] = {**VARIANTS["raffm-act-measured-fine"], "tuning": "full"}
+#: federation settings a variant changes (the rest is configs/e2e_smollm2.toml's)
+FEDERATION = {"raffm-act-measured-fine-full": {"lr": 1e-4}, "raffm-t25only-full": {"lr": 1e-4}}
 #: what each row tests (the seed papers' claims)
 CLAIMS = {
     "fedpetuning": "baseline (FedPETuning: LoRA on the full model)",
@@ -94,11 +99,12 @@ CLAIMS = {
     "fedpft-kd100": "FedPFT with 100 layer-KD steps (issue 35 part 5)",
     "fedpft-kd1000": "FedPFT with 1,000 layer-KD steps (issue 35 part 5)",
     "raffm-t25only": "RaFFM, every client at 0.25: the 0.25 size given more client-rounds (issue 35 part 4)",
-    "raffm-t25only-full": "as raffm-t25only, the whole sub-model trained (no LoRA)",
+    "raffm-t25only-full": "as raffm-t25only, the whole sub-model trained (no LoRA, lr 1e-4)",
     "raffm-act": "RaFFM, activation-aware salience: the small sizes keep the units the decoder needs (issue 35 part 4)",
     "raffm-act-measured": "raffm-act with per-layer widths from each layer's measured loss rise (issue 35 part 4)",
     "raffm-act-measured4": "raffm-act-measured with 4 width levels (1/4 .. 3/4 per layer)",
     "raffm-act-measured-fine": "raffm-act-measured with widths 1/32, 1/16, 1/8, 1/4, 3/8, 1/2, 3/4 per layer",
+    "raffm-act-measured-fine-full": "raffm-act-measured-fine, each client fine-tuning its whole sub-model (lr 1e-4)",
     "raffm-act-sandwich": "raffm-act + the sandwich rule (each step also trains the nested smallest size)",
     "raffm-sandwich": "RaFFM (L1 salience) + the sandwich rule",
 }
@@ -116,6 +122,7 @@ def config(variant: str, args) -> dict:
     cfg["threads"] = args.threads
     cfg["method"] = VARIANTS[variant]
     cfg["federation"]["rounds"] = args.rounds
+    cfg["federation"].update(FEDERATION.get(variant, {}))
     cfg["data"]["max_test_examples"] = args.test_mrs
     cfg["evaluation"].update(every=args.rounds, dev_generations=10)
     cfg["data"]["max_dev_examples"] = 64
