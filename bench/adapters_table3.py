@@ -122,6 +122,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--sparsities", type=float, nargs="+", default=[0.0, 0.5, 0.9])
     p.add_argument("--only", nargs="*", help="adapter variants (their [[variants]] names)")
+    p.add_argument("--seed", type=int, default=None, help="the run's seed (default: the config's); "
+                   "use an --out of its own per seed")
     p.add_argument("--rerun", action="store_true")
     p.add_argument("--table", action="store_true", help="only rewrite results.md from results.json")
     args = p.parse_args()
@@ -134,7 +136,10 @@ def main() -> None:
         done = json.loads(store.read_text()) if store.exists() else {}
         if key(name, s) in done and not args.rerun:
             continue
+        if args.seed is not None:  # partition, client sequence, initial adapter
+            cfg = cfg.model_copy(update={"seed": args.seed})
         row = run_one(cfg, args.out, name, s)
+        row["seed"] = cfg.seed
         row.update(machine=platform.machine(), threads=cfg.threads, date=time.strftime("%Y-%m-%d %H:%M"))
         done = json.loads(store.read_text()) if store.exists() else {}  # side-by-side runs
         done[key(name, s)] = row
