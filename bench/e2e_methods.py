@@ -83,8 +83,11 @@ VARIANTS = {
 # RaFFM's own setting: each client fine-tunes its whole sub-model (no LoRA), so a slice's weights
 # can repair what slicing broke; at a full fine-tuning learning rate (federation.lr below)
 VARIANTS["raffm-act-measured-fine-full"] = {**VARIANTS["raffm-act-measured-fine"], "tuning": "full"}
+# ... and every client at the 0.25 size (16 client-rounds of it in 4 rounds, against 2 above)
+VARIANTS["raffm-act-fine-full-t25only"] = {**VARIANTS["raffm-act-measured-fine-full"],
+                                           "tiers": [{"share": 1.0, "flops": 0.25}], "elastic_sizes": [0.25]}
 #: federation settings a variant changes (the rest is configs/e2e_smollm2.toml's)
-FEDERATION = {"raffm-act-measured-fine-full": {"lr": 1e-4}, "raffm-t25only-full": {"lr": 1e-4}}
+FEDERATION = {"raffm-act-measured-fine-full": {"lr": 1e-4}, "raffm-act-fine-full-t25only": {"lr": 1e-4}, "raffm-t25only-full": {"lr": 1e-4}}
 #: what each row tests (the seed papers' claims)
 CLAIMS = {
     "fedpetuning": "baseline (FedPETuning: LoRA on the full model)",
@@ -105,6 +108,7 @@ CLAIMS = {
     "raffm-act-measured4": "raffm-act-measured with 4 width levels (1/4 .. 3/4 per layer)",
     "raffm-act-measured-fine": "raffm-act-measured with widths 1/32, 1/16, 1/8, 1/4, 3/8, 1/2, 3/4 per layer",
     "raffm-act-measured-fine-full": "raffm-act-measured-fine, each client fine-tuning its whole sub-model (lr 1e-4)",
+    "raffm-act-fine-full-t25only": "raffm-act-measured-fine-full with every client at the 0.25 size",
     "raffm-act-sandwich": "raffm-act + the sandwich rule (each step also trains the nested smallest size)",
     "raffm-sandwich": "RaFFM (L1 salience) + the sandwich rule",
 }
