@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from fedslice import onednn
 from fedslice.config import ComputeConfig
 from fedslice.errors import ConfigError
 
@@ -87,11 +88,15 @@ class Compute:
     max_batched: int | None = None
     gradient_checkpointing: bool = False
     compile: bool = False
+    linear_kernels: str = "auto"
 
     @classmethod
     def from_config(cls, cfg: ComputeConfig, clients_per_round: int = 1) -> Compute:
         device = resolve_device(cfg.device)
         check_precision(cfg.precision, device)
+        if cfg.linear_kernels == "onednn" and not onednn.available():
+            raise ConfigError("compute.linear_kernels = 'onednn': this torch build has no oneDNN "
+                              "linear kernel (torch.backends.mkldnn); use 'auto' or 'torch'")
         if device.type == "cuda":
             workers = 1  # one GPU: a round's clients share it through the batched pass
         elif cfg.workers == "auto":
@@ -101,7 +106,8 @@ class Compute:
         batched = device.type == "cuda" if cfg.batched_clients == "auto" else bool(cfg.batched_clients)
         return cls(device=device, precision=cfg.precision, workers=workers, batched=batched,
                    max_batched=cfg.max_batched_clients,
-                   gradient_checkpointing=cfg.gradient_checkpointing, compile=cfg.compile)
+                   gradient_checkpointing=cfg.gradient_checkpointing, compile=cfg.compile,
+                   linear_kernels=cfg.linear_kernels)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -116,6 +122,12 @@ class Compute:
         if self.precision == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def training_linears(self) -> contextlib.AbstractContextManager:
+        """Around a client's training: its frozen linear layers on oneDNN's kernels where
+        ``linear_kernels`` picks them, on the CPU in fp32 (:mod:`fedslice.onednn`)."""
+        cpu_fp32 = self.device.type == "cpu" and self.precision == "fp32"
+        return onednn.frozen_linears_on_onednn(cpu_fp32 and onednn.uses_onednn(self.linear_kernels))
 
     def grad_scaler(self):
         """A loss scaler for fp16 (None otherwise: bf16 and fp32 need none)."""

@@ -673,6 +673,13 @@ class ComputeConfig(Section):
                                          "backward pass (less memory, ~30% more compute).")
     compile: bool = Field(False, description="torch.compile the model (the compile time is "
                           "reported; worth it for long runs on a GPU).")
+    linear_kernels: Literal["auto", "onednn", "torch"] = Field(
+        "auto", description="CPU training in fp32: the kernels of the linear layers whose weights "
+        "are frozen (the backbone under an adapter), forward and backward. 'onednn': oneDNN's "
+        "(torch's mkldnn build), 1.5x a MiniLM-L6 + LoRA client step on an AMD EPYC, where "
+        "torch's MKL sgemm runs its AVX2 code path (BENCHMARKS.md); 'torch': torch's own (MKL); "
+        "'auto': 'onednn' where torch has it. The two agree to float rounding (the same fp32 "
+        "products summed in another order), not bit for bit.")
     release_memory: bool = Field(False, description="glibc (Linux): tensors get their own "
                                  "memory maps and go back to the system when freed, instead of "
                                  "the heap growing to a fragmented peak that it keeps. On the "

@@ -295,10 +295,12 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     client of the same model and structure reuses without counting: :class:`_ModelCache`; so
     are the saved-tensor peaks of the batch shapes measured). ``compute``: the
     device batches go to and the autocast precision of forward and loss (parameters, gradients
-    and optimizer state stay fp32; fp16 scales the loss). ``virtual_tokens``: positions an
-    adapter prepends to every sequence (prompt tuning, P-tuning): the model runs on them too, so
-    the first step's count is scaled by positions (tokens + virtual tokens x rows), not tokens
-    alone (which overstates it when the first batch is shorter than the others). ``pack``: the
+    and optimizer state stay fp32; fp16 scales the loss), and on the CPU in fp32 the kernels of
+    the frozen linear layers (``compute.linear_kernels``: :mod:`fedslice.onednn`).
+    ``virtual_tokens``: positions an adapter prepends to every sequence (prompt tuning,
+    P-tuning): the model runs on them too, so the first step's count is scaled by positions
+    (tokens + virtual tokens x rows), not tokens alone (which overstates it when the first
+    batch is shorter than the others). ``pack``: the
     batches are packed into rows (:mod:`fedslice.data.packing`; the loss must take them), and
     a CPU model with attention dropout trains on eager attention with cheaper dropout masks
     (:func:`fedslice.data.packing.packed_training`). A client's plan may set
@@ -332,7 +334,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     measured = LargestBatches()  # the steps whose saved tensors are counted (the peak's)
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01, saved_tensors=False) as mem, \
             progress.task("local training steps", local_step_count(data, cfg)) as advance, \
-            (packed_training(model) if pack else nullcontext()), \
+            (packed_training(model) if pack else nullcontext()), compute.training_linears(), \
             gradient_checkpointing(model, bool(cfg.get("checkpointing"))):
         for step, batch in enumerate(local_batches(data, cfg, gen, pack)):
             advance()

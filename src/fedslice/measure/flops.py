@@ -100,6 +100,15 @@ def _attention_flop_mapping() -> dict[Any, Any]:
     return mapping
 
 
+def _flop_mapping() -> dict[Any, Any]:
+    """The formulas the counters add to torch's: the attention kernels'
+    (:func:`_attention_flop_mapping`) and oneDNN's linear kernel, which a CPU client's frozen
+    linear layers run on (:func:`fedslice.onednn.flop_mapping`)."""
+    from fedslice.onednn import flop_mapping
+
+    return {**_attention_flop_mapping(), **flop_mapping()}
+
+
 def _is_attention_op(op: Any) -> bool:
     """Whether a counted op is attention's (the scores and the weighted sum: batched matmuls and
     the fused attention kernels), whose FLOPs grow with the square of a row's length, where
@@ -176,7 +185,7 @@ def _op_counter():
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils.flop_counter import FlopCounterMode
 
-        registry = dict(FlopCounterMode(display=False, custom_mapping=_attention_flop_mapping()).flop_registry)
+        registry = dict(FlopCounterMode(display=False, custom_mapping=_flop_mapping()).flop_registry)
         composite = torch._C.DispatchKey.CompositeImplicitAutograd
 
         class OpCounter(TorchDispatchMode):
@@ -236,7 +245,7 @@ def count_flops(enabled: bool = True, head: Sequence[str] = ()) -> Iterator[Flop
         return
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False, custom_mapping=_attention_flop_mapping())
+    counter = FlopCounterMode(display=False, custom_mapping=_flop_mapping())
     try:
         with counter:
             yield result

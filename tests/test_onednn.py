@@ -1,0 +1,110 @@
+"""``compute.linear_kernels``: frozen fp32 linear layers of a CPU training step on oneDNN's
+kernels agree with torch's own to float rounding (they sum the same products in another order),
+forward and backward, in a whole run; everything else keeps torch's kernels."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedslice.api import setup
+from fedslice.compute import Compute
+from fedslice.errors import ConfigError
+from fedslice.experiment import validate_config
+from fedslice.measure.flops import count_flops
+from fedslice.onednn import OneDnnLinear, available, frozen_linears_on_onednn, runs_on_onednn
+from fedslice.run.engine import Simulation
+
+pytestmark = pytest.mark.skipif(not available(), reason="torch without oneDNN")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within fp32 rounding of a sum of ~K products: relative to the result's scale."""
+    return bool((got.double() - want).abs().max() <= 1e-5 * want.abs().max())
+
+
+@pytest.mark.parametrize("shape,bias,transposed", [((7, 48), True, False), ((3, 5, 48), True, False),
+                                                   ((3, 5, 48), False, True), ((1, 48), False, False)])
+def test_forward_and_backward_agree_with_float64(shape, bias, transposed):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.randn(48, 32, generator=g).t() if transposed else torch.randn(32, 48, generator=g)
+    b = torch.randn(32, generator=g) if bias else None
+    grad = torch.randn(*shape[:-1], 32, generator=g)
+    y = OneDnnLinear.apply(x, w, b)
+    y.backward(grad)
+    x64 = x.detach().double().requires_grad_()
+    y64 = F.linear(x64, w.double(), None if b is None else b.double())
+    y64.backward(grad.double())
+    assert y.shape == y64.shape and _close(y, y64.detach()) and _close(x.grad, x64.grad)
+
+
+def test_only_frozen_fp32_cpu_linears_are_taken():
+    x, w, b = torch.randn(4, 8), torch.randn(3, 8), torch.randn(3)
+    assert runs_on_onednn(x, w, b) and runs_on_onednn(x, w, None)
+    assert not runs_on_onednn(x, w.requires_grad_(), b)  # a trained weight: torch's autograd
+    w.requires_grad_(False)
+    assert not runs_on_onednn(x, w, b.requires_grad_())  # a trained bias (BitFit)
+    assert not runs_on_onednn(x.bfloat16(), w.bfloat16(), None)
+    assert not runs_on_onednn(torch.randn(8), w, None)
+    assert not runs_on_onednn(torch.randn(0, 8), w, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not runs_on_onednn(x, w, None)
+
+
+def test_the_block_puts_torch_linear_back():
+    real = F.linear
+    with frozen_linears_on_onednn():
+        assert F.linear is not real
+    assert F.linear is real
+    with pytest.raises(RuntimeError), frozen_linears_on_onednn():
+        raise RuntimeError("a client failed")
+    assert F.linear is real
+    with frozen_linears_on_onednn(on=False):
+        assert F.linear is real
+
+
+def test_flops_are_counted_as_torch_counts_them():
+    x, w = torch.randn(6, 16, requires_grad=True), torch.randn(24, 16)
+    with count_flops() as ours:
+        OneDnnLinear.apply(x, w, None).sum().backward()
+    with count_flops() as torchs:
+        F.linear(x, w).sum().backward()
+    assert ours.total == torchs.total == 2 * 2 * 6 * 16 * 24
+
+
+def test_onednn_named_without_it_is_refused(monkeypatch):
+    from fedslice import onednn
+
+    monkeypatch.setattr(onednn, "available", lambda: False)
+    cfg = validate_config({"compute": {"device": "cpu", "linear_kernels": "onednn"}})
+    with pytest.raises(ConfigError, match="linear_kernels"):
+        Compute.from_config(cfg.compute)
+
+
+def _run(cfg_dict, kernels):
+    cfg = validate_config({**cfg_dict, "compute": {"workers": 1, "linear_kernels": kernels}})
+    method, data = setup(cfg)
+    state, records, _ = Simulation(cfg, method, data).run()
+    return state, records
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_run_on_onednn_ends_within_float_rounding_of_torch_kernels(tiny_cfg_dict, pack, monkeypatch):
+    """Two rounds of FedPETuning (LoRA on q/v over a frozen BERT): the same trained tensors to
+    float rounding, the same FLOPs counted, the same losses to rounding."""
+    from fedslice import onednn
+
+    calls = []
+    real = onednn.onednn_linear
+    monkeypatch.setattr(onednn, "onednn_linear", lambda *a: calls.append(1) or real(*a))
+    cfg = {**tiny_cfg_dict, "federation": {**tiny_cfg_dict["federation"], "pack": pack}}
+    s_torch, r_torch = _run(cfg, "torch")
+    assert not calls
+    s_onednn, r_onednn = _run(cfg, "onednn")
+    assert calls  # the frozen linears ran there
+    for k, t in s_torch.items():
+        assert (s_onednn[k] - t).abs().max() <= 1e-5 * t.abs().max(), k
+    for a, b in zip(r_torch, r_onednn):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert [m["flops_measured"] for m in a["client_metrics"]] == \
+               [m["flops_measured"] for m in b["client_metrics"]]
