@@ -159,3 +159,39 @@ def test_an_interrupted_round_leaves_no_worker():
     with pytest.raises(KeyboardInterrupt):
         run_forked(task, [0, 1, 2], 3, on_result=on_result)
     assert _children() == before
+
+
+@pytest.mark.parametrize("pack,group", [(False, False), (True, True)])
+def test_planned_tokens_are_the_tokens_a_client_trains(tiny_cfg_dict, pack, group):
+    """What the workers' hand-out order is sorted by: the tokens of the batches the client's
+    seed draws, equal to what its training reports (without changing its draws)."""
+    from fedslice.fl.client import planned_tokens
+    from fedslice.run.engine import client_seed
+
+    tiny_cfg_dict["federation"].update(pack=pack, group_by_length=group)
+    cfg = validate_config(tiny_cfg_dict)
+    method, data = setup(cfg)
+    state = method.initial_state()
+    payloads = method.strategy.configure_train(1, state, [0, 1, 2], 4)
+    for c, payload in payloads.items():
+        seed = client_seed(cfg.seed, 1, c)
+        planned = planned_tokens(data.client(c), payload.config, seed)
+        reply = method.train_client(payload, data.client(c), seed)
+        assert planned == reply.metrics["tokens_real"] > 0
+
+
+def test_workers_take_the_longest_clients_first(tiny_cfg_dict, monkeypatch):
+    """The clients go to the workers most tokens first (ties in selection order); the round's
+    replies and records stay in selection order."""
+    from fedslice.run import runner
+
+    handed = []
+    real = runner.run_forked
+    monkeypatch.setattr(runner, "run_forked",
+                        lambda task, jobs, *a, **k: handed.append(list(jobs)) or real(task, jobs, *a, **k))
+    tiny_cfg_dict["federation"].update(clients_per_round=3, rounds=1)
+    _, _, records = _run(tiny_cfg_dict, 2)
+    clients = records[0]["clients"]
+    tokens = {m["client"]: m["tokens_real"] for m in records[0]["client_metrics"]}
+    assert handed == [sorted(clients, key=lambda c: -tokens[c])]
+    assert [m["client"] for m in records[0]["client_metrics"]] == clients

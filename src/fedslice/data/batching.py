@@ -271,6 +271,24 @@ def iter_batches(
     ``group_by_length`` (with ``shuffle``) batches examples of similar length together.
     ``pack``: the same batches packed into rows (``split.collate_packed``), not padded.
     """
+    collate = split.collate_packed if pack else split.collate
+    for rows in batch_indices(split, indices, batch_size, shuffle=shuffle, generator=generator,
+                              drop_last=drop_last, group_by_length=group_by_length):
+        yield collate(rows)
+
+
+def batch_indices(
+    split: TokenizedSplit,
+    indices: Indices,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    generator: torch.Generator | None,
+    drop_last: bool = False,
+    group_by_length: bool = False,
+) -> Iterator[torch.Tensor]:
+    """The rows of ``split`` in each batch :func:`iter_batches` yields (int64 tensors), with
+    the same draws from ``generator``, without collating them."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
     order = torch.as_tensor(as_index_list(indices, len(split)), dtype=torch.int64)
@@ -279,9 +297,8 @@ def iter_batches(
     starts = range(0, num_batches(len(order), batch_size, drop_last) * batch_size, batch_size)
     if group_by_length and shuffle:
         order, starts = _group_by_length(split, order, batch_size, starts, generator)
-    collate = split.collate_packed if pack else split.collate
     for start in starts:
-        yield collate(order[start : start + batch_size])
+        yield order[start : start + batch_size]
 
 
 def _group_by_length(split: TokenizedSplit, order: torch.Tensor, batch_size: int, starts,

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from fedslice import progress
 from fedslice.compute import CPU, Compute, model_device, to_device
-from fedslice.data.batching import TokenizedSplit, iter_batches, num_batches
+from fedslice.data.batching import TokenizedSplit, batch_indices, num_batches
 from fedslice.data.packing import is_packed, packed_training
 from fedslice.measure import LargestBatches, PeakMemory, count_flops
 from fedslice.measure.flops import head_segments
@@ -50,6 +50,15 @@ class LocalResult:
 def local_batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator, pack: bool = False):
     """Local epochs, or exactly ``local_steps`` batches cycling through reshuffled epochs;
     ``pack``: each batch packed into rows (the same examples, no padded work)."""
+    collate = data.collate_packed if pack else data.collate
+    for rows in local_batch_rows(data, cfg, gen):
+        yield collate(rows)
+
+
+def local_batch_rows(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator
+                     ) -> Iterator[torch.Tensor]:
+    """The rows of ``data`` in each of :func:`local_batches`' batches (the same draws from
+    ``gen``), not collated."""
     idx = range(len(data))
     steps = int(cfg.get("local_steps") or 0)
     epochs = int(cfg.get("local_epochs") or 1)
@@ -57,17 +66,22 @@ def local_batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generato
     group = bool(cfg.get("group_by_length", False))
     if not steps:
         for _ in range(epochs):
-            yield from iter_batches(data, idx, bs, shuffle=True, generator=gen,
-                                    group_by_length=group, pack=pack)
+            yield from batch_indices(data, idx, bs, shuffle=True, generator=gen, group_by_length=group)
         return
     done = 0
     while done < steps:
-        for batch in iter_batches(data, idx, bs, shuffle=True, generator=gen,
-                                  group_by_length=group, pack=pack):
-            yield batch
+        for rows in batch_indices(data, idx, bs, shuffle=True, generator=gen, group_by_length=group):
+            yield rows
             done += 1
             if done == steps:
                 return
+
+
+def planned_tokens(data: TokenizedSplit, cfg: dict[str, Any], seed: int) -> int:
+    """The tokens of the examples :func:`train_local` will train on with ``seed`` (its batches,
+    drawn the same way, not collated): what a client's training time grows with."""
+    gen = torch.Generator().manual_seed(seed)
+    return sum(int(data.lengths[rows].sum()) for rows in local_batch_rows(data, cfg, gen))
 
 
 def local_step_count(data: TokenizedSplit, cfg: dict[str, Any]) -> int:

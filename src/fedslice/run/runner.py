@@ -1,5 +1,6 @@
 """How a round's clients are trained: one after another in this process, by forked worker
-processes (CPU, :mod:`fedslice.fl.workers`), or together in one batched pass over the shared
+processes (CPU, :mod:`fedslice.fl.workers`; the clients with the most tokens to train handed
+out first: :func:`longest_first`), or together in one batched pass over the shared
 backbone (:mod:`fedslice.fl.batched`, chosen by the method for clients that train the same
 shapes). The engine calls :meth:`ClientRunner.fit`; the result is the same replies whichever
 path trains them (the batched pass and the workers are tested against the sequential path).
@@ -14,6 +15,7 @@ from fedslice import progress
 from fedslice.compute import CPU, Compute
 from fedslice.data.batching import TokenizedSplit
 from fedslice.methods import Method
+from fedslice.fl.client import planned_tokens
 from fedslice.fl.strategy import Payload, Reply
 from fedslice.fl.workers import WorkerLost, run_forked
 
@@ -49,9 +51,20 @@ class ClientRunner:
             method.fit_batched(jobs, self.compute, on_reply)
         elif mode == "workers":
             method.prepare_clients(payloads)
-            run_forked(lambda c: method.train_client(payloads[c], data(c), seeds[c]), clients,
-                       self.compute.workers, on_result=on_reply, on_start=progress.silence)
+            run_forked(lambda c: method.train_client(payloads[c], data(c), seeds[c]),
+                       longest_first(clients, payloads, data, seeds), self.compute.workers,
+                       on_result=on_reply, on_start=progress.silence)
         else:
             for c in clients:
                 on_reply(c, method.train_client(payloads[c], data(c), seeds[c]))
         return mode
+
+
+def longest_first(clients: list[int], payloads: dict[int, Payload],
+                  data: Callable[[int], TokenizedSplit], seeds: dict[int, int]) -> list[int]:
+    """``clients`` in the order forked workers take them: the most tokens to train first
+    (:func:`fedslice.fl.client.planned_tokens`; ties in selection order), so a round does not
+    end on one worker's long last client while the others wait (longest-processing-time-first).
+    Which worker trains a client, and when, changes nothing in its reply."""
+    tokens = {c: planned_tokens(data(c), payloads[c].config, seeds[c]) for c in clients}
+    return sorted(clients, key=lambda c: -tokens[c])
