@@ -24,9 +24,14 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("shape,bias,transposed", [((7, 48), True, False), ((3, 5, 48), True, False),
                                                    ((3, 5, 48), False, True), ((1, 48), False, False)])
-def test_forward_and_backward_agree_with_float64(shape, bias, transposed):
+@pytest.mark.parametrize("strided", [False, True])
+def test_forward_and_backward_agree_with_float64(shape, bias, transposed, strided):
+    """Contiguous inputs, and inputs that are views with other strides (every other row of a
+    larger tensor), with a weight or a transposed weight view, with or without a bias."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(*shape, generator=g, requires_grad=True)
+    x = torch.randn(*shape[:-1], 2 * shape[-1], generator=g)[..., ::2] if strided \
+        else torch.randn(*shape, generator=g)
+    x.requires_grad_()
     w = torch.randn(48, 32, generator=g).t() if transposed else torch.randn(32, 48, generator=g)
     b = torch.randn(32, generator=g) if bias else None
     grad = torch.randn(*shape[:-1], 32, generator=g)
