@@ -43,7 +43,23 @@ def test_forward_and_backward_agree_with_float64(shape, bias, transposed, stride
     assert y.shape == y64.shape and _close(y, y64.detach()) and _close(x.grad, x64.grad)
 
 
-def test_only_frozen_fp32_cpu_linears_are_taken():
+@pytest.fixture
+def every_size(monkeypatch):
+    """oneDNN for products of any size (the tiny models' are below its threshold)."""
+    from fedslice import onednn
+
+    monkeypatch.setattr(onednn, "MIN_MULTIPLY_ADDS", 1)
+
+
+def test_small_products_keep_torch_kernels():
+    from fedslice.onednn import MIN_MULTIPLY_ADDS
+
+    w = torch.randn(64, 128)
+    assert runs_on_onednn(torch.randn(MIN_MULTIPLY_ADDS // (64 * 128), 128), w, None)
+    assert not runs_on_onednn(torch.randn(MIN_MULTIPLY_ADDS // (64 * 128) - 1, 128), w, None)
+
+
+def test_only_frozen_fp32_cpu_linears_are_taken(every_size):
     x, w, b = torch.randn(4, 8), torch.randn(3, 8), torch.randn(3)
     assert runs_on_onednn(x, w, b) and runs_on_onednn(x, w, None)
     assert not runs_on_onednn(x, w.requires_grad_(), b)  # a trained weight: torch's autograd
@@ -94,7 +110,8 @@ def _run(cfg_dict, kernels):
 
 
 @pytest.mark.parametrize("pack", [False, True])
-def test_a_run_on_onednn_ends_within_float_rounding_of_torch_kernels(tiny_cfg_dict, pack, monkeypatch):
+def test_a_run_on_onednn_ends_within_float_rounding_of_torch_kernels(tiny_cfg_dict, pack, monkeypatch,
+                                                                     every_size):
     """Two rounds of FedPETuning (LoRA on q/v over a frozen BERT): the same trained tensors to
     float rounding, the same FLOPs counted, the same losses to rounding."""
     from fedslice import onednn

@@ -27,6 +27,11 @@ import torch.nn.functional as F
 
 KERNELS = ("auto", "onednn", "torch")
 
+#: products of fewer multiply-adds (rows x in x out) keep torch's kernel: oneDNN's ~10 µs per call
+#: loses on tiny ones (16 x 64 x 64: 13 µs against MKL's 4), is even at 64 x 128 x 128 and 1.5-2.4x
+#: faster from 32 x 384 x 384 up (one thread, this repo's AMD EPYC)
+MIN_MULTIPLY_ADDS = 1 << 20
+
 
 def available() -> bool:
     """Whether this torch build has oneDNN's dense-tensor linear kernel."""
@@ -60,10 +65,12 @@ class OneDnnLinear(torch.autograd.Function):
 
 def runs_on_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether a linear call is one :class:`OneDnnLinear` takes: a frozen 2-D fp32 weight (and
-    bias), an fp32 input of at least one row, all plain strided CPU tensors, no autocast."""
+    bias), an fp32 input, all plain strided CPU tensors, no autocast, a product of at least
+    :data:`MIN_MULTIPLY_ADDS`."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
     return (not weight.requires_grad and (bias is None or not bias.requires_grad)
-            and weight.dim() == 2 and x.dim() >= 2 and x.numel() > 0
+            and weight.dim() == 2 and x.dim() >= 2
+            and x.numel() * weight.shape[0] >= MIN_MULTIPLY_ADDS
             and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.layout == torch.strided
                     and type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
             and not torch.is_autocast_enabled("cpu"))
