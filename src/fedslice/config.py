@@ -678,8 +678,9 @@ class ComputeConfig(Section):
         "are frozen (the backbone under an adapter), forward and backward. 'onednn': oneDNN's "
         "(torch's mkldnn build), 1.5x a MiniLM-L6 + LoRA client step on an AMD EPYC, where "
         "torch's MKL sgemm runs its AVX2 code path (BENCHMARKS.md); 'torch': torch's own (MKL); "
-        "'auto': 'onednn' where torch has it. The two agree to float rounding (the same fp32 "
-        "products summed in another order), not bit for bit.")
+        "'auto': 'onednn' where torch has it. Products under 2^20 multiply-adds keep torch's. "
+        "The two agree to float rounding (the same fp32 products summed in another order), not "
+        "bit for bit.")
     release_memory: bool = Field(False, description="glibc (Linux): tensors get their own "
                                  "memory maps and go back to the system when freed, instead of "
                                  "the heap growing to a fragmented peak that it keeps. On the "
