@@ -436,7 +436,7 @@ def started(monkeypatch):
         return proc
 
     def stop(ps, *args, **kw):
-        family.extend(c for p in ps for c in local._descendants(p.pid))
+        family.extend(c for p in ps for c in local.descendants(p.pid))
         return real_stop(ps, *args, **kw)
 
     monkeypatch.setattr(local, "start_process", start)
@@ -490,10 +490,13 @@ def loopback(tmp_path_factory):
     with fed:
         family = [psutil.Process(p.pid) for p in fed.processes]
         yield fed
-        family += [c for p in fed.processes for c in local._descendants(p.pid)]
-    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        family += [c for p in fed.processes for c in local.descendants(p.pid)]
+    alive = local.running(family)
     for p in alive:
-        p.kill()
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
     assert not alive, f"processes left running: {alive}"
 
 
@@ -624,8 +627,6 @@ KILLED_ROUND_TIMEOUT_S = 40.0
 def test_supernode_killed_mid_round(tiny_cfg_dict, tmp_path, started):
     """A SuperNode dies while training: the round ends at round-timeout with the other reply,
     the failure is logged and in metrics.jsonl, and the run completes."""
-    import psutil
-
     from fedslice.flower.local import LocalFederation
 
     path = _e2e_config(tiny_cfg_dict, tmp_path, "fedpetuning", rounds=1)
@@ -636,8 +637,7 @@ def test_supernode_killed_mid_round(tiny_cfg_dict, tmp_path, started):
                                                  "result-file": str(result)})
         victim = fed.processes[2]  # supernode-1
         _wait_for_line(victim.log_path, "Receiving: train message", timeout=120)
-        for p in [psutil.Process(victim.pid), *psutil.Process(victim.pid).children(recursive=True)]:
-            p.kill()  # the machine is gone: no goodbye to the SuperLink
+        fed.kill_supernode(1)  # the machine is gone: no goodbye to the SuperLink
         assert fed.wait(run_id, timeout=120, finished_hint=result.exists) == "finished:completed"
         run_log = fed.run_log(run_id)
     # the usual reason is the missing reply; a busy machine can see the SuperLink's verdict first

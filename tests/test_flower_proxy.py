@@ -330,12 +330,15 @@ def weightless_nodes(tmp_path_factory, model_dir):
         family = [psutil.Process(p.pid) for p in fed.processes]
         yield SimpleNamespace(fed=fed, server_cache=server_cache, node_cache=node_cache,
                               audit_log=audit_log)
-        family += [c for p in fed.processes for c in local._descendants(p.pid)]
+        family += [c for p in fed.processes for c in local.descendants(p.pid)]
     finally:
         fed.__exit__(None, None, None)
-    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = local.running(family)
     for p in alive:
-        p.kill()
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
     assert not alive, f"processes left running: {alive}"
 
 

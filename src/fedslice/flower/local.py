@@ -158,13 +158,29 @@ def start_process(name: str, argv: list[str], env: dict[str, str], log_dir: Path
     return Process(name, popen, log_path)
 
 
-def _descendants(pid: int) -> list:
+def descendants(pid: int) -> list:
+    """Every process below ``pid`` (``psutil.Process``), or none once ``pid`` has ended."""
     import psutil
 
     try:
         return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return []
+
+
+def running(procs: list) -> list:
+    """The processes of ``procs`` (``psutil.Process``) still running and not zombies; one that
+    ends while it is asked counts as ended."""
+    import psutil
+
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
 
 
 def stop_processes(procs: list[Process], timeout: float = STOP_TIMEOUT_S) -> None:
@@ -176,7 +192,7 @@ def stop_processes(procs: list[Process], timeout: float = STOP_TIMEOUT_S) -> Non
     """
     import psutil
 
-    family: dict[str, list] = {p.name: _descendants(p.pid) for p in procs}
+    family: dict[str, list] = {p.name: descendants(p.pid) for p in procs}
     for proc in procs:
         if proc.alive():
             proc.popen.terminate()
@@ -345,7 +361,7 @@ class LocalFederation:
 
         for proc in self.processes:
             if proc.name == f"supernode-{i}" and proc.alive():
-                for p in [*_descendants(proc.pid), psutil.Process(proc.pid)]:
+                for p in [*descendants(proc.pid), psutil.Process(proc.pid)]:
                     try:
                         p.kill()
                     except psutil.Error:
