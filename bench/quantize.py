@@ -18,7 +18,8 @@ Parts (each model in a fresh process, so peak RSS is its own):
     OMP_NUM_THREADS=2 .venv/bin/python bench/quantize.py [--parts layers step accuracy]
         [--models minilm smollm2] [--steps 6]
 
-Results: bench/results/quantize/{layers,step,accuracy}.json; the run folders in
+Results: bench/results/quantize/{layers,step,accuracy}.json (a model not in ``--models`` keeps
+its rows, with the machine they were taken on); the run folders in
 runs/bench-quantize/ (git-ignored; a finished run is reused, delete it to re-take it).
 """
 
@@ -177,6 +178,16 @@ def part_accuracy(models: list[str]) -> dict:
     return {"machine": machine(), "rows": rows}
 
 
+def kept_rows(path: Path, models: list[str]) -> list[dict]:
+    """The rows of ``path`` for models this invocation does not measure (results accumulate:
+    ``--models smollm2`` keeps MiniLM's rows, each with the machine and load it was taken at)."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    return [{"machine": old.get("machine"), **r} if "machine" not in r else r
+            for r in old.get("rows", []) if r.get("model") not in models]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", nargs="+", default=["layers", "step", "accuracy"])
@@ -187,6 +198,7 @@ def main() -> None:
     for part in a.parts:
         res = {"layers": lambda: part_layers(a.models), "step": lambda: part_step(a.models, a.steps),
                "accuracy": lambda: part_accuracy(a.models)}[part]()
+        res["rows"] = kept_rows(OUT / f"{part}.json", a.models) + res["rows"]
         (OUT / f"{part}.json").write_text(json.dumps(res, indent=1))
         print(f"wrote {OUT / (part + '.json')}")
 
