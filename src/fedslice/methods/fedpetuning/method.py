@@ -17,7 +17,7 @@ from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.methods.base import Method, Role
 from fedslice.methods.planner import PlannedStrategy
 from fedslice.methods.fedpetuning.report import mean_of, rank_tiers
-from fedslice.methods.fedpetuning.strategy import _at_rank, RankedStrategy, RankPlan
+from fedslice.methods.fedpetuning.strategy import at_rank, RankedStrategy, RankPlan
 from fedslice.models.loading import LoadedModel
 from fedslice.registry import ADAPTERS
 from fedslice.slicing.planner import (SpecCost, assign_budgets, choose_rank, profile_batch,
@@ -133,7 +133,7 @@ class FedPETuning(Method):
         self._received = None
         if not kept:
             kept = self._personal_init
-        return {k: t.clone() for k, t in _at_rank(kept, payload.config.get("lora_rank")).items()}
+        return {k: t.clone() for k, t in at_rank(kept, payload.config.get("lora_rank")).items()}
 
     def _with_kept(self, payload: Payload) -> Payload:
         return Payload({**payload.arrays, **self._kept(payload)}, payload.config, payload.model)
@@ -216,7 +216,7 @@ class FedPETuning(Method):
         rows = []
         for c in clients:  # the shared state and the client's own tensors, at its rank
             r = self.strategy.client_rank(c)
-            self.load_model(self.model, _at_rank(state, r), r)
+            self.load_model(self.model, at_rank(state, r), r)
             self.load_state(dict(self.model.named_parameters()), self.personal[c])
             with self.compute.autocast():
                 ev = self.task.evaluate(self.model, data.test, batch_size, gen)

@@ -42,7 +42,7 @@ class RankedStrategy(Strategy):
         return p
 
 
-def _at_rank(state: State, rank: int | None) -> State:
+def at_rank(state: State, rank: int | None) -> State:
     """``state`` with its LoRA factors truncated to ``rank`` (None: as it is)."""
     if rank is None:
         return state
