@@ -2,6 +2,11 @@
 kernels agree with torch's own to float rounding (they sum the same products in another order),
 forward and backward, in a whole run; everything else keeps torch's kernels."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,3 +135,50 @@ def test_a_run_on_onednn_ends_within_float_rounding_of_torch_kernels(tiny_cfg_di
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
         assert [m["flops_measured"] for m in a["client_metrics"]] == \
                [m["flops_measured"] for m in b["client_metrics"]]
+
+
+_CACHE_PROBE = textwrap.dedent("""
+    import ctypes, os, sys, torch
+    from fedslice.onednn import frozen_linears_on_onednn
+    torch.set_num_threads(1)
+    libc = ctypes.CDLL("libc.so.6")
+    def rss_mb():
+        libc.malloc_trim(0)
+        return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+    w = torch.randn(384, 384)
+    with frozen_linears_on_onednn():
+        torch.nn.functional.linear(torch.randn(64, 384, requires_grad=True), w).sum().backward()
+        before = rss_mb()
+        for rows in range(128, 64 * 42, 64):  # 40 new shapes, forward and backward
+            x = torch.randn(rows, 384, requires_grad=True)
+            torch.nn.functional.linear(x, w).sum().backward()
+            del x
+        grown = rss_mb() - before
+    print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"], grown)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc")
+def test_primitive_caches_are_bounded_unless_the_environment_sets_them():
+    """oneDNN and ideep keep a primitive per product shape (~0.3 MB each, 1,024 of each by
+    default): a client's training caps both caches at PRIMITIVE_CACHE_ENTRIES before its first
+    oneDNN product, so 40 new shapes (as packed batches' row counts give) leave the process
+    about as large as it was; a value in the environment is kept (here the libraries' default,
+    under which the same shapes grow it by tens of MB)."""
+    from fedslice.heap import PRIMITIVE_CACHE_ENTRIES
+
+    outs = {}
+    for preset in (None, "1024"):
+        env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY",
+                                                                 "LRU_CACHE_CAPACITY")}
+        if preset is not None:
+            env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = env["LRU_CACHE_CAPACITY"] = preset
+        out = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        onednn_cap, ideep_cap, grown = out.stdout.split()[-3:]
+        outs[preset] = (onednn_cap, ideep_cap, float(grown))
+    bounded, unbounded = outs[None], outs["1024"]
+    assert bounded[:2] == (str(PRIMITIVE_CACHE_ENTRIES),) * 2 and unbounded[:2] == ("1024", "1024")
+    assert bounded[2] < 15, outs
+    assert unbounded[2] > 2 * bounded[2] + 10, outs

@@ -208,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     # page-aligned, huge-page memory. On the SST-2 workload peak memory 0.83x at the same speed
     # (BENCHMARKS.md "Memory"); THP_MEM_ALLOC_ENABLE=0 in the environment keeps torch's default
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    # oneDNN's primitive caches, bounded before any primitive exists (fedslice.onednn)
+    from fedslice.heap import limit_primitive_caches
+    limit_primitive_caches()
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose, args.quiet)
     try:

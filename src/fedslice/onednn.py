@@ -13,6 +13,13 @@ fp32, on the CPU, runs :class:`OneDnnLinear`: forward ``x @ W.T + b`` and backwa
 factors, a trained head) keep torch's kernels and autograd. The products are the same fp32
 products summed in another order: results agree with torch's kernels to float rounding
 (``tests/test_onednn.py``), not bit for bit.
+
+oneDNN keeps a primitive per product shape (oneDNN's primitive cache and ideep's, 1,024 each by
+default), each holding ~0.3 MB; packed, length-grouped batches give almost every step a new
+number of rows, so a worker's caches grew by ~100 MB over a round's clients and, scattered in
+its heap, raised every later client's peak too. :func:`fedslice.heap.limit_primitive_caches`
+caps both at :data:`fedslice.heap.PRIMITIVE_CACHE_ENTRIES` (BENCHMARKS.md, "Memory: oneDNN's
+primitive caches").
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from fedslice.heap import limit_primitive_caches
 
 KERNELS = ("auto", "onednn", "torch")
 
@@ -85,6 +94,7 @@ def frozen_linears_on_onednn(on: bool = True) -> Iterator[None]:
     if not on:
         yield
         return
+    limit_primitive_caches()
     real = F.linear
 
     def linear(x, weight, bias=None):
