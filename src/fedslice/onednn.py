@@ -18,8 +18,8 @@ oneDNN keeps a primitive per product shape (oneDNN's primitive cache and ideep's
 default), each holding ~0.3 MB; packed, length-grouped batches give almost every step a new
 number of rows, so a worker's caches grew by ~100 MB over a round's clients and, scattered in
 its heap, raised every later client's peak too. :func:`fedslice.heap.limit_primitive_caches`
-caps both at :data:`fedslice.heap.PRIMITIVE_CACHE_ENTRIES` (BENCHMARKS.md, "Peak memory (target 4): oneDNN's
-primitive caches").
+caps both at :data:`fedslice.heap.PRIMITIVE_CACHE_ENTRIES` (BENCHMARKS.md, "Peak memory
+(target 4): oneDNN's primitive caches").
 """
 
 from __future__ import annotations
