@@ -577,3 +577,60 @@ def test_head_refit_needs_a_classifier_head(pft_cfg):
     pft_cfg["task"] = {"kind": "generation", "prompt": "{sentence}", "target": "{label}"}
     with pytest.raises(ConfigError, match="method.head_refit_steps = 5.*no classifier head"):
         validate_config(pft_cfg)
+
+
+def test_keep_ratio_one_without_kd_trains_fedpetunings_decoder(tiny_gen_cfg_dict, tmp_path):
+    """Issue 35 part 5, second setting (SmolLM2 + E2E): the decoder version of the test above.
+    A 4-layer tiny LLaMA (SwiGLU FFN, SmolLM2's family) generating text: with every neuron kept
+    and no distillation, FedPFT must train FedPETuning's LoRA (to float32 rounding: the states
+    differ by ~1 ulp after a round, as in the encoder test's 1e-6), and its plugged-in model and
+    its proxy must give FedPETuning's logits, losses and generations; so a plug-in or proxy gap
+    on E2E comes from the dropped neurons and the KD budget, not from FedPFT's training or
+    evaluation path on decoders. (The tiny random model's ROUGE-L is 0, so logits, losses and
+    generated tokens are compared.)"""
+    import transformers as T
+
+    from conftest import smollm2_tokenizer, tiny_lm_config
+    tok = smollm2_tokenizer()
+    config = tiny_lm_config("llama", len(tok), tok.pad_token_id, tok.eos_token_id)
+    config.num_hidden_layers = 4
+    torch.manual_seed(0)
+    folder = tmp_path / "tiny-llama4"
+    T.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    cfg = tiny_gen_cfg_dict
+    cfg["model"]["name"] = str(folder)
+    cfg["federation"]["rounds"] = 3
+    base = copy.deepcopy(cfg)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"a restaurant called {i} near the river" for i in range(50)))
+    cfg["method"] = {"name": "fedpft", "keep_ratio": 1.0, "kd": "none", "align_every": 1,
+                     "align_steps": 2, "distill": {"corpus": str(corpus), "steps": 2, "batch_size": 4,
+                                                   "max_length": 16, "cache_dir": ""}}
+    pft, pft_state, pft_records, pft_summary = _run(cfg)
+    ref, ref_state, ref_records, ref_summary = _run(base)
+    assert pft.compressed == [] and not pft.proxy_params
+    assert pft_summary["proxy_ffn"] == [config.intermediate_size] * 4
+    assert set(pft_state) == set(ref_state)
+    worst = max(float((pft_state[k] - ref_state[k]).abs().max()) for k in ref_state)
+    assert worst <= 1e-6, f"max |delta| of the global state = {worst:g}"
+    start = setup(validate_config(base))[0].initial_state()
+    assert any(not torch.equal(ref_state[k], start[k]) for k in ref_state)  # it trained
+    ids = tok(["Describe the restaurant: name[Aromi], area[riverside]\n"], return_tensors="pt")
+    models = {"plugged-in": pft.eval_model(pft_state), "fedpetuning": ref.eval_model(ref_state)}
+    with torch.no_grad():
+        logits = {n: m(**ids).logits for n, m in models.items()}
+        tokens = {n: m.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+                  for n, m in models.items()}
+        proxy = pft.proxy_model(pft_state)
+        logits["proxy"] = proxy(**ids).logits
+        tokens["proxy"] = proxy.generate(**ids, max_new_tokens=8, do_sample=False,
+                                         pad_token_id=tok.pad_token_id)
+    for name in ("plugged-in", "proxy"):
+        torch.testing.assert_close(logits[name], logits["fedpetuning"], rtol=0, atol=1e-5)
+        assert torch.equal(tokens[name], tokens["fedpetuning"]), name
+    assert pft_summary["test_loss"] == pytest.approx(ref_summary["test_loss"], abs=1e-5)
+    assert [r["dev_loss"] for r in pft_records] == pytest.approx([r["dev_loss"] for r in ref_records], abs=1e-5)
+    assert [r["train_loss"] for r in pft_records] == pytest.approx([r["train_loss"] for r in ref_records], abs=1e-5)
+    assert pft_summary["test_rougeL"] == ref_summary["test_rougeL"]
+    assert pft_summary["proxy_test_rougeL"] == pft_summary["test_rougeL"]
