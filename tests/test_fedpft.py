@@ -634,3 +634,22 @@ def test_keep_ratio_one_without_kd_trains_fedpetunings_decoder(tiny_gen_cfg_dict
     assert [r["train_loss"] for r in pft_records] == pytest.approx([r["train_loss"] for r in ref_records], abs=1e-5)
     assert pft_summary["test_rougeL"] == ref_summary["test_rougeL"]
     assert pft_summary["proxy_test_rougeL"] == pft_summary["test_rougeL"]
+
+
+def test_alignment_round_of_a_decoder_accepts_prompt_plus_target_tokens(tiny_gen_cfg_dict, tmp_path):
+    """A causal LM's example is its prompt (data.max_length) and its target
+    (task.max_target_length) in one sequence, and the APoZ pass counts both: the bound on a
+    report's token count must allow it. With the prompt's bound alone every honest client of an
+    alignment round was excluded on E2E (apoz_tokens=14703 > 210 x 64) and the round skipped."""
+    from conftest import method_options
+    cfg = tiny_gen_cfg_dict
+    cfg["data"]["max_length"] = 16  # prompts cut to 16 tokens; prompt + target is longer
+    cfg["federation"]["rounds"] = 2
+    cfg["method"] = {"name": "fedpft", "keep_ratio": 0.5, **method_options("fedpft", tmp_path)}
+    method, state, records, summary = _run(cfg)
+    first = records[0]
+    assert first["excluded"] == [] and first["rejected"] == 0 and not first.get("align_skipped")
+    assert method.compressed == [1] and method.strategy.max_tokens == 16 + 24
+    assert first["align_neurons"] > 0  # the server re-distilled after the reports
+    reply = [c for c in first["client_metrics"] if c["used"]]
+    assert len(reply) == 2

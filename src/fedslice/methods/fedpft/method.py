@@ -148,7 +148,15 @@ class FedPFT(Method):
         widths = self._widths()
         return FedPFTStrategy(self.cfg.federation, self.opts, self.arch, list(self.proxy_params), widths,
                               offsets=stack_offsets(self.spec), base=self.client_base.payload(),
-                              client_sizes=self.client_sizes, max_tokens=self.cfg.data.max_length)
+                              client_sizes=self.client_sizes, max_tokens=self._max_example_tokens())
+
+    def _max_example_tokens(self) -> int:
+        """Real tokens one client example can hold, the bound of an APoZ report's count: the
+        prompt (``data.max_length``), plus a decoder's target (``task.max_target_length``), which
+        the causal layout feeds through the same stack (an encoder-decoder's encoder reads the
+        prompt only)."""
+        causal = getattr(self.task, "layout", None) == "causal"
+        return self.cfg.data.max_length + (self.cfg.task.max_target_length if causal else 0)
 
     def _widths(self) -> dict[int, int]:
         """Global layer -> kept neurons, of every compressed layer."""

@@ -32,7 +32,7 @@ class FedPFTStrategy(Strategy):
                  base: State | None = None, client_sizes: Mapping[int, int] | None = None,
                  max_tokens: int = 512):
         super().__init__(fed, client_sizes)
-        self.max_tokens = max_tokens  # tokens of one example at most (data.max_length)
+        self.max_tokens = max_tokens  # tokens of one example at most (data.max_length [+ target])
         self.method, self.arch, self.proxy_keys, self.widths = method, arch, set(proxy_keys), widths
         self.offsets = offsets  # global index of each stack's first layer (widths' keys)
         self.base = dict(base or {})  # the proxy's other frozen tensors (Payload.model), constant
@@ -139,7 +139,7 @@ class FedPFTStrategy(Strategy):
         bound = examples * self.max_tokens
         if tokens > bound:
             return (f"apoz_tokens={tokens:g} is more than the {examples} examples it counted x "
-                    f"data.max_length={self.max_tokens} = {bound}")
+                    f"{self.max_tokens} tokens (data.max_length [+ task.max_target_length]) = {bound}")
         return None
 
     def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
