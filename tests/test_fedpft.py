@@ -582,8 +582,9 @@ def test_head_refit_needs_a_classifier_head(pft_cfg):
 def test_keep_ratio_one_without_kd_trains_fedpetunings_decoder(tiny_gen_cfg_dict, tmp_path):
     """Issue 35 part 5, second setting (SmolLM2 + E2E): the decoder version of the test above.
     A 4-layer tiny LLaMA (SwiGLU FFN, SmolLM2's family) generating text: with every neuron kept
-    and no distillation, FedPFT must train FedPETuning's LoRA (to float32 rounding: the states
-    differ by ~1 ulp after a round, as in the encoder test's 1e-6), and its plugged-in model and
+    and no distillation, FedPFT must train FedPETuning's LoRA bit for bit (both with clients run
+    in this process, compute.workers = 1: FedPETuning's worker processes alone move the state by
+    ~1 ulp a round), and its plugged-in model and
     its proxy must give FedPETuning's logits, losses and generations; so a plug-in or proxy gap
     on E2E comes from the dropped neurons and the KD budget, not from FedPFT's training or
     evaluation path on decoders. (The tiny random model's ROUGE-L is 0, so logits, losses and
@@ -601,6 +602,7 @@ def test_keep_ratio_one_without_kd_trains_fedpetunings_decoder(tiny_gen_cfg_dict
     cfg = tiny_gen_cfg_dict
     cfg["model"]["name"] = str(folder)
     cfg["federation"]["rounds"] = 3
+    cfg["compute"] = {"workers": 1}
     base = copy.deepcopy(cfg)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"a restaurant called {i} near the river" for i in range(50)))
@@ -613,7 +615,7 @@ def test_keep_ratio_one_without_kd_trains_fedpetunings_decoder(tiny_gen_cfg_dict
     assert pft_summary["proxy_ffn"] == [config.intermediate_size] * 4
     assert set(pft_state) == set(ref_state)
     worst = max(float((pft_state[k] - ref_state[k]).abs().max()) for k in ref_state)
-    assert worst <= 1e-6, f"max |delta| of the global state = {worst:g}"
+    assert worst == 0, f"max |delta| of the global state = {worst:g}"
     start = setup(validate_config(base))[0].initial_state()
     assert any(not torch.equal(ref_state[k], start[k]) for k in ref_state)  # it trained
     ids = tok(["Describe the restaurant: name[Aromi], area[riverside]\n"], return_tensors="pt")
