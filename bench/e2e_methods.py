@@ -12,7 +12,7 @@ measured in the same invocation as the baseline every ratio refers to:
   every 2 rounds) / ``fedot`` (adapter = first and last 5 layers, distilled emulator): both with
   short distillations (40 steps of 8 x 64 WikiText-2 tokens), stated in the table.
 
-Columns: ROUGE-L, BLEU, upload and download MB per client-round, measured training GFLOPs per
+Columns: ROUGE-L, the proxy's own ROUGE-L (fedpft: the tuned proxy before plug-in), BLEU, upload and download MB per client-round, measured training GFLOPs per
 client-round, the largest client's tensors saved for backward (measured: one measure for every
 row; the process' RSS is kept in ``results.json`` but says little when several clients run in
 one process). Results accumulate in ``results.json`` (re-run with other ``--variants`` to add
@@ -153,7 +153,8 @@ def row(s: dict, base: dict | None) -> list:
     mem = s.get("activation_mb_max")  # tensors saved for backward, measured (RSS is per process)
     up, flops = s.get("bytes_up_mean"), s.get("flops_measured_mean")
     ratio = lambda a, b: None if not a or not b else b / a  # noqa: E731  (baseline / this)
-    return [s["variant"], s.get("test_rougeL"), s.get("test_bleu"), _mb(up), _mb(s.get("bytes_down_mean")),
+    return [s["variant"], s.get("test_rougeL"), s.get("proxy_test_rougeL"), s.get("test_bleu"), _mb(up),
+            _mb(s.get("bytes_down_mean")),
             None if flops is None else flops / 1e9, mem,
             ratio(up, base and base.get("bytes_up_mean")), ratio(flops, base and base.get("flops_measured_mean")),
             None if base is None else s.get("test_rougeL", 0) - base.get("test_rougeL", 0),
@@ -167,7 +168,7 @@ def _fmt(v) -> str:
 
 
 def write(results: dict, args) -> None:
-    cols = ["variant", "ROUGE-L", "BLEU", "up MB", "down MB", "train GFLOPs", "saved activations MiB (max)",
+    cols = ["variant", "ROUGE-L", "proxy ROUGE-L (fedpft: its own model)", "BLEU", "up MB", "down MB", "train GFLOPs", "saved activations MiB (max)",
             "up: base/this", "FLOPs: base/this", "ΔROUGE-L vs base", "wall min"]
     lines = [f"E2E NLG, SmolLM2-135M-Instruct, {args.rounds} rounds x 4 clients x 6 steps x 8, "
              f"test = {args.test_mrs} MRs (all references); per client-round means.", "",
