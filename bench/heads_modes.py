@@ -61,7 +61,8 @@ RATING = {"1 out of 5": "low", "low": "low", "3 out of 5": "average", "average":
 def variants(b2_modes=MODES, per_layer: bool = False) -> dict[str, dict]:
     """name -> method options, in the order they are run (90% rows first). ``per_layer``: also
     ``forward{75,90}-per_layer``, forward mode keeping the same share of heads in every layer
-    (``method.scope = "per_layer"``: no layer left without heads; issue 35 part 2)."""
+    (``method.scope = "per_layer"``: no layer left without heads; issue 35 part 2), and
+    ``forward{75,90}-per_layer-mean``, the same with ``method.fill = "mean"``."""
     out = {"dense": {"pruning": "none", "aggregation": "fedavg", "sparsity": 0.0}}
     for s in sorted(SPARSITIES, reverse=True):
         for mode in MODES:
@@ -69,6 +70,9 @@ def variants(b2_modes=MODES, per_layer: bool = False) -> dict[str, dict]:
                                                "sparsity": s, "prune": mode}
         if per_layer and s > 0.5:
             out[f"forward{round(100 * s)}-per_layer"] = {**out[f"forward{round(100 * s)}"], "scope": "per_layer"}
+            # the pruned heads' mean outputs added back while the client trains (method.fill)
+            out[f"forward{round(100 * s)}-per_layer-mean"] = {**out[f"forward{round(100 * s)}-per_layer"],
+                                                             "fill": "mean"}
         if s == 0.9:
             for mode in b2_modes:
                 out[f"B2-{mode}90"] = {"pruning": "random", "aggregation": "fedavg", "sparsity": 0.9,
@@ -200,7 +204,7 @@ def write_report(args, header: list[str], res: dict, counts: dict) -> None:
         title = {"sst2": "SST-2 (GLUE; test = GLUE validation, 872 sentences)",
                  "e2e_rating": "E2E customer rating (3 classes; test = E2E test refs with a rating)"}[task]
         sweep = ["dense"] + [f"{m}{round(100 * s)}" for m in MODES for s in SPARSITIES] + \
-            [f"forward{round(100 * s)}-per_layer" for s in SPARSITIES]
+            [f"forward{round(100 * s)}-per_layer{x}" for x in ("", "-mean") for s in SPARSITIES]
         t1 = ["dense", "B2-parameters90", "parameters90", "B2-forward90", "forward90"]
         t1 = [n for n in t1 if n in res[task]]
         out += [f"## {title}", "", "### Sparsity sweep (the shape of Fig. 4), random selection", "",
@@ -246,7 +250,8 @@ def main() -> None:
                    "per core) or N; 1 keeps a run on one core")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--per-layer", action="store_true",
-                   help="also forward mode at 75%% and 90%% with every layer keeping heads (scope per_layer)")
+                   help="also forward mode at 75%% and 90%% with every layer keeping heads (scope per_layer), "
+                   "without and with method.fill = 'mean'")
     p.add_argument("--out", type=Path, default=Path("bench/results/heads_modes"))
     args = p.parse_args()
     args.track_test = False

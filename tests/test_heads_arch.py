@@ -15,8 +15,8 @@ from fedslice.api import setup
 from fedslice.experiment import validate_config
 from fedslice.methods.heads import ALPHA, KEPT
 from fedslice.models.arch import arch_for
-from fedslice.slicing.heads import (HeadUpdate, aggregate_heads, confidence, head_importance,
-                                    mask_rows, mask_spec, num_rows)
+from fedslice.slicing.heads import (HeadUpdate, aggregate_heads, confidence, fill_pruned_heads,
+                                    head_importance, mask_rows, mask_spec, num_rows, output_means)
 from fedslice.slicing.partial import PartialLinear, partial_model
 from fedslice.slicing.keys import key_info
 from fedslice.slicing.state import extract_state
@@ -212,6 +212,96 @@ def test_forward_mode_keeps_heads_in_every_layer_by_default(arch, tiny_gen_cfg_d
     assert method.strategy.aggregate_train(1, state, {0: payload}, {0: reply}).used == [0]
     parameters = _cfg(tiny_gen_cfg_dict, tiny_lm_dirs, arch, prune="parameters", sparsity=0.75)
     assert parameters.method.scope == "global"  # the paper's rule where heads stay in the forward
+
+
+def _o_inputs(model, a, batch):
+    """Each attention output projection's input, by (stack, family, layer), of one forward."""
+    got, hooks = {}, []
+    for k, st in enumerate(a.stacks):
+        for j, block in enumerate(a.blocks(model, k)):
+            for f, att in enumerate(st.attention):
+                hooks.append(block.get_submodule(att.o).register_forward_pre_hook(
+                    lambda _m, args, key=(k, f, j): got.__setitem__(key, args[0].detach().clone())))
+    with torch.no_grad():
+        model(**batch)
+    for h in hooks:
+        h.remove()
+    return got
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mean_fill_equals_full_model_with_pruned_heads_replaced_by_their_means(arch, tiny_lm_dirs):
+    """``method.fill = "mean"`` (issue 35 part 2): the mean of each output projection's input is
+    taken over the real tokens only, and the mean-filled sub-model computes exactly the full model
+    whose pruned heads' columns of that input hold their means (LoRA on o included; T5/BART's
+    cross-attention and decoder, LLaMA's grouped queries; a headless layer of every family except
+    GPT-2's, whose transposed o does not run there)."""
+    model = _with_lora(_lm(tiny_lm_dirs, arch)).eval()
+    a = arch_for(model)
+    dims = a.all_dims(model.config)
+    batch = _inputs(model)
+    with output_means(model, a) as means:
+        with torch.no_grad():
+            model(**batch)
+    inputs = _o_inputs(model, a, batch)
+    assert set(means) == set(inputs)
+    for key, x in inputs.items():  # encoder side: example 1's padding does not count
+        w = batch["attention_mask"].float() if x.shape[1] == batch["attention_mask"].shape[1] \
+            else torch.ones(x.shape[:2])
+        torch.testing.assert_close(means[key], (x * w[..., None]).sum((0, 1)) / w.sum())
+    mask = _mask(dims, 3, headless=arch != "gpt2")
+    sub = extract_model(model, mask_spec(mask, dims), a).eval()
+    assert fill_pruned_heads(sub, model, mask, dims, means, a) == int((~mask.all(1)).sum())
+    ref, rows, hooks = copy.deepcopy(model), mask_rows(dims), []
+    for (k, f), r0 in rows.items():
+        for j, block in enumerate(a.blocks(ref, k)):
+            pruned = ~mask[r0 + j].repeat_interleave(dims[k]["head_dim"])
+            hooks.append(block.get_submodule(a.stacks[k].attention[f].o).register_forward_pre_hook(
+                lambda _m, args, p=pruned, m=means[(k, f, j)]: (torch.where(p, m, args[0]),)))
+    with torch.no_grad():
+        got, want, zero = sub(**batch).logits, ref(**batch).logits, model(**batch).logits
+    assert (got - want).abs().max() <= 1e-5
+    assert (got - zero).abs().max() > 1e-3  # the fill changes the sub-model
+
+
+def test_mean_fill_without_pruned_heads_is_the_model_bit_for_bit(tiny_lm_dirs):
+    model = _with_lora(_lm(tiny_lm_dirs, "llama")).eval()
+    a = arch_for(model)
+    dims = a.all_dims(model.config)
+    batch = _inputs(model)
+    with torch.no_grad():
+        before = model(**batch).logits
+    with output_means(model, a) as means:
+        with torch.no_grad():
+            model(**batch)
+    assert fill_pruned_heads(model, model, torch.ones(num_rows(dims), dims[0]["num_heads"], dtype=torch.bool),
+                             dims, means, a) == 0
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, before)  # and the capture's hooks are gone
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("pruning", ["importance", "random"])
+def test_forward_mode_mean_fill_trains_and_is_a_no_op_at_sparsity_zero(pruning, tiny_gen_cfg_dict, tiny_lm_dirs):
+    agg = "head_weighted" if pruning == "importance" else "fedavg"  # B2: no importance pass
+
+    def fit(**opts):
+        method, data = setup(_cfg(tiny_gen_cfg_dict, tiny_lm_dirs, "llama", prune="forward", pruning=pruning,
+                                  aggregation=agg, **opts))
+        state = method.initial_state()
+        payload = method.strategy.configure_train(1, state, [0])[0]
+        return method.fit(payload, data.client(0), 0)
+
+    zero, mean = fit(sparsity=0.75), fit(sparsity=0.75, fill="mean")
+    assert torch.equal(zero.arrays[KEPT], mean.arrays[KEPT]) and mean.metrics["loss"] == mean.metrics["loss"]
+    assert zero.metrics["loss"] != mean.metrics["loss"]
+    if pruning == "random":  # the means need a forward of their own, counted
+        assert zero.metrics["flops_importance"] == 0 < mean.metrics["flops_importance"]
+    else:
+        assert zero.metrics["flops_importance"] == mean.metrics["flops_importance"] > 0
+    dense_zero, dense_mean = fit(sparsity=0.0), fit(sparsity=0.0, fill="mean")
+    assert dense_zero.arrays.keys() == dense_mean.arrays.keys()
+    assert all(torch.equal(dense_zero.arrays[k], dense_mean.arrays[k]) for k in dense_zero.arrays)
 
 
 def _gqa_state(arch, dims, r, gen):

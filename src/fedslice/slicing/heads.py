@@ -553,3 +553,106 @@ def combine_heads(global_state: Mapping[str, torch.Tensor], deltas, weights, arc
     new = aggregate_deltas(tied, deltas, weights, eta=eta, eps=eps)
     new.update(aggregate_deltas(rest, deltas, weights, eta=eta, eps=0.0))
     return {k: new[k] for k in global_state}
+
+
+# --------------------------------------------------------------------------- pruned heads' means
+class OutputMeans(dict):
+    """(stack, family, layer) -> the mean input of that attention's output projection ``o`` (the
+    heads' concatenated outputs, one block of ``head_dim`` columns per head) over the real tokens
+    of the forwards run inside :func:`output_means`; filled when its ``with`` block ends."""
+
+
+def _token_weights(x: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
+    """(B, T) weights of ``x`` (B, T, width): the 2-D attention mask of the forward call with
+    x's shape (padding weighs 0), or ones where none has it."""
+    m = next((m for m in masks if tuple(m.shape) == tuple(x.shape[:2])), None)
+    return torch.ones(x.shape[:2], dtype=x.dtype, device=x.device) if m is None else m.to(x.dtype)
+
+
+class output_means:  # noqa: N801 (a context manager, used like a function)
+    """Context manager: hooks every attention output projection of ``model`` and, over the
+    forwards run inside it, averages its input over the real tokens (``attention_mask`` /
+    ``decoder_attention_mask`` of the call; every position where a call passes none of the
+    right shape). Yields an :class:`OutputMeans`, filled on exit::
+
+        with output_means(model) as means:
+            head_importance(model, data, ...)
+    """
+
+    def __init__(self, model: nn.Module, arch=None):
+        self.model, self.arch = model, arch or arch_for(model)
+        self.means = OutputMeans()
+
+    def __enter__(self) -> OutputMeans:
+        sums: dict[tuple[int, int, int], torch.Tensor] = {}
+        counts: dict[tuple[int, int, int], float] = {}
+        masks: list[torch.Tensor] = []
+
+        def on_call(_module, _args, kwargs):
+            masks[:] = [v for k, v in kwargs.items() if k.endswith("attention_mask")
+                        and torch.is_tensor(v) and v.dim() == 2]
+
+        def on_o(key):
+            def hook(_module, args):
+                x = args[0].detach()
+                w = _token_weights(x, masks)
+                sums[key] = sums.get(key, 0) + (x.float() * w.float()[..., None]).sum((0, 1))
+                counts[key] = counts.get(key, 0.0) + float(w.sum())
+            return hook
+
+        self.hooks = [self.model.register_forward_pre_hook(on_call, with_kwargs=True)]
+        for k, stack in enumerate(self.arch.stacks):
+            for j, block in enumerate(self.arch.blocks(self.model, k)):
+                for f, att in enumerate(stack.attention):
+                    o = block.get_submodule(att.o)
+                    self.hooks.append(o.register_forward_pre_hook(on_o((k, f, j))))
+        self._sums, self._counts = sums, counts
+        return self.means
+
+    def __exit__(self, *exc) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.means.update({key: s / max(self._counts[key], 1.0) for key, s in self._sums.items()})
+
+
+@torch.no_grad()
+def fill_pruned_heads(sub: nn.Module, model: nn.Module, kept: torch.Tensor, dims: Dims,
+                      means: Mapping[tuple[int, int, int], torch.Tensor], arch=None) -> int:
+    """Mean-fill the heads ``sub`` lacks: on each (family, layer) of the sub-model that keeps
+    some but not all of its heads (``kept``, over ``dims``: ``model``'s heads), a forward hook
+    adds to its output projection's output the constant ``o(m_pruned) - o(0)`` of ``model``'s
+    projection, ``m_pruned`` being ``means`` (:func:`output_means`, measured on ``model``) with
+    the kept heads' columns zeroed: what the pruned heads add on average in ``model``.
+    ``sub`` then matches ``model`` to first order where ``prune = "forward"`` cut heads away
+    (mean ablation instead of zero ablation). A layer that keeps no head gets it too where its
+    projection still runs (its sliced ``o``, zero input columns); a transposed (``Conv1D``)
+    projection of a headless layer does not run, and gets nothing. Returns the hooks added."""
+    arch = arch or arch_for(model)
+    rows, added = mask_rows(dims), 0
+    for (k, f), r0 in rows.items():
+        att, d = arch.stacks[k].attention[f], _stacks(dims)[k]
+        full_blocks, sub_blocks = arch.blocks(model, k), arch.blocks(sub, k)
+        for j in range(d["num_layers"]):
+            row, m = kept[r0 + j], means.get((k, f, j))
+            if bool(row.all()) or m is None:
+                continue
+            o, o_sub = full_blocks[j].get_submodule(att.o), sub_blocks[j].get_submodule(att.o)
+            if o_sub is o:
+                raise ModelError(f"layer {j}: the sub-model shares its output projection with the "
+                                 "model (no heads were cut there)")
+            cols = row.repeat_interleave(d["head_dim"]).to(m.device)
+            if cols.numel() != m.numel():
+                raise ModelError(f"layer {j}: {m.numel()} input columns of the output projection, "
+                                 f"{row.numel()} heads of {d['head_dim']}")
+            x = torch.where(cols, torch.zeros_like(m), m)[None].to(o_dtype(o))
+            was = o.training
+            o.eval()  # an adapter's dropout off
+            shift = (o(x) - o(torch.zeros_like(x)))[0]
+            o.train(was)
+            o_sub.register_forward_hook(lambda _m, _a, out, s=shift: out + s.to(out.dtype))
+            added += 1
+    return added
+
+
+def o_dtype(o: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in o.parameters() if p.is_floating_point()), torch.float32)

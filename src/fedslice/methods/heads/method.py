@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch.nn as nn
 from fedslice import measure
 from fedslice.compute import model_device, to_device
 from fedslice.config import ExperimentConfig
-from fedslice.data.batching import TokenizedSplit
+from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.data.partition import sample_rows
 from fedslice.errors import ConfigError, ModelError
 from fedslice.fl.client import LocalResult, train_local
@@ -31,8 +31,9 @@ from fedslice.methods.heads.report import paper_ops, plot_head_importance
 from fedslice.methods.heads.strategy import ALPHA, HeadsStrategy, KEPT
 from fedslice.methods.planner import PlannedModel
 from fedslice.models.loading import LoadedModel
-from fedslice.slicing.heads import (batch_confidence_sums, ensure_eager_attention, head_axes, head_importance, heads_state,
-                                    keep_mask, mask_rows, mask_spec, num_rows, position_cuts,
+from fedslice.slicing.heads import (batch_confidence_sums, ensure_eager_attention, fill_pruned_heads,
+                                    head_axes, head_importance, heads_state, keep_mask, mask_rows,
+                                    mask_spec, num_rows, output_means, position_cuts,
                                     restrict, sub_dims, to_full)
 from fedslice.slicing.keys import key_info
 from fedslice.slicing.partial import PartialLinear, freeze_parameters, partial_model
@@ -217,10 +218,12 @@ class HeadStage(Method):
                          min_keep=0 if dims is None else 1)
 
     def local_model(self, model: nn.Module, kept: torch.Tensor, payload: Payload,
-                    dims=None) -> nn.Module:
+                    dims=None, means: Mapping | None = None) -> nn.Module:
         """The model the client trains: ``model`` (the stage below's, ``dims`` its heads) with
         the pruned heads' trainable tensors frozen (``prune='parameters'``), or without them
-        (``'forward'``: a sub-model cut from the full model, the payload loaded into it)."""
+        (``'forward'``: a sub-model cut from the full model, the payload loaded into it; with
+        ``means`` (:func:`fedslice.slicing.heads.output_means` of ``model``, ``method.fill =
+        'mean'``) the pruned heads' mean outputs are added back as constants)."""
         dims = self.all_dims if dims is None else dims
         if bool(kept.all()):
             return model
@@ -234,6 +237,8 @@ class HeadStage(Method):
                                                          self.all_dims), self.arch)
                 self.load_state(dict(sub.named_parameters()),
                                 heads_state(payload.arrays, kept, self.arch, dims))
+            if means is not None:
+                fill_pruned_heads(sub, model, kept, dims, means, self.arch)
             # a headless layer's sliced o keeps its adapter (LoRA B: hidden x r): frozen, so the
             # backward does not run down to it for a zero gradient
             # and the tensors below the client's adapter depth (its plan's)
@@ -333,6 +338,24 @@ class HeadStage(Method):
             yield PlannedModel(sub, self.upload_of(params),
                                lower.model if self.needs_importance and source == "pass" else None)
 
+    @torch.no_grad()
+    def forward_pass(self, data: TokenizedSplit, seed: int, model: nn.Module) -> float:
+        """An inference forward of ``model`` over the importance examples (those of
+        :meth:`importance`); returns its measured FLOPs."""
+        n = self.opts.importance_max_examples
+        if n is not None and n < len(data):
+            data = data.subset(sample_rows(len(data), n, seed))
+        was = model.training
+        model.eval()
+        device = model_device(model)
+        with measure.count_flops() as fc:
+            for batch in iter_batches(data, torch.argsort(data.lengths, stable=True),
+                                      self.opts.importance_batch_size, shuffle=False, generator=None):
+                batch.pop("labels", None)
+                model(**to_device(batch, device))
+        model.train(was)
+        return float(fc.total)
+
     def importance_examples(self, n: int) -> int:
         if not self.needs_importance or self.opts.importance_source != "pass":
             return 0  # no pass of its own: scored from training's forwards
@@ -359,9 +382,13 @@ class HeadStage(Method):
                                                                   dims, outer)
             imp_flops = 0.0  # no forward of its own: the scores come from training's forwards
         else:
-            alpha, imp_flops = self.importance(data, seed, model) if self.needs_importance else (None, 0.0)
+            fill = self.opts.prune == "forward" and self.opts.fill == "mean"
+            with output_means(model, self.arch) if fill else nullcontext() as means:
+                alpha, imp_flops = self.importance(data, seed, model) if self.needs_importance else (None, 0.0)
+                if fill and not self.needs_importance:  # random pruning: a forward for the means
+                    imp_flops = self.forward_pass(data, seed, model)
             kept = self.keep(alpha, seed, None if outer is None else dims, payload.config.get("sparsity"))
-            sub = self.local_model(model, kept, payload, dims)
+            sub = self.local_model(model, kept, payload, dims, means=means)
             params = self.local_params(sub, kept, dims)
             result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss,
                                  virtual_tokens=self.adapter.virtual_tokens,

@@ -33,6 +33,14 @@ class HeadsMethod(MethodOptions):
         "their backward/optimizer work); 'forward': pruned heads leave the sub-model (saves "
         "forward and backward, but at high sparsity each client trains a different network and "
         "accuracy falls far behind: README, 'Head pruning').")
+    fill: Literal["zero", "mean"] = Field(
+        "zero", description="prune = 'forward': what a pruned head adds to its layer's attention "
+        "output in the client's sub-model while it trains. 'zero': nothing (it is sliced away); "
+        "'mean': its mean output, measured in the model the client received over the importance "
+        "examples (the importance pass's own forward; with pruning = 'random' a forward of its "
+        "own, counted in flops_importance), added to the output projection as a constant (mean "
+        "ablation). The server evaluates every head: 'mean' keeps what the clients train close "
+        "to it (BENCHMARKS.md, issue 35 part 2). No effect under prune = 'parameters'.")
     aggregation: Literal["head_weighted", "fedavg"] = Field(
         "head_weighted", description="Head-tied LoRA slices: importance-weighted mean (Eq. 8) or "
         "example-weighted mean over the clients that kept the head (Eq. 5).")
