@@ -3,7 +3,7 @@ pruned sub-networks that ``prune = "forward"`` clients train?
 
 ``train``: runs one variant of ``bench/heads_modes.py`` in-process (same config, same figures;
 20 SST-2 rounds of forward75-per_layer seed 0 scores what heads_modes.py scores) and saves the
-final global state to ``--out/STATE.pt``.
+final global state to ``--out/states/STATE.pt``.
 
 ``probe``: loads that state into the global model and, for ``--clients`` clients (seeded), scores
 their heads on their local data (Eq. 6, as a client of the next round would), cuts the sub-model
@@ -56,7 +56,9 @@ def make(args, variant: str, extra: dict | None = None):
 
 
 def state_path(args, variant: str) -> Path:
-    return args.out / f"sst2-{variant}-s{args.seed}-r{args.rounds}{args.tag}.pt"
+    folder = args.out / "states"  # not committed (bench/results/*/*/)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"sst2-{variant}-s{args.seed}-r{args.rounds}{args.tag}.pt"
 
 
 def train(args) -> None:
