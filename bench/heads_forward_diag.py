@@ -2,7 +2,8 @@
 pruned sub-networks that ``prune = "forward"`` clients train?
 
 ``train``: runs one variant of ``bench/heads_modes.py`` in-process (same config, same figures;
-20 SST-2 rounds of forward75-per_layer seed 0 scores what heads_modes.py scores) and saves the
+20 SST-2 rounds of forward75-per_layer seed 0 scores what heads_modes.py scores; ``--task
+e2e_rating --rounds 12``: its E2E customer-rating setting) and saves the
 final global state to ``--out/states/STATE.pt``.
 
 ``probe``: loads that state into the global model and, for ``--clients`` clients (seeded), scores
@@ -33,7 +34,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from heads_modes import config, variants  # noqa: E402
+from heads_modes import config, e2e_rating_data, variants  # noqa: E402
 
 from fedslice.api import setup  # noqa: E402
 from fedslice.experiment import validate_config  # noqa: E402
@@ -49,7 +50,8 @@ def make(args, variant: str, extra: dict | None = None):
                          importance_examples=128, target=0.8, threads=1, track_test=False,
                          seed=args.seed, out=args.out)
     opts = {**variants(per_layer=True)[variant], **(extra or {})}
-    cfg = config("sst2", f"diag-{variant}-s{args.seed}", opts, ns, None)
+    data_dir = e2e_rating_data(args.out)[0] if args.task == "e2e_rating" else None
+    cfg = config(args.task, f"diag-{args.task}-{variant}-s{args.seed}", opts, ns, data_dir)
     cfg["compute"] = {"workers": 1}
     cfg = validate_config(cfg)
     return cfg, *setup(cfg)
@@ -58,7 +60,7 @@ def make(args, variant: str, extra: dict | None = None):
 def state_path(args, variant: str) -> Path:
     folder = args.out / "states"  # not committed (bench/results/*/*/)
     folder.mkdir(parents=True, exist_ok=True)
-    return folder / f"sst2-{variant}-s{args.seed}-r{args.rounds}{args.tag}.pt"
+    return folder / f"{args.task}-{variant}-s{args.seed}-r{args.rounds}{args.tag}.pt"
 
 
 def train(args) -> None:
@@ -213,6 +215,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=["train", "probe"])
     p.add_argument("--variant", default="forward75-per_layer")
+    p.add_argument("--task", default="sst2", choices=["sst2", "e2e_rating"],
+                   help="e2e_rating: lr 3e-3 and 20 clients, as heads_modes.py (probe: SST-2 only)")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clients", type=int, default=6)

@@ -336,7 +336,7 @@ class HeadStage(Method):
             params = self.local_params(sub, kept, dims)
             source = knobs.importance or self.opts.importance_source
             yield PlannedModel(sub, self.upload_of(params),
-                               lower.model if self.needs_importance and source == "pass" else None)
+                               lower.model if self.needs_pass and source == "pass" else None)
 
     @torch.no_grad()
     def forward_pass(self, data: TokenizedSplit, seed: int, model: nn.Module) -> float:
@@ -356,8 +356,14 @@ class HeadStage(Method):
         model.train(was)
         return float(fc.total)
 
+    @property
+    def needs_pass(self) -> bool:
+        """A forward over the importance examples before training: Eq. 6's scores, or the
+        pruned heads' means of ``fill = 'mean'`` (random pruning has no scores to compute)."""
+        return self.needs_importance or (self.opts.prune == "forward" and self.opts.fill == "mean")
+
     def importance_examples(self, n: int) -> int:
-        if not self.needs_importance or self.opts.importance_source != "pass":
+        if not self.needs_pass or self.opts.importance_source != "pass":
             return 0  # no pass of its own: scored from training's forwards
         cap = self.opts.importance_max_examples
         return n if cap is None else min(n, cap)
