@@ -585,7 +585,7 @@ class output_means:  # noqa: N801 (a context manager, used like a function)
 
     def __enter__(self) -> OutputMeans:
         sums: dict[tuple[int, int, int], torch.Tensor] = {}
-        counts: dict[tuple[int, int, int], float] = {}
+        counts: dict[tuple[int, int, int], torch.Tensor] = {}  # on x's device: no host sync
         masks: list[torch.Tensor] = []
 
         def on_call(_module, _args, kwargs):
@@ -597,7 +597,7 @@ class output_means:  # noqa: N801 (a context manager, used like a function)
                 x = args[0].detach()
                 w = _token_weights(x, masks)
                 sums[key] = sums.get(key, 0) + (x.float() * w.float()[..., None]).sum((0, 1))
-                counts[key] = counts.get(key, 0.0) + float(w.sum())
+                counts[key] = counts.get(key, 0) + w.float().sum()
             return hook
 
         self.hooks = [self.model.register_forward_pre_hook(on_call, with_kwargs=True)]
@@ -612,7 +612,7 @@ class output_means:  # noqa: N801 (a context manager, used like a function)
     def __exit__(self, *exc) -> None:
         for h in self.hooks:
             h.remove()
-        self.means.update({key: s / max(self._counts[key], 1.0) for key, s in self._sums.items()})
+        self.means.update({key: s / self._counts[key].clamp_min(1.0) for key, s in self._sums.items()})
 
 
 @torch.no_grad()
