@@ -360,7 +360,12 @@ class HeadStage(Method):
     def needs_pass(self) -> bool:
         """A forward over the importance examples before training: Eq. 6's scores, or the
         pruned heads' means of ``fill = 'mean'`` (random pruning has no scores to compute)."""
-        return self.needs_importance or (self.opts.prune == "forward" and self.opts.fill == "mean")
+        return self.needs_importance or self.fills_means
+
+    @property
+    def fills_means(self) -> bool:
+        """``fill = 'mean'`` in ``'forward'`` mode: pruned heads' mean outputs added back."""
+        return self.opts.prune == "forward" and self.opts.fill == "mean"
 
     def importance_examples(self, n: int) -> int:
         if not self.needs_pass or self.opts.importance_source != "pass":
@@ -388,10 +393,9 @@ class HeadStage(Method):
                                                                   dims, outer)
             imp_flops = 0.0  # no forward of its own: the scores come from training's forwards
         else:
-            fill = self.opts.prune == "forward" and self.opts.fill == "mean"
-            with output_means(model, self.arch) if fill else nullcontext() as means:
+            with output_means(model, self.arch) if self.fills_means else nullcontext() as means:
                 alpha, imp_flops = self.importance(data, seed, model) if self.needs_importance else (None, 0.0)
-                if fill and not self.needs_importance:  # random pruning: a forward for the means
+                if self.fills_means and not self.needs_importance:  # random pruning: a forward for the means
                     imp_flops = self.forward_pass(data, seed, model)
             kept = self.keep(alpha, seed, None if outer is None else dims, payload.config.get("sparsity"))
             sub = self.local_model(model, kept, payload, dims, means=means)
