@@ -50,6 +50,11 @@ VARIANTS = {
     **{f"fedpft-kd{n}": {"name": "fedpft", "keep_ratio": 0.5, "align_every": 2, "align_steps": 10,
                          "distill": {"steps": n, "batch_size": 8, "max_length": 64}}
        for n in (100, 1000)},
+    # issue 35, part 5: the proxy keeps the FFN units of largest mean |activation| x ||W_out
+    # column||_1 on 32 corpus passages (WikiText-2, the server's), not Eq. 8's weight norms
+    "fedpft-kd100-act": {"name": "fedpft", "keep_ratio": 0.5, "align_every": 2, "align_steps": 10,
+                         "salience": "activation", "calibration_examples": 32,
+                         "distill": {"steps": 100, "batch_size": 8, "max_length": 64}},
     # issue 35, part 4: is the small sizes' collapse the rounds each size trains? every client at
     # the 0.25 tier (16 client-rounds of the 0.25 sub-model in 4 rounds, against 2 in "raffm"),
     # LoRA on q/v as in "raffm", or the whole sub-model trained
@@ -101,6 +106,7 @@ CLAIMS = {
     "fedot": "FedOT baseline: emulator + adapter, below FedPFT",
     "fedpft-kd100": "FedPFT with 100 layer-KD steps (issue 35 part 5)",
     "fedpft-kd1000": "FedPFT with 1,000 layer-KD steps (issue 35 part 5)",
+    "fedpft-kd100-act": "FedPFT, 100 layer-KD steps, proxy neurons by activation salience on the corpus (issue 35 part 5)",
     "raffm-t25only": "RaFFM, every client at 0.25: the 0.25 size given more client-rounds (issue 35 part 4)",
     "raffm-t25only-full": "as raffm-t25only, the whole sub-model trained (no LoRA, lr 1e-4)",
     "raffm-act": "RaFFM, activation-aware salience: the small sizes keep the units the decoder needs (issue 35 part 4)",

@@ -109,3 +109,57 @@ def test_layer_kd_on_every_stack_decreases_the_loss(arch, tiny_gen_cfg_dict, tin
     sum(ffn_weight_loss(s_ffn[g], t_ffn[g]) for g in s_ffn).backward()
     weights = [n for n in method.proxy_params if n.endswith("weight")]
     assert weights and all(float(method.proxy_params[n].grad.abs().sum()) > 0 for n in weights)
+
+
+def _reference_activation_neurons(method, model):
+    """The proxy's kept neurons under ``salience = "activation"``, by hand: each compressed FFN
+    unit's mean |input to W_out| over the real tokens of the corpus' first
+    ``calibration_examples`` passages (one batch; an encoder-decoder's decoder reads the passage
+    shifted right behind its start token) times the L1 norm of its W_out column; the top
+    ``keep_ratio``, in their original order."""
+    A, split = method.arch, method.corpus.split
+    batch = split.collate(list(range(min(method.opts.calibration_examples, len(split)))))
+    batch.pop("labels", None)
+    ids, mask = batch["input_ids"], batch["attention_mask"]  # (B, T)
+    if A.kind == "encoder-decoder":
+        start = torch.full_like(ids[:, :1], model.config.decoder_start_token_id)
+        batch.update(decoder_input_ids=torch.cat([start, ids[:, :-1]], 1), decoder_attention_mask=mask)
+    seen, handles = {}, []
+    for g, (k, l) in method.units.items():
+        out = A.ffn_part(model, k, l, "ffn_out")
+        handles.append(out.register_forward_pre_hook(
+            lambda _m, args, g=g: seen.__setitem__(g, args[0].detach().abs())))  # (B, T, F)
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    kept = {}
+    for g, (k, l) in method.units.items():
+        a = (seen[g] * mask[..., None]).sum((0, 1)) / mask.sum()  # (F,)
+        out = A.ffn_part(model, k, l, "ffn_out")
+        w = out.weight if A.weight_layout == "linear" else out.weight.T  # (d, F)
+        score = a * w.abs().sum(0)
+        n = len(method.spec.stacks[k].neurons[l])
+        kept[g] = tuple(sorted(torch.argsort(score, descending=True)[:n].tolist()))
+    return kept
+
+
+@pytest.mark.parametrize("arch", ["llama", "t5", "gpt2"])
+def test_activation_salience_keeps_the_units_the_corpus_drives(arch, tiny_gen_cfg_dict, tiny_lm_dirs,
+                                                               corpus_file, tmp_path):
+    """``method.salience = "activation"`` (issue 35 part 5: the weight-norm rule keeps units
+    SmolLM2 does not need): the proxy keeps, per compressed layer, the units of largest mean
+    |activation| x ||W_out column||_1 over the corpus' first passages, the server's data only;
+    not the units Eq. 8's weight norms keep."""
+    method, _ = _method(arch, tiny_gen_cfg_dict, tiny_lm_dirs, corpus_file, tmp_path,
+                        salience="activation", calibration_examples=6)
+    assert method.corpus is not None  # kd = "none": read for the ranking alone
+    expected = _reference_activation_neurons(method, method.model)
+    got = {g: method.spec.stacks[k].neurons[l] for g, (k, l) in method.units.items()}
+    assert got == expected
+    l2, _ = _method(arch, tiny_gen_cfg_dict, tiny_lm_dirs, corpus_file, tmp_path)
+    assert l2.corpus is None  # l2 with kd = "none" reads no corpus
+    assert got != {g: l2.spec.stacks[k].neurons[l] for g, (k, l) in l2.units.items()}

@@ -469,3 +469,35 @@ def test_predict_evaluate_and_export_an_image_run(tiny_img_cfg_dict, tiny_images
     capsys.readouterr()
     assert main(["predict", str(run), "--input", str(inp)]) == 2
     assert "0.png" in capsys.readouterr().err
+
+
+def test_activation_salience_on_the_servers_images(tiny_img_cfg_dict):
+    """fedpft's ``salience = "activation"`` on a ViT: the activation pass reads the server's
+    held-apart images (no client's), W_out's columns count with DINOv2's LayerScale, and it
+    ranks differently from Eq. 8's weight norms."""
+    from fedslice.api import setup
+    tiny_img_cfg_dict["data"]["server_holdout"] = 0.25
+    method_opts = {"name": "fedpft", "keep_ratio": 0.5, "whole_layers": [0], "kd": "none",
+                   "distill": {"corpus": "server_holdout", "steps": 1, "batch_size": 4, "cache_dir": ""}}
+    tiny_img_cfg_dict["method"] = {**method_opts, "salience": "activation", "calibration_examples": 8}
+    method, _ = setup(validate_config(tiny_img_cfg_dict))
+    A, split = method.arch, method.corpus.split
+    batch = split.collate(list(range(8)))
+    seen = {}
+    handles = [A.ffn_part(method.model, k, l, "ffn_out").register_forward_pre_hook(
+        lambda _m, args, g=g: seen.__setitem__(g, args[0].detach().abs())) for g, (k, l) in method.units.items()]
+    method.model.eval()
+    with torch.no_grad():
+        method.model(pixel_values=batch["pixel_values"])
+    for h in handles:
+        h.remove()
+    tiny_img_cfg_dict["method"] = method_opts
+    l2, _ = setup(validate_config(tiny_img_cfg_dict))
+    for g, (k, l) in method.units.items():
+        out = A.ffn_part(method.model, k, l, "ffn_out")
+        scale = A.blocks(method.model, k)[l].layer_scale2.lambda1  # (d,) DINOv2's LayerScale
+        w = scale[:, None] * out.weight  # (d, F): the FFN's contribution to the residual
+        score = seen[g].mean((0, 1)) * w.abs().sum(0)  # every patch token is real
+        kept = method.spec.stacks[k].neurons[l]
+        assert kept == tuple(sorted(torch.argsort(score, descending=True)[:len(kept)].tolist()))
+        assert kept != l2.spec.stacks[k].neurons[l]

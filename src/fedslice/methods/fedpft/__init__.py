@@ -1,7 +1,10 @@
 """``fedpft``: Federated Proxy Fine-Tuning (Peng et al. 2024).
 
 1. **Sub-FM construction** (Sec. 3.4). Each FFN neuron's saliency is the L2 norm of its ``W1`` row
-   and ``W2`` column (Eq. 8: :func:`fedslice.slicing.salience.salience` with ``norm='l2'``). In the
+   and ``W2`` column (Eq. 8: :func:`fedslice.slicing.salience.salience` with ``norm='l2'``), or
+   with ``method.salience = "activation"`` (not in the paper) its mean |input to ``W2``| over
+   ``calibration_examples`` passages of the distillation corpus times its ``W2`` column's L1 norm
+   (the server's data only; on SmolLM2 the weight norms rank the units the model needs last). In the
    compressed layers (all but ``method.whole_layers``, default the first and the last, counted
    in each stack: an encoder-decoder keeps the first/last encoder and decoder layers whole) the top
    ``keep_ratio`` of the neurons are kept, in their original order; attention is untouched. The

@@ -15,18 +15,18 @@ import torch.nn as nn
 
 from fedslice import measure
 from fedslice.config import ExperimentConfig
-from fedslice.data.batching import TokenizedSplit
+from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.distill import cache
 from fedslice.distill.apoz import (aggregate_apoz, apoz_report, count_near_zero, select_neurons,
                                    split_report)
-from fedslice.distill.loop import DistillLog, block_masks, distill
+from fedslice.distill.loop import DistillLog, block_masks, decoder_start, distill, teacher_forced
 from fedslice.distill.losses import layer_kd_loss
 from fedslice.distill.report import write_curves
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.methods.base import Method, Role
 from fedslice.methods.fedpft.options import FedPFTMethod, KD_BEFORE, KD_DURING, UPDATE_PREFIX
-from fedslice.methods.fedpft.proxy import (build_proxy, compressed_units, ffn_modules, ffn_weights,
-                                           global_layer, proxy_slice, stack_offsets)
+from fedslice.methods.fedpft.proxy import (build_proxy, compressed_layers, compressed_units, ffn_modules,
+                                           ffn_weights, global_layer, proxy_slice, stack_offsets)
 from fedslice.methods.fedpft.refit import head_params, refit_head, soft_targets
 from fedslice.methods.fedpft.strategy import FedPFTStrategy
 from fedslice.methods.submodel import (ClientBase, cached_distill, make_corpus,
@@ -34,7 +34,7 @@ from fedslice.methods.submodel import (ClientBase, cached_distill, make_corpus,
                                        transformer_params)
 from fedslice.models.loading import LoadedModel, materialize
 from fedslice.slicing.keys import key_info
-from fedslice.slicing.salience import model_salience
+from fedslice.slicing.salience import model_salience, output_activations
 from fedslice.slicing.spec import ModelSlice
 from fedslice.tasks import Task
 
@@ -104,6 +104,8 @@ class FedPFT(Method):
         (role "client") has the model's shape only (meta device): its proxy keeps the leading
         neurons, gets zeros now and the server's values in its first payload."""
         o = self.opts
+        # a client gets the distilled proxy in its payload: no corpus, no distillation there
+        self.corpus = self._corpus(model) if self.role != "client" else None
         self.spec = self._proxy_slice(model)
         full = self.teacher = self.adapter.apply(model)
         self.units = compressed_units(self.spec)  # global layer -> (stack, layer)
@@ -114,31 +116,47 @@ class FedPFT(Method):
         ffns = [m for k, l in self.units.values() for m in ffn_modules(self.proxy, self.arch, k, l)]
         self.proxy_params = named_params(self.proxy, ffns)
         self.client_base = ClientBase(self.proxy, self.proxy_params, from_server=self.role == "client")
-        # a client gets the distilled proxy in its payload: no corpus, no distillation there
-        self.corpus = self._corpus() if self.role != "client" else None
         self.kd_before, self.kd_cached = None, False
         if o.kd in KD_BEFORE and self.compressed and o.distill.steps > 0 and self.role != "client":
             self.kd_before, self.kd_cached = self._layer_kd(full)
         return full
 
     def _proxy_slice(self, model: nn.Module) -> ModelSlice:
-        """Eq. 8 saliency of every stack's neurons (a gated neuron: gate row + up row + down
-        column) and the proxy's slice: ``whole_layers`` of each stack whole."""
+        """Every stack's neurons' saliency (``method.salience``; a gated neuron: gate row + up row
+        + down column, or its gated activation) and the proxy's slice: ``whole_layers`` of each
+        stack whole."""
         all_dims = self.arch.all_dims(model.config)
-        if self.role == "client":  # shapes only (meta device): the leading neurons, values follow
+        rule = self.opts.salience
+        if self.role == "client" or (rule == "activation" and self.corpus is None):
+            # a client: shapes only (meta device), the leading neurons, values follow; no corpus
+            # for "activation": no layer is compressed, no neuron needs ranking
             neurons = [None] * len(all_dims)
         else:
-            sal = model_salience(model.state_dict(), self.arch, all_dims, "l2")
+            acts = self._calibration_activations(model) if rule == "activation" else None
+            sal = model_salience(model.state_dict(), self.arch, all_dims, rule, activations=acts)
             neurons = [[s.neurons for s in stack] for stack in sal]
         return proxy_slice(neurons, all_dims, self.opts.keep_ratio, self.opts.whole_layers)
 
-    def _corpus(self) -> Corpus | None:
+    def _calibration_activations(self, model: nn.Module) -> dict:
+        """The output projections' mean |input| (:func:`output_activations`) of the full
+        ``model`` over the first ``calibration_examples`` passages of the corpus."""
+        split, bs = self.corpus.split, self.opts.distill.batch_size
+        rows = range(min(self.opts.calibration_examples, len(split)))
+        start = decoder_start(model)
+        batches = (teacher_forced(b, self.arch, start)
+                   for b in iter_batches(split, rows, bs, shuffle=False, generator=None))
+        return output_activations(model, self.arch, batches)
+
+    def _corpus(self, model: nn.Module) -> Corpus | None:
         """The distillation corpus (checked now; an empty one fails before FL starts)."""
         o = self.opts
-        if (o.kd == "none" and not o.head_refit_steps) or not self.compressed:
+        compresses = any(compressed_layers(o.whole_layers, d["num_layers"])
+                         for d in self.arch.all_dims(model.config))
+        calibrates = o.salience == "activation"
+        if (o.kd == "none" and not o.head_refit_steps and not calibrates) or not compresses:
             return None
         steps = max(o.distill.steps if o.kd in KD_BEFORE else 0, o.align_steps if o.kd in KD_DURING else 0,
-                    o.head_refit_steps)
+                    o.head_refit_steps, -(-o.calibration_examples // o.distill.batch_size) if calibrates else 0)
         corpus = make_corpus(self.cfg, o.distill, self.task, self.loaded, steps, "method.distill.corpus")
         if o.kd in KD_DURING and o.align_steps > 0:
             _ = corpus.split  # packed now, not at the first alignment

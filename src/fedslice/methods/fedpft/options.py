@@ -23,8 +23,15 @@ class FedPFTMethod(MethodOptions):
     """FedPFT (Peng et al. 2024): FFN-compressed proxy, two-step distillation, LoRA on attention."""
 
     name: Literal["fedpft"] = "fedpft"
-    keep_ratio: float = Field(0.25, description="Fraction of FFN neurons kept (top Eq. 8 saliency) "
+    keep_ratio: float = Field(0.25, description="Fraction of FFN neurons kept (the most salient: `salience`) "
                               "in each compressed layer, in (0, 1].")
+    salience: Literal["l2", "activation"] = Field(
+        "l2", description="Which FFN neurons the proxy keeps: 'l2' ranks a neuron by the L2 norm of "
+        "its weights (Eq. 8, the paper); 'activation' by mean |a_j| (its input to W_out) x the L1 "
+        "norm of W_out's column j over `calibration_examples` passages of the distillation corpus "
+        "(data the server holds, never a client's): data-aware, not in the paper.")
+    calibration_examples: int = Field(32, gt=0, description="Corpus passages (or images) the "
+                                      "full model reads for salience = 'activation'.")
     whole_layers: list[int] = Field(default_factory=lambda: [0, -1], description="Layers kept "
                                     "whole (negative: from the end); the others are compressed.")
     kd: Literal["both", "before", "during", "none"] = Field(
