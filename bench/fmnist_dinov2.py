@@ -23,7 +23,9 @@ distillation corpus, as the paper distils ViT on ImageNet) and the same test set
 * ``fedpft_refit``: ``fedpft`` + the server's head re-fit after the last round
   (``method.head_refit_steps`` 200, lr 1e-3: the proxy's predictions on the held-apart images
   distilled into the plugged-in full model's classifier; cost ``head_refit_flops``);
-  ``fedpft_refit1000``: the same with 1,000 re-fit steps.
+  ``fedpft_refit1000``: the same with 1,000 re-fit steps; ``fedpft_refit_act``: ``fedpft_refit``
+  whose proxy keeps the neurons of largest activation salience (``method.salience =
+  "activation"`` on 256 of the server's held-apart images) instead of Eq. 8's weight norms.
 
 Each run writes ``runs/<key>.json`` (key ``variant-partition-sN``) under ``--out`` and is skipped
 when present, so invocations may run side by side (one ``--variants`` / ``--seeds`` subset each)
@@ -65,9 +67,13 @@ VARIANTS = {
     # the plug-in's classifier re-fitted on the server after FL (the config's method + REFIT)
     "fedpft_refit": None,
     "fedpft_refit1000": None,
+    # ... and the proxy's neurons by activation salience on 256 held-apart images (issue 35 part 5)
+    "fedpft_refit_act": None,
 }
 REFIT = {"fedpft_refit": {"head_refit_steps": 200, "head_refit_lr": 1e-3},
-         "fedpft_refit1000": {"head_refit_steps": 1000, "head_refit_lr": 1e-3}}
+         "fedpft_refit1000": {"head_refit_steps": 1000, "head_refit_lr": 1e-3},
+         "fedpft_refit_act": {"head_refit_steps": 200, "head_refit_lr": 1e-3,
+                              "salience": "activation", "calibration_examples": 256}}
 CLAIMS = {
     "fedpetuning": "baseline: LoRA on the full model",
     "fedpft": "FedPFT: > FedOT, within 1.5 pt of FedPETuning (Table 2)",
@@ -79,6 +85,7 @@ CLAIMS = {
     "fedpft_kd5000": "FedPFT with 5,000 layer-KD steps",
     "fedpft_refit": "FedPFT + server-side head re-fit: within 3 pt of FedPETuning (issue 35, part 5)",
     "fedpft_refit1000": "fedpft_refit with 1,000 re-fit steps (its budget)",
+    "fedpft_refit_act": "fedpft_refit with the proxy's neurons by activation salience (issue 35, part 5)",
 }
 
 
