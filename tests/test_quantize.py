@@ -5,8 +5,10 @@ ServerApp/ClientApp code, memory flat over 20 rounds, export (merged and peft), 
 from __future__ import annotations
 
 import json
+import os
 
 import psutil
+
 import pytest
 import torch
 import torch.nn as nn
@@ -388,6 +390,45 @@ def test_base_is_quantized_once_and_memory_is_flat_over_20_rounds(tiny_cfg_dict,
     assert len(set(watch.model_bytes)) == 1
     growth_mb = (watch.rss[-1] - watch.rss[4]) / 2**20
     assert growth_mb < 8, f"RSS grew {growth_mb:.1f} MiB between rounds 5 and 20"
+
+
+def test_forked_workers_train_the_parents_int8_base_and_never_quantize(tiny_cfg_dict, tmp_path,
+                                                                       monkeypatch):
+    """With forked client workers (compute.workers = 2, 3 rounds), the base is quantized once,
+    in the main process, before any worker forks; every worker trains over the parent's int8
+    tensors (the same storages, shared copy-on-write) and quantizes nothing (issue 34: the
+    higher process-tree PSS of an int8 run is not a per-worker or per-round quantization;
+    BENCHMARKS.md, "Quantized base")."""
+    log = tmp_path / "log"
+
+    def note(line: str) -> None:  # a file: a worker's lists die with it
+        with open(log, "a") as f:
+            f.write(line + "\n")
+
+    real = Q._int8
+    monkeypatch.setattr(Q, "_int8", lambda model, todo: (note(f"quantize {os.getpid()} {len(todo)}"),
+                                                         real(model, todo)))
+    d = _quantized_cfg(tiny_cfg_dict)
+    d["federation"].update(num_clients=4, clients_per_round=2, rounds=3, local_steps=1)
+    cfg = validate_config({**d, "compute": {"workers": 2}})
+    method, data = setup(cfg)
+    ptrs = sorted((n, p.qdata.data_ptr()) for n, p in Q.quantized_weights(method.model).items())
+    assert len(ptrs) == 12
+    real_fit = method.fit
+
+    def fit(payload, data_, seed):  # in a worker
+        mine = sorted((n, p.qdata.data_ptr()) for n, p in Q.quantized_weights(method.model).items())
+        note(f"fit {os.getpid()} {mine == ptrs}")
+        return real_fit(payload, data_, seed)
+
+    method.fit = fit
+    Simulation(cfg, method, data).run()
+    lines = [ln.split() for ln in log.read_text().splitlines()]
+    quantized = [ln for ln in lines if ln[0] == "quantize"]
+    fits = [ln for ln in lines if ln[0] == "fit"]
+    assert quantized == [["quantize", str(os.getpid()), "12"]]  # once, here, before the forks
+    assert len(fits) == 6 and all(ok == "True" for _, _, ok in fits)
+    assert {pid for _, pid, _ in fits}.isdisjoint({str(os.getpid())})  # they ran in workers
 
 
 # --------------------------------------------------------------------------------------------
