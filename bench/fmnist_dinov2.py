@@ -165,7 +165,7 @@ def table(out: Path) -> str:
     if not rows:
         return "no runs yet"
     by = {(r["variant"], r["partition"], r["seed"]): r for r in rows}
-    r0 = next((r for r in rows if "machine" in r), rows[0])  # a restored row may lack the set-up
+    r0 = next((r for r in rows if r.get("machine")), rows[0])  # a restored row may lack the set-up
     px = r0.get("image_size", 56)
     lines = [f"DINOv2-S/14 + Fashion-MNIST ({px} px, {(px // 14) ** 2 + 1} tokens/image), 100 clients x "
              f"{r0.get('clients_per_round', 10)} per round, "
@@ -252,7 +252,8 @@ def claims(by: dict, partition: str) -> list[str]:
         a, b = by.get(("fedpetuning", partition, s)), by[(v, partition, s)]
         if a:
             gap = 100 * (b["test_accuracy"] - a["test_accuracy"])
-            out.append(f"- FedPFT + head re-fit, {b['head_refit_steps']} steps − FedPETuning (seed {s}): "
+            act = ", proxy by activation salience" if REFIT[v].get("salience") == "activation" else ""
+            out.append(f"- FedPFT + head re-fit, {b['head_refit_steps']} steps{act} − FedPETuning (seed {s}): "
                        f"{gap:+.2f} pt: within 3 pt (issue 35, part 5): {'met' if gap >= -3 else 'missed'}")
     for s in seeds:
         a, b = by.get(("fedpft", partition, s)), by.get(("fedot", partition, s))
