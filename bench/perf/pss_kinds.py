@@ -24,18 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tree_pss import children  # noqa: E402  (the process tree's pids, depth first)
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = os.sysconf("SC_PAGE_SIZE")
 FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Shared_Clean", "Shared_Dirty", "Private_Clean",
           "Private_Dirty", "Anonymous")
-
-
-def children(pid: int) -> list[int]:
-    try:
-        kids = [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-    return [d for k in kids for d in (k, *children(k))]
 
 
 def kind(path: str) -> str:
