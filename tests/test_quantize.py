@@ -8,7 +8,6 @@ import json
 import os
 
 import psutil
-
 import pytest
 import torch
 import torch.nn as nn
@@ -421,7 +420,7 @@ def test_forked_workers_train_the_parents_int8_base_and_never_quantize(tiny_cfg_
         note(f"fit {os.getpid()} {mine == ptrs}")
         return real_fit(payload, data_, seed)
 
-    method.fit = fit
+    monkeypatch.setattr(method, "fit", fit)
     Simulation(cfg, method, data).run()
     lines = [ln.split() for ln in log.read_text().splitlines()]
     quantized = [ln for ln in lines if ln[0] == "quantize"]
