@@ -28,6 +28,10 @@ row micro-batches and checkpointing):
                  adapters of the top half of the blocks only (budgets.adapter_depths = DEPTHS,
                  since 2026-11-27 08:00): more examples per step for the same FLOPs.
 
+``--server-opt NAME`` (``--server-opt-lr``, ``--server-momentum``): every row, dense included,
+under that server optimizer (``server_opt``: fedavgm, fedadagrad, fedadam, fedyogi); use its own
+``--out``.
+
 A row whose budget no plan fits is recorded as such (the planner's message), not run.
 Columns: test accuracy and its difference to dense, measured peak memory (largest client), training
 + importance GFLOPs per client-round, upload and download MB per client-round, wall time.
@@ -131,6 +135,9 @@ def config(row: str, args, budgets: dict | None) -> dict:
 
 
 def with_budgets(cfg: dict, row: str, args, budgets: dict | None) -> dict:
+    if args.server_opt != "none":  # every row, the dense one too
+        cfg["server_opt"] = {"name": args.server_opt, "lr": args.server_opt_lr,
+                             "momentum": args.server_momentum}
     if budgets is not None:
         cfg["budgets"] = {**budgets, **({"precisions": ["none", "int8"]}
                                         if row in ("fp32-int8", "planned-int8-work",
@@ -211,6 +218,9 @@ def main() -> None:
     ap.add_argument("--measured-widths", action="store_true",
                     help="raffm rows: activation salience and measured per-layer widths (4 levels, "
                     "16 calibration rows; rows <row>-mw@...)")
+    ap.add_argument("--server-opt", default="none", help="server_opt.name of every row (dense too)")
+    ap.add_argument("--server-opt-lr", type=float, default=None, help="server_opt.lr")
+    ap.add_argument("--server-momentum", type=float, default=None, help="server_opt.momentum")
     ap.add_argument("--again", action="store_true", help="re-run rows whose results exist")
     ap.add_argument("--out", type=Path, default=None, help="default bench/results/frontier_<task>")
     args = ap.parse_args()

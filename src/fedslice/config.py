@@ -592,6 +592,41 @@ class AggregationConfig(Section):
         return v
 
 
+#: each server optimizer's defaults (Flower 1.41's FedAvgM / FedAdagrad / FedAdam / FedYogi,
+#: except FedAvgM's momentum, 0 there: FedAvgM would then be FedAvg): lr, momentum (beta_1)
+SERVER_OPT_DEFAULTS: dict[str, tuple[float, float]] = {
+    "fedavgm": (1.0, 0.9), "fedadagrad": (0.1, 0.0), "fedadam": (0.1, 0.9), "fedyogi": (0.01, 0.9)}
+
+
+class ServerOptConfig(Section):
+    """A server optimizer over the round's aggregate (Reddi et al. 2021, "Adaptive Federated
+    Optimization"; Hsu et al. 2019 for FedAvgM): the new global state the method's aggregation
+    (and any rule) gives, minus the old one, is the round's pseudo-gradient; the optimizer steps
+    the trainable state along it. Wraps every method's weighting (docs/aggregation.md)."""
+
+    name: Literal["none", "fedavgm", "fedadagrad", "fedadam", "fedyogi"] = Field(
+        "none", description="none: the aggregate is the new state; fedavgm: server momentum; "
+        "fedadagrad / fedadam / fedyogi: per-element adaptive steps.")
+    lr: float | None = Field(None, gt=0, description="eta, the server's step size (default: "
+                             "fedavgm 1.0, fedadagrad 0.1, fedadam 0.1, fedyogi 0.01).")
+    momentum: float | None = Field(None, ge=0, lt=1, description="fedavgm: the momentum; the "
+                                   "others: beta_1 (default: fedavgm 0.9, fedadagrad 0, fedadam "
+                                   "and fedyogi 0.9).")
+    beta2: float = Field(0.99, gt=0, lt=1, description="fedadam / fedyogi: beta_2.")
+    tau: float = Field(1e-3, gt=0, description="fedadagrad / fedadam / fedyogi: the adaptivity "
+                       "tau added to sqrt(v).")
+
+    @property
+    def step_size(self) -> float:
+        """eta: the configured one or the optimizer's default."""
+        return self.lr if self.lr is not None else SERVER_OPT_DEFAULTS[self.name][0]
+
+    @property
+    def beta1(self) -> float:
+        """The momentum (beta_1): the configured one or the optimizer's default."""
+        return self.momentum if self.momentum is not None else SERVER_OPT_DEFAULTS[self.name][1]
+
+
 class DPConfig(Section):
     """Central DP-FedAvg (McMahan et al. 2018): each client's update clipped to `clip_norm`, the
     uniform mean over the clients_per_round sampled, Gaussian noise of std
@@ -723,6 +758,7 @@ class ExperimentConfig(Section):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
     dp: DPConfig = Field(default_factory=DPConfig)
+    server_opt: ServerOptConfig = Field(default_factory=ServerOptConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     budgets: BudgetsConfig | None = Field(None, description="Client budgets and the planner "

@@ -116,6 +116,14 @@ class Method:
     plans_budgets: ClassVar[bool] = False
 
     @classmethod
+    def reorders_state(cls, cfg: ExperimentConfig) -> str | None:
+        """Why the strategy re-orders the elements of the global state between rounds (RaFFM's
+        re-ordering every R rounds), named with the option; None when it never does after the
+        first round. A rule holding per-element server state (a server optimizer's moments)
+        refuses it."""
+        return None
+
+    @classmethod
     def client_statistics(cls, cfg: ExperimentConfig) -> str | None:
         """What a client sends the server under ``cfg`` besides its update, its example count and
         its costs, that steers the server's work (e.g. FedPFT's APoZ reports), named with the

@@ -42,6 +42,9 @@ class Rule(Wrapper):
     slices_hint: ClassVar[str] = ""
     #: ``from_config`` takes the model's architecture (``arch=``: e.g. its weight layout)
     takes_arch: ClassVar[bool] = False
+    #: why a server optimizer (``server_opt``) cannot step along what the rule combines ("":
+    #: it can)
+    server_opt_refusal: ClassVar[str] = ""
 
     def __init__(self, inner: Strategy):
         if not isinstance(inner, Rule):

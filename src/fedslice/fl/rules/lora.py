@@ -194,6 +194,8 @@ class FedEx(LoraRule):
 
     name = "fedex"
     changes_base = True
+    server_opt_refusal = ("it folds each round's residual into the frozen base weights, which a "
+                          "server optimizer's step on the factors would leave at the plain mean")
 
     def combine(self, server_round: int, state: State, deltas: list[State], weights: list,
                 replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
@@ -218,6 +220,8 @@ class FLoRA(LoraRule):
 
     name = "flora"
     changes_base = True
+    server_opt_refusal = ("it merges the round's update into the base weights and restarts the "
+                          "adapter, so the factors' change is not a step to take again")
 
     def combine(self, server_round: int, state: State, deltas: list[State], weights: list,
                 replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:
@@ -246,6 +250,8 @@ class SVD(LoraRule):
     client rank of the round, is reported."""
 
     name = "svd"
+    server_opt_refusal = ("it re-factorizes the averaged B A every round, so the factors' change "
+                          "is a new factorization, not a step along a gradient")
 
     def combine(self, server_round: int, state: State, deltas: list[State], weights: list,
                 replies: dict[int, Reply]) -> tuple[State, dict[str, Any]]:

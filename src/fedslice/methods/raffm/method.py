@@ -79,6 +79,14 @@ class RaFFM(Method):
         return None
 
     @classmethod
+    def reorders_state(cls, cfg: ExperimentConfig) -> str | None:
+        o = cfg.method
+        if o.reorder and o.reorder_every:
+            return (f"method.reorder_every={o.reorder_every} (the server salience-orders the "
+                    f"global state's heads and neurons every {o.reorder_every} rounds)")
+        return None
+
+    @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
         super().check_config(cfg)
         adapter = cls.adapter_class(cfg)
