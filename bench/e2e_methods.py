@@ -142,6 +142,8 @@ def config(variant: str, args) -> dict:
     cfg["output"].update(dir=str(args.out), progress=False, plots=False, save_weights=False)
     if args.workers:
         cfg["compute"]["workers"] = args.workers
+    if args.server_opt != "none":  # every variant, FedPETuning too (docs/aggregation.md)
+        cfg["server_opt"] = {"name": args.server_opt, "lr": args.server_opt_lr}
     return cfg
 
 
@@ -213,6 +215,8 @@ def main() -> None:
                    "one core; default: the config's 'auto')")
     p.add_argument("--seed", type=int, default=0, help="rows are keyed 'variant@seedN' for N > 0; "
                    "compare them with fedpetuning at the same seed (same partition and test MRs)")
+    p.add_argument("--server-opt", default="none", help="server_opt.name of every variant (use its own --out)")
+    p.add_argument("--server-opt-lr", type=float, default=None, help="server_opt.lr")
     p.add_argument("--out", type=Path, default=Path("bench/results/e2e_methods"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -127,6 +127,8 @@ def config(task: str, name: str, method: dict, args, data_dir: Path | None) -> d
                        "max_dev_examples": args.dev_examples}
         cfg["federation"]["num_clients"] = args.e2e_clients
         cfg["federation"]["lr"] = args.e2e_lr
+    if args.server_opt != "none":  # every variant, dense too (docs/aggregation.md)
+        cfg["server_opt"] = {"name": args.server_opt, "lr": args.server_opt_lr}
     return cfg
 
 
@@ -252,6 +254,8 @@ def main() -> None:
     p.add_argument("--per-layer", action="store_true",
                    help="also forward mode at 75%% and 90%% with every layer keeping heads (scope per_layer), "
                    "without and with method.fill = 'mean'")
+    p.add_argument("--server-opt", default="none", help="server_opt.name of every variant (use its own --out)")
+    p.add_argument("--server-opt-lr", type=float, default=None, help="server_opt.lr")
     p.add_argument("--out", type=Path, default=Path("bench/results/heads_modes"))
     args = p.parse_args()
     args.track_test = False
