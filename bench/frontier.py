@@ -28,6 +28,8 @@ row micro-batches and checkpointing):
                  adapters of the top half of the blocks only (budgets.adapter_depths = DEPTHS,
                  since 2026-11-27 08:00): more examples per step for the same FLOPs.
 
+``--lora-aggregation ffa``: the budget rows train FFA-LoRA (A frozen from the seed, B sent), so
+an upload budget affords twice the rank; dense stays FedIT (row names end in ``-ffa``).
 ``--server-opt NAME`` (``--server-opt-lr``, ``--server-momentum``): every row, dense included,
 under that server optimizer (``server_opt``: fedavgm, fedadagrad, fedadam, fedyogi); use its own
 ``--out``.
@@ -138,6 +140,8 @@ def with_budgets(cfg: dict, row: str, args, budgets: dict | None) -> dict:
     if args.server_opt != "none":  # every row, the dense one too
         cfg["server_opt"] = {"name": args.server_opt, "lr": args.server_opt_lr,
                              "momentum": args.server_momentum}
+    if budgets is not None and args.lora_aggregation:  # the planned rows only: dense stays fedit
+        cfg["lora"]["aggregation"] = args.lora_aggregation
     if budgets is not None:
         cfg["budgets"] = {**budgets, **({"precisions": ["none", "int8"]}
                                         if row in ("fp32-int8", "planned-int8-work",
@@ -221,6 +225,8 @@ def main() -> None:
     ap.add_argument("--server-opt", default="none", help="server_opt.name of every row (dense too)")
     ap.add_argument("--server-opt-lr", type=float, default=None, help="server_opt.lr")
     ap.add_argument("--server-momentum", type=float, default=None, help="server_opt.momentum")
+    ap.add_argument("--lora-aggregation", default=None, help="lora.aggregation of the budget rows "
+                    "(dense keeps fedit): ffa sends B only, so the planner can afford a higher rank")
     ap.add_argument("--again", action="store_true", help="re-run rows whose results exist")
     ap.add_argument("--out", type=Path, default=None, help="default bench/results/frontier_<task>")
     args = ap.parse_args()
@@ -241,6 +247,7 @@ def main() -> None:
             tag = f"-lw{len(args.local_work)}" if args.local_work and row.endswith("-work") else ""
             tag += "-mw" if args.measured_widths and "raffm" in METHODS[row] else ""
             tag += f"-d{len(args.depths)}" if args.depths and "-depth-" in row else ""
+            tag += f"-{args.lora_aggregation}" if args.lora_aggregation else ""
             run_row(f"{row}{tag}@{at}", row, args, {"tiers": [tier(f, dense, f"{f:.0%}", upload_only=args.upload_only,
                                                               memory_only=args.memory_only,
                                                               memory_f=args.memory_share,
