@@ -533,6 +533,39 @@ def test_an_int8_raffm_client_trains_the_quantized_slice_the_server_sent(tiny_cf
     assert method.client_model(other)[0] is not model
 
 
+def test_int8_raffm_clients_at_a_lower_rank_train_ffa_lora(tiny_cfg_dict):
+    """FFA-LoRA's A is frozen but is the adapter's, sent at each client's rank: the int8 copy of a
+    slice is made from the base's frozen slices only, and a rank-2 client loads its rank-2 A
+    (regression: the copy tried to load that A into the rank-4 sub-model)."""
+    from fedslice.api import setup
+    from fedslice.run.engine import Simulation
+
+    base = _cfg(tiny_cfg_dict, None, method="raffm", lora={"r": 4, "aggregation": "ffa"})
+    method0, _ = setup(validate_config(base))
+    sent = method0.trainable()  # under FFA: B and the classifier
+    b_bytes = sum(p.numel() * 4 for k, p in sent.items() if ".lora_B." in k)
+    assert b_bytes and not any(".lora_A." in k for k in sent)
+    up = {r: (sum(p.numel() * 4 for p in sent.values()) - b_bytes * (4 - r) / 4) / 1e6 for r in (2, 4)}  # MB
+    d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 0.5, "upload_mb_per_round": up[2] * 1.01},
+                                       {"share": 0.5, "upload_mb_per_round": up[4] * 1.01}],
+                             "precisions": ["int8"]},
+             method="raffm", lora={"r": 4, "ranks": [2, 4], "aggregation": "ffa"})
+    cfg = validate_config(d)
+    method, data = setup(cfg)
+    state = method.initial_state()
+    payloads = method.strategy.configure_train(1, state, [0, 1, 2, 3])
+    assert {p.config["lora_rank"] for p in payloads.values()} == {2, 4}
+    for p in sorted(payloads.values(), key=lambda p: p.config["lora_rank"]):  # rank 2 first
+        assert p.config["base_precision"] == "int8"
+        model, _ = method.client_model(p)
+        named = dict(model.named_parameters())
+        for k, a in p.arrays.items():
+            if ".lora_A." in k:
+                assert a.shape[0] == p.config["lora_rank"] and torch.equal(named[k], a), k
+    _, records, _ = Simulation(cfg, method, data).run()
+    assert records[-1]["train_loss"] is not None
+
+
 # -- partial local work (budgets.local_work) -----------------------------------------------------
 @pytest.mark.parametrize("by,pack", [("batch", False), ("batch", True), ("steps", False)])
 def test_a_flops_budget_takes_partial_local_work_before_a_narrower_sub_model(tiny_cfg_dict, one_length_data_dir,

@@ -307,7 +307,9 @@ class RaFFM(Method):
             params = dict(self.submodel(spec).named_parameters())
             with torch.no_grad():
                 for k, t in frozen.items():
-                    if not params[k].requires_grad:
+                    # the base's slices only: an adapter's frozen tensors (FFA-LoRA's A) come at
+                    # the client's rank and load with the trained ones (_load)
+                    if not params[k].requires_grad and not self.adapter.owns(k):
                         params[k].copy_(t)
         with quiet():
             model = quantized_copy(self.submodel(spec), precision, self.arch)
