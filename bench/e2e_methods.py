@@ -57,6 +57,11 @@ VARIANTS = {
     "fedpft-kd100-act": {"name": "fedpft", "keep_ratio": 0.5, "align_every": 2, "align_steps": 10,
                          "salience": "activation", "calibration_examples": 32,
                          "distill": {"steps": 100, "batch_size": 8, "max_length": 64}},
+    # the same with 4x the neuron KD of each alignment round (40 steps instead of 10): does the
+    # plug-in loss that grows with rounds (8 rounds) come from too little alignment?
+    "fedpft-kd100-act-a40": {"name": "fedpft", "keep_ratio": 0.5, "align_every": 2, "align_steps": 40,
+                             "salience": "activation", "calibration_examples": 32,
+                             "distill": {"steps": 100, "batch_size": 8, "max_length": 64}},
     # issue 35, part 4: is the small sizes' collapse the rounds each size trains? every client at
     # the 0.25 tier (16 client-rounds of the 0.25 sub-model in 4 rounds, against 2 in "raffm"),
     # LoRA on q/v as in "raffm", or the whole sub-model trained
@@ -110,6 +115,7 @@ CLAIMS = {
     "fedpft-kd100": "FedPFT with 100 layer-KD steps (issue 35 part 5)",
     "fedpft-kd1000": "FedPFT with 1,000 layer-KD steps (issue 35 part 5)",
     "fedpft-kd100-act": "FedPFT, 100 layer-KD steps, proxy neurons by activation salience on the corpus (issue 35 part 5)",
+    "fedpft-kd100-act-a40": "fedpft-kd100-act with 40 neuron-KD steps per alignment round instead of 10",
     "raffm-t25only": "RaFFM, every client at 0.25: the 0.25 size given more client-rounds (issue 35 part 4)",
     "raffm-t25only-full": "as raffm-t25only, the whole sub-model trained (no LoRA, lr 1e-4)",
     "raffm-act": "RaFFM, activation-aware salience: the small sizes keep the units the decoder needs (issue 35 part 4)",
