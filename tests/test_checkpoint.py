@@ -43,6 +43,20 @@ def _crash_at(monkeypatch, crash_round: int) -> None:
     monkeypatch.setattr(Simulation, "run_round", run_round)
 
 
+def reference_and_resumed(cfg_dict: dict, tmp_path: Path, monkeypatch,
+                          crash_round: int = 3) -> tuple[Path, Path]:
+    """The run folders of ``cfg_dict`` run uninterrupted and of the same run crashed in round
+    ``crash_round`` (after the checkpoint of the round before) and resumed."""
+    reference = run_experiment(validate_config(cfg_dict), tmp_path / "ref")
+    cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "checkpoint_every": 1}}
+    with monkeypatch.context() as m:
+        _crash_at(m, crash_round)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            run_experiment(validate_config(cfg_dict), tmp_path / "out")
+    (staging,) = (tmp_path / "out").iterdir()
+    return reference, resume_experiment(staging)
+
+
 def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 

@@ -480,22 +480,14 @@ def test_flower_serverapp_matches_the_simulation(tiny_cfg_dict, tmp_path, aggreg
 def test_resume_is_bit_identical(tiny_cfg_dict, tmp_path, monkeypatch, aggregation):
     """A crash after the round-2 checkpoint: the resumed run ends with the uninterrupted run's
     weights (FedEx's folded base weights; FedSA's clients' kept B, with ranks per tier)."""
-    from fedslice.api import resume_experiment, run_experiment
-    from test_checkpoint import _crash_at, _weights
+    from test_checkpoint import _weights, reference_and_resumed
 
     agg, _, ranks = aggregation.partition("+")
     d = _cfg(tiny_cfg_dict, agg)
     d["federation"].update(clients_per_round=2, rounds=3)
     if ranks:
         _tiered(d)
-    reference = run_experiment(validate_config(d), tmp_path / "ref")
-    d["output"]["checkpoint_every"] = 1
-    with monkeypatch.context() as m:
-        _crash_at(m, 3)
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            run_experiment(validate_config(d), tmp_path / "out")
-    (staging,) = (tmp_path / "out").iterdir()
-    resumed = resume_experiment(staging)
+    reference, resumed = reference_and_resumed(d, tmp_path, monkeypatch)
     ref_w, res_w = _weights(reference), _weights(resumed)
     assert ref_w.keys() == res_w.keys()
     assert all(torch.equal(ref_w[k], res_w[k]) for k in ref_w)

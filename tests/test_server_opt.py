@@ -137,18 +137,10 @@ def test_a_run_steps_the_global_state_and_clients_carry_no_moments(tiny_cfg_dict
 def test_resume_is_bit_identical(tiny_cfg_dict, tmp_path, monkeypatch):
     """A crash after the round-2 checkpoint: the resumed run's moments carry on, and it ends with
     the uninterrupted run's weights."""
-    from fedslice.api import resume_experiment, run_experiment
-    from test_checkpoint import _crash_at, _weights
+    from test_checkpoint import _weights, reference_and_resumed
 
-    d = _cfg(tiny_cfg_dict, name="fedyogi")
-    reference = run_experiment(validate_config(d), tmp_path / "ref")
-    d["output"]["checkpoint_every"] = 1
-    with monkeypatch.context() as m:
-        _crash_at(m, 3)
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            run_experiment(validate_config(d), tmp_path / "out")
-    (staging,) = (tmp_path / "out").iterdir()
-    resumed = resume_experiment(staging)
+    reference, resumed = reference_and_resumed(_cfg(tiny_cfg_dict, name="fedyogi"), tmp_path,
+                                               monkeypatch)
     ref_w, res_w = _weights(reference), _weights(resumed)
     assert ref_w.keys() == res_w.keys()
     assert all(torch.equal(ref_w[k], res_w[k]) for k in ref_w)
