@@ -180,6 +180,17 @@ def test_combinations_that_cannot_work_fail_at_load_naming_both(change, fields):
         assert f in str(e.value), (f, str(e.value))
 
 
+def test_validate_says_how_the_server_combines_updates():
+    from fedslice.fl.rules import describe_rules
+    cfg = validate_config({"server_opt": {"name": "fedadam", "lr": 0.01},
+                           "aggregation": {"rule": "median"}})
+    assert describe_rules(cfg) == ("the method's weighted mean, then aggregation.rule='median', then "
+                                   "server_opt.name='fedadam' (lr 0.01, momentum 0.9, beta2 0.99, "
+                                   "tau 0.001)")
+    cfg = validate_config({"server_opt": {"name": "fedavgm"}})
+    assert describe_rules(cfg).endswith("server_opt.name='fedavgm' (lr 1, momentum 0.9)")
+
+
 def test_combinations_that_work_build_the_chain_outermost():
     from fedslice.fl.rules import selected_rules
     cfg = validate_config({"method": {"name": "raffm+heads"}, "server_opt": {"name": "fedavgm"},

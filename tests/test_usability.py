@@ -142,6 +142,7 @@ def test_validate_prints_the_plan_without_training(tmp_path, tiny_model_dir, cap
     assert "labels: 4 (Business, Sci/Tech, Sports, World)" in out
     assert "clients: 4, 2 per round, 20 rounds; examples per client min 48, median 48, max 48" in out
     assert "bytes per client per round: down" in out
+    assert "aggregation: the method's weighted mean\n" in out  # no rule asked for
     assert not (tmp_path / "runs").exists()
     from fedslice.experiment import load_config
     from fedslice.plan import make_plan

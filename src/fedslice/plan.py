@@ -19,6 +19,7 @@ import torch
 from fedslice import measure
 from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError, FedsliceError
+from fedslice.fl.rules import describe_rules
 from fedslice.data.federated import FederatedData
 from fedslice.measure import ClientCost
 from fedslice.models.loading import LoadedModel, build_from_config, load_config
@@ -46,6 +47,7 @@ class Plan:
     mean_tokens: float = 0.0
     step_seconds: float | None = None
     notes: list[str] = field(default_factory=list)
+    aggregation: str = ""  # how the server combines a round's updates (rules, server optimizer)
 
     @property
     def bytes_down(self) -> dict[int, int]:
@@ -105,6 +107,8 @@ class Plan:
             lines.append(f"bytes per client per round: down {down / 1e6:.3f} MB, up "
                          f"{up / 1e6:.3f} MB; per round ({self.clients_per_round} clients): "
                          f"{self.round_bytes / 1e6:.3f} MB")
+        if self.aggregation:
+            lines.append(f"aggregation: {self.aggregation}")
         if self.round_seconds is not None:
             steps = statistics.fmean(self.steps_per_client.values())
             lines.append(f"time per round: about {fmt_duration(self.round_seconds)} "
@@ -158,7 +162,7 @@ def make_plan(cfg: ExperimentConfig, *, timing: bool = True) -> Plan:
                 label_names=task.label_names, num_labels=k or 0, client_sizes=sizes,
                 model=str(load_config(cfg.model)[1]), total_params=0,
                 rounds=cfg.federation.rounds, clients_per_round=cfg.federation.clients_per_round,
-                mean_tokens=mean_tokens)
+                mean_tokens=mean_tokens, aggregation=describe_rules(cfg))
     try:
         _method_sizes(cfg, plan, inputs, inputs.loaded)
     except _NeedsValues as e:

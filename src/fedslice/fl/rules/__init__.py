@@ -4,7 +4,7 @@ import: median, trimmed_mean, krum, multi_krum (``aggregation.rule``), clip
 (``lora.aggregation``), lora_ranks (``lora.ranks``) and server_opt (``server_opt.name``:
 FedAvgM, FedAdagrad, FedAdam, FedYogi)."""
 
-from fedslice.fl.rules.base import Rule, find_rule, selected_rules, unwrap, wrap_rules
+from fedslice.fl.rules.base import Rule, describe_rules, find_rule, selected_rules, unwrap, wrap_rules
 from fedslice.fl.rules.clip import Clip
 from fedslice.fl.rules.dp import DPFedAvg
 from fedslice.fl.rules.lora import SVD, FedEx, FedSA, FLoRA, LoraRanks, LoraRule
@@ -13,4 +13,4 @@ from fedslice.fl.rules.server_opt import ServerOpt
 
 __all__ = ["Clip", "DPFedAvg", "FLoRA", "FedEx", "FedSA", "Krum", "LoraRanks", "LoraRule",
            "Median", "MultiKrum", "Rule", "SVD", "ServerOpt", "TrimmedMean",
-           "find_rule", "selected_rules", "unwrap", "wrap_rules"]
+           "describe_rules", "find_rule", "selected_rules", "unwrap", "wrap_rules"]

@@ -65,6 +65,11 @@ class Rule(Wrapper):
         return f"aggregation.rule={cls.name!r}"
 
     @classmethod
+    def describe(cls, cfg: ExperimentConfig) -> str:
+        """The rule with its options, for ``fedslice validate`` (default: :meth:`setting`)."""
+        return cls.setting(cfg)
+
+    @classmethod
     def check_config(cls, cfg: ExperimentConfig, method_cls: type) -> None:
         if cls.needs_same_shaped and getattr(method_cls, "sends_slices", False):
             raise ValueError(f"{cls.setting(cfg)} needs same-shaped updates; method "
@@ -88,6 +93,13 @@ def selected_rules(cfg: ExperimentConfig) -> list[type[Rule]]:
     """The registered rules ``cfg`` asks for, innermost first."""
     rules = [e.rule_cls for e in RULES.entries() if e.rule_cls.selected(cfg)]
     return sorted(rules, key=lambda r: r.order)
+
+
+def describe_rules(cfg: ExperimentConfig) -> str:
+    """How the server combines a round's updates under ``cfg``: the method's weighting, then
+    each rule it asks for, innermost first."""
+    rules = selected_rules(cfg)
+    return "the method's weighted mean" + "".join(f", then {r.describe(cfg)}" for r in rules)
 
 
 def wrap_rules(strategy: Strategy, cfg: ExperimentConfig, role: str = "both", arch=None) -> Strategy:

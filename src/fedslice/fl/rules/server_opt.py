@@ -85,6 +85,12 @@ class ServerOpt(Rule):
         return f"server_opt.name={cfg.server_opt.name!r}"
 
     @classmethod
+    def describe(cls, cfg: ExperimentConfig) -> str:
+        o = cfg.server_opt
+        adaptive = "" if o.name == "fedavgm" else f", beta2 {o.beta2:g}, tau {o.tau:g}"
+        return f"{cls.setting(cfg)} (lr {o.step_size:g}, momentum {o.beta1:g}{adaptive})"
+
+    @classmethod
     def check_config(cls, cfg: ExperimentConfig, method_cls: type) -> None:
         super().check_config(cfg, method_cls)
         if cfg.federation.server_lr != 1.0:
