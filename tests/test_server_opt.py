@@ -165,6 +165,7 @@ def test_flower_serverapp_matches_the_simulation(tiny_cfg_dict, tmp_path):
     ({"lora": {"aggregation": "svd"}}, ["server_opt.name='fedadam'", "lora.aggregation='svd'"]),
     ({"method": {"name": "raffm", "reorder_every": 2}}, ["server_opt.name='fedadam'", "method.reorder_every=2"]),
     ({"method": {"name": "raffm+heads", "reorder_every": 1}}, ["server_opt.name='fedadam'", "method.reorder_every=1"]),
+    ({"dp": {"enabled": True, "noise_multiplier": 1.0}}, ["server_opt.name='fedadam'", "dp.enabled"]),
     ({"server_opt": {"name": "adam"}}, ["server_opt.name", "fedadam"]),
     ({"server_opt": {"lr": 0}}, ["server_opt.lr"]),
     ({"server_opt": {"momentum": 1.0}}, ["server_opt.momentum"]),
@@ -196,6 +197,5 @@ def test_combinations_that_work_build_the_chain_outermost():
     cfg = validate_config({"method": {"name": "raffm+heads"}, "server_opt": {"name": "fedavgm"},
                            "aggregation": {"clip_norm": 1.0}, "lora": {"aggregation": "ffa"}})
     assert [r.name for r in selected_rules(cfg)] == ["clip", "server_opt"]  # ffa needs no rule
-    cfg = validate_config({"server_opt": {"name": "fedadam"},
-                           "dp": {"enabled": True, "noise_multiplier": 1.0}})
-    assert [r.name for r in selected_rules(cfg)] == ["dp", "server_opt"]
+    cfg = validate_config({"server_opt": {"name": "fedadam"}, "aggregation": {"rule": "trimmed_mean"}})
+    assert [r.name for r in selected_rules(cfg)] == ["trimmed_mean", "server_opt"]

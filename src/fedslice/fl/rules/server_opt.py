@@ -17,8 +17,9 @@ Per element, with ``m``, ``v`` starting at 0 and ``t`` the optimizer's step (1, 
               x += lr m / (sqrt(v) + tau)
 
 The moments are server state: checkpointed (:meth:`state_dict`), never sent to clients, and
-absent on a Flower client (``role="client"``). The rule wraps outermost (after DP's noise: a
-post-processing step that costs no privacy).
+absent on a Flower client (``role="client"``). The rule wraps outermost. DP-FedAvg is refused: on
+Flower its noise is added after the server's aggregation, so the moments would hold un-noised
+updates.
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ class ServerOpt(Rule):
                              f"{cfg.federation.server_lr}: the optimizer's step size is "
                              "server_opt.lr; server_lr would scale the pseudo-gradient it reads "
                              "as well: leave federation.server_lr at 1")
+        if cfg.dp.enabled:
+            raise ValueError(f"{cls.setting(cfg)} cannot combine with dp.enabled: on Flower the "
+                             "noise is added by Flower's DP wrapper after the server's "
+                             "aggregation, so the optimizer's moments would hold un-noised "
+                             "updates (outside the accountant); in-process and on Flower a run "
+                             "must be the same run: use one of them")
         if why := method_cls.reorders_state(cfg):
             raise ValueError(f"{cls.setting(cfg)} cannot combine with {why}: the optimizer's "
                              "per-element moments would no longer sit on their elements")
