@@ -18,6 +18,10 @@ class DPFedAvg(Rule):
     selected_by = "dp.enabled"
     order = 30
     needs_same_shaped = True
+    server_opt_refusal = ("on Flower its noise is added by Flower's DP wrapper after the server's "
+                          "aggregation, so a server optimizer's moments would hold un-noised "
+                          "updates, outside the accountant (in-process and on Flower a run must "
+                          "be the same run): use one of them")
 
     def __init__(self, inner: Strategy, privacy: Privacy):
         super().__init__(inner)

@@ -99,12 +99,6 @@ class ServerOpt(Rule):
                              f"{cfg.federation.server_lr}: the optimizer's step size is "
                              "server_opt.lr; server_lr would scale the pseudo-gradient it reads "
                              "as well: leave federation.server_lr at 1")
-        if cfg.dp.enabled:
-            raise ValueError(f"{cls.setting(cfg)} cannot combine with dp.enabled: on Flower the "
-                             "noise is added by Flower's DP wrapper after the server's "
-                             "aggregation, so the optimizer's moments would hold un-noised "
-                             "updates (outside the accountant); in-process and on Flower a run "
-                             "must be the same run: use one of them")
         if why := method_cls.reorders_state(cfg):
             raise ValueError(f"{cls.setting(cfg)} cannot combine with {why}: the optimizer's "
                              "per-element moments would no longer sit on their elements")
