@@ -59,6 +59,10 @@ VARIANTS = {
                          "distill": {"steps": 100, "batch_size": 8, "max_length": 64}},
     # the same with 4x the neuron KD of each alignment round (40 steps instead of 10): does the
     # plug-in loss that grows with rounds (8 rounds) come from too little alignment?
+    # a wider proxy: three quarters of the middle layers' FFN units kept (activation salience)
+    "fedpft-kd100-act-k75": {"name": "fedpft", "keep_ratio": 0.75, "align_every": 2, "align_steps": 10,
+                             "salience": "activation", "calibration_examples": 32,
+                             "distill": {"steps": 100, "batch_size": 8, "max_length": 64}},
     "fedpft-kd100-act-a40": {"name": "fedpft", "keep_ratio": 0.5, "align_every": 2, "align_steps": 40,
                              "salience": "activation", "calibration_examples": 32,
                              "distill": {"steps": 100, "batch_size": 8, "max_length": 64}},
@@ -115,6 +119,7 @@ CLAIMS = {
     "fedpft-kd100": "FedPFT with 100 layer-KD steps (issue 35 part 5)",
     "fedpft-kd1000": "FedPFT with 1,000 layer-KD steps (issue 35 part 5)",
     "fedpft-kd100-act": "FedPFT, 100 layer-KD steps, proxy neurons by activation salience on the corpus (issue 35 part 5)",
+    "fedpft-kd100-act-k75": "fedpft-kd100-act with keep_ratio 0.75 (a wider proxy)",
     "fedpft-kd100-act-a40": "fedpft-kd100-act with 40 neuron-KD steps per alignment round instead of 10",
     "raffm-t25only": "RaFFM, every client at 0.25: the 0.25 size given more client-rounds (issue 35 part 4)",
     "raffm-t25only-full": "as raffm-t25only, the whole sub-model trained (no LoRA, lr 1e-4)",
