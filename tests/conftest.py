@@ -214,6 +214,21 @@ def tiny_gen_cfg_dict(tiny_lm_dirs, tiny_d2t_dir, tmp_path) -> dict:
     }
 
 
+def assert_refused_naming(base: dict, change: dict, fields: list[str]) -> None:
+    """``base`` with each of ``change``'s sections updated fails to load with a ConfigError that
+    names every one of ``fields``."""
+    from fedslice.errors import ConfigError
+    from fedslice.experiment import validate_config
+
+    d = dict(base)
+    for k, v in change.items():
+        d[k] = {**d.get(k, {}), **v}
+    with pytest.raises(ConfigError) as e:
+        validate_config(d)
+    for f in fields:
+        assert f in str(e.value), (f, str(e.value))
+
+
 def method_options(method: str, tmp_path: Path) -> dict:
     """Options that fit the 2-layer tiny model and exercise each method's server-side state:
     FedPFT re-aligns every round, FedOT distils its emulator, RaFFM slices (two tiers) and
