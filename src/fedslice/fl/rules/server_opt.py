@@ -126,8 +126,8 @@ class ServerOpt(Rule):
         for k in keys:
             x = state[k].float()
             delta = new[k].float() - x
-            m = self.m.get(k, torch.zeros_like(delta))
-            v = self.v.get(k, torch.zeros_like(delta)) if o.name != "fedavgm" else None
+            m = self.m[k] if k in self.m else torch.zeros_like(delta)
+            v = None if o.name == "fedavgm" else self.v[k] if k in self.v else torch.zeros_like(delta)
             m, v = moment_step(o.name, delta, m, v, o.beta1, o.beta2)
             self.m[k] = m
             if v is not None:
