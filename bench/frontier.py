@@ -30,6 +30,10 @@ row micro-batches and checkpointing):
 
 ``--lora-aggregation ffa``: the budget rows train FFA-LoRA (A frozen from the seed, B sent), so
 an upload budget affords twice the rank; dense stays FedIT (row names end in ``-ffa``).
+``--upload-dtype fp16``: the budget rows send their replies in fp16 (``federation.upload_dtype``),
+so an upload budget affords twice the rank (row names end in ``-fp16``); the budgets stay shares
+of the dense row's fp32 upload. The row ``dense-fp16`` is the dense row with fp16 replies (what
+the rounding alone costs).
 ``--server-opt NAME`` (``--server-opt-lr``, ``--server-momentum``): every row, dense included,
 under that server optimizer (``server_opt``: fedavgm, fedadagrad, fedadam, fedyogi); use its own
 ``--out``.
@@ -76,7 +80,7 @@ METHODS = {"dense": "fedpetuning", "heads": "heads", "raffm": "raffm", "int8": "
            "planned": "raffm+heads", "planned-fs": "raffm+heads", "mixed": "raffm+heads",
            "planned-work": "raffm+heads", "mixed-work": "raffm+heads", "int8-work": "fedpetuning",
            "planned-int8-work": "raffm+heads", "planned-depth-work": "raffm+heads",
-           "planned-int8-depth-work": "raffm+heads"}
+           "planned-int8-depth-work": "raffm+heads", "dense-fp16": "fedpetuning"}
 #: budgets.adapter_depths of the ``-depth-`` rows: shares of the top blocks whose adapters train
 DEPTHS = [1.0, 0.5]
 #: budgets.local_work of the ``-work`` rows: shares of a round's local work a client may train
@@ -140,6 +144,8 @@ def with_budgets(cfg: dict, row: str, args, budgets: dict | None) -> dict:
     if args.server_opt != "none":  # every row, the dense one too
         cfg["server_opt"] = {"name": args.server_opt, "lr": args.server_opt_lr,
                              "momentum": args.server_momentum}
+    if row == "dense-fp16" or (budgets is not None and args.upload_dtype != "fp32"):
+        cfg["federation"]["upload_dtype"] = "fp16" if row == "dense-fp16" else args.upload_dtype
     if budgets is not None and args.lora_aggregation:  # the planned rows only: dense stays fedit
         cfg["lora"]["aggregation"] = args.lora_aggregation
     if budgets is not None:
@@ -227,6 +233,8 @@ def main() -> None:
     ap.add_argument("--server-momentum", type=float, default=None, help="server_opt.momentum")
     ap.add_argument("--lora-aggregation", default=None, help="lora.aggregation of the budget rows "
                     "(dense keeps fedit): ffa sends B only, so the planner can afford a higher rank")
+    ap.add_argument("--upload-dtype", default="fp32", choices=["fp32", "fp16"],
+                    help="federation.upload_dtype of the budget rows (dense stays fp32; rows <row>-fp16@...)")
     ap.add_argument("--again", action="store_true", help="re-run rows whose results exist")
     ap.add_argument("--out", type=Path, default=None, help="default bench/results/frontier_<task>")
     args = ap.parse_args()
@@ -237,9 +245,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()[0]
     dense = run_row("dense", "dense", args, None)
+    if "dense-fp16" in args.rows:
+        run_row("dense-fp16", "dense-fp16", args, None)
     for f in args.budgets:
         for row in args.rows:
-            if row.startswith("mixed"):
+            if row.startswith("mixed") or row == "dense-fp16":
                 continue
             at = f"up{f:g}" if args.upload_only else f"mem{f:g}" if args.memory_only else f"{f:g}"
             at += (f"m{args.memory_share:g}" if args.memory_share else "") + \
@@ -248,6 +258,7 @@ def main() -> None:
             tag += "-mw" if args.measured_widths and "raffm" in METHODS[row] else ""
             tag += f"-d{len(args.depths)}" if args.depths and "-depth-" in row else ""
             tag += f"-{args.lora_aggregation}" if args.lora_aggregation else ""
+            tag += f"-{args.upload_dtype}" if args.upload_dtype != "fp32" else ""
             run_row(f"{row}{tag}@{at}", row, args, {"tiers": [tier(f, dense, f"{f:.0%}", upload_only=args.upload_only,
                                                               memory_only=args.memory_only,
                                                               memory_f=args.memory_share,

@@ -416,6 +416,11 @@ class FederationConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
     server_lr: float = Field(1.0, gt=0, description="eta of Eq. 5 (heads paper).")
+    upload_dtype: Literal["fp32", "fp16"] = Field(
+        "fp32", description="Precision of the floating tensors a client sends back: 'fp16' "
+        "halves the upload (each value rounded to 11 significant bits; the server restores fp32 "
+        "before checking and aggregating; the state and what is sent down stay fp32). The "
+        "planner counts upload budgets in it (docs/aggregation.md).")
     fedprox_mu: float = Field(0.0, ge=0)
     selection: Literal["uniform", "random", "loss_gap"] = Field(
         "uniform", description="'uniform'/'random': seeded uniform sampling; 'loss_gap': Eq. 9 of "

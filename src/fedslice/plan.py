@@ -20,6 +20,7 @@ from fedslice import measure
 from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError, FedsliceError
 from fedslice.fl.rules import describe_rules
+from fedslice.fl.wire import wire_bytes
 from fedslice.data.federated import FederatedData
 from fedslice.measure import ClientCost
 from fedslice.models.loading import LoadedModel, build_from_config, load_config
@@ -48,6 +49,7 @@ class Plan:
     step_seconds: float | None = None
     notes: list[str] = field(default_factory=list)
     aggregation: str = ""  # how the server combines a round's updates (rules, server optimizer)
+    upload_dtype: str = "fp32"  # federation.upload_dtype: what the up bytes count in
 
     @property
     def bytes_down(self) -> dict[int, int]:
@@ -104,8 +106,9 @@ class Plan:
         if self.bytes_down:
             down = statistics.fmean(self.bytes_down.values())
             up = statistics.fmean(self.bytes_up.values())
+            wire = "" if self.upload_dtype == "fp32" else f" (in {self.upload_dtype})"
             lines.append(f"bytes per client per round: down {down / 1e6:.3f} MB, up "
-                         f"{up / 1e6:.3f} MB; per round ({self.clients_per_round} clients): "
+                         f"{up / 1e6:.3f} MB{wire}; per round ({self.clients_per_round} clients): "
                          f"{self.round_bytes / 1e6:.3f} MB")
         if self.aggregation:
             lines.append(f"aggregation: {self.aggregation}")
@@ -162,7 +165,8 @@ def make_plan(cfg: ExperimentConfig, *, timing: bool = True) -> Plan:
                 label_names=task.label_names, num_labels=k or 0, client_sizes=sizes,
                 model=str(load_config(cfg.model)[1]), total_params=0,
                 rounds=cfg.federation.rounds, clients_per_round=cfg.federation.clients_per_round,
-                mean_tokens=mean_tokens, aggregation=describe_rules(cfg))
+                mean_tokens=mean_tokens, aggregation=describe_rules(cfg),
+                upload_dtype=cfg.federation.upload_dtype)
     try:
         _method_sizes(cfg, plan, inputs, inputs.loaded)
     except _NeedsValues as e:
@@ -199,7 +203,8 @@ def _method_sizes(cfg: ExperimentConfig, plan: Plan, inputs: Inputs, loaded: Loa
             client_model, params = method.client_model(payload)
             up = method.planned_upload(payload)
             plan.costs[c] = ClientCost(
-                bytes_down=measure.tensor_bytes(payload.arrays), bytes_up=measure.tensor_bytes(up),
+                bytes_down=measure.tensor_bytes(payload.arrays),
+                bytes_up=wire_bytes(up, cfg.federation.upload_dtype),  # as it travels
                 params_down=measure.num_params(payload.arrays), params_up=measure.num_params(up),
                 trainable_params=sum(p.numel() for p in params.values()))
             first_contact.append(measure.tensor_bytes(payload.model))

@@ -177,6 +177,7 @@ def train(msg: Message, context: Context) -> Message:
     """Local training of this node's partition on the received payload."""
     from fedslice.run.engine import client_seed
     from fedslice.flower.codec import decode_payload, encode_reply
+    from fedslice.fl.wire import to_wire
 
     payload, experiment = decode_payload(msg.content)
     cfg, method, data = _setup(experiment)
@@ -188,4 +189,4 @@ def train(msg: Message, context: Context) -> Message:
     reply = method.train_client(payload, data.client(pid), client_seed(cfg.seed, payload.config["round"], pid))
     if state := method.client_state():
         store_kept(context, state, received_model=bool(payload.model))
-    return Message(encode_reply(reply), reply_to=msg)
+    return Message(encode_reply(to_wire(reply, cfg.federation.upload_dtype)), reply_to=msg)

@@ -15,7 +15,9 @@ A message's content is a ``RecordDict`` with
 Decoding a reply never trusts it: a malformed one raises :class:`MalformedReply`, which the
 ServerApp turns into a rejected reply (logged and counted, never raised).
 
-Tensors cross as float arrays of the same dtype, so decoding gives back the exact values.
+Tensors cross as float arrays of the same dtype, so decoding gives back the exact values; a
+reply's floating tensors travel in ``federation.upload_dtype`` (:mod:`fedslice.fl.wire`) and
+are restored to fp32 on decoding.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedslice.fl.strategy import Payload, Reply, State
+from fedslice.fl.wire import from_wire
 
 ARRAYS, META, METRICS, MODEL = "arrays", "fedslice", "metrics", "model"
 
@@ -90,8 +93,9 @@ def reply_size(content: Any) -> int:
         return 0
 
 
-def decode_reply(content: Any, max_bytes: int | None = None) -> Reply:
-    """Inverse of :func:`encode_reply`. Anything else (a record missing or of the wrong kind,
+def decode_reply(content: Any, max_bytes: int | None = None, upload_dtype: str = "fp32") -> Reply:
+    """Inverse of :func:`encode_reply`, tensors sent in ``upload_dtype`` restored to fp32
+    (:func:`fedslice.fl.wire.from_wire`). Anything else (a record missing or of the wrong kind,
     JSON that does not parse, tensors that do not decode, more than ``max_bytes`` of tensors)
     raises :class:`MalformedReply` with the reason; the values themselves are checked by the
     strategy (:mod:`fedslice.fl.validation`)."""
@@ -117,7 +121,7 @@ def decode_reply(content: Any, max_bytes: int | None = None) -> Reply:
         state = record_to_state(arrays)
     except Exception as e:  # noqa: BLE001 - bytes that are not an array, an unknown dtype
         raise MalformedReply(f"a tensor does not decode ({type(e).__name__}: {e})") from None
-    return Reply(arrays=state, num_examples=num_examples, metrics=metrics)
+    return Reply(arrays=from_wire(state, upload_dtype), num_examples=num_examples, metrics=metrics)
 
 
 def error_reason(msg: Message) -> str:

@@ -130,7 +130,8 @@ class FlowerAdapter(FlowerStrategy):
                 failed[c] = f"node {sent.messages[c].metadata.dst_node_id} failed: {error_reason(msg)}"
             else:
                 try:
-                    received[c] = decode_reply(msg.content, self.max_reply_bytes(sent.payloads[c]))
+                    received[c] = decode_reply(msg.content, self.max_reply_bytes(sent.payloads[c]),
+                                               self.cfg.federation.upload_dtype)
                 except Exception as e:  # noqa: BLE001 - no reply crashes the server
                     failed[c] = f"update rejected: malformed reply: {e}"
                     malformed += 1
@@ -186,7 +187,7 @@ class FlowerAdapter(FlowerStrategy):
             return None
         payload = sent.payloads[c]
         try:
-            reply = decode_reply(msg.content, self.max_reply_bytes(payload))
+            reply = decode_reply(msg.content, self.max_reply_bytes(payload), self.cfg.federation.upload_dtype)
         except Exception as e:  # noqa: BLE001 - no reply crashes the server
             reason = f"malformed reply: {e}"
         else:

@@ -43,6 +43,7 @@ from fedslice.data.packing import packed_training
 from fedslice.errors import ConfigError
 from fedslice.fl.client import gradient_checkpointing
 from fedslice.fl.strategy import Payload, State, Strategy
+from fedslice.fl.wire import wire_bytes
 from fedslice.slicing.planner import measure_training_step, tier_of_clients
 from fedslice.slicing.spec import Spec, spec_sizes
 
@@ -319,7 +320,7 @@ class BudgetPlanner:
                                                         flops=known is None)
             if known is not None:
                 return replace(known, memory_mb=memory)
-            upload = measure.tensor_bytes(planned.upload)
+            upload = wire_bytes(planned.upload, self.method.cfg.federation.upload_dtype)  # as it travels
             imp = 0.0
             if planned.importance_model is not None:
                 imp = self._forward_flops(planned.importance_model) / self.rows

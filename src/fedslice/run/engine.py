@@ -25,6 +25,7 @@ from fedslice.run.session import Rounds
 from fedslice.fl.selection import make_selector
 from fedslice.methods import Method
 from fedslice.fl.strategy import Reply, RoundResult, State, host_state, on_host
+from fedslice.fl.wire import received, to_wire
 from fedslice.fl.workers import WorkerLost
 from fedslice.heap import trim_heap
 from fedslice.measure import ClientCost
@@ -113,6 +114,7 @@ class Simulation:
     def run_round(self, server_round: int, state: State) -> tuple[State, dict[str, Any]]:
         t0 = time.perf_counter()
         strategy, method, f = self.method.strategy, self.method, self.cfg.faults
+        fed = self.cfg.federation
         probe = self.cold_start_probe(state)
         clients = self.selector.select(server_round, self.candidates)
         faults = plan_faults(f, self.cfg.seed, server_round, clients)
@@ -128,7 +130,8 @@ class Simulation:
                 if isinstance(reply, WorkerLost):
                     lost[c] = reply.reason
                 else:
-                    reply = on_host(reply)
+                    # as it travels: sent in federation.upload_dtype, restored to fp32
+                    reply = received(to_wire(on_host(reply), fed.upload_dtype), fed.upload_dtype)
                     if kind := faults.kind(c):
                         sent = strategy.expected_update(state, payloads[c], reply)
                         reply = corrupt(f, kind, reply, sent, self.cfg.seed, server_round, c)
