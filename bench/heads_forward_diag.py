@@ -46,7 +46,7 @@ from fedslice.tasks.classification import evaluate_classifier  # noqa: E402
 
 def make(args, variant: str, extra: dict | None = None):
     ns = SimpleNamespace(rounds=args.rounds, e2e_rounds=args.rounds, local_steps=10, clients_per_round=2,
-                         e2e_clients=20, lr=1e-3, e2e_lr=3e-3, eval_every=args.rounds, dev_examples=256,
+                         e2e_clients=20, lr=args.lr, e2e_lr=3e-3, eval_every=args.rounds, dev_examples=256,
                          importance_examples=128, target=0.8, threads=1, track_test=False,
                          seed=args.seed, out=args.out)
     opts = {**variants(per_layer=True)[variant], **(extra or {})}
@@ -219,6 +219,7 @@ def main() -> None:
                    help="e2e_rating: lr 3e-3 and 20 clients, as heads_modes.py (probe: SST-2 only)")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3, help="federation.lr of SST-2 (e2e_rating: 3e-3)")
     p.add_argument("--clients", type=int, default=6)
     p.add_argument("--extra", default="", help="JSON of extra method options (train)")
     p.add_argument("--tag", default="", help="suffix of the state file")
