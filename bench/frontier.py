@@ -34,6 +34,7 @@ an upload budget affords twice the rank; dense stays FedIT (row names end in ``-
 so an upload budget affords twice the rank (row names end in ``-fp16``); the budgets stay shares
 of the dense row's fp32 upload. The row ``dense-fp16`` is the dense row with fp16 replies (what
 the rounding alone costs).
+``--lr X``: the budget rows' learning rate (dense keeps the task's; rows ``<row>-lrX@...``).
 ``--server-opt NAME`` (``--server-opt-lr``, ``--server-momentum``): every row, dense included,
 under that server optimizer (``server_opt``: fedavgm, fedadagrad, fedadam, fedyogi); use its own
 ``--out``.
@@ -144,6 +145,8 @@ def with_budgets(cfg: dict, row: str, args, budgets: dict | None) -> dict:
     if args.server_opt != "none":  # every row, the dense one too
         cfg["server_opt"] = {"name": args.server_opt, "lr": args.server_opt_lr,
                              "momentum": args.server_momentum}
+    if budgets is not None and args.lr is not None:  # the budget rows only: dense keeps its rate
+        cfg["federation"]["lr"] = args.lr
     if row == "dense-fp16" or (budgets is not None and args.upload_dtype != "fp32"):
         cfg["federation"]["upload_dtype"] = "fp16" if row == "dense-fp16" else args.upload_dtype
     if budgets is not None and args.lora_aggregation:  # the planned rows only: dense stays fedit
@@ -233,6 +236,8 @@ def main() -> None:
     ap.add_argument("--server-momentum", type=float, default=None, help="server_opt.momentum")
     ap.add_argument("--lora-aggregation", default=None, help="lora.aggregation of the budget rows "
                     "(dense keeps fedit): ffa sends B only, so the planner can afford a higher rank")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="federation.lr of the budget rows (dense keeps the task's; rows <row>-lr<x>@...)")
     ap.add_argument("--upload-dtype", default="fp32", choices=["fp32", "fp16"],
                     help="federation.upload_dtype of the budget rows (dense stays fp32; rows <row>-fp16@...)")
     ap.add_argument("--again", action="store_true", help="re-run rows whose results exist")
@@ -259,6 +264,7 @@ def main() -> None:
             tag += f"-d{len(args.depths)}" if args.depths and "-depth-" in row else ""
             tag += f"-{args.lora_aggregation}" if args.lora_aggregation else ""
             tag += f"-{args.upload_dtype}" if args.upload_dtype != "fp32" else ""
+            tag += f"-lr{args.lr:g}" if args.lr is not None else ""
             run_row(f"{row}{tag}@{at}", row, args, {"tiers": [tier(f, dense, f"{f:.0%}", upload_only=args.upload_only,
                                                               memory_only=args.memory_only,
                                                               memory_f=args.memory_share,
