@@ -47,7 +47,7 @@ from fedslice.tasks.classification import evaluate_classifier  # noqa: E402
 def make(args, variant: str, extra: dict | None = None):
     ns = SimpleNamespace(rounds=args.rounds, e2e_rounds=args.rounds, local_steps=10, clients_per_round=2,
                          e2e_clients=20, lr=args.lr, e2e_lr=3e-3, eval_every=args.rounds, dev_examples=256,
-                         importance_examples=128, target=0.8, threads=1, track_test=False,
+                         importance_examples=128, target=0.8, threads=1, track_test=False, server_opt="none", server_opt_lr=None,
                          seed=args.seed, out=args.out)
     opts = {**variants(per_layer=True)[variant], **(extra or {})}
     data_dir = e2e_rating_data(args.out)[0] if args.task == "e2e_rating" else None
