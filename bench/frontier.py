@@ -34,7 +34,8 @@ an upload budget affords twice the rank; dense stays FedIT (row names end in ``-
 so an upload budget affords twice the rank (row names end in ``-fp16``); the budgets stay shares
 of the dense row's fp32 upload. The row ``dense-fp16`` is the dense row with fp16 replies (what
 the rounding alone costs).
-``--lr X``: the budget rows' learning rate (dense keeps the task's; rows ``<row>-lrX@...``).
+``--lr X``: the budget rows' learning rate (dense keeps the task's; rows ``<row>-lrX@...``); the
+row ``dense-lr`` is the dense row at that rate (``dense-lrX``).
 ``--server-opt NAME`` (``--server-opt-lr``, ``--server-momentum``): every row, dense included,
 under that server optimizer (``server_opt``: fedavgm, fedadagrad, fedadam, fedyogi); use its own
 ``--out``.
@@ -81,7 +82,8 @@ METHODS = {"dense": "fedpetuning", "heads": "heads", "raffm": "raffm", "int8": "
            "planned": "raffm+heads", "planned-fs": "raffm+heads", "mixed": "raffm+heads",
            "planned-work": "raffm+heads", "mixed-work": "raffm+heads", "int8-work": "fedpetuning",
            "planned-int8-work": "raffm+heads", "planned-depth-work": "raffm+heads",
-           "planned-int8-depth-work": "raffm+heads", "dense-fp16": "fedpetuning"}
+           "planned-int8-depth-work": "raffm+heads", "dense-fp16": "fedpetuning",
+           "dense-lr": "fedpetuning"}
 #: budgets.adapter_depths of the ``-depth-`` rows: shares of the top blocks whose adapters train
 DEPTHS = [1.0, 0.5]
 #: budgets.local_work of the ``-work`` rows: shares of a round's local work a client may train
@@ -145,7 +147,7 @@ def with_budgets(cfg: dict, row: str, args, budgets: dict | None) -> dict:
     if args.server_opt != "none":  # every row, the dense one too
         cfg["server_opt"] = {"name": args.server_opt, "lr": args.server_opt_lr,
                              "momentum": args.server_momentum}
-    if budgets is not None and args.lr is not None:  # the budget rows only: dense keeps its rate
+    if args.lr is not None and (budgets is not None or row == "dense-lr"):  # dense keeps its rate
         cfg["federation"]["lr"] = args.lr
     if row == "dense-fp16" or (budgets is not None and args.upload_dtype != "fp32"):
         cfg["federation"]["upload_dtype"] = "fp16" if row == "dense-fp16" else args.upload_dtype
@@ -252,9 +254,11 @@ def main() -> None:
     dense = run_row("dense", "dense", args, None)
     if "dense-fp16" in args.rows:
         run_row("dense-fp16", "dense-fp16", args, None)
+    if "dense-lr" in args.rows and args.lr is not None:  # the dense row at the budget rows' rate
+        run_row(f"dense-lr{args.lr:g}", "dense-lr", args, None)
     for f in args.budgets:
         for row in args.rows:
-            if row.startswith("mixed") or row == "dense-fp16":
+            if row.startswith("mixed") or row in ("dense-fp16", "dense-lr"):
                 continue
             at = f"up{f:g}" if args.upload_only else f"mem{f:g}" if args.memory_only else f"{f:g}"
             at += (f"m{args.memory_share:g}" if args.memory_share else "") + \
