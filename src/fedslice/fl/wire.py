@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import torch
 
 from fedslice.fl.strategy import Reply, State
+from fedslice.measure.sizes import tensor_bytes
 
 #: ``federation.upload_dtype`` -> the dtype floating tensors travel in
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16}
@@ -57,10 +58,8 @@ def to_wire(reply: Reply, name: str) -> Reply:
         return reply
     arrays = {k: _on_wire(t, dtype) for k, t in reply.arrays.items()}
     metrics = dict(reply.metrics)
-    if isinstance(metrics.get("bytes_up"), (int, float)):
-        saved = sum(t.numel() * t.element_size() for t in reply.arrays.values()) - \
-            sum(t.numel() * t.element_size() for t in arrays.values())
-        metrics["bytes_up"] = metrics["bytes_up"] - saved
+    if isinstance(metrics.get("bytes_up"), (int, float)):  # less what the cast saves
+        metrics["bytes_up"] -= tensor_bytes(reply.arrays) - wire_bytes(reply.arrays, name)
     return Reply(arrays=arrays, num_examples=reply.num_examples, metrics=metrics)
 
 
