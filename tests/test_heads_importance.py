@@ -254,3 +254,33 @@ def test_first_step_on_packed_batches_scores_like_the_pass(tiny_cfg_dict):
     _no_attention_dropout(method.model)
     _, payload, reply = _fit(method, data, examples=8)
     _assert_scores_like_the_pass(method, data, payload, reply)
+
+
+@pytest.mark.parametrize("source", ["first_step", "training"])
+def test_captured_clients_reuse_the_first_clients_flop_rates(tiny_cfg_dict, monkeypatch, source):
+    """Each client builds its own capturing loss, but the step it computes is the same: on packed
+    batches the counter runs on the first client's first step only, as for dense clients, and
+    every client's FLOPs are a dense client's on the same batches (to the scoring's own einsum
+    over packed examples, counted in the first client's step: 0.1% here)."""
+    from fedslice.fl import client as client_mod
+    from fedslice.methods.heads.capture import CapturingLoss
+
+    method, data = setup(_cfg(tiny_cfg_dict, {"pack": True}, sparsity=0.5, importance_source=source))
+    a = CapturingLoss(method.task.loss, ["x"], [], 0, print, source == "training")
+    b = CapturingLoss(method.task.loss, ["x"], [], 0, len, source == "training")
+    key = lambda loss: client_mod.structure(method.model, loss, False, ())  # noqa: E731
+    assert key(a) == key(b) != key(method.task.loss)
+    counted = []
+    real = client_mod.count_flops
+
+    def spy(enabled=True, **kw):
+        counted.append(enabled)
+        return real(enabled=enabled, **kw)
+
+    monkeypatch.setattr(client_mod, "count_flops", spy)
+    flops = [_fit(method, data, client=c)[2].metrics["flops_measured"] for c in (0, 1, 2)]
+    assert sum(counted) == 1  # the first client's first step
+    dense, ddata = setup(_cfg(tiny_cfg_dict, {"pack": True}, sparsity=0.0, pruning="none",
+                              aggregation="fedavg"))
+    ref = [_fit(dense, ddata, client=c)[2].metrics["flops_measured"] for c in (0, 1, 2)]
+    assert flops == pytest.approx(ref, rel=2e-3)

@@ -183,9 +183,11 @@ class _ModelCache:
 def structure(model: nn.Module, loss_fn: LossFn, checkpointing: bool, head: tuple[str, ...]) -> tuple:
     """What a training step of ``model`` computes, for :class:`_ModelCache` keys: every tensor's
     name, shape and whether it trains, the active peft adapter, the loss (held, so its id is not
-    reused), checkpointing and the head modules."""
+    reused; a loss built per client that computes the same step names it by its ``step_key``),
+    checkpointing and the head modules."""
     params = tuple((n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters())
-    return (loss_fn, checkpointing, head, repr(getattr(model, "active_adapters", None)), params)
+    loss = getattr(loss_fn, "step_key", loss_fn)
+    return (loss, checkpointing, head, repr(getattr(model, "active_adapters", None)), params)
 
 
 def _shapes(batch: dict[str, torch.Tensor]) -> tuple:

@@ -25,13 +25,14 @@ from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
 from fedslice.methods.base import Method, Role
+from fedslice.methods.heads.capture import CapturingLoss
 from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.methods.heads.options import HeadsMethod, kept_count, max_sparsity
 from fedslice.methods.heads.report import paper_ops, plot_head_importance
 from fedslice.methods.heads.strategy import ALPHA, HeadsStrategy, KEPT
 from fedslice.methods.planner import PlannedModel
 from fedslice.models.loading import LoadedModel
-from fedslice.slicing.heads import (batch_confidence_sums, ensure_eager_attention, fill_pruned_heads,
+from fedslice.slicing.heads import (ensure_eager_attention, fill_pruned_heads,
                                     head_axes, head_importance, heads_state, keep_mask, mask_rows,
                                     mask_spec, num_rows, output_means, position_cuts,
                                     restrict, sub_dims, to_full)
@@ -40,7 +41,6 @@ from fedslice.slicing.partial import PartialLinear, freeze_parameters, partial_m
 from fedslice.slicing.spec import HEAD_PARTS
 from fedslice.slicing.surgery import extract_model
 from fedslice.tasks import Task
-from fedslice.tasks.base import batch_examples
 
 log = logging.getLogger(__name__)
 
@@ -437,7 +437,8 @@ class HeadStage(Method):
             kept = self.keep(alpha, seed, None if outer is None else dims, payload.config.get("sparsity"))
             found.update(alpha=alpha, kept=kept)
             for name, mask in self.gradient_masks(model, kept, payload, dims, full).items():
-                handles.append(full[name].register_hook(lambda g, m=mask: g * m.to(g.dtype)))
+                m = mask.to(full[name].dtype)  # once: multiplied into every step's gradient
+                handles.append(full[name].register_hook(lambda g, m=m: g * m))
 
         result = self._train_capturing(model, full, data, payload, seed,
                                        self.first_step_loss(on_scores), handles)
@@ -483,67 +484,12 @@ class HeadStage(Method):
             for h in handles:
                 h.remove()
 
-    def first_step_loss(self, on_scores: Callable[..., None], every_step: bool = False):
-        """A training loss that, on its first call, runs the task's loss with eager attention
-        and ``output_attentions=True``, scores the heads on that batch (Eq. 6, the same scoring
-        as :func:`fedslice.slicing.heads.head_importance`, on the training-mode weights: after
-        attention dropout) and passes the (R, H) scores to ``on_scores`` before returning the
-        loss (so before the backward); every later call is the task's loss. The model's own
-        attention comes back at the next call, or at ``loss_fn.restore()`` (call it after
-        training): only once the captured step's backward has run, which under gradient
-        checkpointing recomputes that forward and must run it as it ran (eager)."""
-        done = False
-        names = [f.name for f in self.arch.attention_outputs]
-        pending: list[tuple[nn.Module, str]] = []  # (model, the attention eager replaced)
-
-        def restore() -> None:
-            while pending:
-                m, previous = pending.pop()
-                base = m.get_base_model() if hasattr(m, "get_base_model") else m
-                base.set_attn_implementation(previous)
-
-        def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            nonlocal done
-            restore()  # the previous call's backward has run
-            if done and not every_step:
-                return self.task.loss(m, batch)
-            done = True
-            outs: list = []
-            forward = m.forward
-
-            def capture(*args, **kwargs):
-                out = forward(*args, **{**kwargs, "output_attentions": True})
-                outs.append(out)
-                return out
-
-            previous = ensure_eager_attention(m)
-            if previous != "eager":
-                pending.append((m, previous))
-            m.forward = capture
-            try:
-                loss = self.task.loss(m, batch)
-            finally:
-                del m.forward
-            if not outs:
-                raise ModelError("importance_source='first_step': the task's loss did not call "
-                                 "the model")
-            device = model_device(m)
-            special = torch.tensor(self.special_ids, dtype=torch.int64, device=device)
-            with torch.no_grad():
-                sums = batch_confidence_sums(outs[-1], to_device(batch, device), m, special,
-                                             self.opts.sink_keys)
-            if missing := [n for n in names if n not in sums]:
-                raise ModelError(f"no attention scores for {missing} (got {sorted(sums)})")
-            n = max(batch_examples(batch), 1)
-            alpha = torch.cat([sums[k].float().cpu() for k in names]) / n
-            if every_step:
-                on_scores(alpha, n)
-            else:
-                on_scores(alpha)
-            return loss
-
-        loss_fn.restore = restore
-        return loss_fn
+    def first_step_loss(self, on_scores: Callable[..., None], every_step: bool = False) -> CapturingLoss:
+        """The task's loss, scoring the heads from the first (or every) training step's own
+        attention (:class:`~fedslice.methods.heads.capture.CapturingLoss`); call its
+        ``restore()`` after training."""
+        return CapturingLoss(self.task.loss, [f.name for f in self.arch.attention_outputs],
+                             self.special_ids, self.opts.sink_keys, on_scores, every_step)
 
     def gradient_masks(self, model: nn.Module, kept: torch.Tensor, payload: Payload, dims,
                        full: Mapping[str, nn.Parameter]) -> dict[str, torch.Tensor]:
