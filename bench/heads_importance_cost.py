@@ -6,6 +6,8 @@
         --only today first_step training
     .venv/bin/python bench/heads_importance_cost.py --report-only --seeds 0 1 2
     OMP_NUM_THREADS=1 .venv/bin/python bench/heads_importance_cost.py --rank   # scores only
+    OMP_NUM_THREADS=2 .venv/bin/python bench/heads_importance_cost.py --seeds 0 --threads 2 \
+        --only training first_step dense --out bench/results/heads_importance_time_a   # wall time
 
 SST-2, MiniLM-L6 (6 x 12 heads), the setting of BENCHMARKS.md's 20-round heads rows (issue 35
 part 3): 100 IID clients, 2 per round, 20 rounds x 10 local steps of 32, lr 1e-3, LoRA r16 on q
@@ -23,7 +25,15 @@ partition, LoRA init and client sequence):
   paper's rule): every training step's forward is captured, the client trains every head and
   after training sends the top heads of the scores over its 10 training batches (320 sentences);
 * ``sample16``: heads, ``prune="parameters"``, the pass over 16 sampled sentences;
-* ``fwd-today`` / ``fwd-sample8``: heads, ``prune="forward"``, the pass over 128 / 8 sentences.
+* ``fwd-today`` / ``fwd-sample8`` / ``fwd-sample16``: heads, ``prune="forward"``, the pass over
+  128 / 8 / 16 sentences; ``fwd-mean-*``: the same with ``method.fill = "mean"`` (the pruned
+  heads' mean output from that pass).
+
+Wall time (the speed issue's rules: a quiet machine, one run at a time, ``--threads 2``):
+per run the median over rounds 2.. of ``round_time_s`` (a round's client work, importance and
+training, and its aggregation; no evaluation), and its ratio to the dense run of the same
+invocation. Run-to-run spread on this machine: about ±5% (dense's 2.41-2.82 s across four
+invocations), so time ratios are read over several invocations. ``--lr`` sets every run's rate.
 
 ``--rank`` (no training): for 8 clients' partitions, Spearman rank correlation over the 72 heads
 and kept-set overlap at sparsity 0.9 of each cheap score against today's (the pass over 128
@@ -64,13 +74,17 @@ VARIANTS = {
     "sample16": ({**HEADS90, "prune": "parameters"}, 16),
     "fwd-today": ({**HEADS90, "prune": "forward"}, 128),
     "fwd-sample8": ({**HEADS90, "prune": "forward"}, 8),
+    "fwd-sample16": ({**HEADS90, "prune": "forward"}, 16),
+    "fwd-mean-today": ({**HEADS90, "prune": "forward", "fill": "mean"}, 128),
+    "fwd-mean-sample8": ({**HEADS90, "prune": "forward", "fill": "mean"}, 8),
+    "fwd-mean-sample16": ({**HEADS90, "prune": "forward", "fill": "mean"}, 16),
 }
 
 
 def run_config(name: str, seed: int, args) -> dict:
     method, examples = VARIANTS[name]
     ns = SimpleNamespace(seed=seed, threads=args.threads, dev_examples=256, clients_per_round=2,
-                         local_steps=10, lr=1e-3, importance_examples=examples, eval_every=10,
+                         local_steps=10, lr=args.lr, importance_examples=examples, eval_every=10,
                          target=0.8, track_test=False, out=args.out)
     cfg = sst2_config(f"{name}-s{seed}", method, "random", ns, args.rounds)
     cfg["output"]["plots"] = False
@@ -82,7 +96,12 @@ def figures(run: Path) -> dict:
     s = json.loads((run / "summary.json").read_text())
     ms = [m for r in _records(run) for m in r["client_metrics"] if m.get("num_examples", 0) > 0]
     mean = lambda k: sum(m.get(k) or 0.0 for m in ms) / max(len(ms), 1)  # noqa: E731
+    # wall time: a round's client work (importance + training) and aggregation, not evaluation;
+    # round 1 (first-call warm-up) left out
+    rounds = [r["round_time_s"] for r in _records(run) if r["round"] > 1]
     return {"test_accuracy": s["test_accuracy"], "client_rounds": len(ms), "tokens": mean("tokens"),
+            "round_s": statistics.median(rounds) if rounds else None,
+            "train_s": mean("train_time_s"),
             "flops_measured": mean("flops_measured"), "flops_importance": mean("flops_importance"),
             "bytes_up": mean("bytes_up"), "bytes_down": mean("bytes_down"),
             "heads_kept": mean("heads_kept")}
@@ -109,10 +128,16 @@ def report(args) -> None:
             row["total ÷ dense"] = f"{total / dt:.3f}"
             row["same tokens as dense"] = "yes" if abs(f["tokens"] - d["tokens"]) < 0.5 else \
                 f"no ({f['tokens']:.0f} vs {d['tokens']:.0f})"
-        t = res.get(("today" if not name.startswith("fwd") else "fwd-today", seed))
+        ref = "today" if not name.startswith("fwd") else \
+            "fwd-mean-today" if name.startswith("fwd-mean") else "fwd-today"
+        t = res.get((ref, seed))
         if t is not None and name not in ("dense",):
             row["Δ acc vs today (pt)"] = f"{100 * (f['test_accuracy'] - t['test_accuracy']):+.2f}"
         row["MB up / client-round"] = f"{f['bytes_up'] / 1e6:.3f}"
+        if f.get("round_s") is not None:
+            row["s / round (median, rounds ≥ 2)"] = f"{f['round_s']:.2f}"
+            if d is not None and d.get("round_s"):
+                row["round s ÷ dense"] = f"{f['round_s'] / d['round_s']:.3f}"
         rows.append(row)
     cols = []
     for r in rows:
@@ -125,11 +150,14 @@ def report(args) -> None:
         if len(accs) > 1:
             lines.append(f"- {name}: median test acc {100 * statistics.median(accs):.2f} over "
                          f"seeds {[s for s in args.seeds if (name, s) in res]}")
-    for name in ("first_step", "training", "sample16"):
-        gaps = [100 * (res[(name, s)]["test_accuracy"] - res[("today", s)]["test_accuracy"])
-                for s in args.seeds if (name, s) in res and ("today", s) in res]
+    pairs = [("first_step", "today"), ("training", "today"), ("sample16", "today"),
+             ("fwd-sample8", "fwd-today"), ("fwd-sample16", "fwd-today"),
+             ("fwd-mean-sample8", "fwd-mean-today"), ("fwd-mean-sample16", "fwd-mean-today")]
+    for name, ref in pairs:
+        gaps = [100 * (res[(name, s)]["test_accuracy"] - res[(ref, s)]["test_accuracy"])
+                for s in args.seeds if (name, s) in res and (ref, s) in res]
         if gaps:
-            lines.append(f"- {name} − today per seed (pt): {[round(g, 2) for g in gaps]}, median "
+            lines.append(f"- {name} − {ref} per seed (pt): {[round(g, 2) for g in gaps]}, median "
                          f"{statistics.median(gaps):+.2f}, mean {statistics.mean(gaps):+.2f}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
@@ -230,6 +258,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--rerun", action="store_true")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--rank", action="store_true", help="rank agreement of the cheap scores only")
