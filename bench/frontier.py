@@ -34,6 +34,12 @@ an upload budget affords twice the rank; dense stays FedIT (row names end in ``-
 so an upload budget affords twice the rank (row names end in ``-fp16``); the budgets stay shares
 of the dense row's fp32 upload. The row ``dense-fp16`` is the dense row with fp16 replies (what
 the rounding alone costs).
+``--fill``: the ``-work`` rows plan with ``budgets.local_work_fill`` (the library's default since
+2026-11-28: between two shares of local work, the most examples per step that fit; rows end in
+``-fill``); without it they plan on the shares alone, as every row taken before.
+``--dense-batch N`` with the row ``dense-batch``: the dense row on N examples per step, nothing
+else changed (``dense-bN``): what a budget row's fewer examples cost on their own, apart from its
+precision, rank and sub-model.
 ``--lr X``: the budget rows' learning rate (dense keeps the task's; rows ``<row>-lrX@...``); the
 row ``dense-lr`` is the dense row at that rate (``dense-lrX``).
 ``--server-opt NAME`` (``--server-opt-lr``, ``--server-momentum``): every row, dense included,
@@ -83,7 +89,7 @@ METHODS = {"dense": "fedpetuning", "heads": "heads", "raffm": "raffm", "int8": "
            "planned-work": "raffm+heads", "mixed-work": "raffm+heads", "int8-work": "fedpetuning",
            "planned-int8-work": "raffm+heads", "planned-depth-work": "raffm+heads",
            "planned-int8-depth-work": "raffm+heads", "dense-fp16": "fedpetuning",
-           "dense-lr": "fedpetuning"}
+           "dense-lr": "fedpetuning", "dense-batch": "fedpetuning"}
 #: budgets.adapter_depths of the ``-depth-`` rows: shares of the top blocks whose adapters train
 DEPTHS = [1.0, 0.5]
 #: budgets.local_work of the ``-work`` rows: shares of a round's local work a client may train
@@ -147,6 +153,8 @@ def with_budgets(cfg: dict, row: str, args, budgets: dict | None) -> dict:
     if args.server_opt != "none":  # every row, the dense one too
         cfg["server_opt"] = {"name": args.server_opt, "lr": args.server_opt_lr,
                              "momentum": args.server_momentum}
+    if row == "dense-batch":  # dense on fewer examples per step: what the examples alone cost
+        cfg["federation"]["batch_size"] = args.dense_batch
     if args.lr is not None and (budgets is not None or row == "dense-lr"):  # dense keeps its rate
         cfg["federation"]["lr"] = args.lr
     if row == "dense-fp16" or (budgets is not None and args.upload_dtype != "fp32"):
@@ -160,7 +168,9 @@ def with_budgets(cfg: dict, row: str, args, budgets: dict | None) -> dict:
                           **({"adapter_depths": args.depths or DEPTHS} if "-depth-" in row else {}),
                           # local work is the planner's default since 2026-11-27: rows without
                           # "-work" keep every client's whole round, as they were taken
-                          "local_work": (args.local_work or LOCAL_WORK) if row.endswith("-work") else [1.0]}
+                          "local_work": (args.local_work or LOCAL_WORK) if row.endswith("-work") else [1.0],
+                          # rows taken before 2026-11-28 planned on the shares alone
+                          "local_work_fill": args.fill and row.endswith("-work")}
     return cfg
 
 
@@ -238,6 +248,12 @@ def main() -> None:
     ap.add_argument("--server-momentum", type=float, default=None, help="server_opt.momentum")
     ap.add_argument("--lora-aggregation", default=None, help="lora.aggregation of the budget rows "
                     "(dense keeps fedit): ffa sends B only, so the planner can afford a higher rank")
+    ap.add_argument("--fill", action="store_true",
+                    help="budgets.local_work_fill in the -work rows (the library's default since "
+                         "2026-11-28; rows <row>-fill@...): the most examples per step that fit")
+    ap.add_argument("--dense-batch", type=int, default=None,
+                    help="the row dense-b<N>: the dense row on N examples per step (nothing else "
+                         "changed): a budget row's loss from its fewer examples alone")
     ap.add_argument("--lr", type=float, default=None,
                     help="federation.lr of the budget rows (dense keeps the task's; rows <row>-lr<x>@...)")
     ap.add_argument("--upload-dtype", default="fp32", choices=["fp32", "fp16"],
@@ -256,14 +272,17 @@ def main() -> None:
         run_row("dense-fp16", "dense-fp16", args, None)
     if "dense-lr" in args.rows and args.lr is not None:  # the dense row at the budget rows' rate
         run_row(f"dense-lr{args.lr:g}", "dense-lr", args, None)
+    if "dense-batch" in args.rows and args.dense_batch:
+        run_row(f"dense-b{args.dense_batch}", "dense-batch", args, None)
     for f in args.budgets:
         for row in args.rows:
-            if row.startswith("mixed") or row in ("dense-fp16", "dense-lr"):
+            if row.startswith("mixed") or row in ("dense-fp16", "dense-lr", "dense-batch"):
                 continue
             at = f"up{f:g}" if args.upload_only else f"mem{f:g}" if args.memory_only else f"{f:g}"
             at += (f"m{args.memory_share:g}" if args.memory_share else "") + \
                 (f"u{args.upload_share:g}" if args.upload_share else "")
             tag = f"-lw{len(args.local_work)}" if args.local_work and row.endswith("-work") else ""
+            tag += "-fill" if args.fill and row.endswith("-work") else ""
             tag += "-mw" if args.measured_widths and "raffm" in METHODS[row] else ""
             tag += f"-d{len(args.depths)}" if args.depths and "-depth-" in row else ""
             tag += f"-{args.lora_aggregation}" if args.lora_aggregation else ""

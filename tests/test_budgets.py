@@ -567,6 +567,32 @@ def test_int8_raffm_clients_at_a_lower_rank_train_ffa_lora(tiny_cfg_dict):
 
 
 # -- partial local work (budgets.local_work) -----------------------------------------------------
+def test_a_budget_between_two_shares_gets_the_most_examples_that_fit(tiny_cfg_dict, one_length_data_dir):
+    """budgets.local_work_fill (the default): a FLOPs budget at 0.8x the whole round, between
+    the shares 1.0 (out of reach) and 0.5 (4 of 8 examples per step), gets the largest batch in
+    between that fits: one more example is out of reach (the plain grid [1, (n+1)/8, 0.5] skips
+    it) and the plan's "why" names it; without the fill, the grid's 4 examples."""
+    from fedslice.api import setup
+
+    def plan(gflops, **more):
+        d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, "name": "t", **gflops}], "micro_batches": [1],
+                                 "checkpointing": False, **more},
+                 method="fedpetuning", data={"path": str(one_length_data_dir)}, federation={"pack": False})
+        method, _ = setup(validate_config(d))
+        return next(iter(method.plans.values()))
+
+    full = plan({"memory_mb": 1e4})
+    assert full.knobs.batch is None
+    budget = {"gflops_per_round": round(0.8 * full.gflops_per_round, 6)}
+    got = plan(budget, local_work=[1.0, 0.5])
+    n = got.knobs.batch
+    assert 4 < n < 8 and got.gflops_per_round <= budget["gflops_per_round"]
+    assert f"{n + 1} examples per step" in got.reason
+    assert plan(budget, local_work=[1.0, (n + 1) / 8, 0.5], local_work_fill=False).knobs.batch == 4
+    assert plan(budget, local_work=[1.0, n / 8, 0.5], local_work_fill=False).knobs.batch == n
+    assert plan(budget, local_work=[1.0, 0.5], local_work_fill=False).knobs.batch == 4
+
+
 @pytest.mark.parametrize("by,pack", [("batch", False), ("batch", True), ("steps", False)])
 def test_a_flops_budget_takes_partial_local_work_before_a_narrower_sub_model(tiny_cfg_dict, one_length_data_dir,
                                                                             tmp_path, by, pack):
@@ -593,7 +619,7 @@ def test_a_flops_budget_takes_partial_local_work_before_a_narrower_sub_model(tin
              {"share": 0.5, "name": "tight", "gflops_per_round": round(0.6 * full.gflops_per_round, 6)}]
     _, narrowed = plans(tiers, local_work=[1.0])
     assert narrowed["tight"].knobs.width < 1.0
-    d, got = plans(tiers, local_work=[0.5, 1.0], local_work_by=by)
+    d, got = plans(tiers, local_work=[0.5, 1.0], local_work_by=by, local_work_fill=False)
     tight, batch = got["tight"], d["federation"]["batch_size"]
     assert tight.knobs.width == 1.0 and got["big"].knobs == full.knobs
     assert (tight.knobs.batch, tight.knobs.steps) == ((batch // 2, None) if by == "batch" else (None, 1))

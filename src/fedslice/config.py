@@ -204,6 +204,13 @@ class BudgetsConfig(Section):
         "saving) trains that share of it (budgets.local_work_by) before a narrower sub-model "
         "is tried (partial local work, as FedProx and FedNova allow). [1.0]: every client "
         "trains the whole round.")
+    local_work_fill: bool = Field(
+        True, description="Between the largest share of budgets.local_work out of a client's "
+        "reach and the next one in reach, the planner takes the largest whole number of "
+        "examples per step (or local steps) in between that fits (bisection, a few measured "
+        "steps more), so a budget is spent to the example rather than to the grid: on SST-2 at "
+        "0.4x dense's FLOPs, 18 examples per step where the grid gave 16 (BENCHMARKS.md, "
+        "issue 34). False: the shares only.")
     local_work_by: Literal["batch", "steps"] = Field(
         "batch", description="How a share of local work is cut: 'batch' (every local step on "
         "round(share x federation.batch_size) examples: fewer FLOPs and less activation memory, "

@@ -413,11 +413,7 @@ class BudgetPlanner:
         for spec, width in self.specs:
             if not fits(self._cheapest(spec, width, s_min, r_min), Knobs(spec, width=width)):
                 continue  # not even the sub-model's smallest point fits
-            for work, d in ((w, d) for w in self.works for d in self.depths):
-                if (len(self.works) > 1 or len(self.depths) > 1) and not fits(
-                        self._cheapest(spec, width, s_min, r_min, work=work, depth=d),
-                        Knobs(spec, width=width, depth=d, **work)):
-                    continue
+            for work, d in self._works_in_reach(spec, width, fits):
                 for s in self.sparsities:
                     if not fits(self._cheapest(spec, width, s, r_min, work=work, depth=d),
                                 Knobs(spec, s, width=width, depth=d, **work)):
@@ -441,6 +437,44 @@ class BudgetPlanner:
                                         return self._plan(client, tier, budget, knobs, pred, passed)
                                     passed = (knobs.describe(), over)
         return None
+
+    def _works_in_reach(self, spec, width, fits) -> Iterator[tuple[dict[str, int], float | None]]:
+        """(local work, adapter depth) pairs of a sub-model, most training first, whose cheapest
+        point may fit (``fits``; every pair when there is one). With ``budgets.local_work_fill``,
+        between a share out of reach and the next share in reach (same depth), the largest
+        whole number of examples per step (or steps) in between whose cheapest point may fit
+        comes first: a bisection, as the costs grow with the work."""
+        s_min, r_min = self.sparsities[-1], self.ranks[-1]
+        if len(self.works) == 1 and len(self.depths) == 1:
+            yield self.works[0], self.depths[0]
+            return
+        key = self.cfg.local_work_by
+        whole = self.rows if key == "batch" else self.local_steps
+
+        def in_reach(work: dict[str, int], d) -> bool:
+            return fits(self._cheapest(spec, width, s_min, r_min, work=work, depth=d),
+                        Knobs(spec, width=width, depth=d, **work))
+
+        missed: dict[float | None, int] = {}  # depth -> the least work out of reach so far
+        for work in self.works:
+            n = work.get(key, whole)
+            reach = {d: in_reach(work, d) for d in self.depths}
+            fills = []  # (work in between, depth, the least work out of reach above it)
+            for d in self.depths:
+                hi = missed.pop(d, None) if reach[d] else None
+                if not reach[d]:
+                    missed[d] = n
+                elif self.cfg.local_work_fill and hi is not None and hi - n > 1:
+                    lo = n
+                    while hi - lo > 1:  # lo in reach, hi not
+                        mid = (lo + hi) // 2
+                        lo, hi = (mid, hi) if in_reach({key: mid}, d) else (lo, mid)
+                    if lo > n:
+                        fills.append((lo, d, hi))
+            for lo, d, hi in sorted(fills, key=lambda f: -f[0]):  # most work first, then depth
+                in_reach({key: hi}, d)  # the plan passed over is the next larger one
+                yield {key: lo}, d
+            yield from ((work, d) for d in self.depths if reach[d])
 
     def _plan(self, client, tier, budget, knobs, pred, passed) -> ClientPlan:
         why = ("the most-training plan (largest sub-model, every local step, every block's "
