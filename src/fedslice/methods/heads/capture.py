@@ -1,6 +1,6 @@
 """A training loss that scores heads (Eq. 6) from the attention of the steps training runs
 anyway: ``method.importance_source = "first_step"`` and ``"training"``. See
-:meth:`fedslice.methods.heads.method.Heads.first_step_loss`.
+:meth:`fedslice.methods.heads.method.HeadStage.first_step_loss`.
 """
 
 from __future__ import annotations

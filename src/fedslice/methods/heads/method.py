@@ -25,8 +25,8 @@ from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
 from fedslice.methods.base import Method, Role
-from fedslice.methods.heads.capture import CapturingLoss
 from fedslice.methods.fedpetuning import FedPETuning
+from fedslice.methods.heads.capture import CapturingLoss
 from fedslice.methods.heads.options import HeadsMethod, kept_count, max_sparsity
 from fedslice.methods.heads.report import paper_ops, plot_head_importance
 from fedslice.methods.heads.strategy import ALPHA, HeadsStrategy, KEPT
