@@ -102,8 +102,14 @@ VARIANTS["raffm-act-measured-fine-full"] = {**VARIANTS["raffm-act-measured-fine"
 # ... and every client at the 0.25 size (16 client-rounds of it in 4 rounds, against 2 above)
 VARIANTS["raffm-act-fine-full-t25only"] = {**VARIANTS["raffm-act-measured-fine-full"],
                                            "tiers": [{"share": 1.0, "flops": 0.25}], "elastic_sizes": [0.25]}
+# ... and the mixed run with half of the clients in the 0.25 tier (the rest 0.5 / 0.75 / 1.0 at
+# 3 / 3 / 4 of 20 clients): every size in one run, the smallest given the client-rounds it needs
+VARIANTS["raffm-act-measured-fine-full-t25half"] = {
+    **VARIANTS["raffm-act-measured-fine-full"],
+    "tiers": [{"share": s, "flops": f} for s, f in zip((0.5, 0.15, 0.15, 0.2), QUARTERS)]}
 #: federation settings a variant changes (the rest is configs/e2e_smollm2.toml's)
-FEDERATION = {"raffm-act-measured-fine-full": {"lr": 1e-4}, "raffm-act-fine-full-t25only": {"lr": 1e-4}, "raffm-t25only-full": {"lr": 1e-4}}
+FEDERATION = {"raffm-act-measured-fine-full": {"lr": 1e-4}, "raffm-act-fine-full-t25only": {"lr": 1e-4},
+              "raffm-t25only-full": {"lr": 1e-4}, "raffm-act-measured-fine-full-t25half": {"lr": 1e-4}}
 #: what each row tests (the seed papers' claims)
 CLAIMS = {
     "fedpetuning": "baseline (FedPETuning: LoRA on the full model)",
@@ -129,6 +135,7 @@ CLAIMS = {
     "raffm-act-measured-fine": "raffm-act-measured with widths 1/32, 1/16, 1/8, 1/4, 3/8, 1/2, 3/4 per layer",
     "raffm-act-measured-fine-full": "raffm-act-measured-fine, each client fine-tuning its whole sub-model (lr 1e-4)",
     "raffm-act-fine-full-t25only": "raffm-act-measured-fine-full with every client at the 0.25 size",
+    "raffm-act-measured-fine-full-t25half": "raffm-act-measured-fine-full with half of the clients at the 0.25 size",
     "raffm-act-sandwich": "raffm-act + the sandwich rule (each step also trains the nested smallest size)",
     "raffm-sandwich": "RaFFM (L1 salience) + the sandwich rule",
 }

@@ -43,6 +43,8 @@ def run(variant: str, args) -> dict:
     cfg["name"] = variant
     cfg["federation"]["batch_size"] = batch
     cfg["lora"].update(r=rank, alpha=2 * rank)
+    if args.lr is not None:
+        cfg["federation"]["lr"] = args.lr
     if top:  # LoRA on q/v of the top ``top`` layers only: the backward stops below them
         layers = range(6 - int(top), 6)
         cfg["lora"]["target_modules"] = [f"layer.{i}.attention.self.{m}" for i in layers
@@ -63,6 +65,7 @@ def main() -> None:
                     help="<local steps>x<batch>r<LoRA rank>[t<top layers with LoRA>]")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=None, help="federation.lr (default the frontier's 1e-3)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/local_work_sst2"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
