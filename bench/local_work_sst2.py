@@ -38,7 +38,9 @@ def run(variant: str, args) -> dict:
         return json.loads(path.read_text())
     fargs = argparse.Namespace(rounds=args.rounds, clients_per_round=4, local_steps=int(steps),
                                importance_examples=32, test_examples=None, threads=1, seed=args.seed,
-                               task="sst2", measured_widths=False, local_work=None, depths=None)
+                               task="sst2", measured_widths=False, local_work=None, depths=None,
+                               server_opt="none", dense_batch=None, lr=None, upload_dtype="fp32",
+                               lora_aggregation=None)
     cfg = frontier.config("dense", fargs, None)
     cfg["name"] = variant
     cfg["federation"]["batch_size"] = batch
