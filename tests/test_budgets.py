@@ -651,3 +651,94 @@ def test_bad_local_work_is_refused_at_load(tiny_cfg_dict, budgets, extra, messag
     with pytest.raises(ConfigError) as e:
         validate_config(_cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, "memory_mb": 10}], **budgets}, **extra))
     assert message in str(e.value), str(e.value)
+
+
+# -- FLOPs budgets enforced as clients train (budgets.enforce_flops) ----------------------------
+def _one_length_split(one_length_data_dir, tiny_model_dir, n=32):
+    from fedslice.data.batching import TokenizedSplit
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    lines = (one_length_data_dir / "train.tsv").read_text().splitlines()[1:n + 1]
+    enc = tok([line.split("\t")[0] for line in lines], truncation=True, max_length=16)
+    return TokenizedSplit([torch.tensor(x) for x in enc["input_ids"]], None,
+                          torch.tensor([int(line.split("\t")[1]) for line in lines]), tok.pad_token_id)
+
+
+def test_a_flops_budget_stops_local_training_before_the_step_that_would_pass_it(tiny_model_dir,
+                                                                                one_length_data_dir):
+    """Every step costs the same (one length): a budget of 2.5 steps trains exactly the first 2
+    steps of the unbudgeted run (the same tensors as ``local_steps = 2``), records 2 cut, and
+    its measured FLOPs are 2 steps'; FLOPs spent before training (an importance pass) come off
+    the budget; the first step always runs; without a budget nothing is cut or recorded."""
+    from fedslice.fl.client import train_local
+
+    data = _one_length_split(one_length_data_dir, tiny_model_dir)
+    cfg = {"lr": 1e-2, "batch_size": 8, "local_steps": 4}
+
+    def run(**more):
+        model, params = _trainable(_tiny_model(tiny_model_dir))
+        torch.manual_seed(0)
+        result = train_local(model, params, data, {**cfg, **more.pop("cfg", {})}, seed=3, **more)
+        return {n: p.detach().clone() for n, p in params.items()}, result
+
+    _, whole = run()
+    assert whole.steps == 4 and whole.steps_cut is None
+    step = whole.flops_measured / 4
+    two, ref = run(cfg={"local_steps": 2})
+    got, cut = run(cfg={"flops_budget": 2.5 * step})
+    assert (cut.steps, cut.steps_cut) == (2, 2) and cut.flops_measured == pytest.approx(2 * step, rel=1e-9)
+    assert cut.flops_measured <= 2.5 * step and cut.examples == ref.examples == 16
+    for n in two:
+        assert torch.equal(got[n], two[n]), n
+    _, spent = run(cfg={"flops_budget": 2.5 * step}, flops_spent=1.2 * step)
+    assert (spent.steps, spent.steps_cut) == (1, 3)
+    _, first = run(cfg={"flops_budget": 0.1 * step})
+    assert (first.steps, first.steps_cut) == (1, 3)
+    _, room = run(cfg={"flops_budget": 4 * step * (1 + 1e-9)})
+    assert (room.steps, room.steps_cut) == (4, 0)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_planned_run_holds_every_client_round_to_its_flops_budget(tiny_cfg_dict, tmp_path, batched):
+    """On data of many lengths the planner's prediction (the mean length) is off for clients
+    whose batches run longer: at 0.8x the whole round's FLOPs the filled plan's clients pass
+    the budget in some rounds unless ``budgets.enforce_flops``; enforced, every client-round
+    is within it, the steps it cut are recorded (per client and in the plans' report), and a
+    client-round it did not cut trains exactly as unenforced. The batched pass (clients that
+    share a training config) cuts the same steps as training one after another."""
+    from fedslice.api import setup
+
+    def cfg(limits, **more):
+        d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, "name": "t", **limits}], "micro_batches": [1],
+                                 "checkpointing": False, **more},
+                 federation={"pack": False, "rounds": 2, "local_steps": 3},
+                 compute={"workers": 1, "batched_clients": batched})
+        return d
+
+    full, _ = setup(validate_config(cfg({"memory_mb": 1e4})))
+    budget = round(0.8 * next(iter(full.plans.values())).gflops_per_round, 6)
+
+    def client_rounds(enforce):
+        run = run_experiment(validate_config(cfg({"gflops_per_round": budget}, enforce_flops=enforce)),
+                             tmp_path / f"{enforce}", progress=False)
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        rounds = [r for r in records if r.get("client_metrics")]
+        assert {r["client_mode"] for r in rounds} == {"batched" if batched else "sequential"}
+        return {(r["round"], m["client"]): m for r in rounds for m in r["client_metrics"]}, _plans(run)[0]
+
+    free, _ = client_rounds(False)
+    held, plans = client_rounds(True)
+    assert any(m["flops_measured"] > budget * 1e9 for m in free.values())
+    assert all("steps_cut" not in m for m in free.values())
+    assert all(m["flops_measured"] <= budget * 1e9 for m in held.values())
+    assert all(m["steps"] + m["steps_cut"] == 3 for m in held.values())
+    cut = [k for k, m in held.items() if m["steps_cut"]]
+    assert cut and plans["measured"]["rounds_cut"] == len(cut)
+    assert plans["measured"]["steps_cut"] == sum(m["steps_cut"] for m in held.values())
+    for k, m in held.items():
+        if k not in cut:
+            assert m["flops_measured"] == free[k]["flops_measured"] and m["examples_trained"] == \
+                free[k]["examples_trained"]
+    if batched:
+        assert all(m.get("batched_clients", 1) > 1 for m in held.values())

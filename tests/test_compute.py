@@ -94,3 +94,33 @@ def test_gradient_checkpointing_gives_the_same_weights(tiny_cfg_dict):
     assert method.model.get_base_model().is_gradient_checkpointing
     assert all(torch.allclose(s1[k], s2[k], atol=1e-6) for k in s1)
     assert all(m["activation_mb"] >= 0 for r in records for m in r["client_metrics"])
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("fedpetuning", {}), ("raffm", {}), ("fedpft", {}), ("fedot", {}), ("heads", {}),
+    ("heads", {"importance_source": "first_step"}), ("heads", {"importance_source": "training"}),
+])
+def test_every_method_trains_its_clients_under_the_runs_compute(tiny_cfg_dict, tmp_path, monkeypatch,
+                                                                method, extra):
+    """A client's local training runs under the run's :class:`Compute` (its device, autocast
+    precision, loss scaler), never the CPU default: every autocast around a training step is
+    the method's compute object's."""
+    import fedslice.compute as compute_mod
+    from tests.conftest import method_options
+
+    if extra.get("importance_source"):
+        tiny_cfg_dict["federation"]["weight_decay"] = 0.0
+    tiny_cfg_dict["method"] = {"name": method, **method_options(method, tmp_path), **extra}
+    tiny_cfg_dict["federation"].update(rounds=1)
+    cfg = validate_config({**tiny_cfg_dict, "compute": {"workers": 1}})
+    m, data = setup(cfg)
+    seen: list = []
+    real = compute_mod.Compute.autocast
+
+    def autocast(self):
+        seen.append(self)
+        return real(self)
+
+    monkeypatch.setattr(compute_mod.Compute, "autocast", autocast)
+    Simulation(cfg, m, data).run()
+    assert seen and all(c is m.compute for c in seen), {id(c) for c in seen} - {id(m.compute)}

@@ -228,6 +228,15 @@ class BudgetsConfig(Section):
         "every client trains every adapter tensor. Not with an adapter whose tensors sit at the "
         "input (prompt, P-tuning, prefix) nor with raffm's method.elastic_depth.")
 
+    enforce_flops: bool = Field(
+        True, description="Enforce gflops_per_round as clients train: a client stops its round's "
+        "local steps before the one whose measured FLOPs (the first step's count, extrapolated to "
+        "the next batch's tokens; the head stage's importance pass counted) would pass its "
+        "budget, and records the steps cut (`steps_cut`; the run's plans report sums them). The "
+        "planner predicts a plan's FLOPs from a profile batch; real batches differ (on SST-2 "
+        "measured 0.94-1.06x the prediction). The first step always runs. False: budgets "
+        "guide the plan only.")
+
     precisions: list[Literal["none", "int8", "nf4"]] = Field(
         default_factory=lambda: ["none"], min_length=1,
         description="Base precisions the planner may give a client, best first: 'none' (the run's "

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from fedslice.compute import CPU, Compute
 from fedslice.data.batching import TokenizedSplit, stack_batches
-from fedslice.fl.client import LocalResult, local_batches, local_step_count
+from fedslice.fl.client import LocalResult, flops_budget, local_batches, local_step_count, over_budget
 from fedslice.measure import LargestBatches, PeakMemory, count_flops
 from fedslice.peft import Adapter
 from fedslice.tasks.base import batch_examples, batch_head_positions, batch_real_tokens, batch_tokens
@@ -59,6 +59,7 @@ class _Client:
     real: Any = 0
     examples: int = 0
     head_positions: int = 0
+    cut: int | None = None  # local steps a FLOPs budget cut
 
 
 @contextlib.contextmanager
@@ -160,9 +161,12 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
     """Train the tensors ``names`` of ``model`` for each client (its starting values ``starts[k]``,
     data ``datas[k]``, seed ``seeds[k]``) in one batched pass per step; returns each client's
     trained tensors and its :class:`LocalResult`, as :func:`fedslice.fl.client.train_local`
-    would for that client alone. The model's own tensors ``names`` are not used or changed."""
+    would for that client alone. The model's own tensors ``names`` are not used or changed.
+    The clients share ``cfg`` (:func:`fedslice.fl.client.train_config_key`); under its
+    ``flops_budget`` a client leaves the pass before the step that would pass it, as alone."""
     mu = float(cfg.get("fedprox_mu") or 0.0)
     clip = float(cfg.get("max_grad_norm") or 0.0)
+    budget = flops_budget(cfg)
     clients = []
     for start, data, seed in zip(starts, datas, seeds):
         tensors = {n: start[n].detach().to(compute.device, torch.float32).clone().requires_grad_(True)
@@ -171,7 +175,8 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
         clients.append(_Client(
             tensors=tensors, batches=iter(local_batches(data, cfg, gen)), steps_left=local_step_count(data, cfg),
             opt=torch.optim.AdamW(tensors.values(), lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.0)),
-            ref={n: t.detach().clone() for n, t in tensors.items()} if mu > 0 else None))
+            ref={n: t.detach().clone() for n, t in tensors.items()} if mu > 0 else None,
+            cut=None if budget is None else 0))
     torch.manual_seed(seeds[0])  # dropout masks (one generator for the stacked batch)
     pad = datas[0].pad_token_id
     scaler = compute.grad_scaler()
@@ -191,6 +196,16 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
             if not active:
                 break
             own = [next(c.batches) for c in active]
+            if budget is not None:  # a client whose next step would pass its budget stops
+                stop = [over_budget(flops_per_token * c.tokens, flops_per_token * batch_tokens(b),
+                                    budget, len(c.losses)) for c, b in zip(active, own)]
+                for c, s in zip(active, stop):
+                    if s:
+                        c.cut, c.steps_left = c.steps_left, 0
+                active = [c for c, s in zip(active, stop) if not s]
+                own = [b for b, s in zip(own, stop) if not s]
+                if not active:
+                    break
             batch, rows = stack_batches(own, pad)  # on the host: the task's loss moves it
             stack.rows, stack.params = rows, [c.tensors for c in active]
             with count_flops(enabled=step == 0) as fc, (mem.track() if measured(batch) else contextlib.nullcontext()):
@@ -235,5 +250,6 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
             head_positions=c.head_positions, tokens=c.tokens,
             flops_measured=flops_per_token * c.tokens,
             peak_rss_mb=(mem.rss_peak_mb or 0.0) * share, activation_mb=mem.tensor_peak_mb * share,
-            time_s=elapsed * share, nonfinite=not math.isfinite(mean), tokens_real=int(c.real))))
+            time_s=elapsed * share, nonfinite=not math.isfinite(mean), tokens_real=int(c.real),
+            steps_cut=c.cut)))
     return out

@@ -45,6 +45,8 @@ class LocalResult:
     # packed batches: the row length attention's FLOPs go with, sum(rows x length²) / tokens
     # (rows differ in length from step to step; tokens / rows, their mean, is off by the spread)
     attention_length: float | None = None
+    # a FLOPs budget (cfg["flops_budget"]): the local steps it cut (None: no budget)
+    steps_cut: int | None = None
 
 
 def local_batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator, pack: bool = False):
@@ -87,6 +89,31 @@ def planned_tokens(data: TokenizedSplit, cfg: dict[str, Any], seed: int) -> int:
 def local_step_count(data: TokenizedSplit, cfg: dict[str, Any]) -> int:
     steps = int(cfg.get("local_steps") or 0)
     return steps or int(cfg.get("local_epochs") or 1) * num_batches(len(data), int(cfg["batch_size"]))
+
+
+#: the keys of a payload's config that :func:`train_local` and
+#: :func:`fedslice.fl.batched.train_batched` train by (a plan may set some per client)
+TRAIN_CONFIG_KEYS = ("lr", "weight_decay", "local_steps", "local_epochs", "batch_size",
+                     "group_by_length", "max_grad_norm", "fedprox_mu", "flops_budget")
+
+
+def train_config_key(cfg: dict[str, Any]) -> tuple:
+    """What clients must agree on to train in one batched pass (which reads one config)."""
+    return tuple(cfg.get(k) for k in TRAIN_CONFIG_KEYS)
+
+
+def flops_budget(cfg: dict[str, Any], spent: float = 0.0) -> float | None:
+    """The FLOPs local training may take this round: a plan's ``cfg["flops_budget"]`` (its
+    client's whole round) less ``spent`` before training (an importance pass); None: no budget."""
+    budget = cfg.get("flops_budget")
+    return None if budget is None else float(budget) - spent
+
+
+def over_budget(spent: float, step_cost: float, budget: float | None, step: int) -> bool:
+    """Whether a budgeted client stops before a step of ``step_cost`` FLOPs, ``spent`` already
+    counted: the step would pass ``budget``. The first step always runs (a plan whose one step
+    passes its budget is the planner's to refuse; a round that trains nothing learns nothing)."""
+    return budget is not None and step > 0 and spent + step_cost > budget
 
 
 def _proximal(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
@@ -147,6 +174,13 @@ class _FlopExtrapolation:
         if self.per_pair or self.per_head:
             self.pairs += _attention_units(batch)
             self.heads += batch_head_positions(batch)
+
+    def cost(self, batch: dict[str, torch.Tensor], virtual_tokens: int) -> float:
+        """The FLOPs one more step on ``batch`` adds to :attr:`total` (after :meth:`first`)."""
+        cost = self.per_position * _positions(batch, virtual_tokens)
+        if self.per_pair or self.per_head:
+            cost += self.per_pair * _attention_units(batch) + self.per_head * batch_head_positions(batch)
+        return cost
 
     def attention_length(self) -> float | None:
         """Packed batches: sum(rows x length²) / sum(rows x length) over the steps."""
@@ -301,7 +335,8 @@ def _accumulate(model: nn.Module, params: dict[str, nn.Parameter], batch: dict[s
 
 def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: TokenizedSplit,
                 cfg: dict[str, Any], seed: int, loss_fn: LossFn = _hf_loss,
-                compute: Compute = CPU, virtual_tokens: int = 0, pack: bool = False) -> LocalResult:
+                compute: Compute = CPU, virtual_tokens: int = 0, pack: bool = False,
+                flops_spent: float = 0.0) -> LocalResult:
     """AdamW on ``params`` of ``model`` over the client's data; deterministic given ``seed``.
 
     ``cfg`` holds the strategy's train config (lr, weight_decay, local_epochs/local_steps,
@@ -321,7 +356,11 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     a CPU model with attention dropout trains on eager attention with cheaper dropout masks
     (:func:`fedslice.data.packing.packed_training`). A client's plan may set
     ``cfg["micro_batches"]`` (each batch as that many micro-batches whose gradients add up:
-    :func:`_accumulate`) and ``cfg["checkpointing"]`` (:func:`gradient_checkpointing`).
+    :func:`_accumulate`) and ``cfg["checkpointing"]`` (:func:`gradient_checkpointing`), and
+    ``cfg["flops_budget"]``: the round's FLOPs, of which ``flops_spent`` went before training
+    (an importance pass); the local steps stop before the first whose measured FLOPs (the
+    first step's count, extrapolated to the next batch as the total is) would pass it
+    (:func:`over_budget`), and the result records the steps cut.
     """
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout masks
@@ -343,16 +382,21 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     scaler = compute.grad_scaler()
     micro = int(cfg.get("micro_batches") or 1)
     saved_key = (what, compute.device.type, compute.precision, micro, mu > 0)
+    budget = flops_budget(cfg, flops_spent)
+    planned, cut = local_step_count(data, cfg), None if budget is None else 0
     saved_peaks = _SAVED.get(model, saved_key)
     if saved_peaks is None:
         saved_peaks = {}
         _SAVED.put(model, saved_key, saved_peaks)
     measured = LargestBatches()  # the steps whose saved tensors are counted (the peak's)
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01, saved_tensors=False) as mem, \
-            progress.task("local training steps", local_step_count(data, cfg)) as advance, \
+            progress.task("local training steps", planned) as advance, \
             (packed_training(model) if pack else nullcontext()), compute.training_linears(), \
             gradient_checkpointing(model, bool(cfg.get("checkpointing"))):
         for step, batch in enumerate(local_batches(data, cfg, gen, pack)):
+            if over_budget(flops.total, flops.cost(batch, virtual_tokens), budget, step):
+                cut = planned - step
+                break
             advance()
             counted = step == 0 and not (cached and flops.counts_rates(batch, virtual_tokens))
             shape_key = _shapes(batch) if measured(batch) else None
@@ -403,4 +447,4 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
                        peak_rss_mb=mem.rss_peak_mb or 0.0, activation_mb=mem.tensor_peak_mb,
                        time_s=time.perf_counter() - t0, nonfinite=nonfinite,
                        gpu_peak_mb=mem.cuda_peak_mb, tokens_real=int(real), rows=rows,
-                       attention_length=flops.attention_length())
+                       attention_length=flops.attention_length(), steps_cut=cut)

@@ -39,7 +39,7 @@ from fedslice.data.packing import packs
 from fedslice.data.partition import sample_rows
 from fedslice import measure
 from fedslice.compute import Compute
-from fedslice.fl.client import LocalResult, train_local
+from fedslice.fl.client import LocalResult, train_config_key, train_local
 from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.rules.lora import check_lora_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
@@ -481,11 +481,13 @@ class Method:
         """Clients whose payloads have equal keys train the same tensors of the same model and
         may share one batched pass; None: this client trains alone. Default: every client trains
         the one shared model (when the method declares ``batched_clients``), clients of one LoRA
-        rank together (tensors of other shapes do not stack); a client whose plan splits its
+        rank, base precision and training config (:func:`~fedslice.fl.client.train_config_key`:
+        a plan's local steps, batch size, FLOPs budget) together (tensors of other shapes do not stack); a client whose plan splits its
         batches or checkpoints trains alone (the batched pass does neither)."""
         if not self.batched_clients or trains_alone(payload):
             return None
-        return ("model", payload.config.get("lora_rank"), payload.config.get("base_precision"))
+        return ("model", payload.config.get("lora_rank"), payload.config.get("base_precision"),
+                train_config_key(payload.config))
 
     def fit_batched(self, jobs: list[tuple[int, Payload, TokenizedSplit, int]], compute: Compute,
                     on_reply) -> None:
@@ -583,7 +585,9 @@ class Method:
             tokens_real=result.tokens_real)
         # of bytes_down: frozen tensors the server changed (FedEx-LoRA's and FLoRA's base weights)
         return {"loss": result.loss, "steps": result.steps, **cost.to_metrics(),
-                "bytes_down_frozen": measure.tensor_bytes(frozen)}
+                "bytes_down_frozen": measure.tensor_bytes(frozen),
+                # a plan's FLOPs budget: the local steps it cut (train_local)
+                **({"steps_cut": result.steps_cut} if result.steps_cut is not None else {})}
 
     # -- server evaluation -------------------------------------------------------------------
     def eval_model(self, state: State) -> nn.Module:

@@ -231,6 +231,9 @@ class ClientPlan:
     reason: str = ""
     #: the trainable tensors the plan leaves frozen (below its adapter depth), by name
     frozen: tuple[str, ...] = ()
+    #: FLOPs the client's round may take, enforced as it trains (``budgets.enforce_flops``;
+    #: None: not enforced): :func:`fedslice.fl.client.train_local`
+    flops_budget: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"client": self.client, "tier": self.tier, "budget_name": self.budget.name,
@@ -569,7 +572,9 @@ def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
             failed.append(f"client {c} ({budget.field}, {budget.name}): budget {budget.describe()}; "
                           + planner.cheapest(examples, imp))
             continue
-        plans[c] = replace(p, client=c, tier=tier, budget=budget)
+        enforced = budget.gflops_per_round * 1e9 if budgets.enforce_flops \
+            and budget.gflops_per_round is not None else None
+        plans[c] = replace(p, client=c, tier=tier, budget=budget, flops_budget=enforced)
     if failed:
         shown = failed[:10] + ([f"... and {len(failed) - 10} more"] if len(failed) > 10 else [])
         raise ConfigError("no plan fits the budget of some clients:\n  " + "\n  ".join(shown))
@@ -623,7 +628,8 @@ def plan_config(plan: ClientPlan | None) -> dict[str, Any]:
     if plan is None:
         return {}
     return {**plan.knobs.payload_config(), "tier": plan.tier, "budget": plan.budget.describe(),
-            **({"frozen_tensors": list(plan.frozen)} if plan.frozen else {})}
+            **({"frozen_tensors": list(plan.frozen)} if plan.frozen else {}),
+            **({"flops_budget": plan.flops_budget} if plan.flops_budget is not None else {})}
 
 
 def plan_report(plans: Mapping[int, ClientPlan], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -637,7 +643,7 @@ def plan_report(plans: Mapping[int, ClientPlan], records: list[dict[str, Any]]) 
         def values(key):
             return [float(m[key]) for m in ran if m.get(key) is not None]
 
-        mem, up = values("memory_mb"), values("bytes_up")
+        mem, up, cut = values("memory_mb"), values("bytes_up"), values("steps_cut")
         # training and the head stage's importance pass, per client-round
         flops = [float(m["flops_measured"]) + float(m.get("flops_importance") or 0.0)
                  for m in ran if m.get("flops_measured") is not None]
@@ -648,7 +654,10 @@ def plan_report(plans: Mapping[int, ClientPlan], records: list[dict[str, Any]]) 
                     "measured": {"client_rounds": len(ran),
                                  "memory_mb_max": max(mem) if mem else None,
                                  "gflops_per_round_mean": sum(flops) / len(flops) / 1e9 if flops else None,
-                                 "upload_mb_mean": sum(up) / len(up) / _MB if up else None}})
+                                 "upload_mb_mean": sum(up) / len(up) / _MB if up else None,
+                                 # client-rounds the FLOPs budget stopped early, steps cut in all
+                                 "rounds_cut": sum(x > 0 for x in cut) if cut else None,
+                                 "steps_cut": int(sum(cut)) if cut else None}})
     return out
 
 

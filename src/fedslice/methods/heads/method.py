@@ -401,8 +401,8 @@ class HeadStage(Method):
             sub = self.local_model(model, kept, payload, dims, means=means)
             params = self.local_params(sub, kept, dims)
             result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss,
-                                 virtual_tokens=self.adapter.virtual_tokens,
-                                 pack=self.packs(payload.config))
+                                 compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
+                                 pack=self.packs(payload.config), flops_spent=imp_flops)
         for p in sub.parameters():
             p.grad = None  # tensors outside the optimizer (empty slices) may hold a gradient
         if outer is not None:  # the server reads masks in the full model's layout
@@ -477,7 +477,7 @@ class HeadStage(Method):
         restored and the gradient-mask ``handles`` removed afterwards, whatever happens."""
         try:
             return train_local(model, params, data, payload.config, seed, loss_fn=loss_fn,
-                               virtual_tokens=self.adapter.virtual_tokens,
+                               compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
                                pack=self.packs(payload.config))
         finally:
             loss_fn.restore()

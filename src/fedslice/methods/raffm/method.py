@@ -22,7 +22,7 @@ from fedslice import measure
 from fedslice.compute import model_device, to_device
 from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError
-from fedslice.fl.client import LocalResult
+from fedslice.fl.client import LocalResult, train_config_key
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.measure import ClientCost
 from fedslice.measure.sizes import held_bytes
@@ -415,12 +415,14 @@ class RaFFM(Method):
     batched_clients = True  # clients of one sub-model size train together
 
     def batch_key(self, payload: Payload):
-        """Clients training the same sub-model (same slice) share a batched pass."""
+        """Clients training the same sub-model (same slice, rank, precision and training config)
+        share a batched pass."""
         if payload.config.get("sit_out") or not self.adapter.batched_clients or self.opts.sandwich \
                 or trains_alone(payload):
             return None
         return json.dumps([payload.config["spec"], payload.config.get("lora_rank"),
-                           payload.config.get("base_precision")], sort_keys=True)
+                           payload.config.get("base_precision"), train_config_key(payload.config)],
+                          sort_keys=True)
 
     def fit(self, payload: Payload, data, seed: int) -> Reply:
         if self.sits_out(payload):
