@@ -259,7 +259,8 @@ def test_fedslice_plan_prints_each_tier_and_writes_every_client(tiny_cfg_dict, t
     import tomli_w
 
     from fedslice.cli import main
-    d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 0.5, "memory_mb": 1000, "name": "big"},
+    d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 0.5, "memory_mb": 1000, "gflops_per_round": 1000,
+                                        "name": "big"},
                                        {"share": 0.5, "upload_mb_per_round": 0.003, "name": "thin"}]},
              method="heads")
     path = tmp_path / "c.toml"
@@ -267,10 +268,13 @@ def test_fedslice_plan_prints_each_tier_and_writes_every_client(tiny_cfg_dict, t
     out = tmp_path / "plans.json"
     assert main(["plan", str(path), "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "big (1000 MiB): 2 client(s)" in text and "thin (0.003 MB up/round): 2 client(s)" in text
+    assert "big (1000 MiB, 1000 GFLOPs/round): 2 client(s)" in text
+    assert "thin (0.003 MB up/round): 2 client(s)" in text
     assert "plan: sparsity 0.75" in text and "why: the next larger plan" in text
+    assert text.count("enforced: at most 1000 GFLOPs/round as it trains") == 1
     plans = json.loads(out.read_text())
     assert sorted(plans) == ["0", "1", "2", "3"]
+    assert {p["budget_name"]: p["flops_budget"] for p in plans.values()} == {"big": 1e12, "thin": None}
     assert all(p["predicted"]["upload_mb"] <= p["budget"].get("upload_mb_per_round", 1e9) for p in plans.values())
 
 

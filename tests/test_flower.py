@@ -234,6 +234,28 @@ def test_serverapp_runs_planned_clients_as_in_process(tiny_cfg_dict, tmp_path, m
         pytest.approx([g["measured"]["upload_mb_mean"] for g in summary["plans"]])
 
 
+def test_serverapp_enforces_flops_budgets_as_in_process(tiny_cfg_dict, tmp_path):
+    """A FLOPs budget the planner's prediction misses for some clients (data of many lengths,
+    0.8x the whole round): the budget travels in each client's message and cuts the same local
+    steps on a Flower node as in process (budgets.enforce_flops); the weights are the same."""
+    tiny_cfg_dict["federation"].update(num_clients=4, clients_per_round=4, rounds=2, pack=False)
+    tiny_cfg_dict["budgets"] = {"tiers": [{"share": 1.0, "memory_mb": 1e4}], "micro_batches": [1],
+                                "checkpointing": False}
+    method, _ = setup(validate_config(tiny_cfg_dict))
+    whole = next(iter(method.plans.values())).gflops_per_round
+    tiny_cfg_dict["budgets"]["tiers"] = [{"share": 1.0, "gflops_per_round": round(0.8 * whole, 6)}]
+    state, records, summary = _in_process(tiny_cfg_dict)
+    cut = {(r["round"], m["client"]): m["steps_cut"] for r in records for m in r.get("client_metrics", [])}
+    assert any(cut.values())
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(4)), _settings(path, tmp_path / "fl"))
+    _assert_same_state(_weights(run_dir), state)
+    _, metrics, fl_summary = read_run(run_dir)
+    assert {(r["round"], m["client"]): m["steps_cut"] for r in metrics
+            for m in r.get("client_metrics", [])} == cut
+    assert fl_summary["plans"][0]["measured"]["steps_cut"] == summary["plans"][0]["measured"]["steps_cut"]
+
+
 @pytest.mark.parametrize("model_type, method", [("llama", "fedpetuning"), ("t5", "fedpetuning"),
                                                ("gpt2", "fedavg")])
 def test_serverapp_matches_in_process_engine_on_generative_models(tiny_gen_cfg_dict, tiny_lm_dirs,

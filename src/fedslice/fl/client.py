@@ -394,7 +394,8 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
             (packed_training(model) if pack else nullcontext()), compute.training_linears(), \
             gradient_checkpointing(model, bool(cfg.get("checkpointing"))):
         for step, batch in enumerate(local_batches(data, cfg, gen, pack)):
-            if over_budget(flops.total, flops.cost(batch, virtual_tokens), budget, step):
+            if budget is not None and over_budget(flops.total, flops.cost(batch, virtual_tokens),
+                                                  budget, step):
                 cut = planned - step
                 break
             advance()

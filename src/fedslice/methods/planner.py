@@ -239,7 +239,8 @@ class ClientPlan:
         return {"client": self.client, "tier": self.tier, "budget_name": self.budget.name,
                 "budget": self.budget.limits(), **self.knobs.to_dict(),
                 "predicted": {"memory_mb": self.memory_mb, "gflops_per_round": self.gflops_per_round,
-                              "upload_mb": self.upload_mb}, "reason": self.reason}
+                              "upload_mb": self.upload_mb}, "reason": self.reason,
+                "flops_budget": self.flops_budget}
 
 
 def examples_per_round(fed, n: int) -> int:
@@ -601,6 +602,9 @@ def render_plans(plans: Mapping[int, ClientPlan]) -> list[str]:
         lines.append(f"    predicted: {p.memory_mb:.1f} MiB peak, {p.gflops_per_round:.4g} GFLOPs/round, "
                      f"{p.upload_mb:.4g} MB up/round")
         lines.append(f"    why: {p.reason}")
+        if p.flops_budget is not None:
+            lines.append(f"    enforced: at most {p.flops_budget / 1e9:.4g} GFLOPs/round as it trains "
+                         "(local steps past it are cut: budgets.enforce_flops)")
     return lines
 
 
