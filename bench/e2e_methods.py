@@ -41,6 +41,7 @@ VARIANTS = {
     "heads-forward-50-sink1": {"name": "heads", "prune": "forward", "sparsity": 0.5, "sink_keys": 1},
     # issue 35, part 2: the pruned heads' mean output added back while a client trains
     "heads-forward-90-mean": {"name": "heads", "prune": "forward", "sparsity": 0.9, "fill": "mean"},
+    "heads-forward-90-linear": {"name": "heads", "prune": "forward", "sparsity": 0.9, "fill": "linear"},
     "raffm": {"name": "raffm", "tiers": [{"share": 0.25, "flops": f} for f in QUARTERS],
               "elastic_sizes": QUARTERS},
     # short distillations (40 steps of 8 x 64 WikiText-2 tokens) so a 1-thread run stays < 30 min
@@ -119,6 +120,7 @@ CLAIMS = {
     "heads-forward-90": "heads as a real sub-model at 90%",
     "heads-forward-50-sink1": "heads as a real sub-model at 50%, sinks not counted by Eq. 6",
     "heads-forward-90-mean": "heads as a real sub-model at 90%, pruned heads' mean output filled in (issue 35 part 2)",
+    "heads-forward-90-linear": "heads as a real sub-model at 90%, a rank-64 linear map of the attention input in for the pruned heads (issue 35 part 2)",
     "raffm": "RaFFM: resource-aware sub-models close to the full model's quality; one model serves every size",
     "fedpft": "FedPFT: a proxy (FFN neurons dropped + KD) tuned, plugged back, close to FedPETuning",
     "fedot": "FedOT baseline: emulator + adapter, below FedPFT",

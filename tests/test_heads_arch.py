@@ -5,6 +5,7 @@ head-weighted aggregation with a key/value head shared by two query heads."""
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -264,6 +265,96 @@ def test_mean_fill_equals_full_model_with_pruned_heads_replaced_by_their_means(a
     assert (got - zero).abs().max() > 1e-3  # the fill changes the sub-model
 
 
+def _q_inputs(model, a, batch):
+    """Each attention's q input (what the linear fill reads), by (stack, family, layer)."""
+    got, hooks = {}, []
+    for k, st in enumerate(a.stacks):
+        for j, block in enumerate(a.blocks(model, k)):
+            for f, att in enumerate(st.attention):
+                hooks.append(block.get_submodule(att.q).register_forward_pre_hook(
+                    lambda _m, args, key=(k, f, j): got.__setitem__(key, args[0].detach().clone())))
+    with torch.no_grad():
+        model(**batch)
+    for h in hooks:
+        h.remove()
+    return got
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_linear_fill_is_the_ridge_regression_of_the_pruned_heads_on_the_attention_input(arch, tiny_lm_dirs):
+    """``method.fill = "linear"`` at full rank: each layer that keeps some heads adds to its output
+    projection the ridge least-squares map (numpy, float64) from its attention input (plus a
+    constant) to what its pruned heads add in the full model, over the real tokens of the
+    forwards it was fitted on; the sub-model computes exactly the full model with each such
+    layer's pruned heads replaced by that map (headless layers: the mean fill). A lower rank
+    fits worse on the same tokens, but better than the mean alone."""
+    from fedslice.slicing.heads import FILL_RIDGE, linear_fill
+
+    model = _with_lora(_lm(tiny_lm_dirs, arch)).eval()
+    a = arch_for(model)
+    dims = a.all_dims(model.config)
+    batch = _inputs(model)
+    with output_means(model, a, regression=True) as means:
+        with torch.no_grad():
+            model(**batch)
+    xs, hs = _o_inputs(model, a, batch), _q_inputs(model, a, batch)
+    mask = _mask(dims, 3, headless=arch != "gpt2")
+    mask[mask.all(1), -1] = False  # every layer prunes some head
+    rows = mask_rows(dims)
+    maps = {}
+    for (k, f), r0 in rows.items():
+        for j, block in enumerate(a.blocks(model, k)):
+            key, row = (k, f, j), mask[r0 + j]
+            x, h = xs[key], hs[key]
+            w = batch["attention_mask"] if x.shape[1] == batch["attention_mask"].shape[1] else None
+            real = (w.bool() if w is not None else torch.ones(x.shape[:2], dtype=torch.bool)).numpy()
+            o = block.get_submodule(a.stacks[k].attention[f].o)
+            pruned = ~row.repeat_interleave(dims[k]["head_dim"])
+            with torch.no_grad():
+                y = (o(x * pruned) - o(torch.zeros_like(x))).double().numpy()[real]   # (N, D)
+            hb = np.concatenate([h.double().numpy()[real], np.ones((int(real.sum()), 1))], 1)
+            gram = hb.T @ hb
+            ref = np.linalg.solve(gram + FILL_RIDGE * np.diag(gram).mean() * np.eye(len(gram)), hb.T @ y)
+            mom = means.moments[key]
+            np.testing.assert_allclose(mom.gram.numpy(), gram, rtol=1e-9, atol=1e-9)
+            if bool(row.any()) and not bool(row.all()):
+                basis = torch.diag(pruned.float())
+                with torch.no_grad():
+                    pmap = o(basis) - o(torch.zeros_like(basis[:1]))
+                p, q = linear_fill(mom, pmap, rank=10**6)
+                np.testing.assert_allclose((p @ q).double().numpy(), ref, rtol=1e-4, atol=1e-5)
+                fit = lambda m: float(((hb @ m - y) ** 2).sum())  # noqa: E731
+                p2, q2 = linear_fill(mom, pmap, rank=2)
+                mean_only = np.zeros_like(ref)
+                mean_only[-1] = y.mean(0)
+                assert fit(ref) <= fit((p2 @ q2).double().numpy()) <= fit(mean_only) + 1e-9
+                maps[key] = torch.from_numpy(ref).float()
+    sub = extract_model(model, mask_spec(mask, dims), a).eval()
+    assert fill_pruned_heads(sub, model, mask, dims, means, a, rank=10**6) == int((~mask.all(1)).sum())
+    ref_model, hooks, seen = copy.deepcopy(model), [], {}
+    for (k, f), r0 in rows.items():
+        for j, block in enumerate(a.blocks(ref_model, k)):
+            key, att = (k, f, j), a.stacks[k].attention[f]
+            pruned = ~mask[r0 + j].repeat_interleave(dims[k]["head_dim"])
+            if key in maps:  # the kept heads, plus the map of the attention input
+                hooks.append(block.get_submodule(att.q).register_forward_pre_hook(
+                    lambda _m, args, key=key: seen.__setitem__(key, args[0])))
+                hooks.append(block.get_submodule(att.o).register_forward_pre_hook(
+                    lambda _m, args, p=pruned: (args[0] * ~p,)))
+                hooks.append(block.get_submodule(att.o).register_forward_hook(
+                    lambda _m, _a, out, key=key: out + torch.cat(
+                        [seen[key], torch.ones_like(seen[key][..., :1])], -1) @ maps[key]))
+            elif not bool(mask[r0 + j].all()):  # headless: the mean fill
+                hooks.append(block.get_submodule(att.o).register_forward_pre_hook(
+                    lambda _m, args, p=pruned, m=means[key]: (torch.where(p, m, args[0]),)))
+    mean_sub = extract_model(model, mask_spec(mask, dims), a).eval()
+    fill_pruned_heads(mean_sub, model, mask, dims, means, a)
+    with torch.no_grad():
+        got, want, mean = sub(**batch).logits, ref_model(**batch).logits, mean_sub(**batch).logits
+    assert (got - want).abs().max() <= 1e-4, float((got - want).abs().max())
+    assert maps and (got - mean).abs().max() > 1e-3  # not the mean fill
+
+
 def test_mean_fill_without_pruned_heads_is_the_model_bit_for_bit(tiny_lm_dirs):
     model = _with_lora(_lm(tiny_lm_dirs, "llama")).eval()
     a = arch_for(model)
@@ -282,7 +373,7 @@ def test_mean_fill_without_pruned_heads_is_the_model_bit_for_bit(tiny_lm_dirs):
 
 
 @pytest.mark.parametrize("pruning", ["importance", "random"])
-def test_forward_mode_mean_fill_trains_and_is_a_no_op_at_sparsity_zero(pruning, tiny_gen_cfg_dict, tiny_lm_dirs):
+def test_forward_mode_fills_train_and_are_no_ops_at_sparsity_zero(pruning, tiny_gen_cfg_dict, tiny_lm_dirs):
     agg = "head_weighted" if pruning == "importance" else "fedavg"  # B2: no importance pass
 
     def fit(**opts):
@@ -302,9 +393,17 @@ def test_forward_mode_mean_fill_trains_and_is_a_no_op_at_sparsity_zero(pruning, 
         assert zero.metrics["flops_importance"] == 0 < mean.metrics["flops_importance"]
     else:
         assert zero.metrics["flops_importance"] == mean.metrics["flops_importance"] > 0
+    linear = fit(sparsity=0.75, fill="linear", fill_rank=4)
+    assert torch.equal(zero.arrays[KEPT], linear.arrays[KEPT]) and math.isfinite(linear.metrics["loss"])
+    assert linear.metrics["loss"] not in (zero.metrics["loss"], mean.metrics["loss"])
+    # the fill's matmuls run in every training forward (counted), its moments in the pass
+    assert linear.metrics["flops_measured"] > mean.metrics["flops_measured"]
+    assert linear.metrics["flops_importance"] >= mean.metrics["flops_importance"]
     dense_zero, dense_mean = fit(sparsity=0.0), fit(sparsity=0.0, fill="mean")
-    assert dense_zero.arrays.keys() == dense_mean.arrays.keys()
+    dense_linear = fit(sparsity=0.0, fill="linear")
+    assert dense_zero.arrays.keys() == dense_mean.arrays.keys() == dense_linear.arrays.keys()
     assert all(torch.equal(dense_zero.arrays[k], dense_mean.arrays[k]) for k in dense_zero.arrays)
+    assert all(torch.equal(dense_zero.arrays[k], dense_linear.arrays[k]) for k in dense_zero.arrays)
 
 
 def _gqa_state(arch, dims, r, gen):

@@ -559,7 +559,24 @@ def combine_heads(global_state: Mapping[str, torch.Tensor], deltas, weights, arc
 class OutputMeans(dict):
     """(stack, family, layer) -> the mean input of that attention's output projection ``o`` (the
     heads' concatenated outputs, one block of ``head_dim`` columns per head) over the real tokens
-    of the forwards run inside :func:`output_means`; filled when its ``with`` block ends."""
+    of the forwards run inside :func:`output_means`; filled when its ``with`` block ends. With
+    ``regression``: also, per key, the moments a linear fill is fitted from
+    (:class:`FillMoments`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moments: dict[tuple[int, int, int], FillMoments] = {}
+
+
+@dataclass
+class FillMoments:
+    """Sums over real tokens of one attention layer, ``h`` its input (what ``q`` reads) with a
+    constant 1 appended, ``x`` its output projection's input: ``gram`` = sum h h^T (D+1, D+1),
+    ``cross`` = sum h x^T (D+1, W), in float64."""
+
+    gram: torch.Tensor
+    cross: torch.Tensor
+    tokens: torch.Tensor
 
 
 def _token_weights(x: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
@@ -579,18 +596,24 @@ class output_means:  # noqa: N801 (a context manager, used like a function)
             head_importance(model, data, ...)
     """
 
-    def __init__(self, model: nn.Module, arch=None):
-        self.model, self.arch = model, arch or arch_for(model)
+    def __init__(self, model: nn.Module, arch=None, regression: bool = False):
+        self.model, self.arch, self.regression = model, arch or arch_for(model), regression
         self.means = OutputMeans()
 
     def __enter__(self) -> OutputMeans:
         sums: dict[tuple[int, int, int], torch.Tensor] = {}
         counts: dict[tuple[int, int, int], torch.Tensor] = {}  # on x's device: no host sync
+        inputs: dict[tuple[int, int, int], torch.Tensor] = {}  # each layer's q input, this call
         masks: list[torch.Tensor] = []
 
         def on_call(_module, _args, kwargs):
             masks[:] = [v for k, v in kwargs.items() if k.endswith("attention_mask")
                         and torch.is_tensor(v) and v.dim() == 2]
+
+        def on_q(key):
+            def hook(_module, args):
+                inputs[key] = args[0].detach()
+            return hook
 
         def on_o(key):
             def hook(_module, args):
@@ -598,6 +621,9 @@ class output_means:  # noqa: N801 (a context manager, used like a function)
                 w = _token_weights(x, masks)
                 sums[key] = sums.get(key, 0) + (x.float() * w.float()[..., None]).sum((0, 1))
                 counts[key] = counts.get(key, 0) + w.float().sum()
+                h = inputs.pop(key, None)
+                if self.regression and h is not None and h.shape[:2] == x.shape[:2]:
+                    self._add_moments(key, h, x, w)
             return hook
 
         self.hooks = [self.model.register_forward_pre_hook(on_call, with_kwargs=True)]
@@ -606,8 +632,25 @@ class output_means:  # noqa: N801 (a context manager, used like a function)
                 for f, att in enumerate(stack.attention):
                     o = block.get_submodule(att.o)
                     self.hooks.append(o.register_forward_pre_hook(on_o((k, f, j))))
+                    if self.regression:
+                        q = block.get_submodule(att.q)
+                        self.hooks.append(q.register_forward_pre_hook(on_q((k, f, j))))
         self._sums, self._counts = sums, counts
         return self.means
+
+    def _add_moments(self, key, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+        """Add one call's real tokens (weights ``w``, (B, T): padding 0) to ``key``'s moments."""
+        hb = h.reshape(-1, h.shape[-1]).double()                                  # (N, D)
+        hb = torch.cat([hb, hb.new_ones(len(hb), 1)], 1)                          # (N, D + 1)
+        hw = hb * w.reshape(-1, 1).double()
+        xb = x.reshape(-1, x.shape[-1]).double()                                  # (N, W)
+        m = self.means.moments.get(key)
+        if m is None:
+            self.means.moments[key] = FillMoments(hw.T @ hb, hw.T @ xb, w.double().sum())
+        else:
+            m.gram += hw.T @ hb
+            m.cross += hw.T @ xb
+            m.tokens = m.tokens + w.double().sum()
 
     def __exit__(self, *exc) -> None:
         for h in self.hooks:
@@ -615,9 +658,42 @@ class output_means:  # noqa: N801 (a context manager, used like a function)
         self.means.update({key: s / self._counts[key].clamp_min(1.0) for key, s in self._sums.items()})
 
 
+#: ridge of the linear fill, relative to the mean diagonal of the inputs' second moments
+FILL_RIDGE = 1e-3
+
+
+def linear_fill(m: FillMoments, pruned_map: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank-``rank`` linear map of a layer's attention input that best predicts what its
+    pruned heads add to the output (ridge least squares over the tokens of ``m``, then reduced-rank
+    regression): ``(P, Q)``, P (D+1, r) and Q (r, D_out), the fill being ``[h, 1] @ P @ Q``.
+    ``pruned_map`` (W, D_out): the output projection's map of its input columns, zero on the
+    kept heads' columns, so ``x @ pruned_map`` is what the pruned heads add."""
+    gram, target = m.gram, m.cross @ pruned_map.double()                          # (D+1, D+1), (D+1, D_out)
+    ridge = FILL_RIDGE * float(torch.diagonal(gram).mean())
+    a = torch.linalg.solve(gram + ridge * torch.eye(len(gram), dtype=gram.dtype, device=gram.device),
+                           target)                                                # (D+1, D_out)
+    if rank >= a.shape[1]:
+        return a.float(), torch.eye(a.shape[1], dtype=torch.float32, device=a.device)
+    _, vecs = torch.linalg.eigh(a.T @ gram @ a)                                   # fitted outputs' moments
+    v = vecs[:, -rank:]                                                           # (D_out, r): the top r
+    return (a @ v).float(), v.T.float()
+
+
+def _add_linear_fill(q_sub: nn.Module, o_sub: nn.Module, p: torch.Tensor, q: torch.Tensor) -> None:
+    """Hooks: ``q_sub`` keeps its input h; ``o_sub``'s output gets ``[h, 1] @ p @ q``."""
+    seen: dict[str, torch.Tensor] = {}
+    q_sub.register_forward_pre_hook(lambda _m, args: seen.__setitem__("h", args[0]))
+
+    def add(_m, _a, out):
+        h = seen.pop("h")
+        return out + ((h.to(p.dtype) @ p[:-1] + p[-1]) @ q).to(out.dtype)     # (B, T, D_out)
+    o_sub.register_forward_hook(add)
+
+
 @torch.no_grad()
 def fill_pruned_heads(sub: nn.Module, model: nn.Module, kept: torch.Tensor, dims: Dims,
-                      means: Mapping[tuple[int, int, int], torch.Tensor], arch=None) -> int:
+                      means: Mapping[tuple[int, int, int], torch.Tensor], arch=None,
+                      rank: int | None = None) -> int:
     """Mean-fill the heads ``sub`` lacks: on each (family, layer) of the sub-model that keeps
     some but not all of its heads (``kept``, over ``dims``: ``model``'s heads), a forward hook
     adds to its output projection's output the constant ``o(m_pruned) - o(0)`` of ``model``'s
@@ -626,7 +702,11 @@ def fill_pruned_heads(sub: nn.Module, model: nn.Module, kept: torch.Tensor, dims
     ``sub`` then matches ``model`` to first order where ``prune = "forward"`` cut heads away
     (mean ablation instead of zero ablation). A layer that keeps no head gets it too where its
     projection still runs (its sliced ``o``, zero input columns); a transposed (``Conv1D``)
-    projection of a headless layer does not run, and gets nothing. Returns the hooks added."""
+    projection of a headless layer does not run, and gets nothing. With ``rank`` (``method.fill
+    = "linear"``; ``means`` from ``output_means(..., regression=True)``) a layer that keeps some
+    heads gets instead the rank-``rank`` linear map of its attention input that best predicts
+    what the pruned heads add (:func:`linear_fill`; its intercept holds the mean). Returns the
+    layers filled."""
     arch = arch or arch_for(model)
     rows, added = mask_rows(dims), 0
     for (k, f), r0 in rows.items():
@@ -644,12 +724,19 @@ def fill_pruned_heads(sub: nn.Module, model: nn.Module, kept: torch.Tensor, dims
             if cols.numel() != m.numel():
                 raise ModelError(f"layer {j}: {m.numel()} input columns of the output projection, "
                                  f"{row.numel()} heads of {d['head_dim']}")
-            x = torch.where(cols, torch.zeros_like(m), m)[None].to(o_dtype(o))
             was = o.training
             o.eval()  # an adapter's dropout off
-            shift = (o(x) - o(torch.zeros_like(x)))[0]
+            moments = getattr(means, "moments", {}).get((k, f, j))
+            if rank is not None and moments is not None and bool(row.any()):
+                basis = torch.diag((~cols).to(o_dtype(o)))                    # (W, W): pruned columns
+                pruned_map = o(basis) - o(torch.zeros_like(basis[:1]))        # (W, D_out)
+                p, q = linear_fill(moments, pruned_map, rank)
+                _add_linear_fill(sub_blocks[j].get_submodule(att.q), o_sub, p, q)
+            else:
+                x = torch.where(cols, torch.zeros_like(m), m)[None].to(o_dtype(o))
+                shift = (o(x) - o(torch.zeros_like(x)))[0]
+                o_sub.register_forward_hook(lambda _m, _a, out, s=shift: out + s.to(out.dtype))
             o.train(was)
-            o_sub.register_forward_hook(lambda _m, _a, out, s=shift: out + s.to(out.dtype))
             added += 1
     return added
 

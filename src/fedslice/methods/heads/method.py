@@ -238,7 +238,8 @@ class HeadStage(Method):
                 self.load_state(dict(sub.named_parameters()),
                                 heads_state(payload.arrays, kept, self.arch, dims))
             if means is not None:
-                fill_pruned_heads(sub, model, kept, dims, means, self.arch)
+                fill_pruned_heads(sub, model, kept, dims, means, self.arch,
+                                  rank=self.opts.fill_rank if self.opts.fill == "linear" else None)
             # a headless layer's sliced o keeps its adapter (LoRA B: hidden x r): frozen, so the
             # backward does not run down to it for a zero gradient
             # and the tensors below the client's adapter depth (its plan's)
@@ -364,8 +365,9 @@ class HeadStage(Method):
 
     @property
     def fills_means(self) -> bool:
-        """``fill = 'mean'`` in ``'forward'`` mode: pruned heads' mean outputs added back."""
-        return self.opts.prune == "forward" and self.opts.fill == "mean"
+        """``fill = 'mean'`` or ``'linear'`` in ``'forward'`` mode: pruned heads' mean outputs (or
+        a linear map of the attention input fitted to them) added back."""
+        return self.opts.prune == "forward" and self.opts.fill in ("mean", "linear")
 
     def importance_examples(self, n: int) -> int:
         if not self.needs_pass or self.opts.importance_source != "pass":
@@ -393,7 +395,8 @@ class HeadStage(Method):
                                                                   dims, outer)
             imp_flops = 0.0  # no forward of its own: the scores come from training's forwards
         else:
-            with output_means(model, self.arch) if self.fills_means else nullcontext() as means:
+            with output_means(model, self.arch, regression=self.opts.fill == "linear") \
+                    if self.fills_means else nullcontext() as means:
                 alpha, imp_flops = self.importance(data, seed, model) if self.needs_importance else (None, 0.0)
                 if self.fills_means and not self.needs_importance:  # random pruning: a forward for the means
                     imp_flops = self.forward_pass(data, seed, model)

@@ -33,7 +33,7 @@ class HeadsMethod(MethodOptions):
         "their backward/optimizer work); 'forward': pruned heads leave the sub-model (saves "
         "forward and backward, but at high sparsity each client trains a different network and "
         "accuracy falls far behind: README, 'Head pruning').")
-    fill: Literal["zero", "mean"] = Field(
+    fill: Literal["zero", "mean", "linear"] = Field(
         "zero", description="prune = 'forward': what a pruned head adds to its layer's attention "
         "output in the client's sub-model while it trains. 'zero': nothing (it is sliced away); "
         "'mean': its mean output, measured in the model the client received over the importance "
@@ -41,7 +41,15 @@ class HeadsMethod(MethodOptions):
         "own, counted in flops_importance), added to the output projection as a constant (mean "
         "ablation), so what the clients train is closer to the all-heads model the server "
         "evaluates: +1.6 / +1.4 pt on SST-2 at 75% / 90%, but a delayed start on E2E customer "
-        "rating (BENCHMARKS.md, issue 35 part 2). No effect under prune = 'parameters'.")
+        "rating (BENCHMARKS.md, issue 35 part 2). 'linear': per layer, the rank-fill_rank "
+        "linear map of the layer's attention input (what q reads, plus a constant) that best "
+        "predicts the pruned heads' output over the same examples (ridge least squares, fitted "
+        "from moments the importance forward collects), added to the output projection: on "
+        "SmolLM2 at 90% it brings the sub-model's starting loss from 5.4 ('mean') to 3.3 "
+        "(the full model 2.7) for 2 x hidden x fill_rank multiply-adds per token and layer "
+        "(bench/heads_linear_fill.py). No effect under prune = 'parameters'.")
+    fill_rank: int = Field(64, gt=0, description="Rank of fill = 'linear' (at most the hidden "
+                           "size; the moments cost (hidden + 1)^2 float64 per layer on the client).")
     aggregation: Literal["head_weighted", "fedavg"] = Field(
         "head_weighted", description="Head-tied LoRA slices: importance-weighted mean (Eq. 8) or "
         "example-weighted mean over the clients that kept the head (Eq. 5).")
