@@ -215,13 +215,14 @@ def test_forward_mode_keeps_heads_in_every_layer_by_default(arch, tiny_gen_cfg_d
     assert parameters.method.scope == "global"  # the paper's rule where heads stay in the forward
 
 
-def _o_inputs(model, a, batch):
-    """Each attention output projection's input, by (stack, family, layer), of one forward."""
+def _o_inputs(model, a, batch, part: str = "o"):
+    """Each attention output projection's input (``part = "q"``: its query projection's, what
+    the linear fill reads), by (stack, family, layer), of one forward."""
     got, hooks = {}, []
     for k, st in enumerate(a.stacks):
         for j, block in enumerate(a.blocks(model, k)):
             for f, att in enumerate(st.attention):
-                hooks.append(block.get_submodule(att.o).register_forward_pre_hook(
+                hooks.append(block.get_submodule(getattr(att, part)).register_forward_pre_hook(
                     lambda _m, args, key=(k, f, j): got.__setitem__(key, args[0].detach().clone())))
     with torch.no_grad():
         model(**batch)
@@ -265,21 +266,6 @@ def test_mean_fill_equals_full_model_with_pruned_heads_replaced_by_their_means(a
     assert (got - zero).abs().max() > 1e-3  # the fill changes the sub-model
 
 
-def _q_inputs(model, a, batch):
-    """Each attention's q input (what the linear fill reads), by (stack, family, layer)."""
-    got, hooks = {}, []
-    for k, st in enumerate(a.stacks):
-        for j, block in enumerate(a.blocks(model, k)):
-            for f, att in enumerate(st.attention):
-                hooks.append(block.get_submodule(att.q).register_forward_pre_hook(
-                    lambda _m, args, key=(k, f, j): got.__setitem__(key, args[0].detach().clone())))
-    with torch.no_grad():
-        model(**batch)
-    for h in hooks:
-        h.remove()
-    return got
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_linear_fill_is_the_ridge_regression_of_the_pruned_heads_on_the_attention_input(arch, tiny_lm_dirs):
     """``method.fill = "linear"`` at full rank: each layer that keeps some heads adds to its output
@@ -297,7 +283,7 @@ def test_linear_fill_is_the_ridge_regression_of_the_pruned_heads_on_the_attentio
     with output_means(model, a, regression=True) as means:
         with torch.no_grad():
             model(**batch)
-    xs, hs = _o_inputs(model, a, batch), _q_inputs(model, a, batch)
+    xs, hs = _o_inputs(model, a, batch), _o_inputs(model, a, batch, "q")
     mask = _mask(dims, 3, headless=arch != "gpt2")
     mask[mask.all(1), -1] = False  # every layer prunes some head
     rows = mask_rows(dims)
