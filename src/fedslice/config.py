@@ -236,8 +236,8 @@ class BudgetsConfig(Section):
         "planner predicts a round's mean FLOPs, and a round's batches vary in length: on SST-2 "
         "at 0.4x dense's FLOPs, with the mean at 0.94-1.02x the budget, 47% of client-rounds "
         "would have passed it; enforced, 12% of local steps were cut, the mean fell to 0.8x "
-        "and accuracy did not change (BENCHMARKS.md). The first step always runs. False: a budget holds for the mean of the "
-        "rounds only.")
+        "and accuracy did not change (BENCHMARKS.md). The first step always runs. False: a "
+        "budget holds for the mean of the rounds only.")
 
     precisions: list[Literal["none", "int8", "nf4"]] = Field(
         default_factory=lambda: ["none"], min_length=1,

@@ -482,8 +482,9 @@ class Method:
         may share one batched pass; None: this client trains alone. Default: every client trains
         the one shared model (when the method declares ``batched_clients``), clients of one LoRA
         rank, base precision and training config (:func:`~fedslice.fl.client.train_config_key`:
-        a plan's local steps, batch size, FLOPs budget) together (tensors of other shapes do not stack); a client whose plan splits its
-        batches or checkpoints trains alone (the batched pass does neither)."""
+        a plan's local steps, batch size, FLOPs budget) together (tensors of other shapes do not
+        stack); a client whose plan splits its batches or checkpoints trains alone (the batched
+        pass does neither)."""
         if not self.batched_clients or trains_alone(payload):
             return None
         return ("model", payload.config.get("lora_rank"), payload.config.get("base_precision"),

@@ -576,7 +576,6 @@ class FillMoments:
 
     gram: torch.Tensor
     cross: torch.Tensor
-    tokens: torch.Tensor
 
 
 def _token_weights(x: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
@@ -646,11 +645,10 @@ class output_means:  # noqa: N801 (a context manager, used like a function)
         xb = x.reshape(-1, x.shape[-1]).double()                                  # (N, W)
         m = self.means.moments.get(key)
         if m is None:
-            self.means.moments[key] = FillMoments(hw.T @ hb, hw.T @ xb, w.double().sum())
+            self.means.moments[key] = FillMoments(hw.T @ hb, hw.T @ xb)
         else:
             m.gram += hw.T @ hb
             m.cross += hw.T @ xb
-            m.tokens = m.tokens + w.double().sum()
 
     def __exit__(self, *exc) -> None:
         for h in self.hooks:
@@ -662,10 +660,12 @@ class output_means:  # noqa: N801 (a context manager, used like a function)
 FILL_RIDGE = 1e-3
 
 
-def linear_fill(m: FillMoments, pruned_map: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_fill(m: FillMoments, pruned_map: torch.Tensor,
+                rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The rank-``rank`` linear map of a layer's attention input that best predicts what its
     pruned heads add to the output (ridge least squares over the tokens of ``m``, then reduced-rank
-    regression): ``(P, Q)``, P (D+1, r) and Q (r, D_out), the fill being ``[h, 1] @ P @ Q``.
+    regression): ``(P, Q)``, P (D+1, r) and Q (r, D_out), the fill being ``[h, 1] @ P @ Q``
+    (a rank of D_out or more: Q is None, the fill ``[h, 1] @ P``).
     ``pruned_map`` (W, D_out): the output projection's map of its input columns, zero on the
     kept heads' columns, so ``x @ pruned_map`` is what the pruned heads add."""
     gram, target = m.gram, m.cross @ pruned_map.double()                          # (D+1, D+1), (D+1, D_out)
@@ -673,20 +673,21 @@ def linear_fill(m: FillMoments, pruned_map: torch.Tensor, rank: int) -> tuple[to
     a = torch.linalg.solve(gram + ridge * torch.eye(len(gram), dtype=gram.dtype, device=gram.device),
                            target)                                                # (D+1, D_out)
     if rank >= a.shape[1]:
-        return a.float(), torch.eye(a.shape[1], dtype=torch.float32, device=a.device)
+        return a.float(), None
     _, vecs = torch.linalg.eigh(a.T @ gram @ a)                                   # fitted outputs' moments
     v = vecs[:, -rank:]                                                           # (D_out, r): the top r
     return (a @ v).float(), v.T.float()
 
 
-def _add_linear_fill(q_sub: nn.Module, o_sub: nn.Module, p: torch.Tensor, q: torch.Tensor) -> None:
-    """Hooks: ``q_sub`` keeps its input h; ``o_sub``'s output gets ``[h, 1] @ p @ q``."""
+def _add_linear_fill(q_sub: nn.Module, o_sub: nn.Module, p: torch.Tensor,
+                     q: torch.Tensor | None) -> None:
+    """Hooks: ``q_sub`` keeps its input h; ``o_sub``'s output gets ``[h, 1] @ p (@ q)``."""
     seen: dict[str, torch.Tensor] = {}
     q_sub.register_forward_pre_hook(lambda _m, args: seen.__setitem__("h", args[0]))
 
     def add(_m, _a, out):
-        h = seen.pop("h")
-        return out + ((h.to(p.dtype) @ p[:-1] + p[-1]) @ q).to(out.dtype)     # (B, T, D_out)
+        fill = seen.pop("h").to(p.dtype) @ p[:-1] + p[-1]                     # (B, T, r)
+        return out + (fill if q is None else fill @ q).to(out.dtype)           # (B, T, D_out)
     o_sub.register_forward_hook(add)
 
 
