@@ -203,7 +203,9 @@ def run_row(name: str, row: str, args, budgets: dict | None) -> dict:
         return json.loads(path.read_text())
     t0 = time.time()
     try:
-        run = run_experiment(validate_config(config(row, args, budgets)), args.out / "runs", progress=False)
+        cfg = config(row, args, budgets)
+        cfg["name"] = name  # the run folder: one per result row (two budgets of a row never share one)
+        run = run_experiment(validate_config(cfg), args.out / "runs", progress=False)
     except ConfigError as e:
         out = {"row": name, "fits": False, "why": str(e).splitlines()[1].strip() if "\n" in str(e) else str(e),
                "budgets": budgets}

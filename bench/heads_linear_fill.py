@@ -11,8 +11,9 @@ is replaced by
 * ``mean``: its mean over calibration tokens (``method.fill = "mean"``);
 * ``linear-rN``: ``method.fill = "linear"`` at ``fill_rank = N``: a rank-N linear map of the
   layer's attention input (the normed hidden state that ``q_proj`` reads, plus a constant),
-  ridge least squares on calibration tokens of the full model, reduced-rank
-  (:func:`fedslice.slicing.heads.linear_fill`; 2 x hidden x N multiply-adds per token, against
+  ridge least squares on calibration tokens of the full model (the ridge ``--ridge``, default
+  each layer's own, chosen by two-fold cross-validation over the calibration examples:
+  ``method.fill_ridge`` unset), reduced-rank (:func:`fedslice.slicing.heads.linear_fill`; 2 x hidden x N multiply-adds per token, against
   the pruned heads' q and o projections and attention).
 
 Each stand-in is the library's own path: the moments and means collected by
@@ -20,7 +21,7 @@ Each stand-in is the library's own path: the moments and means collected by
 ``extract_model`` and filled by ``fill_pruned_heads``, as a ``prune = "forward"`` client does.
 Reported: the task loss on held-out examples of client 0 for the full model and each stand-in
 (all layers at once, each layer's map fitted on the full model's own inputs), and its FLOPs per
-token per layer. No training; a few minutes at 1 thread::
+token per layer, and the ridges the layers chose. No training; a few minutes at 1 thread::
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/heads_linear_fill.py --out bench/results/heads_linear_fill
 """
@@ -35,8 +36,7 @@ import torch
 
 from fedslice.api import setup
 from fedslice.experiment import load_config, validate_config
-from fedslice.slicing import heads as heads_mod
-from fedslice.slicing.heads import fill_pruned_heads, mask_spec, output_means
+from fedslice.slicing.heads import fill_pruned_heads, fill_ridge, mask_spec, output_means
 from fedslice.slicing.surgery import extract_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,13 +49,11 @@ def main() -> None:
     p.add_argument("--examples", type=int, default=16, help="held-out examples of client 0 scored")
     p.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 576])
     p.add_argument("--ridge", type=float, default=None,
-                   help="fedslice.slicing.heads.FILL_RIDGE for this probe (default: the library's)")
+                   help="method.fill_ridge (default: unset, each layer's cross-validated ridge)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("bench/results/heads_linear_fill"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if args.ridge is not None:
-        heads_mod.FILL_RIDGE = args.ridge
     cfg = load_config(ROOT / "configs/e2e_smollm2.toml").model_dump(mode="json")
     cfg["threads"] = args.threads
     cfg["method"] = {"name": "heads", "prune": "forward", "sparsity": 0.9, "importance_max_examples": 32}
@@ -75,10 +73,19 @@ def main() -> None:
             b = split.collate(list(range(lo, min(lo + 8, args.calibration))))
             model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
 
+    chosen = []  # each layer's cross-validated ridge (what the fill uses without --ridge)
+    att = arch.stacks[0].attention[0]
+    for j, block in enumerate(arch.blocks(model, 0)):
+        o = block.get_submodule(att.o)
+        basis = torch.diag((~kept[j].repeat_interleave(hd)).float())             # pruned columns
+        with torch.no_grad():
+            chosen.append(fill_ridge(means.moments[(0, 0, j)], o(basis) - o(torch.zeros_like(basis[:1]))))
+    print("ridges chosen per layer:", chosen, flush=True)
+
     def loss(fill: str | None, rank: int | None = None) -> float:
         sub = extract_model(model, mask_spec(kept, dims), arch).eval()
         if fill is not None:
-            fill_pruned_heads(sub, model, kept, dims, means, arch, rank=rank)
+            fill_pruned_heads(sub, model, kept, dims, means, arch, rank=rank, ridge=args.ridge)
         with torch.no_grad():
             return float(method.task.loss(sub, held))
 
@@ -98,7 +105,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
         {"rows": rows, "keep": args.keep, "heads": heads, "kv_heads": kv, "calibration": args.calibration,
-         "examples": args.examples, "ridge": heads_mod.FILL_RIDGE,
+         "examples": args.examples, "ridge": args.ridge, "chosen_ridges": chosen,
          "pruned_q_o_flops_per_token_layer": saved}, indent=1))
     md = ["| stand-in for the pruned heads | loss on held-out examples | its FLOPs per token per layer "
           f"(the pruned heads' q + o projections: {saved:,}) |", "|---|---:|---:|"]

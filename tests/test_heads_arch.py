@@ -307,17 +307,18 @@ def test_linear_fill_is_the_ridge_regression_of_the_pruned_heads_on_the_attentio
                 basis = torch.diag(pruned.float())
                 with torch.no_grad():
                     pmap = o(basis) - o(torch.zeros_like(basis[:1]))
-                p, q = linear_fill(mom, pmap, rank=10**6)  # full rank: the map itself, no Q
+                p, q = linear_fill(mom, pmap, rank=10**6, ridge=FILL_RIDGE)  # full rank: the map, no Q
                 assert q is None
                 np.testing.assert_allclose(p.double().numpy(), ref, rtol=1e-4, atol=1e-5)
                 fit = lambda m: float(((hb @ m - y) ** 2).sum())  # noqa: E731
-                p2, q2 = linear_fill(mom, pmap, rank=2)
+                p2, q2 = linear_fill(mom, pmap, rank=2, ridge=FILL_RIDGE)
                 mean_only = np.zeros_like(ref)
                 mean_only[-1] = y.mean(0)
                 assert fit(ref) <= fit((p2 @ q2).double().numpy()) <= fit(mean_only) + 1e-9
                 maps[key] = torch.from_numpy(ref).float()
     sub = extract_model(model, mask_spec(mask, dims), a).eval()
-    assert fill_pruned_heads(sub, model, mask, dims, means, a, rank=10**6) == int((~mask.all(1)).sum())
+    assert fill_pruned_heads(sub, model, mask, dims, means, a, rank=10**6,
+                             ridge=FILL_RIDGE) == int((~mask.all(1)).sum())
     ref_model, hooks, seen = copy.deepcopy(model), [], {}
     for (k, f), r0 in rows.items():
         for j, block in enumerate(a.blocks(ref_model, k)):
@@ -340,6 +341,73 @@ def test_linear_fill_is_the_ridge_regression_of_the_pruned_heads_on_the_attentio
         got, want, mean = sub(**batch).logits, ref_model(**batch).logits, mean_sub(**batch).logits
     assert (got - want).abs().max() <= 1e-4, float((got - want).abs().max())
     assert maps and (got - mean).abs().max() > 1e-3  # not the mean fill
+
+
+@pytest.mark.parametrize("arch", ["llama", "t5"])
+def test_linear_fill_chooses_its_ridge_by_two_fold_cross_validation_over_examples(arch, tiny_lm_dirs):
+    """The moments' half holds every other example across forwards (the 1st, 3rd, 5th of two
+    calls of 3 and 2 examples); :func:`fill_ridge` picks the ridge whose fit on one half has the
+    least squared error on the other, both ways round (numpy, from the tokens); the default fill
+    is fitted at that ridge; fewer than two examples: FILL_RIDGE."""
+    from fedslice.slicing.heads import FILL_RIDGE, fill_ridge, linear_fill
+
+    model = _with_lora(_lm(tiny_lm_dirs, arch)).eval()
+    a = arch_for(model)
+    dims = a.all_dims(model.config)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, 400, (5, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 7:], mask[4, 3:] = 0, 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if model.config.is_encoder_decoder:
+        batch["decoder_input_ids"] = torch.randint(5, 400, (5, 6), generator=g)
+    with output_means(model, a, regression=True) as means, torch.no_grad():
+        for rows in (slice(0, 3), slice(3, 5)):
+            model(**{k: v[rows] for k, v in batch.items()})
+    xs, hs = _o_inputs(model, a, batch), _o_inputs(model, a, batch, "q")
+    in_half = np.array([True, False, True, False, True])
+    grid = tuple(10.0 ** np.arange(-6, 3))
+    mask_heads = _mask(dims, 3, headless=False)
+    mask_heads[mask_heads.all(1), -1] = False
+    rows, interior = mask_rows(dims), 0
+    for (k, f), r0 in rows.items():
+        for j, block in enumerate(a.blocks(model, k)):
+            key = (k, f, j)
+            x, h, mom = xs[key], hs[key], means.moments[key]
+            real = (mask.bool() if x.shape[1] == mask.shape[1] else torch.ones(x.shape[:2], dtype=torch.bool)).numpy()
+            hb = np.concatenate([h.double().numpy(), np.ones(h.shape[:2] + (1,))], -1)
+            o = block.get_submodule(a.stacks[k].attention[f].o)
+            basis = torch.diag((~mask_heads[r0 + j].repeat_interleave(dims[k]["head_dim"])).float())
+            with torch.no_grad():
+                pmap = o(basis) - o(torch.zeros_like(basis[:1]))
+            y = x.double().numpy() @ pmap.double().numpy()
+            half = real & in_half[:, None]
+            np.testing.assert_allclose(mom.half_gram.numpy(), hb[half].T @ hb[half], rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(mom.half_cross.numpy(), hb[half].T @ x.double().numpy()[half],
+                                       rtol=1e-6, atol=1e-6)
+            assert mom.examples == 5
+            parts = [half, real & ~in_half[:, None]]
+
+            def error(ridge):
+                err = 0.0
+                for fit, held in (parts, parts[::-1]):
+                    gram = hb[fit].T @ hb[fit]
+                    w = np.linalg.solve(gram + ridge * np.diag(gram).mean() * np.eye(len(gram)), hb[fit].T @ y[fit])
+                    err += float(((hb[held] @ w - y[held]) ** 2).sum())
+                return err
+            errors = [error(r) for r in grid]
+            best = grid[int(np.argmin(errors))]
+            assert fill_ridge(mom, pmap, grid) == best
+            interior += best not in (grid[0], grid[-1])
+            assert fill_ridge(mom, pmap, (grid[0], grid[-1])) == (grid[0] if errors[0] < errors[-1] else grid[-1])
+            chosen = fill_ridge(mom, pmap)
+            p, _ = linear_fill(mom, pmap, rank=10**6)
+            assert torch.equal(p, linear_fill(mom, pmap, rank=10**6, ridge=chosen)[0])
+    assert interior  # the grid's ends are not all it ever picks
+    with output_means(model, a, regression=True) as one, torch.no_grad():
+        model(**{k: v[:1] for k, v in batch.items()})
+    single = one.moments[(0, 0, 0)]
+    assert single.examples == 1 and fill_ridge(single, torch.eye(single.cross.shape[1]), grid) == FILL_RIDGE
 
 
 def test_mean_fill_without_pruned_heads_is_the_model_bit_for_bit(tiny_lm_dirs):

@@ -572,10 +572,15 @@ class OutputMeans(dict):
 class FillMoments:
     """Sums over real tokens of one attention layer, ``h`` its input (what ``q`` reads) with a
     constant 1 appended, ``x`` its output projection's input: ``gram`` = sum h h^T (D+1, D+1),
-    ``cross`` = sum h x^T (D+1, W), in float64."""
+    ``cross`` = sum h x^T (D+1, W), in float64; ``half_gram`` / ``half_cross`` the same sums
+    over every other example (the 1st, 3rd, ... of the forwards, in order): the two halves a
+    ridge is cross-validated on (:func:`fill_ridge`)."""
 
     gram: torch.Tensor
     cross: torch.Tensor
+    half_gram: torch.Tensor
+    half_cross: torch.Tensor
+    examples: int = 0
 
 
 def _token_weights(x: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
@@ -639,16 +644,22 @@ class output_means:  # noqa: N801 (a context manager, used like a function)
 
     def _add_moments(self, key, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
         """Add one call's real tokens (weights ``w``, (B, T): padding 0) to ``key``'s moments."""
+        m = self.means.moments.get(key)
+        seen = 0 if m is None else m.examples
+        half = ((torch.arange(len(w), device=w.device) + seen) % 2 == 0).to(w.dtype)  # (B,)
         hb = h.reshape(-1, h.shape[-1]).double()                                  # (N, D)
         hb = torch.cat([hb, hb.new_ones(len(hb), 1)], 1)                          # (N, D + 1)
         hw = hb * w.reshape(-1, 1).double()
+        hh = hb * (w * half[:, None]).reshape(-1, 1).double()                     # the half's tokens
         xb = x.reshape(-1, x.shape[-1]).double()                                  # (N, W)
-        m = self.means.moments.get(key)
         if m is None:
-            self.means.moments[key] = FillMoments(hw.T @ hb, hw.T @ xb)
+            self.means.moments[key] = FillMoments(hw.T @ hb, hw.T @ xb, hh.T @ hb, hh.T @ xb, len(w))
         else:
             m.gram += hw.T @ hb
             m.cross += hw.T @ xb
+            m.half_gram += hh.T @ hb
+            m.half_cross += hh.T @ xb
+            m.examples += len(w)
 
     def __exit__(self, *exc) -> None:
         for h in self.hooks:
@@ -656,22 +667,52 @@ class output_means:  # noqa: N801 (a context manager, used like a function)
         self.means.update({key: s / self._counts[key].clamp_min(1.0) for key, s in self._sums.items()})
 
 
-#: ridge of the linear fill, relative to the mean diagonal of the inputs' second moments
+#: ridge of the linear fill, relative to the mean diagonal of the inputs' second moments, where
+#: the moments' two halves cannot choose one (fewer than two examples)
 FILL_RIDGE = 1e-3
+#: the ridges :func:`fill_ridge` chooses from
+FILL_RIDGES = (1e-4, 1e-3, 1e-2, 1e-1)
 
 
-def linear_fill(m: FillMoments, pruned_map: torch.Tensor,
-                rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _ridge_solve(gram: torch.Tensor, target: torch.Tensor, ridge: float) -> torch.Tensor:
+    """(gram + ridge x mean diag(gram) x I)^-1 target."""
+    scale = ridge * float(torch.diagonal(gram).mean())
+    return torch.linalg.solve(gram + scale * torch.eye(len(gram), dtype=gram.dtype, device=gram.device),
+                              target)
+
+
+def fill_ridge(m: FillMoments, pruned_map: torch.Tensor, ridges=FILL_RIDGES) -> float:
+    """The ridge of ``ridges`` whose full-rank fill, fitted on one half of ``m``'s examples,
+    predicts the other half's pruned-head output best (squared error summed over both ways
+    round: two-fold cross-validation over examples, from the moments alone); :data:`FILL_RIDGE`
+    where a half holds no token."""
+    pm = pruned_map.double()
+    halves = [(m.half_gram, m.half_cross @ pm), (m.gram - m.half_gram, (m.cross - m.half_cross) @ pm)]
+    if m.examples < 2 or any(float(g[-1, -1]) <= 0 for g, _ in halves):  # g[-1, -1]: the half's tokens
+        return FILL_RIDGE
+
+    def held_out_error(ridge: float) -> float:
+        err = 0.0
+        for (g_fit, c_fit), (g_held, c_held) in (halves, halves[::-1]):
+            a = _ridge_solve(g_fit, c_fit, ridge)                                 # (D+1, D_out)
+            err += float((a * (g_held @ a)).sum() - 2 * (a * c_held).sum())       # + a constant
+        return err
+    return min(ridges, key=held_out_error)
+
+
+def linear_fill(m: FillMoments, pruned_map: torch.Tensor, rank: int,
+                ridge: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The rank-``rank`` linear map of a layer's attention input that best predicts what its
     pruned heads add to the output (ridge least squares over the tokens of ``m``, then reduced-rank
     regression): ``(P, Q)``, P (D+1, r) and Q (r, D_out), the fill being ``[h, 1] @ P @ Q``
     (a rank of D_out or more: Q is None, the fill ``[h, 1] @ P``).
     ``pruned_map`` (W, D_out): the output projection's map of its input columns, zero on the
-    kept heads' columns, so ``x @ pruned_map`` is what the pruned heads add."""
+    kept heads' columns, so ``x @ pruned_map`` is what the pruned heads add. ``ridge``
+    (relative to the mean diagonal of the inputs' second moments): default, the one
+    :func:`fill_ridge` chooses on ``m``'s two halves."""
+    ridge = fill_ridge(m, pruned_map) if ridge is None else ridge
     gram, target = m.gram, m.cross @ pruned_map.double()                          # (D+1, D+1), (D+1, D_out)
-    ridge = FILL_RIDGE * float(torch.diagonal(gram).mean())
-    a = torch.linalg.solve(gram + ridge * torch.eye(len(gram), dtype=gram.dtype, device=gram.device),
-                           target)                                                # (D+1, D_out)
+    a = _ridge_solve(gram, target, ridge)                                         # (D+1, D_out)
     if rank >= a.shape[1]:
         return a.float(), None
     _, vecs = torch.linalg.eigh(a.T @ gram @ a)                                   # fitted outputs' moments
@@ -694,7 +735,7 @@ def _add_linear_fill(q_sub: nn.Module, o_sub: nn.Module, p: torch.Tensor,
 @torch.no_grad()
 def fill_pruned_heads(sub: nn.Module, model: nn.Module, kept: torch.Tensor, dims: Dims,
                       means: Mapping[tuple[int, int, int], torch.Tensor], arch=None,
-                      rank: int | None = None) -> int:
+                      rank: int | None = None, ridge: float | None = None) -> int:
     """Mean-fill the heads ``sub`` lacks: on each (family, layer) of the sub-model that keeps
     some but not all of its heads (``kept``, over ``dims``: ``model``'s heads), a forward hook
     adds to its output projection's output the constant ``o(m_pruned) - o(0)`` of ``model``'s
@@ -706,8 +747,8 @@ def fill_pruned_heads(sub: nn.Module, model: nn.Module, kept: torch.Tensor, dims
     projection of a headless layer does not run, and gets nothing. With ``rank`` (``method.fill
     = "linear"``; ``means`` from ``output_means(..., regression=True)``) a layer that keeps some
     heads gets instead the rank-``rank`` linear map of its attention input that best predicts
-    what the pruned heads add (:func:`linear_fill`; its intercept holds the mean). Returns the
-    layers filled."""
+    what the pruned heads add (:func:`linear_fill`, at ``ridge``, default each layer's
+    cross-validated one; its intercept holds the mean). Returns the layers filled."""
     arch = arch or arch_for(model)
     rows, added = mask_rows(dims), 0
     for (k, f), r0 in rows.items():
@@ -731,7 +772,7 @@ def fill_pruned_heads(sub: nn.Module, model: nn.Module, kept: torch.Tensor, dims
             if rank is not None and moments is not None and bool(row.any()):
                 basis = torch.diag((~cols).to(o_dtype(o)))                    # (W, W): pruned columns
                 pruned_map = o(basis) - o(torch.zeros_like(basis[:1]))        # (W, D_out)
-                p, q = linear_fill(moments, pruned_map, rank)
+                p, q = linear_fill(moments, pruned_map, rank, ridge)
                 _add_linear_fill(sub_blocks[j].get_submodule(att.q), o_sub, p, q)
             else:
                 x = torch.where(cols, torch.zeros_like(m), m)[None].to(o_dtype(o))

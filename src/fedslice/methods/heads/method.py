@@ -239,7 +239,8 @@ class HeadStage(Method):
                                 heads_state(payload.arrays, kept, self.arch, dims))
             if means is not None:
                 fill_pruned_heads(sub, model, kept, dims, means, self.arch,
-                                  rank=self.opts.fill_rank if self.opts.fill == "linear" else None)
+                                  rank=self.opts.fill_rank if self.opts.fill == "linear" else None,
+                                  ridge=self.opts.fill_ridge)
             # a headless layer's sliced o keeps its adapter (LoRA B: hidden x r): frozen, so the
             # backward does not run down to it for a zero gradient
             # and the tensors below the client's adapter depth (its plan's)

@@ -52,6 +52,11 @@ class HeadsMethod(MethodOptions):
         "'parameters'.")
     fill_rank: int = Field(64, gt=0, description="Rank of fill = 'linear' (at most the hidden "
                            "size; the moments cost (hidden + 1)^2 float64 per layer on the client).")
+    fill_ridge: float | None = Field(
+        None, gt=0, description="Ridge of fill = 'linear', relative to the mean diagonal of the "
+        "inputs' second moments. Default: per layer, the one of 1e-4 / 1e-3 / 1e-2 / 1e-1 that "
+        "predicts best across the two halves of the importance examples (two-fold "
+        "cross-validation from the moments; the moments of one half cost as much memory again).")
     aggregation: Literal["head_weighted", "fedavg"] = Field(
         "head_weighted", description="Head-tied LoRA slices: importance-weighted mean (Eq. 8) or "
         "example-weighted mean over the clients that kept the head (Eq. 5).")
