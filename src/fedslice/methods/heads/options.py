@@ -45,7 +45,7 @@ class HeadsMethod(MethodOptions):
         "linear map of the layer's attention input (what q reads, plus a constant) that best "
         "predicts the pruned heads' output over the same examples (ridge least squares, fitted "
         "from moments the importance forward collects), added to the output projection: on "
-        "SmolLM2 at 90% it brings the sub-model's starting loss from 5.4 ('mean') to 3.45 "
+        "SmolLM2 at 90% it brings the sub-model's starting loss from 5.4 ('mean') to 3.3 "
         "(the full model 2.7) for 2 x hidden x fill_rank multiply-adds per token and layer, "
         "and the evaluated model's ROUGE-L by 3.8 and 6.6 over 'mean' on two seeds (32.9 and "
         "32.8; dense 59.9 and 62.4: BENCHMARKS.md, issue 35 part 2). No effect under prune = "
