@@ -573,8 +573,9 @@ class FillMoments:
     """Sums over real tokens of one attention layer, ``h`` its input (what ``q`` reads) with a
     constant 1 appended, ``x`` its output projection's input: ``gram`` = sum h h^T (D+1, D+1),
     ``cross`` = sum h x^T (D+1, W), in float64; ``half_gram`` / ``half_cross`` the same sums
-    over every other example (the 1st, 3rd, ... of the forwards, in order): the two halves a
-    ridge is cross-validated on (:func:`fill_ridge`)."""
+    over every other row of the forwards' batches (the 1st, 3rd, ... in order: an example, or
+    a packed row of several), ``examples`` the rows seen: the two halves a ridge is
+    cross-validated on (:func:`fill_ridge`)."""
 
     gram: torch.Tensor
     cross: torch.Tensor
