@@ -647,19 +647,22 @@ class output_means:  # noqa: N801 (a context manager, used like a function)
         """Add one call's real tokens (weights ``w``, (B, T): padding 0) to ``key``'s moments."""
         m = self.means.moments.get(key)
         seen = 0 if m is None else m.examples
-        half = ((torch.arange(len(w), device=w.device) + seen) % 2 == 0).to(w.dtype)  # (B,)
+        half = (torch.arange(len(w), device=w.device) + seen) % 2 == 0               # (B,): its rows
+        half = half[:, None].expand(w.shape).reshape(-1)                          # (N,): its tokens
         hb = h.reshape(-1, h.shape[-1]).double()                                  # (N, D)
         hb = torch.cat([hb, hb.new_ones(len(hb), 1)], 1)                          # (N, D + 1)
         hw = hb * w.reshape(-1, 1).double()
-        hh = hb * (w * half[:, None]).reshape(-1, 1).double()                     # the half's tokens
         xb = x.reshape(-1, x.shape[-1]).double()                                  # (N, W)
+        # each half's sums over its own tokens: as many multiply-adds as the whole's
+        gh, ch = hw[half].T @ hb[half], hw[half].T @ xb[half]
+        gram, cross = gh + hw[~half].T @ hb[~half], ch + hw[~half].T @ xb[~half]
         if m is None:
-            self.means.moments[key] = FillMoments(hw.T @ hb, hw.T @ xb, hh.T @ hb, hh.T @ xb, len(w))
+            self.means.moments[key] = FillMoments(gram, cross, gh, ch, len(w))
         else:
-            m.gram += hw.T @ hb
-            m.cross += hw.T @ xb
-            m.half_gram += hh.T @ hb
-            m.half_cross += hh.T @ xb
+            m.gram += gram
+            m.cross += cross
+            m.half_gram += gh
+            m.half_cross += ch
             m.examples += len(w)
 
     def __exit__(self, *exc) -> None:
