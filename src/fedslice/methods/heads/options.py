@@ -47,9 +47,9 @@ class HeadsMethod(MethodOptions):
         "from moments the importance forward collects), added to the output projection: on "
         "SmolLM2 at 90% it brings the sub-model's starting loss from 5.4 ('mean') to 3.3 "
         "(the full model 2.7) for 2 x hidden x fill_rank multiply-adds per token and layer, "
-        "and the evaluated model's ROUGE-L by 3.8 and 6.6 over 'mean' on two seeds (32.9 and "
-        "32.8; dense 59.9 and 62.4: BENCHMARKS.md, issue 35 part 2). No effect under prune = "
-        "'parameters'.")
+        "and the evaluated model's ROUGE-L by 3.8 and 6.6 over 'mean' on two seeds at a ridge "
+        "of 1e-3 (32.9 and 32.8; dense 59.9 and 62.4), 29.1 and 34.3 at the cross-validated "
+        "one (BENCHMARKS.md, issue 35 part 2). No effect under prune = 'parameters'.")
     fill_rank: int = Field(64, gt=0, description="Rank of fill = 'linear' (at most the hidden "
                            "size; the moments cost (hidden + 1)^2 float64 per layer on the client).")
     fill_ridge: float | None = Field(
