@@ -66,6 +66,11 @@ def test_a_duplicated_column_is_refused(tiny_cfg_dict, tmp_path, capsys):
     assert f"budgets.csv {csv} row 1: column 'memory_mb' appears twice (columns 2 and 3)" in err
 
 
+def test_a_column_without_a_name_is_refused(tiny_cfg_dict, tmp_path, capsys):
+    err, csv = _csv_error(tiny_cfg_dict, tmp_path, capsys, "client,memory_mb,\n0,100,\n1,100,\n")
+    assert f"budgets.csv {csv} row 1: column 3 has no name (columns: client,memory_mb,)" in err
+
+
 def test_a_header_only_file_says_it_has_no_rows(tiny_cfg_dict, tmp_path, capsys):
     err, csv = _csv_error(tiny_cfg_dict, tmp_path, capsys, "client,memory_mb\n")
     assert f"budgets.csv {csv}: no rows after the header (give one row per client, ids 0..1)" in err

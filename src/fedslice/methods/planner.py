@@ -90,7 +90,10 @@ def read_budget_csv(path: Path, num_clients: int) -> dict[int, ClientBudget]:
     head_line, header = lines[0]
     columns = [c.strip() for c in header]
     for k, c in enumerate(columns):
-        if c and c in columns[:k]:
+        if not c:
+            raise ConfigError(f"{where} row {head_line}: column {k + 1} has no name (columns: "
+                              f"{','.join(columns)})")
+        if c in columns[:k]:
             raise ConfigError(f"{where} row {head_line}: column {c!r} appears twice (columns "
                               f"{columns.index(c) + 1} and {k + 1})")
     if "client" not in columns:
