@@ -151,10 +151,10 @@ def test_export_refuses_bad_input(model_dirs, tiny_cfg_dict, tiny_gen_cfg_dict, 
                                   monkeypatch):
     cfg = _cfg("bert", "fedpetuning", model_dirs, tiny_cfg_dict, tiny_gen_cfg_dict, tmp_path)
     run, method, data = _train(cfg)
-    with pytest.raises(ConfigError, match="no salience order"):
+    with pytest.raises(ConfigError, match="method .fedpetuning. has no elastic sizes"):
         export_run(run, "merged", size=0.5)
     assert main(["export", str(run), "--format", "merged", "--size", "0.5"]) == 2
-    assert "elastic sizes are raffm" in capsys.readouterr().err
+    assert "has no elastic sizes (those of raffm, raffm+heads" in capsys.readouterr().err
     # an interrupted run (a staging folder with a checkpoint): refused naming what is missing,
     # exported from its checkpoint with --allow-partial
     import fedslice.run.session as session
@@ -180,3 +180,11 @@ def test_export_refuses_bad_input(model_dirs, tiny_cfg_dict, tiny_gen_cfg_dict, 
     assert main(["export", str(run), "--format", "merged", "--out", str(tmp_path / "adapter")]) == 2
     assert "not empty" in capsys.readouterr().err
     assert math.isfinite(float(_outputs(method.model, _batch(data)).sum()))
+
+
+def test_a_composition_exports_sizes_with_its_sub_model_stages_hook():
+    from fedslice.registry import METHODS
+
+    hook = METHODS.get("raffm").elastic_export
+    assert hook is not None and METHODS.get("raffm+heads").elastic_export is hook
+    assert all(METHODS.get(n).elastic_export is None for n in ("fedpetuning", "heads", "fedavg"))

@@ -105,3 +105,18 @@ def test_config_and_registry_stay_below_every_plug_in():
                "fedslice.experiment")
     for low in ("fedslice.registry", "fedslice.config"):
         assert not any(t.startswith(plugins) for t in g[low]), (low, g[low])
+
+
+def test_no_module_outside_the_methods_imports_a_method():
+    """A method's package (raffm, heads, ...) is reached through the registry (its entry's hooks,
+    e.g. ``elastic_export`` for ``fedslice export --size``), never imported by the layers that
+    use methods."""
+    import fedslice.plugins  # noqa: F401
+    from fedslice.registry import METHODS
+
+    g = import_graph()
+    own = {f"fedslice.methods.{n}" for n in METHODS.names()} & set(g)
+    assert own >= {"fedslice.methods.raffm", "fedslice.methods.heads"}
+    bad = [(m, t) for m, ts in g.items() if not m.startswith("fedslice.methods")
+           for t in ts if t in own or t.rpartition(".")[0] in own]
+    assert bad == []

@@ -61,7 +61,7 @@ def test_int8_quantizes_the_blocks_linears_only_smaller_and_close():
     # int8 data + one fp32 scale (+ an int8 zero point) per row: >= 1.8x smaller (~3.9x here)
     assert report.ratio >= 1.8
     fp32 = sum(p.numel() * 4 for p in quantized.values())
-    assert fp32 / sum(Q.weight_nbytes(p) for p in quantized.values()) >= 1.8
+    assert fp32 / sum(Q.held_bytes(p) for p in quantized.values()) >= 1.8
     # what the project's memory accounting counts drops by the same bytes
     assert fp32_total - measure.module_bytes(model) == report.fp32_bytes - report.quantized_bytes
     with torch.no_grad():

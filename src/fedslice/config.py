@@ -27,6 +27,7 @@ sits below every plug-in):
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -96,6 +97,28 @@ class PeftConfig(Section):
         return v
 
 
+def budget_number(v: Any) -> Any:
+    """A budget as written: a finite number (not a boolean, not a string; None: no limit), else a
+    ValueError saying what to write instead."""
+    if v is None:
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        hint = ""
+        if isinstance(v, str) and _finite(v):
+            hint = " (a string: write the number without quotes)"
+        raise ValueError(f"{v!r} is not a number{hint}")
+    if math.isinf(v) or math.isnan(v):
+        raise ValueError(f"{v} is not a budget (leave the field out for no limit)")
+    return v
+
+
+def _finite(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
 class DeviceTier(Section):
     """A device tier: its share of the client population and its budget (FLOPs or memory), which
     the budget planner turns into what the tier's clients train (raffm: a sub-model width and a
@@ -107,6 +130,11 @@ class DeviceTier(Section):
     memory_mb: float | None = Field(None, description="Budget as peak training memory in MiB "
                                     "(parameters + gradients + AdamW state + activations).")
     name: str | None = None
+
+    @field_validator("flops", "memory_mb", mode="before")
+    @classmethod
+    def _a_number(cls, v):
+        return budget_number(v)
 
     @field_validator("flops")
     @classmethod
@@ -160,6 +188,11 @@ class BudgetTier(Section):
     upload_mb_per_round: float | None = Field(None, gt=0, description="MB (1e6 bytes) a client "
                                               "may send back per round.")
 
+    @field_validator("memory_mb", "gflops_per_round", "upload_mb_per_round", mode="before")
+    @classmethod
+    def _a_number(cls, v):
+        return budget_number(v)
+
     @model_validator(mode="after")
     def _some_limit(self) -> "BudgetTier":
         if self.memory_mb is None and self.gflops_per_round is None and self.upload_mb_per_round is None:
@@ -175,9 +208,12 @@ class BudgetsConfig(Section):
     tiers: list[BudgetTier] | None = Field(None, min_length=1, description="Tiers with shares "
                                            "summing to 1, placed at random among the clients "
                                            "(seeded).")
-    csv: str | None = Field(None, description="A CSV file with one row per client: a `client` "
-                            "column (ids 0..num_clients-1, each once) and any of memory_mb, "
-                            "gflops_per_round, upload_mb_per_round (empty cell: no limit).")
+    csv: str | None = Field(None, description="A CSV file (UTF-8) with one row per client: a "
+                            "`client` column (ids 0..num_clients-1, each once) and any of "
+                            "memory_mb, gflops_per_round, upload_mb_per_round (empty cell: no "
+                            "limit). A relative path is relative to the config file's folder "
+                            "(given with --set: to the working directory). Read when the config "
+                            "loads.")
     sparsities: list[float] = Field(default_factory=lambda: [0.0, 0.5, 0.75, 0.9], min_length=1,
                                     description="Head sparsities the planner may give a client "
                                     "(methods with the head stage).")
@@ -288,6 +324,13 @@ class BudgetsConfig(Section):
     @classmethod
     def _shares(cls, v):
         return check_tier_shares(v)
+
+    @field_validator("csv")
+    @classmethod
+    def _csv_path(cls, v):
+        if v is not None and not v.strip():
+            raise ValueError("an empty path: give the CSV file's (or leave budgets.csv out)")
+        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> "BudgetsConfig":
@@ -1063,6 +1106,24 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid {path.suffix[1:].upper()}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a table of sections, got {type(data).__name__}")
+    return data
+
+
+#: fields naming a file that belongs with the config (section, key): a relative path written in
+#: a config file is relative to that file's folder; one given as an override (``--set``), to the
+#: working directory, as a path typed in a shell is
+CONFIG_FILE_FIELDS = (("budgets", "csv"),)
+
+
+def resolve_file_fields(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``data`` with every relative path of :data:`CONFIG_FILE_FIELDS` made absolute against
+    ``folder`` (a new dict; other values unchanged)."""
+    data = json.loads(json.dumps(data))
+    for section, key in CONFIG_FILE_FIELDS:
+        node = data.get(section)
+        if isinstance(node, dict) and isinstance(node.get(key), str) and node[key].strip():
+            path = Path(node[key]).expanduser()
+            node[key] = str(path if path.is_absolute() else (folder / path).absolute())
     return data
 
 

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 import fedslice.plugins  # noqa: F401  (registers the built-in methods, adapters and rules)
 from fedslice.config import (ExperimentConfig, apply_overrides, format_validation_error,
-                             merge_variant, read_config_file)
+                             merge_variant, read_config_file, resolve_file_fields)
 from fedslice.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -45,10 +45,31 @@ def validate_config(data: dict[str, Any], source: str = "<dict>") -> ExperimentC
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Load and validate an experiment config file, applying ``--set`` style overrides."""
+    """Load and validate an experiment config file, applying ``--set`` style overrides. A file
+    the config names (``budgets.csv``) is relative to the config's folder when written in the
+    file, to the working directory when given as an override; both become absolute here."""
     data = read_config_file(path)
     data.pop("variants", None)
-    return validate_config(apply_overrides(data, overrides or []), str(path))
+    return _from_file(data, path, overrides, str(path))
+
+
+def _from_file(data: dict[str, Any], path: str | Path, overrides: list[str] | None,
+               source: str) -> ExperimentConfig:
+    """A config read from file ``path``, validated, and the files it names read: a bad
+    ``budgets.csv`` fails here, before any model or data is loaded."""
+    cfg = validate_config(_with_overrides(data, path, overrides), source)
+    if cfg.budgets is not None and cfg.budgets.csv is not None:
+        from fedslice.methods.planner import read_budget_csv
+        read_budget_csv(Path(cfg.budgets.csv), cfg.federation.num_clients)
+    return cfg
+
+
+def _with_overrides(data: dict[str, Any], path: str | Path, overrides: list[str] | None
+                    ) -> dict[str, Any]:
+    """The file's ``data`` with its relative file paths resolved against its folder, then the
+    overrides applied, theirs resolved against the working directory."""
+    data = resolve_file_fields(data, Path(path).parent)
+    return resolve_file_fields(apply_overrides(data, overrides or []), Path.cwd())
 
 
 def load_variants(path: str | Path, overrides: list[str] | None = None) -> list[ExperimentConfig]:
@@ -59,11 +80,11 @@ def load_variants(path: str | Path, overrides: list[str] | None = None) -> list[
     data = read_config_file(path)
     variants = data.pop("variants", None)
     if variants is None:
-        return [validate_config(apply_overrides(data, overrides or []), str(path))]
+        return [_from_file(data, path, overrides, str(path))]
     if not isinstance(variants, list) or not variants:
         raise ConfigError(f"config file {path}: 'variants' must be a non-empty list of tables")
     out = []
     for i, variant in enumerate(variants):
         merged = merge_variant(data, variant)
-        out.append(validate_config(apply_overrides(merged, overrides or []), f"{path} variants[{i}]"))
+        out.append(_from_file(merged, path, overrides, f"{path} variants[{i}]"))
     return out

@@ -13,7 +13,8 @@ Formats:
   result is an adapter over the unchanged base model.
 * ``merged``: a standard transformers folder (config with the label names, safetensors, tokenizer,
   generation config): ``AutoModelFor...from_pretrained(DIR)``, no fedslice needed.
-* ``merged`` with ``size``: RaFFM's elastic sub-model at that FLOPs fraction, smaller in its config
+* ``merged`` with ``size``: the elastic sub-model at that FLOPs fraction of a method that has
+  them (its export hook, :class:`fedslice.registry.ElasticExport`: RaFFM's), smaller in its config
   (fewer heads, FFN neurons, layers). Where the architecture's config derives the head size from
   the hidden size (BERT, RoBERTa, DistilBERT, GPT-2, BART), fewer heads cannot be said in the
   stock config: the folder then carries a 60-line modeling file (``fedslice_elastic.py``, plain
@@ -45,6 +46,7 @@ from fedslice.output import (CONFIG_JSON, LATEST_WEIGHTS, SUMMARY, WEIGHTS, is_s
                              write_json_atomic)
 from fedslice.methods import method_class
 from fedslice.peft.base import base_name, make_adapter
+from fedslice.registry import METHODS, ElasticExport
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +275,8 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *,
     dest = Path(out) if out else default_out(run, fmt, size)
     if dest.exists() and any(dest.iterdir()):
         raise FedsliceError(f"{dest} exists and is not empty: choose another --out")
-    spec = elastic_spec(run, size) if size is not None else None
+    elastic = elastic_export(run) if size is not None else None
+    spec = elastic.spec(run.path, size, finished=run.partial is None) if elastic else None
     # a quantized base is exported de-quantized: ``merged`` holds the values the adapter trained
     # over plus its update; ``peft`` holds the adapter only (it loads on the quantized base)
     rebuilt = trained_model(run, head_as_modules_to_save=fmt == "peft", dequantized=True)
@@ -284,7 +287,7 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *,
         if fmt == "peft":
             _save_peft(run, rebuilt, tmp)
         else:
-            _save_merged(run, rebuilt, tmp, spec)
+            _save_merged(run, rebuilt, tmp, spec, elastic)
         write_json_atomic(tmp / "fedslice_export.json", {
             "run": str(run.path.resolve()), "format": fmt, "size": size,
             "base_model": run.cfg.model.name, "method": run.cfg.method.name,
@@ -339,37 +342,31 @@ def _label_config(run: TrainedRun, config) -> None:
         config.label2id = {n: i for i, n in enumerate(names)}
 
 
-def _save_merged(run: TrainedRun, rebuilt: Rebuilt, dest: Path, spec) -> None:
+def _save_merged(run: TrainedRun, rebuilt: Rebuilt, dest: Path, spec,
+                 elastic: ElasticExport | None) -> None:
     model = _merged_model(rebuilt)
     _label_config(run, model.config)
-    if spec is not None:
-        from fedslice.export_elastic import save_elastic
-        save_elastic(model, rebuilt.loaded.arch, spec, dest, run.info["head"])
+    if elastic is not None:
+        elastic.save(model, rebuilt.loaded.arch, spec, dest, run.info["head"])
     else:
         model.save_pretrained(str(dest))
     rebuilt.loaded.tokenizer.save_pretrained(str(dest))
 
 
 # --------------------------------------------------------------------------------------------
-# Elastic sizes (RaFFM)
+# Elastic sizes: the method's export hook
 # --------------------------------------------------------------------------------------------
 
-def elastic_spec(run: TrainedRun, size: float):
-    """The saved sub-model spec of elastic size ``size``; a clear error listing valid sizes."""
-    from fedslice.methods.raffm import ELASTIC
-    from fedslice.slicing.spec import spec_from_dict
-    path = run.path / ELASTIC
-    if not path.is_file():
-        why = ("the run did not finish: elastic sizes are saved at its end" if run.partial else
-               f"method {run.cfg.method.name!r} has no salience order (elastic sizes are raffm's)")
-        raise ConfigError(f"--size: {why}; export the whole model without --size")
-    sizes = json.loads(path.read_text())["sizes"]
-    valid = [e["size"] for e in sizes]
-    match = [e for e in sizes if abs(e["size"] - size) < 1e-9]
-    if not match:
-        raise ConfigError(f"--size {size:g} is not an elastic size of this run: valid sizes are "
-                          f"{', '.join(f'{v:g}' for v in valid)} (method.elastic_sizes)")
-    return spec_from_dict(match[0]["spec"])
+def elastic_export(run: TrainedRun) -> ElasticExport:
+    """How the run's method exports one of its sizes (its registry entry's hook); a ConfigError
+    naming the methods that have sizes when it has none."""
+    hook = METHODS.get(run.cfg.method.name).elastic_export
+    if hook is None:
+        sized = [n for n in METHODS.names() if METHODS.get(n).elastic_export is not None]
+        raise ConfigError(f"--size: method {run.cfg.method.name!r} has no elastic sizes (those of "
+                          f"{', '.join(sized) or 'no registered method'}: sub-models of several "
+                          "sizes); export the whole model without --size")
+    return hook
 
 
 __all__ = ["FORMATS", "INFERENCE", "Rebuilt", "TrainedRun", "export_run", "inference_info",

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
 
 from fedslice.errors import ConfigError
 
@@ -37,6 +38,20 @@ E = TypeVar("E")
 STAGES = ("model", "submodel", "heads")
 
 
+class ElasticExport(Protocol):
+    """How a method whose trained model serves at several sizes (RaFFM's elastic sub-models)
+    exports one of them as a smaller standalone checkpoint (``fedslice export --size``), given
+    by the method's package when it registers (``register_method(elastic_export=...)``)."""
+
+    def spec(self, run_dir: Path, size: float, finished: bool) -> Any:
+        """The sub-model of ``size`` the finished (or not) run in ``run_dir`` saved; a ConfigError
+        saying why there is none (listing the sizes there are)."""
+
+    def save(self, model: Any, arch: Any, spec: Any, dest: Path, head: str) -> None:
+        """Write the sub-model ``spec`` cut from the trained, merged ``model`` into ``dest`` as a
+        transformers folder (weights and config; the tokenizer is the caller's)."""
+
+
 @dataclass(frozen=True)
 class MethodEntry:
     """A federated method: its options (the ``[method]`` section) and its class.
@@ -44,7 +59,8 @@ class MethodEntry:
     ``stage``: the kind of stage the method is (:data:`STAGES`); ``stage_cls``: the mixin that
     puts it on top of a method of a lower stage (heads: ``HeadStage``), None when it is the
     bottom of a composition only; ``parts``: the methods a composed entry (``raffm+heads``) is
-    made of, empty for a method of its own."""
+    made of, empty for a method of its own; ``elastic_export``: how a sub-model of one of its
+    sizes is exported (:class:`ElasticExport`), None for a method of one size."""
 
     name: str
     options_cls: type
@@ -52,6 +68,7 @@ class MethodEntry:
     stage: str = "model"
     stage_cls: type | None = None
     parts: tuple[str, ...] = ()
+    elastic_export: ElasticExport | None = None
 
 
 @dataclass(frozen=True)
@@ -123,16 +140,19 @@ RULES: Registry[RuleEntry] = Registry("aggregation rule")
 
 
 def register_method(*, name: str, options_cls: type, method_cls: type, stage: str = "model",
-                    stage_cls: type | None = None, parts: tuple[str, ...] = ()) -> MethodEntry:
+                    stage_cls: type | None = None, parts: tuple[str, ...] = (),
+                    elastic_export: ElasticExport | None = None) -> MethodEntry:
     """Register a federated method; ``options_cls`` validates its ``[method]`` section (a
     :class:`fedslice.config.MethodOptions` whose ``name`` is ``Literal[name]``); ``stage`` and
-    ``stage_cls``: how it composes with others (:class:`MethodEntry`)."""
+    ``stage_cls``: how it composes with others; ``elastic_export``: how it exports a sub-model
+    of one of its sizes (:class:`MethodEntry`)."""
     tag = getattr(options_cls, "model_fields", {}).get("name")
     if tag is None or tag.default != name:
         raise ValueError(f"method {name!r}: {options_cls.__name__}.name must default to {name!r}")
     if stage not in STAGES:
         raise ValueError(f"method {name!r}: stage {stage!r} is not one of {STAGES}")
-    return METHODS.register(name, MethodEntry(name, options_cls, method_cls, stage, stage_cls, parts))
+    return METHODS.register(name, MethodEntry(name, options_cls, method_cls, stage, stage_cls, parts,
+                                              elastic_export))
 
 
 #: {frozenset of two method names: why they do not compose}

@@ -8,25 +8,12 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from fedslice.models.quantize import quantized_parts
+
 
 def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     """Total payload bytes of ``tensors``: the sum of ``numel * element_size`` over all values."""
     return int(sum(t.numel() * t.element_size() for t in tensors.values()))
-
-
-def held_bytes(t: torch.Tensor) -> int:
-    """Bytes that hold ``t``: a quantized weight's int data and scales (a torchao tensor
-    subclass, whose dtype is the high-precision one; a bitsandbytes 4-bit parameter and its
-    quantization state), a plain tensor's ``numel * element_size``."""
-    inner = _inner(t)
-    if inner is not None:
-        return int(sum(held_bytes(x) for x in inner))
-    if type(t).__name__ == "Params4bit" and getattr(t, "quant_state", None) is not None:
-        qs = t.quant_state
-        extra = sum(x.numel() * x.element_size() for x in (qs.absmax, getattr(qs, "code", None))
-                    if isinstance(x, torch.Tensor))
-        return int(t.data.numel() * t.data.element_size() + extra)
-    return int(t.numel() * t.element_size())
 
 
 def num_params(tensors: Mapping[str, torch.Tensor]) -> int:
@@ -67,18 +54,8 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _inner(t: torch.Tensor) -> list[torch.Tensor] | None:
-    """The plain tensors that hold a tensor subclass of torchao's (a quantized weight: int8 data
-    and scales), None for any other tensor."""
-    names = getattr(type(t), "tensor_data_names", None)
-    if names is None:
-        return None
-    names = [*names, *(getattr(type(t), "optional_tensor_data_names", None) or [])]
-    return [x for x in (getattr(t, n, None) for n in names) if isinstance(x, torch.Tensor)]
-
-
 def storage_ptr(t: torch.Tensor) -> int:
-    inner = _inner(t)
+    inner = quantized_parts(t)
     if inner:
         return storage_ptr(inner[0])
     try:
@@ -88,7 +65,7 @@ def storage_ptr(t: torch.Tensor) -> int:
 
 
 def storage_nbytes(t: torch.Tensor) -> int:
-    inner = _inner(t)
+    inner = quantized_parts(t)
     if inner is not None:  # a quantized weight: what its int data and scales take
         return int(sum(storage_nbytes(x) for x in inner))
     try:

@@ -61,8 +61,10 @@ def compose(*names: str) -> MethodEntry:
     method = type(title, tuple(e.stage_cls for e in reversed(above)) + (bottom.method_cls,),
                   {"name": name, "__doc__": f"``{name}``: " + " over ".join(
                       e.name for e in reversed(entries)) + " (:mod:`fedslice.methods.compose`)."})
+    exports = [e.elastic_export for e in entries if e.elastic_export is not None]
     return register_method(name=name, options_cls=options, method_cls=method, stage=entries[-1].stage,
-                           parts=tuple(e.name for e in entries))
+                           parts=tuple(e.name for e in entries),
+                           elastic_export=exports[0] if exports else None)
 
 
 # -- what composes, and what does not (and why) -----------------------------------------------

@@ -25,6 +25,7 @@ the client, its budget and the cheapest plan's cost.
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -38,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from fedslice import measure
-from fedslice.config import BudgetsConfig
+from fedslice.config import BudgetsConfig, read_utf8
 from fedslice.data.packing import packed_training
 from fedslice.errors import ConfigError
 from fedslice.fl.client import gradient_checkpointing
@@ -73,50 +74,95 @@ class ClientBudget:
 
 def read_budget_csv(path: Path, num_clients: int) -> dict[int, ClientBudget]:
     """Client -> budget from a CSV with a ``client`` column and any of :data:`BUDGET_FIELDS`
-    (an empty cell: no limit); every client of the federation once. Errors name the file, the
-    row (the header is row 1) and the field."""
+    (an empty cell: no limit); every client of the federation once. UTF-8, with or without a
+    byte-order mark. Errors name the file, the row (its line in the file: the header's is 1)
+    and the field."""
     where = f"budgets.csv {path}"
+    if path.is_dir():
+        raise ConfigError(f"budgets.csv = {str(path)!r} is a folder: give a CSV file")
     try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-            columns = [c.strip() for c in (rows[0].keys() if rows else [])]
+        text = read_utf8(path, "budgets.csv").removeprefix("\ufeff")
     except FileNotFoundError:
         raise ConfigError(f"{where}: no such file") from None
+    lines = _csv_rows(text, where)
+    if not lines:
+        raise ConfigError(f"{where}: the file is empty (give a header: client,memory_mb,...)")
+    head_line, header = lines[0]
+    columns = [c.strip() for c in header]
+    for k, c in enumerate(columns):
+        if not c:
+            raise ConfigError(f"{where} row {head_line}: column {k + 1} has no name (columns: "
+                              f"{','.join(columns)})")
+        if c in columns[:k]:
+            raise ConfigError(f"{where} row {head_line}: column {c!r} appears twice (columns "
+                              f"{columns.index(c) + 1} and {k + 1})")
     if "client" not in columns:
-        raise ConfigError(f"{where}: no `client` column (columns: {columns or 'none'})")
+        raise ConfigError(f"{where}: no `client` column (columns: {columns})")
     limits = [c for c in columns if c in BUDGET_FIELDS]
     if not limits:
         raise ConfigError(f"{where}: no budget column: give at least one of {', '.join(BUDGET_FIELDS)}")
     if unknown := [c for c in columns if c not in BUDGET_FIELDS and c != "client"]:
         raise ConfigError(f"{where}: unknown column(s) {unknown} (known: client, {', '.join(BUDGET_FIELDS)})")
+    if len(lines) == 1:
+        raise ConfigError(f"{where}: no rows after the header (give one row per client, ids "
+                          f"0..{num_clients - 1})")
     out: dict[int, ClientBudget] = {}
-    for i, row in enumerate(rows, start=2):
-        row = {k.strip(): (v or "").strip() for k, v in row.items() if k is not None}
-        try:
-            client = int(row["client"])
-        except ValueError:
-            raise ConfigError(f"{where} row {i}, client: {row['client']!r} is not a client id") from None
-        if not 0 <= client < num_clients:
-            raise ConfigError(f"{where} row {i}, client: {client} is not a client of this "
-                              f"federation (ids 0..{num_clients - 1})")
-        if client in out:
-            raise ConfigError(f"{where} row {i}, client: client {client} has a second row")
-        values = {}
-        for k in limits:
-            if not row.get(k):
-                continue
-            try:
-                values[k] = float(row[k])
-            except ValueError:
-                raise ConfigError(f"{where} row {i}, {k}: {row[k]!r} is not a number") from None
-            if not math.isfinite(values[k]) or values[k] <= 0:
-                raise ConfigError(f"{where} row {i}, {k}: {row[k]} is not a positive number")
-        if not values:
-            raise ConfigError(f"{where} row {i}: no budget (every one of {', '.join(limits)} is empty)")
-        out[client] = ClientBudget(**values, name="csv", field=f"budgets.csv row {i}")
+    for i, cells in lines[1:]:
+        if len(cells) != len(columns):
+            raise ConfigError(f"{where} row {i}: {len(cells)} cells, the header has {len(columns)} "
+                              f"({','.join(columns)}; an empty cell is no limit)")
+        row = dict(zip(columns, (c.strip() for c in cells)))
+        out[_client_id(row["client"], f"{where} row {i}", num_clients, out)] = ClientBudget(
+            **_row_limits(row, limits, f"{where} row {i}"), name="csv", field=f"budgets.csv row {i}")
     if missing := sorted(set(range(num_clients)) - set(out)):
         raise ConfigError(f"{where}: no row for client(s) {missing[:10]}{' ...' if len(missing) > 10 else ''}")
     return out
+
+
+def _csv_rows(text: str, where: str) -> list[tuple[int, list[str]]]:
+    """(line where the row starts, cells) of every row that is not blank."""
+    reader = csv.reader(io.StringIO(text, newline=""))
+    out, end = [], 0
+    try:
+        for cells in reader:
+            start, end = end + 1, reader.line_num
+            if any(c.strip() for c in cells):
+                out.append((start, cells))
+    except csv.Error as e:
+        raise ConfigError(f"{where} row {reader.line_num}: {e}") from None
+    return out
+
+
+def _client_id(text: str, where: str, num_clients: int, seen: Mapping[int, Any]) -> int:
+    try:
+        client = int(text)
+    except ValueError:
+        raise ConfigError(f"{where}, client: {text!r} is not a client id") from None
+    if not 0 <= client < num_clients:
+        raise ConfigError(f"{where}, client: {client} is not a client of this federation "
+                          f"(ids 0..{num_clients - 1})")
+    if client in seen:
+        raise ConfigError(f"{where}, client: client {client} has a second row")
+    return client
+
+
+def _row_limits(row: Mapping[str, str], limits: list[str], where: str) -> dict[str, float]:
+    values = {}
+    for k in limits:
+        if not row[k]:
+            continue
+        try:
+            values[k] = float(row[k])
+        except ValueError:
+            raise ConfigError(f"{where}, {k}: {row[k]!r} is not a number") from None
+        if math.isinf(values[k]):
+            raise ConfigError(f"{where}, {k}: {row[k]} is not a budget (leave the cell empty for "
+                              "no limit)")
+        if not values[k] > 0:  # nan too
+            raise ConfigError(f"{where}, {k}: {row[k]} is not a positive number")
+    if not values:
+        raise ConfigError(f"{where}: no budget (every one of {', '.join(limits)} is empty)")
+    return values
 
 
 def client_budgets(cfg: BudgetsConfig, num_clients: int, seed: int

@@ -19,7 +19,7 @@ Backends (measured on this project's 2-core CPU machine, torch 2.13, transformer
   ``'Parameter' object has no attribute 'CB'``) and torchao's int4 (does not convert on the CPU).
 * ``nf4``: bitsandbytes ``Linear4bit`` (NF4, fp32 compute), CUDA only: the weights are quantized
   when the model moves to the GPU. Refused at config load on a machine without CUDA or without
-  the bitsandbytes package (:func:`check_available`).
+  the bitsandbytes package (:func:`fedslice.config.check_quantize_available`).
 
 Slicing a quantized weight (RaFFM's width slices, heads' forward pruning) needs no
 re-quantization: the rows or columns of the int8 data are taken with their per-row scales
@@ -37,9 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fedslice.config import QUANTIZE_MODES as MODES, quantize_available as available  # noqa: F401
-from fedslice.config import check_quantize_available as check_available  # noqa: F401
-from fedslice.measure.sizes import held_bytes
+from fedslice.config import QUANTIZE_MODES
 from fedslice.models.arch import ArchSpec, unwrap_model
 
 log = logging.getLogger(__name__)
@@ -151,19 +149,19 @@ def quantize_base(model: nn.Module, mode: str, arch: ArchSpec) -> QuantReport:
     targets = base_linears(model, arch)
     todo = {n: m for n, m in targets.items()
             if not is_quantized(m.weight) and not m.weight.is_meta}
-    before = sum(weight_nbytes(m.weight) if is_quantized(m.weight) else m.weight.numel() * 4
+    before = sum(held_bytes(m.weight) if is_quantized(m.weight) else m.weight.numel() * 4
                  for m in targets.values())
     if mode == "int8":
         _int8(model, todo)
     elif mode == "nf4":
         _nf4(model, todo)
     else:
-        raise ValueError(f"model.quantize = {mode!r}: unknown (one of {', '.join(MODES)})")
+        raise ValueError(f"model.quantize = {mode!r}: unknown (one of {', '.join(QUANTIZE_MODES)})")
     if todo:
         _own_memory(model)
         from fedslice.heap import trim_heap
         trim_heap()  # the quantization's fp32 temporaries back to the system (glibc)
-    after = sum(weight_nbytes(getattr(_module(model, n), "weight")) for n in targets)
+    after = sum(held_bytes(getattr(_module(model, n), "weight")) for n in targets)
     report = QuantReport(mode, len(targets), before, after)
     if todo:
         log.info("model.quantize = %r: %d linear layers of the blocks quantized (%.1f MiB -> "
@@ -306,8 +304,29 @@ def _nf4(model: nn.Module, todo: dict[str, nn.Linear]) -> None:
 
 # -- sizes, slicing, de-quantizing -----------------------------------------------------------
 
-#: bytes that hold a (quantized or plain) weight: :func:`fedslice.measure.sizes.held_bytes`
-weight_nbytes = held_bytes
+def held_bytes(t: torch.Tensor) -> int:
+    """Bytes that hold ``t``: a quantized weight's int data and scales (a torchao tensor
+    subclass, whose dtype is the high-precision one; a bitsandbytes 4-bit parameter and its
+    quantization state), a plain tensor's ``numel * element_size``."""
+    inner = quantized_parts(t)
+    if inner is not None:
+        return int(sum(held_bytes(x) for x in inner))
+    if type(t).__name__ == "Params4bit" and getattr(t, "quant_state", None) is not None:
+        qs = t.quant_state
+        extra = sum(x.numel() * x.element_size() for x in (qs.absmax, getattr(qs, "code", None))
+                    if isinstance(x, torch.Tensor))
+        return int(t.data.numel() * t.data.element_size() + extra)
+    return int(t.numel() * t.element_size())
+
+
+def quantized_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The plain tensors that hold a tensor subclass of torchao's (a quantized weight: int8 data
+    and scales), None for any other tensor."""
+    names = getattr(type(t), "tensor_data_names", None)
+    if names is None:
+        return None
+    names = [*names, *(getattr(type(t), "optional_tensor_data_names", None) or [])]
+    return [x for x in (getattr(t, n, None) for n in names) if isinstance(x, torch.Tensor)]
 
 
 def quantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from fedslice.compute import model_device, to_device
 from fedslice.measure import PeakMemory, count_flops
-from fedslice.measure.sizes import held_bytes
+from fedslice.models.quantize import held_bytes
 from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec, stack_list
 
 _MIB = float(1 << 20)

@@ -11,7 +11,9 @@
    ``size_weight = p`` multiplies a client's weight by f^p, f its sub-model's FLOPs fraction (the
    per-configuration step of RaFFM Eq. 7), so shared leading elements lean toward larger models.
    Unlike the public code, we do not divide by all clients, and heads are sliced whole.
-5. Elastic inference: the global model is evaluated at several sizes after training.
+5. Elastic inference: the global model is evaluated at several sizes after training, and
+   ``fedslice export --size`` writes one of them as a smaller checkpoint (:mod:`.export`, the
+   export hook this package registers).
 
 The server state holds the trainable tensors plus the frozen q/k/v/o/ffn tensors (with LoRA), so
 that permutations and slices are pure functions over it; the shared model is a scratch buffer.
@@ -21,8 +23,10 @@ from fedslice.methods.raffm.options import RaFFMMethod
 from fedslice.methods.raffm.strategy import ClientPlan, RaFFMStrategy
 from fedslice.methods.raffm.report import plot_elastic
 from fedslice.methods.raffm.method import ELASTIC, RaFFM
+from fedslice.methods.raffm.export import ElasticSizes
 from fedslice.registry import register_method
 
-register_method(name="raffm", options_cls=RaFFMMethod, method_cls=RaFFM, stage="submodel")
+register_method(name="raffm", options_cls=RaFFMMethod, method_cls=RaFFM, stage="submodel",
+                elastic_export=ElasticSizes())
 
 __all__ = ["ClientPlan", "ELASTIC", "plot_elastic", "RaFFM", "RaFFMMethod", "RaFFMStrategy"]

@@ -25,7 +25,7 @@ from fedslice.errors import ConfigError
 from fedslice.fl.client import LocalResult, train_config_key
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.measure import ClientCost
-from fedslice.measure.sizes import held_bytes
+from fedslice.models.quantize import held_bytes
 from fedslice.methods.base import Method, Role, trains_alone
 from fedslice.methods.raffm.options import RaFFMMethod
 from fedslice.methods.raffm.report import plot_elastic

@@ -1,4 +1,6 @@
-"""An elastic sub-model (RaFFM) as a smaller standalone transformers checkpoint.
+"""An elastic sub-model (RaFFM) as a smaller standalone transformers checkpoint: raffm's
+export hook (:class:`fedslice.registry.ElasticExport`), which ``fedslice export --size`` asks
+through the method registry.
 
 The sub-model keeps ``k`` of ``H`` heads and ``f`` of ``F`` FFN neurons in every kept layer (the
 planner's leading slices are uniform). Its config says so where the stock config can: layer
@@ -17,10 +19,11 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from fedslice.errors import FedsliceError
+from fedslice.errors import ConfigError, FedsliceError
+from fedslice.methods.raffm.method import ELASTIC
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import AUTO_CLASSES
-from fedslice.slicing.spec import stack_specs
+from fedslice.slicing.spec import Spec, spec_from_dict, stack_specs
 from fedslice.slicing.surgery import extract_model
 
 MODULE = "fedslice_elastic"
@@ -71,6 +74,29 @@ class {name}(transformers.{base}):
         super().__init__(config)
         narrow_attention(self, config.fedslice_elastic)
 '''
+
+
+class ElasticSizes:
+    """raffm's :class:`fedslice.registry.ElasticExport`: the sizes a finished run saved
+    (``raffm_elastic.json``, written at its end), each cut as its own checkpoint."""
+
+    def spec(self, run_dir: Path, size: float, finished: bool) -> Spec:
+        """The saved sub-model spec of elastic size ``size``; a ConfigError listing valid sizes."""
+        path = run_dir / ELASTIC
+        if not path.is_file():
+            why = ("the run did not finish: elastic sizes are saved at its end" if not finished
+                   else f"no {ELASTIC} in the run folder")
+            raise ConfigError(f"--size: {why}; export the whole model without --size")
+        sizes = json.loads(path.read_text())["sizes"]
+        valid = [e["size"] for e in sizes]
+        match = [e for e in sizes if abs(e["size"] - size) < 1e-9]
+        if not match:
+            raise ConfigError(f"--size {size:g} is not an elastic size of this run: valid sizes are "
+                              f"{', '.join(f'{v:g}' for v in valid)} (method.elastic_sizes)")
+        return spec_from_dict(match[0]["spec"])
+
+    def save(self, model: nn.Module, arch: ArchSpec, spec, dest: Path, head: str) -> None:
+        save_elastic(model, arch, spec, dest, head)
 
 
 def _uniform(values, what: str) -> int:
