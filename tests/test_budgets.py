@@ -132,7 +132,7 @@ def _train(tiny_model_dir, tiny_data_dir, **cfg):
 
 def _grads(model, params, batch, parts=1, ckpt=False):
     from fedslice.compute import CPU
-    from fedslice.fl.client import _accumulate, _hf_loss, gradient_checkpointing
+    from fedslice.fl.client import _accumulate, _hf_loss, gradient_checkpointing, split_batch
 
     model.train()
     for p in params.values():
@@ -142,7 +142,7 @@ def _grads(model, params, batch, parts=1, ckpt=False):
             loss = _hf_loss(model, batch)
             loss.backward()
         else:
-            loss, _ = _accumulate(model, params, batch, parts, _hf_loss, CPU, None, None, 0.0)
+            loss, _ = _accumulate(model, params, split_batch(batch, parts), _hf_loss, CPU, None, None, 0.0)
     return float(loss), {n: p.grad.clone() for n, p in params.items()}
 
 

@@ -274,6 +274,15 @@ class BudgetsConfig(Section):
         "would have passed it; enforced, 12% of local steps were cut, the mean fell to 0.8x "
         "and accuracy did not change (BENCHMARKS.md). The first step always runs. False: a "
         "budget holds for the mean of the rounds only.")
+    enforce_memory: bool = Field(
+        True, description="Hold memory_mb as clients train: before each local step the client "
+        "predicts the step's saved-for-backward tensors from the last step it measured (the "
+        "planner's measured step before its first: a step's activations grow with rows x length "
+        "and rows x length², and the larger ratio bounds them), and a step that would pass what "
+        "the model, gradients and AdamW state leave of the budget runs as micro-batches (the "
+        "same update), counted as `plan_downgrades`; a client whose step does not fit one "
+        "example at a time trains nothing that round (said, the run goes on). False: the "
+        "planner's prediction only.")
 
     precisions: list[Literal["none", "int8", "nf4"]] = Field(
         default_factory=lambda: ["none"], min_length=1,

@@ -55,6 +55,12 @@ class PairSplit:
         return torch.tensor([len(p) + len(t) for p, t in zip(self.prompts, self.targets)],
                             dtype=torch.int64)
 
+    @property
+    def head_lengths(self) -> torch.Tensor:
+        """Target tokens per example: where the output head runs and a training loss reads
+        logits (the budget planner's batches follow them)."""
+        return torch.tensor([len(t) for t in self.targets], dtype=torch.int64)
+
     def subset(self, indices: Indices) -> PairSplit:
         idx = as_index_list(indices, len(self))
         sel = torch.as_tensor(idx, dtype=torch.int64)

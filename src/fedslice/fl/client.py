@@ -18,10 +18,13 @@ from fedslice import progress
 from fedslice.compute import CPU, Compute, model_device, to_device
 from fedslice.data.batching import TokenizedSplit, batch_indices, num_batches
 from fedslice.data.packing import is_packed, packed_training
+from fedslice import measure
 from fedslice.measure import LargestBatches, PeakMemory, count_flops
 from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import (batch_examples, batch_head_positions, batch_real_tokens, batch_rows,
                                  batch_tokens)
+
+_MIB = float(1 << 20)
 
 #: ``loss_fn(model, batch) -> scalar`` (the task's training loss)
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
@@ -47,6 +50,9 @@ class LocalResult:
     attention_length: float | None = None
     # a FLOPs budget (cfg["flops_budget"]): the local steps it cut (None: no budget)
     steps_cut: int | None = None
+    # a memory budget (cfg["memory_budget"]): the local steps run as micro-batches to hold it
+    # (None: no budget)
+    plan_downgrades: int | None = None
 
 
 def local_batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator, pack: bool = False):
@@ -94,7 +100,7 @@ def local_step_count(data: TokenizedSplit, cfg: dict[str, Any]) -> int:
 #: the keys of a payload's config that :func:`train_local` and
 #: :func:`fedslice.fl.batched.train_batched` train by (a plan may set some per client)
 TRAIN_CONFIG_KEYS = ("lr", "weight_decay", "local_steps", "local_epochs", "batch_size",
-                     "group_by_length", "max_grad_norm", "fedprox_mu", "flops_budget")
+                     "group_by_length", "max_grad_norm", "fedprox_mu", "flops_budget", "memory_budget")
 
 
 def train_config_key(cfg: dict[str, Any]) -> tuple:
@@ -116,6 +122,98 @@ def over_budget(spent: float, step_cost: float, budget: float | None, step: int)
     return budget is not None and step > 0 and spent + step_cost > budget
 
 
+class MemoryBudgetExceeded(Exception):
+    """A client's step needs more memory than its budget even one example at a time: the client
+    trains nothing this round (:meth:`fedslice.methods.base.Method.train_client` replies
+    without an update and says why)."""
+
+    def __init__(self, budget_mb: float, needed_mb: float) -> None:
+        super().__init__(f"memory budget {budget_mb:g} MiB; its cheapest step (one example) "
+                         f"needs {needed_mb:.1f} MiB")
+        self.budget_mb, self.needed_mb = budget_mb, needed_mb
+
+
+def activation_units(batch: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """``(rows x length, rows x length²)`` of a batch's sequences (encoder and decoder; an image
+    batch: its rows for both): what the tensors a step saves for backward grow with (linear
+    layers, dropout masks and logits with the first, attention's scores with the second)."""
+    seqs = [batch[k] for k in ("input_ids", "decoder_input_ids") if k in batch]
+    if not seqs:
+        rows = batch_rows(batch)
+        return rows, rows
+    return (sum(int(t.shape[0]) * int(t.shape[1]) for t in seqs),
+            sum(int(t.shape[0]) * int(t.shape[1]) ** 2 for t in seqs))
+
+
+@dataclass(frozen=True)
+class ActivationReference:
+    """A step's measured saved-tensor peak (bytes) and its batch's :func:`activation_units`:
+    a batch of other units saves at most ``bytes`` x the larger ratio of the two (each part of
+    the peak grows with one of them), what :func:`predict` returns."""
+
+    bytes: float
+    linear: int
+    quadratic: int
+
+    def predict(self, batch: dict[str, torch.Tensor]) -> float:
+        linear, quadratic = activation_units(batch)
+        return self.bytes * max(linear / max(self.linear, 1), quadratic / max(self.quadratic, 1))
+
+    def to_config(self) -> dict[str, float]:
+        return {"bytes": self.bytes, "linear": self.linear, "quadratic": self.quadratic}
+
+    @classmethod
+    def from_config(cls, d: dict[str, float] | None) -> ActivationReference | None:
+        return None if not d else cls(float(d["bytes"]), int(d["linear"]), int(d["quadratic"]))
+
+
+def memory_split(rows: torch.Tensor, collate, allowance: float | None,
+                 reference: ActivationReference | None, micro: int = 1
+                 ) -> tuple[list[dict[str, torch.Tensor]] | None, bool]:
+    """A step's batch (``collate(rows)``) as the micro-batches it trains in: the plan's
+    ``micro`` (:func:`split_batch` of the batch), or, where one of those would save more bytes
+    for backward than ``allowance`` (predicted from ``reference``), the fewest parts of
+    consecutive examples, each collated alone, that all fit: 2x, 4x, ... as many, then one
+    example each. None when not even one example fits; no allowance or reference: the plan's.
+    Returns the parts and whether they are more than the plan's (a downgrade)."""
+    batch = collate(rows)
+    planned = split_batch(batch, micro) if micro > 1 and not is_packed(batch) else [batch]
+    if allowance is None or reference is None or max(map(reference.predict, planned)) <= allowance:
+        return planned, False
+    n, parts = len(rows), min(len(rows), 2 * len(planned))
+    while True:
+        bounds = [round(i * n / parts) for i in range(parts + 1)]
+        split = [collate(rows[lo:hi]) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        if max(map(reference.predict, split)) <= allowance:
+            return split, True
+        if parts >= n:
+            return None, True
+        parts = min(n, parts * 2)
+
+
+def memory_allowance(model: nn.Module, cfg: dict[str, Any], optimizer_bytes: int
+                     ) -> tuple[float | None, ActivationReference | None, int]:
+    """``(bytes a step may save for backward, the planner's reference step, 0)`` under the
+    plan's ``cfg["memory_budget"]`` (MiB: the model's tensors, gradients and AdamW state, and
+    a step's saved tensors, as the run's ``memory_mb`` counts them); ``(None, None, 0)``
+    without one. A budget the model and optimizer state alone pass: MemoryBudgetExceeded."""
+    budget = cfg.get("memory_budget")
+    if budget is None:
+        return None, None, 0
+    static = measure.module_bytes(model) + optimizer_bytes
+    allowance = float(budget) * _MIB - static
+    if allowance <= 0:
+        raise MemoryBudgetExceeded(float(budget), static / _MIB)
+    return allowance, ActivationReference.from_config(cfg.get("memory_reference")), 0
+
+
+def _cheapest_step_mb(model: nn.Module, optimizer_bytes: int, reference: ActivationReference | None,
+                      singles: list[dict[str, torch.Tensor]]) -> float:
+    """MiB a step of one example at a time needs (the largest of ``singles``, predicted)."""
+    saved = max(map(reference.predict, singles)) if reference is not None else 0.0
+    return (measure.module_bytes(model) + optimizer_bytes + saved) / _MIB
+
+
 def _proximal(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
     """FedProx term mu/2 * ||w - w_global||^2 over the trained tensors."""
     return 0.5 * mu * sum(((p - ref[n]) ** 2).sum() for n, p in params.items())
@@ -127,28 +225,40 @@ def _positions(batch: dict[str, torch.Tensor], virtual_tokens: int) -> int:
 
 
 def _attention_units(batch: dict[str, torch.Tensor]) -> int:
-    """Query-key pairs of a packed batch's self-attention: rows x row length squared (each row
-    attends over its whole length: the block-diagonal mask hides pairs, it does not skip them)."""
+    """Query-key pairs of a batch's self-attention: rows x row length squared (each row attends
+    over its whole length: padding and a packed batch's block-diagonal mask hide pairs, they do
+    not skip them)."""
     rows, length = batch["input_ids"].shape
     return int(rows) * int(length) ** 2
 
 
+def extrapolates_by_parts(batch: dict[str, torch.Tensor], virtual_tokens: int) -> bool:
+    """Whether a step's counted FLOPs give per-unit rates (per position, attention pair and head
+    position) that hold for any batch of the same model: packed or padded rows of one token
+    sequence without virtual tokens; not an encoder-decoder's two sequences or images, whose
+    count extrapolates per position."""
+    return not virtual_tokens and "input_ids" in batch and "decoder_input_ids" not in batch
+
+
 class _FlopExtrapolation:
-    """The first step's counted FLOPs, extrapolated to every step. Padded batches: per position
-    (tokens + virtual tokens). Packed batches, whose rows differ in length from step to step:
-    each part by what it grows with, so the total is the count of every step (to rounding):
-    the attention ops by rows x row length², the head's ops by head positions (examples, or
-    target tokens), the rest (the linear layers) by positions."""
+    """The first step's counted FLOPs, extrapolated to every step. Batches of one token sequence
+    per row (padded or packed), whose rows differ in length from step to step: each part by what
+    it grows with, so the total is the count of every step (to rounding): the attention ops by
+    rows x row length², the head's ops by head positions (examples, or target tokens), the rest
+    (the linear layers) by positions. Other batches (virtual tokens, an encoder-decoder's two
+    sequences, images): per position (tokens + virtual tokens)."""
 
     def __init__(self) -> None:
         self.per_position = self.per_pair = self.per_head = 0.0
         self.positions = self.pairs = self.heads = 0
 
-    def first(self, fc, batch: dict[str, torch.Tensor], virtual_tokens: int) -> None:
-        positions = _positions(batch, virtual_tokens)
-        if self.counts_rates(batch, virtual_tokens):
-            heads = batch_head_positions(batch)
-            self.per_pair = fc.attention / _attention_units(batch)
+    def first(self, fc, batches: list[dict[str, torch.Tensor]], virtual_tokens: int) -> None:
+        """The rates of the counted first step ``fc``, which ran on ``batches`` (its batch, or
+        the micro-batches a memory budget split it into)."""
+        positions = sum(_positions(b, virtual_tokens) for b in batches)
+        if self.counts_rates(batches[0], virtual_tokens):
+            heads = sum(batch_head_positions(b) for b in batches)
+            self.per_pair = fc.attention / sum(_attention_units(b) for b in batches)
             self.per_head = fc.head / heads if heads else 0.0
             rest = fc.total - fc.attention - (fc.head if heads else 0)
             self.per_position = rest / positions
@@ -157,9 +267,7 @@ class _FlopExtrapolation:
 
     @staticmethod
     def counts_rates(batch: dict[str, torch.Tensor], virtual_tokens: int) -> bool:
-        """Whether the first step gives per-unit rates that hold for any batch of the same model
-        (packed batches without virtual tokens), not a per-position figure of its shape."""
-        return is_packed(batch) and not virtual_tokens
+        return extrapolates_by_parts(batch, virtual_tokens)
 
     @property
     def rates(self) -> tuple[float, float, float]:
@@ -169,17 +277,21 @@ class _FlopExtrapolation:
     def rates(self, value: tuple[float, float, float]) -> None:
         self.per_position, self.per_pair, self.per_head = value
 
-    def add(self, batch: dict[str, torch.Tensor], virtual_tokens: int) -> None:
-        self.positions += _positions(batch, virtual_tokens)
-        if self.per_pair or self.per_head:
-            self.pairs += _attention_units(batch)
-            self.heads += batch_head_positions(batch)
+    def add(self, batches: list[dict[str, torch.Tensor]], virtual_tokens: int) -> None:
+        """A step on ``batches`` (its batch, or its micro-batches) done."""
+        for batch in batches:
+            self.positions += _positions(batch, virtual_tokens)
+            if self.per_pair or self.per_head:
+                self.pairs += _attention_units(batch)
+                self.heads += batch_head_positions(batch)
 
-    def cost(self, batch: dict[str, torch.Tensor], virtual_tokens: int) -> float:
-        """The FLOPs one more step on ``batch`` adds to :attr:`total` (after :meth:`first`)."""
-        cost = self.per_position * _positions(batch, virtual_tokens)
-        if self.per_pair or self.per_head:
-            cost += self.per_pair * _attention_units(batch) + self.per_head * batch_head_positions(batch)
+    def cost(self, batches: list[dict[str, torch.Tensor]], virtual_tokens: int) -> float:
+        """The FLOPs one more step on ``batches`` adds to :attr:`total` (after :meth:`first`)."""
+        cost = 0.0
+        for batch in batches:
+            cost += self.per_position * _positions(batch, virtual_tokens)
+            if self.per_pair or self.per_head:
+                cost += self.per_pair * _attention_units(batch) + self.per_head * batch_head_positions(batch)
         return cost
 
     def attention_length(self) -> float | None:
@@ -228,7 +340,7 @@ def _shapes(batch: dict[str, torch.Tensor]) -> tuple:
     return tuple((k, tuple(v.shape)) for k, v in batch.items() if isinstance(v, torch.Tensor))
 
 
-_RATES = _ModelCache(per_model=8)  # structure -> packed FLOP rates
+_RATES = _ModelCache(per_model=8)  # structure -> FLOP rates (per position, pair and head position)
 _SAVED = _ModelCache(per_model=8)  # (structure, precision, ...) -> {batch shapes: saved-tensor peak bytes}
 _SHAPES_KEPT = 4096  # batch shapes remembered per key
 
@@ -308,16 +420,16 @@ def _optimizer_step(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter],
         opt.step()
 
 
-def _accumulate(model: nn.Module, params: dict[str, nn.Parameter], batch: dict[str, torch.Tensor],
-                parts: int, loss_fn: LossFn, compute: Compute, scaler, ref, mu: float
-                ) -> tuple[torch.Tensor, bool]:
-    """One step's gradients from ``parts`` micro-batches: each micro-batch's loss weighted by its
-    share of the batch's head positions (examples, or target tokens: what the task's loss
-    averages over), so the gradients add up to the whole batch's; activations are held for one
-    micro-batch at a time. Returns the batch's loss (detached) and whether anything trained."""
-    total_positions = batch_head_positions(batch)
+def _accumulate(model: nn.Module, params: dict[str, nn.Parameter], parts: list[dict[str, torch.Tensor]],
+                loss_fn: LossFn, compute: Compute, scaler, ref, mu: float) -> tuple[torch.Tensor, bool]:
+    """One step's gradients from the micro-batches ``parts`` of its batch: each micro-batch's
+    loss weighted by its share of the batch's head positions (examples, or target tokens: what
+    the task's loss averages over), so the gradients add up to the whole batch's; activations
+    are held for one micro-batch at a time. Returns the batch's loss (detached) and whether
+    anything trained."""
+    total_positions = sum(batch_head_positions(p) for p in parts)
     loss_sum, trains = None, False
-    for part in split_batch(batch, parts):
+    for part in parts:
         share = batch_head_positions(part) / max(total_positions, 1)
         if share == 0:
             continue
@@ -360,7 +472,12 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     ``cfg["flops_budget"]``: the round's FLOPs, of which ``flops_spent`` went before training
     (an importance pass); the local steps stop before the first whose measured FLOPs (the
     first step's count, extrapolated to the next batch as the total is) would pass it
-    (:func:`over_budget`), and the result records the steps cut.
+    (:func:`over_budget`), and the result records the steps cut; and ``cfg["memory_budget"]``
+    (MiB, with the planner's measured step ``cfg["memory_reference"]``): a step whose saved
+    tensors, predicted from the last measured step (the planner's before the first), would
+    pass what the model and optimizer state leave of the budget runs as micro-batches
+    (:func:`memory_split`: the same update), counted in ``plan_downgrades``; a step that does
+    not fit one example at a time raises :class:`MemoryBudgetExceeded`.
     """
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout masks
@@ -374,9 +491,9 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     tokens = examples = head_positions = rows = 0
     real = 0
     flops = _FlopExtrapolation()
-    head = head_segments(model) if pack else ()
+    head = head_segments(model)
     what = structure(model, loss_fn, bool(cfg.get("checkpointing")), head)
-    cached = _RATES.get(model, what) if pack else None
+    cached = _RATES.get(model, what)
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
     scaler = compute.grad_scaler()
@@ -389,25 +506,36 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
         saved_peaks = {}
         _SAVED.put(model, saved_key, saved_peaks)
     measured = LargestBatches()  # the steps whose saved tensors are counted (the peak's)
+    allowance, reference, downgrades = memory_allowance(model, cfg, optimizer_bytes)
+    collate = data.collate_packed if pack else data.collate
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01, saved_tensors=False) as mem, \
             progress.task("local training steps", planned) as advance, \
             (packed_training(model) if pack else nullcontext()), compute.training_linears(), \
             gradient_checkpointing(model, bool(cfg.get("checkpointing"))):
-        for step, batch in enumerate(local_batches(data, cfg, gen, pack)):
-            if budget is not None and over_budget(flops.total, flops.cost(batch, virtual_tokens),
+        for step, batch_rows_ in enumerate(local_batch_rows(data, cfg, gen)):
+            parts, split = memory_split(batch_rows_, collate, allowance, reference, micro)
+            if parts is None:  # not even one example at a time fits the budget
+                raise MemoryBudgetExceeded(float(cfg["memory_budget"]), _cheapest_step_mb(
+                    model, optimizer_bytes, reference, [collate(batch_rows_[i:i + 1])
+                                                        for i in range(len(batch_rows_))]))
+            if budget is not None and over_budget(flops.total, flops.cost(parts, virtual_tokens),
                                                   budget, step):
                 cut = planned - step
                 break
             advance()
+            downgrades += split
+            batch = parts[0]
             counted = step == 0 and not (cached and flops.counts_rates(batch, virtual_tokens))
-            shape_key = _shapes(batch) if measured(batch) else None
+            # a step split for memory is measured every time (its parts are not one batch shape)
+            shape_key = None if split else (_shapes(batch) if measured(batch) else None)
             known = saved_peaks.get(shape_key) if shape_key else None
             if known is not None:
                 mem.add_saved_peak(known)  # this shape's peak, measured on an earlier client
+            track = split or (shape_key and known is None)
             with count_flops(enabled=counted, head=head) as fc, \
-                    (mem.track_block() if shape_key and known is None else nullcontext()) as block:
-                if micro > 1 and not is_packed(batch):
-                    loss, trains = _accumulate(model, params, batch, micro, loss_fn, compute, scaler, ref, mu)
+                    (mem.track_block() if track else nullcontext()) as block:
+                if len(parts) > 1:
+                    loss, trains = _accumulate(model, params, parts, loss_fn, compute, scaler, ref, mu)
                 else:
                     with compute.autocast():
                         # a host batch: the loss moves it to the model's device, and a task reads
@@ -419,11 +547,15 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
                     trains = total.requires_grad
                     if trains:
                         (scaler.scale(total) if scaler else total).backward()
-            if block is not None and len(saved_peaks) < _SHAPES_KEPT:
+            if block is not None and shape_key and len(saved_peaks) < _SHAPES_KEPT:
                 saved_peaks[shape_key] = block.peak_bytes
+            if len(parts) == 1 and (block is not None or known is not None):
+                # a measured step of this client's own batches predicts its next ones
+                reference = ActivationReference(float(known if block is None else block.peak_bytes),
+                                                *activation_units(batch))
             if counted:
-                flops.first(fc, batch, virtual_tokens)
-                if pack and flops.counts_rates(batch, virtual_tokens):
+                flops.first(fc, parts, virtual_tokens)
+                if flops.counts_rates(batch, virtual_tokens):
                     _RATES.put(model, what, flops.rates)
             elif step == 0:
                 flops.rates = cached
@@ -434,12 +566,13 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
             # for divergence would wait for each step: a GPU sync per step); a non-finite step
             # makes the mean non-finite and the server excludes the reply
             losses.append(loss.detach())
-            tokens += batch_tokens(batch)  # counted on the host batch: no device reads
-            flops.add(batch, virtual_tokens)
-            real = real + batch_real_tokens(batch)
-            examples += batch_examples(batch)
-            rows += batch_rows(batch)
-            head_positions += batch_head_positions(batch)
+            flops.add(parts, virtual_tokens)
+            for part in parts:
+                tokens += batch_tokens(part)  # counted on the host batch: no device reads
+                real = real + batch_real_tokens(part)
+                examples += batch_examples(part)
+                rows += batch_rows(part)
+                head_positions += batch_head_positions(part)
     model.train(was_training)
     mean_loss = float(torch.stack(losses).mean()) if losses else math.nan
     nonfinite = bool(losses) and not math.isfinite(mean_loss)
@@ -448,4 +581,5 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
                        peak_rss_mb=mem.rss_peak_mb or 0.0, activation_mb=mem.tensor_peak_mb,
                        time_s=time.perf_counter() - t0, nonfinite=nonfinite,
                        gpu_peak_mb=mem.cuda_peak_mb, tokens_real=int(real), rows=rows,
-                       attention_length=flops.attention_length(), steps_cut=cut)
+                       attention_length=flops.attention_length(), steps_cut=cut,
+                       plan_downgrades=None if allowance is None else downgrades)

@@ -61,6 +61,16 @@ class Reply:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def skipped_reason(reply: Any) -> str | None:
+    """Why a client trained nothing though it was sent work, from its reply's metrics (a memory
+    budget its step did not fit one example at a time: fl.client.MemoryBudgetExceeded), or None."""
+    metrics = getattr(reply, "metrics", None)
+    if not isinstance(metrics, dict) or not metrics.get("memory_skipped"):
+        return None
+    return (f"memory budget {float(metrics['memory_budget_mb']):g} MiB; its cheapest step (one "
+            f"example) needs {float(metrics['memory_needed_mb']):.1f} MiB (the data outgrew the plan)")
+
+
 def host_state(state: State) -> State:
     """``state`` with every tensor in host (CPU) memory: the server aggregates there, in fp32
     (a no-op for tensors already on the CPU)."""
@@ -263,6 +273,8 @@ class Strategy:
         invalid: list[int] = []
         for c in sorted(replies):
             reason = self.absent(payloads[c])
+            if reason is None and (reason := skipped_reason(replies[c])) is not None:
+                log.warning("round %d: client %d skipped: %s", server_round, c, reason)
             if reason is None:
                 reason = self.validate(state, payloads[c], replies[c])
                 if reason is not None:

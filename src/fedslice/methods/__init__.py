@@ -25,9 +25,9 @@ def method_class(name: str) -> type[Method]:
 
 def build_method(cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None,
-                 token_lengths=None) -> Method:
+                 token_lengths=None, head_lengths=None) -> Method:
     return method_class(cfg.method.name)(cfg, loaded, task, role, client_sizes=client_sizes,
-                                         token_lengths=token_lengths)
+                                         token_lengths=token_lengths, head_lengths=head_lengths)
 
 
 __all__ = ["METHODS", "Method", "Role", "build_method", "method_class"]

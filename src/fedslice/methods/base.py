@@ -39,7 +39,7 @@ from fedslice.data.packing import packs
 from fedslice.data.partition import sample_rows
 from fedslice import measure
 from fedslice.compute import Compute
-from fedslice.fl.client import LocalResult, train_config_key, train_local
+from fedslice.fl.client import LocalResult, MemoryBudgetExceeded, train_config_key, train_local
 from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.rules.lora import check_lora_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
@@ -199,16 +199,19 @@ class Method:
 
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None,
-                 compute: Compute | None = None, token_lengths: torch.Tensor | None = None):
+                 compute: Compute | None = None, token_lengths: torch.Tensor | None = None,
+                 head_lengths: torch.Tensor | None = None):
         """``client_sizes``: client -> size of its partition, when the server knows it (replies
         are checked against it); ``compute``: the device, precision and client concurrency
         (default: the config's ``[compute]``); ``token_lengths``: the training examples' token
-        counts, when the server holds the data (the budget planner's batch shapes follow them)."""
+        counts, when the server holds the data (the budget planner's batch shapes follow them);
+        ``head_lengths``: their target tokens (language-model tasks: where the head runs; None:
+        once per example)."""
         if role not in ("both", "client", "server"):
             raise ValueError(f"role must be 'both', 'client' or 'server', got {role!r}")
         self.cfg, self.role, self.task = cfg, role, task
         self.client_sizes = dict(client_sizes or {})
-        self.token_lengths = token_lengths
+        self.token_lengths, self.head_lengths = token_lengths, head_lengths
         self.compute = compute or Compute.from_config(cfg.compute, cfg.federation.clients_per_round)
         self.arch: ArchSpec = loaded.arch
         self.dims = loaded.arch.dims(loaded.model.config)
@@ -261,26 +264,43 @@ class Method:
         memory is its longest batch's), its FLOPs scaled to the
         tokens a batch really holds (:func:`~fedslice.methods.planner.planning_lengths`); kept
         in :attr:`plans`."""
-        from fedslice.methods.planner import plan_clients, planning_lengths
+        from fedslice.methods.planner import packed_peak_shape, plan_clients, planning_lengths, step_units
 
         if self.cfg.budgets is None or self.role == "client":
             return {}
         fed = self.cfg.federation
-        length, per_example = planning_lengths(self.cfg, self.token_lengths)
+        # a client's batches are drawn from its own data (grouped by length within it)
+        sizes = sorted(self.client_sizes.values()) if self.client_sizes else []
+        n = int(sizes[len(sizes) // 2]) if sizes else None
+        lengths, heads = self.token_lengths, self.head_lengths
+        length, per_example = planning_lengths(self.cfg, lengths, client_examples=n)
         if batch is None:
-            batch = self.task.profile_batch(self.model.config, fed.batch_size, length, self.cfg.seed)
+            longest_target = int(heads.max()) if heads is not None and len(heads) else None
+            batch = self.task.planning_batch(self.model.config, fed.batch_size, length, self.cfg.seed,
+                                             longest_target)
         packed_of = None
         if self.packs({"pack": fed.pack}):  # what a client of one micro-batch trains on
-            def packed_of(rows: int) -> tuple[dict, float]:
-                """``rows`` examples packed, and the tokens a packed example costs over ``length``."""
-                packed = self.task.packed_profile_batch(self.model.config, rows, length, self.cfg.seed)
-                return packed, planning_lengths(self.cfg, self.token_lengths, True, rows)[1] / length
+            def packed_of(rows: int) -> tuple[dict, float, dict]:
+                """``rows`` examples packed, the tokens a packed example costs over ``length``,
+                and the packed batch every drawn batch of ``rows`` examples fits in (peak memory)."""
+                config = self.model.config
+                packed = self.task.packed_profile_batch(config, rows, length, self.cfg.seed)
+                r, c, h = packed_peak_shape(self.cfg, lengths, rows, n, heads)
+                peak = self.task.packed_grid_batch(config, r, c, rows, self.cfg.seed, h / (r * c))
+                return packed, planning_lengths(self.cfg, lengths, True, rows, n)[1] / length, peak
+
         def scale_of(rows: int) -> float:  # a plan's smaller batch holds less padding
-            return planning_lengths(self.cfg, self.token_lengths, batch_size=rows)[1] / length
+            return planning_lengths(self.cfg, lengths, batch_size=rows, client_examples=n)[1] / length
+
+        def pairs_of(rows: int, packed: bool) -> float:  # a step's attention pairs, in the mean
+            return step_units(self.cfg, lengths, packed, rows, n)[1]
+
+        def heads_of(rows: int) -> float:  # a step's head positions, in the mean
+            return float(rows if heads is None or not len(heads) else rows * heads.double().mean())
 
         self.plans = plan_clients(self, self.cfg.budgets, batch, self.client_sizes, fed.num_clients,
                                   self.cfg.seed, flops_scale=per_example / length, packed_of=packed_of,
-                                  scale_of=scale_of)
+                                  scale_of=scale_of, pairs_of=pairs_of, heads_of=heads_of)
         return self.plans
 
     def plan_axes(self, budgets) -> dict[str, list]:
@@ -324,6 +344,10 @@ class Method:
         again after it, whatever happens."""
         try:
             return self.fit(payload, data, seed)
+        except MemoryBudgetExceeded as e:  # discovered at run time: the data outgrew the plan
+            # the server says so (fl.strategy.skipped_reason) and leaves the client out
+            return Reply(arrays={}, num_examples=0, metrics={
+                "memory_skipped": 1, "memory_budget_mb": e.budget_mb, "memory_needed_mb": e.needed_mb})
         finally:
             self.thaw_plan()
 
@@ -588,7 +612,10 @@ class Method:
         return {"loss": result.loss, "steps": result.steps, **cost.to_metrics(),
                 "bytes_down_frozen": measure.tensor_bytes(frozen),
                 # a plan's FLOPs budget: the local steps it cut (train_local)
-                **({"steps_cut": result.steps_cut} if result.steps_cut is not None else {})}
+                **({"steps_cut": result.steps_cut} if result.steps_cut is not None else {}),
+                # a plan's memory budget: the local steps it ran as micro-batches
+                **({"plan_downgrades": result.plan_downgrades}
+                   if result.plan_downgrades is not None else {})}
 
     # -- server evaluation -------------------------------------------------------------------
     def eval_model(self, state: State) -> nn.Module:
@@ -679,11 +706,11 @@ class Method:
 
 
 def trains_alone(payload: Payload) -> bool:
-    """The client's plan splits its batches, checkpoints or trains the top blocks' adapters
-    only (not in a batched pass)."""
+    """The client's plan splits its batches, checkpoints, trains the top blocks' adapters
+    only or holds a memory budget step by step (not in a batched pass)."""
     c = payload.config
     return int(c.get("micro_batches") or 1) > 1 or bool(c.get("checkpointing")) \
-        or bool(c.get("frozen_tensors"))
+        or bool(c.get("frozen_tensors")) or c.get("memory_budget") is not None
 
 
 def _on_meta(model: nn.Module) -> bool:

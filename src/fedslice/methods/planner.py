@@ -42,15 +42,19 @@ from fedslice import measure
 from fedslice.config import BudgetsConfig, read_utf8
 from fedslice.data.packing import packed_training
 from fedslice.errors import ConfigError
-from fedslice.fl.client import gradient_checkpointing
+from fedslice.fl.client import (ActivationReference, activation_units, extrapolates_by_parts,
+                               gradient_checkpointing)
 from fedslice.fl.strategy import Payload, State, Strategy
 from fedslice.fl.wire import wire_bytes
-from fedslice.slicing.planner import measure_training_step, tier_of_clients
+from fedslice.measure.flops import head_segments
+from fedslice.tasks.base import batch_head_positions
+from fedslice.slicing.planner import measure_training_step, tier_of_clients, training_state_bytes
 from fedslice.slicing.spec import Spec, spec_sizes
 
 log = logging.getLogger(__name__)
 
 _MB = 1e6
+_MIB = float(1 << 20)
 BUDGET_FIELDS = ("memory_mb", "gflops_per_round", "upload_mb_per_round")
 UNITS = {"memory_mb": "MiB", "gflops_per_round": "GFLOPs/round", "upload_mb_per_round": "MB up/round"}
 
@@ -261,6 +265,16 @@ class KnobCost:
     step_flops: float  # FLOPs of one step over a whole batch (every micro-batch)
     upload_bytes: int
     importance_flops_per_example: float = 0.0
+    #: the measured step's saved tensors and batch shape, which a client holding its memory
+    #: budget predicts its own steps from until it has measured one (fl.client.memory_split)
+    reference: ActivationReference | None = None
+    #: of ``step_flops``, attention's and the head's (None: not split; extrapolated per
+    #: position), the attention pairs of the batch counted, and whether the head runs once per
+    #: example (classification) or per target token
+    step_attention: float | None = None
+    step_head: float = 0.0
+    pairs: float = 0.0
+    heads: float = 0.0
 
 
 @dataclass
@@ -280,13 +294,17 @@ class ClientPlan:
     #: FLOPs the client's round may take, enforced as it trains (``budgets.enforce_flops``;
     #: None: not enforced): :func:`fedslice.fl.client.train_local`
     flops_budget: float | None = None
+    #: MiB the client's steps may hold, held as it trains (``budgets.enforce_memory``; None:
+    #: not held), and the planner's measured step it predicts its first from
+    memory_budget: float | None = None
+    memory_reference: ActivationReference | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"client": self.client, "tier": self.tier, "budget_name": self.budget.name,
                 "budget": self.budget.limits(), **self.knobs.to_dict(),
                 "predicted": {"memory_mb": self.memory_mb, "gflops_per_round": self.gflops_per_round,
                               "upload_mb": self.upload_mb}, "reason": self.reason,
-                "flops_budget": self.flops_budget}
+                "flops_budget": self.flops_budget, "memory_budget": self.memory_budget}
 
 
 def examples_per_round(fed, n: int) -> int:
@@ -299,15 +317,18 @@ class BudgetPlanner:
     measured once per plan and cached."""
 
     def __init__(self, method, cfg: BudgetsConfig, batch: dict[str, torch.Tensor],
-                 flops_scale: float = 1.0, packed_of: Callable[[int], tuple[dict, float]] | None = None,
-                 scale_of: Callable[[int], float] | None = None):
+                 flops_scale: float = 1.0, packed_of: Callable[[int], tuple] | None = None,
+                 scale_of: Callable[[int], float] | None = None,
+                 pairs_of: Callable[[int, bool], float] | None = None,
+                 heads_of: Callable[[int], float] | None = None):
         """``batch``: ``federation.batch_size`` examples padded to the longest; ``flops_scale``:
         the tokens a real batch of that size holds over the profile's (``scale_of(n)``: the
         same for batches of ``n`` examples, a plan's smaller batch); ``packed_of(n)``: the
         first ``n`` examples packed into rows, what a client trains on when its batches pack (a
         plan of one micro-batch: a split trains unpacked), and its ``flops_scale``."""
         self.method, self.cfg, self.batch, self.flops_scale = method, cfg, batch, flops_scale
-        self.packed_of, self.scale_of = packed_of, scale_of
+        self.packed_of, self.scale_of, self.pairs_of = packed_of, scale_of, pairs_of
+        self.heads_of = heads_of or float
         self.rows = len(batch["input_ids"] if "input_ids" in batch else batch["pixel_values"])
         axes = method.plan_axes(cfg)
         self.specs: list[tuple[Spec | None, float]] = axes.get("specs") or [(None, 1.0)]  # largest first
@@ -344,8 +365,9 @@ class BudgetPlanner:
     def _rows(self, knobs: Knobs) -> int:
         return self.rows if knobs.batch is None else knobs.batch
 
-    def _packed_batch(self, knobs: Knobs) -> tuple[dict, float] | None:
-        """The packed profile batch of ``knobs``' rows and its FLOPs scale (None: it trains unpacked)."""
+    def _packed_batch(self, knobs: Knobs) -> tuple | None:
+        """The packed profile batch of ``knobs``' rows, its FLOPs scale and (optionally) the
+        packed batch its peak memory is measured on (None: it trains unpacked)."""
         if self.packed_of is None or knobs.micro_batches != 1:
             return None
         rows = self._rows(knobs)
@@ -366,15 +388,29 @@ class BudgetPlanner:
         with self.method.planned_model(knobs) as planned, \
                 gradient_checkpointing(planned.model, knobs.checkpointing), \
                 (packed_training(planned.model) if packed is not None else nullcontext()):
-            flops, memory, _, _ = measure_training_step(planned.model, part, loss_fn=self.method.task.loss,
-                                                        flops=known is None)
+            split = extrapolates_by_parts(part, self.method.adapter.virtual_tokens)
+            counted: dict[str, float] = {}
+            flops, memory, _, _ = measure_training_step(
+                planned.model, part, loss_fn=self.method.task.loss, flops=known is None,
+                head=head_segments(planned.model) if split else (), parts=counted)
+            steps = 1 if packed is not None else knobs.micro_batches
+            shares = {} if known is not None or not split else dict(
+                step_attention=counted["attention"] * steps, step_head=counted["head"] * steps,
+                pairs=float(activation_units(part)[1] * steps), heads=float(batch_head_positions(part) * steps))
+            if packed is not None and len(packed) > 2:  # the packed layout every batch fits in
+                part = packed[2]
+                memory = measure_training_step(planned.model, part, loss_fn=self.method.task.loss,
+                                               flops=False)[1]
+            saved = memory * _MIB - training_state_bytes(planned.model)
+            reference = ActivationReference(saved, *activation_units(part))
             if known is not None:
-                return replace(known, memory_mb=memory)
+                return replace(known, memory_mb=memory, reference=reference)
             upload = wire_bytes(planned.upload, self.method.cfg.federation.upload_dtype)  # as it travels
             imp = 0.0
             if planned.importance_model is not None:
                 imp = self._forward_flops(planned.importance_model) / self.rows
-        return KnobCost(memory, flops * (1 if packed is not None else knobs.micro_batches), upload, imp)
+        return KnobCost(memory, flops * (1 if packed is not None else knobs.micro_batches), upload, imp,
+                        reference, **shares)
 
     def _forward_flops(self, model: nn.Module) -> float:
         """FLOPs of a forward pass over the profile batch (two rows, scaled: linear in rows)."""
@@ -398,10 +434,18 @@ class BudgetPlanner:
         rows = self._rows(knobs)
         scale = packed[1] if packed is not None else \
             self.scale_of(rows) if self.scale_of is not None and rows != self.rows else self.flops_scale
+        step = scale * c.step_flops
+        if c.step_attention is not None and self.pairs_of is not None and c.pairs and c.heads:
+            # each part by what it grows with, as a client extrapolates its first step's count:
+            # attention by rows x length², the head by head positions (examples, or target
+            # tokens), the rest by positions
+            rest = c.step_flops - c.step_attention - c.step_head
+            step = scale * rest + self.pairs_of(rows, packed is not None) / c.pairs * c.step_attention \
+                + self.heads_of(rows) / c.heads * c.step_head
         examples = examples * rows / self.rows  # partial local work: its share of the examples
         if knobs.steps is not None:
             examples = examples * knobs.steps / self.local_steps
-        gflops = (scale * c.step_flops / rows * examples
+        gflops = (step / rows * examples
                   + c.importance_flops_per_example * importance_examples) / 1e9
         return {"memory_mb": c.memory_mb, "gflops_per_round": gflops, "upload_mb_per_round": c.upload_bytes / _MB}
 
@@ -533,7 +577,8 @@ class BudgetPlanner:
         if passed is not None:
             why = f"the next larger plan ({passed[0]}) needs {'; '.join(passed[1])}"
         return ClientPlan(client, tier, budget, knobs, pred["memory_mb"], pred["gflops_per_round"],
-                          pred["upload_mb_per_round"], why, self.method.depth_frozen(knobs.depth))
+                          pred["upload_mb_per_round"], why, self.method.depth_frozen(knobs.depth),
+                          memory_reference=self.cost(knobs).reference)
 
     def cheapest(self, examples: int, importance_examples: int = 0) -> str:
         """What the smallest plan (the last sub-model, local steps, sparsity and rank) costs at
@@ -550,59 +595,111 @@ class BudgetPlanner:
 
 
 def planning_lengths(cfg, lengths: torch.Tensor | None, packed: bool = False,
-                     batch_size: int | None = None) -> tuple[int, float]:
+                     batch_size: int | None = None, client_examples: int | None = None
+                     ) -> tuple[int, float]:
     """(the profile batch's sequence length, the tokens a training example costs on average).
 
     The length is the longest training example's as encoded (a generation task's prompt and
     target together; data.max_length without the data): peak memory is the longest batch's.
-    Per example: packed batches (``packed``) cost their rows x row length, simulated on random
-    batches of the lengths as :func:`fedslice.data.packing.row_capacity` lays them out;
-    length-grouped padded batches their longest, simulated as ``iter_batches`` groups (windows of
-    16 random batches sorted by length); random padded batches the expected longest of
-    ``federation.batch_size`` examples (order statistics, drawn with replacement)."""
+    Per example: :func:`step_units`' positions over the batch's examples."""
     if lengths is None or len(lengths) == 0:
         return cfg.data.max_length, float(cfg.data.max_length)
-    lens = torch.as_tensor(lengths).flatten().double()
-    longest = int(lens.max())
     b = batch_size or cfg.federation.batch_size
-    if packed:
-        from fedslice.data.packing import ROW_TOKENS, row_capacity
+    return int(torch.as_tensor(lengths).max()), step_units(cfg, lengths, packed, b, client_examples)[0] / b
 
-        rng = np.random.default_rng(0)
-        as_int = lens.long().numpy()
-        cost = []
-        for _ in range(200):
-            batch = as_int[rng.integers(0, len(as_int), size=b)].tolist()
-            capacity, place = row_capacity(batch, ROW_TOKENS)
-            cost.append(capacity * (1 + max(r for r, _ in place)))
-        return longest, float(np.mean(cost)) / b
+
+def step_units(cfg, lengths: torch.Tensor | None, packed: bool, batch_size: int,
+               client_examples: int | None = None) -> tuple[float, float]:
+    """``(positions, attention pairs)`` a training step of ``batch_size`` examples of the
+    training ``lengths`` holds in the mean: rows x row length and rows x row length², what its
+    FLOPs grow with (fl.client's extrapolation). Packed batches: their rows, simulated as
+    :func:`packed_layouts` lays them out; length-grouped padded batches: each as long as its
+    longest, simulated as ``iter_batches`` groups (windows of 16 random batches sorted by
+    length, or a client's whole data where it holds fewer: ``client_examples``); random padded
+    batches: the expected longest of the batch (order statistics, drawn with replacement). No
+    lengths: every example at ``data.max_length``."""
+    b = batch_size
+    if lengths is None or len(lengths) == 0:
+        t = cfg.data.max_length
+        return float(b * t), float(b * t * t)
+    lens = torch.as_tensor(lengths).flatten().double()
+    if packed:
+        layouts = packed_layouts(cfg, lens, b, client_examples).astype(np.float64)  # (rows, length)
+        return float((layouts[:, 0] * layouts[:, 1]).mean()), float((layouts[:, 0] * layouts[:, 1] ** 2).mean())
     if cfg.federation.group_by_length:
-        # iter_batches' grouping: windows of 16 shuffled batches sorted by length, cut in batches
-        rng = np.random.default_rng(0)
         as_float = lens.numpy()
-        cost = []
-        for _ in range(50):
-            window = np.sort(as_float[rng.integers(0, len(as_float), size=16 * b)])[::-1]
-            cost.append(float(window.reshape(16, b).max(axis=1).mean()))
-        return longest, float(np.mean(cost))
+        batches = [as_float[idx] for idx in drawn_batches(cfg, lens, b, client_examples)]
+        rows = np.asarray([len(x) for x in batches])
+        t = np.asarray([x.max() for x in batches])
+        return float((rows * t).mean()), float((rows * t ** 2).mean())
     ordered, _ = torch.sort(lens)
     n = len(ordered)
     cdf = (torch.arange(1, n + 1, dtype=torch.float64) / n) ** b  # P(max <= i-th smallest)
-    expected = float((ordered * (cdf - torch.cat([cdf.new_zeros(1), cdf[:-1]]))).sum())
-    return longest, expected
+    pmf = cdf - torch.cat([cdf.new_zeros(1), cdf[:-1]])
+    return float(b * (ordered * pmf).sum()), float(b * (ordered ** 2 * pmf).sum())
+
+
+def drawn_batches(cfg, lengths, batch_size: int, client_examples: int | None = None,
+                  draws: int = 48) -> list[np.ndarray]:
+    """The examples (indices into the training ``lengths``) of simulated training batches of
+    ``batch_size`` examples, drawn as a client's data loader draws them
+    (``federation.group_by_length``: windows of 16 batches, or the client's whole data where it
+    holds fewer examples (``client_examples``), sorted by length and cut, the last batch of a
+    window short; else random examples). Seeded: the same lengths give the same batches."""
+    lens = torch.as_tensor(lengths).flatten().long().numpy()
+    rng = np.random.default_rng(0)
+    if not cfg.federation.group_by_length:
+        return [rng.integers(0, len(lens), size=batch_size) for _ in range(draws * 4)]
+    window = 16 * batch_size if client_examples is None else max(1, min(16 * batch_size, client_examples))
+    out = []
+    for _ in range(draws):
+        idx = rng.integers(0, len(lens), size=window)
+        idx = idx[np.argsort(-lens[idx], kind="stable")]
+        out += [idx[i:i + batch_size] for i in range(0, window, batch_size)]
+    return out
+
+
+def packed_layouts(cfg, lengths, batch_size: int, client_examples: int | None = None,
+                   head_lengths=None) -> np.ndarray:
+    """``(K, 3)``: the rows, row length and head positions (target tokens; the examples where
+    ``head_lengths`` is None) of the simulated packed training batches of
+    :func:`drawn_batches`, laid out as :func:`fedslice.data.packing.row_capacity` lays a batch
+    out."""
+    from fedslice.data.packing import ROW_TOKENS, row_capacity
+
+    lens = torch.as_tensor(lengths).flatten().long().numpy()
+    heads = None if head_lengths is None else torch.as_tensor(head_lengths).flatten().long().numpy()
+    out = []
+    for idx in drawn_batches(cfg, lengths, batch_size, client_examples):
+        capacity, place = row_capacity(lens[idx].tolist(), ROW_TOKENS)
+        out.append((1 + max(r for r, _ in place), capacity, len(idx) if heads is None else heads[idx].sum()))
+    return np.asarray(out, dtype=np.int64)
+
+
+def packed_peak_shape(cfg, lengths, batch_size: int, client_examples: int | None = None,
+                      head_lengths=None) -> tuple[int, int, int]:
+    """``(rows, row length, head positions)`` that every simulated packed batch of
+    ``batch_size`` examples fits in (:func:`packed_layouts`; each at most ``batch_size`` rows of
+    the longest example or :data:`fedslice.data.packing.ROW_TOKENS`): the batch a packed plan's
+    peak memory is measured on, as activations grow with each (a language model's logits with
+    its target tokens)."""
+    layouts = packed_layouts(cfg, lengths, batch_size, client_examples, head_lengths)
+    return int(layouts[:, 0].max()), int(layouts[:, 1].max()), int(layouts[:, 2].max())
 
 
 def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
                  client_sizes: Mapping[int, int], num_clients: int, seed: int,
                  flops_scale: float = 1.0,
-                 packed_of: Callable[[int], tuple[dict, float]] | None = None,
-                 scale_of: Callable[[int], float] | None = None) -> dict[int, ClientPlan]:
+                 packed_of: Callable[[int], tuple] | None = None,
+                 scale_of: Callable[[int], float] | None = None,
+                 pairs_of: Callable[[int, bool], float] | None = None,
+                 heads_of: Callable[[int], float] | None = None) -> dict[int, ClientPlan]:
     """Every client's plan (clients of equal budget and size share one search), or a ConfigError
     naming the clients no plan fits, their budget and the cheapest plan's cost. ``flops_scale``:
     the tokens a real example costs over the profile batch's row length (FLOPs go with tokens);
     ``packed_of(n)``: the first ``n`` examples packed, what a client whose batches pack trains
     on, and its ``flops_scale``; ``scale_of(n)``: ``flops_scale`` for batches of ``n`` examples."""
-    planner = BudgetPlanner(method, budgets, batch, flops_scale, packed_of, scale_of)
+    planner = BudgetPlanner(method, budgets, batch, flops_scale, packed_of, scale_of, pairs_of, heads_of)
     fed = method.cfg.federation
     plans: dict[int, ClientPlan] = {}
     memo: dict[tuple, ClientPlan | None] = {}
@@ -621,7 +718,9 @@ def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
             continue
         enforced = budget.gflops_per_round * 1e9 if budgets.enforce_flops \
             and budget.gflops_per_round is not None else None
-        plans[c] = replace(p, client=c, tier=tier, budget=budget, flops_budget=enforced)
+        held = budget.memory_mb if budgets.enforce_memory else None
+        plans[c] = replace(p, client=c, tier=tier, budget=budget, flops_budget=enforced,
+                           memory_budget=held)
     if failed:
         shown = failed[:10] + ([f"... and {len(failed) - 10} more"] if len(failed) > 10 else [])
         raise ConfigError("no plan fits the budget of some clients:\n  " + "\n  ".join(shown))
@@ -651,6 +750,9 @@ def render_plans(plans: Mapping[int, ClientPlan]) -> list[str]:
         if p.flops_budget is not None:
             lines.append(f"    enforced: at most {p.flops_budget / 1e9:.4g} GFLOPs/round as it trains "
                          "(local steps past it are cut: budgets.enforce_flops)")
+        if p.memory_budget is not None:
+            lines.append(f"    enforced: at most {p.memory_budget:g} MiB as it trains (a step that would "
+                         "pass it runs as micro-batches: budgets.enforce_memory)")
     return lines
 
 
@@ -679,13 +781,17 @@ def plan_config(plan: ClientPlan | None) -> dict[str, Any]:
         return {}
     return {**plan.knobs.payload_config(), "tier": plan.tier, "budget": plan.budget.describe(),
             **({"frozen_tensors": list(plan.frozen)} if plan.frozen else {}),
-            **({"flops_budget": plan.flops_budget} if plan.flops_budget is not None else {})}
+            **({"flops_budget": plan.flops_budget} if plan.flops_budget is not None else {}),
+            **({"memory_budget": plan.memory_budget} if plan.memory_budget is not None else {}),
+            **({"memory_reference": plan.memory_reference.to_config()}
+               if plan.memory_budget is not None and plan.memory_reference is not None else {})}
 
 
 def plan_report(plans: Mapping[int, ClientPlan], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per group of clients with one budget and plan: the plan, its predicted costs and the
     measured ones over its client-rounds (peak memory: the largest; FLOPs and upload: the mean)."""
-    per_client = [m for r in records for m in r.get("client_metrics", []) if m.get("used", True)]
+    every = [m for r in records for m in r.get("client_metrics", [])]
+    per_client = [m for m in every if m.get("used", True)]
     out = []
     for clients, p in plan_groups(plans):
         ran = [m for m in per_client if m.get("client") in set(clients)]
@@ -694,6 +800,8 @@ def plan_report(plans: Mapping[int, ClientPlan], records: list[dict[str, Any]]) 
             return [float(m[key]) for m in ran if m.get(key) is not None]
 
         mem, up, cut = values("memory_mb"), values("bytes_up"), values("steps_cut")
+        down = values("plan_downgrades")
+        skipped = [1 for m in every if m.get("client") in set(clients) and m.get("memory_skipped")]
         # training and the head stage's importance pass, per client-round
         flops = [float(m["flops_measured"]) + float(m.get("flops_importance") or 0.0)
                  for m in ran if m.get("flops_measured") is not None]
@@ -707,7 +815,11 @@ def plan_report(plans: Mapping[int, ClientPlan], records: list[dict[str, Any]]) 
                                  "upload_mb_mean": sum(up) / len(up) / _MB if up else None,
                                  # client-rounds the FLOPs budget stopped early, steps cut in all
                                  "rounds_cut": sum(x > 0 for x in cut) if cut else None,
-                                 "steps_cut": int(sum(cut)) if cut else None}})
+                                 "steps_cut": int(sum(cut)) if cut else None,
+                                 # steps a memory budget ran as micro-batches, and client-rounds
+                                 # it skipped (not one example at a time fitted)
+                                 "plan_downgrades": int(sum(down)) if down else None,
+                                 "memory_skipped": int(sum(skipped)) if skipped else None}})
     return out
 
 

@@ -49,7 +49,8 @@ class Inputs:
         """The method of ``cfg`` over this model (or ``loaded``), sized for these clients."""
         sizes = {c: len(p) for c, p in enumerate(self.data.partitions)}
         return build_method(cfg, loaded or self.loaded, self.task, role, client_sizes=sizes,
-                            token_lengths=self.data.train.lengths)
+                            token_lengths=self.data.train.lengths,
+                            head_lengths=getattr(self.data.train, "head_lengths", None))
 
 
 def configure_process(cfg: ExperimentConfig) -> None:

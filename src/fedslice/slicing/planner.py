@@ -21,7 +21,9 @@ import torch
 import torch.nn as nn
 
 from fedslice.compute import model_device, to_device
+from fedslice.data.packing import first_rows
 from fedslice.measure import PeakMemory, count_flops
+from fedslice.measure.sizes import storage_nbytes, storage_ptr
 from fedslice.models.quantize import held_bytes
 from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec, stack_list
 
@@ -127,10 +129,21 @@ def profile_batch(vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
     return batch
 
 
+def training_state_bytes(model: nn.Module) -> int:
+    """Bytes a training step holds besides its activations: every parameter (a quantized base's
+    int8 data and scales, not fp32) and buffer (position ids, ...), and a gradient and two
+    AdamW moments per trainable parameter: what a run's ``memory_mb`` counts besides them."""
+    params = {id(p): p for p in model.parameters()}.values()
+    buffers = {storage_ptr(b): storage_nbytes(b) for b in model.buffers() if not b.is_meta}
+    return sum(held_bytes(p) for p in params) + sum(buffers.values()) + 3 * sum(
+        p.numel() * p.element_size() for p in params if p.requires_grad)
+
+
 def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
                           measure_rows: int | None = 2,
                           loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
-                          flops: bool = True) -> tuple[float, float, int, int]:
+                          flops: bool = True, head: Sequence[str] = (),
+                          parts: dict[str, float] | None = None) -> tuple[float, float, int, int]:
     """(FLOPs, memory MiB, params, trainable params) of one training step of ``model`` on ``batch``.
 
     Memory = every parameter + gradient and two AdamW moments per trainable parameter + the peak
@@ -141,31 +154,34 @@ def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
     RNG state and train/eval mode are restored and the gradients left as None. ``loss_fn``
     (a task's loss: e.g. logits at target positions only) replaces ``model(**batch).loss``.
     ``flops=False``: memory only (no FLOP counter, which slows every op down); FLOPs are 0.
+    ``parts``: filled with the FLOPs' ``attention`` and ``head`` shares (``head``: the head
+    modules' name parts, :func:`fedslice.measure.flops.head_segments`), scaled as the total.
     """
     rows = len(batch["input_ids"] if "input_ids" in batch else batch["pixel_values"])
     if measure_rows is not None and measure_rows < rows:
         scale = rows / measure_rows
-        batch = {k: v[:measure_rows] for k, v in batch.items()}
+        batch = first_rows(batch, measure_rows)
     else:
         scale = 1.0
     params = {id(p): p for p in model.parameters()}.values()
     n_params = sum(p.numel() for p in params)
     trainable = [p for p in params if p.requires_grad]
     n_train = sum(p.numel() for p in trainable)
-    param_bytes = sum(held_bytes(p) for p in params)  # a quantized base's int8 data, not fp32
-    state_bytes = 3 * sum(p.numel() * p.element_size() for p in trainable)
+    static = training_state_bytes(model)
     was_training = model.training
     model.train()
     try:
         with torch.random.fork_rng(), torch.enable_grad():
-            with PeakMemory(model, interval_s=1.0) as mem, count_flops(enabled=flops) as fc:
+            with PeakMemory(model, interval_s=1.0) as mem, count_flops(enabled=flops, head=head) as fc:
                 batch = to_device(batch, model_device(model))
                 loss = loss_fn(model, dict(batch)) if loss_fn else model(**batch).loss
                 loss.backward()
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-    memory = (param_bytes + state_bytes) / _MIB + scale * mem.saved_activation_mb
+    memory = static / _MIB + scale * mem.saved_activation_mb
+    if parts is not None:
+        parts.update(attention=scale * float(fc.attention), head=scale * float(fc.head))
     return scale * float(fc.total), memory, n_params, n_train
 
 

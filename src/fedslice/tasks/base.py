@@ -53,6 +53,25 @@ class Task:
         from fedslice.slicing.planner import profile_batch
         return profile_batch(config.vocab_size, batch_size, seq_len, seed, self.head)
 
+    def planning_batch(self, config, batch_size: int, seq_len: int, seed: int,
+                       target_length: int | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`profile_batch` as a real padded training batch is: its last position padding
+        (attention then takes its masked path, as on rows of other lengths, and checkpointing
+        keeps the mask), and a causal LM's last ``target_length`` real tokens its target (the
+        longest target of the data: where the head runs and the loss reads logits)."""
+        batch = self.profile_batch(config, batch_size, seq_len, seed)
+        if "attention_mask" not in batch or "decoder_input_ids" in batch or seq_len < 2:
+            return batch
+        batch["attention_mask"][:, -1] = 0
+        labels = batch["labels"]
+        if labels.dim() == 2:
+            keep = min(seq_len - 2, max(1, target_length or seq_len // 2))
+            labels = batch["input_ids"].clone()
+            labels[:, : seq_len - 1 - keep] = -100
+            labels[:, -1] = -100
+            batch["labels"] = labels
+        return batch
+
     def packed_profile_batch(self, config, batch_size: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
         """:meth:`profile_batch`'s examples packed into rows, as a packed training batch is
         (classification, or a causal LM's prompt and target halves: the heads that pack)."""
@@ -65,6 +84,24 @@ class Task:
             return pack_causal(list(ids[:, :half]), list(ids[:, half:]), 0)
         lens = torch.full((len(ids),), seq_len, dtype=torch.int64)
         return pack_classification(ids.flatten(), None, lens, batch["labels"], 0)
+
+    def packed_grid_batch(self, config, rows: int, length: int, examples: int, seed: int,
+                          target_share: float = 0.5) -> dict[str, torch.Tensor]:
+        """A packed batch of exactly ``rows`` rows of ``length`` tokens holding ``examples``
+        examples (:func:`fedslice.data.packing.grid_layout`; a causal LM's examples each a
+        prompt and, ``target_share`` of it, a target): a packed batch's shape, on which the
+        budget planner measures the peak memory of the batches it simulates."""
+        from fedslice.data.packing import grid_layout, pack_causal, pack_classification
+
+        lens, capacity, place = grid_layout(rows, length, examples)
+        flat = self.profile_batch(config, 1, rows * length, seed)["input_ids"][0]  # (R * C,)
+        parts = list(torch.split(flat, lens))
+        if self.head == "causal_lm":
+            cut = [len(p) - min(len(p) - 1, max(1, round(target_share * len(p)))) for p in parts]
+            return pack_causal([p[:c] for p, c in zip(parts, cut)], [p[c:] for p, c in zip(parts, cut)], 0,
+                               layout=(capacity, place))
+        labels = torch.zeros(len(lens), dtype=torch.long)
+        return pack_classification(flat, None, torch.tensor(lens), labels, 0, layout=(capacity, place))
 
     def limit(self, split, n: int | None, seed: int):
         """A seeded subset of ``n`` examples (quick runs)."""
