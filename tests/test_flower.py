@@ -256,6 +256,33 @@ def test_serverapp_enforces_flops_budgets_as_in_process(tiny_cfg_dict, tmp_path)
     assert fl_summary["plans"][0]["measured"]["steps_cut"] == summary["plans"][0]["measured"]["steps_cut"]
 
 
+def test_serverapp_holds_memory_budgets_as_in_process(tiny_cfg_dict, tmp_path, monkeypatch):
+    """A memory budget the planner's profile underestimates (its packed batch a quarter of the
+    clients' rows, as data whose layout the simulation missed would be): the budget and the
+    planner's measured step travel in each client's message, a Flower node runs the same steps
+    as micro-batches as in process (budgets.enforce_memory), and the weights are the same."""
+    import fedslice.methods.planner as planner
+
+    monkeypatch.setattr(planner, "packed_peak_shape", lambda *a: (1, 16, 8))
+    tiny_cfg_dict["federation"].update(num_clients=4, clients_per_round=4, rounds=1, pack=True)
+    tiny_cfg_dict["budgets"] = {"tiers": [{"share": 1.0, "memory_mb": 1e4}], "micro_batches": [1],
+                                "checkpointing": False}
+    method, _ = setup(validate_config(tiny_cfg_dict))
+    tiny_cfg_dict["budgets"]["tiers"] = [
+        {"share": 1.0, "memory_mb": round(1.02 * next(iter(method.plans.values())).memory_mb, 4)}]
+    state, records, summary = _in_process(tiny_cfg_dict)
+    down = {(r["round"], m["client"]): m["plan_downgrades"] for r in records for m in r.get("client_metrics", [])}
+    assert any(down.values())
+    path = _write_config(tiny_cfg_dict, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(4)), _settings(path, tmp_path / "fl"))
+    _assert_same_state(_weights(run_dir), state)
+    _, metrics, fl_summary = read_run(run_dir)
+    assert {(r["round"], m["client"]): m["plan_downgrades"] for r in metrics
+            for m in r.get("client_metrics", [])} == down
+    assert fl_summary["plans"][0]["measured"]["plan_downgrades"] == \
+        summary["plans"][0]["measured"]["plan_downgrades"]
+
+
 @pytest.mark.parametrize("model_type, method", [("llama", "fedpetuning"), ("t5", "fedpetuning"),
                                                ("gpt2", "fedavg")])
 def test_serverapp_matches_in_process_engine_on_generative_models(tiny_gen_cfg_dict, tiny_lm_dirs,
