@@ -512,12 +512,12 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
             progress.task("local training steps", planned) as advance, \
             (packed_training(model) if pack else nullcontext()), compute.training_linears(), \
             gradient_checkpointing(model, bool(cfg.get("checkpointing"))):
-        for step, batch_rows_ in enumerate(local_batch_rows(data, cfg, gen)):
-            parts, split = memory_split(batch_rows_, collate, allowance, reference, micro)
+        for step, drawn in enumerate(local_batch_rows(data, cfg, gen)):
+            parts, split = memory_split(drawn, collate, allowance, reference, micro)
             if parts is None:  # not even one example at a time fits the budget
                 raise MemoryBudgetExceeded(float(cfg["memory_budget"]), _cheapest_step_mb(
-                    model, optimizer_bytes, reference, [collate(batch_rows_[i:i + 1])
-                                                        for i in range(len(batch_rows_))]))
+                    model, optimizer_bytes, reference, [collate(drawn[i:i + 1])
+                                                        for i in range(len(drawn))]))
             if budget is not None and over_budget(flops.total, flops.cost(parts, virtual_tokens),
                                                   budget, step):
                 cut = planned - step
