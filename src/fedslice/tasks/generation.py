@@ -144,6 +144,13 @@ class Generation(TextToText):
 
 
 def check_partition(cfg) -> None:
-    if cfg.data.partition != "iid":
-        raise ConfigError(f"data.partition = {cfg.data.partition!r} skews clients by class label; "
-                          "a generation task has none: use 'iid'")
+    """Generative tasks have no class labels to skew clients by: iid, or natural clients
+    (a chat task's ``data.client_column``)."""
+    p = cfg.data.partition
+    if p in ("dirichlet", "shards"):
+        raise ConfigError(f"data.partition = {p!r} skews clients by class label; a "
+                          f"{cfg.task.kind} task has none: use 'iid' (or 'natural' with "
+                          "data.client_column)")
+    if p == "natural" and cfg.task.kind != "chat":
+        raise ConfigError("data.partition = 'natural' is implemented for task.kind = 'chat' (and "
+                          f"not yet for {cfg.task.kind!r}): use 'iid'")
