@@ -171,9 +171,9 @@ def write_chat_jsonl(folder: Path, sizes=(40, 8, 8), seed: int = 0, users=USERS)
     return folder
 
 
-def chat_cfg(path: Path, model: Path, tmp_path: Path, **sections) -> dict:
+def chat_cfg(path: Path, model_path: Path, tmp_path: Path, **sections) -> dict:
     d = {"seed": 0, "threads": 1, "data": {"path": str(path), "max_length": 64},
-         "model": {"name": str(model)},
+         "model": {"name": str(model_path)},
          "task": {"kind": "chat", "max_new_tokens": 4},
          "lora": {"r": 4, "alpha": 8, "targets": ["q", "v"]},
          "federation": {"num_clients": 3, "clients_per_round": 2, "rounds": 1, "local_steps": 2,
@@ -461,9 +461,9 @@ def test_a_chat_round_over_an_int8_base(chat_dir, tiny_lm_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("method,tight", [
-    ("fedpetuning", {"memory_mb": 3.0}),
+    ("fedpetuning", {"memory_mb": 20.0}),
     ("heads", {"upload_mb_per_round": 0.002}),
-    ("raffm+heads", {"memory_mb": 3.0, "upload_mb_per_round": 0.002}),
+    ("raffm+heads", {"memory_mb": 20.0, "upload_mb_per_round": 0.002}),
 ])
 def test_every_planning_stage_plans_a_chat_run(chat_dir, tiny_lm_dirs, tmp_path, method, tight):
     from fedslice.api import run_experiment
@@ -477,6 +477,8 @@ def test_every_planning_stage_plans_a_chat_run(chat_dir, tiny_lm_dirs, tmp_path,
     summary = json.loads((run / "summary.json").read_text())
     groups = {g["budget_name"]: g for g in summary["plans"]}
     assert set(groups) == {"big", "tight"}
+    assert not groups["big"]["plan"]["sparsity"] and groups["big"]["plan"]["width"] == 1.0
+    assert groups["tight"]["plan"] != groups["big"]["plan"]  # the tight budget bought a saving
     for g in groups.values():
         assert g["measured"]["client_rounds"] == len(g["clients"])
         for key, budget in (("memory_mb_max", "memory_mb"), ("upload_mb_mean", "upload_mb_per_round")):
