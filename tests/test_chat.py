@@ -506,3 +506,52 @@ def test_predict_answers_the_last_user_turn(chat_dir, tiny_lm_dirs, tmp_path):
     bad.write_text(json.dumps({"messages": [{"role": "system", "content": "x"}]}) + "\n")
     with pytest.raises(DataError, match="row 1: the conversation has no user turn"):
         predict(run, bad)
+
+
+# --- natural client splits ---------------------------------------------------------------------------
+
+def natural_cfg(chat_dir, tiny_lm_dirs, tmp_path, **federation) -> dict:
+    d = chat_cfg(chat_dir, tiny_lm_dirs["llama"], tmp_path,
+                 data={"partition": "natural", "client_column": "user", "max_length": 256})
+    d["federation"] = {k: v for k, v in d["federation"].items()
+                       if k not in ("num_clients", "clients_per_round")}
+    d["federation"].update(federation)
+    return d
+
+
+def test_natural_split_takes_the_clients_from_the_data(chat_dir, tiny_lm_dirs, tmp_path):
+    from fedslice.api import run_experiment
+    from fedslice.data.partition import natural_partitions
+
+    cfg = validate_config(natural_cfg(chat_dir, tiny_lm_dirs, tmp_path))
+    method, data = setup(cfg)
+    assert cfg.federation.num_clients == 5 and cfg.federation.clients_per_round == 5
+    users = [json.loads(x)["user"] for x in (chat_dir / "train.jsonl").read_text().splitlines()]
+    parts, ids, _ = natural_partitions(users)
+    assert [p.tolist() for p in data.partitions] == [p.tolist() for p in parts]
+    assert data.report["natural_ids"] == USERS and data.report["partition_sizes"] == [6, 6, 6, 6, 16]
+    spread = data.report["size_spread"]
+    assert (spread["min"], spread["median"], spread["max"]) == (6, 6.0, 16)
+    # every conversation of a client is that user's
+    for c, part in enumerate(data.partitions):
+        assert {data.train.clients[i] for i in part.tolist()} == {USERS[c]}
+    run = run_experiment(validate_config(natural_cfg(chat_dir, tiny_lm_dirs, tmp_path,
+                                                     clients_per_round=2)),
+                         tmp_path / "natural", progress=False)
+    part = json.loads((run / "partition.json").read_text())
+    assert part["scheme"] == "natural" and part["num_partitions"] == 5
+    assert json.loads((run / "config.json").read_text())["federation"]["num_clients"] == 5
+
+
+def test_natural_split_refuses_another_num_clients_and_leaves_out_small_clients(chat_dir, tiny_lm_dirs,
+                                                                                tmp_path):
+    with pytest.raises(ConfigError, match="num_clients = 3.*finds 5 clients"):
+        setup(validate_config(natural_cfg(chat_dir, tiny_lm_dirs, tmp_path, num_clients=3,
+                                          clients_per_round=2)))
+    d = natural_cfg(chat_dir, tiny_lm_dirs, tmp_path, num_clients=5, clients_per_round=2)
+    setup(validate_config(d))  # the right number, given
+    d = natural_cfg(chat_dir, tiny_lm_dirs, tmp_path)
+    d["data"]["min_partition_size"] = 7
+    method, data = setup(cfg := validate_config(d))
+    assert cfg.federation.num_clients == 1 and data.report["natural_ids"] == ["eve"]
+    assert data.report["left_out_clients"] == 4 and data.report["left_out_rows"] == 24

@@ -164,9 +164,10 @@ def natural_split(cfg: ExperimentConfig, train) -> tuple[list, dict[str, Any]]:
     per_round = fed.clients_per_round if "clients_per_round" in fed.model_fields_set else \
         min(fed.clients_per_round, n)
     if (fed.num_clients, fed.clients_per_round) != (n, per_round):
-        cfg.federation = fed.model_validate({**fed.model_dump(exclude_unset=True),
-                                             "num_clients": n, "clients_per_round": per_round,
-                                             "min_replies": min(fed.min_replies, per_round)})
+        # in this order, each assignment valid on its own (clients_per_round <= num_clients)
+        fed.min_replies = min(fed.min_replies, per_round)
+        fed.clients_per_round = per_round
+        fed.num_clients = n
         log.info("data.partition = 'natural': %d clients (%s), federation.num_clients = %d, "
                  "clients_per_round = %d", n, cfg.data.client_column, n, per_round)
     return parts, report
