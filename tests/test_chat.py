@@ -499,6 +499,11 @@ def test_predict_answers_the_last_user_turn(chat_dir, tiny_lm_dirs, tmp_path):
                           {"role": "assistant", "content": "(left out)"}]}]
     path = tmp_path / "ask.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = json.loads((run / "summary.json").read_text())
+    assert len(summary["samples"]) == 5 and summary["samples"][0]["prompt"].endswith("assistant\n")
+    from fedslice.html_report import write_run_report
+    html = write_run_report(run).read_text()
+    assert "Generations (test sample)" in html and summary["samples"][0]["references"][0] in html
     records = predict(run, path, tmp_path / "answers.jsonl")
     assert len(records) == 2 and all(isinstance(r["prediction"], str) for r in records)
     assert records[1]["messages"] == rows[1]["messages"]
@@ -540,7 +545,15 @@ def test_natural_split_takes_the_clients_from_the_data(chat_dir, tiny_lm_dirs, t
                          tmp_path / "natural", progress=False)
     part = json.loads((run / "partition.json").read_text())
     assert part["scheme"] == "natural" and part["num_partitions"] == 5
-    assert json.loads((run / "config.json").read_text())["federation"]["num_clients"] == 5
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["federation"]["num_clients"] == 5
+    # a resume reads the config again: the derived client counts are no difference
+    from fedslice.run.checkpoint import check_same_config
+    given = validate_config(natural_cfg(chat_dir, tiny_lm_dirs, tmp_path, clients_per_round=2))
+    check_same_config(saved, given.model_dump(mode="json"), run)
+    with pytest.raises(ConfigError, match="federation.rounds"):
+        check_same_config(saved, {**given.model_dump(mode="json"), "federation": {
+            **given.model_dump(mode="json")["federation"], "rounds": 9}}, run)
 
 
 def test_natural_split_refuses_another_num_clients_and_leaves_out_small_clients(chat_dir, tiny_lm_dirs,

@@ -119,6 +119,19 @@ def _results_view(summary: dict[str, Any]) -> View:
                 "summary.json: test metrics, rounds, the mean per-client costs.")
 
 
+#: characters of a sample's prompt shown (its end: the turn answered)
+PROMPT_CHARS = 400
+
+
+def _samples_view(samples: list[dict[str, Any]]) -> View:
+    """The first test generations: the prompt's end, the model's answer, the reference(s)."""
+    rows = [{"prompt": ("..." if len(s["prompt"]) > PROMPT_CHARS else "") + s["prompt"][-PROMPT_CHARS:],
+             "generated": s["generated"], "reference": " | ".join(s.get("references") or [])}
+            for s in samples]
+    return View("Generations (test sample)", None, rows,
+                "Greedy answers of the final model to the first test prompts (summary.json: samples).")
+
+
 def _client_costs(metrics: list[dict]) -> View:
     per: dict[int, dict[str, Any]] = {}
     for r in metrics:
@@ -220,6 +233,8 @@ def run_views(folder: Path) -> tuple[dict, list[dict], dict, list[View]]:
     if summary.get("plans"):
         from fedslice.methods.planner import plans_view
         views.append(plans_view(summary["plans"]))
+    if summary.get("samples"):
+        views.append(_samples_view(summary["samples"]))
     views.extend(method_views(folder, config, metrics, summary))
     views.append(View("Config", None, [], "The resolved experiment config (config.json)."))
     return config, metrics, summary, views
