@@ -517,14 +517,18 @@ class TaskConfig(Section):
     prompt + target (loss on target tokens only), encoder-decoders map prompt -> target.
     """
 
-    kind: Literal["classification", "generation", "chat", "image_classification"] = "classification"
+    kind: Literal["classification", "generation", "chat", "image_classification"] = Field(
+        "classification", description="'chat': conversations rendered with the model's chat "
+        "template, loss on every assistant turn (docs/instruction_tuning.md).")
     prompt: str | None = Field(None, description="Template over data columns, e.g. 'Describe the "
                                "restaurant: {mr}\n' (generation and text-to-text classification; "
                                "default: the text columns joined by a newline).")
     target: str | None = Field(None, description="Template of the target (generation), e.g. '{ref}'.")
     preset: Literal["none", "alpaca"] = Field("none", description="'alpaca': instruction data in "
                                               "the Alpaca layout (columns instruction, input, "
-                                              "output) with the Alpaca prompt; sets prompt/target.")
+                                              "output): with kind = 'generation' the Alpaca "
+                                              "prompt (sets prompt/target); with kind = 'chat' a "
+                                              "user turn and the answer, in the chat template.")
     label_words: dict[str, str] | None = Field(None, description="Text-to-text classification: "
                                                "label (as in the data) -> its word, e.g. "
                                                "{0 = ' negative', 1 = ' positive'}.")

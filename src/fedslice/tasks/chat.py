@@ -67,8 +67,9 @@ class Chat(Generation):
         return column
 
     def bind(self, loaded) -> None:
-        super().bind(loaded)
-        install_template(loaded.tokenizer, self.cfg.task.chat_template_file, self.cfg.model.name)
+        super().bind(loaded)  # installs task.chat_template_file
+        if self.cfg.task.chat_template_file is None:  # the tokenizer's own, which it must have
+            install_template(loaded.tokenizer, None, self.cfg.model.name)
 
     def encode(self, raw, loaded):
         self.bind(loaded)
