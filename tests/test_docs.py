@@ -171,6 +171,10 @@ def _shrunk(argv: list[str]) -> list[str]:
         extra += ["method.width_steps=4"]
     if any(c.budgets is not None for f in configs for c in load_variants(ROOT / f)):
         extra += ["budgets.width_steps=2"]
+    if any(c.data.partition == "natural" for f in configs for c in load_variants(ROOT / f)):
+        # the clients come from the data (a num_clients that differs is an error)
+        extra = [x for x in extra if not x.startswith(("federation.num_clients=",
+                                                       "federation.clients_per_round="))]
     kinds = {c.task.kind for f in configs for c in load_variants(ROOT / f)}
     if kinds == {"generation"}:  # each prompt (E2E: a meaning representation) with all its
         # references: 8 prompts are ~100 rows whose dev and test losses take most of the run
@@ -217,6 +221,8 @@ def _scratch(tmp_path: Path, monkeypatch) -> Path:
                 (data / name / f.name).write_text("".join(lines))
     _first_images(ROOT.parent / "shared" / "data" / "fashion_mnist", data / "fashion_mnist")
     (tmp_path / "shared" / "models").symlink_to(ROOT.parent / "shared" / "models")
+    from test_chat import write_chat_jsonl
+    write_chat_jsonl(work / "my_chats")  # docs/instruction_tuning.md's conversations (by users)
     monkeypatch.setenv("FEDSLICE_DATA_DIR", str(data))
     monkeypatch.chdir(work)
     return work
