@@ -505,6 +505,14 @@ def test_predict_answers_the_last_user_turn(chat_dir, tiny_lm_dirs, tmp_path):
     html = write_run_report(run).read_text()
     assert "Generations (test sample)" in html and summary["samples"][0]["references"][0] in html
     records = predict(run, path, tmp_path / "answers.jsonl")
+    # fedslice evaluate: the held-out metrics of any file of conversations
+    from fedslice.inference import evaluate
+    held_out = tmp_path / "held_out.jsonl"  # no user column: evaluation needs none
+    held_out.write_text("".join(json.dumps({"messages": json.loads(x)["messages"]}) + "\n"
+                                for x in (chat_dir / "test.jsonl").read_text().splitlines()))
+    _, result = evaluate(run, str(held_out))
+    assert result["task"] == "chat" and result["examples"] == {"all": 8}
+    assert result["metrics"]["all"]["loss"] > 0
     assert len(records) == 2 and all(isinstance(r["prediction"], str) for r in records)
     assert records[1]["messages"] == rows[1]["messages"]
     bad = tmp_path / "bad.jsonl"

@@ -47,7 +47,8 @@ class Chat(Generation):
         out = {}
         for name, table in tables.items():
             column = self.column_of(table)
-            client = d.client_column if name == "train" else None
+            # the client column matters where train is partitioned (not to `fedslice evaluate`)
+            client = d.client_column if name == "train" and carve_missing else None
             out[name], _ = read_conversations(table, column, skip=d.bad_rows == "skip",
                                               client_column=client)
         self.text_columns = [self.column_of(next(iter(out.values())))]
@@ -77,7 +78,7 @@ class Chat(Generation):
         out = {}
         for name, table in raw.items():
             column = self.column_of(table)
-            client = d.client_column if name == "train" else None
+            client = d.client_column if name == "train" and d.client_column in table.columns else None
             out[name] = self.encode_table(table, column, client)
         return out
 
