@@ -576,3 +576,29 @@ def test_natural_split_refuses_another_num_clients_and_leaves_out_small_clients(
     method, data = setup(cfg := validate_config(d))
     assert cfg.federation.num_clients == 1 and data.report["natural_ids"] == ["eve"]
     assert data.report["left_out_clients"] == 4 and data.report["left_out_rows"] == 24
+
+
+def test_natural_split_of_a_generation_task(tiny_gen_cfg_dict, tmp_path):
+    """data.partition = 'natural' on prompt -> target data (a `site` column): one client per
+    site; the partitions equal NaturalIdPartitioner's over the train rows."""
+    from fedslice.data.partition import natural_partitions
+
+    folder = tmp_path / "d2t"
+    folder.mkdir()
+    sites = ["b", "a", "c", "a", "b", "a"] * 4
+    with (folder / "train.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["mr", "ref", "site"])
+        w.writerows([f"name[{i}]", f"Place {i}.", s] for i, s in enumerate(sites))
+    (folder / "test.csv").write_text("mr,ref\nname[x],Place x.\n")
+    d = tiny_gen_cfg_dict
+    d["data"].update(path=str(folder), partition="natural", client_column="site")
+    d["federation"] = {k: v for k, v in d["federation"].items() if k != "num_clients"}
+    cfg = validate_config(d)
+    method, data = setup(cfg)
+    assert cfg.federation.num_clients == 3 and data.report["natural_ids"] == ["a", "b", "c"]
+    parts, _, _ = natural_partitions(data.train.clients)
+    assert [p.tolist() for p in data.partitions] == [p.tolist() for p in parts]
+    for c, part in enumerate(data.partitions):
+        assert {data.train.clients[i] for i in part.tolist()} == {"abc"[c]}
+    Simulation(cfg, method, data).run()

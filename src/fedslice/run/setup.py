@@ -144,8 +144,9 @@ def natural_split(cfg: ExperimentConfig, train) -> tuple[list, dict[str, Any]]:
     to it."""
     values = getattr(train, "clients", None)
     if values is None:
-        raise ConfigError(f"data.partition = 'natural' is implemented for task.kind = 'chat'; "
-                          f"a {cfg.task.kind} task's data carries no data.client_column")
+        raise ConfigError(f"data.partition = 'natural' is implemented for task.kind = 'chat' and "
+                          f"'generation'; a {cfg.task.kind} task's data carries no "
+                          "data.client_column: use 'iid', 'dirichlet' or 'shards'")
     parts, ids, left = natural_partitions(values, cfg.data.min_partition_size)
     report = partition_report(parts, train.labels.tolist())
     report.update(scheme="natural", client_column=cfg.data.client_column,

@@ -61,10 +61,10 @@ class TextToText(Task):
             ids = [t if len(t) and t[-1] == end else torch.cat([t, torch.tensor([end])]) for t in ids]
         return ids
 
-    def pair_split(self, prompts, targets, labels, groups, references) -> PairSplit:
+    def pair_split(self, prompts, targets, labels, groups, references, clients=None) -> PairSplit:
         return PairSplit(prompts, targets, torch.as_tensor(labels, dtype=torch.int64),
                          torch.as_tensor(groups, dtype=torch.int64), references, self.pad_id,
-                         self.layout, self.start_id)
+                         self.layout, self.start_id, clients)
 
     def loss(self, model: nn.Module, batch):
         return lm.lm_loss(model, batch, self.layout)
