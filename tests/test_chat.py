@@ -191,13 +191,13 @@ def chat_dir(tmp_path_factory) -> Path:
     return write_chat_jsonl(tmp_path_factory.mktemp("chat"))
 
 
-def _encoded(cfg_dict):
+def _encoded(cfg_dict, carve_missing: bool = False):
     from fedslice.run.setup import check_method
     from fedslice.models.loading import load_model
 
     cfg = validate_config(cfg_dict)
     _, task = check_method(cfg)
-    raw = task.load_raw(carve_missing=False)
+    raw = task.load_raw(carve_missing=carve_missing)
     loaded = load_model(cfg.model, None, 0, head=task.head)
     return task, task.encode(raw, loaded)
 
@@ -297,32 +297,33 @@ def _write_with_bad_row(folder: Path, bad: str) -> Path:
         good = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
     rows = [{"user": "a", key: good} for _ in range(5)]
     rows[3] = {**rows[3], column: cell} if column != "user" else {key: good}
-    if bad == "not-json":  # a CSV with a JSON string column
-        with (folder / "train.csv").open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["user", "messages"])
-            w.writerows([r["user"], r["messages"] if isinstance(r["messages"], str)
-                         else json.dumps(r["messages"])] for r in rows)
-        return folder / "train.csv"
-    path = folder / "train.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    # train with the bad row; dev and test of good rows (a run reads the three)
+    for split, part in (("train", rows), ("dev", rows[:2]), ("test", rows[:2])):
+        if bad == "not-json":  # a CSV with a JSON string column
+            with (folder / f"{split}.csv").open("w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["user", "messages"])
+                w.writerows([r["user"], r["messages"] if isinstance(r["messages"], str)
+                             else json.dumps(r["messages"])] for r in part)
+        else:
+            (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    return folder / ("train.csv" if bad == "not-json" else "train.jsonl")
 
 
 @pytest.mark.parametrize("bad", sorted(BAD))
 def test_a_bad_row_is_one_line_naming_file_and_line_or_skipped(tmp_path, tiny_lm_dirs, bad, caplog):
     path = _write_with_bad_row(tmp_path / "bad", bad)
     split = {"partition": "natural", "client_column": "user"} if bad == "no-user-value" else {}
-    cfg = chat_cfg(path, tiny_lm_dirs["llama"], tmp_path, data=split)
+    cfg = chat_cfg(path.parent, tiny_lm_dirs["llama"], tmp_path, data=split)
     with pytest.raises(DataError) as e:
-        _encoded(cfg)
+        _encoded(cfg, carve_missing=True)
     msg = str(e.value)
     line = 5 if bad == "not-json" else 4  # the CSV's header is line 1
     assert "\n" not in msg and f"{path}, line {line}:" in msg and BAD[bad][2] in msg, msg
     assert 'data.bad_rows = "skip"' in msg
     cfg["data"]["bad_rows"] = "skip"
     with caplog.at_level(logging.WARNING, logger="fedslice"):
-        _, enc = _encoded(cfg)
+        _, enc = _encoded(cfg, carve_missing=True)
     assert len(enc["train"]) == 4
     assert sum("skipped 1 conversation(s)" in r.getMessage() for r in caplog.records) == 1
 
