@@ -223,9 +223,17 @@ def _scratch(tmp_path: Path, monkeypatch) -> Path:
     (tmp_path / "shared" / "models").symlink_to(ROOT.parent / "shared" / "models")
     from test_chat import write_chat_jsonl
     write_chat_jsonl(work / "my_chats")  # docs/instruction_tuning.md's conversations (by users)
+    (work / "ask.jsonl").write_text(_heredoc(DOCS / "instruction_tuning.md", "ask.jsonl"))
     monkeypatch.setenv("FEDSLICE_DATA_DIR", str(data))
     monkeypatch.chdir(work)
     return work
+
+
+def _heredoc(page: Path, name: str) -> str:
+    """The text a page's ``cat > NAME <<'EOF'`` block writes."""
+    m = re.search(rf"cat > {re.escape(name)} <<'?(\w+)'?\n(.*?)\n\1\n", page.read_text(), re.S)
+    assert m, f"{page.name}: no heredoc writing {name}"
+    return m.group(2) + "\n"
 
 
 def _argv(cmd: str) -> list[str]:
