@@ -702,6 +702,16 @@ def test_deploy_rejects_a_node_count_other_than_num_clients(tiny_cfg_dict, tmp_p
     assert "--nodes 2 but federation.num_clients=4" in err and "--set federation.num_clients=2" in err
 
 
+def test_deploy_of_natural_clients_needs_their_number(tiny_lm_dirs, tmp_path, capsys):
+    from fedslice.cli import main
+    from test_chat import natural_cfg, write_chat_jsonl
+
+    d = natural_cfg(write_chat_jsonl(tmp_path / "chat"), tiny_lm_dirs, tmp_path)
+    path = _write_config(d, tmp_path / "exp.json")
+    assert main(["deploy", "local", str(path), "--nodes", "5"]) == 2
+    assert "--set federation.num_clients=N" in capsys.readouterr().err
+
+
 @needs_flower
 def test_processes_are_stopped_when_the_caller_is_interrupted(tmp_path, started):
     """Ctrl-C (or an error) inside the federation's block stops the SuperLink and SuperNodes."""
