@@ -346,6 +346,10 @@ def test_chat_config_refuses_templates_of_other_kinds(chat_dir, tiny_lm_dirs, tm
     assert_refused_naming(base, {"data": {"partition": "natural"}}, ["client_column"])
     assert_refused_naming(base, {"data": {"client_column": "user"}}, ["natural"])
     from fedslice.run.setup import check_method
+    with pytest.raises(ConfigError, match="'natural' is implemented for task.kind = 'chat' and "
+                                          "'generation', not 'classification'"):
+        check_method(validate_config({**base, "task": {}, "data": {
+            **base["data"], "partition": "natural", "client_column": "user"}}))
     with pytest.raises(ConfigError, match="data.partition = 'dirichlet'.*'iid'.*'natural'"):
         check_method(validate_config({**base, "data": {**base["data"], "partition": "dirichlet"}}))
 
@@ -554,6 +558,9 @@ def test_natural_split_takes_the_clients_from_the_data(chat_dir, tiny_lm_dirs, t
                          tmp_path / "natural", progress=False)
     part = json.loads((run / "partition.json").read_text())
     assert part["scheme"] == "natural" and part["num_partitions"] == 5
+    from fedslice.html_report import write_run_report
+    html = write_run_report(run).read_text()
+    assert "natural partition" in html and "eve" in html
     saved = json.loads((run / "config.json").read_text())
     assert saved["federation"]["num_clients"] == 5
     # a resume reads the config again: the derived client counts are no difference

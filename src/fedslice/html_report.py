@@ -197,6 +197,14 @@ def _partition_view(folder: Path, labels: list[str] | None) -> View | None:
     ax.set_xticks(ticks, [str(i) for i in ticks], fontsize=7)
     ax.set_ylabel("examples")
     ax.grid(True, axis="y", alpha=0.3)
+    if part.get("natural_ids"):  # data.partition = 'natural': each client's value, the spread
+        for row, value in zip(rows, part["natural_ids"]):
+            row[part.get("client_column") or "value"] = value
+        spread = part.get("size_spread") or {}
+        caption = (f"One client per value of {part.get('client_column')!r} (natural partition); "
+                   + ", ".join(f"{k} {v:g}" for k, v in spread.items()) + " examples per client"
+                   + (f"; {part['left_out_clients']} clients below min_partition_size left out"
+                      if part.get("left_out_clients") else "") + ".")
     return View("Partition: label histogram", svg(fig), rows, caption)
 
 

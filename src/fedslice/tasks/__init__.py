@@ -33,6 +33,9 @@ from fedslice.tasks.label_words import LabelWordClassification
 
 def make_task(cfg: ExperimentConfig, arch: ArchSpec) -> Task:
     t = cfg.task
+    if cfg.data.partition == "natural" and t.kind not in ("chat", "generation"):
+        raise ConfigError(f"data.partition = 'natural' is implemented for task.kind = 'chat' and "
+                          f"'generation', not {t.kind!r}: use 'iid', 'dirichlet' or 'shards'")
     image_task = t.kind == "image_classification"
     if image_task != (arch.inputs == "image"):
         reads = "images" if arch.inputs == "image" else "text"

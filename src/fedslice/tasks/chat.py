@@ -51,8 +51,7 @@ class Chat(Generation):
             client = d.client_column if name == "train" and carve_missing else None
             out[name], _ = read_conversations(table, column, skip=d.bad_rows == "skip",
                                               client_column=client)
-        self.text_columns = [self.column_of(next(iter(out.values())))]
-        return out
+        return out  # text_columns stay None: the conversation column is found per table
 
     def column_of(self, table: RawTable) -> str | None:
         """The table's conversation column (None: Alpaca columns)."""
