@@ -171,6 +171,10 @@ def _shrunk(argv: list[str]) -> list[str]:
         extra += ["method.width_steps=4"]
     if any(c.budgets is not None for f in configs for c in load_variants(ROOT / f)):
         extra += ["budgets.width_steps=2"]
+    if any(c.data.partition == "natural" for f in configs for c in load_variants(ROOT / f)):
+        # the clients come from the data (a num_clients that differs is an error)
+        extra = [x for x in extra if not x.startswith(("federation.num_clients=",
+                                                       "federation.clients_per_round="))]
     kinds = {c.task.kind for f in configs for c in load_variants(ROOT / f)}
     if kinds == {"generation"}:  # each prompt (E2E: a meaning representation) with all its
         # references: 8 prompts are ~100 rows whose dev and test losses take most of the run
@@ -217,9 +221,19 @@ def _scratch(tmp_path: Path, monkeypatch) -> Path:
                 (data / name / f.name).write_text("".join(lines))
     _first_images(ROOT.parent / "shared" / "data" / "fashion_mnist", data / "fashion_mnist")
     (tmp_path / "shared" / "models").symlink_to(ROOT.parent / "shared" / "models")
+    from test_chat import write_chat_jsonl
+    write_chat_jsonl(work / "my_chats")  # docs/instruction_tuning.md's conversations (by users)
+    (work / "ask.jsonl").write_text(_heredoc(DOCS / "instruction_tuning.md", "ask.jsonl"))
     monkeypatch.setenv("FEDSLICE_DATA_DIR", str(data))
     monkeypatch.chdir(work)
     return work
+
+
+def _heredoc(page: Path, name: str) -> str:
+    """The text a page's ``cat > NAME <<'EOF'`` block writes."""
+    m = re.search(rf"cat > {re.escape(name)} <<'?(\w+)'?\n(.*?)\n\1\n", page.read_text(), re.S)
+    assert m, f"{page.name}: no heredoc writing {name}"
+    return m.group(2) + "\n"
 
 
 def _argv(cmd: str) -> list[str]:

@@ -729,6 +729,16 @@ def test_deploy_rejects_a_node_count_other_than_num_clients(tiny_cfg_dict, tmp_p
     assert "--nodes 2 but federation.num_clients=4" in err and "--set federation.num_clients=2" in err
 
 
+def test_deploy_of_natural_clients_needs_their_number(tiny_lm_dirs, tmp_path, capsys):
+    from fedslice.cli import main
+    from test_chat import natural_cfg, write_chat_jsonl
+
+    d = natural_cfg(write_chat_jsonl(tmp_path / "chat"), tiny_lm_dirs, tmp_path)
+    path = _write_config(d, tmp_path / "exp.json")
+    assert main(["deploy", "local", str(path), "--nodes", "5"]) == 2
+    assert "--set federation.num_clients=N" in capsys.readouterr().err
+
+
 @needs_flower
 def test_processes_are_stopped_when_the_caller_is_interrupted(tmp_path, started):
     """Ctrl-C (or an error) inside the federation's block stops the SuperLink and SuperNodes."""
@@ -766,3 +776,24 @@ def test_unreachable_superlink_is_a_quick_clear_error(tmp_path):
     with pytest.raises(DeploymentError, match="Connection to the SuperLink is unavailable"):
         fed.status(1)
     assert time.monotonic() - t0 < 60
+
+
+def test_serverapp_matches_in_process_on_a_chat_task_with_natural_clients(tiny_lm_dirs, tmp_path):
+    """A chat round (loss on assistant tokens, answers scored) with one client per user
+    (data.partition = 'natural'): the ServerApp over its ClientApps trains the same partitions to
+    the same weights as the in-process engine; num_clients comes from the data on both sides."""
+    from test_chat import natural_cfg, write_chat_jsonl
+
+    d = natural_cfg(write_chat_jsonl(tmp_path / "chat"), tiny_lm_dirs, tmp_path, clients_per_round=3)
+    d["federation"].update(rounds=2)
+    state, records, summary = _in_process(d)
+    path = _write_config(d, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(5)), _settings(path, tmp_path / "fl"))
+    _assert_same_state(_weights(run_dir), state)
+    _, metrics, fl_summary = read_run(run_dir)
+    assert [m["clients"] for m in metrics] == [r["clients"] for r in records]
+    assert [m["dev_loss"] for m in metrics] == pytest.approx([r["dev_loss"] for r in records])
+    assert fl_summary["test_loss"] == pytest.approx(summary["test_loss"])
+    assert fl_summary["task"] == "chat"
+    part = json.loads((run_dir / "partition.json").read_text())
+    assert part["natural_ids"] == ["ann", "bob", "cy", "dee", "eve"]

@@ -62,3 +62,39 @@ def test_dirichlet_redraws_like_flwr_then_gives_up():
     with pytest.raises(DataError, match="11 draws"):
         partition_indices(labels, num_partitions=40, scheme="dirichlet", seed=1, alpha=0.05,
                           min_partition_size=10)
+
+
+NATURAL = {
+    "names": np.random.default_rng(5).choice(["zoe", "al", "bea", "Cy", "dan", "al2"], 257).tolist(),
+    "ints": np.random.default_rng(6).integers(0, 40, 300).tolist(),
+    "one-each": [f"user{i}" for i in range(30)][::-1],
+}
+
+
+@pytest.mark.parametrize("layout", NATURAL)
+def test_natural_partitions_equal_flwr_datasets_natural_id_partitioner(layout):
+    import datasets
+    from flwr_datasets.partitioner import NaturalIdPartitioner
+
+    from fedslice.data.partition import natural_partitions
+
+    values = NATURAL[layout]
+    ours, ids, left = natural_partitions(values)
+    p = NaturalIdPartitioner(partition_by="user")
+    p.dataset = datasets.Dataset.from_dict({"user": values, "_idx": list(range(len(values)))})
+    assert p.num_partitions == len(ours) and left == {"clients": 0, "rows": 0}
+    for pid, part in enumerate(ours):
+        theirs = p.load_partition(pid)
+        assert np.array_equal(part, np.asarray(theirs["_idx"]))
+        assert p.partition_id_to_natural_id[pid] == ids[pid]
+
+
+def test_natural_partitions_leave_out_clients_below_min_partition_size():
+    from fedslice.data.partition import natural_partitions
+
+    values = ["a"] * 5 + ["b"] * 2 + ["c"] * 3 + ["a"]
+    parts, ids, left = natural_partitions(values, min_partition_size=3)
+    assert ids == ["a", "c"] and left == {"clients": 1, "rows": 2}
+    assert [p.tolist() for p in parts] == [[0, 1, 2, 3, 4, 10], [7, 8, 9]]
+    with pytest.raises(DataError, match="none of the 3 clients.*largest has 6"):
+        natural_partitions(values, min_partition_size=7)

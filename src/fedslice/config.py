@@ -372,8 +372,8 @@ class DataConfig(Section):
                                   "(FedPFT/FedOT on image tasks).")
     labels: list[str] | None = Field(None, min_length=2, description="Class names in id order: "
                                      "fixes the label ids (a label not listed is an error).")
-    format: Literal["auto", "tsv", "csv", "jsonl"] = Field("auto", description="File format; "
-                                                           "'auto': from the file extension.")
+    format: Literal["auto", "tsv", "csv", "jsonl", "parquet"] = Field(
+        "auto", description="File format; 'auto': from the file extension.")
     header: bool = Field(True, description="TSV/CSV files start with a line naming the columns.")
     columns: list[str] | None = Field(None, min_length=1, description="Names of the fields of "
                                       "headerless TSV/CSV files (default: '0', '1', ...).")
@@ -396,10 +396,18 @@ class DataConfig(Section):
     max_train_examples: int | None = Field(None, gt=0, description="Seeded subset of train (quick runs).")
     max_dev_examples: int | None = Field(None, gt=0)
     max_test_examples: int | None = Field(None, gt=0)
-    partition: Literal["iid", "dirichlet", "shards"] = "iid"
+    partition: Literal["iid", "dirichlet", "shards", "natural"] = Field(
+        "iid", description="How train is split among clients: 'iid', 'dirichlet' (label skew, "
+        "`alpha`), 'shards' (label shards), or 'natural': one client per distinct value of "
+        "`client_column` (a user, a category), as Flower Datasets' NaturalIdPartitioner; "
+        "federation.num_clients then comes from the data.")
+    client_column: str | None = Field(None, description="partition = 'natural': the column "
+                                      "naming each row's client (e.g. 'user').")
     alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (label skew).")
     shards_per_client: int = Field(2, gt=0)
-    min_partition_size: int = Field(0, ge=0)
+    min_partition_size: int = Field(0, ge=0, description="Fewest rows per client: dirichlet "
+                                    "redraws, iid/shards refuse; 'natural' leaves out the clients "
+                                    "with fewer rows (counted in the partition report).")
 
     @model_validator(mode="before")
     @classmethod
@@ -419,7 +427,7 @@ class DataConfig(Section):
         data = dict(data)
         if isinstance(data.get("text_columns"), list):
             data["text_columns"] = [name(x) for x in data["text_columns"]]
-        for key in ("label_column", "image_column", "split_column", "group_column"):
+        for key in ("label_column", "image_column", "split_column", "group_column", "client_column"):
             if key in data:
                 data[key] = name(data[key])
         return data
@@ -435,6 +443,11 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _check_columns(self) -> "DataConfig":
+        if (self.partition == "natural") != (self.client_column is not None):
+            raise ValueError("partition = 'natural' and client_column go together: give the "
+                             "column naming each row's client (e.g. client_column = 'user')"
+                             if self.client_column is None else "client_column is for "
+                             "partition = 'natural'")
         if self.columns is not None and self.header:
             raise ValueError("`columns` names the fields of headerless files: set header = false "
                              "(files with a header line are read by their own column names)")
@@ -445,7 +458,8 @@ class DataConfig(Section):
         text or image columns) and the label/split/group columns must be among them."""
         if self.columns is not None:
             named = [*inputs, self.label_column]
-            named += [c for c in (self.split_column, self.group_column) if c is not None]
+            named += [c for c in (self.split_column, self.group_column, self.client_column)
+                      if c is not None]
             missing = [c for c in named if c not in self.columns]
             if missing:
                 raise ValueError(f"column(s) {missing} are not among columns = {self.columns}")
@@ -555,19 +569,31 @@ class TaskConfig(Section):
     prompt + target (loss on target tokens only), encoder-decoders map prompt -> target.
     """
 
-    kind: Literal["classification", "generation", "image_classification"] = "classification"
+    kind: Literal["classification", "generation", "chat", "image_classification"] = Field(
+        "classification", description="'chat': conversations rendered with the model's chat "
+        "template, loss on every assistant turn (docs/instruction_tuning.md).")
     prompt: str | None = Field(None, description="Template over data columns, e.g. 'Describe the "
                                "restaurant: {mr}\n' (generation and text-to-text classification; "
                                "default: the text columns joined by a newline).")
     target: str | None = Field(None, description="Template of the target (generation), e.g. '{ref}'.")
     preset: Literal["none", "alpaca"] = Field("none", description="'alpaca': instruction data in "
                                               "the Alpaca layout (columns instruction, input, "
-                                              "output) with the Alpaca prompt; sets prompt/target.")
+                                              "output): with kind = 'generation' the Alpaca "
+                                              "prompt (sets prompt/target); with kind = 'chat' a "
+                                              "user turn and the answer, in the chat template.")
     label_words: dict[str, str] | None = Field(None, description="Text-to-text classification: "
                                                "label (as in the data) -> its word, e.g. "
                                                "{0 = ' negative', 1 = ' positive'}.")
     chat_template: bool = Field(False, description="Wrap the prompt as a user turn of the "
                                 "tokenizer's chat template (instruct models).")
+    chat_template_file: str | None = Field(None, description="A Jinja chat template file used "
+                                           "instead of the tokenizer's (kind = 'chat', or "
+                                           "chat_template = true; needed when the model has "
+                                           "none); the exported model keeps it.")
+    messages_column: str | None = Field(None, description="kind = 'chat': the column of "
+                                        "conversations (a list of {role, content} turns, or "
+                                        "ShareGPT's {from, value}; a JSON string in CSV). Unset: "
+                                        "'messages', else 'conversations'.")
     max_target_length: int = Field(64, ge=1, description="Target tokens kept (longer targets are "
                                    "truncated and counted); prompts are limited by data.max_length.")
     max_new_tokens: int = Field(64, ge=1, description="Greedy generation length at evaluation.")
@@ -598,6 +624,15 @@ class TaskConfig(Section):
             raise ValueError("image_size is for kind = 'image_classification'")
         if self.kind == "generation" and self.label_words is not None:
             raise ValueError("label_words are for kind = 'classification'")
+        if self.kind == "chat":
+            given = [f for f in ("prompt", "target", "label_words") if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"{given} are not for kind = 'chat': a conversation is rendered "
+                                 "by the model's chat template (messages_column, or preset = "
+                                 "'alpaca', picks the data)")
+            return self
+        if self.messages_column is not None:
+            raise ValueError("messages_column is for kind = 'chat'")
         if self.kind == "classification" and (self.target is not None or self.preset != "none"):
             raise ValueError("target/preset are for kind = 'generation' (classification predicts "
                              "label_words)")

@@ -119,6 +119,19 @@ def _results_view(summary: dict[str, Any]) -> View:
                 "summary.json: test metrics, rounds, the mean per-client costs.")
 
 
+#: characters of a sample's prompt shown (its end: the turn answered)
+PROMPT_CHARS = 400
+
+
+def _samples_view(samples: list[dict[str, Any]]) -> View:
+    """The first test generations: the prompt's end, the model's answer, the reference(s)."""
+    rows = [{"prompt": ("..." if len(s["prompt"]) > PROMPT_CHARS else "") + s["prompt"][-PROMPT_CHARS:],
+             "generated": s["generated"], "reference": " | ".join(s.get("references") or [])}
+            for s in samples]
+    return View("Generations (test sample)", None, rows,
+                "Greedy answers of the final model to the first test prompts (summary.json: samples).")
+
+
 def _client_costs(metrics: list[dict]) -> View:
     per: dict[int, dict[str, Any]] = {}
     for r in metrics:
@@ -184,6 +197,14 @@ def _partition_view(folder: Path, labels: list[str] | None) -> View | None:
     ax.set_xticks(ticks, [str(i) for i in ticks], fontsize=7)
     ax.set_ylabel("examples")
     ax.grid(True, axis="y", alpha=0.3)
+    if part.get("natural_ids"):  # data.partition = 'natural': each client's value, the spread
+        for row, value in zip(rows, part["natural_ids"]):
+            row[part.get("client_column") or "value"] = value
+        spread = part.get("size_spread") or {}
+        caption = (f"One client per value of {part.get('client_column')!r} (natural partition); "
+                   + ", ".join(f"{k} {v:g}" for k, v in spread.items()) + " examples per client"
+                   + (f"; {part['left_out_clients']} clients below min_partition_size left out"
+                      if part.get("left_out_clients") else "") + ".")
     return View("Partition: label histogram", svg(fig), rows, caption)
 
 
@@ -220,6 +241,8 @@ def run_views(folder: Path) -> tuple[dict, list[dict], dict, list[View]]:
     if summary.get("plans"):
         from fedslice.methods.planner import plans_view
         views.append(plans_view(summary["plans"]))
+    if summary.get("samples"):
+        views.append(_samples_view(summary["samples"]))
     views.extend(method_views(folder, config, metrics, summary))
     views.append(View("Config", None, [], "The resolved experiment config (config.json)."))
     return config, metrics, summary, views

@@ -234,14 +234,14 @@ DEFAULT_TEXT_COLUMNS = ("sentence", "text")
 
 def default_text_columns(d: DataConfig, columns: Sequence[str], source: str) -> list[str]:
     """``data.text_columns``, or when unset the column to read: ``sentence`` if the data has it,
-    else ``text``, else its one column besides the label, split and group columns. Ambiguous
+    else ``text``, else its one column besides the label, split, group and client columns. Ambiguous
     (several other columns) or none: a ConfigError listing the columns."""
     if d.text_columns is not None:
         return list(d.text_columns)
     for name in DEFAULT_TEXT_COLUMNS:
         if name in columns:
             return [name]
-    taken = {d.label_column, d.split_column, d.group_column}
+    taken = {d.label_column, d.split_column, d.group_column, d.client_column}
     rest = [c for c in columns if c not in taken]
     if len(rest) == 1:
         return rest

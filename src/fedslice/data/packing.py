@@ -260,6 +260,15 @@ def pack_causal(prompts: list[torch.Tensor], targets: list[torch.Tensor], pad: i
     :data:`IGNORE` on prompts, padding and each example's first token."""
     seqs = [torch.cat([p, t]) for p, t in zip(prompts, targets)]
     labels = [torch.cat([torch.full_like(p, IGNORE), t]) for p, t in zip(prompts, targets)]
+    return pack_labeled(seqs, labels, pad)
+
+
+def pack_labeled(seqs: list[torch.Tensor], labels: list[torch.Tensor], pad: int
+                 ) -> dict[str, torch.Tensor]:
+    """A packed causal-LM batch of examples whose per-token ``labels`` (:data:`IGNORE` where no
+    loss is taken: a conversation's user turns) are given: labels (R, C), :data:`IGNORE` on
+    padding and on each example's first token."""
+    labels = [lab.clone() for lab in labels]
     for lab in labels:
         lab[:1] = IGNORE
     lens = torch.tensor([len(s) for s in seqs], dtype=torch.int64)

@@ -35,6 +35,7 @@ class PairSplit:
             partitioners read it.
         groups: int64 ``(N,)``: examples with the same prompt share a group (its references).
         references: the untruncated target text of each example (generation metrics).
+        clients: each example's value of ``data.client_column`` (its natural client), or None.
     """
 
     prompts: list[torch.Tensor]
@@ -45,6 +46,7 @@ class PairSplit:
     pad_token_id: int
     layout: Layout
     decoder_start_token_id: int | None = None
+    clients: list | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -66,7 +68,8 @@ class PairSplit:
         sel = torch.as_tensor(idx, dtype=torch.int64)
         return PairSplit([self.prompts[i] for i in idx], [self.targets[i] for i in idx],
                          self.labels[sel], self.groups[sel], [self.references[i] for i in idx],
-                         self.pad_token_id, self.layout, self.decoder_start_token_id)
+                         self.pad_token_id, self.layout, self.decoder_start_token_id,
+                         None if self.clients is None else [self.clients[i] for i in idx])
 
     def with_targets(self, indices: Indices, targets: list[torch.Tensor]) -> PairSplit:
         """The prompts at ``indices`` paired with other targets (e.g. candidate label words)."""

@@ -169,6 +169,55 @@ def partition_indices(
     return parts
 
 
+def natural_order(values: Sequence[Any]) -> list[Any]:
+    """The distinct client values in partition-id order: sorted, as Flower Datasets'
+    ``NaturalIdPartitioner`` numbers them (numbers numerically; any other mix as text)."""
+    distinct = set(values)
+    if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in distinct):
+        return sorted(distinct)
+    if all(isinstance(v, str) for v in distinct):
+        return sorted(distinct)
+    return sorted(distinct, key=str)
+
+
+def natural_partitions(values: Sequence[Any], min_partition_size: int = 0
+                       ) -> tuple[list[np.ndarray], list[Any], dict[str, int]]:
+    """One partition per distinct value of ``values`` (each row's client: a user, a category),
+    numbered as :func:`natural_order`; clients with fewer than ``min_partition_size`` rows are
+    left out (their rows unassigned). Returns ``(parts, natural ids of the parts, left out:
+    {"clients", "rows"})``."""
+    if not values:
+        raise DataError("cannot partition: the split has no rows")
+    if not isinstance(min_partition_size, int) or min_partition_size < 0:
+        raise ConfigError(f"min_partition_size must be an integer >= 0, got {min_partition_size!r}")
+    rows: dict[Any, list[int]] = {}
+    for i, v in enumerate(values):
+        rows.setdefault(v, []).append(i)
+    ids = [v for v in natural_order(values) if len(rows[v]) >= min_partition_size]
+    left = [v for v in rows if len(rows[v]) < min_partition_size]
+    if not ids:
+        raise DataError(f"natural partitioning: none of the {len(rows)} clients has "
+                        f"min_partition_size={min_partition_size} rows (the largest has "
+                        f"{max(len(r) for r in rows.values())}): lower data.min_partition_size")
+    if left:
+        logger.warning("natural partitioning: left out %d of %d clients with fewer than "
+                       "min_partition_size=%d rows (%d rows)", len(left), len(rows),
+                       min_partition_size, sum(len(rows[v]) for v in left))
+    parts = [np.asarray(rows[v], dtype=np.int64) for v in ids]
+    return parts, ids, {"clients": len(left), "rows": sum(len(rows[v]) for v in left)}
+
+
+def size_spread(sizes: Sequence[int]) -> dict[str, float]:
+    """How client sizes spread: min, quartiles, max, mean and the coefficient of variation."""
+    a = np.asarray(sizes, dtype=np.float64)
+    if not a.size:
+        return {}
+    q = np.percentile(a, [0, 25, 50, 75, 100])
+    mean = float(a.mean())
+    return {"min": int(q[0]), "p25": float(q[1]), "median": float(q[2]), "p75": float(q[3]),
+            "max": int(q[4]), "mean": mean, "cv": float(a.std() / mean) if mean else 0.0}
+
+
 def _check_min_size(parts: list[np.ndarray], min_size: int, scheme: str) -> None:
     small = [pid for pid, part in enumerate(parts) if len(part) < min_size]
     if small:

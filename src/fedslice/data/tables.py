@@ -23,11 +23,11 @@ from fedslice.output import read_jsonl
 log = logging.getLogger(__name__)
 
 
-FileFormat = Literal["auto", "tsv", "csv", "jsonl"]
+FileFormat = Literal["auto", "tsv", "csv", "jsonl", "parquet"]
 
 
 #: File extensions looked for, in this order, when ``file_format="auto"``.
-EXTENSIONS: tuple[str, ...] = ("tsv", "csv", "jsonl")
+EXTENSIONS: tuple[str, ...] = ("tsv", "csv", "jsonl", "parquet")
 
 
 @dataclass
@@ -126,7 +126,7 @@ def _open_text(path: Path):
 def infer_format(path: Path, fmt: str = "auto", delimiter: str | None = None) -> str:
     """``tsv``, ``csv`` or ``jsonl``: ``fmt`` if given, else from the file extension."""
     if fmt not in ("auto", *EXTENSIONS):
-        raise ConfigError(f"data.format must be one of auto, tsv, csv, jsonl; got {fmt!r}")
+        raise ConfigError(f"data.format must be one of auto, tsv, csv, jsonl, parquet; got {fmt!r}")
     if fmt != "auto":
         return fmt
     ext = path.suffix.lower().lstrip(".")
@@ -137,7 +137,7 @@ def infer_format(path: Path, fmt: str = "auto", delimiter: str | None = None) ->
     if delimiter is not None:
         return "tsv" if delimiter == "\t" else "csv"
     raise ConfigError(f"{path}: cannot tell the format from the extension {path.suffix!r}; "
-                      f"set data.format (tsv, csv or jsonl) or data.delimiter")
+                      f"set data.format (tsv, csv, jsonl or parquet) or data.delimiter")
 
 
 def read_table(path: Path, *, fmt: str = "auto", header: bool = True,
@@ -159,6 +159,8 @@ def read_table(path: Path, *, fmt: str = "auto", header: bool = True,
     try:
         if fmt == "jsonl":
             return _read_jsonl(path)
+        if fmt == "parquet":
+            return _read_parquet(path)
         sep = delimiter or ("\t" if fmt == "tsv" else ",")
         quoted = (fmt == "csv") if quotes is None else quotes
         return _read_delimited(path, sep, quoted, header, columns, skip_bad_rows)
@@ -256,3 +258,17 @@ def _read_jsonl(path: Path) -> RawTable:
     for record in records:
         names.update(dict.fromkeys(record))
     return RawTable({n: [r.get(n) for r in records] for n in names}, lines, str(path))
+
+
+def _read_parquet(path: Path) -> RawTable:
+    """A Parquet file's rows (cells as Python values: a list column stays a list); row numbers
+    (1-based) name rows in messages."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, ValueError) as err:
+        raise DataError(f"{path}: not a readable Parquet file ({err})") from None
+    columns = {name: table.column(name).to_pylist() for name in table.column_names}
+    return RawTable(columns, list(range(1, table.num_rows + 1)), str(path), unit="row")

@@ -86,6 +86,11 @@ def deploy_local(config: str | Path, *, nodes: int | None = None, overrides: lis
     overrides = list(overrides or [])
     config = Path(config).absolute()
     cfg = load_config(config, overrides)  # fail on a bad config before starting anything
+    if cfg.data.partition == "natural" and "num_clients" not in cfg.federation.model_fields_set:
+        raise ConfigError("data.partition = 'natural' takes the number of clients from the data, "
+                          "but a deployment starts one SuperNode per client before reading it: "
+                          "add --set federation.num_clients=N (the clients `fedslice validate` "
+                          "reports)")
     n = nodes or cfg.federation.num_clients
     if n != cfg.federation.num_clients:
         raise ConfigError(

@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedslice.config import FederationConfig
+
 from fedslice.errors import ConfigError, DataError, FedsliceError
 
 CHECKPOINT = "checkpoint.safetensors"
@@ -93,8 +95,25 @@ def config_diff(saved: dict[str, Any], given: dict[str, Any]) -> list[str]:
             and not (k not in a and b[k] is None)]
 
 
+#: federation fields a natural partition derives from the data (``run.setup.natural_split``):
+#: the checkpoint records the derived values, a config that leaves them unset has the defaults
+_FROM_NATURAL_CLIENTS = ("num_clients", "clients_per_round", "min_replies")
+
+
+def _with_derived_clients(saved: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with the checkpoint's derived client counts where ``given`` has the defaults
+    (a natural partition's; the data check then tells whether the clients changed)."""
+    if (saved.get("data") or {}).get("partition") != "natural" or "federation" not in given:
+        return given
+    fed = dict(given["federation"])
+    for k in _FROM_NATURAL_CLIENTS:
+        if fed.get(k) == FederationConfig.model_fields[k].default and k in saved.get("federation", {}):
+            fed[k] = saved["federation"][k]
+    return {**given, "federation": fed}
+
+
 def check_same_config(saved: dict[str, Any], given: dict[str, Any], where: Path) -> None:
-    diff = config_diff(saved, given)
+    diff = config_diff(saved, _with_derived_clients(saved, given))
     if diff:
         raise ConfigError(f"cannot resume {where}: the config differs from the checkpoint's in "
                           f"{len(diff)} field(s):\n  " + "\n  ".join(diff))

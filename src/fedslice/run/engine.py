@@ -185,6 +185,8 @@ def finalize(cfg: ExperimentConfig, method: Method, data: FederatedData, state: 
     test = method.evaluate(state, data.test, cfg.evaluation.batch_size)
     summary = summarize(cfg, records, test, time.perf_counter() - t_start, data,
                         primary=method.task.primary_metric)
+    if samples := getattr(method.task, "last_samples", None):  # generative tasks' first answers
+        summary["samples"] = samples
     summary.update(method.final_metrics(state, data, records, cfg.evaluation.batch_size))
     if method.plans:  # [budgets]: each group's plan, its predicted and measured costs
         from fedslice.methods.planner import plan_report

@@ -15,6 +15,7 @@ read), makes the task, reads and encodes the data and partitions it; the model c
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,6 +25,7 @@ from fedslice import heap
 from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError
 from fedslice.data import data_sources, partition_indices, partition_report
+from fedslice.data.partition import natural_partitions, size_spread
 from fedslice.data.federated import FederatedData
 from fedslice.methods import Method, Role, build_method, method_class
 from fedslice.models.arch import ArchSpec, arch_for
@@ -31,6 +33,8 @@ from fedslice.models.loading import LoadedModel, build_from_config, load_model
 from fedslice.models.loading import load_config as load_model_config
 from fedslice.models.quantize import check_architecture, quantize_base
 from fedslice.tasks import Task, make_task
+
+log = logging.getLogger(__name__)
 
 Weights = Literal["pretrained", "shapes", "random"]
 
@@ -120,11 +124,52 @@ def prepare_data(cfg: ExperimentConfig, task: Task, splits: dict) -> FederatedDa
     """Subsample the task's encoded splits if configured, partition the train split."""
     d, seed = cfg.data, cfg.seed
     train = task.limit(splits["train"], d.max_train_examples, seed)
-    parts = partition_indices(train.labels.tolist(), num_partitions=cfg.federation.num_clients,
-                              scheme=d.partition, seed=seed, alpha=d.alpha,
-                              shards_per_partition=d.shards_per_client,
-                              min_partition_size=d.min_partition_size)
-    report = partition_report(parts, train.labels.tolist())
+    if d.partition == "natural":
+        parts, report = natural_split(cfg, train)
+    else:
+        parts = partition_indices(train.labels.tolist(), num_partitions=cfg.federation.num_clients,
+                                  scheme=d.partition, seed=seed, alpha=d.alpha,
+                                  shards_per_partition=d.shards_per_client,
+                                  min_partition_size=d.min_partition_size)
+        report = partition_report(parts, train.labels.tolist())
     return FederatedData(train=train, dev=task.limit(splits["dev"], d.max_dev_examples, seed),
                          test=task.limit(splits["test"], d.max_test_examples, seed),
                          partitions=parts, report=report, label_names=task.label_names)
+
+
+def natural_split(cfg: ExperimentConfig, train) -> tuple[list, dict[str, Any]]:
+    """``data.partition = 'natural'``: one client per distinct ``data.client_column`` value of
+    the train split (:func:`~fedslice.data.partition.natural_partitions`), and
+    ``federation.num_clients`` set to their number: a ``num_clients`` given in the config must
+    equal it (a ConfigError naming both); ``clients_per_round`` left at its default is capped
+    to it."""
+    values = getattr(train, "clients", None)
+    if values is None:
+        raise ConfigError(f"data.partition = 'natural' is implemented for task.kind = 'chat' and "
+                          f"'generation'; a {cfg.task.kind} task's data carries no "
+                          "data.client_column: use 'iid', 'dirichlet' or 'shards'")
+    parts, ids, left = natural_partitions(values, cfg.data.min_partition_size)
+    report = partition_report(parts, train.labels.tolist())
+    report.update(scheme="natural", client_column=cfg.data.client_column,
+                  natural_ids=[str(v) for v in ids], size_spread=size_spread(report["partition_sizes"]),
+                  left_out_clients=left["clients"], left_out_rows=left["rows"])
+    fed, n = cfg.federation, len(parts)
+    if "num_clients" in fed.model_fields_set and fed.num_clients != n:
+        raise ConfigError(f"federation.num_clients = {fed.num_clients}, but data.partition = "
+                          f"'natural' finds {n} clients (distinct values of "
+                          f"{cfg.data.client_column!r} with at least data.min_partition_size = "
+                          f"{cfg.data.min_partition_size} rows): remove federation.num_clients "
+                          f"or set it to {n}")
+    if "clients_per_round" in fed.model_fields_set and fed.clients_per_round > n:
+        raise ConfigError(f"federation.clients_per_round = {fed.clients_per_round} is more than "
+                          f"the {n} natural clients of {cfg.data.client_column!r}")
+    per_round = fed.clients_per_round if "clients_per_round" in fed.model_fields_set else \
+        min(fed.clients_per_round, n)
+    if (fed.num_clients, fed.clients_per_round) != (n, per_round):
+        # in this order, each assignment valid on its own (clients_per_round <= num_clients)
+        fed.min_replies = min(fed.min_replies, per_round)
+        fed.clients_per_round = per_round
+        fed.num_clients = n
+        log.info("data.partition = 'natural': %d clients (%s), federation.num_clients = %d, "
+                 "clients_per_round = %d", n, cfg.data.client_column, n, per_round)
+    return parts, report

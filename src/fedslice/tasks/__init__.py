@@ -10,6 +10,7 @@ classification                encoder / decoder /     :class:`Classification` (s
                               BART                    classification head)
 classification + label_words  decoder / enc-decoder   :class:`LabelWordClassification` (LM head)
 generation                    decoder / enc-decoder   :class:`Generation` (LM head)
+chat                          decoder                 :class:`Chat` (LM head, chat template)
 image_classification          image backbone (vit,    :class:`ImageClassification` (image-
                               deit, dinov2)           classification head)
 ============================  ======================  ==========================================
@@ -23,6 +24,7 @@ from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError
 from fedslice.models.arch import ArchSpec
 from fedslice.tasks.base import Task, batch_examples, batch_tokens
+from fedslice.tasks.chat import Chat
 from fedslice.tasks.classification import Classification, evaluate_classifier
 from fedslice.tasks.generation import Generation, check_partition
 from fedslice.tasks.image import ImageClassification
@@ -31,6 +33,9 @@ from fedslice.tasks.label_words import LabelWordClassification
 
 def make_task(cfg: ExperimentConfig, arch: ArchSpec) -> Task:
     t = cfg.task
+    if cfg.data.partition == "natural" and t.kind not in ("chat", "generation"):
+        raise ConfigError(f"data.partition = 'natural' is implemented for task.kind = 'chat' and "
+                          f"'generation', not {t.kind!r}: use 'iid', 'dirichlet' or 'shards'")
     image_task = t.kind == "image_classification"
     if image_task != (arch.inputs == "image"):
         reads = "images" if arch.inputs == "image" else "text"
@@ -47,15 +52,21 @@ def make_task(cfg: ExperimentConfig, arch: ArchSpec) -> Task:
                               "task.label_words (e.g. {0 = 'negative', 1 = 'positive'})")
         return Classification(cfg, arch, "sequence_classification")
     if arch.lm_head is None:
-        what = "task.label_words" if t.kind == "classification" else "task.kind = 'generation'"
+        what = "task.label_words" if t.kind == "classification" else f"task.kind = {t.kind!r}"
         raise ConfigError(f"{what} needs a generative model (decoder or encoder-decoder); "
                           f"{cfg.model.name!r} is a {arch.model_type} encoder")
     if t.kind == "generation":
         check_partition(cfg)
         return Generation(cfg, arch, arch.lm_head)
+    if t.kind == "chat":
+        if arch.lm_head != "causal_lm":
+            raise ConfigError(f"task.kind = 'chat' trains a decoder on rendered conversations; "
+                              f"{cfg.model.name!r} is a {arch.model_type} encoder-decoder")
+        check_partition(cfg)
+        return Chat(cfg, arch, arch.lm_head)
     return LabelWordClassification(cfg, arch, arch.lm_head)
 
 
-__all__ = ["Classification", "Generation", "ImageClassification", "LabelWordClassification", "Task",
+__all__ = ["Chat", "Classification", "Generation", "ImageClassification", "LabelWordClassification", "Task",
            "batch_examples",
            "batch_tokens", "evaluate_classifier", "make_task"]

@@ -49,12 +49,14 @@ class Generation(TextToText):
             need += [("instruction", "task.preset"), ("output", "task.preset")]
         need = list(dict.fromkeys(need))
         for name, table in tables.items():
-            missing = [(c, f) for c, f in need if c not in table.columns]
+            cols = need + ([(d.client_column, "data.client_column")]  # natural clients
+                           if name == "train" and carve_missing and d.client_column else [])
+            missing = [(c, f) for c, f in cols if c not in table.columns]
             if missing:  # the config names columns the data lacks: a config error
                 raise ConfigError(f"{', '.join(sorted({f for _, f in missing}))}: column(s) "
                                   f"{[c for c, _ in missing]} not in {table.source} (columns: "
                                   f"{list(table.columns)})")
-            tables[name], _ = drop_incomplete(table, need, skip=d.bad_rows == "skip")
+            tables[name], _ = drop_incomplete(table, cols, skip=d.bad_rows == "skip")
         return tables
 
     def encode(self, raw, loaded):
@@ -70,9 +72,11 @@ class Generation(TextToText):
                     for cells in zip(*table.columns.values())]
             prompts = task_prompts(t, rows, columns, self.text_columns or [], table.source)
             targets = [render(target_template, r) for r in rows]
+            client = self.cfg.data.client_column
+            clients = [r[client] for r in rows] if name == "train" and client in columns else None
             out[name] = self.pair_split(self.prompt_ids(prompts, trunc),
                                         self.target_ids(targets, trunc, eos=True),
-                                        [0] * len(rows), groups_of(prompts), targets)
+                                        [0] * len(rows), groups_of(prompts), targets, clients)
         trunc.log({"prompts": f"data.max_length={self.cfg.data.max_length}",
                    "targets": f"task.max_target_length={t.max_target_length}"})
         return out
@@ -144,6 +148,11 @@ class Generation(TextToText):
 
 
 def check_partition(cfg) -> None:
-    if cfg.data.partition != "iid":
-        raise ConfigError(f"data.partition = {cfg.data.partition!r} skews clients by class label; "
-                          "a generation task has none: use 'iid'")
+    """Generative tasks have no class labels to skew clients by: iid, or natural clients
+    (``data.client_column``)."""
+    p = cfg.data.partition
+    if p in ("dirichlet", "shards"):
+        raise ConfigError(f"data.partition = {p!r} skews clients by class label; a "
+                          f"{cfg.task.kind} task has none: use 'iid' (or 'natural' with "
+                          "data.client_column)")
+

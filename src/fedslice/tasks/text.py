@@ -49,7 +49,8 @@ def alpaca_prompt(row: Mapping[str, str]) -> str:
 def apply_chat(tokenizer, prompt: str) -> str:
     """The prompt as a user turn of the tokenizer's chat template, ready for the answer."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("task.chat_template: the model's tokenizer has no chat template")
+        raise ConfigError("task.chat_template: the model's tokenizer has no chat template: give "
+                          "one as a Jinja file in task.chat_template_file")
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                          add_generation_prompt=True, tokenize=False)
 

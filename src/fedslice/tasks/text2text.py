@@ -15,6 +15,7 @@ from fedslice.data.batching import iter_batches
 from fedslice.errors import ConfigError
 import fedslice.tasks.lm as lm
 from fedslice.tasks.base import Task, length_order
+from fedslice.tasks.chat_template import install_template
 from fedslice.tasks.text import Truncation, apply_chat
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class TextToText(Task):
         self.start_id = getattr(loaded.model.config, "decoder_start_token_id", None)
         if self.layout == "seq2seq" and self.start_id is None:
             raise ConfigError(f"model {self.cfg.model.name!r} has no decoder_start_token_id")
+        if self.cfg.task.chat_template_file is not None:
+            install_template(loaded.tokenizer, self.cfg.task.chat_template_file, self.cfg.model.name)
 
     def prompt_ids(self, prompts: list[str], trunc: Truncation) -> list[torch.Tensor]:
         """Prompt token ids; decoders keep a prompt's end (the cue before the target) when it is
@@ -58,10 +61,10 @@ class TextToText(Task):
             ids = [t if len(t) and t[-1] == end else torch.cat([t, torch.tensor([end])]) for t in ids]
         return ids
 
-    def pair_split(self, prompts, targets, labels, groups, references) -> PairSplit:
+    def pair_split(self, prompts, targets, labels, groups, references, clients=None) -> PairSplit:
         return PairSplit(prompts, targets, torch.as_tensor(labels, dtype=torch.int64),
                          torch.as_tensor(groups, dtype=torch.int64), references, self.pad_id,
-                         self.layout, self.start_id)
+                         self.layout, self.start_id, clients)
 
     def loss(self, model: nn.Module, batch):
         return lm.lm_loss(model, batch, self.layout)
