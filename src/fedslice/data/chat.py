@@ -58,6 +58,12 @@ class ChatSplit:
     def lengths(self) -> torch.Tensor:
         return torch.tensor([len(x) for x in self.ids], dtype=torch.int64)
 
+    @property
+    def head_lengths(self) -> torch.Tensor:
+        """Assistant tokens per conversation: where the loss reads logits (the budget planner's
+        batches follow them)."""
+        return torch.tensor([int((t != IGNORE).sum()) for t in self.targets], dtype=torch.int64)
+
     def subset(self, indices: Indices) -> ChatSplit:
         idx = as_index_list(indices, len(self))
         clients = None if self.clients is None else [self.clients[i] for i in idx]

@@ -260,11 +260,11 @@ def pack_causal(prompts: list[torch.Tensor], targets: list[torch.Tensor], pad: i
     :data:`IGNORE` on prompts, padding and each example's first token."""
     seqs = [torch.cat([p, t]) for p, t in zip(prompts, targets)]
     labels = [torch.cat([torch.full_like(p, IGNORE), t]) for p, t in zip(prompts, targets)]
-    return pack_labeled(seqs, labels, pad)
+    return pack_labeled(seqs, labels, pad, row_tokens, layout)
 
 
-def pack_labeled(seqs: list[torch.Tensor], labels: list[torch.Tensor], pad: int
-                 ) -> dict[str, torch.Tensor]:
+def pack_labeled(seqs: list[torch.Tensor], labels: list[torch.Tensor], pad: int,
+                 row_tokens: int | None = None, layout=None) -> dict[str, torch.Tensor]:
     """A packed causal-LM batch of examples whose per-token ``labels`` (:data:`IGNORE` where no
     loss is taken: a conversation's user turns) are given: labels (R, C), :data:`IGNORE` on
     padding and on each example's first token."""
