@@ -240,7 +240,7 @@ class SecureAggregation(Rule):
                 continue
             masked[c] = sp.mask(secrets[c], vector, params)
         for r in replies.values():  # what stays in the clear, as a Flower client sends it
-            r.metrics = clear_metrics(r.metrics)
+            r.metrics = upload_metrics(clear_metrics(r.metrics), layout)
 
         def reveal(active, dead):  # stage 3, on every survivor
             return {c: sp.unmask_shares(secrets[c], active, dead, params.threshold)
@@ -264,6 +264,17 @@ def clear_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """The metrics a client reports in the clear under secure aggregation: its scalars (loss,
     costs). Lists (heads' keep-mask and importance: its per-element weights) stay with it."""
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) or v is None}
+
+
+def upload_metrics(metrics: Mapping[str, Any], layout) -> dict[str, Any]:
+    """A client's upload counted as it travels: the masked vector (32-bit integers), the plain
+    reply's bytes kept as ``bytes_up_plain`` (the key stages' few hundred bytes per peer are not
+    counted)."""
+    out = dict(metrics)
+    if "bytes_up" in out:
+        out["bytes_up_plain"] = out["bytes_up"]
+    out["bytes_up"], out["params_up"] = 4 * layout.coordinates(), layout.coordinates()
+    return out
 
 
 def _reads_replies(method_cls: type) -> bool:
