@@ -121,6 +121,32 @@ def test_decoded_sums_within_the_stated_quantization_error(seed):
         assert torch.equal(got_den[k][den[k] == 0], torch.zeros_like(got_den[k][den[k] == 0]))
 
 
+def test_one_weight_per_tensor_where_the_layout_says_so():
+    """A layout that holds one weight for a tensor (FedAvg's examples) sends one number for it,
+    decodes to the same sums, and refuses a weight that varies over the tensor."""
+    shapes = {"a": (3, 4)}
+    params = sp.Params(threshold=2, clip_range=0.5)
+    one = sp.Layout(shapes, {"a": 10.0}, {"a": ()})
+    full = sp.Layout(shapes, {"a": 10.0})
+    assert one.coordinates() == 12 + 1 + 1 and full.coordinates() == 12 + 12 + 1
+    g = torch.Generator().manual_seed(0)
+    deltas = [{"a": 0.01 * torch.randn(3, 4, generator=g)} for _ in range(3)]
+    sums = {}
+    for name, layout in (("one", one), ("full", full)):
+        total = None
+        for c, d in enumerate(deltas):
+            v = sp.encode(d, {"a": float(4 + c)}, layout, params, seed=c)
+            total = v if total is None else [x + y for x, y in zip(total, v)]
+        sums[name] = sp.decode([x % params.mod_range for x in total], 3, layout, params)
+    bound = sp.error_bound(3, one, params)["a"]
+    exact_num = sum((4 + c) * d["a"] for c, d in enumerate(deltas))
+    for num, den, _ in sums.values():
+        assert (num["a"] - exact_num).abs().max() <= bound[0] + 1e-6
+        assert (den["a"] - 15.0).abs().max() <= bound[1] + 1e-6 and den["a"].shape == (3, 4)
+    with pytest.raises(sp.ProtocolError, match="the weight of a varies"):
+        sp.encode(deltas[0], {"a": torch.arange(12.0).reshape(3, 4)}, one, params)
+
+
 # -- the rule in process -------------------------------------------------------------------------
 
 CASES = {
@@ -203,6 +229,10 @@ def test_secure_round_equals_plain_sums(tiny_cfg_dict, tmp_path, case, monkeypat
     deltas, weights = rule.inner.client_updates(1, state0, {c: seen[c][0] for c in used},
                                                 {c: seen[c][1] for c in used})
     layout = rule.layout(state0, {c: seen[c][0] for c in used})
+    if case in ("fedpetuning", "fedpetuning+fedadam", "ffa", "fedsa"):  # FedAvg: one weight each
+        assert all(layout.weight_shape(k) == () for k in layout.shapes)
+    if case.startswith("raffm"):  # held-masks: a weight per element
+        assert any(layout.weight_shape(k) == s for k, s in layout.shapes.items())
     params = rule.params(len(rec["clients"]))
     bound = sp.error_bound(len(used), layout, params)
     assert rec["secagg_clipped"] == 0

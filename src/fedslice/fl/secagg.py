@@ -158,7 +158,12 @@ def mask(me: ClientSecrets, vector: Vector, params: Params) -> Vector:
             continue
         pm = _pairwise(me.sk1, me.peers[nid][0], params.mod_range, shapes)
         out = parameters_addition(out, pm) if me.nid > nid else parameters_subtraction(out, pm)
-    return parameters_mod(out, params.mod_range)
+    return _arrays(parameters_mod(out, params.mod_range))
+
+
+def _arrays(vector) -> Vector:
+    """Numpy arrays (Flower's mod of a 0-d array gives a numpy scalar)."""
+    return [np.asarray(a, dtype=np.int64) for a in vector]
 
 
 def check_masked(nid: int, vector: object, shapes: Sequence[tuple[int, ...]],
@@ -181,7 +186,7 @@ def add_masked(vectors: Sequence[Vector], params: Params) -> Vector:
     total = vectors[0]
     for v in vectors[1:]:
         total = parameters_mod(parameters_addition(total, v), params.mod_range)
-    return total
+    return _arrays(total)
 
 
 # -- stage 3 -------------------------------------------------------------------------------------
@@ -221,7 +226,7 @@ def unmask(masked_sum: Vector, shares: Mapping[int, Sequence[bytes]], active: Se
             pm = _pairwise(secret, peers[other][0], params.mod_range, shapes)
             # client `other` added +pm if other > nid, else -pm: undo it
             out = parameters_subtraction(out, pm) if other > nid else parameters_addition(out, pm)
-    return parameters_mod(out, params.mod_range)
+    return _arrays(parameters_mod(out, params.mod_range))
 
 
 # -- what a vector holds -------------------------------------------------------------------------
@@ -243,16 +248,20 @@ def _seeded(seed: int | None):
 @dataclass(frozen=True)
 class Layout:
     """What each client's vector holds, in order: per key, its weighted update ``w/W * delta``
-    (full shape), then per key its weight ``w/W`` (full shape), then one count of clipped
-    coordinates. ``bounds``: W per key, the largest weight any client of the round may give an
-    element of it (public: from the partition sizes the server knows)."""
+    (full shape), then per key its weight ``w/W`` (in ``weight_shapes``: the full shape, or
+    ``()`` where every client's weight is one number for the whole tensor, as FedAvg's), then
+    one count of clipped coordinates. ``bounds``: W per key, the largest weight any client of
+    the round may give an element of it (public: from the partition sizes the server knows)."""
 
     shapes: dict[str, tuple[int, ...]]
     bounds: dict[str, float]
+    weight_shapes: dict[str, tuple[int, ...]] | None = None  # None: the full shapes
+
+    def weight_shape(self, key: str) -> tuple[int, ...]:
+        return self.shapes[key] if self.weight_shapes is None else tuple(self.weight_shapes[key])
 
     def array_shapes(self) -> list[tuple[int, ...]]:
-        s = list(self.shapes.values())
-        return s + s + [(1,)]
+        return [*self.shapes.values(), *(self.weight_shape(k) for k in self.shapes), (1,)]
 
     def coordinates(self) -> int:
         return sum(int(np.prod(s)) for s in self.array_shapes())
@@ -262,7 +271,8 @@ def encode(delta: Mapping[str, torch.Tensor], weight: Mapping[str, torch.Tensor 
            layout: Layout, params: Params, seed: int | None = None) -> Vector:
     """One client's vector: per key ``w/W * delta`` clipped to [-c, c] and ``w/W`` clipped to
     [0, 1] (a key it did not train: zeros), quantized by Flower's stochastic quantizer, and the
-    number of coordinates that were clipped."""
+    number of coordinates that were clipped. A ProtocolError when a weight the layout holds as
+    one number varies over its tensor."""
     ups, ws, clipped = [], [], 0
     for k, shape in layout.shapes.items():
         w = weight.get(k, 0.0) if isinstance(weight, Mapping) else weight
@@ -271,14 +281,23 @@ def encode(delta: Mapping[str, torch.Tensor], weight: Mapping[str, torch.Tensor 
         w = torch.as_tensor(w, dtype=torch.float64).expand(shape) / layout.bounds[k]
         d = delta[k].double() if k in delta else torch.zeros(shape, dtype=torch.float64)
         u = (w * d).numpy()
-        wn = w.numpy()
+        wn = w.numpy() if layout.weight_shape(k) else _one(w, k)
         clipped += int((np.abs(u) > params.clip_range).sum()) + int((wn > 1).sum() + (wn < 0).sum())
         ups.append(u)
         ws.append(np.clip(wn, 0.0, 1.0))
     with _seeded(seed):
         q = quantize(ups, params.clip_range, params.target_range) + \
             quantize(ws, 1.0, params.target_range)
-    return [a.astype(np.int64) for a in q] + [np.array([clipped], dtype=np.int64)]
+    return [np.asarray(a, dtype=np.int64) for a in q] + [np.array([clipped], dtype=np.int64)]
+
+
+def _one(w: torch.Tensor, key: str) -> np.ndarray:
+    """The one weight of a tensor the layout weighs by one number (0-d)."""
+    first = w.reshape(-1)[0] if w.numel() else torch.zeros((), dtype=w.dtype)
+    if w.numel() and not bool((w == first).all()):
+        raise ProtocolError(f"the weight of {key} varies over its elements, the round's layout "
+                            "holds one number for it")
+    return np.asarray(float(first))
 
 
 def decode(total: Vector, n: int, layout: Layout, params: Params
@@ -293,7 +312,8 @@ def decode(total: Vector, n: int, layout: Layout, params: Params
         w = layout.bounds[key]
         # dequantize subtracts c once; the sum of n vectors carries n shifts
         num[key] = torch.from_numpy((ups[i] - (n - 1) * params.clip_range) * w).float()
-        den[key] = torch.from_numpy((ws[i] - (n - 1) * 1.0) * w).float()
+        d = torch.as_tensor((ws[i] - (n - 1) * 1.0) * w, dtype=torch.float32)
+        den[key] = d.expand(layout.shapes[key]).clone()
     return num, den, int(total[2 * k][0])
 
 

@@ -103,8 +103,10 @@ def masked_reply(msg: Message, context: Context, method, payload: Payload, reply
     fields = msg.content.config_records[SECAGG]
     me = secrets_from_record(context.state.config_records[SECAGG])
     sp.receive_shares(me, dict(zip([int(s) for s in fields["src"]], fields["ct"])))
-    shapes = {k: tuple(s) for k, s in json.loads(str(fields["layout"]))}
-    layout = sp.Layout(shapes, {k: float(fields["bound"]) for k in shapes})
+    keys = json.loads(str(fields["layout"]))  # [[name, shape, weight shape], ...]
+    shapes = {k: tuple(s) for k, s, _ in keys}
+    layout = sp.Layout(shapes, {k: float(fields["bound"]) for k in shapes},
+                       {k: tuple(w) for k, _, w in keys})
     params = sp.Params(int(fields["threshold"]), float(fields["clip"]))
     rule = find_rule(method.strategy, SecureAggregation)
     state = {k: payload.arrays[k] for k in shapes}  # the whole trainable state (the server checks)
@@ -184,7 +186,8 @@ class SecureFlowerAdapter(FlowerAdapter):
             log.warning("round %d: %d clients shared keys, fewer than privacy.secagg_threshold=%d",
                         sent.number, len(keyholders), params.threshold)
             return []
-        shapes = json.dumps([[k, list(s)] for k, s in layout.shapes.items()])
+        shapes = json.dumps([[k, list(s), list(layout.weight_shape(k))]
+                             for k, s in layout.shapes.items()])
         out = []
         for c in keyholders:
             srcs = [s for s in keyholders if s != c and c in _dsts(boxes[s])]

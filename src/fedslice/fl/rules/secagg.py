@@ -120,7 +120,30 @@ class SecureAggregation(Rule):
                              "server (the weights' public bound)")
         bound = float(max(sizes))
         shapes = {k: tuple(state[k].shape) for k in self.trainable if k in state}
-        return protocol().Layout(shapes, {k: bound for k in shapes})
+        return protocol().Layout(shapes, {k: bound for k in shapes},
+                                 self.weight_shapes(state, payloads, shapes))
+
+    def weight_shapes(self, state: State, payloads: Mapping[int, Payload],
+                      shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """Per key, ``()`` where the method weighs every client's tensor by one number (FedAvg's
+        examples: half the upload), else its full shape (held-masks, importance, rank masks).
+        Asked of the method's weighting on each payload sent back unchanged; a client whose
+        real weight then varies over the tensor refuses to send (:func:`~fedslice.fl.secagg.encode`)."""
+        one = set(shapes)
+        for c, p in payloads.items():
+            if self.absent(p) is not None:
+                continue
+            try:
+                echo = Reply(dict(self.expected_update(state, p, Reply(dict(p.arrays), 1, {}))), 1, {})
+                _, weights = self.inner.client_updates(0, state, {c: p}, {c: echo})
+            except Exception:  # noqa: BLE001 - a weighting that needs more than an echo: full shapes
+                return dict(shapes)
+            w = weights[0]
+            for k in list(one):
+                wk = w.get(k) if isinstance(w, Mapping) else w
+                if torch.is_tensor(wk) and wk.numel() > 1:
+                    one.discard(k)
+        return {k: (() if k in one else s) for k, s in shapes.items()}
 
     # -- a client's side -----------------------------------------------------------------------
     def client_vector(self, server_round: int, state: State, payload: Payload, reply: Reply,
@@ -138,7 +161,10 @@ class SecureAggregation(Rule):
         if extra:
             return None, f"tensor {extra[0]} is not a tensor the clients train"
         seed = int(np.random.SeedSequence([self.seed, server_round, c, 7]).generate_state(1)[0])
-        return protocol().encode(deltas[0], weights[0], layout, params, seed), None
+        try:
+            return protocol().encode(deltas[0], weights[0], layout, params, seed), None
+        except protocol().ProtocolError as e:
+            return None, str(e)
 
     # -- the server's side ---------------------------------------------------------------------
     def aggregate_masked(self, server_round: int, state: State, masked: Mapping[int, Masked],
@@ -206,11 +232,14 @@ class SecureAggregation(Rule):
         """One round of the protocol in process. Every client configured this round shares keys
         (it was reachable when its payload went out); those whose replies arrived mask their own
         vector; the others are dead and their pairwise masks are removed from the survivors'
-        shares. ``unmask_dropouts``: clients that vanish after masking (tests)."""
+        shares."""
         return self.secure_round(server_round, state, payloads, replies, set())
 
     def secure_round(self, server_round: int, state: State, payloads: dict[int, Payload],
                      replies: dict[int, Reply], gone_after_masking: set[int]) -> RoundResult:
+        """:meth:`aggregate_train` with ``gone_after_masking``: clients whose masked vectors
+        arrived but who vanish before revealing their shares (in the sum; their private masks
+        rebuilt from the others' shares)."""
         sp = protocol()
         for c in self.sent:
             if c not in replies:
