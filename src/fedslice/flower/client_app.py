@@ -162,6 +162,11 @@ def end_run(context: Context) -> None:
 def query(msg: Message, context: Context) -> Message:
     """Reply with this node's partition (validated against the server's num_clients); an
     ``end-run`` query removes the run's model files instead."""
+    if "fedslice_secagg" in msg.content.config_records:  # a secure aggregation stage
+        from fedslice.flower.secagg import client_stage
+
+        num_clients = int(msg.content.config_records["fedslice_secagg"]["num_clients"])
+        return client_stage(msg, context, node_partition(context.node_config, num_clients))
     fields = msg.content["fedslice"]
     if END_RUN in fields:
         end_run(context)
@@ -189,4 +194,10 @@ def train(msg: Message, context: Context) -> Message:
     reply = method.train_client(payload, data.client(pid), client_seed(cfg.seed, payload.config["round"], pid))
     if state := method.client_state():
         store_kept(context, state, received_model=bool(payload.model))
+    if "fedslice_secagg" in msg.content.config_records:  # only the masked vector leaves
+        from fedslice.fl.wire import received
+        from fedslice.flower.secagg import masked_reply
+
+        sent = received(to_wire(reply, cfg.federation.upload_dtype), cfg.federation.upload_dtype)
+        return Message(masked_reply(msg, context, method, payload, sent), reply_to=msg)
     return Message(encode_reply(to_wire(reply, cfg.federation.upload_dtype)), reply_to=msg)

@@ -28,12 +28,14 @@ APP_COMPONENTS = {"serverapp": "fedslice.flower.server_app:app",
 
 def app_pyproject() -> dict:
     """The Flower app's pyproject as a dict; its code is the installed fedslice package."""
+    from importlib.metadata import version
+
     from fedslice import __version__
 
     return {
         "project": {"name": "fedslice-app", "version": __version__,
                     "description": "fedslice experiments on Flower (fedslice deploy local)",
-                    "dependencies": ["fedslice", "flwr==1.41.0"]},
+                    "dependencies": ["fedslice", f"flwr=={version('flwr')}"]},
         "tool": {"flwr": {"app": {"publisher": "fedslice", "components": dict(APP_COMPONENTS),
                                   "config": dict(RUN_CONFIG_DEFAULTS)}}},
     }

@@ -132,7 +132,11 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     partitions = PartitionMap(cfg.federation.num_clients)
     partitions.discover(grid, settings.connect_timeout)
     done = ckpt.round if ckpt else 0
-    adapter = FlowerAdapter(cfg, method, data, partitions, settings.round_timeout, offset=done)
+    adapter_cls = FlowerAdapter
+    if cfg.privacy.secure_aggregation:  # the SecAgg stages around each round's training
+        from fedslice.flower.secagg import SecureFlowerAdapter
+        adapter_cls = SecureFlowerAdapter
+    adapter = adapter_cls(cfg, method, data, partitions, settings.round_timeout, offset=done)
     command = lambda path: resume_command(settings, path)  # noqa: E731
     if ckpt is None:
         session = RunSession.create(cfg, method, data, out, command)

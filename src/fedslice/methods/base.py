@@ -228,7 +228,9 @@ class Method:
         #: :meth:`freeze_plan`), thawed when it is done (:meth:`train_client`)
         self._plan_frozen: list[nn.Parameter] = []
         #: the method's own strategy, inside the aggregation rules of the config
-        self.strategy = wrap_rules(self.make_strategy(), cfg, role, arch=self.arch)
+        self.strategy = wrap_rules(self.make_strategy(), cfg, role, arch=self.arch,
+                                   trainable=[n for n, p in self.model.named_parameters()
+                                              if p.requires_grad])
 
     @property
     def own_strategy(self) -> Strategy:

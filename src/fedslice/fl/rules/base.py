@@ -45,6 +45,13 @@ class Rule(Wrapper):
     #: why a server optimizer (``server_opt``) cannot step along what the rule combines ("":
     #: it can)
     server_opt_refusal: ClassVar[str] = ""
+    #: the rule combines from the sums of the clients' weighted updates and weights alone, so
+    #: it runs under secure aggregation (``privacy.secure_aggregation``)
+    from_sums: ClassVar[bool] = False
+    #: what to do instead, in the message refusing the rule under secure aggregation
+    secagg_hint: ClassVar[str] = ""
+    #: ``from_config`` takes the names of the tensors the clients train (``trainable=``)
+    takes_trainable: ClassVar[bool] = False
 
     def __init__(self, inner: Strategy):
         if not isinstance(inner, Rule):
@@ -102,12 +109,16 @@ def describe_rules(cfg: ExperimentConfig) -> str:
     return "the method's weighted mean" + "".join(f", then {r.describe(cfg)}" for r in rules)
 
 
-def wrap_rules(strategy: Strategy, cfg: ExperimentConfig, role: str = "both", arch=None) -> Strategy:
+def wrap_rules(strategy: Strategy, cfg: ExperimentConfig, role: str = "both", arch=None,
+               trainable: list[str] | None = None) -> Strategy:
     """``strategy`` inside every rule ``cfg`` asks for (``role='client'``: a client never
     aggregates, rules with server state, e.g. DP's accountant, leave themselves out); ``arch``:
-    the model's :class:`~fedslice.models.arch.ArchSpec`, for rules that ask it (``takes_arch``)."""
+    the model's :class:`~fedslice.models.arch.ArchSpec`, for rules that ask it (``takes_arch``);
+    ``trainable``: the names of the tensors the clients train (``takes_trainable``)."""
     for rule in selected_rules(cfg):
-        if rule.takes_arch:
+        if rule.takes_trainable:
+            strategy = rule.from_config(strategy, cfg, role, trainable=list(trainable or []))
+        elif rule.takes_arch:
             strategy = rule.from_config(strategy, cfg, role, arch=arch)
         else:
             strategy = rule.from_config(strategy, cfg, role)

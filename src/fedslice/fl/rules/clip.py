@@ -14,6 +14,7 @@ from fedslice.slicing.robust import clip_update
 
 class Clip(Rule):
     name = "clip"
+    secagg_hint = " (to clip: federation.max_grad_norm clips each client's gradients locally)"
     selected_by = "aggregation.clip_norm"
     order = 20
 

@@ -15,6 +15,7 @@ from fedslice.registry import register_rule
 
 class DPFedAvg(Rule):
     name = "dp"
+    secagg_hint = " to clip it on the server (distributed DP, noise added by the clients, is not built)"
     selected_by = "dp.enabled"
     order = 30
     needs_same_shaped = True

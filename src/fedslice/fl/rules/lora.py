@@ -283,6 +283,7 @@ class FedSA(LoraRule):
 
     name = "fedsa"
     needs_mean = False
+    from_sums = True
 
     def personal_tensors(self, names) -> set[str]:
         return self.inner.personal_tensors(names) | {p.b for p in lora_pairs(names)}
@@ -307,6 +308,7 @@ class LoraRanks(Rule):
     name = "lora_ranks"
     selected_by = "lora.ranks"
     order = 11
+    from_sums = True  # each client pads and masks its own update
 
     def __init__(self, inner: Strategy, padding: str = "holders"):
         super().__init__(inner)

@@ -69,6 +69,7 @@ class ServerOpt(Rule):
     name = "server_opt"
     selected_by = "server_opt.name"
     order = 40  # outermost: it steps along whatever the rules below combined
+    from_sums = True  # it steps along the mean, which secure aggregation's sums give
 
     def __init__(self, inner: Strategy, opt: ServerOptConfig):
         super().__init__(inner)

@@ -1,0 +1,268 @@
+"""Secure aggregation on the Deployment Engine: the SecAgg stages as Flower messages.
+
+Why not Flower's ``SecAggPlusWorkflow`` and ``secaggplus_mod``: the workflow runs inside the
+legacy ``DefaultWorkflow`` with a ``LegacyContext`` and a legacy ``flwr.server.strategy``
+(``configure_fit`` / ``aggregate_fit`` over ``FitRes``), and the mod acts on TRAIN replies that
+convert to a legacy ``FitRes``; fedslice's ServerApp is a Message API app whose strategy is a
+``flwr.serverapp.strategy.Strategy`` (per-client payloads, validation, checkpoints). The workflow
+also scales every vector by one scalar weight per client (``max_weight``), while fedslice sums a
+per-coordinate weight vector with the update. So the ServerApp drives the same protocol from
+Flower's own primitives (:mod:`fedslice.fl.secagg`, shared with the in-process engine):
+
+* stage 0 (``setup``) and stage 1 (``share_keys``): QUERY messages sent from ``configure_train``
+  (Flower's ``Strategy.start`` hands it the grid); a node that fails them is left out of the round;
+* stage 2: the TRAIN message carries the payload, the encrypted shares for that client and the
+  round's public layout; the ClientApp trains, builds its vector with the same
+  :meth:`~fedslice.fl.rules.secagg.SecureAggregation.client_vector` as in process, masks it and
+  replies with the masked vector (uint32), its example count and scalar metrics only;
+* stage 3 (``unmask``): QUERY messages from ``aggregate_train``; the server's side is
+  :meth:`~fedslice.fl.rules.secagg.SecureAggregation.aggregate_masked`, as in process.
+
+A client keeps its keys and shares between the stages in ``Context.state`` (record
+``fedslice_secagg``), which Flower keeps per node across the messages of a run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import (Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord,
+                      RecordDict)
+from flwr.serverapp import Grid
+
+from fedslice.errors import ConfigError
+from fedslice.fl import secagg as sp
+from fedslice.fl.rules import SecureAggregation, find_rule
+from fedslice.fl.rules.secagg import clear_metrics, upload_metrics
+from fedslice.fl.strategy import Payload, Reply, RoundResult
+from fedslice.flower.codec import encode_reply, error_reason, state_to_record
+from fedslice.flower.strategy import TTL_MARGIN_S, FlowerAdapter
+
+log = logging.getLogger(__name__)
+
+SECAGG = "fedslice_secagg"  # record name: in stage messages, train messages and Context.state
+MASKED = "masked"  # prefix of the masked arrays' names in a reply
+
+
+# -- a client's secrets in Context.state ------------------------------------------------------
+def secrets_to_record(me: sp.ClientSecrets) -> ConfigRecord:
+    return ConfigRecord({
+        "nid": me.nid, "sk1": me.sk1, "pk1": me.pk1, "sk2": me.sk2, "pk2": me.pk2, "seed": me.seed,
+        "seed_owners": list(me.seed_shares), "seed_shares": list(me.seed_shares.values()),
+        "sk1_owners": list(me.sk1_shares), "sk1_shares": list(me.sk1_shares.values()),
+        "peers": list(me.peers), "peer_pk1": [p[0] for p in me.peers.values()],
+        "peer_pk2": [p[1] for p in me.peers.values()]})
+
+
+def secrets_from_record(r: ConfigRecord) -> sp.ClientSecrets:
+    def pairs(keys, values):
+        return dict(zip(list(r.get(keys, [])), list(r.get(values, []))))
+
+    me = sp.ClientSecrets(int(r["nid"]), r["sk1"], r["pk1"], r["sk2"], r["pk2"], r.get("seed", b""))
+    me.seed_shares, me.sk1_shares = pairs("seed_owners", "seed_shares"), pairs("sk1_owners", "sk1_shares")
+    me.peers = {int(n): (a, b) for n, a, b in zip(r.get("peers", []), r.get("peer_pk1", []),
+                                                   r.get("peer_pk2", []))}
+    return me
+
+
+# -- the ClientApp's side -----------------------------------------------------------------------
+def client_stage(msg: Message, context: Context, client: int) -> Message:
+    """A QUERY of stage 0, 1 or 3 for this node's ``client``."""
+    fields = msg.content.config_records[SECAGG]
+    stage = str(fields["stage"])
+    if stage == "setup":
+        me = sp.setup(client)
+        context.state[SECAGG] = secrets_to_record(me)
+        out = {"pk1": me.pk1, "pk2": me.pk2}
+    else:
+        if SECAGG not in context.state.config_records:
+            raise RuntimeError(f"secure aggregation stage {stage!r} before this node's setup")
+        me = secrets_from_record(context.state.config_records[SECAGG])
+        if stage == "share_keys":
+            peers = {int(n): (a, b) for n, a, b in zip(fields["nids"], fields["pk1"], fields["pk2"])}
+            boxes = sp.share_keys(me, peers, int(fields["threshold"]))
+            out = {"dst": list(boxes), "ct": list(boxes.values())}
+        elif stage == "unmask":
+            shares = sp.unmask_shares(me, [int(c) for c in fields["active"]],
+                                      [int(c) for c in fields["dead"]], int(fields["threshold"]))
+            out = {"owners": list(shares), "shares": list(shares.values())}
+        else:
+            raise ValueError(f"unknown secure aggregation stage {stage!r}")
+        context.state[SECAGG] = secrets_to_record(me)
+    return Message(RecordDict({SECAGG: ConfigRecord(out)}), reply_to=msg)
+
+
+def masked_reply(msg: Message, context: Context, method, payload: Payload, reply: Reply) -> RecordDict:
+    """Stage 2 after local training: this client's vector (its reply, checked by itself,
+    weighted by the method and encoded by :meth:`SecureAggregation.client_vector`), masked; the
+    reply carries it, the example count and the scalar metrics, never the update."""
+    fields = msg.content.config_records[SECAGG]
+    me = secrets_from_record(context.state.config_records[SECAGG])
+    sp.receive_shares(me, dict(zip([int(s) for s in fields["src"]], fields["ct"])))
+    keys = json.loads(str(fields["layout"]))  # [[name, shape, weight shape], ...]
+    shapes = {k: tuple(s) for k, s, _ in keys}
+    layout = sp.Layout(shapes, {k: float(fields["bound"]) for k in shapes},
+                       {k: tuple(w) for k, _, w in keys})
+    params = sp.Params(int(fields["threshold"]), float(fields["clip"]))
+    rule = find_rule(method.strategy, SecureAggregation)
+    state = {k: payload.arrays[k] for k in shapes}  # the whole trainable state (the server checks)
+    vector, reason = rule.client_vector(int(payload.config["round"]), state, payload, reply,
+                                        layout, params)
+    if vector is None:
+        raise RuntimeError(f"secure aggregation: this client's update is refused: {reason}")
+    masked = sp.mask(me, vector, params)
+    context.state[SECAGG] = secrets_to_record(me)
+    metrics = upload_metrics(clear_metrics(reply.metrics), layout)
+    content = encode_reply(Reply({}, reply.num_examples, metrics))
+    content["arrays"] = ArrayRecord({f"{MASKED}.{i}": Array(a.astype(np.uint32))
+                                     for i, a in enumerate(masked)})
+    return content
+
+
+# -- the ServerApp's side ---------------------------------------------------------------------
+class SecureFlowerAdapter(FlowerAdapter):
+    """The adapter with the SecAgg stages around each round's training (module doc)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rule: SecureAggregation = find_rule(self.inner, SecureAggregation)
+        self._secure: dict[str, Any] = {}  # the round being trained: layout, keys, failures
+
+    def _exchange(self, grid: Grid, server_round: int, fields: Mapping[int, dict]
+                  ) -> tuple[dict[int, ConfigRecord], dict[int, str]]:
+        """One QUERY per client (``fields``: client -> the stage's fields); the answers by
+        client and why the others failed."""
+        n = self.cfg.federation.num_clients
+        msgs = {c: Message(RecordDict({SECAGG: ConfigRecord({**f, "num_clients": n})}),
+                           dst_node_id=self.partitions.nodes[c], message_type=MessageType.QUERY,
+                           group_id=str(server_round), ttl=self.round_timeout + TTL_MARGIN_S)
+                for c, f in fields.items()}
+        answers = list(grid.send_and_receive(list(msgs.values()), timeout=self.round_timeout))
+        by_id = {m.metadata.message_id: c for c, m in msgs.items()}  # set when pushed
+        got, failed = {}, {}
+        for m in answers:
+            c = by_id.get(m.metadata.reply_to_message_id)
+            if c is None:
+                continue
+            if m.has_error():
+                failed[c] = f"node {self.partitions.nodes[c]} failed: {error_reason(m)}"
+            elif SECAGG not in m.content.config_records:
+                failed[c] = "its answer holds no secure aggregation record"
+            else:
+                got[c] = m.content.config_records[SECAGG]
+        for c in fields:
+            if c not in got and c not in failed:
+                failed[c] = f"no answer within {self.round_timeout:g} s"
+        return got, failed
+
+    def configure_train(self, server_round: int, arrays, config, grid: Grid) -> Iterable[Message]:
+        messages = super().configure_train(server_round, arrays, config, grid)
+        sent = self._round
+        layout = self.rule.layout(sent.state, sent.payloads)
+        params = self.rule.params(len(sent.clients))
+        for c, p in sent.payloads.items():
+            bad = [k for k, s in layout.shapes.items()
+                   if k not in p.arrays or tuple(p.arrays[k].shape) != s]
+            if bad and self.inner.absent(p) is None:
+                raise ConfigError(f"privacy.secure_aggregation on Flower needs every client to "
+                                  f"receive the whole trainable state; method.name="
+                                  f"{self.cfg.method.name!r} sends client {c} a slice ({bad[0]}): "
+                                  "run it in process (fedslice run)")
+        stage0, failed = self._exchange(grid, sent.number, {c: {"stage": "setup"} for c in sent.clients})
+        peers = {c: (r["pk1"], r["pk2"]) for c, r in sorted(stage0.items())}
+        order = sorted(peers)
+        boxes, failed1 = self._exchange(grid, sent.number, {c: {
+            "stage": "share_keys", "nids": order, "pk1": [peers[n][0] for n in order],
+            "pk2": [peers[n][1] for n in order], "threshold": params.threshold} for c in order})
+        failed.update(failed1)
+        keyholders = sorted(boxes)
+        self._secure = {"layout": layout, "params": params, "peers": peers,
+                        "keyholders": keyholders, "failed": failed, "grid": grid}
+        if len(keyholders) < params.threshold:
+            log.warning("round %d: %d clients shared keys, fewer than privacy.secagg_threshold=%d",
+                        sent.number, len(keyholders), params.threshold)
+            return []
+        shapes = json.dumps([[k, list(s), list(layout.weight_shape(k))]
+                             for k, s in layout.shapes.items()])
+        out = []
+        for c in keyholders:
+            srcs = [s for s in keyholders if s != c and c in _dsts(boxes[s])]
+            old = sent.messages[c]
+            content = old.content
+            content[SECAGG] = ConfigRecord({
+                "src": srcs, "ct": [_box(boxes[s], c) for s in srcs], "layout": shapes,
+                "bound": float(next(iter(layout.bounds.values()), 1.0)),
+                "clip": float(params.clip_range), "threshold": params.threshold})
+            # a new message: its time to live starts now, after the key stages
+            sent.messages[c] = Message(content, dst_node_id=old.metadata.dst_node_id,
+                                       message_type=MessageType.TRAIN, group_id=str(sent.number),
+                                       ttl=self.round_timeout + TTL_MARGIN_S)
+            out.append(sent.messages[c])
+        return out
+
+    def max_reply_bytes(self, payload: Payload) -> int:
+        return 4 * self._secure["layout"].coordinates() + (1 << 20)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        server_round += self.offset
+        sent, self._round = self._round, None
+        assert sent is not None and sent.number == server_round, "aggregate without configure"
+        received, failures, malformed = self._collect(sent, replies)  # sized by the layout
+        s, self._secure = self._secure, {}
+        for c, why in s["failed"].items():  # failed in stage 0 or 1: never trained
+            failures = [f for f in failures if f["client"] != c] + [{"client": c, "reason": why}]
+        for c in self.inner.sent:
+            if c not in received:
+                self.inner.forget(c)
+        masked = {c: [r.arrays[k].numpy() for k in sorted(r.arrays, key=_index)]
+                  for c, r in received.items()}
+        grid, params = s["grid"], s["params"]
+
+        def reveal(active, dead):
+            got, failed = self._exchange(grid, server_round, {c: {
+                "stage": "unmask", "active": list(active), "dead": list(dead),
+                "threshold": params.threshold} for c in active})
+            for c, why in failed.items():
+                log.warning("round %d: client %d did not answer the unmasking: %s", server_round, c, why)
+            return {c: dict(zip([int(o) for o in r["owners"]], r["shares"])) for c, r in got.items()}
+
+        if len(s["keyholders"]) < params.threshold:
+            why = (f"{len(s['keyholders'])} clients shared keys, fewer than "
+                   f"privacy.secagg_threshold={params.threshold}")
+            new, metrics, bad = None, {}, []
+        else:
+            new, metrics, bad, why = self.rule.aggregate_masked(
+                server_round, sent.state, masked, reveal, s["keyholders"], s["peers"],
+                s["layout"], params)
+        if why is not None:
+            log.warning("round %d: secure aggregation skipped: %s; global state unchanged",
+                        server_round, why)
+            result = RoundResult(sent.state, [], bad, skipped=True, rejected=len(bad),
+                                 invalid=[e["client"] for e in bad], metrics={"secagg_skipped": why})
+        else:
+            used = sorted(c for c in masked if c not in {e["client"] for e in bad})
+            result = RoundResult(new, used, bad, rejected=len(bad),
+                                 invalid=[e["client"] for e in bad], metrics=metrics)
+        new_state, server_metrics = self.method.on_round_end(
+            server_round, result.state, {c: received[c] for c in result.used})
+        self._record(sent, received, failures, result, server_metrics, malformed)
+        out = {"num-replies": len(received), "num-failed": len(failures)}
+        if self.record["train_loss"] is not None:
+            out["train-loss"] = self.record["train_loss"]
+        return state_to_record(new_state), MetricRecord(out)
+
+
+def _dsts(box: ConfigRecord) -> list[int]:
+    return [int(d) for d in box["dst"]]
+
+
+def _box(box: ConfigRecord, dst: int) -> bytes:
+    return dict(zip(_dsts(box), box["ct"]))[dst]
+
+
+def _index(name: str) -> int:
+    return int(name.rsplit(".", 1)[1]) if name.startswith(MASKED + ".") else -1

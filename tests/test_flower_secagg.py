@@ -1,0 +1,161 @@
+"""Secure aggregation on Flower: the ServerApp and ClientApp run the SecAgg stages as messages
+(over an in-process grid of ClientApps here), with the same weights as the in-process engine,
+dropouts after masking recovered and too few survivors skipping the round."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import Error, Message
+from flwr.common.constant import ErrorCode
+
+from fedslice.api import setup
+from fedslice.errors import ConfigError
+from fedslice.experiment import validate_config
+from fedslice.output import read_run
+from fedslice.run.engine import Simulation
+from fedslice.flower.server_app import run as server_run
+from tests.conftest import method_options
+from tests.test_flower import (InProcessGrid, _nodes, _settings, _submit, _wait_for_line,  # noqa: F401
+                               _weights, _write_config, needs_flower, started)
+
+
+@pytest.fixture(autouse=True)
+def flwr_home(tmp_path, monkeypatch) -> Path:
+    home = tmp_path / "flwr-home"
+    monkeypatch.setenv("FLWR_HOME", str(home))
+    return home
+
+
+class FailingGrid(InProcessGrid):
+    """Nodes that fail one stage: ``stages`` node id -> 'train' (its masked vector never
+    arrives) or 'unmask' (it vanishes after masking, before revealing its shares)."""
+
+    def __init__(self, node_configs, stages: dict[int, str]):
+        super().__init__(node_configs)
+        self.stages = stages
+
+    def _handle(self, msg: Message) -> Message:
+        want = self.stages.get(msg.metadata.dst_node_id)
+        rec = msg.content.config_records.get("fedslice_secagg")
+        stage = "train" if msg.metadata.message_type == "train" else (rec or {}).get("stage")
+        if want is not None and want == stage:
+            return Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node down"), reply_to=msg)
+        return super()._handle(msg)
+
+
+def _cfg(tiny_cfg_dict, rounds=2, **privacy):
+    d = copy.deepcopy(tiny_cfg_dict)
+    d["federation"].update(num_clients=4, clients_per_round=4, rounds=rounds)
+    d["privacy"] = {"secure_aggregation": True, "secagg_clip_range": 0.5, **privacy}
+    return d
+
+
+def _in_process(d):
+    cfg = validate_config(d)
+    method, data = setup(cfg)
+    state, records, _ = Simulation(cfg, method, data).run()
+    return method.export_state(state), records
+
+
+@pytest.mark.parametrize("method", ["fedpetuning", "heads"])
+def test_secure_serverapp_equals_in_process(tiny_cfg_dict, tmp_path, method):
+    """The same seed: the same clients, the same masked sums, the same weights (the masks
+    cancel exactly and the quantization is seeded per client and round)."""
+    d = _cfg(tiny_cfg_dict)
+    d["method"] = {"name": method, **method_options(method, tmp_path)}
+    path = _write_config(d, tmp_path / "exp.json")
+    run_dir = server_run(InProcessGrid(_nodes(4)), _settings(path, tmp_path / "fl"))
+    _, metrics, _ = read_run(run_dir)
+    want, records = _in_process(d)
+    got = _weights(run_dir)
+    assert sorted(got) == sorted(want)
+    assert max((got[k] - want[k]).abs().max().item() for k in got) <= 1e-6
+    for m, r in zip(metrics, records):
+        assert m["clients"] == r["clients"] and not m["skipped"]
+        assert m["secagg_clients"] == 4 and m["secagg_recovered"] == 0
+        assert m["secagg_upload_bytes"] == r["secagg_upload_bytes"]
+        assert all(c["bytes_up"] == m["secagg_upload_bytes"] for c in m["client_metrics"])
+        by = lambda ms: {c["client"]: c for c in ms}  # noqa: E731
+        for c, mc in by(m["client_metrics"]).items():
+            rc = by(r["client_metrics"])[c]
+            assert mc["loss"] == pytest.approx(rc["loss"]) and mc["bytes_up_plain"] == rc["bytes_up_plain"]
+            assert "head_importance" not in mc and "head_importance" not in rc
+
+
+def test_node_lost_after_masking_is_recovered(tiny_cfg_dict, tmp_path):
+    """A node that vanishes after sending its masked vector (before the unmasking) is still in
+    the sum: the others' shares rebuild its private mask; the weights are those of the run
+    without the failure. A node whose vector never arrives is dead: its pairwise masks are
+    removed and the round completes with the others."""
+    d = _cfg(tiny_cfg_dict, rounds=1, secagg_threshold=2)
+    path = _write_config(d, tmp_path / "exp.json")
+    want, _ = _in_process(d)
+    run_dir = server_run(FailingGrid(_nodes(4), {102: "unmask"}), _settings(path, tmp_path / "a"))
+    _, metrics, _ = read_run(run_dir)
+    got = _weights(run_dir)
+    assert max((got[k] - want[k]).abs().max().item() for k in got) <= 1e-6
+    assert metrics[0]["secagg_clients"] == 4
+    run_dir = server_run(FailingGrid(_nodes(4), {101: "train"}), _settings(path, tmp_path / "b"))
+    _, metrics, _ = read_run(run_dir)
+    m = metrics[0]
+    assert not m["skipped"] and m["secagg_clients"] == 3 and m["secagg_recovered"] == 1
+    assert [e["client"] for e in m["excluded"]] == [1]
+    init = setup(validate_config(d))[0].initial_state()
+    assert any(not torch.equal(_weights(run_dir)[k], init[k]) for k in init)
+
+
+def test_too_few_survivors_skip_the_round(tiny_cfg_dict, tmp_path):
+    d = _cfg(tiny_cfg_dict, rounds=1, secagg_threshold=3)
+    path = _write_config(d, tmp_path / "exp.json")
+    run_dir = server_run(FailingGrid(_nodes(4), {101: "train", 102: "unmask"}),
+                         _settings(path, tmp_path / "fl"))
+    _, metrics, _ = read_run(run_dir)
+    assert metrics[0]["skipped"] and "fewer than privacy.secagg_threshold=3" in \
+        metrics[0]["secagg_skipped"]
+    init = setup(validate_config(d))[0].initial_state()
+    got = _weights(run_dir)
+    assert all(torch.equal(got[k], init[k]) for k in init)
+
+
+def test_a_method_sending_slices_is_refused_on_flower(tiny_cfg_dict, tmp_path):
+    d = _cfg(tiny_cfg_dict, rounds=1)
+    d["method"] = {"name": "raffm", "width_steps": 4,
+                   "tiers": [{"share": 0.5, "flops": 0.5}, {"share": 0.5, "flops": 1.0}]}
+    path = _write_config(d, tmp_path / "exp.json")
+    with pytest.raises(ConfigError, match="privacy.secure_aggregation on Flower needs every client"):
+        server_run(InProcessGrid(_nodes(4)), _settings(path, tmp_path / "fl"))
+
+
+@needs_flower
+def test_deployed_secure_aggregation_with_a_killed_supernode(tiny_cfg_dict, tmp_path, started):
+    """SuperLink + 3 SuperNodes, secure aggregation with threshold 2: a SuperNode killed while
+    it trains (it has shared its keys; its masked vector never arrives) is recovered from the
+    two others' shares, the round completes with their sum and the run finishes."""
+    from fedslice.flower.local import LocalFederation
+
+    d = copy.deepcopy(tiny_cfg_dict)
+    d["federation"].update(num_clients=3, clients_per_round=3, rounds=1)
+    d["privacy"] = {"secure_aggregation": True, "secagg_threshold": 2, "secagg_clip_range": 0.5}
+    path = _write_config(d, tmp_path / "exp.json")
+    result = tmp_path / "result.txt"
+    with LocalFederation(tmp_path / "work", nodes=3, server_roots=[tmp_path]) as fed:
+        run_id = _submit(fed, tmp_path, path, **{"round-timeout": 90.0, "connect-timeout": 60.0,
+                                                 "result-file": str(result)})
+        victim = fed.processes[3]  # supernode-2
+        _wait_for_line(victim.log_path, "Receiving: train message", timeout=180)
+        fed.kill_supernode(2)
+        assert fed.wait(run_id, timeout=300, finished_hint=result.exists) == "finished:completed"
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    _, metrics, summary = read_run(run_dir)
+    m = metrics[0]
+    assert not m["skipped"] and m["secagg_clients"] == 2 and m["secagg_recovered"] == 1
+    assert [e["client"] for e in m["excluded"]] == [2]
+    assert sorted(c["client"] for c in m["client_metrics"]) == [0, 1]
+    assert all(c["bytes_up"] == m["secagg_upload_bytes"] > c["bytes_up_plain"]
+               for c in m["client_metrics"])
+    init = setup(validate_config(d))[0].initial_state()
+    assert any(not torch.equal(_weights(run_dir)[k], init[k]) for k in init)
