@@ -230,3 +230,26 @@ def test_harness_bad_input_is_one_line_naming_the_task(lora_run, tiny_cfg_dict, 
     assert "'sequence_classification'" in err and "generation run" in err and "\n" not in err
     assert sorted(p.name for p in cls_run.iterdir()) == cls_before
     assert sorted(p.name for p in lora_run.iterdir()) == before
+
+
+def test_harness_on_an_int8_base_scores_the_adapter_over_it(tiny_gen_cfg_dict, tmp_path, capsys):
+    """Over an int8 base the adapter stays applied to the int8 weights it trained over (no merge):
+    the trained model is that PeftModel, and --baseline the int8 base alone."""
+    from fedslice.export import read_run
+    from fedslice.harness import harness_model
+    d = dict(tiny_gen_cfg_dict)
+    d["model"] = {**d["model"], "quantize": "int8"}
+    d["federation"] = {**d["federation"], "num_clients": 2, "clients_per_round": 2, "rounds": 1,
+                       "local_steps": 2, "lr": 5e-2}
+    run = Path(run_experiment(validate_config(d)))
+    model, _ = harness_model(read_run(run))
+    from peft import PeftModel
+    assert isinstance(model, PeftModel)  # not merged into the int8 weights
+    tasks = write_tiny_tasks(tmp_path / "tasks")
+    assert main(["evaluate", str(run), "--harness", "tiny_ppl", "--harness-include", str(tasks),
+                 "--limit", "4", "--baseline"]) == 0
+    entry = json.loads((run / "harness.json").read_text())["tasks"]["tiny_ppl"]
+    assert "int8 base" in entry["model"] and entry["samples"] == 4
+    trained, base = entry["metrics"]["bits_per_byte"], entry["baseline"]["metrics"]["bits_per_byte"]
+    assert trained > 0 and base > 0 and trained != pytest.approx(base, abs=1e-7)
+    assert "tiny_ppl: bits_per_byte" in capsys.readouterr().out

@@ -165,15 +165,35 @@ def _scores(results: dict[str, Any], names: list[str]) -> dict[str, dict[str, An
     return out
 
 
+class _Expected(logging.Filter):
+    """Drops lm_eval's warnings about what fedslice does on purpose: an in-memory model, tasks
+    that load their data through a function (the local tasks)."""
+
+    NOTES = ("`pretrained` model kwarg is not of type `str`", "Passed an already-initialized model",
+             "Custom kwargs can be passed to `--metadata`")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(n in msg for n in self.NOTES)
+
+
 def run_harness(model, tokenizer, names: list[str], tm, *, limit: float | None = None,
                 num_fewshot: int | None = None, batch_size: int | None = None) -> dict[str, Any]:
     """lm_eval's ``simple_evaluate`` on an in-memory model, with the CLI's defaults (seeds,
     bootstrap) so the numbers are the ones ``lm_eval`` prints for the same model."""
     evaluator, _ = _lm_eval()
     from lm_eval.models.huggingface import HFLM
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size or 1)
-    return evaluator.simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit,
-                                     task_manager=tm, log_samples=False)
+    loggers = [logging.getLogger(n) for n in ("lm_eval.models.huggingface", "lm_eval.api.task")]
+    quiet = _Expected()
+    for lg in loggers:
+        lg.addFilter(quiet)
+    try:
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size or 1)
+        return evaluator.simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot,
+                                         limit=limit, task_manager=tm, log_samples=False)
+    finally:
+        for lg in loggers:
+            lg.removeFilter(quiet)
 
 
 def evaluate_harness(run_dir: str | Path, tasks: str | list[str], *,
