@@ -99,9 +99,11 @@ def check_tasks(tm, names: list[str], include: list[str | Path] | None = None) -
             raise ConfigError(f"--harness: task {name!r}: {e}") from None
         except Exception as e:  # noqa: BLE001 - the hub unreachable, a broken YAML, ...
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            hub = isinstance(e, (ConnectionError, OSError)) or "hub" in why.lower()
+            hint = ("; a hub task's data come from the hub: offline, use the local tasks "
+                    "(docs/harness.md)" if hub else "")
             raise FedsliceError(f"--harness: task {name!r} could not be loaded ({type(e).__name__}:"
-                                f" {why}); a hub task needs the hub reachable: offline, use the "
-                                "local tasks (docs/harness.md)") from None
+                                f" {why}){hint}") from None
 
 
 def harness_model(run: TrainedRun, *, untrained: bool = False):
