@@ -194,13 +194,13 @@ def write(out: Path, name: str, splits: dict[str, list[dict]]) -> dict[str, dict
     for split, rows in splits.items():
         path = folder / f"{split}.jsonl"
         text = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
         want = OUTPUT_SHA256.get(f"{name}/{split}.jsonl")
         if want is not None and digest != want:
             sys.exit(f"{path}: sha256 {digest}, expected {want} (a changed source or builder)")
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
         files[split] = {"file": f"{name}/{split}.jsonl", "rows": len(rows), "sha256": digest}
     return files
 
