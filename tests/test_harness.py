@@ -242,7 +242,8 @@ def test_harness_on_an_int8_base_scores_the_adapter_over_it(tiny_gen_cfg_dict, t
     d["federation"] = {**d["federation"], "num_clients": 2, "clients_per_round": 2, "rounds": 1,
                        "local_steps": 2, "lr": 5e-2}
     run = Path(run_experiment(validate_config(d)))
-    model, _ = harness_model(read_run(run))
+    model, _, what = harness_model(read_run(run))
+    assert what == "trained, adapter over the int8 base"
     from peft import PeftModel
     assert isinstance(model, PeftModel)  # not merged into the int8 weights
     tasks = write_tiny_tasks(tmp_path / "tasks")

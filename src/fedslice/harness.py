@@ -107,16 +107,24 @@ def check_tasks(tm, names: list[str], include: list[str | Path] | None = None) -
 
 
 def harness_model(run: TrainedRun, *, untrained: bool = False):
-    """The model and tokenizer to hand to lm_eval's HFLM: the trained model (adapter merged over
-    a plain base, applied over a quantized one) or, ``untrained``, the base as the run loaded it."""
+    """The model and tokenizer to hand to lm_eval's HFLM, and what it is: the trained model
+    (adapter merged over a plain base, applied over a quantized one) or, ``untrained``, the base
+    as the run loaded it."""
     if untrained:
         run = dataclasses.replace(run, state={})
     rebuilt = trained_model(run)
     model = rebuilt.model
-    if rebuilt.adapter is not None and run.cfg.model.quantize == "none":
+    quantized = run.cfg.model.quantize != "none"
+    what = "untrained" if untrained else "trained"
+    if rebuilt.adapter is not None and not quantized:
         model = model.merge_and_unload()  # what `fedslice export --format merged` saves
+        what += ", adapter merged"
+    elif rebuilt.adapter is not None:
+        what += f", adapter over the {run.cfg.model.quantize} base"
+    elif quantized:
+        what += f", {run.cfg.model.quantize} base"
     model.eval()
-    return model, rebuilt.loaded.tokenizer
+    return model, rebuilt.loaded.tokenizer, what
 
 
 def read_harness(path: Path) -> dict[str, Any]:
@@ -218,13 +226,13 @@ def evaluate_harness(run_dir: str | Path, tasks: str | list[str], *,
     path = run.path / HARNESS
     merged = read_harness(path)
     import lm_eval
-    model, tok = harness_model(run)
+    model, tok, what = harness_model(run)
     trained = _scores(run_harness(model, tok, names, tm, limit=limit, num_fewshot=num_fewshot,
                                   batch_size=batch_size), names)
     del model
     base = None
     if baseline:
-        model, tok = harness_model(run, untrained=True)
+        model, tok, _ = harness_model(run, untrained=True)
         base = _scores(run_harness(model, tok, names, tm, limit=limit, num_fewshot=num_fewshot,
                                    batch_size=batch_size), names)
         del model
@@ -232,8 +240,7 @@ def evaluate_harness(run_dir: str | Path, tasks: str | list[str], *,
     entries = {}
     for task, t in trained.items():
         entry = {**t, "limit": limit, "lm_eval": lm_eval.__version__, "evaluated": when,
-                 "model": "trained" + (" (adapter merged)" if run.cfg.model.quantize == "none"
-                                       else f" (adapter over the {run.cfg.model.quantize} base)"),
+                 "model": what,
                  "baseline": None}
         if base is not None and task in base:
             entry["baseline"] = {k: base[task][k] for k in ("metrics", "stderr", "samples")}
