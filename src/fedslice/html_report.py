@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fedslice.output import read_run
-from fedslice.report import primary_metric, summary_row
+from fedslice.report import harness_rows, primary_metric, summary_row
 from fedslice.viz import View, figure, line_view, svg
 
 REPORT = "report.html"
@@ -244,8 +244,21 @@ def run_views(folder: Path) -> tuple[dict, list[dict], dict, list[View]]:
     if summary.get("samples"):
         views.append(_samples_view(summary["samples"]))
     views.extend(method_views(folder, config, metrics, summary))
+    harness = _harness_view(folder)
+    if harness is not None:
+        views.append(harness)
     views.append(View("Config", None, [], "The resolved experiment config (config.json)."))
     return config, metrics, summary, views
+
+
+def _harness_view(folder: Path) -> View | None:
+    rows = harness_rows(folder)
+    if rows is None:
+        return None
+    caption = ("harness.json (fedslice evaluate --harness): lm-evaluation-harness scores of the "
+               "trained model; base: the untrained model on the same examples (--baseline)."
+               if rows else "harness.json is damaged: evaluate again with --harness.")
+    return View("lm-evaluation-harness", None, rows, caption)
 
 
 def method_views(folder: Path, config: dict, metrics: list[dict], summary: dict) -> list[View]:

@@ -43,6 +43,8 @@ WEIGHTS = "final_trainable.safetensors"
 LABELS = "labels.json"
 #: The weights after the last finished round, written into the staging folder of a failed run
 LATEST_WEIGHTS = "latest_trainable.safetensors"
+#: lm-evaluation-harness scores of the run's model, by task (``fedslice evaluate --harness``)
+HARNESS = "harness.json"
 
 _PARTIAL_RE = re.compile(r"^\.(?P<name>.+)\.partial-(?P<pid>\d+)(?:-\d+)?$")
 _BAD_NAME_RE = re.compile(r"[/\\\x00]")

@@ -11,6 +11,7 @@ per round, memory in MiB as measured by :class:`fedslice.measure.PeakMemory`.
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fedslice.errors import FedsliceError
-from fedslice.output import SUMMARY, read_run
+from fedslice.output import HARNESS, SUMMARY, read_run
 from fedslice.registry import METHODS
 
 __all__ = [
@@ -470,7 +471,47 @@ def report(
 
     if title is None:
         title = f"fedslice results: {roots[0].name}" if len(roots) == 1 else "fedslice results"
-    return render_table(rows, title, color=color) + "".join(per_class_lines(runs))
+    return (render_table(rows, title, color=color) + "".join(per_class_lines(runs))
+            + "".join(harness_lines(runs)))
+
+
+def harness_rows(run: Path) -> list[dict[str, Any]] | None:
+    """The run's lm-evaluation-harness scores (``harness.json``), one row per task and metric:
+    trained, base (``--baseline``), change; None when it has none, [] when the file is damaged."""
+    path = Path(run) / HARNESS
+    if not path.is_file():
+        return None
+    try:
+        tasks = json.loads(path.read_text(encoding="utf-8"))["tasks"]
+        items = sorted(tasks.items())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []
+    rows = []
+    for task, e in items:
+        base = (e.get("baseline") or {}).get("metrics") or {}
+        for metric, v in (e.get("metrics") or {}).items():
+            b = base.get(metric)
+            rows.append({"task": task, "metric": metric, "trained": v, "base": b,
+                         "change": v - b if _num(v) is not None and _num(b) is not None else None,
+                         "examples": e.get("samples"), "shots": e.get("num_fewshot")})
+    return rows
+
+
+def harness_lines(runs: Sequence[Path]) -> list[str]:
+    """Per run, its lm-evaluation-harness scores (and the untrained model's, when measured)."""
+    out = []
+    for run in runs:
+        rows = harness_rows(run)
+        if rows is None:
+            continue
+        if not rows:
+            out.append(f"\nlm-evaluation-harness ({run.name}): {HARNESS} is damaged")
+            continue
+        cells = "; ".join(f"{r['task']} {r['metric']} {_fmt(r['trained'], '.4f')}"
+                          + (f" (base {_fmt(r['base'], '.4f')})" if r["base"] is not None else "")
+                          for r in rows)
+        out.append(f"\nlm-evaluation-harness ({run.name}): {cells}")
+    return out
 
 
 def per_class_lines(runs: Sequence[Path]) -> list[str]:
