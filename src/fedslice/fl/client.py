@@ -154,6 +154,7 @@ class ActivationReference:
     bytes: float
     linear: int
     quadratic: int
+    planned: bool = False  # the planner's step (else a step the client measured)
 
     def predict(self, batch: dict[str, torch.Tensor]) -> float:
         linear, quadratic = activation_units(batch)
@@ -164,11 +165,33 @@ class ActivationReference:
 
     @classmethod
     def from_config(cls, d: dict[str, float] | None) -> ActivationReference | None:
-        return None if not d else cls(float(d["bytes"]), int(d["linear"]), int(d["quadratic"]))
+        return None if not d else cls(float(d["bytes"]), int(d["linear"]), int(d["quadratic"]), True)
+
+
+@dataclass(frozen=True)
+class ActivationBound:
+    """What a client predicts its steps' saved tensors from: the planner's reference step (the
+    worst batch shape it simulated) and its own last measured step. Each reference's prediction
+    bounds a step, so the least of them does: the client's own step predicts batches like it
+    closely, the planner's those near its worst shape (the larger ratio of a small measured step
+    overstates a much longer batch)."""
+
+    references: tuple[ActivationReference, ...]
+
+    def predict(self, batch: dict[str, torch.Tensor]) -> float:
+        return min(r.predict(batch) for r in self.references)
+
+    def measured(self, step: ActivationReference) -> ActivationBound:
+        """This bound with ``step`` as the client's last measured step."""
+        return ActivationBound((*self.references[:1], step) if self.planned else (step,))
+
+    @property
+    def planned(self) -> bool:
+        return bool(self.references) and self.references[0].planned
 
 
 def memory_split(rows: torch.Tensor, collate, allowance: float | None,
-                 reference: ActivationReference | None, micro: int = 1
+                 reference: ActivationBound | None, micro: int = 1
                  ) -> tuple[list[dict[str, torch.Tensor]] | None, bool]:
     """A step's batch (``collate(rows)``) as the micro-batches it trains in: the plan's
     ``micro`` (:func:`split_batch` of the batch), or, where one of those would save more bytes
@@ -192,7 +215,7 @@ def memory_split(rows: torch.Tensor, collate, allowance: float | None,
 
 
 def memory_allowance(model: nn.Module, cfg: dict[str, Any], optimizer_bytes: int
-                     ) -> tuple[float | None, ActivationReference | None, int]:
+                     ) -> tuple[float | None, ActivationBound | None, int]:
     """``(bytes a step may save for backward, the planner's reference step, 0)`` under the
     plan's ``cfg["memory_budget"]`` (MiB: the model's tensors, gradients and AdamW state, and
     a step's saved tensors, as the run's ``memory_mb`` counts them); ``(None, None, 0)``
@@ -204,10 +227,11 @@ def memory_allowance(model: nn.Module, cfg: dict[str, Any], optimizer_bytes: int
     allowance = float(budget) * _MIB - static
     if allowance <= 0:
         raise MemoryBudgetExceeded(float(budget), static / _MIB)
-    return allowance, ActivationReference.from_config(cfg.get("memory_reference")), 0
+    planned = ActivationReference.from_config(cfg.get("memory_reference"))
+    return allowance, None if planned is None else ActivationBound((planned,)), 0
 
 
-def _cheapest_step_mb(model: nn.Module, optimizer_bytes: int, reference: ActivationReference | None,
+def _cheapest_step_mb(model: nn.Module, optimizer_bytes: int, reference: ActivationBound | None,
                       singles: list[dict[str, torch.Tensor]]) -> float:
     """MiB a step of one example at a time needs (the largest of ``singles``, predicted)."""
     saved = max(map(reference.predict, singles)) if reference is not None else 0.0
@@ -551,8 +575,9 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
                 saved_peaks[shape_key] = block.peak_bytes
             if len(parts) == 1 and (block is not None or known is not None):
                 # a measured step of this client's own batches predicts its next ones
-                reference = ActivationReference(float(known if block is None else block.peak_bytes),
-                                                *activation_units(batch))
+                step_ref = ActivationReference(float(known if block is None else block.peak_bytes),
+                                               *activation_units(batch))
+                reference = ActivationBound((step_ref,)) if reference is None else reference.measured(step_ref)
             if counted:
                 flops.first(fc, parts, virtual_tokens)
                 if flops.counts_rates(batch, virtual_tokens):
