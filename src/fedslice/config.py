@@ -503,7 +503,7 @@ class TaskConfig(Section):
     prompt + target (loss on target tokens only), encoder-decoders map prompt -> target.
     """
 
-    kind: Literal["classification", "generation", "image_classification"] = "classification"
+    kind: Literal["classification", "generation", "image_classification", "preference"] = "classification"
     prompt: str | None = Field(None, description="Template over data columns, e.g. 'Describe the "
                                "restaurant: {mr}\n' (generation and text-to-text classification; "
                                "default: the text columns joined by a newline).")
@@ -519,6 +519,13 @@ class TaskConfig(Section):
     max_target_length: int = Field(64, ge=1, description="Target tokens kept (longer targets are "
                                    "truncated and counted); prompts are limited by data.max_length.")
     max_new_tokens: int = Field(64, ge=1, description="Greedy generation length at evaluation.")
+    dpo_beta: float = Field(0.1, gt=0, description="preference: DPO's beta, the strength of the "
+                            "KL tie to the reference (the frozen base with the adapter off); "
+                            "rewards are beta x (log p_policy - log p_base) of a response.")
+    chosen_column: str = Field("chosen", description="preference: the column of the preferred "
+                               "response (the prompt is task.prompt, default '{prompt}').")
+    rejected_column: str = Field("rejected", description="preference: the column of the "
+                                 "dispreferred response.")
     image_size: int | None = Field(None, ge=8, description="image_classification: the side in px "
                                    "the images are resized to (shorter side, then a centre crop); "
                                    "default: the backbone's image processor's size. The tokens per "
@@ -544,6 +551,10 @@ class TaskConfig(Section):
             return self
         if self.image_size is not None:
             raise ValueError("image_size is for kind = 'image_classification'")
+        if self.kind == "preference" and (self.label_words is not None or self.target is not None
+                                          or self.preset != "none"):
+            raise ValueError("label_words/target/preset are not for kind = 'preference' (its rows "
+                             "are task.prompt, task.chosen_column and task.rejected_column)")
         if self.kind == "generation" and self.label_words is not None:
             raise ValueError("label_words are for kind = 'classification'")
         if self.kind == "classification" and (self.target is not None or self.preset != "none"):

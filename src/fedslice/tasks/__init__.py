@@ -10,6 +10,8 @@ classification                encoder / decoder /     :class:`Classification` (s
                               BART                    classification head)
 classification + label_words  decoder / enc-decoder   :class:`LabelWordClassification` (LM head)
 generation                    decoder / enc-decoder   :class:`Generation` (LM head)
+preference                    decoder                 :class:`Preference` (LM head; DPO against
+                                                      the frozen base)
 image_classification          image backbone (vit,    :class:`ImageClassification` (image-
                               deit, dinov2)           classification head)
 ============================  ======================  ==========================================
@@ -27,6 +29,7 @@ from fedslice.tasks.classification import Classification, evaluate_classifier
 from fedslice.tasks.generation import Generation, check_partition
 from fedslice.tasks.image import ImageClassification
 from fedslice.tasks.label_words import LabelWordClassification
+from fedslice.tasks.preference import Preference
 
 
 def make_task(cfg: ExperimentConfig, arch: ArchSpec) -> Task:
@@ -47,15 +50,19 @@ def make_task(cfg: ExperimentConfig, arch: ArchSpec) -> Task:
                               "task.label_words (e.g. {0 = 'negative', 1 = 'positive'})")
         return Classification(cfg, arch, "sequence_classification")
     if arch.lm_head is None:
-        what = "task.label_words" if t.kind == "classification" else "task.kind = 'generation'"
+        what = "task.label_words" if t.kind == "classification" else f"task.kind = {t.kind!r}"
         raise ConfigError(f"{what} needs a generative model (decoder or encoder-decoder); "
                           f"{cfg.model.name!r} is a {arch.model_type} encoder")
     if t.kind == "generation":
         check_partition(cfg)
         return Generation(cfg, arch, arch.lm_head)
+    if t.kind == "preference":
+        check_partition(cfg)
+        return Preference(cfg, arch, arch.lm_head)
     return LabelWordClassification(cfg, arch, arch.lm_head)
 
 
-__all__ = ["Classification", "Generation", "ImageClassification", "LabelWordClassification", "Task",
+__all__ = ["Classification", "Generation", "ImageClassification", "LabelWordClassification",
+           "Preference", "Task",
            "batch_examples",
            "batch_tokens", "evaluate_classifier", "make_task"]

@@ -146,4 +146,4 @@ class Generation(TextToText):
 def check_partition(cfg) -> None:
     if cfg.data.partition != "iid":
         raise ConfigError(f"data.partition = {cfg.data.partition!r} skews clients by class label; "
-                          "a generation task has none: use 'iid'")
+                          f"a {cfg.task.kind} task has none: use 'iid'")
