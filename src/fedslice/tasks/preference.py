@@ -127,17 +127,27 @@ def response_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[to
     return sums, counts
 
 
-def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor]):
+def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor], reference: bool = True):
     """``(policy chosen, policy rejected, reference chosen, reference rejected)`` summed
     log-probabilities ``(B,)`` of a pair batch; the reference is ``model`` with its adapter off,
     in eval mode, without gradients (each response its own forward: the rows of a batched
-    multi-client pass stay where the per-client adapters expect them)."""
+    multi-client pass stay where the per-client adapters expect them). ``reference=False``:
+    the policy's only (the reference's are None)."""
     from fedslice.peft import adapters_off
 
     policy = [response_logps(model, response(batch, w))[0] for w in ("chosen", "rejected")]
+    if not reference:
+        return policy[0], policy[1], None, None
     with torch.no_grad(), adapters_off(model), eval_mode(model):
         ref = [response_logps(model, response(batch, w))[0] for w in ("chosen", "rejected")]
     return policy[0], policy[1], ref[0], ref[1]
+
+
+def base_fingerprint(model: nn.Module) -> tuple:
+    """What the reference's scores depend on besides the data: the model and the sums of its
+    frozen tensors (a method that changes the base, FedEx-LoRA's residual, changes them)."""
+    frozen = [p.detach() for p in model.parameters() if not p.requires_grad]
+    return id(model), tuple(float(p.double().sum()) for p in frozen)
 
 
 class Preference(TextToText):
@@ -152,6 +162,9 @@ class Preference(TextToText):
             raise ConfigError(f"task.kind = 'preference' trains decoders; {cfg.model.name!r} is a "
                               f"{arch.model_type} encoder-decoder")
         self.chat = False
+        #: the reference's scores of the splits evaluated (the last few), by what they depend on:
+        #: the base is frozen, so an evaluation computes the policy's only (half the forwards)
+        self._reference: dict[tuple, dict[str, torch.Tensor]] = {}
 
     # -- data --------------------------------------------------------------------------------
     @property
@@ -301,19 +314,28 @@ class Preference(TextToText):
         """Per pair, in split order: summed log-probabilities of both responses under the model
         and under its base (adapter off), and the responses' token counts."""
         n = len(split)
+        key = (id(split), n, int(split.lengths.sum()), base_fingerprint(model))
+        cached = self._reference.get(key)
         out = {k: torch.zeros(n, dtype=torch.float64) for k in
                ("chosen", "rejected", "ref_chosen", "ref_rejected", "chosen_tokens", "rejected_tokens")}
         with eval_mode(model):
             for idx, batch in zip(_chunks(length_order(split), batch_size),
                                   iter_batches(split, length_order(split), batch_size, shuffle=False,
                                                generator=None)):
-                pc, pr, rc, rr = pair_logps(model, batch)
+                pc, pr, rc, rr = pair_logps(model, batch, reference=cached is None)
                 at = torch.as_tensor(idx)
-                for key, value in (("chosen", pc), ("rejected", pr), ("ref_chosen", rc),
-                                   ("ref_rejected", rr)):
-                    out[key][at] = value.double().cpu()
+                for name, value in (("chosen", pc), ("rejected", pr), ("ref_chosen", rc),
+                                    ("ref_rejected", rr)):
+                    if value is not None:
+                        out[name][at] = value.double().cpu()
                 out["chosen_tokens"][at] = (batch["labels"][:, 1:] != -100).sum(1).double()
                 out["rejected_tokens"][at] = (batch[REJECTED + "labels"][:, 1:] != -100).sum(1).double()
+        if cached is None:
+            while len(self._reference) >= 4:
+                self._reference.pop(next(iter(self._reference)))
+            self._reference[key] = {k: out[k] for k in ("ref_chosen", "ref_rejected")}
+        else:
+            out.update(cached)
         return out
 
     @torch.no_grad()
