@@ -162,6 +162,33 @@ def test_reference_is_the_base_and_training_raises_reward_accuracy(pref_cfg, tin
     assert ev["base_accuracy"] == ev["accuracy"] == summary["test_base_accuracy"]
 
 
+@pytest.mark.parametrize("adapter", ["dora", "ia3", "prompt", "prefix"])
+def test_reference_switches_off_every_adapter_with_a_frozen_base(pref_cfg, tiny_lm_dirs, adapter):
+    """Adapters inside the model's modules (DoRA, IA3) and prompt learning (prompt, prefix):
+    with the adapter's tensors perturbed, the reference is still the plain base model, the
+    policy is not, and no requires_grad flag changed."""
+    from transformers import AutoModelForCausalLM
+
+    pref_cfg["peft"] = {"method": adapter}
+    method, data = setup(validate_config(pref_cfg))
+    model = method.model
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.5)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    batch = data.test.collate(range(len(data.test)))
+    pol_c, _, ref_c, ref_r = pair_logps(model, batch)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
+    base = AutoModelForCausalLM.from_pretrained(tiny_lm_dirs["llama"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        want_c, _ = response_logps(base, response(batch, "chosen"))
+        want_r, _ = response_logps(base, response(batch, "rejected"))
+    assert torch.allclose(ref_c, want_c, atol=1e-5) and torch.allclose(ref_r, want_r, atol=1e-5)
+    assert not torch.allclose(pol_c, ref_c, atol=1e-3)
+
+
 def test_batched_clients_and_packing_match_the_plain_pass(pref_cfg):
     """The batched multi-client pass (its LoRA forward honours the switched-off adapter) and
     federation.pack = true (pairs are not packed: batches stay padded) give the same weights."""
@@ -203,7 +230,7 @@ def test_planner_measures_the_reference_forward(pref_cfg):
 def test_planner_plans_preference_clients(pref_cfg):
     pref_cfg["budgets"] = {"tiers": [{"share": 1.0, "memory_mb": 1e4}]}
     method, _ = setup(validate_config(pref_cfg))
-    assert method.plans and all(p.predicted_flops > 0 for p in method.plans.values())
+    assert method.plans and all(p.gflops_per_round > 0 for p in method.plans.values())
 
 
 # -- bad input ---------------------------------------------------------------------------------
@@ -291,3 +318,45 @@ def test_dpo_round_on_flower_matches_in_process(pref_cfg, tmp_path):
         [r["dev_reward_accuracy"] for r in records])
     assert fl_summary["primary_metric"] == "reward_accuracy"
     assert fl_summary["test_reward_margin"] == pytest.approx(summary["test_reward_margin"])
+
+
+# -- the documented config and the data builder ------------------------------------------------
+
+def test_the_dpo_config_runs(tiny_lm_dirs, tmp_path):
+    """configs/dpo_hh_smollm2.toml (docs/preference.md) as it is, on tiny pairs and the tiny
+    LLaMA instead of the HH-RLHF pairs and SmolLM2, one round."""
+    from fedslice.api import run_experiment
+    from fedslice.experiment import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs" / "dpo_hh_smollm2.toml", [
+        f"data.path={write_pairs(tmp_path / 'pairs')}", f"model.name={tiny_lm_dirs['llama']}",
+        "federation.rounds=1", "federation.num_clients=3", f"output.dir={tmp_path / 'runs'}",
+        "output.plots=false", "output.progress=false"])
+    assert cfg.task.kind == "preference" and cfg.data.path != "hh-harmless-single"
+    run = run_experiment(cfg, progress=False)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["primary_metric"] == "reward_accuracy" and "test_base_accuracy" in summary
+    from fedslice.inference import predict
+
+    records = predict(run, tmp_path / "pairs" / "test.jsonl", tmp_path / "pred.jsonl")
+    assert len(records) == 6 and {r["prediction"] for r in records} <= {"chosen", "rejected"}
+
+
+def test_hh_builder_keeps_single_turn_pairs():
+    """bench/data/hh_harmless_pairs.py: one human turn and two different answers kept; a
+    multi-turn transcript, answers after different turns, or the same answer twice dropped."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "data" / "hh_harmless_pairs.py"
+    spec = importlib.util.spec_from_file_location("hh_harmless_pairs", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    h, a = "\n\nHuman:", "\n\nAssistant:"
+    records = [{"chosen": f"{h} Hi there?{a} Hello!", "rejected": f"{h} Hi there?{a} Go away."},
+               {"chosen": f"{h} A{a} B{h} C{a} D", "rejected": f"{h} A{a} B{h} C{a} E"},
+               {"chosen": f"{h} A{a} B", "rejected": f"{h} X{a} C"},
+               {"chosen": f"{h} A{a} B", "rejected": f"{h} A{a} B"}]
+    pairs, dropped = mod.single_turn_pairs(records)
+    assert pairs == [{"prompt": "Hi there?", "chosen": "Hello!", "rejected": "Go away."}]
+    assert dropped == {"multi_turn": 1, "prefix_differs": 1, "empty_or_same": 1}

@@ -514,8 +514,10 @@ class TaskConfig(Section):
     label_words: dict[str, str] | None = Field(None, description="Text-to-text classification: "
                                                "label (as in the data) -> its word, e.g. "
                                                "{0 = ' negative', 1 = ' positive'}.")
-    chat_template: bool = Field(False, description="Wrap the prompt as a user turn of the "
-                                "tokenizer's chat template (instruct models).")
+    chat_template: bool | None = Field(None, description="Wrap the prompt as a user turn of the "
+                                       "tokenizer's chat template (instruct models). Unset: "
+                                       "kind = 'preference' wraps it when the tokenizer has a "
+                                       "template; the other kinds do not.")
     max_target_length: int = Field(64, ge=1, description="Target tokens kept (longer targets are "
                                    "truncated and counted); prompts are limited by data.max_length.")
     max_new_tokens: int = Field(64, ge=1, description="Greedy generation length at evaluation.")

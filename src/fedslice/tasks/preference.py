@@ -226,7 +226,7 @@ class Preference(TextToText):
     def uses_chat(self, tokenizer) -> bool:
         """Whether prompts become a user turn of the chat template: ``task.chat_template`` when
         set, else whenever the tokenizer has a template."""
-        if "chat_template" in self.cfg.task.model_fields_set:
+        if self.cfg.task.chat_template is not None:
             return self.cfg.task.chat_template
         return bool(getattr(tokenizer, "chat_template", None))
 
