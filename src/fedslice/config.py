@@ -501,6 +501,8 @@ class TaskConfig(Section):
     of its tokens, no free generation). ``generation``: prompt -> target, scored with BLEU and
     ROUGE on greedy generations and loss/perplexity on the targets; decoders train on
     prompt + target (loss on target tokens only), encoder-decoders map prompt -> target.
+    ``preference``: DPO on rows of a prompt and a chosen and a rejected answer, against the
+    frozen base (the adapter switched off) as reference (docs/preference.md).
     """
 
     kind: Literal["classification", "generation", "image_classification", "preference"] = "classification"
