@@ -332,11 +332,12 @@ def test_the_dpo_config_runs(tiny_lm_dirs, tmp_path):
     cfg = load_config(root / "configs" / "dpo_hh_smollm2.toml", [
         f"data.path={write_pairs(tmp_path / 'pairs')}", f"model.name={tiny_lm_dirs['llama']}",
         "federation.rounds=1", "federation.num_clients=3", f"output.dir={tmp_path / 'runs'}",
-        "output.plots=false", "output.progress=false"])
+        "output.progress=false"])
     assert cfg.task.kind == "preference" and cfg.data.path != "hh-harmless-single"
     run = run_experiment(cfg, progress=False)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["primary_metric"] == "reward_accuracy" and "test_base_accuracy" in summary
+    assert (run / "report.html").is_file()
     from fedslice.inference import predict
 
     records = predict(run, tmp_path / "pairs" / "test.jsonl", tmp_path / "pred.jsonl")

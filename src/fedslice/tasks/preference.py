@@ -147,7 +147,15 @@ def base_fingerprint(model: nn.Module) -> tuple:
     """What the reference's scores depend on besides the data: the model and the sums of its
     frozen tensors (a method that changes the base, FedEx-LoRA's residual, changes them)."""
     frozen = [p.detach() for p in model.parameters() if not p.requires_grad]
-    return id(model), tuple(float(p.double().sum()) for p in frozen)
+    return id(model), tuple(_tensor_key(p) for p in frozen)
+
+
+def _tensor_key(t: torch.Tensor):
+    """A tensor's sum, or for a quantized one (no sum) its storage and in-place version."""
+    try:
+        return float(t.sum(dtype=torch.float64))
+    except (NotImplementedError, RuntimeError, TypeError):
+        return t.data_ptr(), t._version
 
 
 class Preference(TextToText):
