@@ -34,6 +34,10 @@ COVERED = {
     "make demo": "tests/test_docs.py::test_documented_commands_run (`make demo` is `fedslice run "
                  "configs/fedpetuning_sst2.toml` in the Makefile, run here)",
     "make test": ".ci/run (CI runs it)",
+    # docs/preference.md: the run needs the HH-RLHF pairs (../shared/data), which the scratch
+    # folder does not hold; the same config runs on tiny pairs there, the builder on tiny records
+    "fedslice run configs/dpo_hh_smollm2.toml": "tests/test_preference.py::test_the_dpo_config_runs",
+    "python bench/data/hh_harmless_pairs.py": "tests/test_preference.py::test_hh_builder_keeps_single_turn_pairs",
     "fedslice deploy local --nodes 2 --tls --auth": "tests/test_flower.py::test_deploy_local_tls_and_supernode_auth",
     "fedslice deploy local": "tests/test_flower.py::test_deploy_local_two_supernodes_matches_in_process",
     "fedslice deploy simulation": "tests/test_flower.py::test_simulation_engine_matches_in_process",

@@ -567,11 +567,14 @@ class TaskConfig(Section):
     of its tokens, no free generation). ``generation``: prompt -> target, scored with BLEU and
     ROUGE on greedy generations and loss/perplexity on the targets; decoders train on
     prompt + target (loss on target tokens only), encoder-decoders map prompt -> target.
+    ``preference``: DPO on rows of a prompt and a chosen and a rejected answer, against the
+    frozen base (the adapter switched off) as reference (docs/preference.md).
     """
 
-    kind: Literal["classification", "generation", "chat", "image_classification"] = Field(
+    kind: Literal["classification", "generation", "chat", "image_classification", "preference"] = Field(
         "classification", description="'chat': conversations rendered with the model's chat "
-        "template, loss on every assistant turn (docs/instruction_tuning.md).")
+        "template, loss on every assistant turn (docs/instruction_tuning.md); 'preference': DPO "
+        "on prompt / chosen / rejected rows (docs/preference.md).")
     prompt: str | None = Field(None, description="Template over data columns, e.g. 'Describe the "
                                "restaurant: {mr}\n' (generation and text-to-text classification; "
                                "default: the text columns joined by a newline).")
@@ -584,8 +587,10 @@ class TaskConfig(Section):
     label_words: dict[str, str] | None = Field(None, description="Text-to-text classification: "
                                                "label (as in the data) -> its word, e.g. "
                                                "{0 = ' negative', 1 = ' positive'}.")
-    chat_template: bool = Field(False, description="Wrap the prompt as a user turn of the "
-                                "tokenizer's chat template (instruct models).")
+    chat_template: bool | None = Field(None, description="Wrap the prompt as a user turn of the "
+                                       "tokenizer's chat template (instruct models). Unset: "
+                                       "kind = 'preference' wraps it when the tokenizer has a "
+                                       "template; the other kinds do not.")
     chat_template_file: str | None = Field(None, description="A Jinja chat template file used "
                                            "instead of the tokenizer's (kind = 'chat', or "
                                            "chat_template = true; needed when the model has "
@@ -597,6 +602,13 @@ class TaskConfig(Section):
     max_target_length: int = Field(64, ge=1, description="Target tokens kept (longer targets are "
                                    "truncated and counted); prompts are limited by data.max_length.")
     max_new_tokens: int = Field(64, ge=1, description="Greedy generation length at evaluation.")
+    dpo_beta: float = Field(0.1, gt=0, description="preference: DPO's beta, the strength of the "
+                            "KL tie to the reference (the frozen base with the adapter off); "
+                            "rewards are beta x (log p_policy - log p_base) of a response.")
+    chosen_column: str = Field("chosen", description="preference: the column of the preferred "
+                               "response (the prompt is task.prompt, default '{prompt}').")
+    rejected_column: str = Field("rejected", description="preference: the column of the "
+                                 "dispreferred response.")
     image_size: int | None = Field(None, ge=8, description="image_classification: the side in px "
                                    "the images are resized to (shorter side, then a centre crop); "
                                    "default: the backbone's image processor's size. The tokens per "
@@ -622,6 +634,10 @@ class TaskConfig(Section):
             return self
         if self.image_size is not None:
             raise ValueError("image_size is for kind = 'image_classification'")
+        if self.kind == "preference" and (self.label_words is not None or self.target is not None
+                                          or self.preset != "none"):
+            raise ValueError("label_words/target/preset are not for kind = 'preference' (its rows "
+                             "are task.prompt, task.chosen_column and task.rejected_column)")
         if self.kind == "generation" and self.label_words is not None:
             raise ValueError("label_words are for kind = 'classification'")
         if self.kind == "chat":

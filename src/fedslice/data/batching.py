@@ -210,7 +210,9 @@ def collate(split: TokenizedSplit, indices: Indices) -> dict[str, torch.Tensor]:
 #: (``None``: the split's pad token id). Keys not listed must have equal shapes past the batch.
 PAD_VALUES: dict[str, int | None] = {
     "input_ids": None, "decoder_input_ids": None, "attention_mask": 0,
-    "decoder_attention_mask": 0, "token_type_ids": 0, "labels": -100}
+    "decoder_attention_mask": 0, "token_type_ids": 0, "labels": -100,
+    # a preference pair's rejected response (fedslice.tasks.preference)
+    "rejected_input_ids": None, "rejected_attention_mask": 0, "rejected_labels": -100}
 
 
 def stack_batches(batches: Sequence[dict[str, torch.Tensor]], pad_token_id: int

@@ -136,7 +136,12 @@ class Method:
         """A ConfigError, before any weight is loaded, when the method cannot run this pair, or
         the adapter cannot (:meth:`fedslice.peft.Adapter.check_supported`)."""
         name = cls.adapter_name(task.cfg)
-        ADAPTERS.get(name).adapter_cls.check_supported(arch, task, task.cfg.adapter_options(name))
+        adapter = ADAPTERS.get(name).adapter_cls
+        if task.needs_frozen_base and adapter.trains_base:
+            raise ConfigError(f"task.kind = {task.kind!r} compares the model with its frozen base "
+                              f"(the adapter switched off), but peft.method = {name!r} trains the "
+                              "base itself: use an adapter (peft.method = 'lora')")
+        adapter.check_supported(arch, task, task.cfg.adapter_options(name))
 
     @classmethod
     def adapter_class(cls, cfg: ExperimentConfig) -> type[Adapter]:
@@ -500,7 +505,7 @@ class Method:
         client's plan does not split its batches (micro-batches split rows of examples)."""
         if int(config.get("micro_batches") or 1) > 1:
             return False
-        return bool(config.get("pack")) and packs(self.arch.model_type, self.task.head,
+        return bool(config.get("pack")) and self.task.packable and packs(self.arch.model_type, self.task.head,
                                                   self.adapter.in_modules)
 
     def batch_key(self, payload: Payload):

@@ -30,7 +30,8 @@ architecture, a task head) are checked by :meth:`Adapter.check_supported` before
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -281,3 +282,35 @@ def train_classifier(model: nn.Module, arch: ArchSpec) -> None:
         head = getattr(base, name, None)
         for p in head.parameters() if head is not None else ():
             p.requires_grad_(True)
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block ``model`` computes as its frozen base: every adapter bypassed (a
+    reference model without a second copy: DPO's). Adapters inside the model's modules (peft's
+    tuner layers: LoRA, DoRA, IA3) by the flag their forward reads; prompt learning (prompt,
+    P-tuning, prefix) by peft's ``disable_adapter`` (the base model's forward). Unlike peft's
+    ``disable_adapter`` for tuner layers, no ``requires_grad`` flag changes: peft's turns every
+    adapter tensor trainable again on exit (FFA-LoRA's frozen A, a plan's frozen layers). A model
+    without adapters (full fine-tuning trains the base itself) is a ValueError."""
+    from peft.tuners.tuners_utils import BaseTunerLayer  # peft only when used (start-up)
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        with model.disable_adapter():
+            yield model
+        return
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no adapter to switch off (full fine-tuning "
+                         "trains the base itself: no frozen base is left to compare with)")
+    saved = [(m, m._disable_adapters) for m in layers]
+    try:
+        for m in layers:
+            if m.merged:
+                raise ValueError("an adapter merged into its base cannot be switched off")
+            m._disable_adapters = True
+        yield model
+    finally:
+        for m, flag in saved:
+            m._disable_adapters = flag

@@ -11,6 +11,8 @@ classification                encoder / decoder /     :class:`Classification` (s
 classification + label_words  decoder / enc-decoder   :class:`LabelWordClassification` (LM head)
 generation                    decoder / enc-decoder   :class:`Generation` (LM head)
 chat                          decoder                 :class:`Chat` (LM head, chat template)
+preference                    decoder                 :class:`Preference` (LM head; DPO against
+                                                      the frozen base)
 image_classification          image backbone (vit,    :class:`ImageClassification` (image-
                               deit, dinov2)           classification head)
 ============================  ======================  ==========================================
@@ -29,6 +31,7 @@ from fedslice.tasks.classification import Classification, evaluate_classifier
 from fedslice.tasks.generation import Generation, check_partition
 from fedslice.tasks.image import ImageClassification
 from fedslice.tasks.label_words import LabelWordClassification
+from fedslice.tasks.preference import Preference
 
 
 def make_task(cfg: ExperimentConfig, arch: ArchSpec) -> Task:
@@ -64,9 +67,13 @@ def make_task(cfg: ExperimentConfig, arch: ArchSpec) -> Task:
                               f"{cfg.model.name!r} is a {arch.model_type} encoder-decoder")
         check_partition(cfg)
         return Chat(cfg, arch, arch.lm_head)
+    if t.kind == "preference":
+        check_partition(cfg)
+        return Preference(cfg, arch, arch.lm_head)
     return LabelWordClassification(cfg, arch, arch.lm_head)
 
 
-__all__ = ["Chat", "Classification", "Generation", "ImageClassification", "LabelWordClassification", "Task",
+__all__ = ["Chat", "Classification", "Generation", "ImageClassification", "LabelWordClassification",
+           "Preference", "Task",
            "batch_examples",
            "batch_tokens", "evaluate_classifier", "make_task"]

@@ -24,6 +24,10 @@ class Task:
     label_names: list[str] | None = None
     #: the data columns the text (or the default prompt) is read from, once the data is loaded
     text_columns: list[str] | None = None
+    #: its training batches may be packed (``federation.pack``) where the architecture allows
+    packable = True
+    #: its loss compares the model with its frozen base (adapters off): full fine-tuning cannot
+    needs_frozen_base = False
 
     def __init__(self, cfg: ExperimentConfig, arch: ArchSpec, head: Head):
         self.cfg, self.arch, self.head = cfg, arch, head
@@ -147,11 +151,12 @@ class Task:
 
 
 def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens a batch makes the model process (encoder + decoder for seq2seq), padding included;
-    an image batch: its ``attention_mask``, one per patch and prefix token of each image."""
+    """Tokens a batch makes the model process (encoder + decoder for seq2seq; both responses of a
+    preference pair), padding included; an image batch: its ``attention_mask``, one per patch
+    and prefix token of each image."""
     first = batch["input_ids"] if "input_ids" in batch else batch["attention_mask"]
-    return int(first.numel() + (batch["decoder_input_ids"].numel()
-                                if "decoder_input_ids" in batch else 0))
+    return int(first.numel() + sum(batch[k].numel() for k in ("decoder_input_ids", "rejected_input_ids")
+                                   if k in batch))
 
 
 def batch_rows(batch: dict[str, torch.Tensor]) -> int:
@@ -170,6 +175,8 @@ def batch_real_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor | int:
         real = real + batch["decoder_attention_mask"].sum()
     elif "decoder_input_ids" in batch:
         real = real + batch["decoder_input_ids"].numel()
+    if "rejected_attention_mask" in batch:
+        real = real + batch["rejected_attention_mask"].sum()
     return real
 
 
@@ -184,7 +191,10 @@ def batch_head_positions(batch: dict[str, torch.Tensor]) -> int:
     """Where the output head runs: once per example (classification), or at each target token
     (language-model tasks: their labels are per token, -100 elsewhere)."""
     labels = batch["labels"]
-    return int(labels.shape[0]) if labels.dim() == 1 else int((labels != -100).sum())
+    if labels.dim() == 1:
+        return int(labels.shape[0])
+    return int((labels != -100).sum()) + (int((batch["rejected_labels"] != -100).sum())
+                                          if "rejected_labels" in batch else 0)
 
 
 def length_order(split) -> torch.Tensor:

@@ -213,6 +213,8 @@ class LoraAdapter(Adapter):
 
         def forward(x, *args, **kwargs):
             result = module.base_layer(x, *args, **kwargs)  # (N, ..., out)
+            if module.disable_adapters:  # the frozen base (peft.base.adapters_off: a reference)
+                return result
             dtype = result.dtype
             h = dropout(x)
             if len({hi - lo for lo, hi in stack.rows}) == 1 and len(stack.rows) > 1:
