@@ -166,6 +166,8 @@ def main() -> None:
     ap.add_argument("--memory-mb", type=float, default=None, help="the MiniLM tier (default 450)")
     ap.add_argument("--e2e-share", type=float, default=0.7,
                     help="E2E's tier: this share of a dense fedpetuning client's predicted peak")
+    ap.add_argument("--e2e-budget", type=float, default=None,
+                    help="E2E's tier in MiB (instead of --e2e-share: skips the dense planning pass)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/budget_predictions")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -175,6 +177,8 @@ def main() -> None:
     for ds in args.data:
         budget = DATASETS[ds]["memory_mb"] if ds == "e2e" or args.memory_mb is None else args.memory_mb
         dense = None
+        if budget is None and args.e2e_budget is not None:
+            budget = args.e2e_budget
         if budget is None:
             dense = dense_memory(ds, args)
             budget = round(args.e2e_share * dense, 1)
