@@ -643,19 +643,22 @@ def drawn_batches(cfg, lengths, batch_size: int, client_examples: int | None = N
                   draws: int = 48) -> list[np.ndarray]:
     """The examples (indices into the training ``lengths``) of simulated training batches of
     ``batch_size`` examples, drawn as a client's data loader draws them
-    (``federation.group_by_length``: windows of 16 batches, or the client's whole data where it
-    holds fewer examples (``client_examples``), sorted by length and cut, the last batch of a
-    window short; else random examples). Seeded: the same lengths give the same batches."""
+    (``federation.group_by_length``: a pass over a client's ``client_examples`` examples in
+    windows of 16 batches, each sorted by length and cut, the last window and the last batch of
+    a window short; else random examples). Seeded: the same lengths give the same batches."""
     lens = torch.as_tensor(lengths).flatten().long().numpy()
     rng = np.random.default_rng(0)
     if not cfg.federation.group_by_length:
         return [rng.integers(0, len(lens), size=batch_size) for _ in range(draws * 4)]
-    window = 16 * batch_size if client_examples is None else max(1, min(16 * batch_size, client_examples))
-    out = []
-    for _ in range(draws):
-        idx = rng.integers(0, len(lens), size=window)
-        idx = idx[np.argsort(-lens[idx], kind="stable")]
-        out += [idx[i:i + batch_size] for i in range(0, window, batch_size)]
+    window = 16 * batch_size
+    epoch = window if client_examples is None else max(1, client_examples)  # a client's pass
+    out: list[np.ndarray] = []
+    while len(out) < draws * 16:
+        drawn = rng.integers(0, len(lens), size=epoch)
+        for lo in range(0, epoch, window):  # iter_batches: each window of the pass sorted, cut
+            idx = drawn[lo:lo + window]
+            idx = idx[np.argsort(-lens[idx], kind="stable")]
+            out += [idx[i:i + batch_size] for i in range(0, len(idx), batch_size)]
     return out
 
 
