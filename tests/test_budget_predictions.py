@@ -132,10 +132,22 @@ def test_predictions_hold_over_an_int8_base(tiny_cfg_dict, tmp_path):
     _check(group)
 
 
-def test_predictions_hold_on_a_decoder(tiny_gen_cfg_dict, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "t5"])
+def test_predictions_hold_on_a_generative_model(tiny_gen_cfg_dict, tiny_lm_dirs, tmp_path, arch):
+    """A decoder (packed prompt + target rows) and an encoder-decoder (padded: two sequences)."""
     d = json.loads(json.dumps(tiny_gen_cfg_dict))
+    d["model"] = {"name": str(tiny_lm_dirs[arch])}
     d["federation"] = {**d["federation"], "num_clients": 2, "clients_per_round": 2, "local_steps": 4}
     d["evaluation"] = {"every": 100, "batch_size": 8}
+    d["budgets"] = {"tiers": [{"share": 1.0, "name": "t", "memory_mb": 1e4}]}
+    group, _ = _planned(d, tmp_path / "run")
+    _check(group)
+
+
+def test_predictions_hold_on_an_image_backbone(tiny_img_cfg_dict, tmp_path):
+    d = json.loads(json.dumps(tiny_img_cfg_dict))
+    d["federation"] = {**d["federation"], "num_clients": 2, "clients_per_round": 2, "local_steps": 4}
+    d["evaluation"] = {"every": 100, "batch_size": 16}
     d["budgets"] = {"tiers": [{"share": 1.0, "name": "t", "memory_mb": 1e4}]}
     group, _ = _planned(d, tmp_path / "run")
     _check(group)

@@ -51,7 +51,7 @@ from fedslice.registry import ADAPTERS
 from fedslice.slicing.depth import freeze, frozen, frozen_below
 from fedslice.slicing.planner import measure_training_step
 from fedslice.tasks import Task
-from fedslice.tasks.base import batch_examples
+from fedslice.tasks.base import batch_examples, batch_tokens
 
 
 #: who builds the method: the in-process engine ("both"), a Flower ClientApp ("client"), Flower's
@@ -282,9 +282,14 @@ class Method:
         lengths, heads = self.token_lengths, self.head_lengths
         length, per_example = planning_lengths(self.cfg, lengths, client_examples=n)
         if batch is None:
-            longest_target = int(heads.max()) if heads is not None and len(heads) else None
-            batch = self.task.planning_batch(self.model.config, fed.batch_size, length, self.cfg.seed,
-                                             longest_target)
+            known = heads is not None and len(heads) and lengths is not None and len(lengths) == len(heads)
+            batch = self.task.planning_batch(
+                self.model.config, fed.batch_size, length, self.cfg.seed,
+                int(heads.max()) if known else None,
+                int((torch.as_tensor(lengths) - heads).max()) if known else None)
+        # a padded example's tokens over the profile's (an encoder-decoder's rows are a prompt
+        # and a target, each as long as the longest: more than the longest pair)
+        unpadded = batch_tokens(batch) / len(batch["input_ids"]) if "input_ids" in batch else length
         packed_of = None
         if self.packs({"pack": fed.pack}):  # what a client of one micro-batch trains on
             def packed_of(rows: int) -> tuple[dict, float, dict]:
@@ -297,7 +302,7 @@ class Method:
                 return packed, planning_lengths(self.cfg, lengths, True, rows, n)[1] / length, peak
 
         def scale_of(rows: int) -> float:  # a plan's smaller batch holds less padding
-            return planning_lengths(self.cfg, lengths, batch_size=rows, client_examples=n)[1] / length
+            return planning_lengths(self.cfg, lengths, batch_size=rows, client_examples=n)[1] / unpadded
 
         def pairs_of(rows: int, packed: bool) -> float:  # a step's attention pairs, in the mean
             return step_units(self.cfg, lengths, packed, rows, n)[1]
@@ -306,7 +311,7 @@ class Method:
             return float(rows if heads is None or not len(heads) else rows * heads.double().mean())
 
         self.plans = plan_clients(self, self.cfg.budgets, batch, self.client_sizes, fed.num_clients,
-                                  self.cfg.seed, flops_scale=per_example / length, packed_of=packed_of,
+                                  self.cfg.seed, flops_scale=per_example / unpadded, packed_of=packed_of,
                                   scale_of=scale_of, pairs_of=pairs_of, heads_of=heads_of)
         return self.plans
 

@@ -58,11 +58,19 @@ class Task:
         return profile_batch(config.vocab_size, batch_size, seq_len, seed, self.head)
 
     def planning_batch(self, config, batch_size: int, seq_len: int, seed: int,
-                       target_length: int | None = None) -> dict[str, torch.Tensor]:
+                       target_length: int | None = None, prompt_length: int | None = None
+                       ) -> dict[str, torch.Tensor]:
         """:meth:`profile_batch` as a real padded training batch is: its last position padding
         (attention then takes its masked path, as on rows of other lengths, and checkpointing
-        keeps the mask), and a causal LM's last ``target_length`` real tokens its target (the
-        longest target of the data: where the head runs and the loss reads logits)."""
+        keeps the mask), a causal LM's last ``target_length`` real tokens its target (the
+        longest target of the data: where the head runs and the loss reads logits), an
+        encoder-decoder's rows the longest prompt (``prompt_length``) into the encoder and the
+        longest target into the decoder."""
+        if self.head == "seq2seq_lm" and target_length and prompt_length:
+            batch = self.profile_batch(config, batch_size, prompt_length, seed)
+            dec = self.profile_batch(config, batch_size, 2 * target_length, seed + 1)["decoder_input_ids"]
+            batch.update(decoder_input_ids=dec, labels=dec.clone())  # (B, target_length)
+            return batch
         batch = self.profile_batch(config, batch_size, seq_len, seed)
         if "attention_mask" not in batch or "decoder_input_ids" in batch or seq_len < 2:
             return batch
