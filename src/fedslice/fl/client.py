@@ -272,7 +272,8 @@ class _FlopExtrapolation:
     (the linear layers) by positions. Other batches (virtual tokens, an encoder-decoder's two
     sequences, images): per position (tokens + virtual tokens)."""
 
-    def __init__(self) -> None:
+    def __init__(self, by_parts: bool = True) -> None:
+        self.by_parts = by_parts
         self.per_position = self.per_pair = self.per_head = 0.0
         self.positions = self.pairs = self.heads = 0
 
@@ -289,9 +290,8 @@ class _FlopExtrapolation:
         else:
             self.per_position = fc.total / positions
 
-    @staticmethod
-    def counts_rates(batch: dict[str, torch.Tensor], virtual_tokens: int) -> bool:
-        return extrapolates_by_parts(batch, virtual_tokens)
+    def counts_rates(self, batch: dict[str, torch.Tensor], virtual_tokens: int) -> bool:
+        return self.by_parts and extrapolates_by_parts(batch, virtual_tokens)
 
     @property
     def rates(self) -> tuple[float, float, float]:
@@ -472,7 +472,7 @@ def _accumulate(model: nn.Module, params: dict[str, nn.Parameter], parts: list[d
 def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: TokenizedSplit,
                 cfg: dict[str, Any], seed: int, loss_fn: LossFn = _hf_loss,
                 compute: Compute = CPU, virtual_tokens: int = 0, pack: bool = False,
-                flops_spent: float = 0.0) -> LocalResult:
+                flops_spent: float = 0.0, by_parts: bool = True) -> LocalResult:
     """AdamW on ``params`` of ``model`` over the client's data; deterministic given ``seed``.
 
     ``cfg`` holds the strategy's train config (lr, weight_decay, local_epochs/local_steps,
@@ -494,7 +494,10 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     ``cfg["micro_batches"]`` (each batch as that many micro-batches whose gradients add up:
     :func:`_accumulate`) and ``cfg["checkpointing"]`` (:func:`gradient_checkpointing`), and
     ``cfg["flops_budget"]``: the round's FLOPs, of which ``flops_spent`` went before training
-    (an importance pass); the local steps stop before the first whose measured FLOPs (the
+    (an importance pass); ``by_parts``: the first step's count may split into parts that
+    extrapolate by their own units (False for an adapter outside the model's modules: its
+    virtual tokens or prefix keys are positions and pairs the batch does not show); the local
+    steps stop before the first whose measured FLOPs (the
     first step's count, extrapolated to the next batch as the total is) would pass it
     (:func:`over_budget`), and the result records the steps cut; and ``cfg["memory_budget"]``
     (MiB, with the planner's measured step ``cfg["memory_reference"]``): a step whose saved
@@ -514,7 +517,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     losses: list[torch.Tensor] = []
     tokens = examples = head_positions = rows = 0
     real = 0
-    flops = _FlopExtrapolation()
+    flops = _FlopExtrapolation(by_parts)
     head = head_segments(model)
     what = structure(model, loss_fn, bool(cfg.get("checkpointing")), head)
     cached = _RATES.get(model, what)

@@ -499,6 +499,7 @@ class Method:
         model, params = self.client_model(payload)
         result = train_local(model, params, data, payload.config, seed, loss_fn=self.task.loss,
                              compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
+                             by_parts=self.adapter.in_modules,
                              pack=self.packs(payload.config))
         arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
         metrics = self.client_metrics(model, params, payload, arrays, result)

@@ -388,7 +388,8 @@ class BudgetPlanner:
         with self.method.planned_model(knobs) as planned, \
                 gradient_checkpointing(planned.model, knobs.checkpointing), \
                 (packed_training(planned.model) if packed is not None else nullcontext()):
-            split = extrapolates_by_parts(part, self.method.adapter.virtual_tokens)
+            split = self.method.adapter.in_modules and extrapolates_by_parts(
+                part, self.method.adapter.virtual_tokens)
             counted: dict[str, float] = {}
             flops, memory, _, _ = measure_training_step(
                 planned.model, part, loss_fn=self.method.task.loss, flops=known is None,

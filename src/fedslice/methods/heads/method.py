@@ -406,6 +406,7 @@ class HeadStage(Method):
             params = self.local_params(sub, kept, dims)
             result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss,
                                  compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
+                                 by_parts=self.adapter.in_modules,
                                  pack=self.packs(payload.config), flops_spent=imp_flops)
         for p in sub.parameters():
             p.grad = None  # tensors outside the optimizer (empty slices) may hold a gradient
@@ -482,6 +483,7 @@ class HeadStage(Method):
         try:
             return train_local(model, params, data, payload.config, seed, loss_fn=loss_fn,
                                compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
+                               by_parts=self.adapter.in_modules,
                                pack=self.packs(payload.config))
         finally:
             loss_fn.restore()
