@@ -520,7 +520,9 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     flops = _FlopExtrapolation(by_parts)
     head = head_segments(model)
     what = structure(model, loss_fn, bool(cfg.get("checkpointing")), head)
-    cached = _RATES.get(model, what)
+    # padded batches count their own first step, as they always have (a step under the
+    # counter may take other kernels than one without it: the stored run digests hold)
+    cached = _RATES.get(model, what) if pack else None
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
     scaler = compute.grad_scaler()
@@ -583,7 +585,7 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
                 reference = ActivationBound((step_ref,)) if reference is None else reference.measured(step_ref)
             if counted:
                 flops.first(fc, parts, virtual_tokens)
-                if flops.counts_rates(batch, virtual_tokens):
+                if pack and flops.counts_rates(batch, virtual_tokens):
                     _RATES.put(model, what, flops.rates)
             elif step == 0:
                 flops.rates = cached
