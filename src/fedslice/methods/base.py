@@ -24,6 +24,7 @@ its config checks in :meth:`Method.check_config`, its plots in
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -301,9 +302,11 @@ class Method:
                 peak = self.task.packed_grid_batch(config, r, c, rows, self.cfg.seed, h / (r * c))
                 return packed, planning_lengths(self.cfg, lengths, True, rows, n)[1] / length, peak
 
+        @functools.cache  # the planner asks for every plan it weighs: simulate once per size
         def scale_of(rows: int) -> float:  # a plan's smaller batch holds less padding
             return planning_lengths(self.cfg, lengths, batch_size=rows, client_examples=n)[1] / unpadded
 
+        @functools.cache
         def pairs_of(rows: int, packed: bool) -> float:  # a step's attention pairs, in the mean
             return step_units(self.cfg, lengths, packed, rows, n)[1]
 
