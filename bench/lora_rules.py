@@ -88,9 +88,13 @@ def figures(run: Path) -> dict:
         "personal_global": summary.get(f"global_test_{primary}"),
         "personal_local": summary.get("personal_local_accuracy_mean"),
         "global_local": summary.get("global_local_accuracy_mean"),
-        "tiers": [{k: t.get(k) for k in ("tier", "budget", "rank", "clients", "client_rounds",
-                                         "bytes_up_mean", "bytes_down_mean", "flops_measured_mean")}
-                  for t in summary.get("tiers") or []],
+        # one row per group of clients with one budget and plan (summary["plans"], the planner's)
+        "tiers": [{"tier": g["budget_name"], "budget": ", ".join(f"{k} {v:g}" for k, v in g["budget"].items()),
+                   "rank": g["plan"].get("rank"), "clients": len(g["clients"]),
+                   "client_rounds": g["measured"]["client_rounds"],
+                   "bytes_up_mean": (g["measured"]["upload_mb_mean"] or 0) * 1e6 or None,
+                   "flops_measured_mean": (g["measured"]["gflops_per_round_mean"] or 0) * 1e9 or None}
+                  for g in summary.get("plans") or []],
     }
     return out
 

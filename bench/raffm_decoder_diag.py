@@ -48,7 +48,7 @@ from fedslice import measure
 from fedslice.api import setup
 from fedslice.compute import model_device, to_device
 from fedslice.experiment import load_config, validate_config
-from fedslice.slicing.planner import Budget, depth_layers
+from fedslice.slicing.planner import depth_layers
 from fedslice.slicing.spec import SliceSpec
 from fedslice.slicing.state import extract_state
 
@@ -137,10 +137,10 @@ def main() -> None:
         dims = dims[0] if isinstance(dims, list) else dims
         method.dims_full = dims
         state = method.initial_state()
-        full = method.planner.candidates[-1]
+        full = method.sizes.candidates[-1]
         full_p = linear_params(dims, full)
         for size in args.sizes:
-            wspec = method.planner.plan(Budget(flops=size)).spec
+            wspec = method.sizes.at(size).spec
             frac = linear_params(dims, wspec) / full_p
             specs = {}
             if reorder:

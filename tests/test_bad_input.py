@@ -71,7 +71,11 @@ def _raffm(d: dict, tiers: list[dict], **kw) -> dict:
 
 
 def _smallest(msg: str, field: str) -> float:
-    m = re.search(re.escape(field) + r": budget .* is below the smallest sub-model .*the smallest "
+    """The smallest valid value a message gives for ``field`` ('method.tiers[0].flops': the
+    planner names the tier and the [budgets] limit the spelling's field is read as)."""
+    tier, kind = field.rsplit(".", 1)
+    limit = {"flops": "flops_share"}.get(kind, kind)
+    m = re.search(re.escape(tier) + r".*?" + limit + r" [0-9.e-]+ is below it: the smallest "
                   r"valid value is ([0-9.e-]+)", msg)
     assert m, msg
     return float(m.group(1))
@@ -86,7 +90,7 @@ def test_raffm_every_budget_below_smallest_submodel_names_field_and_smallest_val
     smallest = _smallest(str(e.value), f"method.tiers[0].{kind}")
     assert smallest > tiny
     method, _ = setup(validate_config(_raffm(tiny_cfg_dict, [{"share": 1.0, kind: smallest}])))
-    assert all(cp.plan.spec is not None for cp in method.strategy.plans.values())
+    assert all(cp.sits_out is None for cp in method.strategy.plans.values())
 
 
 def test_raffm_one_tier_below_sits_out_or_errors(tiny_cfg_dict, caplog):
@@ -96,16 +100,16 @@ def test_raffm_one_tier_below_sits_out_or_errors(tiny_cfg_dict, caplog):
     tiers = [{"share": 0.5, "flops": 1.0}, {"share": 0.5, "flops": 1e-4}]
     with caplog.at_level(logging.WARNING, logger="fedslice"):
         method, _ = setup(validate_config(_raffm(tiny_cfg_dict, tiers)))
-    assert {cp.tier for cp in method.strategy.plans.values() if cp.plan.spec is None} == {1}
+    assert {cp.tier for cp in method.strategy.plans.values() if cp.sits_out is not None} == {1}
     assert _smallest(caplog.text, "method.tiers[1].flops") > 1e-4
-    with pytest.raises(ConfigError, match=r"method\.tiers\[1\]\.flops: .*smallest valid value"):
+    with pytest.raises(ConfigError, match=r"method\.tiers\[1\].*smallest valid value"):
         setup(validate_config(_raffm(tiny_cfg_dict, tiers, on_infeasible="error")))
 
 
 def test_raffm_budget_distribution_below_smallest_names_field(tiny_cfg_dict):
     d = _raffm(tiny_cfg_dict, [{"share": 1.0, "flops": 1.0}],
                budget_distribution={"low": 1e-5, "high": 2e-5})
-    with pytest.raises(ConfigError, match=r"method\.budget_distribution: .*smallest valid value"):
+    with pytest.raises(ConfigError, match=r"method\.budget_distribution.*smallest valid value"):
         setup(validate_config(d))
 
 

@@ -517,7 +517,7 @@ def test_an_int8_raffm_client_trains_the_quantized_slice_the_server_sent(tiny_cf
     sent = method.strategy.configure_train(1, state, [0])[0]
     assert sent.config["base_precision"] == "int8"
     assert sent.config["base_order"] == method.slices.perm.digest
-    narrow = method.planner.candidates[1]  # a slice of half the width (width_steps 4)
+    narrow = method.sizes.candidates[1]  # a narrower slice
     assert not narrow.is_full
     narrowed = Payload(extract_state(state, narrow, method.arch), {**sent.config, "spec": narrow.to_dict()})
     for payload in (narrowed, sent):

@@ -82,7 +82,7 @@ def test_shipped_configs_are_valid():
 
 def test_raffm_example_config_is_valid():
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "raffm_sst2.toml")
-    assert cfg.method.name == "raffm" and [t.flops for t in cfg.method.tiers] == [0.25, 0.5, 0.75, 1.0]
+    assert cfg.method.name == "raffm" and [t.flops_share for t in cfg.budgets.tiers] == [0.25, 0.5, 0.75, 1.0]
 
 
 def test_one_config_serves_several_methods(caplog):

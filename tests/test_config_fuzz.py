@@ -137,7 +137,7 @@ COMBINATIONS = [  # valid field by field, invalid together (some only once the m
      ("method.emulator_layers",)),
     ({"method": {"name": "fedpft", "whole_layers": [5]}}, ("method.whole_layers",)),
     ({"method": {"name": "raffm", "tiers": [{"share": 1.0, "memory_mb": 0.001}],
-                 "on_infeasible": "error"}}, ("method.tiers[0].memory_mb",)),
+                 "on_infeasible": "error"}}, ("method.tiers[0]", "memory_mb 0.001 is below it")),
     ({"lora": {"target_modules": ["query", "nothing_here"]}}, ("nothing_here",)),
 ]
 

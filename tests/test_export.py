@@ -105,8 +105,7 @@ def test_every_method_exports_what_it_evaluates(method_name, model_dirs, tiny_cf
 
 
 def _elastic_reference(method, size):
-    from fedslice.slicing.planner import Budget
-    plan = method.planner.plan(Budget(flops=size))
+    plan = method.sizes.at(size)
     return method.submodel(plan.spec), plan.spec
 
 

@@ -396,10 +396,10 @@ def test_raffm_plans_width_and_rank_together(tiny_cfg_dict):
     cfg = validate_config(d)
     method, data = setup(cfg)
     plans = method.own_strategy.plans
-    full = [cp for cp in plans.values() if cp.budget.flops == 1.0]
-    assert all(cp.rank == 8 and cp.plan.spec.is_full for cp in full)
-    small = [cp for cp in plans.values() if cp.budget.flops == 0.6]
-    assert all(cp.rank_cost.flops_ratio <= 0.6 for cp in small)
+    full = [cp for cp in plans.values() if cp.budget.flops_share == 1.0]
+    assert all(cp.knobs.rank == 8 and cp.knobs.spec.is_full for cp in full)
+    small = [cp for cp in plans.values() if cp.budget.flops_share == 0.6]
+    assert all(cp.flops_share <= 0.6 for cp in small)
     _, records, summary = Simulation(cfg, method, data).run()
     assert records[-1]["train_loss"] is not None
 

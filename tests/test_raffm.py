@@ -13,10 +13,11 @@ from fedslice.errors import ConfigError
 from fedslice.api import setup
 from fedslice.run.engine import Simulation
 from fedslice.fl.strategy import Reply
-from fedslice.methods.raffm import ClientPlan, RaFFMStrategy
+from fedslice.methods.planner import ClientBudget, ClientPlan, Knobs, client_budgets
+from fedslice.methods.raffm import RaFFMStrategy
 from fedslice.models.arch import ARCHITECTURES
 from fedslice.slicing.aggregate import fedavg
-from fedslice.slicing.planner import Budget, Plan, Planner, assign_budgets, width_candidates
+from fedslice.slicing.planner import WidthsByFlops, width_candidates
 from fedslice.slicing.spec import SliceSpec
 
 DIMS = {"num_layers": 2, "num_heads": 4, "head_dim": 2, "hidden": 8, "ffn": 6}
@@ -49,7 +50,8 @@ def _toy_state(seed=0):
 
 
 def _strategy(specs):
-    plans = {c: ClientPlan(0, Budget(flops=1.0), Plan(s, None)) for c, s in enumerate(specs)}
+    plans = {c: ClientPlan(c, 0, ClientBudget(flops_share=1.0), Knobs(s), 0.0, 0.0, 0.0, flops_share=1.0)
+             for c, s in enumerate(specs)}
     fed = FederationConfig(num_clients=len(specs), clients_per_round=len(specs))
     return RaFFMStrategy(fed, RaFFMMethod(reorder=False), ARCH, DIMS, plans, None)
 
@@ -117,13 +119,13 @@ def test_slice_aggregation_against_numpy_reference():
 def test_size_weight_leans_shared_elements_toward_larger_submodels():
     """size_weight = p: weight n_c * f_c^p on the elements a client holds (np.average reference);
     an element held by one client still takes that client's value whatever its weight."""
-    from fedslice.slicing.planner import SpecCost
     state = _toy_state()
     specs, fracs, n = [SliceSpec.full(DIMS), SliceSpec.leading(DIMS, 2, 3)], [1.0, 0.25], [3, 5]
     strategy = _strategy(specs)
     strategy.opts = RaFFMMethod(reorder=False, size_weight=2.0)
     for c, f in enumerate(fracs):
-        strategy.plans[c] = ClientPlan(0, Budget(flops=f), Plan(specs[c], SpecCost(1, 1, f, f, 1.0)))
+        strategy.plans[c] = ClientPlan(c, 0, ClientBudget(flops_share=f), Knobs(specs[c]), 0.0, 0.0, 0.0,
+                                       flops_share=f)
     payloads, replies, res = _round(strategy, state, n)
     w = [n[c] * fracs[c] ** 2 for c in range(2)]
     ref = np.average([replies[c].arrays["classifier.weight"].numpy() for c in range(2)], axis=0, weights=w)
@@ -136,7 +138,8 @@ def test_size_weight_leans_shared_elements_toward_larger_submodels():
 def test_sit_out_client_is_excluded_with_reason():
     state = _toy_state()
     s = _strategy([SliceSpec.full(DIMS), SliceSpec.full(DIMS)])
-    s.plans[1] = ClientPlan(2, Budget(flops=0.01, field="method.tiers[2].flops"), Plan(None, None, "too small"))
+    s.plans[1] = ClientPlan(1, 2, ClientBudget(flops_share=0.01, field="method.tiers[2]"), Knobs(), 0.0, 0.0, 0.0,
+                            sits_out="too small")
     payloads = s.configure_train(1, state, [0, 1])
     assert payloads[1].arrays == {} and payloads[1].config["sit_out"] == "too small"
     replies = {0: Reply(dict(payloads[0].arrays), 4, {"loss": 0.1}), 1: Reply({}, 0, {"loss": float("nan")})}
@@ -154,31 +157,30 @@ def _fake_measure(spec):
 
 
 @pytest.mark.parametrize("depth", [False, True])
-def test_planner_never_returns_a_spec_over_budget(depth):
+def test_elastic_sizes_never_return_a_spec_over_their_fraction(depth):
     cands = width_candidates(DIMS, 12, depth=depth)
     assert cands[-1].is_full and all(len(h) >= 1 for s in cands for h in s.heads)
-    planner = Planner(cands, _fake_measure)
+    sizes = WidthsByFlops(cands, _fake_measure)
     for b in np.linspace(0.01, 1.0, 40):
-        plan = planner.plan(Budget(flops=float(b)))
+        plan = sizes.at(float(b))
         if plan.spec is None:
             assert "below the smallest sub-model" in plan.reason
-            assert planner.cost(cands[0]).flops_ratio > b
+            assert sizes.cost(cands[0]).flops_ratio > b
         else:
             assert plan.cost.flops_ratio <= b + 1e-12
-            assert plan.cost == planner.cost(plan.spec)  # measured, not estimated
-    assert planner.plan(Budget(flops=1.0)).spec.is_full
-    for mb in (1.0, 5.0, 20.0):
-        plan = planner.plan(Budget(memory_mb=mb))
-        assert plan.spec is None or plan.cost.memory_mb <= mb
+            assert plan.cost == sizes.cost(plan.spec)  # measured, not estimated
+    assert sizes.at(1.0).spec.is_full
 
 
-def test_assign_budgets_follows_shares():
-    tiers = RaFFMMethod(tiers=[{"share": 0.5, "flops": 0.3}, {"share": 0.3, "flops": 0.6},
-                               {"share": 0.2, "memory_mb": 100}]).tiers
-    out = assign_budgets(tiers, None, 10, seed=0)
-    assert [t for t, _ in out].count(0) == 5 and [t for t, _ in out].count(2) == 2
-    assert out == assign_budgets(tiers, None, 10, seed=0)
-    assert {b.field for t, b in out if t == 2} == {"method.tiers[2].memory_mb"}
+def test_tiers_follow_shares():
+    from fedslice.config import BudgetsConfig
+    budgets = BudgetsConfig(tiers=[{"share": 0.5, "flops_share": 0.3}, {"share": 0.3, "flops_share": 0.6},
+                                   {"share": 0.2, "memory_mb": 100}])
+    out = client_budgets(budgets, 10, seed=0)
+    tiers = [t for t, _ in out.values()]
+    assert tiers.count(0) == 5 and tiers.count(2) == 2
+    assert out == client_budgets(budgets, 10, seed=0)
+    assert {b.field for t, b in out.values() if t == 2} == {"budgets.tiers[2]"}
 
 
 # ---- config errors ---------------------------------------------------------------------------
@@ -201,7 +203,7 @@ def test_bad_budgets_name_the_field(method, field):
 def test_memory_limit_below_every_submodel_names_field_and_clients(tiny_cfg_dict):
     tiers = [{"share": 0.5, "flops": 1.0}, {"share": 0.5, "memory_mb": 0.001}]
     cfg = validate_config(_raffm(tiny_cfg_dict, tiers=tiers, on_infeasible="error"))
-    with pytest.raises(ConfigError, match=r"method\.tiers\[1\]\.memory_mb: budget 0\.001 MiB is below.*client"):
+    with pytest.raises(ConfigError, match=r"client \d \(method\.tiers\[1\], tier1\): budget 0\.001 MiB"):
         setup(cfg)
     cfg = validate_config(_raffm(tiny_cfg_dict, tiers=[{"share": 1.0, "memory_mb": 0.001}]))
     with pytest.raises(ConfigError, match="every client would sit out"):
@@ -220,8 +222,8 @@ def test_two_round_run_with_tiers(tiny_cfg_dict, tuning):
                                                   reorder_every=1, width_steps=8))
     plans = method.strategy.plans
     small = [c for c, cp in plans.items() if cp.tier == 0]
-    assert all(plans[c].plan.cost.flops_ratio <= 0.4 for c in small)
-    sat = [c for c, cp in plans.items() if cp.plan.spec is None]
+    assert all(plans[c].flops_share <= 0.4 for c in small)
+    sat = [c for c, cp in plans.items() if cp.sits_out is not None]
     assert sat and all(plans[c].tier == 2 for c in sat)
     for rec in records:
         assert {e["client"] for e in rec["excluded"]} == set(sat)
@@ -280,20 +282,17 @@ def test_measured_costs_scale_linearly_with_the_batch(tiny_model_dir):
     assert part[2:] == whole[2:]
 
 
-def test_memory_tiers_depth_and_budget_distribution(tiny_cfg_dict):
-    """Memory-limited tier and elastic depth: the plan's measured memory is within the limit."""
+def test_depth_tiers_and_a_drawn_flops_share(tiny_cfg_dict):
+    """Elastic depth: a client at 0.2x dense's FLOPs keeps one layer; drawn shares stay in
+    their range."""
     cfg = validate_config(_raffm(tiny_cfg_dict, width_steps=4, elastic_depth=True,
                                  tiers=[{"share": 0.5, "flops": 1.0}, {"share": 0.5, "flops": 0.2}]))
     method, _ = setup(cfg)
-    full_mb = method.planner.cost(method.planner.candidates[-1]).memory_mb
-    small_mb = method.planner.cost(method.planner.candidates[0]).memory_mb
-    plan = method.planner.plan(Budget(memory_mb=(full_mb + small_mb) / 2))
-    assert plan.spec is not None and not plan.spec.is_full and plan.cost.memory_mb <= (full_mb + small_mb) / 2
-    small = [cp.plan for cp in method.strategy.plans.values() if cp.tier == 1]
-    assert all(p.cost.flops_ratio <= 0.2 for p in small)
-    assert len(small[0].spec.layers) < 2  # at 0.2x the tiny model keeps one layer
+    small = [cp for cp in method.strategy.plans.values() if cp.tier == 1]
+    assert all(cp.flops_share <= 0.2 for cp in small)
+    assert len(small[0].knobs.spec.layers) < 2  # at 0.2x the tiny model keeps one layer
     state, records, summary = Simulation(cfg, method, _).run()
     assert summary["sat_out_replies"] == 0 and all(not r["excluded"] for r in records)
-    draws = assign_budgets([], RaFFMMethod(budget_distribution={"low": 0.3, "high": 0.6}).budget_distribution,
-                           50, seed=1)
-    assert all(0.3 <= b.flops <= 0.6 and t is None for t, b in draws)
+    from fedslice.config import BudgetsConfig
+    draws = client_budgets(BudgetsConfig(flops_share_range=[0.3, 0.6]), 50, seed=1)
+    assert all(0.3 <= b.flops_share <= 0.6 and t is None for t, b in draws.values())

@@ -161,7 +161,7 @@ def test_run_with_measured_widths(tiny_gen_cfg_dict, levels, count):
     assert len(rise) == 2 and all(len(r) == count for r in rise)
     # cutting a layer changes the random model's loss, either way (the masks are active)
     assert all(abs(x) > 1e-6 and x == x for r in rise for x in r)
-    assert method.planner.candidates == method.width_specs(4)
+    assert method.sizes.candidates == method.width_specs(4)
     assert method.layer_rise is rise  # measured once
     state, records, summary = Simulation(cfg, method, data).run()
     assert [e["size"] for e in summary["elastic"]] == [0.985, 1.0]

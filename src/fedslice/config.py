@@ -27,6 +27,7 @@ sits below every plug-in):
 from __future__ import annotations
 
 import json
+import logging
 import math
 import tomllib
 from pathlib import Path
@@ -39,6 +40,8 @@ from pydantic_core import InitErrorDetails
 
 from fedslice.errors import ConfigError
 from fedslice.registry import ADAPTERS, METHODS, RULES, method_name
+
+log = logging.getLogger(__name__)
 
 
 class Section(BaseModel):
@@ -66,6 +69,16 @@ class MethodOptions(Section):
     @property
     def set_aside(self) -> dict[str, list[str]]:
         return dict(self._set_aside)
+
+    def spelled_budgets(self, budgets_given: bool) -> dict[str, Any] | None:
+        """The ``[budgets]`` table this method's own options spell (a dict for
+        :class:`BudgetsConfig`, with ``field``: the option that spells it, or 'default'), or None
+        (the method spells none: budgets come from ``[budgets]`` alone). ``budgets_given``: the
+        config has a ``[budgets]`` table (a spelling that is only a default then gives way)."""
+        return None
+
+    #: the options :meth:`spelled_budgets` reads (left out of the config that holds the table)
+    spelling_fields: ClassVar[tuple[str, ...]] = ()
 
     def set_aside_note(self) -> str | None:
         """One line naming the options set aside and whose they are; None when there are none."""
@@ -187,17 +200,29 @@ class BudgetTier(Section):
                                            "importance pass of the head stage).")
     upload_mb_per_round: float | None = Field(None, gt=0, description="MB (1e6 bytes) a client "
                                               "may send back per round.")
+    flops_share: float | None = Field(None, gt=0, le=1, description="Training FLOPs per round as "
+                                      "a share of a client's training the whole model at the run's "
+                                      "settings (lora.r, the method's sparsity, the whole round), "
+                                      "both predicted the same way: 0.5 = half of dense's FLOPs.")
+    memory_share: float | None = Field(None, gt=0, le=1, description="Peak training memory as a "
+                                       "share of the whole model's at the run's settings (one "
+                                       "micro-batch, no checkpointing), both predicted the same way.")
 
-    @field_validator("memory_mb", "gflops_per_round", "upload_mb_per_round", mode="before")
+    @field_validator("memory_mb", "gflops_per_round", "upload_mb_per_round", "flops_share",
+                     "memory_share", mode="before")
     @classmethod
     def _a_number(cls, v):
         return budget_number(v)
 
     @model_validator(mode="after")
     def _some_limit(self) -> "BudgetTier":
-        if self.memory_mb is None and self.gflops_per_round is None and self.upload_mb_per_round is None:
-            raise ValueError("give at least one of memory_mb, gflops_per_round, upload_mb_per_round")
+        if all(getattr(self, k) is None for k in BUDGET_LIMITS):
+            raise ValueError(f"give at least one of {', '.join(BUDGET_LIMITS)}")
         return self
+
+
+#: a client's limits, as a tier or a budgets CSV column names them
+BUDGET_LIMITS = ("memory_mb", "gflops_per_round", "upload_mb_per_round", "flops_share", "memory_share")
 
 
 class BudgetsConfig(Section):
@@ -210,10 +235,17 @@ class BudgetsConfig(Section):
                                            "(seeded).")
     csv: str | None = Field(None, description="A CSV file (UTF-8) with one row per client: a "
                             "`client` column (ids 0..num_clients-1, each once) and any of "
-                            "memory_mb, gflops_per_round, upload_mb_per_round (empty cell: no "
-                            "limit). A relative path is relative to the config file's folder "
-                            "(given with --set: to the working directory). Read when the config "
-                            "loads.")
+                            "memory_mb, gflops_per_round, upload_mb_per_round, flops_share, "
+                            "memory_share (empty cell: no limit). A relative path is relative to "
+                            "the config file's folder (given with --set: to the working "
+                            "directory). Read when the config loads.")
+    flops_share_range: list[float] | None = Field(
+        None, min_length=2, max_length=2, description="[low, high]: every client draws its "
+        "flops_share uniformly from it (seeded), instead of tiers or a CSV.")
+    on_infeasible: Literal["error", "sit_out"] = Field(
+        "error", description="A client no plan fits: the run stops naming it, its budget and the "
+        "cheapest plan's cost ('error'), or the client sits out every round, said in the log "
+        "and the run's records ('sit_out'; an error still when every client would).")
     sparsities: list[float] = Field(default_factory=lambda: [0.0, 0.5, 0.75, 0.9], min_length=1,
                                     description="Head sparsities the planner may give a client "
                                     "(methods with the head stage).")
@@ -341,10 +373,32 @@ class BudgetsConfig(Section):
             raise ValueError("an empty path: give the CSV file's (or leave budgets.csv out)")
         return v
 
+    #: the option that spelled this table ('method.tiers', 'method.budget_distribution',
+    #: 'default': a method's default tiers), or 'budgets': the ``[budgets]`` table itself
+    _source: str = PrivateAttr("budgets")
+
+    def field_of(self, what: str) -> str:
+        """The field a message names for ``what`` ('tiers[1]', 'flops_share_range'): as written."""
+        if self._source == "budgets":
+            return f"budgets.{what}"
+        if self._source == "default":
+            return f"method.tiers (default) {what}"
+        return f"{self._source}{what.removeprefix('tiers').removeprefix('flops_share_range')}"
+
+    @field_validator("flops_share_range")
+    @classmethod
+    def _range(cls, v):
+        if v is not None:
+            check_fractions(v, "flops_share_range value")
+            if v[0] > v[1]:
+                raise ValueError(f"low={v[0]} is larger than high={v[1]}")
+        return v
+
     @model_validator(mode="after")
     def _one_source(self) -> "BudgetsConfig":
-        if (self.tiers is None) == (self.csv is None):
-            raise ValueError("give the budgets as tiers or as a csv file (one of them)")
+        if sum(x is not None for x in (self.tiers, self.csv, self.flops_share_range)) != 1:
+            raise ValueError("give the budgets as tiers, as a csv file or as a flops_share_range "
+                             "(one of them)")
         return self
 
 
@@ -989,14 +1043,40 @@ class ExperimentConfig(Section):
                 entry.rule_cls.check_config(self, method)
         return self
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _spelled_budgets(cls, data, handler):
+        """One planner: a method's own spelling of client budgets (raffm's and fedpetuning's
+        ``method.tiers``, raffm's ``method.budget_distribution`` and default tiers) is read as
+        the ``[budgets]`` table it means (:meth:`MethodOptions.spelled_budgets`, said in the
+        log): the config is validated again with that table and without the spelling, so that
+        it holds one way to say it and a config written back reads the same."""
+        cfg = handler(data)
+        spelled = cfg.method.spelled_budgets(cfg.budgets is not None)
+        if spelled is None or not isinstance(data, dict):
+            return cfg
+        field = spelled.pop("field")
+        if cfg.budgets is not None:
+            raise ValueError(f"{field} and budgets: the budgets section plans every client "
+                             f"(width, rank, ...): remove {field}")
+        method = data.get("method")
+        cleared = {k: None for k in cfg.method.spelling_fields}
+        if isinstance(method, MethodOptions):
+            method = method.model_copy(update=cleared)
+        else:
+            method = {k: v for k, v in (method or {}).items() if k not in cleared}
+        cfg = handler({**data, "method": method, "budgets": spelled})
+        cfg.budgets._source = field
+        if field != "default":
+            log.info("%s is read as this [budgets] table (write it so): %s", field,
+                     json.dumps(cfg.budgets.model_dump(exclude_defaults=True)))
+        return cfg
+
     @model_validator(mode="after")
     def _budgets(self) -> "ExperimentConfig":
-        """``[budgets]`` replaces a method's own device tiers; micro-batches divide the batch."""
+        """Micro-batches divide the batch; local work by steps needs local steps."""
         if self.budgets is None:
             return self
-        if any(_not_default(self.method, k) for k in ("tiers", "budget_distribution")):
-            raise ValueError("method.tiers and budgets: the budgets section plans every client "
-                             "(width, rank, ...): remove method.tiers")
         bs = self.federation.batch_size
         bad = [k for k in self.budgets.micro_batches if bs % k]
         if bad:

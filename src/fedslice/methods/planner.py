@@ -28,7 +28,7 @@ import csv
 import io
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from fedslice import measure
-from fedslice.config import BudgetsConfig, read_utf8
+from fedslice.config import BUDGET_LIMITS, BudgetsConfig, read_utf8
 from fedslice.data.packing import packed_training
 from fedslice.errors import ConfigError
 from fedslice.fl.client import (ActivationReference, activation_units, extrapolates_by_parts,
@@ -48,15 +48,16 @@ from fedslice.fl.strategy import Payload, State, Strategy
 from fedslice.fl.wire import wire_bytes
 from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import batch_head_positions
-from fedslice.slicing.planner import measure_training_step, tier_of_clients, training_state_bytes
+from fedslice.slicing.planner import measure_training_step, training_state_bytes
 from fedslice.slicing.spec import Spec, spec_sizes
 
 log = logging.getLogger(__name__)
 
 _MB = 1e6
 _MIB = float(1 << 20)
-BUDGET_FIELDS = ("memory_mb", "gflops_per_round", "upload_mb_per_round")
-UNITS = {"memory_mb": "MiB", "gflops_per_round": "GFLOPs/round", "upload_mb_per_round": "MB up/round"}
+BUDGET_FIELDS = BUDGET_LIMITS
+UNITS = {"memory_mb": "MiB", "gflops_per_round": "GFLOPs/round", "upload_mb_per_round": "MB up/round",
+         "flops_share": "x dense's FLOPs", "memory_share": "x dense's memory"}
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,17 @@ class ClientBudget:
     memory_mb: float | None = None
     gflops_per_round: float | None = None
     upload_mb_per_round: float | None = None
+    flops_share: float | None = None  # of a dense client's FLOPs per round (the whole model)
+    memory_share: float | None = None  # of a dense client's peak memory
     name: str = ""  # the tier's name, or 'csv'
     field: str = "budgets"  # 'budgets.tiers[1]' / 'budgets.csv row 4'
 
     def describe(self) -> str:
         return ", ".join(f"{v:g} {UNITS[k]}" for k, v in self.limits().items())
+
+    def relative(self) -> bool:
+        """Some limit is a share of a dense client's cost (the planner predicts dense's too)."""
+        return self.flops_share is not None or self.memory_share is not None
 
     def limits(self) -> dict[str, float]:
         return {k: v for k in BUDGET_FIELDS if (v := getattr(self, k)) is not None}
@@ -164,22 +171,44 @@ def _row_limits(row: Mapping[str, str], limits: list[str], where: str) -> dict[s
                               "no limit)")
         if not values[k] > 0:  # nan too
             raise ConfigError(f"{where}, {k}: {row[k]} is not a positive number")
+        if k.endswith("_share") and values[k] > 1:
+            raise ConfigError(f"{where}, {k}: {row[k]} is not a share in (0, 1]")
     if not values:
         raise ConfigError(f"{where}: no budget (every one of {', '.join(limits)} is empty)")
     return values
 
 
+def tier_of_clients(shares: Sequence[float], num_clients: int, seed: int) -> list[int]:
+    """Each client's tier: tier i gets ``shares[i] * num_clients`` clients (largest remainders for
+    the rounding), placed at random, reproducible from ``seed``."""
+    rng = np.random.default_rng([seed, 0x7A11])
+    exact = [x * num_clients for x in shares]
+    counts = [math.floor(x) for x in exact]
+    for i in sorted(range(len(shares)), key=lambda i: counts[i] - exact[i])[: num_clients - sum(counts)]:
+        counts[i] += 1
+    labels = np.repeat(np.arange(len(shares)), counts)
+    rng.shuffle(labels)
+    return labels.tolist()
+
+
 def client_budgets(cfg: BudgetsConfig, num_clients: int, seed: int
                    ) -> dict[int, tuple[int | None, ClientBudget]]:
-    """Client -> (tier index or None for a CSV, budget), reproducible from ``seed``
-    (:func:`fedslice.slicing.planner.tier_of_clients`, as ``method.tiers`` are placed)."""
+    """Client -> (tier index or None for a CSV row or a drawn share, budget), reproducible from
+    ``seed``: tiers placed at random (:func:`tier_of_clients`), or every client's
+    ``flops_share`` drawn uniformly from ``budgets.flops_share_range``."""
     if cfg.csv is not None:
         return {c: (None, b) for c, b in read_budget_csv(Path(cfg.csv), num_clients).items()}
+    if cfg.flops_share_range is not None:
+        rng = np.random.default_rng([seed, 0x7A11])
+        draws = rng.uniform(*cfg.flops_share_range, size=num_clients)
+        field = cfg.field_of("flops_share_range")
+        return {c: (None, ClientBudget(flops_share=float(x), name="drawn", field=field))
+                for c, x in enumerate(draws)}
     out = {}
     for c, i in enumerate(tier_of_clients([t.share for t in cfg.tiers], num_clients, seed)):
         t = cfg.tiers[i]
-        out[c] = (i, ClientBudget(t.memory_mb, t.gflops_per_round, t.upload_mb_per_round,
-                                  name=t.name or f"tier{i}", field=f"budgets.tiers[{i}]"))
+        out[c] = (i, ClientBudget(**{k: getattr(t, k) for k in BUDGET_FIELDS},
+                                  name=t.name or f"tier{i}", field=cfg.field_of(f"tiers[{i}]")))
     return out
 
 
@@ -298,13 +327,19 @@ class ClientPlan:
     #: not held), and the planner's measured step it predicts its first from
     memory_budget: float | None = None
     memory_reference: ActivationReference | None = None
+    #: the plan's predicted FLOPs per round over a dense client's (the whole model at the run's
+    #: settings, the same examples)
+    flops_share: float | None = None
+    #: why the client trains nothing (``budgets.on_infeasible = "sit_out"``: no plan fits)
+    sits_out: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"client": self.client, "tier": self.tier, "budget_name": self.budget.name,
                 "budget": self.budget.limits(), **self.knobs.to_dict(),
                 "predicted": {"memory_mb": self.memory_mb, "gflops_per_round": self.gflops_per_round,
                               "upload_mb": self.upload_mb}, "reason": self.reason,
-                "flops_budget": self.flops_budget, "memory_budget": self.memory_budget}
+                "flops_budget": self.flops_budget, "memory_budget": self.memory_budget,
+                "flops_share": self.flops_share, "sits_out": self.sits_out}
 
 
 def examples_per_round(fed, n: int) -> int:
@@ -345,6 +380,11 @@ class BudgetPlanner:
         cut = {max(1, math.floor(w * whole + 0.5)) for w in cfg.local_work if w < 1} - {whole}
         self.works += [{cfg.local_work_by: n} for n in sorted(cut, reverse=True)]
         self.checkpoints = [False, True] if cfg.checkpointing and method.can_checkpoint() else [False]
+        #: a dense client, what ``flops_share`` and ``memory_share`` are shares of: the whole
+        #: model at the run's settings (lora.r, the method's sparsity and importance source, the
+        #: whole round in one batch, the run's base)
+        self.dense = Knobs(self.specs[0][0], width=self.specs[0][1],
+                           rank=method.cfg.lora.r if "ranks" in axes else None)
         self._costs: dict[Knobs, KnobCost] = {}
         self._packed: dict[int, tuple[dict, float]] = {}
 
@@ -426,7 +466,14 @@ class BudgetPlanner:
         return float(fc.total) * self.rows / 2
 
     def predicted(self, knobs: Knobs, examples: int, importance_examples: int) -> dict[str, float]:
-        """A plan's costs for a client of ``examples`` per round at full work."""
+        """A plan's costs for a client of ``examples`` per round at full work, and their shares
+        of a dense client's (:attr:`dense`)."""
+        out = self._predicted(knobs, examples, importance_examples)
+        dense = out if knobs == self.dense else self._predicted(self.dense, examples, importance_examples)
+        return {**out, "flops_share": out["gflops_per_round"] / dense["gflops_per_round"],
+                "memory_share": out["memory_mb"] / dense["memory_mb"]}
+
+    def _predicted(self, knobs: Knobs, examples: int, importance_examples: int) -> dict[str, float]:
         c = self.cost(knobs)
         # training batches hold about flops_scale x the profile's tokens; an importance pass
         # runs a client's examples in few large batches, each padded to its longest: counted at
@@ -481,8 +528,9 @@ class BudgetPlanner:
                    for m in {min(m for _, m in self.overheads(least)), least.micro_batches}]
         mem = self.predicted(least, examples, importance_examples)
         rest = [self.predicted(k, examples, importance_examples) for k in no_ckpt]
-        best = {"memory_mb": mem["memory_mb"],
+        best = {"memory_mb": mem["memory_mb"], "memory_share": mem["memory_share"],
                 "gflops_per_round": min(r["gflops_per_round"] for r in rest),
+                "flops_share": min(r["flops_share"] for r in rest),
                 "upload_mb_per_round": min(r["upload_mb_per_round"] for r in rest)}
         return self._violations(budget, best)
 
@@ -579,20 +627,43 @@ class BudgetPlanner:
             why = f"the next larger plan ({passed[0]}) needs {'; '.join(passed[1])}"
         return ClientPlan(client, tier, budget, knobs, pred["memory_mb"], pred["gflops_per_round"],
                           pred["upload_mb_per_round"], why, self.method.depth_frozen(knobs.depth),
-                          memory_reference=self.cost(knobs).reference)
+                          memory_reference=self.cost(knobs).reference, flops_share=pred["flops_share"])
 
-    def cheapest(self, examples: int, importance_examples: int = 0) -> str:
-        """What the smallest plan (the last sub-model, local steps, sparsity and rank) costs at
-        the least: memory with every saving on, FLOPs without checkpointing (it recomputes), upload."""
+    def least(self, examples: int, importance_examples: int = 0) -> tuple[Knobs, Knobs, dict[str, float]]:
+        """The smallest plan (the last sub-model, local work, sparsity and rank) at its least
+        memory (every saving on) and at its least FLOPs (no checkpointing: it recomputes), and
+        what it needs of each limit at the least."""
         spec, width = self.specs[-1]
         small = self._cheapest(spec, width, self.sparsities[-1], self.ranks[-1])
         low_flops = replace(small, checkpointing=False)
         mem = self.predicted(small, examples, importance_examples)
         flops = self.predicted(low_flops, examples, importance_examples)
+        return small, low_flops, {"memory_mb": mem["memory_mb"], "memory_share": mem["memory_share"],
+                                  "gflops_per_round": flops["gflops_per_round"],
+                                  "flops_share": flops["flops_share"],
+                                  "upload_mb_per_round": mem["upload_mb_per_round"]}
+
+    def cheapest(self, examples: int, importance_examples: int = 0) -> str:
+        """What the smallest plan costs at the least (:meth:`least`)."""
+        small, low_flops, need = self.least(examples, importance_examples)
         return (f"the cheapest plan ({low_flops.describe().rsplit(', no checkpointing', 1)[0]}) needs "
-                f"{mem['memory_mb']:.1f} MiB ({'checkpointing, ' if small.checkpointing else ''}"
-                f"{small.micro_batches} micro-batches), {flops['gflops_per_round']:.4g} GFLOPs/round, "
-                f"{mem['upload_mb_per_round']:.4g} MB up/round")
+                f"{need['memory_mb']:.1f} MiB ({'checkpointing, ' if small.checkpointing else ''}"
+                f"{small.micro_batches} micro-batches; {need['memory_share']:.4g}x dense's), "
+                f"{need['gflops_per_round']:.4g} GFLOPs/round ({need['flops_share']:.4g}x dense's), "
+                f"{need['upload_mb_per_round']:.4g} MB up/round")
+
+    def smallest_valid(self, budget: ClientBudget, examples: int, importance_examples: int = 0) -> str:
+        """Each limit of ``budget`` the cheapest plan passes and the smallest value that fits it,
+        rounded up (4 decimals; MiB to 0.1) so that the value printed is valid as written."""
+        need = self.least(examples, importance_examples)[2]
+        out = []
+        for k, v in budget.limits().items():
+            if need[k] > v * (1 + 1e-9):
+                digits = 1 if k == "memory_mb" else 4
+                value = math.ceil(round(need[k] * 10**digits, 6)) / 10**digits
+                out.append(f"{k} {v:g} is below it: the smallest valid value is "
+                           f"{min(value, 1.0) if k.endswith('_share') else value:g}")
+        return "; ".join(out)
 
 
 def planning_lengths(cfg, lengths: torch.Tensor | None, packed: bool = False,
@@ -718,7 +789,10 @@ def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
         p = memo[key]
         if p is None:
             failed.append(f"client {c} ({budget.field}, {budget.name}): budget {budget.describe()}; "
-                          + planner.cheapest(examples, imp))
+                          + planner.cheapest(examples, imp) + "; "
+                          + planner.smallest_valid(budget, examples, imp))
+            plans[c] = ClientPlan(c, tier, budget, Knobs(), 0.0, 0.0, 0.0,
+                                  sits_out=f"budget {budget.describe()} is below the cheapest plan")
             continue
         enforced = budget.gflops_per_round * 1e9 if budgets.enforce_flops \
             and budget.gflops_per_round is not None else None
@@ -727,7 +801,11 @@ def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
                            memory_budget=held)
     if failed:
         shown = failed[:10] + ([f"... and {len(failed) - 10} more"] if len(failed) > 10 else [])
-        raise ConfigError("no plan fits the budget of some clients:\n  " + "\n  ".join(shown))
+        if budgets.on_infeasible == "error" or len(failed) == num_clients:
+            raise ConfigError("no plan fits the budget of some clients:\n  " + "\n  ".join(shown)
+                              + ("\n  (every client would sit out)" if budgets.on_infeasible == "sit_out" else ""))
+        for line in shown:
+            log.warning("these clients sit out every round (budgets.on_infeasible): %s", line)
     return plans
 
 

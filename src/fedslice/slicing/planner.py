@@ -1,22 +1,20 @@
-"""Budgets -> sub-model specs, checked by measuring the sub-model, not only by formula.
+"""What slicing measures: sub-model grids, a training step's measured cost, and the elastic sizes.
 
-A client's :class:`Budget` is a fraction of the full model's training FLOPs per step or a peak
-training memory in MiB. The planner walks a grid of leading-slice specs ordered by size
-(:func:`width_candidates`: ``round(w*H)`` heads and ``round(w*F)`` neurons per layer, optionally
-fewer layers), measures candidates with a real training step of the real sub-model on a profile
-batch (FLOPs with ``FlopCounterMode``; memory = parameters + gradients and AdamW state of the
-trainable ones + the peak of tensors saved for backward) and returns the largest candidate whose
-*measured* cost fits. It never returns a spec over budget: a budget below the smallest candidate
-returns no spec and a reason, and the caller decides (the client sits out).
+:func:`width_candidates` is the grid of leading-slice specs ordered by size (``round(w*H)`` heads
+and ``round(w*F)`` neurons per layer, optionally fewer layers); :func:`measure_training_step`
+measures one training step of a real model on a batch (FLOPs with ``FlopCounterMode``; memory =
+parameters + gradients and AdamW state of the trainable ones + the peak of tensors saved for
+backward), which the budget planner (:mod:`fedslice.methods.planner`, the one planner of client
+budgets) builds on. :class:`WidthsByFlops` picks the largest sub-model within a fraction of the
+full model's training FLOPs: RaFFM's serve-at-any-size sizes (``method.elastic_sizes``), measured
+on a profile batch, never over the fraction.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -28,20 +26,6 @@ from fedslice.models.quantize import held_bytes
 from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec, stack_list
 
 _MIB = float(1 << 20)
-
-
-@dataclass(frozen=True)
-class Budget:
-    flops: float | None = None  # fraction of the full model's training FLOPs per step, (0, 1]
-    memory_mb: float | None = None  # peak training memory, MiB
-    field: str = ""  # the config field it comes from (for messages)
-
-    def __post_init__(self):
-        if (self.flops is None) == (self.memory_mb is None):
-            raise ValueError("a Budget has exactly one of flops / memory_mb")
-
-    def describe(self) -> str:
-        return f"{self.flops:g}x FLOPs" if self.flops is not None else f"{self.memory_mb:g} MiB"
 
 
 @dataclass(frozen=True)
@@ -57,10 +41,12 @@ class SpecCost:
 
 
 @dataclass(frozen=True)
-class Plan:
+class SizedSpec:
+    """The largest sub-model within a FLOPs fraction, its measured cost, or why there is none."""
+
     spec: Spec | None
     cost: SpecCost | None
-    reason: str | None = None  # why there is no spec
+    reason: str | None = None
 
 
 def depth_layers(num_layers: int, keep: int) -> list[int]:
@@ -185,125 +171,44 @@ def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
     return scale * float(fc.total), memory, n_params, n_train
 
 
-class Planner:
-    """Largest candidate whose measured cost fits a budget; measurements are cached per spec."""
+class WidthsByFlops:
+    """Largest candidate whose measured training FLOPs are within a fraction of the full model's;
+    measurements are cached per spec."""
 
     def __init__(self, candidates: Sequence[Spec],
-                 measure: Callable[[Spec], tuple[float, float, int, int]],
-                 reference: Callable[[], float] | None = None):
-        """``reference``: the training FLOPs a FLOPs budget is a fraction of (default: the last
-        candidate's measured FLOPs; with LoRA ranks per client, the full model at the global
-        rank while candidates are measured at the smallest rank)."""
+                 measure: Callable[[Spec], tuple[float, float, int, int]]):
         if not candidates:
-            raise ValueError("the planner needs at least one candidate")
+            raise ValueError("the elastic sizes need at least one candidate")
         self.candidates = list(candidates)
         self._measure = measure
-        self._reference = reference
         self._costs: dict[Spec, SpecCost] = {}
         self._full_flops: float | None = None
-        self._plans: dict[Budget, Plan] = {}
 
     @property
     def full_flops(self) -> float:
         if self._full_flops is None:
-            self._full_flops = (self._reference() if self._reference is not None
-                                else self._measure(self.candidates[-1])[0])
+            self._full_flops = self._measure(self.candidates[-1])[0]
         return self._full_flops
-
-    def cost_of(self, measured: tuple[float, float, int, int]) -> SpecCost:
-        """A :class:`SpecCost` from one measurement (FLOPs, memory MiB, params, trainable)."""
-        flops, mem, params, train = measured
-        return SpecCost(params, train, flops, flops / self.full_flops, mem)
 
     def cost(self, spec: Spec) -> SpecCost:
         if spec not in self._costs:
-            self._costs[spec] = self.cost_of(self._measure(spec))
+            flops, mem, params, train = self._measure(spec)
+            self._costs[spec] = SpecCost(params, train, flops, flops / self.full_flops, mem)
         return self._costs[spec]
 
-    @staticmethod
-    def fits(budget: Budget, cost: SpecCost) -> bool:
-        if budget.flops is not None:
-            return cost.flops_ratio <= budget.flops * (1 + 1e-9)
-        return cost.memory_mb <= budget.memory_mb
+    def fits(self, fraction: float, spec: Spec) -> bool:
+        return self.cost(spec).flops_ratio <= fraction * (1 + 1e-9)
 
-    def plan(self, budget: Budget) -> Plan:
+    def at(self, fraction: float) -> SizedSpec:
         """The largest fitting candidate (binary search over the size-ordered grid, every answer
         verified by measurement), or no spec with the reason."""
-        key = Budget(budget.flops, budget.memory_mb)
-        if key in self._plans:
-            return self._plans[key]
-        smallest = self.cost(self.candidates[0])
-        if not self.fits(budget, smallest):
-            what = (f"{smallest.flops_ratio:.3g}x FLOPs" if budget.flops is not None
-                    else f"{smallest.memory_mb:.1f} MiB")
-            plan = Plan(None, None, f"budget {budget.describe()} is below the smallest sub-model "
-                        f"({what}): the smallest valid value is {smallest_valid(budget, smallest):g}")
-        else:
-            lo, hi = 0, len(self.candidates) - 1  # candidates[lo] fits
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if self.fits(budget, self.cost(self.candidates[mid])):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            spec = self.candidates[lo]
-            plan = Plan(spec, self.cost(spec))
-        self._plans[key] = plan
-        return plan
-
-
-def choose_rank(budget: Budget, ranks: Sequence[int], cost: Callable[[int], SpecCost]
-                ) -> tuple[int, SpecCost] | None:
-    """The largest of ``ranks`` (ascending) whose measured cost fits ``budget``, with that cost,
-    or None when even the smallest does not (a LoRA rank costs more with every component)."""
-    best = None
-    for r in ranks:
-        c = cost(r)
-        if not Planner.fits(budget, c):
-            break
-        best = (r, c)
-    return best
-
-
-def smallest_valid(budget: Budget, smallest: SpecCost) -> float:
-    """The smallest budget of ``budget``'s kind that fits ``smallest``, rounded *up* (4 decimals
-    of a FLOPs fraction, 0.1 MiB) so that the value a message prints is valid as written."""
-    flops = budget.flops is not None
-    digits = 4 if flops else 1
-    units = math.ceil(round((smallest.flops_ratio if flops else smallest.memory_mb) * 10**digits, 6))
-    while not Planner.fits(Budget(flops=units / 10**digits) if flops
-                           else Budget(memory_mb=units / 10**digits), smallest):
-        units += 1
-    value = units / 10**digits
-    return min(1.0, value) if flops else value
-
-
-def tier_of_clients(shares: Sequence[float], num_clients: int, seed: int) -> list[int]:
-    """Each client's tier: tier i gets ``shares[i] * num_clients`` clients (largest remainders for
-    the rounding), placed at random, reproducible from ``seed``."""
-    rng = np.random.default_rng([seed, 0x7A11])
-    exact = [x * num_clients for x in shares]
-    counts = [math.floor(x) for x in exact]
-    for i in sorted(range(len(shares)), key=lambda i: counts[i] - exact[i])[: num_clients - sum(counts)]:
-        counts[i] += 1
-    labels = np.repeat(np.arange(len(shares)), counts)
-    rng.shuffle(labels)
-    return labels.tolist()
-
-
-def assign_budgets(tiers: Sequence, distribution, num_clients: int, seed: int) -> list[tuple[int | None, Budget]]:
-    """(tier index or None, budget) of every client, reproducible from ``seed``.
-
-    Tiers get ``share * num_clients`` clients (largest remainders for the rounding), placed at
-    random; with a distribution, every client draws its FLOPs fraction from it.
-    """
-    if distribution is not None:
-        rng = np.random.default_rng([seed, 0x7A11])
-        draws = rng.uniform(distribution.low, distribution.high, size=num_clients)
-        return [(None, Budget(flops=float(x), field="method.budget_distribution")) for x in draws]
-    out = []
-    for tier in tier_of_clients([t.share for t in tiers], num_clients, seed):
-        t = tiers[tier]
-        field = f"method.tiers[{tier}].{'flops' if t.flops is not None else 'memory_mb'}"
-        out.append((tier, Budget(flops=t.flops, memory_mb=t.memory_mb, field=field)))
-    return out
+        if not self.fits(fraction, self.candidates[0]):
+            smallest = self.cost(self.candidates[0]).flops_ratio
+            return SizedSpec(None, None, f"size {fraction:g} is below the smallest sub-model "
+                               f"({smallest:.4g}x the full model's training FLOPs)")
+        lo, hi = 0, len(self.candidates) - 1  # candidates[lo] fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.fits(fraction, self.candidates[mid]) else (lo, mid - 1)
+        spec = self.candidates[lo]
+        return SizedSpec(spec, self.cost(spec))

@@ -1,10 +1,11 @@
 """``fedpetuning``: LoRA on the full model; FedAvg of the LoRA weights and the classifier
 (FedPETuning, Zhang et al. 2023; baseline B1 of the heads paper).
 
-With ``method.tiers`` and ``lora.ranks``, each client trains LoRA at the rank its device tier
-affords: the budget planner measures a training step of the model at every rank (FLOPs and
-memory, as RaFFM's planner measures sub-models) and gives a tier's clients the largest rank whose
-cost fits its budget; the server pads and averages the factors (:class:`fedslice.fl.rules.LoraRanks`).
+With ``[budgets]`` and ``lora.ranks``, each client trains LoRA at the rank its budget affords:
+the budget planner (:mod:`fedslice.methods.planner`) measures a training step of the model at
+every rank and gives a client the largest rank whose predicted cost fits its budget (``method.tiers``
+is an older spelling of the same table); the server pads and averages the factors
+(:class:`fedslice.fl.rules.LoraRanks`).
 
 With ``lora.aggregation = "fedsa"`` each client keeps its own ``B`` between participations (here
 in the simulation's process, in a Flower node's ``Context.state`` on Flower) and sends only ``A``
@@ -13,11 +14,9 @@ of the clients' personalised ones (docs/lora.md).
 """
 
 from fedslice.methods.fedpetuning.options import FedPETuningMethod
-from fedslice.methods.fedpetuning.strategy import RankedStrategy
-from fedslice.methods.fedpetuning.report import rank_tiers
 from fedslice.methods.fedpetuning.method import FedPETuning
 from fedslice.registry import register_method
 
 register_method(name="fedpetuning", options_cls=FedPETuningMethod, method_cls=FedPETuning)
 
-__all__ = ["FedPETuning", "FedPETuningMethod", "rank_tiers", "RankedStrategy"]
+__all__ = ["FedPETuning", "FedPETuningMethod"]

@@ -11,17 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from fedslice.config import DeviceTier, ExperimentConfig
-from fedslice.errors import ConfigError
-from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
+from fedslice.config import ExperimentConfig
+from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.methods.base import Method, Role
 from fedslice.methods.planner import PlannedStrategy
-from fedslice.methods.fedpetuning.report import mean_of, rank_tiers
-from fedslice.methods.fedpetuning.strategy import at_rank, RankedStrategy, RankPlan
+from fedslice.methods.fedpetuning.report import mean_of
+from fedslice.methods.fedpetuning.strategy import at_rank
 from fedslice.models.loading import LoadedModel
 from fedslice.registry import ADAPTERS
-from fedslice.slicing.planner import (SpecCost, assign_budgets, choose_rank, profile_batch,
-                                      smallest_valid)
 from fedslice.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -74,47 +71,11 @@ class FedPETuning(Method):
 
     # -- heterogeneous ranks -------------------------------------------------------------------
     def make_strategy(self) -> Strategy:
-        if self.cfg.budgets is not None:  # every client's plan (a client reads its own)
-            if self.role == "client":
-                return Strategy(self.cfg.federation, self.client_sizes)
-            return PlannedStrategy(self.cfg.federation, self.make_plans(), self.client_sizes)
-        tiers = getattr(self.cfg.method, "tiers", None)
-        if not tiers or self.role == "client":  # a client never configures payloads
+        """FedAvg; under ``[budgets]`` (or the ``method.tiers`` that spell it) every client's
+        plan (its LoRA rank, ...) travels in its payload (a client reads its own)."""
+        if self.cfg.budgets is None or self.role == "client":
             return Strategy(self.cfg.federation, self.client_sizes)
-        return RankedStrategy(self.cfg.federation, self.plan_ranks(tiers), self.client_sizes)
-
-    def plan_ranks(self, tiers: list[DeviceTier]) -> dict[int, RankPlan]:
-        """Each client's rank: the largest of ``lora.ranks`` whose training step (measured on a
-        profile batch of federation.batch_size x data.max_length, as RaFFM's planner does) fits
-        its tier's budget; a FLOPs budget is a fraction of the step at ``lora.r``."""
-        lora, fed = self.cfg.lora, self.cfg.federation
-        batch = profile_batch(self.model.config.vocab_size, fed.batch_size, self.cfg.data.max_length,
-                              self.cfg.seed, self.task.head)
-        reference = self.measure_at_rank(self.model, lora.r, batch)[0]
-        costs: dict[int, SpecCost] = {}
-
-        def cost(r: int) -> SpecCost:
-            if r not in costs:
-                flops, mem, params, train = self.measure_at_rank(self.model, r, batch)
-                costs[r] = SpecCost(params, train, flops, flops / reference, mem)
-            return costs[r]
-
-        plans = {}
-        for c, (tier, budget) in enumerate(assign_budgets(tiers, None, fed.num_clients, self.cfg.seed)):
-            chosen = choose_rank(budget, lora.ranks, cost)
-            if chosen is None:
-                low = cost(lora.ranks[0])
-                raise ConfigError(
-                    f"{budget.field}: budget {budget.describe()} is below a training step at the "
-                    f"smallest LoRA rank (lora.ranks[0]={lora.ranks[0]}: {low.flops_ratio:.4g}x "
-                    f"FLOPs, {low.memory_mb:.1f} MiB): the smallest valid value is "
-                    f"{smallest_valid(budget, low):g}")
-            plans[c] = RankPlan(tier, budget, *chosen)
-        for tier in sorted({p.tier for p in plans.values()}):
-            p = next(p for p in plans.values() if p.tier == tier)
-            log.info("tier %d (%s): LoRA rank %d (%.4gx FLOPs, %.1f MiB)", tier, p.budget.describe(),
-                     p.rank, p.cost.flops_ratio, p.cost.memory_mb)
-        return plans
+        return PlannedStrategy(self.cfg.federation, self.make_plans(), self.client_sizes)
 
     # -- tensors a client keeps (fedsa) --------------------------------------------------------
     def client_state(self) -> State:
@@ -189,9 +150,6 @@ class FedPETuning(Method):
     def final_metrics(self, state: State, data, records: list[dict[str, Any]],
                       batch_size: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        ranked = find_inner(self.strategy, RankedStrategy, required=False)
-        if ranked is not None:
-            out["tiers"] = rank_tiers(ranked.plans, records)
         if self.personal_names and self.personal:
             out.update(self.personalised(state, data, batch_size))
         return out

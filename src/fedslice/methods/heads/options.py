@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -92,6 +92,14 @@ class HeadsMethod(MethodOptions):
         if self.scope is None:
             self.scope = "per_layer" if self.prune == "forward" else "global"
         return self
+
+    def spelled_budgets(self, budgets_given: bool) -> dict[str, Any] | None:
+        """The stage below's spelling, with this stage's knobs fixed at the method's own (a
+        spelling plans what the stage below varies, nothing of the head stage's)."""
+        out = super().spelled_budgets(budgets_given)
+        if out is not None:
+            out.update(sparsities=[self.sparsity], importance_sources=["pass"])
+        return out
 
 
 def kept_count(num_rows: int, num_heads: int, sparsity: float, scope: str) -> int:

@@ -20,7 +20,7 @@ that permutations and slices are pure functions over it; the shared model is a s
 """
 
 from fedslice.methods.raffm.options import RaFFMMethod
-from fedslice.methods.raffm.strategy import ClientPlan, RaFFMStrategy
+from fedslice.methods.raffm.strategy import RaFFMStrategy
 from fedslice.methods.raffm.report import plot_elastic
 from fedslice.methods.raffm.method import ELASTIC, RaFFM
 from fedslice.methods.raffm.export import ElasticSizes
@@ -29,4 +29,4 @@ from fedslice.registry import register_method
 register_method(name="raffm", options_cls=RaFFMMethod, method_cls=RaFFM, stage="submodel",
                 elastic_export=ElasticSizes())
 
-__all__ = ["ClientPlan", "ELASTIC", "plot_elastic", "RaFFM", "RaFFMMethod", "RaFFMStrategy"]
+__all__ = ["ELASTIC", "plot_elastic", "RaFFM", "RaFFMMethod", "RaFFMStrategy"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from functools import cached_property
@@ -29,15 +28,13 @@ from fedslice.models.quantize import held_bytes
 from fedslice.methods.base import Method, Role, trains_alone
 from fedslice.methods.raffm.options import RaFFMMethod
 from fedslice.methods.raffm.report import plot_elastic
-from fedslice.methods.raffm.strategy import ClientPlan, RaFFMStrategy
+from fedslice.methods.raffm.strategy import RaFFMStrategy
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.slicing.keys import sliceable_keys
 from fedslice.slicing.permute import Permutation, in_original_order, unpermute_state
-from fedslice.methods.planner import PlannedModel, plan_config
-from fedslice.slicing.planner import (Budget, Plan, Planner, SpecCost, assign_budgets, choose_rank,
-                                      spec_params,
-                                      measure_training_step, width_candidates)
+from fedslice.methods.planner import PlannedModel
+from fedslice.slicing.planner import WidthsByFlops, measure_training_step, spec_params, width_candidates
 from fedslice.slicing.masks import masked_inputs
 from fedslice.slicing.depth import frozen
 from fedslice.slicing.replay import BlockReplay
@@ -124,47 +121,24 @@ class RaFFM(Method):
         #: the precision of every client's base (``model.quantize``; None: fp32); a client's plan
         #: may lower it (``budgets.precisions``, with an fp32 run base)
         self.client_precision = None if cfg.model.quantize == "none" else cfg.model.quantize
-        self._rank_plans: dict = {}
         super().__init__(cfg, loaded, task, role, client_sizes, **kw)
 
     # -- construction ------------------------------------------------------------------------
     def make_strategy(self) -> Strategy:
+        """Every client's sub-model, rank and the rest from the budget planner
+        (:mod:`fedslice.methods.planner`: ``[budgets]``, or the table ``method.tiers`` and the
+        default tiers spell); the elastic sizes are measured on the profile batch
+        (:attr:`sizes`)."""
         opts, fed = self.opts, self.cfg.federation
         self.all_dims = self.arch.all_dims(self.model.config)
         self.profile = self.task.profile_batch(self.model.config, opts.profile_batch_size or fed.batch_size,
                                                opts.profile_seq_len or self.cfg.data.max_length,
                                                self.cfg.seed)
-        candidates = self.width_specs(opts.width_steps)
-        ranks = self.cfg.lora.ranks if self.adapter.name == "lora" else None
-        if self.cfg.budgets is not None:
-            return self._budget_strategy(candidates)
-        if ranks:
-            # width and rank together: the widest sub-model at which the smallest rank fits,
-            # then the largest rank that fits at that width; FLOPs are fractions of the full
-            # model at lora.r
-            self.planner = Planner(candidates, lambda spec: self.measure_at_rank(
-                self.client_submodel(spec), ranks[0], self.profile), reference=lambda: self.measure_at_rank(
-                self.client_submodel(candidates[-1]), self.cfg.lora.r, self.profile)[0])
-        else:
-            self.planner = Planner(candidates, lambda spec: measure_training_step(
-                self.client_submodel(spec), self.profile, loss_fn=self.task.loss))
-        budgets = assign_budgets(opts.tiers, opts.budget_distribution, fed.num_clients, self.cfg.seed)
-        plans = {c: self._client_plan(tier, b, ranks) for c, (tier, b) in enumerate(budgets)}
-        self._check_feasible(plans)
-        return RaFFMStrategy(fed, opts, self.arch, self.all_dims, plans, self.adapter.scale,
-                             set(self.trainable()), self.client_sizes,
-                             scale_tensors(self.model, self.arch), self.client_precision)
-
-    def _budget_strategy(self, candidates: list[Spec]) -> Strategy:
-        """``[budgets]``: every client's sub-model, rank and the rest from the budget planner
-        (:mod:`fedslice.methods.planner`); the elastic sizes keep RaFFM's own planner."""
-        self.planner = Planner(candidates, lambda spec: measure_training_step(
+        #: the largest sub-model within each FLOPs fraction (``method.elastic_sizes``)
+        self.sizes = WidthsByFlops(self.width_specs(opts.width_steps), lambda spec: measure_training_step(
             self.client_submodel(spec), self.profile, loss_fn=self.task.loss))
-        plans = {c: ClientPlan(p.tier, p.budget, Plan(p.knobs.spec, self.planner.cost(p.knobs.spec)),
-                               p.knobs.rank, config=plan_config(p))
-                 for c, p in self.make_plans().items()}
-        return RaFFMStrategy(self.cfg.federation, self.opts, self.arch, self.all_dims, plans,
-                             self.adapter.scale, set(self.trainable()), self.client_sizes,
+        return RaFFMStrategy(fed, opts, self.arch, self.all_dims, self.make_plans(), self.adapter.scale,
+                             set(self.trainable()), self.client_sizes,
                              scale_tensors(self.model, self.arch), self.client_precision)
 
     def plan_axes(self, budgets) -> dict[str, list]:
@@ -234,36 +208,6 @@ class RaFFM(Method):
         with (self.adapter.at_rank(model, knobs.rank) if knobs.rank is not None else nullcontext()), \
                 frozen(model, self.depth_frozen(knobs.depth)):
             yield PlannedModel(model, self.trainable(model))
-
-    def _client_plan(self, tier: int | None, budget: Budget, ranks: list[int] | None) -> ClientPlan:
-        plan = self.planner.plan(budget)
-        if not ranks or plan.spec is None:
-            return ClientPlan(tier, budget, plan)
-        key = (plan.spec, budget)
-        if key not in self._rank_plans:
-            model = self.client_submodel(plan.spec)
-            self._rank_plans[key] = choose_rank(budget, ranks, lambda r: self.planner.cost_of(
-                self.measure_at_rank(model, r, self.profile)))
-        rank, cost = self._rank_plans[key]
-        return ClientPlan(tier, budget, plan, rank, cost)
-
-    def _check_feasible(self, plans: dict[int, ClientPlan]) -> None:
-        out: dict[str, list[int]] = defaultdict(list)
-        reasons = {}
-        for c, cp in plans.items():
-            if cp.plan.spec is None:
-                out[cp.budget.field].append(c)
-                reasons[cp.budget.field] = cp.plan.reason
-        if not out:
-            return
-        lines = [f"{field}: {reasons[field]}: client(s) {cs[:10]}{' ...' if len(cs) > 10 else ''}"
-                 for field, cs in out.items()]
-        if self.opts.on_infeasible == "error" or sum(map(len, out.values())) == len(plans):
-            raise ConfigError("no sub-model fits the budget of some clients:\n  " + "\n  ".join(lines)
-                              + ("" if self.opts.on_infeasible == "error" else
-                                 "\n  (every client would sit out)"))
-        for line in lines:
-            log.warning("raffm: these clients sit out: %s", line)
 
     @property
     def slices(self) -> RaFFMStrategy:
@@ -434,7 +378,7 @@ class RaFFM(Method):
     # -- the sandwich rule -------------------------------------------------------------------
     def smallest_spec(self) -> Spec | None:
         """The smallest elastic size's sub-model (None: no size fits)."""
-        return self.planner.plan(Budget(flops=min(self.opts.elastic_sizes))).spec
+        return self.sizes.at(min(self.opts.elastic_sizes)).spec
 
     def _fit_sandwich(self, payload: Payload, data, seed: int) -> Reply:
         """Local training whose every step adds the loss of the smallest elastic size nested in
@@ -481,19 +425,12 @@ class RaFFM(Method):
             # what a client without the model must also hold (counted apart)
             "bytes_down": measure.tensor_bytes(trained), "bytes_down_frozen": measure.tensor_bytes(frozen),
             "flops_analytic": self._analytic_flops(spec, model, result),
-            "flops_ratio_planned": self._planned(payload, spec).flops_ratio,
+            "flops_ratio_planned": self.sizes.cost(spec).flops_ratio,
             "lora_rank": payload.config.get("lora_rank"),
             "model_mb": model_bytes / 2**20, "memory_mb": model_bytes / 2**20 + result.activation_mb,
             **spec_sizes(spec),
         })
         return m
-
-    def _planned(self, payload: Payload, spec: Spec) -> SpecCost:
-        """The planned cost of the client's sub-model (at its LoRA rank)."""
-        cp = self.slices.plans.get(payload.config.get("client"))
-        if cp is not None and cp.rank_cost is not None:
-            return cp.rank_cost
-        return self.planner.cost(spec)
 
     def _analytic_flops(self, spec: Spec, model: nn.Module, result: LocalResult) -> float:
         """:func:`measure.analytic_train_flops` of the sub-model: its linears are counted from the
@@ -521,7 +458,7 @@ class RaFFM(Method):
         """The full model holding ``state``; under ``model.quantize``, its quantized copy (made
         once per order of the base, as a client's)."""
         self._load(self.model, state)
-        return self._quantized_like_clients(self.planner.candidates[-1], self.model, state)
+        return self._quantized_like_clients(self.sizes.candidates[-1], self.model, state)
 
     def _quantized_like_clients(self, spec: Spec, model: nn.Module, state: State) -> nn.Module:
         """``model`` (the sub-model of ``spec``, ``state`` loaded), or under ``model.quantize``
@@ -564,7 +501,7 @@ class RaFFM(Method):
         of heads and neurons): what ``fedslice export --size`` cuts."""
         out = []
         for size in sorted(set(self.opts.elastic_sizes) | {1.0}):
-            plan = self.planner.plan(Budget(flops=size))
+            plan = self.sizes.at(size)
             if plan.spec is not None:
                 out.append({"size": size, "spec": in_original_order(plan.spec, self.slices.perm).to_dict(),
                             "train_flops_ratio": plan.cost.flops_ratio})
@@ -579,7 +516,7 @@ class RaFFM(Method):
         FLOPs fraction."""
         out = []
         for size in sorted(set(self.opts.elastic_sizes) | {1.0}):
-            plan = self.planner.plan(Budget(flops=size))
+            plan = self.sizes.at(size)
             if plan.spec is None:
                 out.append({"size": size, "error": plan.reason})
                 continue
@@ -621,25 +558,23 @@ class RaFFM(Method):
         for tier in groups:
             cps = [cp for cp in self.slices.plans.values() if cp.tier == tier]
             ran = [m for m in per_client if m.get("tier") == tier and not m.get("sat_out")]
-            specs = {cp.plan.spec for cp in cps if cp.plan.spec is not None}
-            entry = {"tier": tier, "budget": cps[0].budget.describe() if tier is not None else "distribution",
-                     "clients": len(cps), "clients_without_submodel": sum(cp.plan.spec is None for cp in cps),
+            trains = [cp for cp in cps if cp.sits_out is None]
+            specs = {cp.knobs.spec for cp in trains}
+            entry = {"tier": tier, "budget": cps[0].budget.describe() if tier is not None else cps[0].budget.name,
+                     "clients": len(cps), "clients_without_submodel": len(cps) - len(trains),
                      "client_rounds": len(ran),
                      "sat_out_rounds": sum(1 for m in per_client if m.get("tier") == tier and m.get("sat_out"))}
             if len(specs) == 1:
                 spec = next(iter(specs))
-                entry.update({"spec": spec.describe(), "planned": self.planner.cost(spec).to_dict()})
-            tier_ranks = {cp.rank for cp in cps if cp.plan.spec is not None}
+                entry.update({"spec": spec.describe(), "planned": self.sizes.cost(spec).to_dict()})
+            tier_ranks = {cp.knobs.rank for cp in trains}
             if len(tier_ranks) == 1 and None not in tier_ranks:
-                cp = next(cp for cp in cps if cp.plan.spec is not None)
-                entry["lora_rank"] = cp.rank
-                if cp.rank_cost is not None:  # [budgets]: summary["plans"] has the plan's costs
-                    entry["planned"] = cp.rank_cost.to_dict()
+                entry["lora_rank"] = next(iter(tier_ranks))  # summary["plans"] has the plan's costs
             for k in (*ClientCost.AGGREGATED, "bytes_down_frozen"):
                 vals = [m[k] for m in ran if m.get(k) is not None]
                 entry[f"{k}_mean"] = float(np.mean(vals)) if vals else None
             tiers.append(entry)
-        full_cost = self.planner.cost(self.planner.candidates[-1])
+        full_cost = self.sizes.cost(self.sizes.candidates[-1])
         return {"elastic": self.elastic(state, data, batch_size), "tiers": tiers,
                 "full_model_planned": full_cost.to_dict(),
                 "sat_out_replies": sum(1 for m in per_client if m.get("sat_out")),

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -11,6 +11,10 @@ from fedslice.config import DeviceTier, MethodOptions, Section, check_fractions,
 
 
 RaFFMTier = DeviceTier  # the older name
+
+#: RaFFM's clients without a ``[budgets]`` table: four tiers of a quarter of the clients each, at
+#: 0.25, 0.5, 0.75 and 1.0 of the whole model's training FLOPs
+DEFAULT_TIERS = [{"share": 0.25, "flops_share": f} for f in (0.25, 0.5, 0.75, 1.0)]
 
 
 class BudgetDistribution(Section):
@@ -34,10 +38,6 @@ class BudgetDistribution(Section):
         return self
 
 
-def _default_tiers() -> list[RaFFMTier]:
-    return [RaFFMTier(share=0.25, flops=f) for f in (0.25, 0.5, 0.75, 1.0)]
-
-
 class RaFFMMethod(MethodOptions):
     """Resource-aware sub-models: salience-ordered heads/neurons, leading slices per budget,
     slice aggregation (RaFFM, Yu et al. 2023)."""
@@ -45,9 +45,13 @@ class RaFFMMethod(MethodOptions):
     name: Literal["raffm"] = "raffm"
     tuning: Literal["full", "lora"] = Field("lora", description="Full fine-tuning of the "
                                             "sub-model, or LoRA (settings in [lora]) on it.")
-    tiers: list[RaFFMTier] = Field(default_factory=_default_tiers, min_length=1)
+    tiers: list[RaFFMTier] | None = Field(
+        None, min_length=1, description="An older spelling of [budgets] tiers (read as budgets.tiers "
+        "with flops -> flops_share, memory_mb kept; said in the log). Without it and without a "
+        "[budgets] table, RaFFM's clients get four tiers of 0.25, 0.5, 0.75 and 1.0 of the whole "
+        "model's training FLOPs (flops_share).")
     budget_distribution: BudgetDistribution | None = Field(
-        None, description="If set, each client's FLOPs budget is drawn from it (tiers unused).")
+        None, description="An older spelling of budgets.flops_share_range = [low, high].")
     salience: Literal["l1", "l2", "activation"] = Field(
         "l1", description="How heads/neurons are ranked: L1 or L2 weight norm (RaFFM's, no data), "
         "or 'activation': mean |input| x L1 column norm of the output projection over a "
@@ -79,8 +83,9 @@ class RaFFMMethod(MethodOptions):
     elastic_sizes: list[float] = Field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0],
                                        description="FLOPs fractions evaluated after training.")
     on_infeasible: Literal["sit_out", "error"] = Field(
-        "sit_out", description="A client whose budget is below the smallest sub-model sits out "
-        "(recorded), or the run fails naming the tier and clients.")
+        "sit_out", description="With RaFFM's default tiers or method.tiers: budgets.on_infeasible "
+        "(a client whose budget is below the smallest sub-model sits out, recorded, or the run "
+        "fails naming the tier and clients). With a [budgets] table, its own on_infeasible.")
     sandwich: bool = Field(False, description="Sandwich rule: every local step also trains the "
                            "smallest elastic size nested in the client's sub-model (its leading "
                            "heads/FFN units; the others' outputs masked), loss = own + smallest. "
@@ -121,3 +126,24 @@ class RaFFMMethod(MethodOptions):
     @classmethod
     def _shares(cls, v):
         return check_tier_shares(v)
+
+    spelling_fields: ClassVar[tuple[str, ...]] = ("tiers", "budget_distribution")
+
+    def spelled_budgets(self, budgets_given: bool) -> dict[str, Any] | None:
+        """``method.tiers`` / ``method.budget_distribution`` (or, without them and without
+        ``[budgets]``, :data:`DEFAULT_TIERS`) as the ``[budgets]`` table they mean: the tier
+        planner's FLOPs fractions as ``flops_share``, its grid of widths, every client training
+        the whole round as one batch (no local-work, split or checkpointing axes)."""
+        if self.budget_distribution is not None:
+            d = self.budget_distribution
+            out = {"flops_share_range": [d.low, d.high], "field": "method.budget_distribution"}
+        elif self.tiers is not None:
+            out = {"tiers": [{"share": t.share, "name": t.name,
+                              **({"flops_share": t.flops} if t.flops is not None else {"memory_mb": t.memory_mb})}
+                             for t in self.tiers], "field": "method.tiers"}
+        elif budgets_given:
+            return None
+        else:
+            out = {"tiers": DEFAULT_TIERS, "field": "default"}
+        return {**out, "width_steps": self.width_steps, "local_work": [1.0], "micro_batches": [1],
+                "checkpointing": False, "on_infeasible": self.on_infeasible}

@@ -6,31 +6,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from fedslice.config import FederationConfig
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.methods.planner import ClientPlan, plan_config
 from fedslice.methods.raffm.options import RaFFMMethod
 from fedslice.models.arch import ArchSpec
 from fedslice.slicing.keys import sliceable_keys
 from fedslice.slicing.permute import Permutation, permute_state
-from fedslice.slicing.planner import Budget, Plan, SpecCost
 from fedslice.slicing.salience import model_salience, salience_order
 from fedslice.slicing.spec import spec_from_dict
 from fedslice.slicing.state import extract_state, scatter
-
-
-@dataclass(frozen=True)
-class ClientPlan:
-    tier: int | None
-    budget: Budget
-    plan: Plan
-    #: the client's LoRA rank (``lora.ranks``; None: lora.r) and the measured cost at that rank
-    rank: int | None = None
-    rank_cost: SpecCost | None = None
-    #: more of the client's plan for its payloads (``[budgets]``: micro-batches, checkpointing)
-    config: dict = field(default_factory=dict)
 
 
 class RaFFMStrategy(Strategy):
@@ -81,17 +68,17 @@ class RaFFMStrategy(Strategy):
     # -- configure ---------------------------------------------------------------------------
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
         cp = self.plans[client]
-        cfg = {**config, "client": client, "tier": cp.tier, "budget": cp.budget.describe(), **cp.config}
-        if cp.plan.spec is None:
-            return Payload(arrays={}, config={**cfg, "sit_out": cp.plan.reason})
+        cfg = {**config, "client": client, **plan_config(cp)}
+        if cp.sits_out is not None:
+            return Payload(arrays={}, config={**cfg, "sit_out": cp.sits_out})
         if (cfg.get("base_precision") or self.base_precision) not in (None, "none"):
             # a client over a quantized copy of its slice quantizes once per order of the base
             cfg["base_order"] = self.perm.digest
-        return Payload(arrays=extract_state(state, cp.plan.spec, self.arch),
-                       config={**cfg, "spec": cp.plan.spec.to_dict()})
+        return Payload(arrays=extract_state(state, cp.knobs.spec, self.arch),
+                       config={**cfg, "spec": cp.knobs.spec.to_dict()})
 
     def client_rank(self, client: int) -> int | None:
-        return self.plans[client].rank
+        return self.plans[client].knobs.rank
 
     def client_slice(self, payload: Payload):
         """The client's sub-model (its payload's spec; None for a client that sat out)."""
@@ -116,9 +103,10 @@ class RaFFMStrategy(Strategy):
 
     # -- aggregate ---------------------------------------------------------------------------
     def client_factor(self, client: int) -> float:
-        """f^p: the client's planned FLOPs fraction to the power ``size_weight`` (1 when p = 0)."""
+        """f^p: the client's planned share of a dense client's FLOPs to the power
+        ``size_weight`` (1 when p = 0)."""
         p = self.opts.size_weight
-        return 1.0 if p == 0 else self.plans[client].plan.cost.flops_ratio ** p
+        return 1.0 if p == 0 else self.plans[client].flops_share ** p
 
     def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
                        replies: dict[int, Reply]) -> tuple[list[State], list]:
