@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -21,7 +22,6 @@ from test_flower import InProcessGrid, _settings
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"federation": {"round_policy": "async"}}, "round_policy = 'async' runs in the in-process"),
     ({"devices": {"gflops_per_s": 1.0}}, "[devices]"),
     ({"federation": {"round_policy": "deadline", "round_deadline_s": 5.0, "overselect": 0.5}},
      "federation.overselect = 0.5"),
@@ -80,3 +80,53 @@ def test_deadline_drops_a_throttled_nodes_reply(tiny_cfg_dict, tmp_path):
     assert [m["client"] for m in record["client_metrics"] if m["used"]] == [0]
     assert record["excluded"] == [{"client": 1, "reason": "no reply within the 4 s round "
                                    "deadline (federation.round_deadline_s)"}]
+
+
+class DelayedGrid(InProcessGrid):
+    """Every node's ClientApp in this process, one message at a time, each train reply landing
+    in the grid ``delay[node]`` seconds after the ClientApp returned (a thread per message):
+    nodes of different speeds behind the Message API's push and pull."""
+
+    def __init__(self, node_configs: dict[int, dict], delay: dict[int, float]):
+        super().__init__(node_configs)
+        self.delay, self.lock = delay, threading.Lock()
+
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = msg.object_id
+            ids.append(msg.object_id)
+            if msg.metadata.message_type != "train":  # the partition query, the run's end
+                with self.lock:
+                    self._replies[msg.object_id] = self._handle(msg)
+                continue
+            threading.Thread(target=self._answer, args=(msg,), daemon=True).start()
+        return ids
+
+    def _answer(self, msg):
+        with self.lock:  # one ClientApp call at a time (they share this process's model)
+            reply = self._handle(msg)
+        time.sleep(self.delay.get(msg.metadata.dst_node_id, 0.0))
+        self._replies[msg.object_id] = reply
+
+
+def test_async_on_flower_pushes_and_pulls_per_node(tiny_cfg_dict, tmp_path):
+    """FedBuff on the ServerApp: two nodes train at once (concurrency 2), every reply is a
+    version (buffer 1); the slow node's replies come in stale and are recorded as such."""
+    d = json.loads(json.dumps(tiny_cfg_dict))
+    d["federation"].update(num_clients=2, clients_per_round=1, rounds=6, round_policy="async",
+                           concurrency=2, buffer_size=1)
+    d["evaluation"] = {"every": 3, "batch_size": 32}
+    path = tmp_path / "exp.json"
+    path.write_text(json.dumps(d))
+    grid = DelayedGrid({100: {"partition-id": 0, "num-partitions": 2},
+                        101: {"partition-id": 1, "num-partitions": 2}}, {100: 0.4, 101: 1.0})
+    run_dir = server_run(grid, _settings(path, tmp_path / "fl"))
+    _, metrics, summary = read_run(run_dir)
+    assert [r["round"] for r in metrics] == list(range(1, 7)) and summary["engine"] == "flower"
+    seen = [(m["client"], m["staleness"], r["round"] - 1 - m["base_version"])
+            for r in metrics for m in r["client_metrics"]]
+    assert all(s == expected for _, s, expected in seen)
+    assert {c for c, _, _ in seen} == {0, 1}  # both nodes' replies were aggregated
+    assert max(s for c, s, _ in seen if c == 1) >= 1  # the slow node's, stale
+    assert all(len(r["clients"]) == 1 and not r["skipped"] for r in metrics)

@@ -144,6 +144,9 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     else:
         session = RunSession.reopen(cfg, method, staging, ckpt, command, data.sources)
 
+    if cfg.federation.round_policy == "async":  # FedBuff over push/pull per node
+        return _run_async(grid, settings, cfg, method, data, partitions, session, wait, done)
+
     def train():
         state = session.initial_state(adapter.selector)
         if ckpt is not None:
@@ -176,13 +179,36 @@ def reply_wait(cfg, round_timeout: float) -> float:
         raise ConfigError("[devices] (or device fields in budgets.tiers) put simulated devices on "
                           "the in-process engine's clock (fedslice run); on Flower the nodes' own "
                           "speed and links count: remove them")
-    if fed.round_policy == "async":
-        raise ConfigError("federation.round_policy = 'async' runs in the in-process engine "
-                          "(fedslice run) only so far; on Flower use 'all' or 'deadline'")
     if fed.overselect:
         raise ConfigError(f"federation.overselect = {fed.overselect:g} runs in the in-process "
                           "engine only so far; on Flower the deadline drops late replies")
     return fed.round_deadline_s if fed.round_policy == "deadline" else round_timeout
+
+
+def _run_async(grid, settings, cfg, method, data, partitions, session, wait, done) -> Path:
+    """The run under ``federation.round_policy = 'async'``
+    (:class:`fedslice.flower.asynchronous.AsyncServer`)."""
+    from fedslice.flower.asynchronous import AsyncServer
+    from fedslice.run.engine import finalize
+
+    server = AsyncServer(cfg, method, data, partitions, wait, offset=done)
+
+    def train():
+        state = session.initial_state(server.selector)
+        if done:
+            for c in range(cfg.federation.num_clients):  # a new Flower run: nodes kept nothing
+                method.strategy.forget(c)
+        with _ending_run(grid):
+            state = server.run(grid, session, state)
+            summary = finalize(cfg, method, data, state, session.records, session.t_start)
+        summary["engine"] = "flower"
+        summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in session.records)
+        return state, summary
+
+    path = session.run(train)
+    if settings.result_file:
+        settings.result_file.write_text(str(path) + "\n")
+    return path
 
 
 @contextmanager
