@@ -51,6 +51,7 @@ def test_client_round_is_flops_over_speed_plus_bytes_over_link():
     d = Device(gflops_per_s=2.0, upload_mb_per_s=1.0, download_mb_per_s=4.0)
     assert d.seconds(4e9, 8e6, 1e6) == pytest.approx(2.0 + 2.0 + 1.0, rel=1e-12)
     assert Device(gflops_per_s=1.0).seconds(3e9, 1e9, 1e9) == pytest.approx(3.0)  # no link: free
+    assert d.flops_within(5.0, 8e6, 1e6) == pytest.approx(4e9)  # the inverse: a time budget
     half = Device(speed=0.5)  # a factor of the host's GFLOP/s
     assert half.compute_seconds(1e9, host_gflops_per_s=4.0) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="host"):

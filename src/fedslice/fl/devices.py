@@ -72,6 +72,13 @@ class Device:
         up = 0.0 if self.upload_mb_per_s is None else bytes_up / (self.upload_mb_per_s * _MB)
         return down + up
 
+    def flops_within(self, seconds: float, bytes_down: float, bytes_up: float,
+                     host_gflops_per_s: float | None = None) -> float:
+        """The training FLOPs this device can spend in a client-round of ``seconds`` that also
+        moves these bytes (<= 0: the transfers alone take longer): a time budget as the FLOPs
+        budget a plan is checked against."""
+        return (seconds - self.link_seconds(bytes_down, bytes_up)) * self.rate(host_gflops_per_s)
+
     def seconds(self, flops: float, bytes_down: float, bytes_up: float,
                 host_gflops_per_s: float | None = None) -> float:
         """One client-round: download + training + upload, in simulated seconds."""
