@@ -120,6 +120,8 @@ def test_stale_updates_are_taken_against_their_base_and_scaled():
     ({"devices": {"gflops_per_s": 1.0, "upload_mb_per_s": -1}}, "devices.upload_mb_per_s"),
     ({"devices": {"gflops_per_s": 1.0, "availability": 1.5}}, "devices.availability"),
     ({"devices": {"gflops_per_s": 1.0, "speed": 2.0}}, "not both"),
+    ({"devices": {"availability": 0.5, "tiers": [{"share": 1.0, "gflops_per_s": 1.0}]}},
+     "devices.availability with devices.tiers"),
     ({"federation": {"round_policy": "deadline"}}, "needs round_deadline_s"),
     ({"federation": {"round_deadline_s": 3.0}}, "round_deadline_s = 3.0 applies to round_policy = 'deadline'"),
     ({"federation": {"round_policy": "async", "concurrency": 2, "buffer_size": 3}},

@@ -450,6 +450,10 @@ class DevicesConfig(DeviceFields):
                                  ("devices.distribution", self.distribution != "none")) if on]
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)}: give the devices one way")
+        if given and given[0] != "devices.distribution" and self.device_fields():
+            raise ValueError(f"devices.{next(iter(self.device_fields()))} with {given[0]}: the "
+                             "section's own device fields are one device for every client (or "
+                             "a distribution's medians); give them in the tiers or the file")
         if not given and not self.device_fields() and self.trace is None:
             raise ValueError("give the devices: tiers, a csv file, a distribution, or one "
                              "device for every client (gflops_per_s, ...)")
