@@ -327,3 +327,13 @@ def test_resume_mid_run_is_bit_identical(tiny_cfg_dict, tmp_path, monkeypatch, p
                [[m["staleness"] for m in r["client_metrics"]] for r in rb]
     summary = json.loads((resumed / "summary.json").read_text())
     assert summary["sim_time_s"] == ra[-1]["sim_time_s"]
+
+
+def test_validate_says_the_policy_and_the_devices_spread(tiny_cfg_dict):
+    from fedslice.fl.devices import describe_clock
+
+    d = _cfg(tiny_cfg_dict, round_policy="async", concurrency=3, buffer_size=2)
+    text = describe_clock(validate_config(d))
+    assert text.startswith("round policy 'async' (FedBuff: 3 training, 2 replies per aggregation)")
+    assert "4 devices" in text and "GFLOP/s" in text and "online 100% of rounds" in text
+    assert describe_clock(validate_config(tiny_cfg_dict)) == ""

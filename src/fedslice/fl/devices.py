@@ -315,3 +315,42 @@ def read_trace(path: Path, num_clients: int) -> dict[int, list[tuple[float, floa
 def check_devices(cfg: ExperimentConfig) -> None:
     """Read the devices' files (CSV, trace) so their errors come at load, before training."""
     population(cfg)
+
+
+def describe_clock(cfg: ExperimentConfig) -> str:
+    """The round policy and the devices' spread in one line (``fedslice validate``); "" without
+    devices."""
+    pop = population(cfg)
+    if pop is None:
+        return ""
+    fed = cfg.federation
+    if fed.round_policy == "deadline":
+        over = f", {fed.overselect:.0%} over-selected" if fed.overselect else ""
+        policy = f"'deadline' ({fed.round_deadline_s:g} s{over})"
+    elif fed.round_policy == "async":
+        policy = "'async' (FedBuff: {} training, {} replies per aggregation)".format(*fed.async_sizes())
+    else:
+        policy = "'all' (every selected client)"
+
+    def spread(values: list[float], unit: str) -> str:
+        lo, mid, hi = np.quantile(values, [0.05, 0.5, 0.95])
+        return f"{lo:.3g}-{hi:.3g} {unit} (median {mid:.3g})"
+
+    devs = list(pop.devices.values())
+    parts = []
+    speeds = [d.gflops_per_s for d in devs if d.gflops_per_s is not None]
+    factors = [d.speed for d in devs if d.speed is not None]
+    if speeds:
+        parts.append("training " + spread(speeds, "GFLOP/s"))
+    if factors:
+        parts.append("training " + spread(factors, "x the host's speed"))
+    for k, name in (("upload_mb_per_s", "up"), ("download_mb_per_s", "down")):
+        rates = [getattr(d, k) for d in devs if getattr(d, k) is not None]
+        if rates:
+            parts.append(f"{name} " + spread(rates, "MB/s"))
+    if pop.trace is not None:
+        parts.append(f"online by the trace ({len(pop.trace)} clients traced)")
+    else:
+        parts.append(f"online {np.mean([d.availability for d in devs]):.0%} of rounds (mean)")
+    return (f"round policy {policy}; {len(devs)} devices (5th-95th percentile): "
+            + ", ".join(parts))
