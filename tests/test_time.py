@@ -31,8 +31,7 @@ DEVICES = {"tiers": [{"share": 0.5, "gflops_per_s": 0.02, "upload_mb_per_s": 1.0
 
 
 def _cfg(d: dict, **federation) -> dict:
-    d = json.loads(json.dumps(d))
-    d["devices"] = DEVICES
+    d = json.loads(json.dumps({**d, "devices": DEVICES}))  # a copy: tests change its tiers
     d["federation"].update(federation)
     return d
 
