@@ -136,6 +136,29 @@ def summarize(args) -> str:
     return head + "\n" + "\n".join(rows) + "\n\n" + med + "\n"
 
 
+def plot(args, path: Path) -> Path:
+    """Dev accuracy against simulated time, one panel per seed, a line per policy."""
+    from matplotlib.ticker import AutoLocator
+
+    from fedslice.report import figure, save_figure
+
+    seeds = [s for s in args.seeds if (args.out / f"seed{s}-all.json").is_file()]
+    fig, axes = figure(ncols=max(1, len(seeds)), width=4.5, height=3.5)
+    for ax, seed in zip(axes, seeds):
+        T = json.loads((args.out / f"seed{seed}-all.json").read_text())[-1]["sim_time_s"]
+        for p in POLICIES:
+            f = args.out / f"seed{seed}-{p}.json"
+            if f.is_file():
+                recs = [r for r in json.loads(f.read_text()) if r["dev_accuracy"] is not None]
+                ax.plot([r["sim_time_s"] for r in recs], [r["dev_accuracy"] for r in recs],
+                        marker=".", label=p)
+        ax.axvline(T, color="grey", lw=0.8, ls=":")
+        ax.xaxis.set_major_locator(AutoLocator())
+        ax.set(title=f"seed {seed}", xlabel="simulated seconds", ylabel="dev accuracy")
+        ax.legend()
+    return save_figure(fig, path)
+
+
 def _f(x):
     return "-" if x is None else f"{x:.4f}"
 
@@ -161,7 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument("--availability", type=float, default=0.7)
     ap.add_argument("--deadline-quantile", type=float, default=0.7)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--report", type=Path, help="write the table (markdown) here too")
+    ap.add_argument("--report", type=Path, help="write the table (markdown) here too, and the "
+                    "accuracy-against-simulated-time plot beside it (.png)")
     args = ap.parse_args(argv)
     for seed in args.seeds:
         for p in args.policies:
@@ -172,6 +196,7 @@ def main(argv=None) -> int:
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(table)
+        print("plot:", plot(args, args.report.with_suffix(".png")))
     return 0
 
 
