@@ -19,6 +19,7 @@ from fedslice.data.federated import FederatedData
 from fedslice.run.checkpoint import (Checkpoint, check_same_architecture, check_same_config,
                                      check_same_data, config_diff, data_changes, find_resumable,
                                      read_checkpoint)
+from fedslice.run.asynchronous import simulation_for
 from fedslice.run.engine import Simulation
 from fedslice.run.session import RunSession, folder_name
 from fedslice.run.setup import check_method, setup
@@ -47,7 +48,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None, *,
     out = Path(out_dir or cfg.output.dir)
     with _display(cfg, progress, verbose):
         method, data = setup_result or setup(cfg)
-        sim = Simulation(cfg, method, data)
+        sim = simulation_for(cfg, method, data)
         session = RunSession.create(cfg, method, data, out, resume_command)
         return session.run(lambda: _train(sim, session))
 
@@ -89,7 +90,7 @@ def resume_experiment(run_dir: str | Path, config: str | Path | None = None,
         check_same_architecture(ckpt, method, staging)
         check_same_config(ckpt.config, given, staging)
         _check_data(ckpt, data, staging, allow_data_change)
-        sim = Simulation(cfg, method, data)
+        sim = simulation_for(cfg, method, data)
         session = RunSession.reopen(cfg, method, staging, ckpt, resume_command, data.sources)
         return session.run(lambda: _train(sim, session))
 

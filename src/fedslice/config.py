@@ -187,7 +187,47 @@ def check_tier_shares(tiers: list[DeviceTier] | None) -> list[DeviceTier] | None
     return tiers
 
 
-class BudgetTier(Section):
+class DeviceFields(Section):
+    """A client device on the simulated clock (docs/time.md): its training speed, its link and
+    its availability. Unset fields: no limit (a link without a rate takes no time; availability
+    1: always online)."""
+
+    gflops_per_s: float | None = Field(None, gt=0, description="Training GFLOP/s the device "
+                                       "sustains: a client-round takes its measured FLOPs / this.")
+    speed: float | None = Field(None, gt=0, description="The device's training speed as a factor "
+                                "of this host's (measured once per run with a matmul, recorded "
+                                "and kept on resume); instead of gflops_per_s.")
+    upload_mb_per_s: float | None = Field(None, gt=0, description="Upload MB/s (1e6 bytes): a "
+                                          "reply's bytes_up take bytes / this.")
+    download_mb_per_s: float | None = Field(None, gt=0, description="Download MB/s: a payload's "
+                                            "bytes_down take bytes / this.")
+    availability: float | None = Field(None, gt=0, le=1, description="Share of rounds the device "
+                                       "is online, drawn per (seed, round, client); offline "
+                                       "clients are never selected. devices.trace replaces it.")
+
+    @field_validator("gflops_per_s", "speed", "upload_mb_per_s", "download_mb_per_s",
+                     "availability", mode="before")
+    @classmethod
+    def _device_number(cls, v):
+        return budget_number(v)
+
+    @model_validator(mode="after")
+    def _one_speed(self):
+        if self.gflops_per_s is not None and self.speed is not None:
+            raise ValueError("give the device's speed as gflops_per_s or as speed (a factor of "
+                             "this host's), not both")
+        return self
+
+    def device_fields(self) -> dict[str, float]:
+        """The device fields that are set."""
+        return {k: v for k in DEVICE_FIELDS if (v := getattr(self, k)) is not None}
+
+
+#: the fields of a device (a tier of ``[devices]`` or ``[budgets]``, a column of devices.csv)
+DEVICE_FIELDS = ("gflops_per_s", "speed", "upload_mb_per_s", "download_mb_per_s", "availability")
+
+
+class BudgetTier(DeviceFields):
     """A tier of clients with one budget: its share of the population and at least one limit."""
 
     name: str | None = Field(None, description="Shown in plans and reports (default: tier<i>).")
@@ -402,6 +442,81 @@ class BudgetsConfig(Section):
         return self
 
 
+class DeviceTierConfig(DeviceFields):
+    """A tier of ``[devices]``: a share of the clients with one device."""
+
+    name: str | None = Field(None, description="Shown in records (default: tier<i>).")
+    share: float = Field(gt=0, le=1, description="Fraction of the clients in this tier.")
+
+
+class DevicesConfig(DeviceFields):
+    """Client devices on a simulated clock (docs/time.md): each client-round takes its measured
+    FLOPs / the device's speed + its bytes / the device's link; the round policy
+    (``federation.round_policy``) says what a round waits for. Given as tiers, a CSV row per
+    client, or drawn from a distribution; the fields of this section are the distribution's
+    medians (``distribution = 'lognormal'``)."""
+
+    tiers: list[DeviceTierConfig] | None = Field(None, min_length=1, description="Tiers with "
+                                                 "shares summing to 1, placed at random among "
+                                                 "the clients (seeded, as budgets.tiers are).")
+    csv: str | None = Field(None, description="A CSV file (UTF-8), one row per client: a `client` "
+                            "column and any of gflops_per_s, speed, upload_mb_per_s, "
+                            "download_mb_per_s, availability (an empty cell: no limit). Relative "
+                            "paths as budgets.csv's. Read when the config loads.")
+    distribution: Literal["none", "lognormal"] = Field(
+        "none", description="'lognormal': each client's speed and links drawn (seeded) from "
+        "log-normals whose medians are this section's gflops_per_s (or speed), upload_mb_per_s "
+        "and download_mb_per_s, with log-standard deviations `speed_sigma` and `link_sigma` "
+        "(docs/time.md says where the defaults come from).")
+    speed_sigma: float = Field(0.9, ge=0, description="Log-standard deviation of the speeds "
+                               "(0.9: the 5th-95th percentile spread is 19x).")
+    link_sigma: float = Field(0.8, ge=0, description="Log-standard deviation of the links.")
+    trace: str | None = Field(None, description="An availability trace: a CSV with columns "
+                              "client, online_from_s, online_to_s (simulated seconds, "
+                              "non-overlapping per client): a client is online inside its "
+                              "intervals; a client absent from the trace is always online. "
+                              "Replaces the availability shares. A client whose reply would "
+                              "arrive after its interval ends is dropped (its work wasted).")
+    host_gflops_per_s: float | None = Field(None, gt=0, description="This host's GFLOP/s that "
+                                            "`speed` factors multiply (unset: measured once at "
+                                            "the run's start when a speed factor is used).")
+
+    @field_validator("csv", "trace")
+    @classmethod
+    def _path(cls, v):
+        if v is not None and not v.strip():
+            raise ValueError("an empty path: give the CSV file's (or leave the field out)")
+        return v
+
+    @field_validator("tiers")
+    @classmethod
+    def _shares(cls, v):
+        if v is not None:
+            total = sum(t.share for t in v)
+            if abs(total - 1.0) > 1e-6:
+                raise ValueError(f"tier shares sum to {total:g}, they must sum to 1")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DevicesConfig":
+        given = [n for n, on in (("devices.tiers", self.tiers is not None),
+                                 ("devices.csv", self.csv is not None),
+                                 ("devices.distribution", self.distribution != "none")) if on]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)}: give the devices one way")
+        if given and given[0] != "devices.distribution" and self.device_fields():
+            raise ValueError(f"devices.{next(iter(self.device_fields()))} with {given[0]}: the "
+                             "section's own device fields are one device for every client (or "
+                             "a distribution's medians); give them in the tiers or the file")
+        if not given and not self.device_fields() and self.trace is None:
+            raise ValueError("give the devices: tiers, a csv file, a distribution, or one "
+                             "device for every client (gflops_per_s, ...)")
+        if self.distribution != "none" and self.gflops_per_s is None and self.speed is None:
+            raise ValueError("devices.distribution = 'lognormal' needs the median speed: "
+                             "devices.gflops_per_s (or devices.speed)")
+        return self
+
+
 class DataConfig(Section):
     """Where the task's data lives, how its files are read, and how it is split among clients."""
 
@@ -571,6 +686,29 @@ class FederationConfig(Section):
     probe_examples: int = Field(32, gt=0, description="Examples per client of a cold-start probe.")
     min_replies: int = Field(1, gt=0, description="A round with fewer valid replies keeps the "
                              "global state unchanged.")
+    round_policy: Literal["all", "deadline", "async"] = Field(
+        "all", description="What a round waits for on the simulated clock ([devices]): 'all' "
+        "every selected client; 'deadline' the replies before `round_deadline_s` (later ones "
+        "dropped, their work counted as wasted; `overselect` more clients selected, the first "
+        "clients_per_round replies used); 'async' none: FedBuff, `concurrency` clients training "
+        "at all times, the server aggregating every `buffer_size` replies, each weighted by "
+        "1/sqrt(1 + staleness) (docs/time.md). federation.rounds counts aggregations.")
+    round_deadline_s: float | None = Field(None, gt=0, description="round_policy = 'deadline': "
+                                           "the round's length in simulated seconds.")
+    overselect: float = Field(0.0, ge=0, description="round_policy = 'deadline': select "
+                              "ceil(clients_per_round x (1 + overselect)) clients; the first "
+                              "clients_per_round replies are used (Bonawitz et al. 2019 select "
+                              "130%: 0.3).")
+    concurrency: int | None = Field(None, gt=0, description="round_policy = 'async': clients "
+                                    "training at once (default: 2 x clients_per_round, at most "
+                                    "num_clients).")
+    buffer_size: int | None = Field(None, gt=0, description="round_policy = 'async': replies "
+                                    "per aggregation (default: clients_per_round).")
+
+    def async_sizes(self) -> tuple[int, int]:
+        """(concurrency, buffer_size) of round_policy = 'async', defaults resolved."""
+        conc = self.concurrency or min(2 * self.clients_per_round, self.num_clients)
+        return conc, self.buffer_size or min(self.clients_per_round, conc)
 
     @model_validator(mode="after")
     def _check_counts(self) -> "FederationConfig":
@@ -580,6 +718,33 @@ class FederationConfig(Section):
         if self.min_replies > self.clients_per_round:
             raise ValueError(f"min_replies={self.min_replies} is larger than "
                              f"clients_per_round={self.clients_per_round}")
+        return self._check_policy()
+
+    def _check_policy(self) -> "FederationConfig":
+        """The fields of each round policy, set only with it."""
+        p = self.round_policy
+        if p == "deadline" and self.round_deadline_s is None:
+            raise ValueError("round_policy = 'deadline' needs round_deadline_s (seconds)")
+        for name, only in (("round_deadline_s", "deadline"), ("overselect", "deadline"),
+                           ("concurrency", "async"), ("buffer_size", "async")):
+            if p != only and getattr(self, name) not in (None, 0.0):
+                raise ValueError(f"{name} = {getattr(self, name)} applies to round_policy = "
+                                 f"{only!r}, not {p!r}")
+        if p == "async":
+            if self.concurrency is not None and self.concurrency > self.num_clients:
+                raise ValueError(f"concurrency = {self.concurrency} is larger than num_clients = "
+                                 f"{self.num_clients}")
+            conc, buf = self.async_sizes()
+            if buf > conc:
+                raise ValueError(f"buffer_size = {buf} is larger than concurrency = {conc}: an "
+                                 "aggregation would wait for more replies than clients train")
+            if self.min_replies > buf:
+                raise ValueError(f"min_replies = {self.min_replies} is larger than buffer_size = "
+                                 f"{buf}")
+            if self.selection == "loss_gap":
+                raise ValueError("selection = 'loss_gap' ranks a round's clients together; "
+                                 "round_policy = 'async' starts each client as a slot frees: "
+                                 "use selection = 'uniform'")
         return self
 
 
@@ -969,6 +1134,8 @@ class ExperimentConfig(Section):
     output: OutputConfig = Field(default_factory=OutputConfig)
     budgets: BudgetsConfig | None = Field(None, description="Client budgets and the planner "
                                           "(unset: every client trains the same plan).")
+    devices: DevicesConfig | None = Field(None, description="Client devices on a simulated "
+                                          "clock (unset: no simulated time; docs/time.md).")
 
     @field_validator("method", mode="before")
     @classmethod
@@ -1071,6 +1238,36 @@ class ExperimentConfig(Section):
             log.info("%s is read as this [budgets] table (write it so): %s", field,
                      json.dumps(cfg.budgets.model_dump(exclude_defaults=True)))
         return cfg
+
+    @model_validator(mode="after")
+    def _clock(self) -> "ExperimentConfig":
+        """Devices come from one place; a round policy other than 'all' needs them; the faults
+        and methods each policy cannot take (docs/time.md)."""
+        fed, tiers = self.federation, (self.budgets.tiers if self.budgets is not None else None) or []
+        in_budgets = [f"budgets.tiers[{i}]" for i, t in enumerate(tiers) if t.device_fields()]
+        if in_budgets and self.devices is not None:
+            raise ValueError(f"{in_budgets[0]} sets a device and [devices] is given: give the "
+                             "devices one way")
+        if in_budgets and len(in_budgets) < len(tiers):
+            missing = next(i for i, t in enumerate(tiers) if not t.device_fields())
+            raise ValueError(f"budgets.tiers[{missing}] sets no device ({', '.join(DEVICE_FIELDS)}) "
+                             f"and {in_budgets[0]} does: give every tier its device")
+        policy = f"federation.round_policy = {fed.round_policy!r}"
+        f = self.faults
+        if fed.round_policy == "deadline" and f.deadline_s is not None:
+            raise ValueError(f"{policy} with faults.deadline_s: two deadlines; use "
+                             "federation.round_deadline_s")
+        if fed.round_policy == "async":
+            set_faults = [k for k in ("dropout", "stragglers", "nan", "overreport", "attackers")
+                          if getattr(f, k)] + (["deadline_s"] if f.deadline_s is not None else [])
+            if set_faults:
+                raise ValueError(f"{policy} with faults.{set_faults[0]}: injected faults are "
+                                 "drawn per synchronous round; not under 'async' yet")
+            method = METHODS.get(self.method.name).method_cls
+            if why := method.reorders_state(self):
+                raise ValueError(f"{policy} with {why}: a stale reply's update would be "
+                                 "applied to re-ordered elements")
+        return self
 
     @model_validator(mode="after")
     def _budgets(self) -> "ExperimentConfig":
@@ -1278,7 +1475,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 #: fields naming a file that belongs with the config (section, key): a relative path written in
 #: a config file is relative to that file's folder; one given as an override (``--set``), to the
 #: working directory, as a path typed in a shell is
-CONFIG_FILE_FIELDS = (("budgets", "csv"),)
+CONFIG_FILE_FIELDS = (("budgets", "csv"), ("devices", "csv"), ("devices", "trace"))
 
 
 def resolve_file_fields(data: dict[str, Any], folder: Path) -> dict[str, Any]:

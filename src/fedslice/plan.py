@@ -19,6 +19,7 @@ import torch
 from fedslice import measure
 from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError, FedsliceError
+from fedslice.fl.devices import describe_clock
 from fedslice.fl.rules import describe_rules
 from fedslice.fl.wire import wire_bytes
 from fedslice.data.federated import FederatedData
@@ -50,6 +51,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     aggregation: str = ""  # how the server combines a round's updates (rules, server optimizer)
     upload_dtype: str = "fp32"  # federation.upload_dtype: what the up bytes count in
+    clock: str = ""  # the round policy and the devices on the simulated clock ([devices])
 
     @property
     def bytes_down(self) -> dict[int, int]:
@@ -112,6 +114,8 @@ class Plan:
                          f"{self.round_bytes / 1e6:.3f} MB")
         if self.aggregation:
             lines.append(f"aggregation: {self.aggregation}")
+        if self.clock:
+            lines.append(f"simulated clock: {self.clock}")
         if self.round_seconds is not None:
             steps = statistics.fmean(self.steps_per_client.values())
             lines.append(f"time per round: about {fmt_duration(self.round_seconds)} "
@@ -166,7 +170,7 @@ def make_plan(cfg: ExperimentConfig, *, timing: bool = True) -> Plan:
                 model=str(load_config(cfg.model)[1]), total_params=0,
                 rounds=cfg.federation.rounds, clients_per_round=cfg.federation.clients_per_round,
                 mean_tokens=mean_tokens, aggregation=describe_rules(cfg),
-                upload_dtype=cfg.federation.upload_dtype)
+                upload_dtype=cfg.federation.upload_dtype, clock=describe_clock(cfg))
     try:
         _method_sizes(cfg, plan, inputs, inputs.loaded)
     except _NeedsValues as e:

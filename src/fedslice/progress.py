@@ -103,6 +103,8 @@ def round_line(record: dict[str, Any], total_rounds: int, elapsed: float, *,
             parts.append(f"{name} {_num(record[key], '.2f' if key in ('dev_bleu', 'dev_rougeL') else '.4f')}")
     if record.get("excluded"):
         parts.append(f"excluded {len(record['excluded'])}")
+    if record.get("sim_time_s") is not None:  # devices on the simulated clock
+        parts.append(f"simulated {fmt_duration(record['sim_time_s'])}")
     if verbose:
         for key, name in (("bytes_down_mean", "down"), ("bytes_up_mean", "up")):
             if record.get(key) is not None:

@@ -110,7 +110,8 @@ def summary_row(summary: Mapping[str, Any]) -> dict[str, str]:
     """One table row (column name → formatted text) from a run's ``summary.json``.
 
     Columns (:data:`COLUMNS`): run name, method, test accuracy (generation: ROUGE-L and BLEU), rounds to reach the target dev
-    accuracy (``>N`` if not reached in N rounds, ``—`` without a target), MB down and up per client
+    accuracy (``>N`` if not reached in N rounds, ``—`` without a target; with devices, the
+    simulated seconds it took, or the run took), MB down and up per client
     per round, measured training GFLOPs per client per round with the analytic estimate in
     parentheses, and peak memory in MiB (RSS, or CUDA) with the peak activation memory in
     parentheses.
@@ -122,6 +123,11 @@ def summary_row(summary: Mapping[str, Any]) -> dict[str, str]:
     else:
         rounds = summary.get("rounds")
         r2t = f">{rounds}" if rounds is not None else "not reached"
+    sim = _num(summary.get("sim_time_to_target_s"))
+    if sim is None and summary.get("rounds_to_target") is None:
+        sim = _num(summary.get("sim_time_s"))  # the simulated clock's: ">N rounds" in this time
+    if sim is not None and r2t != DASH:
+        r2t += f" ({sim:,.0f} s simulated)"
 
     measured, analytic = _num(summary.get("flops_measured_mean")), _num(summary.get("flops_analytic_mean"))
     flops = _fmt_flops(measured)

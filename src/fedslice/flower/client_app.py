@@ -55,6 +55,9 @@ KEPT_MODEL = "fedslice_kept_model"  # path and token of the file with the model 
 STATE_DIR = "state-dir"  # node config: the folder of that file
 MAX_RUNS = "state-max-runs"  # node config: run folders kept in it (this run's included)
 DEFAULT_MAX_RUNS = 3
+#: node config: seconds this node sleeps per local step after training (a slow device: tests
+#: of federation.round_policy = 'deadline' on a real federation)
+THROTTLE = "throttle-s-per-step"
 
 
 def _setup(experiment: dict[str, Any]):
@@ -177,6 +180,14 @@ def query(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"fedslice": record}), reply_to=msg)
 
 
+def throttle(context: Context, payload) -> None:
+    """Sleep ``throttle-s-per-step`` x the round's local steps (node config; none: no sleep)."""
+    per_step = float(context.node_config.get(THROTTLE, 0) or 0)
+    if per_step > 0:
+        import time
+        time.sleep(per_step * max(1, int(payload.config.get("local_steps") or 1)))
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Local training of this node's partition on the received payload."""
@@ -192,6 +203,7 @@ def train(msg: Message, context: Context) -> Message:
         raise RuntimeError(f"payload for client {client} reached the node of partition {pid}")
     method.load_client_state(load_kept(context))
     reply = method.train_client(payload, data.client(pid), client_seed(cfg.seed, payload.config["round"], pid))
+    throttle(context, payload)
     if state := method.client_state():
         store_kept(context, state, received_model=bool(payload.model))
     if "fedslice_secagg" in msg.content.config_records:  # only the masked vector leaves

@@ -239,6 +239,8 @@ class LocalFederation:
     tls: bool = False
     auth: bool = False
     node_config: dict[str, Any] = field(default_factory=dict)
+    #: node index -> node config of that SuperNode only (e.g. one throttled node), over node_config
+    node_configs: dict[int, dict[str, Any]] = field(default_factory=dict)
     simulation: dict[str, Any] | None = None
     #: the folders the ServerApp may read and write (``FEDSLICE_SERVER_ROOT``; none given: the
     #: environment's value, else the folder the SuperLink runs in)
@@ -347,7 +349,8 @@ class LocalFederation:
         return keys
 
     def _start_supernode(self, i: int, key: Path | None) -> None:
-        config = {PARTITION_ID: i, NUM_PARTITIONS: self.nodes, **self.node_config}
+        config = {PARTITION_ID: i, NUM_PARTITIONS: self.nodes, **self.node_config,
+                  **self.node_configs.get(i, {})}
         argv = ["flower-supernode", "--superlink", self.address, "--port", str(self.node_ports[i]),
                 "--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in config.items()),
                 *(["--root-certificates", str(self.certs.ca)] if self.certs else ["--insecure"]),

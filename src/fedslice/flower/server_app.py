@@ -22,7 +22,7 @@ from pathlib import Path
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from fedslice.errors import FedsliceError
+from fedslice.errors import ConfigError, FedsliceError
 from fedslice.flower.settings import RunSettings
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     from fedslice.run.setup import setup
 
     cfg = load_config(settings.config, settings.overrides)
+    wait = reply_wait(cfg, settings.round_timeout)  # before anything is loaded
     out = Path(settings.out_dir) if settings.out_dir else \
         settings.check_path(cfg.output.dir, "output.dir (of the experiment config)")
     ckpt = staging = None
@@ -136,12 +137,15 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     if cfg.privacy.secure_aggregation:  # the SecAgg stages around each round's training
         from fedslice.flower.secagg import SecureFlowerAdapter
         adapter_cls = SecureFlowerAdapter
-    adapter = adapter_cls(cfg, method, data, partitions, settings.round_timeout, offset=done)
+    adapter = adapter_cls(cfg, method, data, partitions, wait, offset=done)
     command = lambda path: resume_command(settings, path)  # noqa: E731
     if ckpt is None:
         session = RunSession.create(cfg, method, data, out, command)
     else:
         session = RunSession.reopen(cfg, method, staging, ckpt, command, data.sources)
+
+    if cfg.federation.round_policy == "async":  # FedBuff over push/pull per node
+        return _run_async(grid, settings, cfg, method, data, partitions, session, wait, done)
 
     def train():
         state = session.initial_state(adapter.selector)
@@ -152,8 +156,50 @@ def run(grid: Grid, settings: RunSettings) -> Path:
             evaluate = _central_evaluation(cfg, method, data, adapter, session)
             result = _with_dp(cfg, method, adapter).start(
                 grid, state_to_record(state), num_rounds=cfg.federation.rounds - done,
-                timeout=settings.round_timeout, evaluate_fn=evaluate)
+                timeout=wait, evaluate_fn=evaluate)
             state = record_to_state(result.arrays)
+            summary = finalize(cfg, method, data, state, session.records, session.t_start)
+        summary["engine"] = "flower"
+        summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in session.records)
+        return state, summary
+
+    path = session.run(train)
+    if settings.result_file:
+        settings.result_file.write_text(str(path) + "\n")
+    return path
+
+
+def reply_wait(cfg, round_timeout: float) -> float:
+    """How long a round waits for its replies on Flower: ``federation.round_deadline_s`` under
+    ``round_policy = 'deadline'`` (real seconds: a reply after it is dropped), else the run
+    config's ``round-timeout``. What Flower cannot run yet is a ConfigError naming the field."""
+    fed = cfg.federation
+    from fedslice.fl.devices import has_devices
+    if has_devices(cfg):
+        raise ConfigError("[devices] (or device fields in budgets.tiers) put simulated devices on "
+                          "the in-process engine's clock (fedslice run); on Flower the nodes' own "
+                          "speed and links count: remove them")
+    if fed.overselect:
+        raise ConfigError(f"federation.overselect = {fed.overselect:g} runs in the in-process "
+                          "engine only so far; on Flower the deadline drops late replies")
+    return fed.round_deadline_s if fed.round_policy == "deadline" else round_timeout
+
+
+def _run_async(grid, settings, cfg, method, data, partitions, session, wait, done) -> Path:
+    """The run under ``federation.round_policy = 'async'``
+    (:class:`fedslice.flower.asynchronous.AsyncServer`)."""
+    from fedslice.flower.asynchronous import AsyncServer
+    from fedslice.run.engine import finalize
+
+    server = AsyncServer(cfg, method, data, partitions, wait, offset=done)
+
+    def train():
+        state = session.initial_state(server.selector)
+        if done:
+            for c in range(cfg.federation.num_clients):  # a new Flower run: nodes kept nothing
+                method.strategy.forget(c)
+        with _ending_run(grid):
+            state = server.run(grid, session, state)
             summary = finalize(cfg, method, data, state, session.records, session.t_start)
         summary["engine"] = "flower"
         summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in session.records)

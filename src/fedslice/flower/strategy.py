@@ -137,7 +137,10 @@ class FlowerAdapter(FlowerStrategy):
                     malformed += 1
         for c in sent.clients:
             if c not in received and c not in failed:
-                failed[c] = f"no reply within {self.round_timeout:g} s"
+                failed[c] = (f"no reply within the {self.round_timeout:g} s round deadline "
+                             "(federation.round_deadline_s)"
+                             if self.cfg.federation.round_policy == "deadline" else
+                             f"no reply within {self.round_timeout:g} s")
         for c, reason in sorted(failed.items()):
             log.warning("round %d: client %d excluded: %s", sent.number, c, reason)
         return received, [{"client": c, "reason": r} for c, r in sorted(failed.items())], malformed

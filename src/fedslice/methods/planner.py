@@ -45,6 +45,7 @@ from fedslice.errors import ConfigError
 from fedslice.fl.client import (ActivationReference, activation_units, extrapolates_by_parts,
                                gradient_checkpointing)
 from fedslice.fl.strategy import Payload, State, Strategy
+from fedslice.fl.tiers import tier_of_clients
 from fedslice.fl.wire import wire_bytes
 from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import batch_head_positions
@@ -176,19 +177,6 @@ def _row_limits(row: Mapping[str, str], limits: list[str], where: str) -> dict[s
     if not values:
         raise ConfigError(f"{where}: no budget (every one of {', '.join(limits)} is empty)")
     return values
-
-
-def tier_of_clients(shares: Sequence[float], num_clients: int, seed: int) -> list[int]:
-    """Each client's tier: tier i gets ``shares[i] * num_clients`` clients (largest remainders for
-    the rounding), placed at random, reproducible from ``seed``."""
-    rng = np.random.default_rng([seed, 0x7A11])
-    exact = [x * num_clients for x in shares]
-    counts = [math.floor(x) for x in exact]
-    for i in sorted(range(len(shares)), key=lambda i: counts[i] - exact[i])[: num_clients - sum(counts)]:
-        counts[i] += 1
-    labels = np.repeat(np.arange(len(shares)), counts)
-    rng.shuffle(labels)
-    return labels.tolist()
 
 
 def client_budgets(cfg: BudgetsConfig, num_clients: int, seed: int

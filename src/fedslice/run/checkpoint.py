@@ -336,20 +336,27 @@ def read_checkpoint(folder: Path) -> Checkpoint:
 # --------------------------------------------------------------------------------------------
 
 def capture(server_round: int, config: dict[str, Any], method, selector, state: State,
-            records: list[dict[str, Any]], elapsed_s: float) -> Checkpoint:
+            records: list[dict[str, Any]], elapsed_s: float, clock=None) -> Checkpoint:
+    """``clock``: the simulated clock of a run with devices (an asynchronous run's holds what
+    is in flight), kept under ``server["clock"]``."""
     server = {"strategy": method.strategy.state_dict(), "method": method.server_state(),
               "selector": selector.state_dict()}
+    if clock is not None:
+        server["clock"] = clock.state_dict()
     return Checkpoint(server_round, config, dict(state), server, capture_rng(),
                       [json.loads(json.dumps(r, default=str)) for r in records], elapsed_s,
                       architecture_of(method))
 
 
-def restore(ckpt: Checkpoint, method, selector) -> State:
-    """Put the server-side state and the RNGs of ``ckpt`` back; return the global state."""
+def restore(ckpt: Checkpoint, method, selector, clock=None) -> State:
+    """Put the server-side state, the simulated clock and the RNGs of ``ckpt`` back; return
+    the global state."""
     check_same_architecture(ckpt, method)
     method.strategy.load_state_dict(ckpt.server["strategy"])
     method.load_server_state(ckpt.server["method"])
     selector.load_state_dict(ckpt.server["selector"])
+    if clock is not None and "clock" in ckpt.server:
+        clock.load_state_dict(ckpt.server["clock"])
     restore_rng(ckpt.rng)
     state = {k: t.clone() for k, t in ckpt.state.items()}
     # the shared model holds the global state, as after the round (FedPFT's simulated clients

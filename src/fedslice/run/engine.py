@@ -18,7 +18,9 @@ import numpy as np
 from fedslice import progress as progress_display
 from fedslice.config import ExperimentConfig
 from fedslice.data.federated import FederatedData
-from fedslice.errors import DataError
+from fedslice.errors import ConfigError, DataError
+from fedslice.fl.clock import SimClock, client_seconds, measure_host_gflops, settle_round
+from fedslice.fl.devices import Population, population
 from fedslice.fl.faults import corrupt, missed_deadline, plan_faults
 from fedslice.run.runner import ClientRunner
 from fedslice.run.session import Rounds
@@ -80,13 +82,41 @@ def round_record(server_round: int, clients: list[int], replies: dict[int, Reply
     }
 
 
+def wasted(replies: dict[int, Reply], dropped) -> dict[str, float]:
+    """The measured FLOPs of the replies in ``dropped`` (trained, then not used) and their
+    share of the round's."""
+    flops = {c: float(r.metrics.get("flops_measured") or 0.0) for c, r in replies.items()}
+    lost = sum(flops[c] for c in dropped if c in flops)
+    total = sum(flops.values())
+    return {"wasted_flops": lost, "round_flops": total}
+
+
 class Simulation:
     """Runs an experiment in-process; ``on_round`` receives each round's metrics record."""
 
     def __init__(self, cfg: ExperimentConfig, method: Method, data: FederatedData):
         self.cfg, self.method, self.data = cfg, method, data
-        self.selector = make_selector(cfg.federation.selection, cfg.federation.clients_per_round,
-                                      cfg.seed)
+        fed = cfg.federation
+        if fed.round_policy == "async" and type(self) is Simulation:
+            raise TypeError("federation.round_policy = 'async' runs in "
+                            "fedslice.run.asynchronous.AsyncSimulation (simulation_for picks it)")
+        k = fed.clients_per_round
+        if fed.round_policy == "deadline":  # over-selection: the first k replies are used
+            k = min(math.ceil(k * (1 + fed.overselect) - 1e-9), fed.num_clients)
+        self.selector = make_selector(fed.selection, k, cfg.seed)
+        #: the clients' devices and the simulated clock (None: no [devices], no simulated time)
+        self.population: Population | None = population(cfg, len(data.partitions))
+        if self.population is None and fed.round_policy != "all":
+            raise ConfigError(f"federation.round_policy = {fed.round_policy!r} needs devices on "
+                              "the simulated clock in the in-process engine: a [devices] section "
+                              "or device fields (gflops_per_s, ...) in budgets.tiers (on Flower, "
+                              "the deadline is real time)")
+        self.clock: SimClock | None = None
+        if self.population is not None:
+            host = cfg.devices.host_gflops_per_s if cfg.devices is not None else None
+            if host is None and self.population.uses_speed_factors:
+                host = measure_host_gflops()  # replaced by the checkpoint's on resume
+            self.clock = SimClock(0.0, host)
         self.candidates = [c for c, p in enumerate(data.partitions) if len(p) > 0]
         empty = data.report.get("empty_partitions", [])
         if empty:
@@ -111,12 +141,31 @@ class Simulation:
         self.selector.observe_probe(losses)
         return {"probe_clients": len(unknown), "probe_flops": flops}
 
+    def online(self, server_round: int) -> list[int]:
+        """The candidates online at the clock's time (every candidate without devices); with
+        a trace and none online, the clock first moves to when one comes online."""
+        if self.population is None:
+            return self.candidates
+        while True:
+            now = self.clock.now
+            on = [c for c in self.candidates if self.population.online(c, server_round, now)]
+            nxt = None if on else self.population.next_online(now)
+            if nxt is None:
+                return on
+            self.clock.now = nxt
+
+    def client_seconds(self, replies: dict[int, Reply], late: dict[int, float]) -> dict[int, float]:
+        """Each reply's client-round in simulated seconds (+ an injected straggler's delay)."""
+        host = self.clock.host_gflops_per_s
+        return {c: client_seconds(self.population.devices[c], r.metrics, host) + late.get(c, 0.0)
+                for c, r in replies.items()}
+
     def run_round(self, server_round: int, state: State) -> tuple[State, dict[str, Any]]:
         t0 = time.perf_counter()
         strategy, method, f = self.method.strategy, self.method, self.cfg.faults
         fed = self.cfg.federation
         probe = self.cold_start_probe(state)
-        clients = self.selector.select(server_round, self.candidates)
+        clients = self.selector.select(server_round, self.online(server_round))
         faults = plan_faults(f, self.cfg.seed, server_round, clients)
         payloads = strategy.configure_train(server_round, state, clients, len(self.candidates))
         replies: dict[int, Reply] = {}
@@ -142,6 +191,9 @@ class Simulation:
         replies = {c: replies[c] for c in clients if c in replies}  # selection order, as they ran
         late = missed_deadline(f, faults)
         arrived = {c: r for c, r in replies.items() if c not in late}
+        timed = self.settle(server_round, replies, faults.late) if self.clock is not None else None
+        if timed is not None:
+            arrived = {c: r for c, r in arrived.items() if c not in timed[0].dropped}
         result = strategy.aggregate_train(server_round, state, payloads, arrived)
         if result.skipped:
             log.warning("round %d: only %d valid replies (< federation.min_replies=%d): skipped, "
@@ -158,9 +210,35 @@ class Simulation:
             record["excluded"] = sorted(record["excluded"] + gone, key=lambda e: e["client"])
         record.update(dropped=len(faults.dropped) + len(lost), late=len(late),
                       attackers=sorted(faults.attackers), client_mode=mode)
+        if timed is not None:
+            self.clock_record(record, replies, *timed)
         record["round_time_s"] = time.perf_counter() - t0
         record["process_rss_mb"] = _rss_mb()
         return new_state, record
+
+    def settle(self, server_round: int, replies: dict[int, Reply], delays: dict[int, float]):
+        """The round on the simulated clock: (what the policy keeps, each reply's seconds).
+        The clock moves to the round's end."""
+        fed, now = self.cfg.federation, self.clock.now
+        secs = self.client_seconds(replies, delays)
+        offline = {c: self.population.online_until(c, now) - now for c in replies}
+        settled = settle_round(fed.round_policy, secs, deadline_s=fed.round_deadline_s,
+                               needed=fed.clients_per_round if fed.round_policy == "deadline" else None,
+                               offline_at={c: t for c, t in offline.items() if math.isfinite(t)})
+        self.clock.now = now + settled.seconds
+        return settled, secs
+
+    def clock_record(self, record: dict[str, Any], replies: dict[int, Reply], settled, secs) -> None:
+        """Simulated time next to wall time: the round's and the run's seconds, each client's,
+        and the work of the replies the policy dropped (wasted)."""
+        for m in record["client_metrics"]:
+            if m["client"] in secs:
+                m["sim_s"] = secs[m["client"]]
+        gone = [{"client": c, "reason": why} for c, why in sorted(settled.dropped.items())]
+        if gone:
+            record["excluded"] = sorted(record["excluded"] + gone, key=lambda e: e["client"])
+        record.update(sim_round_s=settled.seconds, sim_time_s=self.clock.now,
+                      sim_dropped=len(settled.dropped), **wasted(replies, settled.dropped))
 
     def run(self, rounds: Rounds | None = None) -> tuple[State, list[dict[str, Any]], dict[str, Any]]:
         """The rounds of ``rounds`` (default: a fresh run kept in memory; a
@@ -168,11 +246,11 @@ class Simulation:
         one starts after its checkpoint). Returns the final state, every round's record and the
         summary."""
         rounds = rounds or Rounds(self.cfg, self.method)
-        state = rounds.initial_state(self.selector)
+        state = rounds.initial_state(self.selector, self.clock)
         for rnd in range(rounds.done + 1, self.cfg.federation.rounds + 1):
             state, record = self.run_round(rnd, state)
             finish_round(self.cfg, self.method, self.data, self.selector, rnd, state, record)
-            rounds.round_done(rnd, state, record, self.selector)
+            rounds.round_done(rnd, state, record, self.selector, self.clock)
             progress_display.round_done(record)
         return state, rounds.records, finalize(self.cfg, self.method, self.data, state,
                                                rounds.records, rounds.t_start)
@@ -237,7 +315,21 @@ def summarize(cfg: ExperimentConfig, records: list[dict], test: dict, wall: floa
         "empty_partitions": len(data.report.get("empty_partitions", [])),
         "wall_time_s": wall,
         **_per_class(test, data),
+        **sim_summary(records, key, target),
     }
+
+
+def sim_summary(records: list[dict], key: str, target: float | None) -> dict[str, Any]:
+    """On the simulated clock (runs with devices): the run's simulated seconds, when it
+    reached its target, and the client work the round policy wasted (FLOPs trained, not used)."""
+    if not records or "sim_time_s" not in records[-1]:
+        return {}
+    reached = [r["sim_time_s"] for r in records if target is not None and (r.get(key) or 0) >= target]
+    lost = sum(r.get("wasted_flops", 0.0) for r in records)
+    total = sum(r.get("round_flops", 0.0) for r in records)
+    return {"sim_time_s": records[-1]["sim_time_s"],
+            "sim_time_to_target_s": reached[0] if reached else None,
+            "wasted_flops": lost, "wasted_share": lost / total if total else 0.0}
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -63,20 +63,22 @@ class Rounds:
         #: (round, global state) after the last finished round: what a failed run keeps
         self.latest: tuple[int, State] | None = None
 
-    def initial_state(self, selector) -> State:
-        """The global state the first round of this process starts from (``selector`` gets back
-        the checkpoint's history)."""
+    def initial_state(self, selector, clock=None) -> State:
+        """The global state the first round of this process starts from (``selector`` and the
+        simulated ``clock``, when the run has one, get back the checkpoint's)."""
         if self.checkpoint is None:
             return host_state(self.method.initial_state())
-        state = restore(self.checkpoint, self.method, selector)
+        state = restore(self.checkpoint, self.method, selector, clock)
         self.latest = (self.checkpoint.round, state)
         return state
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start
 
-    def round_done(self, server_round: int, state: State, record: dict[str, Any], selector) -> None:
-        """A finished (aggregated and evaluated) round."""
+    def round_done(self, server_round: int, state: State, record: dict[str, Any], selector,
+                   clock=None) -> None:
+        """A finished (aggregated and evaluated) round; ``clock``: the simulated clock (and
+        what an asynchronous run has in flight), kept in checkpoints."""
         record["elapsed_s"] = self.elapsed()
         self.records.append(record)
         self.latest = (server_round, state)
@@ -122,14 +124,15 @@ class RunSession(Rounds):
                     cfg.federation.rounds)
         return cls(cfg, method, folder, resume_command(staging), checkpoint, sources)
 
-    def round_done(self, server_round: int, state: State, record: dict[str, Any], selector) -> None:
-        super().round_done(server_round, state, record, selector)
+    def round_done(self, server_round: int, state: State, record: dict[str, Any], selector,
+                   clock=None) -> None:
+        super().round_done(server_round, state, record, selector, clock)
         self.folder.append_metrics(record)
         self.trackers.round(record)
         every = self.cfg.output.checkpoint_every
         if every and server_round % every == 0:
             ckpt = capture(server_round, self.cfg.model_dump(mode="json"), self.method,
-                           selector, state, self.records, self.elapsed())
+                           selector, state, self.records, self.elapsed(), clock)
             ckpt.data = self.sources  # what a resume checks its data against
             write_checkpoint(self.folder.path, ckpt)
 

@@ -52,6 +52,9 @@ class Rule(Wrapper):
     secagg_hint: ClassVar[str] = ""
     #: ``from_config`` takes the names of the tensors the clients train (``trainable=``)
     takes_trainable: ClassVar[bool] = False
+    #: why the rule needs the replies of one synchronous round ("": it takes a buffer of replies
+    #: trained from different model versions, ``federation.round_policy = 'async'``)
+    same_round: ClassVar[str] = ""
 
     def __init__(self, inner: Strategy):
         if not isinstance(inner, Rule):
@@ -78,6 +81,9 @@ class Rule(Wrapper):
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig, method_cls: type) -> None:
+        if cls.same_round and cfg.federation.round_policy == "async":
+            raise ValueError(f"{cls.setting(cfg)} cannot combine with federation.round_policy = "
+                             f"'async': {cls.same_round}")
         if cls.needs_same_shaped and getattr(method_cls, "sends_slices", False):
             raise ValueError(f"{cls.setting(cfg)} needs same-shaped updates; method "
                              f"{cfg.method.name} sends slices{cls.slices_hint}")

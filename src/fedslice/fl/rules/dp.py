@@ -15,6 +15,8 @@ from fedslice.registry import register_rule
 
 class DPFedAvg(Rule):
     name = "dp"
+    same_round = ("its accountant counts rounds of clients sampled from the population; a "
+                  "buffer of replies is no such sample")
     secagg_hint = " to clip it on the server (distributed DP, noise added by the clients, is not built)"
     selected_by = "dp.enabled"
     order = 30

@@ -194,6 +194,8 @@ class FedEx(LoraRule):
 
     name = "fedex"
     changes_base = True
+    same_round = ("it folds the residual of one round's factors into the base weights; a stale "
+                  "reply's factors belong to another base")
     server_opt_refusal = ("it folds each round's residual into the frozen base weights, which a "
                           "server optimizer's step on the factors would leave at the plain mean")
 
@@ -220,6 +222,8 @@ class FLoRA(LoraRule):
 
     name = "flora"
     changes_base = True
+    same_round = ("every round restarts the adapter, so a stale reply trained an adapter the "
+                  "server no longer holds")
     server_opt_refusal = ("it merges the round's update into the base weights and restarts the "
                           "adapter, so the factors' change is not a step to take again")
 
@@ -250,6 +254,8 @@ class SVD(LoraRule):
     client rank of the round, is reported."""
 
     name = "svd"
+    same_round = ("it re-factorizes the round's mean every round; a stale reply's factors are "
+                  "another factorization's")
     server_opt_refusal = ("it re-factorizes the averaged B A every round, so the factors' change "
                           "is a new factorization, not a step along a gradient")
 

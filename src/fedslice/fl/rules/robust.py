@@ -54,6 +54,8 @@ class Krum(RobustRule):
     vectors and 2f + 3 replies."""
 
     name = "krum"
+    same_round = ("it picks among one round's n >= 2f + 3 updates from one model; stale "
+                  "updates from older models are not comparable")
     needs_same_shaped = True
     slices_hint = ": use median or trimmed_mean"
 

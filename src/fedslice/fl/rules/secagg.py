@@ -50,6 +50,8 @@ class SecureAggregation(Rule):
     server's side (:meth:`aggregate_masked`) on the masked vectors alone."""
 
     name = "secure_aggregation"
+    same_round = ("the masks cancel within one round's cohort, fixed when the round starts; an "
+                  "asynchronous buffer's clients are not known in advance")
     selected_by = "privacy.secure_aggregation"
     order = 50  # outermost: it replaces how the replies reach every rule inside it
     from_sums = True
