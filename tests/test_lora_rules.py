@@ -354,18 +354,19 @@ def test_fedsa_keeps_b_on_the_clients_and_reports_personal_metrics(tiny_cfg_dict
 
 
 def test_heterogeneous_ranks_from_tiers_on_fedpetuning(tiny_cfg_dict):
-    """Three memory tiers; the planner gives each the largest rank whose measured step fits."""
+    """Three memory tiers; the planner gives each the largest rank whose predicted step fits."""
     d = _cfg(tiny_cfg_dict, "fedit", r=8, ranks=[2, 4, 8])
-    cfg0 = validate_config({**d, "lora": {**d["lora"], "ranks": None}})
-    method0, _ = setup(cfg0)
-    from fedslice.slicing.planner import profile_batch
-    batch = profile_batch(method0.model.config.vocab_size, 8, 16, 0)
-    mem = {r: method0.measure_at_rank(method0.model, r, batch)[1] for r in (2, 4, 8)}
+    mem = {}
+    for r in (2, 4, 8):  # the planner's own prediction of a client at each rank
+        alone = {**d, "lora": {**d["lora"], "ranks": [r]},
+                 "budgets": {"tiers": [{"share": 1.0, "memory_mb": 1e6}], "local_work": [1.0],
+                             "micro_batches": [1], "checkpointing": False}}
+        mem[r] = next(iter(setup(validate_config(alone))[0].plans.values())).memory_mb
     assert mem[2] < mem[4] < mem[8]
-    d["method"] = {"name": "fedpetuning", "tiers": [
-        {"share": 1 / 3, "memory_mb": (mem[2] + mem[4]) / 2},
-        {"share": 1 / 3, "memory_mb": (mem[4] + mem[8]) / 2},
-        {"share": 1 / 3, "memory_mb": mem[8] + 1}]}
+    d["budgets"] = {"tiers": [{"share": 1 / 3, "memory_mb": (mem[2] + mem[4]) / 2},
+                              {"share": 1 / 3, "memory_mb": (mem[4] + mem[8]) / 2},
+                              {"share": 1 / 3, "memory_mb": mem[8] + 1}],
+                    "local_work": [1.0], "micro_batches": [1], "checkpointing": False}
     cfg = validate_config(d)
     method, data = setup(cfg)
     assert isinstance(method.strategy, LoraRanks)
@@ -378,8 +379,9 @@ def test_heterogeneous_ranks_from_tiers_on_fedpetuning(tiny_cfg_dict):
         assert a.shape[0] == ranks[c] and p.config["lora_rank"] == ranks[c]
     assert len({method.batch_key(p) for p in payloads.values()}) == 3  # ranks train apart
     final, records, summary = Simulation(cfg, method, data).run()
-    assert {t["rank"] for t in summary["tiers"]} == {2, 4, 8}
-    ups = {t["rank"]: t["bytes_up_mean"] for t in summary["tiers"] if t["bytes_up_mean"]}
+    assert {g["plan"]["rank"] for g in summary["plans"]} == {2, 4, 8}
+    ups = {g["plan"]["rank"]: g["measured"]["upload_mb_mean"] for g in summary["plans"]
+           if g["measured"]["upload_mb_mean"]}
     assert all(ups[a] < ups[b] for a, b in zip(sorted(ups), sorted(ups)[1:]))
     assert next(t for k, t in final.items() if ".lora_A." in k).shape[0] == 8
     # a rank-2 client's adapter keeps the global scale alpha / lora.r

@@ -125,6 +125,7 @@ def test_composed_method_on_architecture(method_name, prune, arch, model_dirs, c
     the aggregation invariants hold on the composed slices."""
     d = config("raffm", arch, model_dirs, corpus, tiny_cfg_dict, tiny_gen_cfg_dict, tmp_path,
                tiny_img_cfg_dict).model_dump(mode="json", exclude_unset=True)
+    d.pop("budgets")  # the table raffm's tiers spelled: these tiers replace them
     d["method"] = {"name": method_name, "sparsity": 0.5, "importance_max_examples": 8, "prune": prune,
                    "tiers": [{"share": 0.5, "flops": 0.5 if arch not in GENERATIVE else 0.99},
                              {"share": 0.5, "flops": 1.0}]}
@@ -136,7 +137,7 @@ def test_composed_method_on_architecture(method_name, prune, arch, model_dirs, c
     method, data = setup(cfg)
     plans = method.slices.plans
     # one client of each width: a sub-model and the full model
-    clients = sorted({cp.plan.spec.is_full: c for c, cp in plans.items() if cp.plan.spec}.values())
+    clients = sorted({cp.knobs.spec.is_full: c for c, cp in plans.items() if cp.sits_out is None}.values())
     assert len(clients) == 2
     one_round_keeps_invariants(cfg, arch, (method, data), clients)
 
@@ -148,11 +149,12 @@ def test_composed_method_with_elastic_depth(prune, model_dirs, corpus, tiny_cfg_
     layers (renumbered in the sub-model, in the full layout on the wire)."""
     d = config("raffm", "bert", model_dirs, corpus, tiny_cfg_dict, tiny_gen_cfg_dict, tmp_path,
                tiny_img_cfg_dict).model_dump(mode="json", exclude_unset=True)
+    d.pop("budgets")
     d["method"] = {"name": "raffm+heads", "sparsity": 0.5, "importance_max_examples": 8,
                    "prune": prune, "elastic_depth": True, "width_steps": 4,
                    "tiers": [{"share": 0.5, "flops": 0.4}, {"share": 0.5, "flops": 1.0}]}
     method, data = setup(validate_config(d))
-    specs = {c: cp.plan.spec for c, cp in method.slices.plans.items() if cp.plan.spec}
+    specs = {c: cp.knobs.spec for c, cp in method.slices.plans.items() if cp.sits_out is None}
     small = next(c for c, s in specs.items() if not s.is_full)
     from fedslice.slicing.spec import stack_list
     assert len(stack_list(specs[small])[0].layers) < 4  # a layer dropped

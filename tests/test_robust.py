@@ -132,7 +132,7 @@ def test_sliced_methods_apply_the_rule_per_element(tiny_cfg_dict, tmp_path, meth
     m, data = setup(cfg)
     Simulation(cfg, m, data)
     state = m.initial_state()
-    clients = [c for c in range(4) if method != "raffm" or m.own_strategy.plans[c].plan.spec is not None]
+    clients = [c for c in range(4) if method != "raffm" or m.own_strategy.plans[c].sits_out is None]
     payloads = m.strategy.configure_train(1, state, clients)
     replies = {c: m.fit(payloads[c], data.client(c), c) for c in clients}
     res = m.strategy.aggregate_train(1, state, payloads, replies)

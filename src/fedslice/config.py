@@ -247,9 +247,15 @@ class BudgetTier(DeviceFields):
     memory_share: float | None = Field(None, gt=0, le=1, description="Peak training memory as a "
                                        "share of the whole model's at the run's settings (one "
                                        "micro-batch, no checkpointing), both predicted the same way.")
+    seconds_per_round: float | None = Field(None, gt=0, description="Simulated seconds a "
+                                            "client-round may take on the client's device "
+                                            "(docs/time.md): download + its predicted FLOPs / "
+                                            "the device's speed + upload. Under round_policy = "
+                                            "'deadline', federation.round_deadline_s applies to "
+                                            "every client (the smaller of the two).")
 
     @field_validator("memory_mb", "gflops_per_round", "upload_mb_per_round", "flops_share",
-                     "memory_share", mode="before")
+                     "memory_share", "seconds_per_round", mode="before")
     @classmethod
     def _a_number(cls, v):
         return budget_number(v)
@@ -262,7 +268,8 @@ class BudgetTier(DeviceFields):
 
 
 #: a client's limits, as a tier or a budgets CSV column names them
-BUDGET_LIMITS = ("memory_mb", "gflops_per_round", "upload_mb_per_round", "flops_share", "memory_share")
+BUDGET_LIMITS = ("memory_mb", "gflops_per_round", "upload_mb_per_round", "flops_share", "memory_share",
+                 "seconds_per_round")
 
 
 class BudgetsConfig(Section):

@@ -28,7 +28,7 @@ import csv
 import io
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -58,7 +58,8 @@ _MB = 1e6
 _MIB = float(1 << 20)
 BUDGET_FIELDS = BUDGET_LIMITS
 UNITS = {"memory_mb": "MiB", "gflops_per_round": "GFLOPs/round", "upload_mb_per_round": "MB up/round",
-         "flops_share": "x dense's FLOPs", "memory_share": "x dense's memory"}
+         "flops_share": "x dense's FLOPs", "memory_share": "x dense's memory",
+         "seconds_per_round": "s/round"}
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,12 @@ class ClientBudget:
     upload_mb_per_round: float | None = None
     flops_share: float | None = None  # of a dense client's FLOPs per round (the whole model)
     memory_share: float | None = None  # of a dense client's peak memory
+    seconds_per_round: float | None = None  # simulated seconds of a client-round on its device
     name: str = ""  # the tier's name, or 'csv'
     field: str = "budgets"  # 'budgets.tiers[1]' / 'budgets.csv row 4'
+    #: the client's device on the simulated clock (:class:`fedslice.fl.devices.Device`; None:
+    #: no devices), what a plan's seconds are predicted on
+    device: Any = None
 
     def describe(self) -> str:
         return ", ".join(f"{v:g} {UNITS[k]}" for k, v in self.limits().items())
@@ -82,6 +87,10 @@ class ClientBudget:
 
     def limits(self) -> dict[str, float]:
         return {k: v for k in BUDGET_FIELDS if (v := getattr(self, k)) is not None}
+
+    def key(self) -> tuple:
+        """What a plan depends on: the limits and the device."""
+        return tuple(sorted(self.limits().items())), self.device
 
 
 def read_budget_csv(path: Path, num_clients: int) -> dict[int, ClientBudget]:
@@ -282,6 +291,7 @@ class KnobCost:
     step_flops: float  # FLOPs of one step over a whole batch (every micro-batch)
     upload_bytes: int
     importance_flops_per_example: float = 0.0
+    download_bytes: int = 0  # the tensors the client receives to train (as held)
     #: the measured step's saved tensors and batch shape, which a client holding its memory
     #: budget predicts its own steps from until it has measured one (fl.client.memory_split)
     reference: ActivationReference | None = None
@@ -320,6 +330,8 @@ class ClientPlan:
     flops_share: float | None = None
     #: why the client trains nothing (``budgets.on_infeasible = "sit_out"``: no plan fits)
     sits_out: str | None = None
+    #: a client-round's simulated seconds on the client's device (None: no device)
+    seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"client": self.client, "tier": self.tier, "budget_name": self.budget.name,
@@ -327,7 +339,7 @@ class ClientPlan:
                 "predicted": {"memory_mb": self.memory_mb, "gflops_per_round": self.gflops_per_round,
                               "upload_mb": self.upload_mb}, "reason": self.reason,
                 "flops_budget": self.flops_budget, "memory_budget": self.memory_budget,
-                "flops_share": self.flops_share, "sits_out": self.sits_out}
+                "flops_share": self.flops_share, "sits_out": self.sits_out, "seconds": self.seconds}
 
 
 def examples_per_round(fed, n: int) -> int:
@@ -371,6 +383,9 @@ class BudgetPlanner:
         #: a dense client, what ``flops_share`` and ``memory_share`` are shares of: the whole
         #: model at the run's settings (lora.r, the method's sparsity and importance source, the
         #: whole round in one batch, the run's base)
+        devices = method.cfg.devices
+        #: this host's GFLOP/s that devices' speed factors multiply (None: not given)
+        self.host_gflops = devices.host_gflops_per_s if devices is not None else None
         self.dense = Knobs(self.specs[0][0], width=self.specs[0][1],
                            rank=method.cfg.lora.r if "ranks" in axes else None)
         self._costs: dict[Knobs, KnobCost] = {}
@@ -435,11 +450,12 @@ class BudgetPlanner:
             if known is not None:
                 return replace(known, memory_mb=memory, reference=reference)
             upload = wire_bytes(planned.upload, self.method.cfg.federation.upload_dtype)  # as it travels
+            download = measure.tensor_bytes(dict(planned.upload))
             imp = 0.0
             if planned.importance_model is not None:
                 imp = self._forward_flops(planned.importance_model) / self.rows
         return KnobCost(memory, flops * (1 if packed is not None else knobs.micro_batches), upload, imp,
-                        reference, **shares)
+                        download, reference, **shares)
 
     def _forward_flops(self, model: nn.Module) -> float:
         """FLOPs of a forward pass over the profile batch (two rows, scaled: linear in rows)."""
@@ -453,13 +469,21 @@ class BudgetPlanner:
             model.train(was)
         return float(fc.total) * self.rows / 2
 
-    def predicted(self, knobs: Knobs, examples: int, importance_examples: int) -> dict[str, float]:
-        """A plan's costs for a client of ``examples`` per round at full work, and their shares
-        of a dense client's (:attr:`dense`)."""
+    def predicted(self, knobs: Knobs, examples: int, importance_examples: int,
+                  device=None) -> dict[str, float]:
+        """A plan's costs for a client of ``examples`` per round at full work, their shares of a
+        dense client's (:attr:`dense`), and on a ``device`` (:class:`fedslice.fl.devices.Device`)
+        a client-round's simulated seconds: the download, its FLOPs at the device's speed, the
+        upload (as the simulated clock counts a reply)."""
         out = self._predicted(knobs, examples, importance_examples)
         dense = out if knobs == self.dense else self._predicted(self.dense, examples, importance_examples)
-        return {**out, "flops_share": out["gflops_per_round"] / dense["gflops_per_round"],
-                "memory_share": out["memory_mb"] / dense["memory_mb"]}
+        out = {**out, "flops_share": out["gflops_per_round"] / dense["gflops_per_round"],
+               "memory_share": out["memory_mb"] / dense["memory_mb"]}
+        if device is not None:
+            c = self.cost(knobs)
+            out["seconds_per_round"] = device.seconds(out["gflops_per_round"] * 1e9, c.download_bytes,
+                                                      c.upload_bytes, self.host_gflops)
+        return out
 
     def _predicted(self, knobs: Knobs, examples: int, importance_examples: int) -> dict[str, float]:
         c = self.cost(knobs)
@@ -514,12 +538,14 @@ class BudgetPlanner:
         # (the base's precision changes its bytes, not its operations: the least-memory one)
         no_ckpt = [replace(least, checkpointing=False, micro_batches=m)
                    for m in {min(m for _, m in self.overheads(least)), least.micro_batches}]
-        mem = self.predicted(least, examples, importance_examples)
-        rest = [self.predicted(k, examples, importance_examples) for k in no_ckpt]
+        mem = self.predicted(least, examples, importance_examples, budget.device)
+        rest = [self.predicted(k, examples, importance_examples, budget.device) for k in no_ckpt]
         best = {"memory_mb": mem["memory_mb"], "memory_share": mem["memory_share"],
                 "gflops_per_round": min(r["gflops_per_round"] for r in rest),
                 "flops_share": min(r["flops_share"] for r in rest),
                 "upload_mb_per_round": min(r["upload_mb_per_round"] for r in rest)}
+        if budget.device is not None:
+            best["seconds_per_round"] = min(r["seconds_per_round"] for r in rest)
         return self._violations(budget, best)
 
     def plan(self, client: int, tier: int | None, budget: ClientBudget, examples: int,
@@ -562,7 +588,7 @@ class BudgetPlanner:
                                 point = Knobs(spec, s, r, False, 1, width, imp, prec, **work, depth=d)
                                 for ckpt, mb in self.overheads(point):
                                     knobs = replace(point, checkpointing=ckpt, micro_batches=mb)
-                                    pred = self.predicted(knobs, examples, importance_examples)
+                                    pred = self.predicted(knobs, examples, importance_examples, budget.device)
                                     over = self._violations(budget, pred)
                                     if not over:
                                         return self._plan(client, tier, budget, knobs, pred, passed)
@@ -615,39 +641,44 @@ class BudgetPlanner:
             why = f"the next larger plan ({passed[0]}) needs {'; '.join(passed[1])}"
         return ClientPlan(client, tier, budget, knobs, pred["memory_mb"], pred["gflops_per_round"],
                           pred["upload_mb_per_round"], why, self.method.depth_frozen(knobs.depth),
-                          memory_reference=self.cost(knobs).reference, flops_share=pred["flops_share"])
+                          memory_reference=self.cost(knobs).reference, flops_share=pred["flops_share"],
+                          seconds=pred.get("seconds_per_round"))
 
-    def least(self, examples: int, importance_examples: int = 0) -> tuple[Knobs, Knobs, dict[str, float]]:
+    def least(self, examples: int, importance_examples: int = 0, device=None
+              ) -> tuple[Knobs, Knobs, dict[str, float]]:
         """The smallest plan (the last sub-model, local work, sparsity and rank) at its least
         memory (every saving on) and at its least FLOPs (no checkpointing: it recomputes), and
         what it needs of each limit at the least."""
         spec, width = self.specs[-1]
         small = self._cheapest(spec, width, self.sparsities[-1], self.ranks[-1])
         low_flops = replace(small, checkpointing=False)
-        mem = self.predicted(small, examples, importance_examples)
-        flops = self.predicted(low_flops, examples, importance_examples)
-        return small, low_flops, {"memory_mb": mem["memory_mb"], "memory_share": mem["memory_share"],
-                                  "gflops_per_round": flops["gflops_per_round"],
-                                  "flops_share": flops["flops_share"],
-                                  "upload_mb_per_round": mem["upload_mb_per_round"]}
+        mem = self.predicted(small, examples, importance_examples, device)
+        flops = self.predicted(low_flops, examples, importance_examples, device)
+        need = {"memory_mb": mem["memory_mb"], "memory_share": mem["memory_share"],
+                "gflops_per_round": flops["gflops_per_round"], "flops_share": flops["flops_share"],
+                "upload_mb_per_round": mem["upload_mb_per_round"]}
+        if device is not None:
+            need["seconds_per_round"] = flops["seconds_per_round"]
+        return small, low_flops, need
 
-    def cheapest(self, examples: int, importance_examples: int = 0) -> str:
+    def cheapest(self, examples: int, importance_examples: int = 0, device=None) -> str:
         """What the smallest plan costs at the least (:meth:`least`)."""
-        small, low_flops, need = self.least(examples, importance_examples)
+        small, low_flops, need = self.least(examples, importance_examples, device)
         return (f"the cheapest plan ({low_flops.describe().rsplit(', no checkpointing', 1)[0]}) needs "
                 f"{need['memory_mb']:.1f} MiB ({'checkpointing, ' if small.checkpointing else ''}"
                 f"{small.micro_batches} micro-batches; {need['memory_share']:.4g}x dense's), "
                 f"{need['gflops_per_round']:.4g} GFLOPs/round ({need['flops_share']:.4g}x dense's), "
-                f"{need['upload_mb_per_round']:.4g} MB up/round")
+                f"{need['upload_mb_per_round']:.4g} MB up/round"
+                + (f", {need['seconds_per_round']:.4g} s/round on its device" if device is not None else ""))
 
     def smallest_valid(self, budget: ClientBudget, examples: int, importance_examples: int = 0) -> str:
         """Each limit of ``budget`` the cheapest plan passes and the smallest value that fits it,
         rounded up (4 decimals; MiB to 0.1) so that the value printed is valid as written."""
-        need = self.least(examples, importance_examples)[2]
+        need = self.least(examples, importance_examples, budget.device)[2]
         out = []
         for k, v in budget.limits().items():
             if need[k] > v * (1 + 1e-9):
-                digits = 1 if k == "memory_mb" else 4
+                digits = 1 if k in ("memory_mb", "seconds_per_round") else 4
                 value = math.ceil(round(need[k] * 10**digits, 6)) / 10**digits
                 out.append(f"{k} {v:g} is below it: the smallest valid value is "
                            f"{min(value, 1.0) if k.endswith('_share') else value:g}")
@@ -750,6 +781,38 @@ def packed_peak_shape(cfg, lengths, batch_size: int, client_examples: int | None
     return int(layouts[:, 0].max()), int(layouts[:, 1].max()), int(layouts[:, 2].max())
 
 
+def client_time_budgets(cfg, budgets: dict[int, tuple[int | None, ClientBudget]]
+                        ) -> dict[int, tuple[int | None, ClientBudget]]:
+    """Each client's budget with its device on the simulated clock (``[devices]`` or the
+    tier's device fields; :func:`fedslice.fl.devices.population`) and its time limit: the
+    tier's ``seconds_per_round``, and under ``round_policy = "deadline"`` the round's deadline
+    (the smaller). A time limit without a device, or on a device whose speed is a factor of the
+    host's without ``devices.host_gflops_per_s`` (the planner plans before the run measures
+    the host), is a ConfigError naming the fields."""
+    from fedslice.fl.devices import population
+
+    fed = cfg.federation
+    deadline = fed.round_deadline_s if fed.round_policy == "deadline" else None
+    pop = population(cfg)
+    host = cfg.devices.host_gflops_per_s if cfg.devices is not None else None
+    out = {}
+    for c, (tier, budget) in budgets.items():
+        device = pop.devices.get(c) if pop is not None else None
+        limit = min((x for x in (budget.seconds_per_round, deadline) if x is not None), default=None)
+        if device is not None and device.speed is not None and host is None:
+            if limit is not None:
+                raise ConfigError(f"{budget.field}: a time limit ({'seconds_per_round' if budget.seconds_per_round else 'federation.round_deadline_s'}) "
+                                  f"on a device whose speed is a factor of the host's ({device.where}, "
+                                  "speed): the planner needs the host's rate before the run measures it: "
+                                  "set devices.host_gflops_per_s (or give the device's gflops_per_s)")
+            device = None  # its seconds are the clock's, not predicted
+        if budget.seconds_per_round is not None and device is None:
+            raise ConfigError(f"{budget.field}: seconds_per_round needs the client's device on the "
+                              "simulated clock ([devices], or the tier's gflops_per_s and links)")
+        out[c] = (tier, replace(budget, device=device, seconds_per_round=limit if device is not None else None))
+    return out
+
+
 def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
                  client_sizes: Mapping[int, int], num_clients: int, seed: int,
                  flops_scale: float = 1.0,
@@ -767,23 +830,32 @@ def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
     plans: dict[int, ClientPlan] = {}
     memo: dict[tuple, ClientPlan | None] = {}
     failed: list[str] = []
-    for c, (tier, budget) in sorted(client_budgets(budgets, num_clients, seed).items()):
+    timed = client_time_budgets(method.cfg, client_budgets(budgets, num_clients, seed))
+    for c, (tier, budget) in sorted(timed.items()):
         n = int(client_sizes.get(c, fed.batch_size))
         examples = examples_per_round(fed, n)
         imp = method.importance_examples(n)
-        key = (tuple(sorted(budget.limits().items())), examples, imp)
+        key = (budget.key(), examples, imp)
         if key not in memo:
             memo[key] = planner.plan(c, tier, budget, examples, imp)
         p = memo[key]
         if p is None:
             failed.append(f"client {c} ({budget.field}, {budget.name}): budget {budget.describe()}; "
-                          + planner.cheapest(examples, imp) + "; "
+                          + planner.cheapest(examples, imp, budget.device) + "; "
                           + planner.smallest_valid(budget, examples, imp))
             plans[c] = ClientPlan(c, tier, budget, Knobs(), 0.0, 0.0, 0.0,
                                   sits_out=f"budget {budget.describe()} is below the cheapest plan")
             continue
         enforced = budget.gflops_per_round * 1e9 if budgets.enforce_flops \
             and budget.gflops_per_round is not None else None
+        if budgets.enforce_flops and budget.seconds_per_round is not None:
+            # a time limit holds as a FLOPs budget: what the device computes in the round's
+            # seconds less its transfers (a round's batches vary; the client stops before a
+            # step that would pass it, so it replies in time)
+            cost = planner.cost(p.knobs)
+            in_time = budget.device.flops_within(budget.seconds_per_round, cost.download_bytes,
+                                                 cost.upload_bytes, planner.host_gflops)
+            enforced = in_time if enforced is None else min(enforced, in_time)
         held = budget.memory_mb if budgets.enforce_memory else None
         plans[c] = replace(p, client=c, tier=tier, budget=budget, flops_budget=enforced,
                            memory_budget=held)
@@ -802,7 +874,7 @@ def plan_groups(plans: Mapping[int, ClientPlan]) -> list[tuple[list[int], Client
     groups: dict[tuple, list[int]] = {}
     for c, p in sorted(plans.items()):
         key = (p.budget.name, p.budget.field if p.tier is not None else "", p.knobs,
-               round(p.gflops_per_round, 6), round(p.memory_mb, 6))
+               round(p.gflops_per_round, 6), round(p.memory_mb, 6), None if p.seconds is None else round(p.seconds, 6))
         groups.setdefault(key, []).append(c)
     return [(cs, plans[cs[0]]) for cs in groups.values()]
 
@@ -815,7 +887,8 @@ def render_plans(plans: Mapping[int, ClientPlan]) -> list[str]:
         lines.append(f"  {p.budget.name} ({p.budget.describe()}): {len(clients)} client(s) [{shown}]")
         lines.append(f"    plan: {p.knobs.describe()}")
         lines.append(f"    predicted: {p.memory_mb:.1f} MiB peak, {p.gflops_per_round:.4g} GFLOPs/round, "
-                     f"{p.upload_mb:.4g} MB up/round")
+                     f"{p.upload_mb:.4g} MB up/round"
+                     + (f", {p.seconds:.4g} s/round on its device" if p.seconds is not None else ""))
         lines.append(f"    why: {p.reason}")
         if p.flops_budget is not None:
             lines.append(f"    enforced: at most {p.flops_budget / 1e9:.4g} GFLOPs/round as it trains "
@@ -869,7 +942,7 @@ def plan_report(plans: Mapping[int, ClientPlan], records: list[dict[str, Any]]) 
         def values(key):
             return [float(m[key]) for m in ran if m.get(key) is not None]
 
-        mem, up, cut = values("memory_mb"), values("bytes_up"), values("steps_cut")
+        mem, up, cut, sim = values("memory_mb"), values("bytes_up"), values("steps_cut"), values("sim_s")
         down = values("plan_downgrades")
         skipped = [1 for m in every if m.get("client") in set(clients) and m.get("memory_skipped")]
         # training and the head stage's importance pass, per client-round
@@ -878,11 +951,14 @@ def plan_report(plans: Mapping[int, ClientPlan], records: list[dict[str, Any]]) 
         out.append({"clients": clients, "budget_name": p.budget.name, "budget": p.budget.limits(),
                     "plan": p.knobs.to_dict(), "why": p.reason,
                     "predicted": {"memory_mb": p.memory_mb, "gflops_per_round": p.gflops_per_round,
-                                  "upload_mb": p.upload_mb},
+                                  "upload_mb": p.upload_mb, "seconds": p.seconds},
                     "measured": {"client_rounds": len(ran),
                                  "memory_mb_max": max(mem) if mem else None,
                                  "gflops_per_round_mean": sum(flops) / len(flops) / 1e9 if flops else None,
                                  "upload_mb_mean": sum(up) / len(up) / _MB if up else None,
+                                 # a client-round's simulated seconds (runs with devices)
+                                 "seconds_mean": sum(sim) / len(sim) if sim else None,
+                                 "seconds_max": max(sim) if sim else None,
                                  # client-rounds the FLOPs budget stopped early, steps cut in all
                                  "rounds_cut": sum(x > 0 for x in cut) if cut else None,
                                  "steps_cut": int(sum(cut)) if cut else None,

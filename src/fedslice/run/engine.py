@@ -231,9 +231,13 @@ class Simulation:
     def clock_record(self, record: dict[str, Any], replies: dict[int, Reply], settled, secs) -> None:
         """Simulated time next to wall time: the round's and the run's seconds, each client's,
         and the work of the replies the policy dropped (wasted)."""
+        plans = getattr(self.method, "plans", None) or {}
         for m in record["client_metrics"]:
             if m["client"] in secs:
                 m["sim_s"] = secs[m["client"]]
+                planned = plans.get(m["client"])
+                if planned is not None and planned.seconds is not None:  # the planner's prediction
+                    m["sim_s_predicted"] = planned.seconds
         gone = [{"client": c, "reason": why} for c, why in sorted(settled.dropped.items())]
         if gone:
             record["excluded"] = sorted(record["excluded"] + gone, key=lambda e: e["client"])

@@ -1,0 +1,92 @@
+"""Time in the planner (issue 59 part 3): a plan's simulated seconds on the client's device
+(download + predicted FLOPs / speed + upload), a tier's ``seconds_per_round`` and a round's
+deadline as a budget, ``fedslice plan`` printing the seconds, and each client-round's simulated
+seconds recorded against the prediction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedslice.api import setup
+from fedslice.errors import ConfigError
+from fedslice.experiment import validate_config
+from fedslice.methods.planner import render_plans
+from fedslice.run.asynchronous import simulation_for
+
+#: a fast and a slow device, 10x apart, links that count
+FAST = {"gflops_per_s": 0.05, "upload_mb_per_s": 1.0, "download_mb_per_s": 2.0}
+SLOW = {"gflops_per_s": 0.005, "upload_mb_per_s": 0.1, "download_mb_per_s": 0.2}
+
+
+def _cfg(tiny_cfg_dict, tiers, **federation) -> dict:
+    d = json.loads(json.dumps(tiny_cfg_dict))
+    d["federation"].update({"num_clients": 4, "clients_per_round": 4, "rounds": 2, "local_steps": 4,
+                            **federation})
+    d["budgets"] = {"tiers": tiers, "micro_batches": [1], "checkpointing": False,
+                    "local_work": [1.0, 0.5, 0.25]}
+    return d
+
+
+def test_a_plans_seconds_are_its_flops_over_speed_plus_its_bytes_over_the_links(tiny_cfg_dict):
+    d = _cfg(tiny_cfg_dict, [{"share": 0.5, "memory_mb": 1e4, **FAST},
+                             {"share": 0.5, "memory_mb": 1e4, **SLOW}])
+    method, _ = setup(validate_config(d))
+    for p in method.plans.values():
+        dev = FAST if p.tier == 0 else SLOW
+        up = p.upload_mb * 1e6  # fp32 upload: the bytes it receives are the same tensors
+        want = (p.gflops_per_round / dev["gflops_per_s"] + up / (dev["upload_mb_per_s"] * 1e6)
+                + up / (dev["download_mb_per_s"] * 1e6))
+        assert p.seconds == pytest.approx(want, rel=1e-9)
+    assert any("s/round on its device" in line for line in render_plans(method.plans))
+
+
+def test_a_deadline_fits_each_clients_work_to_its_device_and_the_clock_agrees(tiny_cfg_dict):
+    """The slow tier cannot train the whole round by the deadline: the planner cuts its local
+    work; every client-round's simulated seconds are within 10% of the planner's prediction."""
+    whole = _cfg(tiny_cfg_dict, [{"share": 0.5, "memory_mb": 1e4, **FAST},
+                                 {"share": 0.5, "memory_mb": 1e4, **SLOW}])
+    method, _ = setup(validate_config(whole))
+    slow_whole = max(p.seconds for p in method.plans.values())
+    fast_whole = min(p.seconds for p in method.plans.values())
+    deadline = (fast_whole + slow_whole) / 2
+    d = _cfg(tiny_cfg_dict, [{"share": 0.5, "memory_mb": 1e4, **FAST},
+                             {"share": 0.5, "memory_mb": 1e4, **SLOW}],
+             round_policy="deadline", round_deadline_s=deadline)
+    cfg = validate_config(d)
+    method, data = setup(cfg)
+    for p in method.plans.values():
+        assert p.seconds <= deadline * (1 + 1e-9)
+        if p.tier == 0:
+            assert p.knobs.batch is None  # the fast device trains the whole round
+        else:
+            assert p.knobs.batch is not None and p.knobs.batch < cfg.federation.batch_size
+    sim = simulation_for(cfg, method, data)
+    _, records, summary = sim.run()
+    ratios = [m["sim_s"] / m["sim_s_predicted"] for r in records for m in r["client_metrics"]]
+    # the planner predicts a round's mean; a round of 4 steps of a few tiny examples varies by
+    # its batches' lengths, and the time limit holds as a FLOPs budget (a step that would pass
+    # it is cut, budgets.enforce_flops): no reply arrives after the deadline
+    assert len(ratios) == 2 * 4 and abs(sum(ratios) / len(ratios) - 1) <= 0.1, ratios
+    assert all(m["sim_s"] <= deadline * (1 + 1e-9) for r in records for m in r["client_metrics"])
+    assert all(not r["excluded"] for r in records)  # nobody missed the deadline
+    groups = summary["plans"]
+    assert all(g["predicted"]["seconds"] is not None and g["measured"]["seconds_mean"] for g in groups)
+
+
+def test_a_deadline_no_plan_meets_names_the_client_and_what_it_needs(tiny_cfg_dict):
+    d = _cfg(tiny_cfg_dict, [{"share": 1.0, "memory_mb": 1e4, **SLOW}], round_policy="deadline",
+             round_deadline_s=1e-3)
+    with pytest.raises(ConfigError, match=r"client 0 \(budgets\.tiers\[0\].*s/round on its device.*"
+                                          r"seconds_per_round 0\.001 is below it: the smallest valid value is"):
+        setup(validate_config(d))
+
+
+def test_time_limits_need_a_device_with_a_known_rate(tiny_cfg_dict):
+    d = _cfg(tiny_cfg_dict, [{"share": 1.0, "seconds_per_round": 5.0}])
+    with pytest.raises(ConfigError, match=r"budgets\.tiers\[0\]: seconds_per_round needs the client's device"):
+        setup(validate_config(d))
+    d = _cfg(tiny_cfg_dict, [{"share": 1.0, "seconds_per_round": 5.0, "speed": 0.5}])
+    with pytest.raises(ConfigError, match=r"budgets\.tiers\[0\].*speed.*devices\.host_gflops_per_s"):
+        setup(validate_config(d))
