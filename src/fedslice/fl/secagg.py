@@ -31,9 +31,9 @@ import os
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import (decrypt, encrypt,
                                                                          generate_shared_key)
@@ -47,6 +47,9 @@ from flwr.common.secure_aggregation.secaggplus_utils import (pseudo_rand_gen,
 from flwr.supercore.primitives.asymmetric import (bytes_to_private_key, bytes_to_public_key,
                                                   generate_key_pairs, private_key_to_bytes,
                                                   public_key_to_bytes)
+
+if TYPE_CHECKING:  # torch is imported by the functions on tensors only: a node answering the
+    import torch   # key stages (a fresh ClientApp process per message on Flower) never loads it
 
 Vector = list[np.ndarray]
 
@@ -303,6 +306,8 @@ def union_of(shapes: Mapping[str, tuple[int, ...]],
     """The union of the clients' held elements per key (``held``: per client, per key a mask
     broadcasting to the key's shape; a key absent: not held), flat bool, for the keys where it
     is not the whole tensor (an empty union included)."""
+    import torch
+
     out = {}
     for k, shape in shapes.items():
         u = torch.zeros(shape, dtype=torch.bool)
@@ -331,6 +336,8 @@ def encode(delta: Mapping[str, torch.Tensor], weight: Mapping[str, torch.Tensor 
     Flower's stochastic quantizer, and the number of coordinates that were clipped. A
     ProtocolError when a weight the layout holds as one number varies over its tensor, or a
     weight is not 0 outside the union."""
+    import torch
+
     ups, ws, clipped = [], [], 0
     for k, shape in layout.shapes.items():
         w = weight.get(k, 0.0) if isinstance(weight, Mapping) else weight
@@ -353,6 +360,8 @@ def encode(delta: Mapping[str, torch.Tensor], weight: Mapping[str, torch.Tensor 
 
 def _one(w: torch.Tensor, key: str) -> np.ndarray:
     """The one weight of a tensor the layout weighs by one number (0-d)."""
+    import torch
+
     first = w.reshape(-1)[0] if w.numel() else torch.zeros((), dtype=w.dtype)
     if w.numel() and not bool((w == first).all()):
         raise ProtocolError(f"the weight of {key} varies over its elements, the round's layout "
@@ -365,6 +374,8 @@ def decode(total: Vector, n: int, layout: Layout, params: Params
     """From the unmasked sum of ``n`` clients' vectors: per key ``sum_c w_c delta_c`` and
     ``sum_c w_c`` (W multiplied back) in float32 and full shape (0 outside the union), and the
     round's count of clipped coordinates."""
+    import torch
+
     k = len(layout.shapes)
     ups = dequantize(total[:k], params.clip_range, params.target_range)
     ws = dequantize(total[k:2 * k], 1.0, params.target_range)
