@@ -16,7 +16,11 @@ from fedslice.run.engine import Simulation
 
 RUNS = [("fedpetuning (LoRA r16 q,v)", "configs/fedpetuning_sst2.toml", []),
         ("raffm+heads (tiers 0.5/1.0 FLOPs)", "configs/raffm_heads_sst2.toml",
-         ["method.width_steps=4"])]
+         ["method.width_steps=4"]),
+        ("raffm+heads (tiers 0.5/0.75 FLOPs)", "configs/raffm_heads_sst2.toml",
+         ["method.width_steps=4", "method.tiers=[{share=0.5,flops=0.5},{share=0.5,flops=0.75}]"]),
+        ("fedpetuning, lora.ranks [4, 8, 16] (tiers 0.95/0.97 FLOPs)", "configs/fedpetuning_sst2.toml",
+         ["lora.ranks=[4,8,16]", "method.tiers=[{share=0.5,flops=0.95},{share=0.5,flops=0.97}]"])]
 SHRINK = ["federation.rounds=1", "federation.local_steps=1", "federation.clients_per_round=5",
           "data.max_dev_examples=32", "evaluation.every=1", "output.plots=false",
           "output.progress=false", "output.save_weights=false"]
@@ -45,13 +49,13 @@ def main() -> int:
         used = [m for m in record["client_metrics"] if m.get("used")]
         plain = [m["bytes_up_plain"] for m in used]  # the reply a plain round would send
         n = len(record["clients"])
-        rows.append((label, n, min(plain), max(plain), record["secagg_upload_bytes"], key_bytes(n),
-                     record["secagg_clipped"]))
-    print("| method | clients | plain upload min / max (B) | masked vector (B) | keys and shares (B) "
-          "| secure / plain max | clipped |")
-    print("|---|---|---|---|---|---|---|")
-    for label, n, lo, hi, masked, keys, clipped in rows:
-        print(f"| {label} | {n} | {lo:,} / {hi:,} | {masked:,} | {keys:,} | "
+        rows.append((label, n, min(plain), max(plain), record["secagg_upload_bytes"],
+                     record["secagg_full_upload_bytes"], key_bytes(n), record["secagg_clipped"]))
+    print("| method | clients | plain upload min / max (B) | masked vector: union (B) | "
+          "masked vector: full shape (B) | keys and shares (B) | secure / plain max | clipped |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, n, lo, hi, masked, full, keys, clipped in rows:
+        print(f"| {label} | {n} | {lo:,} / {hi:,} | {masked:,} | {full:,} | {keys:,} | "
               f"{(masked + keys) / hi:.2f}x | {clipped} |")
     return 0
 

@@ -13,7 +13,6 @@ from flwr.app import Error, Message
 from flwr.common.constant import ErrorCode
 
 from fedslice.api import setup
-from fedslice.errors import ConfigError
 from fedslice.experiment import validate_config
 from fedslice.output import read_run
 from fedslice.run.engine import Simulation
@@ -61,12 +60,30 @@ def _in_process(d):
     return method.export_state(state), records
 
 
-@pytest.mark.parametrize("method", ["fedpetuning", "heads"])
+NARROW = [{"share": 0.5, "flops": 0.4}, {"share": 0.5, "flops": 0.7}]
+#: methods sending slices, sub-models and ranks: each client embeds its own in the round's union
+SLICES = {
+    "raffm+heads": ({"name": "raffm+heads", "sparsity": 0.5, "width_steps": 4, "tiers": NARROW,
+                     "size_weight": 1.0}, {}),
+    "fedot": ("fedot", {}),
+    "fedpetuning+ranks": ({"name": "fedpetuning", "tiers": [{"share": 0.5, "flops": 0.95},
+                                                            {"share": 0.5, "flops": 0.91}]},
+                          {"r": 8, "ranks": [2, 4, 8]}),
+}
+
+
+@pytest.mark.parametrize("method", ["fedpetuning", "heads", *SLICES])
 def test_secure_serverapp_equals_in_process(tiny_cfg_dict, tmp_path, method):
     """The same seed: the same clients, the same masked sums, the same weights (the masks
-    cancel exactly and the quantization is seeded per client and round)."""
+    cancel exactly and the quantization is seeded per client and round). Methods sending
+    slices (RaFFM's widths with heads and f^p, FedOT's sub-model, LoRA ranks) upload the
+    union of the round's slices only, less than the full vector."""
     d = _cfg(tiny_cfg_dict)
-    d["method"] = {"name": method, **method_options(method, tmp_path)}
+    opts, lora = SLICES.get(method, (method, {}))
+    if isinstance(opts, str):
+        opts = {"name": opts, **method_options(opts, tmp_path)}
+    d["method"] = opts
+    d["lora"] = {**d["lora"], **lora}
     path = _write_config(d, tmp_path / "exp.json")
     run_dir = server_run(InProcessGrid(_nodes(4)), _settings(path, tmp_path / "fl"))
     _, metrics, _ = read_run(run_dir)
@@ -84,6 +101,8 @@ def test_secure_serverapp_equals_in_process(tiny_cfg_dict, tmp_path, method):
             rc = by(r["client_metrics"])[c]
             assert mc["loss"] == pytest.approx(rc["loss"]) and mc["bytes_up_plain"] == rc["bytes_up_plain"]
             assert "head_importance" not in mc and "head_importance" not in rc
+        if method in ("raffm+heads", "fedpetuning+ranks"):
+            assert m["secagg_upload_bytes"] < m["secagg_full_upload_bytes"]
 
 
 def test_node_lost_after_masking_is_recovered(tiny_cfg_dict, tmp_path):
@@ -121,24 +140,18 @@ def test_too_few_survivors_skip_the_round(tiny_cfg_dict, tmp_path):
     assert all(torch.equal(got[k], init[k]) for k in init)
 
 
-def test_a_method_sending_slices_is_refused_on_flower(tiny_cfg_dict, tmp_path):
-    d = _cfg(tiny_cfg_dict, rounds=1)
-    d["method"] = {"name": "raffm", "width_steps": 4,
-                   "tiers": [{"share": 0.5, "flops": 0.5}, {"share": 0.5, "flops": 1.0}]}
-    path = _write_config(d, tmp_path / "exp.json")
-    with pytest.raises(ConfigError, match="privacy.secure_aggregation on Flower needs every client"):
-        server_run(InProcessGrid(_nodes(4)), _settings(path, tmp_path / "fl"))
-
-
 @needs_flower
 def test_deployed_secure_aggregation_with_a_killed_supernode(tiny_cfg_dict, tmp_path, started):
-    """SuperLink + 3 SuperNodes, secure aggregation with threshold 2: a SuperNode killed while
-    it trains (it has shared its keys; its masked vector never arrives) is recovered from the
-    two others' shares, the round completes with their sum and the run finishes."""
+    """SuperLink + 3 SuperNodes, secure aggregation with threshold 2, a method sending slices
+    (RaFFM's widths with heads, no client the whole model): a SuperNode killed while it trains
+    (it has shared its keys; its masked vector never arrives) is recovered from the two others'
+    shares, the round completes with their sum, each uploading the union of the round's slices
+    only, and the run finishes."""
     from fedslice.flower.local import LocalFederation
 
     d = copy.deepcopy(tiny_cfg_dict)
     d["federation"].update(num_clients=3, clients_per_round=3, rounds=1)
+    d["method"] = SLICES["raffm+heads"][0]
     d["privacy"] = {"secure_aggregation": True, "secagg_threshold": 2, "secagg_clip_range": 0.5}
     path = _write_config(d, tmp_path / "exp.json")
     result = tmp_path / "result.txt"
@@ -155,7 +168,7 @@ def test_deployed_secure_aggregation_with_a_killed_supernode(tiny_cfg_dict, tmp_
     assert not m["skipped"] and m["secagg_clients"] == 2 and m["secagg_recovered"] == 1
     assert [e["client"] for e in m["excluded"]] == [2]
     assert sorted(c["client"] for c in m["client_metrics"]) == [0, 1]
-    assert all(c["bytes_up"] == m["secagg_upload_bytes"] > c["bytes_up_plain"]
-               for c in m["client_metrics"])
+    assert all(c["bytes_up"] == m["secagg_upload_bytes"] for c in m["client_metrics"])
+    assert m["secagg_upload_bytes"] < m["secagg_full_upload_bytes"]
     init = setup(validate_config(d))[0].initial_state()
     assert any(not torch.equal(_weights(run_dir)[k], init[k]) for k in init)

@@ -132,7 +132,7 @@ def test_size_weight_leans_shared_elements_toward_larger_submodels():
     np.testing.assert_allclose(res.state["classifier.weight"].numpy(), ref, rtol=1e-5, atol=1e-6)
     k = f"{ARCH.part_name(0, 'ffn_in')}.weight"  # neuron 4: only the full client holds it
     torch.testing.assert_close(res.state[k][4], replies[0].arrays[k][4])
-    assert strategy.client_factor(1) == pytest.approx(0.0625)
+    assert strategy.client_factor(payloads[1]) == strategy.size_factor(1) == pytest.approx(0.0625)
 
 
 def test_sit_out_client_is_excluded_with_reason():

@@ -163,7 +163,19 @@ CASES = {
     "raffm+heads": ({"name": "raffm+heads", "sparsity": 0.5,
                      "tiers": [{"share": 0.5, "flops": 0.5}, {"share": 0.5, "flops": 1.0}],
                      "width_steps": 4}, {}),
+    # no client trains the whole model: the round's union of slices is smaller than it
+    "raffm-narrow": ({"name": "raffm", "width_steps": 4, "reorder_every": 1, "tiers": [
+        {"share": 0.5, "flops": 0.4}, {"share": 0.5, "flops": 0.7}]}, {}),
+    "raffm+heads-narrow": ({"name": "raffm+heads", "sparsity": 0.5, "width_steps": 4, "tiers": [
+        {"share": 0.5, "flops": 0.4}, {"share": 0.5, "flops": 0.7}]}, {}),
+    "fedpetuning+ranks": ({"name": "fedpetuning", "tiers": [
+        {"share": 0.5, "flops": 0.95}, {"share": 0.5, "flops": 0.91}]},
+        {"lora": {"r": 8, "ranks": [2, 4, 8]}}),
 }
+#: cases whose union is exactly what the clients' weights hold (heads: the kept heads of each
+#: client's slice are a subset of the announced slice)
+EXACT_UNION = ("raffm", "raffm+ranks", "fedot", "raffm-narrow", "fedpetuning+ranks", "fedpetuning")
+NARROW = ("raffm-narrow", "raffm+heads-narrow", "fedpetuning+ranks")
 
 
 def _cfg(tiny_cfg_dict, tmp_path, case, secure=True):
@@ -193,12 +205,13 @@ def test_secure_round_equals_plain_sums(tiny_cfg_dict, tmp_path, case, monkeypat
     client_vector, aggregate_masked = SecureAggregation.client_vector, SecureAggregation.aggregate_masked
     combine_sums = SecureAggregation.combine_sums
 
-    def spy_client(self, rnd, state, payload, reply, layout, params):
-        seen[payload.config["client"]] = (payload, reply, state)
-        return client_vector(self, rnd, state, payload, reply, layout, params)
+    def spy_client(self, rnd, payload, reply, layout, params):
+        seen[payload.config["client"]] = (payload, reply)
+        return client_vector(self, rnd, payload, reply, layout, params)
 
     def spy_server(self, rnd, state, masked, *a, **k):
         server_inputs.append(masked)
+        sums["state"] = state
         return aggregate_masked(self, rnd, state, masked, *a, **k)
 
     def spy_sums(self, rnd, state, num, den):
@@ -225,14 +238,14 @@ def test_secure_round_equals_plain_sums(tiny_cfg_dict, tmp_path, case, monkeypat
         assert all(isinstance(a, np.ndarray) and a.dtype.kind in "iu" for a in v)
     # the exact sums from the same replies, through the method's own weighting
     used = sorted(masked)
-    state0 = next(iter(seen.values()))[2]
+    state0 = sums["state"]
     deltas, weights = rule.inner.client_updates(1, state0, {c: seen[c][0] for c in used},
                                                 {c: seen[c][1] for c in used})
     layout = rule.layout(state0, {c: seen[c][0] for c in used})
     if case in ("fedpetuning", "fedpetuning+fedadam", "ffa", "fedsa"):  # FedAvg: one weight each
         assert all(layout.weight_shape(k) == () for k in layout.shapes)
     if case.startswith("raffm"):  # held-masks: a weight per element
-        assert any(layout.weight_shape(k) == s for k, s in layout.shapes.items())
+        assert any(layout.weight_shape(k) != () for k in layout.shapes)
     params = rule.params(len(rec["clients"]))
     bound = sp.error_bound(len(used), layout, params)
     assert rec["secagg_clipped"] == 0
@@ -248,6 +261,30 @@ def test_secure_round_equals_plain_sums(tiny_cfg_dict, tmp_path, case, monkeypat
         assert (sums["den"][k].double() - den.double()).abs().max() <= bound[k][1] * 1.0001 + 1e-5, k
         checked += bool((den > 0).any())
     assert checked > 0
+    # the union of the round's slices: it holds every element a client's weight reaches (exactly
+    # those, where no client prunes within its slice); each client uploads exactly its size
+    expect = 1
+    for k, shape in layout.shapes.items():
+        support = torch.zeros(shape, dtype=torch.bool)
+        for d, w in zip(deltas, weights):
+            if k in d:
+                wk = torch.as_tensor(w.get(k, 0.0) if isinstance(w, dict) else w)
+                support |= wk.expand(shape) != 0
+        union = torch.from_numpy(layout.union[k]).reshape(shape) if k in layout.union else \
+            torch.ones(shape, dtype=torch.bool)
+        assert not bool((support & ~union).any()), k
+        if case in EXACT_UNION:
+            assert torch.equal(support, union), k
+        size = int(union.sum())
+        expect += size + (size if layout.weight_shape(k) else 1)
+    assert all(k in layout.shapes for d in deltas for k in d)  # no key a client trains left out
+    assert rec["secagg_upload_bytes"] == 4 * expect
+    assert all(m["bytes_up"] == 4 * expect for m in rec["client_metrics"] if m.get("used"))
+    if case in NARROW:
+        assert rec["secagg_upload_bytes"] < rec["secagg_full_upload_bytes"]
+        assert layout.union
+    if case == "fedpetuning+ranks":  # heterogeneous ranks, none the global one
+        assert sorted({p.config["lora_rank"] for p, _ in seen.values()}) == [2, 4]
 
 
 def test_secure_run_matches_plain_run(tiny_cfg_dict, tmp_path):
@@ -309,6 +346,10 @@ def test_bad_settings_are_refused_naming_the_fields(tiny_cfg_dict, tmp_path):
                           ["privacy.secure_aggregation", "lora.aggregation='fedex'"])
     assert_refused_naming(base, {"lora": {"aggregation": "svd"}},
                           ["privacy.secure_aggregation", "lora.aggregation='svd'"])
+    assert_refused_naming(base, {"method": {"name": "fedpetuning", "tiers": [
+        {"share": 0.5, "flops": 0.95}, {"share": 0.5, "flops": 1.0}]},
+        "lora": {"r": 8, "ranks": [2, 8], "padding": "zeros"}},
+        ["privacy.secure_aggregation", "lora.padding='zeros'"])
     assert_refused_naming(base, {"federation": {"selection": "loss_gap"}},
                           ["privacy.secure_aggregation", "federation.selection"])
     assert_refused_naming(base, {"privacy": {"secure_aggregation": True, "secagg_threshold": 3}},

@@ -31,9 +31,9 @@ import os
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import (decrypt, encrypt,
                                                                          generate_shared_key)
@@ -47,6 +47,9 @@ from flwr.common.secure_aggregation.secaggplus_utils import (pseudo_rand_gen,
 from flwr.supercore.primitives.asymmetric import (bytes_to_private_key, bytes_to_public_key,
                                                   generate_key_pairs, private_key_to_bytes,
                                                   public_key_to_bytes)
+
+if TYPE_CHECKING:  # torch is imported by the functions on tensors only: a node answering the
+    import torch   # key stages (a fresh ClientApp process per message on Flower) never loads it
 
 Vector = list[np.ndarray]
 
@@ -247,32 +250,94 @@ def _seeded(seed: int | None):
 
 @dataclass(frozen=True)
 class Layout:
-    """What each client's vector holds, in order: per key, its weighted update ``w/W * delta``
-    (full shape), then per key its weight ``w/W`` (in ``weight_shapes``: the full shape, or
-    ``()`` where every client's weight is one number for the whole tensor, as FedAvg's), then
-    one count of clipped coordinates. ``bounds``: W per key, the largest weight any client of
-    the round may give an element of it (public: from the partition sizes the server knows)."""
+    """What each client's vector holds, in order: per key, its weighted update ``w/W * delta``,
+    then per key its weight ``w/W`` (in ``weight_shapes``: the update's shape, or ``()`` where
+    every client's weight is one number for the whole tensor, as FedAvg's), then one count of
+    clipped coordinates. ``bounds``: W per key, the largest weight any client of the round may
+    give an element of it (public: from the partition sizes the server knows).
+
+    ``union``: per key, the elements any client of the round may update (the union of the
+    slices the server sent, flat, bool), or absent where that is the whole tensor: a key's
+    update (and per-element weight) then travels as those elements only, in flat order, and
+    the server scatters their sum back. The server announces it before the masking (it chose
+    the slices); a client's weight outside it is refused (:func:`encode`)."""
 
     shapes: dict[str, tuple[int, ...]]
     bounds: dict[str, float]
     weight_shapes: dict[str, tuple[int, ...]] | None = None  # None: the full shapes
+    union: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def update_shape(self, key: str) -> tuple[int, ...]:
+        """The shape a key's update travels in: its union's size, or its full shape."""
+        u = self.union.get(key)
+        return self.shapes[key] if u is None else (int(u.sum()),)
 
     def weight_shape(self, key: str) -> tuple[int, ...]:
-        return self.shapes[key] if self.weight_shapes is None else tuple(self.weight_shapes[key])
+        if self.weight_shapes is not None and tuple(self.weight_shapes[key]) == ():
+            return ()
+        return self.update_shape(key)
 
     def array_shapes(self) -> list[tuple[int, ...]]:
-        return [*self.shapes.values(), *(self.weight_shape(k) for k in self.shapes), (1,)]
+        return [*(self.update_shape(k) for k in self.shapes),
+                *(self.weight_shape(k) for k in self.shapes), (1,)]
 
     def coordinates(self) -> int:
         return sum(int(np.prod(s)) for s in self.array_shapes())
+
+    def full_coordinates(self) -> int:
+        """What the vector would hold without the union (every key in its full shape)."""
+        return Layout(self.shapes, self.bounds, self.weight_shapes).coordinates()
+
+    def _flat(self, key: str, a: np.ndarray) -> np.ndarray:
+        u = self.union.get(key)
+        return a if u is None else a.reshape(-1)[u]
+
+    def _full(self, key: str, a: np.ndarray) -> np.ndarray:
+        u = self.union.get(key)
+        if u is None:
+            return a
+        out = np.zeros(int(np.prod(self.shapes[key])), dtype=a.dtype)
+        out[u] = a
+        return out.reshape(self.shapes[key])
+
+
+def union_of(shapes: Mapping[str, tuple[int, ...]],
+             held: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, np.ndarray]:
+    """The union of the clients' held elements per key (``held``: per client, per key a mask
+    broadcasting to the key's shape; a key absent: not held), flat bool, for the keys where it
+    is not the whole tensor (an empty union included)."""
+    import torch
+
+    out = {}
+    for k, shape in shapes.items():
+        u = torch.zeros(shape, dtype=torch.bool)
+        for h in held:
+            if k in h:
+                u |= torch.as_tensor(h[k]).expand(shape) != 0
+        if not bool(u.all()):
+            out[k] = u.reshape(-1).numpy()
+    return out
+
+
+def pack_union(u: np.ndarray) -> bytes:
+    """A key's union as it is announced: one bit per element."""
+    return np.packbits(u.astype(np.uint8)).tobytes()
+
+
+def unpack_union(data: bytes, shape: Sequence[int]) -> np.ndarray:
+    n = int(np.prod(shape))
+    return np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=n).astype(bool)
 
 
 def encode(delta: Mapping[str, torch.Tensor], weight: Mapping[str, torch.Tensor | float] | float,
            layout: Layout, params: Params, seed: int | None = None) -> Vector:
     """One client's vector: per key ``w/W * delta`` clipped to [-c, c] and ``w/W`` clipped to
-    [0, 1] (a key it did not train: zeros), quantized by Flower's stochastic quantizer, and the
-    number of coordinates that were clipped. A ProtocolError when a weight the layout holds as
-    one number varies over its tensor."""
+    [0, 1] (a key it did not train: zeros), on the round's union of slices, quantized by
+    Flower's stochastic quantizer, and the number of coordinates that were clipped. A
+    ProtocolError when a weight the layout holds as one number varies over its tensor, or a
+    weight is not 0 outside the union."""
+    import torch
+
     ups, ws, clipped = [], [], 0
     for k, shape in layout.shapes.items():
         w = weight.get(k, 0.0) if isinstance(weight, Mapping) else weight
@@ -280,8 +345,10 @@ def encode(delta: Mapping[str, torch.Tensor], weight: Mapping[str, torch.Tensor 
             w = 0.0
         w = torch.as_tensor(w, dtype=torch.float64).expand(shape) / layout.bounds[k]
         d = delta[k].double() if k in delta else torch.zeros(shape, dtype=torch.float64)
-        u = (w * d).numpy()
-        wn = w.numpy() if layout.weight_shape(k) else _one(w, k)
+        u = layout._flat(k, (w * d).numpy())
+        if k in layout.union and bool((w.reshape(-1).numpy()[~layout.union[k]] != 0).any()):
+            raise ProtocolError(f"the update of {k} reaches outside the round's union of slices")
+        wn = layout._flat(k, w.numpy()) if layout.weight_shape(k) else _one(w, k)
         clipped += int((np.abs(u) > params.clip_range).sum()) + int((wn > 1).sum() + (wn < 0).sum())
         ups.append(u)
         ws.append(np.clip(wn, 0.0, 1.0))
@@ -293,6 +360,8 @@ def encode(delta: Mapping[str, torch.Tensor], weight: Mapping[str, torch.Tensor 
 
 def _one(w: torch.Tensor, key: str) -> np.ndarray:
     """The one weight of a tensor the layout weighs by one number (0-d)."""
+    import torch
+
     first = w.reshape(-1)[0] if w.numel() else torch.zeros((), dtype=w.dtype)
     if w.numel() and not bool((w == first).all()):
         raise ProtocolError(f"the weight of {key} varies over its elements, the round's layout "
@@ -303,17 +372,27 @@ def _one(w: torch.Tensor, key: str) -> np.ndarray:
 def decode(total: Vector, n: int, layout: Layout, params: Params
            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
     """From the unmasked sum of ``n`` clients' vectors: per key ``sum_c w_c delta_c`` and
-    ``sum_c w_c`` (W multiplied back) in float32, and the round's count of clipped coordinates."""
+    ``sum_c w_c`` (W multiplied back) in float32 and full shape (0 outside the union), and the
+    round's count of clipped coordinates."""
+    import torch
+
     k = len(layout.shapes)
     ups = dequantize(total[:k], params.clip_range, params.target_range)
     ws = dequantize(total[k:2 * k], 1.0, params.target_range)
     num, den = {}, {}
     for i, key in enumerate(layout.shapes):
-        w = layout.bounds[key]
+        w, shape = layout.bounds[key], layout.shapes[key]
         # dequantize subtracts c once; the sum of n vectors carries n shifts
-        num[key] = torch.from_numpy((ups[i] - (n - 1) * params.clip_range) * w).float()
-        d = torch.as_tensor((ws[i] - (n - 1) * 1.0) * w, dtype=torch.float32)
-        den[key] = d.expand(layout.shapes[key]).clone()
+        up = (np.asarray(ups[i]) - (n - 1) * params.clip_range) * w
+        num[key] = torch.from_numpy(layout._full(key, up)).float()
+        wt = (np.asarray(ws[i], dtype=np.float64) - (n - 1) * 1.0) * w
+        if layout.weight_shape(key):
+            den[key] = torch.from_numpy(layout._full(key, wt)).float()
+        else:
+            d = torch.as_tensor(wt, dtype=torch.float32).expand(shape).clone()
+            if key in layout.union:
+                d = d * torch.from_numpy(layout.union[key].reshape(shape))
+            den[key] = d
     return num, den, int(total[2 * k][0])
 
 

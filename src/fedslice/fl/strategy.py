@@ -160,9 +160,23 @@ class Strategy:
         whole state. A stage above (heads' selection) cuts its own choice out of it."""
         return None
 
-    def client_factor(self, client: int) -> float:
-        """A factor on every aggregation weight of ``client`` (RaFFM's f^p). Default: 1."""
+    def client_factor(self, payload: Payload) -> float:
+        """A factor on every aggregation weight of the client of ``payload`` (RaFFM's f^p, which
+        its payload carries: the client weighs its own update under secure aggregation).
+        Default: 1."""
         return 1.0
+
+    def client_view(self, payload: Payload, shapes: Mapping[str, tuple[int, ...]]
+                    ) -> tuple[State, dict[str, torch.Tensor]]:
+        """The global state as the client of ``payload`` knows it, over the keys of ``shapes``
+        (the trainable state's full shapes): the tensors it was sent at their places in the full
+        shapes (zeros elsewhere) and, per key, where it holds them (a mask broadcasting to the
+        shape; a key it was not sent is absent). What a client computes its own update and
+        weights from under secure aggregation (:mod:`fedslice.fl.rules.secagg`), and the slices
+        whose union the server announces. Default: the payload's tensors of full shape, whole."""
+        held = {k: payload.arrays[k] for k, s in shapes.items()
+                if k in payload.arrays and tuple(payload.arrays[k].shape) == tuple(s)}
+        return held, {k: torch.ones(()) for k in held}
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -340,8 +354,11 @@ class Wrapper(Strategy):
     def client_slice(self, payload: Payload):
         return self.inner.client_slice(payload)
 
-    def client_factor(self, client: int) -> float:
-        return self.inner.client_factor(client)
+    def client_factor(self, payload: Payload) -> float:
+        return self.inner.client_factor(payload)
+
+    def client_view(self, payload: Payload, shapes) -> tuple[State, dict[str, torch.Tensor]]:
+        return self.inner.client_view(payload, shapes)
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

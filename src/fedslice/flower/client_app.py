@@ -166,7 +166,7 @@ def query(msg: Message, context: Context) -> Message:
     """Reply with this node's partition (validated against the server's num_clients); an
     ``end-run`` query removes the run's model files instead."""
     if "fedslice_secagg" in msg.content.config_records:  # a secure aggregation stage
-        from fedslice.flower.secagg import client_stage
+        from fedslice.flower.secagg_stages import client_stage
 
         num_clients = int(msg.content.config_records["fedslice_secagg"]["num_clients"])
         return client_stage(msg, context, node_partition(context.node_config, num_clients))

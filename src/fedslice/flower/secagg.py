@@ -12,7 +12,8 @@ Flower's own primitives (:mod:`fedslice.fl.secagg`, shared with the in-process e
 * stage 0 (``setup``) and stage 1 (``share_keys``): QUERY messages sent from ``configure_train``
   (Flower's ``Strategy.start`` hands it the grid); a node that fails them is left out of the round;
 * stage 2: the TRAIN message carries the payload, the encrypted shares for that client and the
-  round's public layout; the ClientApp trains, builds its vector with the same
+  round's public layout (the union of the round's slices: a client of a method sending slices
+  embeds its own in it, from its payload alone); the ClientApp trains, builds its vector with the same
   :meth:`~fedslice.fl.rules.secagg.SecureAggregation.client_vector` as in process, masks it and
   replies with the masked vector (uint32), its example count and scalar metrics only;
 * stage 3 (``unmask``): QUERY messages from ``aggregate_train``; the server's side is
@@ -34,66 +35,17 @@ from flwr.app import (Array, ArrayRecord, ConfigRecord, Context, Message, Messag
                       RecordDict)
 from flwr.serverapp import Grid
 
-from fedslice.errors import ConfigError
 from fedslice.fl import secagg as sp
 from fedslice.fl.rules import SecureAggregation, find_rule
 from fedslice.fl.rules.secagg import clear_metrics, upload_metrics
 from fedslice.fl.strategy import Payload, Reply, RoundResult
+from fedslice.flower.secagg_stages import SECAGG, secrets_from_record, secrets_to_record
 from fedslice.flower.codec import encode_reply, error_reason, state_to_record
 from fedslice.flower.strategy import TTL_MARGIN_S, FlowerAdapter
 
 log = logging.getLogger(__name__)
 
-SECAGG = "fedslice_secagg"  # record name: in stage messages, train messages and Context.state
 MASKED = "masked"  # prefix of the masked arrays' names in a reply
-
-
-# -- a client's secrets in Context.state ------------------------------------------------------
-def secrets_to_record(me: sp.ClientSecrets) -> ConfigRecord:
-    return ConfigRecord({
-        "nid": me.nid, "sk1": me.sk1, "pk1": me.pk1, "sk2": me.sk2, "pk2": me.pk2, "seed": me.seed,
-        "seed_owners": list(me.seed_shares), "seed_shares": list(me.seed_shares.values()),
-        "sk1_owners": list(me.sk1_shares), "sk1_shares": list(me.sk1_shares.values()),
-        "peers": list(me.peers), "peer_pk1": [p[0] for p in me.peers.values()],
-        "peer_pk2": [p[1] for p in me.peers.values()]})
-
-
-def secrets_from_record(r: ConfigRecord) -> sp.ClientSecrets:
-    def pairs(keys, values):
-        return dict(zip(list(r.get(keys, [])), list(r.get(values, []))))
-
-    me = sp.ClientSecrets(int(r["nid"]), r["sk1"], r["pk1"], r["sk2"], r["pk2"], r.get("seed", b""))
-    me.seed_shares, me.sk1_shares = pairs("seed_owners", "seed_shares"), pairs("sk1_owners", "sk1_shares")
-    me.peers = {int(n): (a, b) for n, a, b in zip(r.get("peers", []), r.get("peer_pk1", []),
-                                                   r.get("peer_pk2", []))}
-    return me
-
-
-# -- the ClientApp's side -----------------------------------------------------------------------
-def client_stage(msg: Message, context: Context, client: int) -> Message:
-    """A QUERY of stage 0, 1 or 3 for this node's ``client``."""
-    fields = msg.content.config_records[SECAGG]
-    stage = str(fields["stage"])
-    if stage == "setup":
-        me = sp.setup(client)
-        context.state[SECAGG] = secrets_to_record(me)
-        out = {"pk1": me.pk1, "pk2": me.pk2}
-    else:
-        if SECAGG not in context.state.config_records:
-            raise RuntimeError(f"secure aggregation stage {stage!r} before this node's setup")
-        me = secrets_from_record(context.state.config_records[SECAGG])
-        if stage == "share_keys":
-            peers = {int(n): (a, b) for n, a, b in zip(fields["nids"], fields["pk1"], fields["pk2"])}
-            boxes = sp.share_keys(me, peers, int(fields["threshold"]))
-            out = {"dst": list(boxes), "ct": list(boxes.values())}
-        elif stage == "unmask":
-            shares = sp.unmask_shares(me, [int(c) for c in fields["active"]],
-                                      [int(c) for c in fields["dead"]], int(fields["threshold"]))
-            out = {"owners": list(shares), "shares": list(shares.values())}
-        else:
-            raise ValueError(f"unknown secure aggregation stage {stage!r}")
-        context.state[SECAGG] = secrets_to_record(me)
-    return Message(RecordDict({SECAGG: ConfigRecord(out)}), reply_to=msg)
 
 
 def masked_reply(msg: Message, context: Context, method, payload: Payload, reply: Reply) -> RecordDict:
@@ -103,15 +55,10 @@ def masked_reply(msg: Message, context: Context, method, payload: Payload, reply
     fields = msg.content.config_records[SECAGG]
     me = secrets_from_record(context.state.config_records[SECAGG])
     sp.receive_shares(me, dict(zip([int(s) for s in fields["src"]], fields["ct"])))
-    keys = json.loads(str(fields["layout"]))  # [[name, shape, weight shape], ...]
-    shapes = {k: tuple(s) for k, s, _ in keys}
-    layout = sp.Layout(shapes, {k: float(fields["bound"]) for k in shapes},
-                       {k: tuple(w) for k, _, w in keys})
+    layout = layout_from_record(fields)
     params = sp.Params(int(fields["threshold"]), float(fields["clip"]))
     rule = find_rule(method.strategy, SecureAggregation)
-    state = {k: payload.arrays[k] for k in shapes}  # the whole trainable state (the server checks)
-    vector, reason = rule.client_vector(int(payload.config["round"]), state, payload, reply,
-                                        layout, params)
+    vector, reason = rule.client_vector(int(payload.config["round"]), payload, reply, layout, params)
     if vector is None:
         raise RuntimeError(f"secure aggregation: this client's update is refused: {reason}")
     masked = sp.mask(me, vector, params)
@@ -121,6 +68,25 @@ def masked_reply(msg: Message, context: Context, method, payload: Payload, reply
     content["arrays"] = ArrayRecord({f"{MASKED}.{i}": Array(a.astype(np.uint32))
                                      for i, a in enumerate(masked)})
     return content
+
+
+def layout_to_record(layout: sp.Layout) -> dict[str, Any]:
+    """The round's public layout as the TRAIN message announces it: per key its full shape and
+    weight shape (JSON), the union of the round's slices (one bit per element; empty bytes: the
+    whole tensor) and the weights' bound."""
+    keys = list(layout.shapes)
+    return {"layout": json.dumps([[k, list(layout.shapes[k]), list(layout.weight_shape(k))]
+                                  for k in keys]),
+            "union": [sp.pack_union(layout.union[k]) if k in layout.union else b"" for k in keys],
+            "bound": float(next(iter(layout.bounds.values()), 1.0))}
+
+
+def layout_from_record(fields: ConfigRecord) -> sp.Layout:
+    keys = json.loads(str(fields["layout"]))  # [[name, shape, weight shape], ...]
+    shapes = {k: tuple(s) for k, s, _ in keys}
+    union = {k: sp.unpack_union(u, shapes[k]) for (k, _, _), u in zip(keys, fields["union"]) if u}
+    return sp.Layout(shapes, {k: float(fields["bound"]) for k in shapes},
+                     {k: (() if not w else tuple(shapes[k])) for k, _, w in keys}, union)
 
 
 # -- the ServerApp's side ---------------------------------------------------------------------
@@ -164,14 +130,6 @@ class SecureFlowerAdapter(FlowerAdapter):
         sent = self._round
         layout = self.rule.layout(sent.state, sent.payloads)
         params = self.rule.params(len(sent.clients))
-        for c, p in sent.payloads.items():
-            bad = [k for k, s in layout.shapes.items()
-                   if k not in p.arrays or tuple(p.arrays[k].shape) != s]
-            if bad and self.inner.absent(p) is None:
-                raise ConfigError(f"privacy.secure_aggregation on Flower needs every client to "
-                                  f"receive the whole trainable state; method.name="
-                                  f"{self.cfg.method.name!r} sends client {c} a slice ({bad[0]}): "
-                                  "run it in process (fedslice run)")
         stage0, failed = self._exchange(grid, sent.number, {c: {"stage": "setup"} for c in sent.clients})
         peers = {c: (r["pk1"], r["pk2"]) for c, r in sorted(stage0.items())}
         order = sorted(peers)
@@ -186,16 +144,14 @@ class SecureFlowerAdapter(FlowerAdapter):
             log.warning("round %d: %d clients shared keys, fewer than privacy.secagg_threshold=%d",
                         sent.number, len(keyholders), params.threshold)
             return []
-        shapes = json.dumps([[k, list(s), list(layout.weight_shape(k))]
-                             for k, s in layout.shapes.items()])
+        announced = layout_to_record(layout)
         out = []
         for c in keyholders:
             srcs = [s for s in keyholders if s != c and c in _dsts(boxes[s])]
             old = sent.messages[c]
             content = old.content
             content[SECAGG] = ConfigRecord({
-                "src": srcs, "ct": [_box(boxes[s], c) for s in srcs], "layout": shapes,
-                "bound": float(next(iter(layout.bounds.values()), 1.0)),
+                "src": srcs, "ct": [_box(boxes[s], c) for s in srcs], **announced,
                 "clip": float(params.clip_range), "threshold": params.threshold})
             # a new message: its time to live starts now, after the key stages
             sent.messages[c] = Message(content, dst_node_id=old.metadata.dst_node_id,

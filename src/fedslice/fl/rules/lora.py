@@ -336,6 +336,11 @@ class LoraRanks(Rule):
         if not getattr(method_cls, "lora_ranks_per_client", False):
             raise ValueError(f"{cls.setting(cfg)}: method.name={cfg.method.name!r} trains every "
                              "client at lora.r (ranks per client: fedpetuning, raffm, heads, raffm+heads)")
+        if cfg.privacy.secure_aggregation and cfg.lora.padding == "zeros":
+            raise ValueError("privacy.secure_aggregation: lora.padding='zeros' counts the rank "
+                             "components a client does not hold as zeros, an update there of minus "
+                             "global values it was never sent (under secure aggregation each client "
+                             "weighs its own update); use lora.padding='holders'")
 
     @classmethod
     def from_config(cls, inner: Strategy, cfg: ExperimentConfig, role: str) -> Strategy:
@@ -351,12 +356,13 @@ class LoraRanks(Rule):
         return out
 
     @staticmethod
-    def _pad(arrays: Mapping[str, torch.Tensor], state: State) -> State:
+    def _pad(arrays: Mapping[str, torch.Tensor], state: Mapping) -> State:
+        """``arrays`` zero-padded to the global rank (``state``: tensors or their shapes)."""
         out = {}
         for k, t in arrays.items():
             axis = rank_axis(k)
             ok = axis is not None and t.dim() == 2 and k in state
-            out[k] = pad_rank(t, axis, state[k].shape[axis]) if ok else t
+            out[k] = pad_rank(t, axis, _shape(state[k])[axis]) if ok else t
         return out
 
     def _padded(self, state: State, payload: Payload, reply: Reply | None = None):
@@ -379,6 +385,19 @@ class LoraRanks(Rule):
             return self.inner.expected_update(state, payload, reply)
         full = self.inner.expected_update(state, *self._padded(state, payload, reply))
         return self._truncate(full, r)
+
+    def client_view(self, payload: Payload, shapes) -> tuple[State, dict[str, torch.Tensor]]:
+        """The inner view of the payload padded to the global rank, held up to the client's."""
+        r = payload.config.get("lora_rank")
+        if r is None:
+            return self.inner.client_view(payload, shapes)
+        padded = Payload(self._pad(payload.arrays, shapes), payload.config, payload.model)
+        view, held = self.inner.client_view(padded, shapes)
+        for k in list(held):
+            axis = rank_axis(k)
+            if axis is not None and len(shapes[k]) == 2 and r < shapes[k][axis]:
+                held[k] = torch.as_tensor(held[k]) * rank_mask(shapes[k], axis, r)
+        return view, held
 
     def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
         r = payload.config.get("lora_rank")
@@ -412,6 +431,10 @@ class LoraRanks(Rule):
                     delta[k] = torch.where(mask > 0, delta[k], -state[k].float())
             out_w.append(per_key)
         return deltas, out_w
+
+
+def _shape(t) -> tuple[int, ...]:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t)
 
 
 for _rule in (FedEx, FLoRA, SVD, FedSA, LoraRanks):

@@ -113,17 +113,32 @@ class SecureAggregation(Rule):
         return protocol().Params(self.privacy.threshold(clients), self.privacy.secagg_clip_range)
 
     def layout(self, state: State, payloads: Mapping[int, Payload]):
-        """The vector's layout: every tensor the clients train (its full shape), and per key W, the largest weight a client of the round may give one of its
-        elements: its partition size, the bound the server checks ``num_examples`` against (the
-        method's weights are that times factors at most 1: held-masks, f^p, importance)."""
+        """The vector's layout: every tensor the clients train (its full shape) restricted to
+        the union of the slices the round's clients were sent (:meth:`held`; keys nobody holds
+        are left out), and per key W, the largest weight a client of the round may give one of
+        its elements: its partition size, the bound the server checks ``num_examples`` against
+        (the method's weights are that times factors at most 1: held-masks, f^p, importance)."""
+        sp = protocol()
         sizes = [self.client_sizes.get(p.config.get("client")) for p in payloads.values()]
         if any(s is None for s in sizes) or not sizes:
             raise ValueError("privacy.secure_aggregation needs the clients' partition sizes on the "
                              "server (the weights' public bound)")
         bound = float(max(sizes))
         shapes = {k: tuple(state[k].shape) for k in self.trainable if k in state}
-        return protocol().Layout(shapes, {k: bound for k in shapes},
-                                 self.weight_shapes(state, payloads, shapes))
+        held = [self.held(p, shapes) for p in payloads.values() if self.absent(p) is None]
+        union = sp.union_of(shapes, held)
+        shapes = {k: s for k, s in shapes.items() if k not in union or union[k].any()}
+        union = {k: u for k, u in union.items() if k in shapes}
+        return sp.Layout(shapes, {k: bound for k in shapes},
+                         self.weight_shapes(state, payloads, shapes), union)
+
+    def held(self, payload: Payload, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """Where the client of ``payload`` may update the trainable state: its slice
+        (:meth:`~fedslice.fl.strategy.Strategy.client_view`) less the tensors its plan leaves
+        frozen (``frozen_tensors``)."""
+        _, held = self.inner.client_view(payload, shapes)
+        frozen = set(payload.config.get("frozen_tensors") or ())
+        return {k: m for k, m in held.items() if k not in frozen}
 
     def weight_shapes(self, state: State, payloads: Mapping[int, Payload],
                       shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -148,13 +163,15 @@ class SecureAggregation(Rule):
         return {k: (() if k in one else s) for k, s in shapes.items()}
 
     # -- a client's side -----------------------------------------------------------------------
-    def client_vector(self, server_round: int, state: State, payload: Payload, reply: Reply,
-                      layout, params) -> tuple[list[np.ndarray] | None, str | None]:
-        """What client ``payload.config['client']`` puts under the mask: its own reply checked
-        (the server cannot check it any more), its weighting for itself alone, encoded; or why
-        it sends nothing."""
+    def client_vector(self, server_round: int, payload: Payload, reply: Reply, layout, params
+                      ) -> tuple[list[np.ndarray] | None, str | None]:
+        """What client ``payload.config['client']`` puts under the mask, from what it holds
+        (its payload, seen in the full shapes: :meth:`~fedslice.fl.strategy.Strategy.client_view`,
+        in process as on Flower): its own reply checked (the server cannot check it any more),
+        its weighting for itself alone, encoded on the round's union; or why it sends nothing."""
         if reason := self.absent(payload):
             return None, reason
+        state, _ = self.inner.client_view(payload, layout.shapes)
         if reason := self.validate(state, payload, reply):
             return None, reason
         c = payload.config.get("client")
@@ -210,7 +227,8 @@ class SecureAggregation(Rule):
         new, metrics = self.combine_sums(server_round, state, num, den)
         metrics = {**metrics, "secagg_clients": len(active), "secagg_recovered": len(dead),
                    "secagg_clipped": clipped,
-                   "secagg_upload_bytes": 4 * layout.coordinates()}
+                   "secagg_upload_bytes": 4 * layout.coordinates(),
+                   "secagg_full_upload_bytes": 4 * layout.full_coordinates()}
         return new, metrics, excluded, None
 
     def combine_sums(self, server_round: int, state: State, num: Mapping[str, torch.Tensor],
@@ -260,8 +278,8 @@ class SecureAggregation(Rule):
         # stage 2: each client on its own reply
         masked, excluded, invalid = {}, [], []
         for c in sorted(replies):
-            vector, reason = self.client_vector(server_round, state, payloads[c], replies[c],
-                                                layout, params)
+            vector, reason = self.client_vector(server_round, payloads[c], replies[c], layout,
+                                                params)
             if vector is None:
                 excluded.append({"client": c, "reason": reason})
                 if self.absent(payloads[c]) is None:

@@ -49,6 +49,11 @@ class SubModelStrategy(Strategy):
     def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
         return {k: t for k, t in payload.arrays.items() if not k.startswith(FROZEN_PREFIX)}
 
+    def client_view(self, payload: Payload, shapes) -> tuple[State, dict]:
+        """The sub-model's trainable tensors at their places in the full model, held there."""
+        arrays = self.expected_update({}, payload, Reply({}, 0))
+        return scatter(arrays, self.spec, self.arch, {**self.shapes, **shapes})
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "holders": sorted(self.holders)}
 

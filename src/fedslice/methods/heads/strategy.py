@@ -183,7 +183,7 @@ class HeadsStrategy(Wrapper):
                 {k: t for k, t in r.arrays.items() if k not in (KEPT, ALPHA)}, kept,
                 bounded_importance(r.arrays.get(ALPHA), kept), r.num_examples,
                 spec=None if spec is None else restrict(spec, kept, self.dims),
-                factor=self.inner.client_factor(c)))
+                factor=self.inner.client_factor(payloads[c])))
         return head_deltas(state, updates, self.arch, self.dims, self.opts.aggregation, self.positions)
 
     def mean(self, server_round: int, state: State, deltas: list[State], weights: list) -> State:

@@ -74,6 +74,8 @@ class RaFFMStrategy(Strategy):
         if (cfg.get("base_precision") or self.base_precision) not in (None, "none"):
             # a client over a quantized copy of its slice quantizes once per order of the base
             cfg["base_order"] = self.perm.digest
+        if self.opts.size_weight:
+            cfg["weight_factor"] = self.size_factor(client)
         return Payload(arrays=extract_state(state, cp.knobs.spec, self.arch),
                        config={**cfg, "spec": cp.knobs.spec.to_dict()})
 
@@ -102,11 +104,24 @@ class RaFFMStrategy(Strategy):
         return {k: t for k, t in payload.arrays.items() if _generic(k) in self.trainable}
 
     # -- aggregate ---------------------------------------------------------------------------
-    def client_factor(self, client: int) -> float:
+    def size_factor(self, client: int) -> float:
         """f^p: the client's planned share of a dense client's FLOPs to the power
         ``size_weight`` (1 when p = 0)."""
         p = self.opts.size_weight
         return 1.0 if p == 0 else self.plans[client].flops_share ** p
+
+    def client_factor(self, payload: Payload) -> float:
+        """f^p, as the payload carries it (:meth:`size_factor` when it was made)."""
+        return float(payload.config.get("weight_factor", 1.0))
+
+    def client_view(self, payload: Payload, shapes) -> tuple[State, dict]:
+        """The trainable tensors of the client's slice scattered to full shape, held where its
+        slice is (nothing for a client that sat out)."""
+        if self.absent(payload) is not None:
+            return {}, {}
+        arrays = self.expected_update({}, payload, Reply({}, 0))
+        return scatter({k: t for k, t in arrays.items()}, spec_from_dict(payload.config["spec"]),
+                       self.arch, shapes)
 
     def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
                        replies: dict[int, Reply]) -> tuple[list[State], list]:
@@ -120,7 +135,7 @@ class RaFFMStrategy(Strategy):
             delta = {k: t.float() - sent.arrays[k].float() for k, t in reply.arrays.items()}
             full, masks = scatter(delta, spec, self.arch, shapes)
             deltas.append(full)
-            w = float(reply.num_examples) * self.client_factor(c)
+            w = float(reply.num_examples) * self.client_factor(sent)
             weights.append({k: w * m for k, m in masks.items()})
         return deltas, weights
 

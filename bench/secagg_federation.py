@@ -1,0 +1,245 @@
+"""Secure aggregation on a local Flower federation (issue 60, part 5): a SuperLink and ``--nodes``
+SuperNodes on loopback, one real model (MiniLM-L6 on SST-2, or SmolLM2-135M on SST-2 as
+label-word classification), one method; for each variant a fresh federation runs ``--rounds``
+rounds and the ServerApp's records give, per client-round, the bytes up (the masked vector under
+secure aggregation; the plain reply otherwise) and down (the payload), the key stages' bytes
+(measured from Flower's primitives for the round's clients), and each round's time
+(``round_time_s``: from the round's configure to its aggregate, key stages and unmasking
+included; the ServerApp's evaluation is not in it).
+
+Variants: ``plain``, ``secure``, ``kill1`` / ``kill3`` (secure aggregation; during round 1 the
+first 1 / 3 SuperNodes whose masked vectors were sent are SIGKILLed before the unmasking: the
+round must complete with every masked vector in the sum, the dead nodes' private masks rebuilt
+from the survivors' shares, and the run go on without them). The variants run one after the
+other in one invocation, with ``uptime``'s load before and after each.
+
+Each SuperNode starts a fresh ClientApp process per message (Flower's deployment), so a node is
+a light process between messages; keep the data and steps small (``--train-per-client``,
+``--steps``) on a small machine.
+
+    python bench/secagg_federation.py --model minilm --method fedpetuning --variants plain secure
+    python bench/secagg_federation.py --model minilm --method fedpetuning --variants kill1 kill3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import tomli_w
+
+from fedslice.flower.deploy import write_app
+from fedslice.flower.local import LocalFederation
+from fedslice.output import read_run
+
+REPO = Path(__file__).resolve().parents[1]
+SST2 = (REPO / ".." / "shared" / "data" / "sst2").resolve()
+
+MODELS = {
+    "minilm": {"model": {"name": "minilm"}, "data": {"max_length": 64}},
+    "smollm2": {"model": {"name": "smollm2"}, "data": {"max_length": 48},
+                "task": {"prompt": "Review: {sentence}\nSentiment:",
+                         "label_words": {"0": " negative", "1": " positive"}}},
+}
+METHODS = {
+    "fedpetuning": {"name": "fedpetuning"},
+    # no client trains the whole model (FLOPs tiers 0.5 / 0.75): the union is smaller than it
+    "raffm+heads": {"name": "raffm+heads", "tiers": [{"share": 0.5, "flops": 0.5},
+                                                     {"share": 0.5, "flops": 0.75}],
+                    "width_steps": 4, "sparsity": 0.5, "importance_max_examples": 16},
+}
+
+
+def experiment(args, work: Path, secure: bool) -> dict:
+    m = MODELS[args.model]
+    d = {
+        "name": f"secagg-{args.model}-{args.method}", "seed": 0, "threads": 1,
+        "data": {"path": str(SST2), "partition": "iid",
+                 "max_train_examples": args.train_per_client * args.nodes,
+                 "max_dev_examples": args.dev, "max_test_examples": args.dev, **m["data"]},
+        "model": m["model"],
+        "lora": {"r": 8, "alpha": 16, "targets": ["q", "v"]},
+        "federation": {"num_clients": args.nodes, "clients_per_round": args.nodes,
+                       "rounds": args.rounds, "local_steps": args.steps,
+                       "batch_size": args.batch_size, "lr": args.lr, "min_replies": 2},
+        "method": METHODS[args.method],
+        "privacy": {"secure_aggregation": secure},
+        "evaluation": {"every": args.rounds, "batch_size": 32},
+        "output": {"dir": str(work / "runs"), "progress": False, "plots": False,
+                   "save_weights": False},
+    }
+    if "task" in m:
+        d["task"] = m["task"]
+    return d
+
+
+def key_bytes(n: int, threshold: int) -> tuple[int, int]:
+    """(up, down) bytes of one client's key stages in a round of ``n`` clients, from Flower's
+    functions: up = its two public keys, one ciphertext per other client, its shares for the
+    unmasking (one per client at most); down = every client's public keys and the ciphertexts
+    the others sent it."""
+    from fedslice.fl import secagg as sp
+
+    peers = {c: sp.setup(c) for c in range(n)}
+    pub = {c: (s.pk1, s.pk2) for c, s in peers.items()}
+    boxes = {c: sp.share_keys(peers[c], pub, threshold) for c in range(n)}
+    for c in range(n):
+        sp.receive_shares(peers[c], {s: boxes[s][c] for s in range(n) if s != c})
+    shares = sp.unmask_shares(peers[0], list(range(n)), [], threshold)
+    up = len(peers[0].pk1) + len(peers[0].pk2) + sum(map(len, boxes[0].values())) + \
+        sum(map(len, shares.values()))
+    down = sum(len(a) + len(b) for a, b in pub.values()) + sum(len(boxes[s][0]) for s in range(1, n))
+    return up, down
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def sent_train_reply(log: Path) -> bool:
+    """The SuperNode has sent its TRAIN reply (its masked vector) in this run."""
+    if not log.is_file():
+        return False
+    text = log.read_text(errors="replace")
+    i = text.rfind("Sending: train message")
+    return i >= 0 and "Sent successfully" in text[i:]
+
+
+def run_variant(args, variant: str, work: Path) -> dict:
+    secure = variant != "plain"
+    kill = int(variant[4:]) if variant.startswith("kill") else 0
+    work.mkdir(parents=True, exist_ok=True)
+    config = work / "exp.json"
+    config.write_text(json.dumps(experiment(args, work, secure)))
+    result = work / "result.txt"
+    rc = work / "rc.toml"
+    rc.write_text(tomli_w.dumps({"config": str(config), "out-dir": str(work / "runs"),
+                                 "result-file": str(result), "round-timeout": args.round_timeout,
+                                 "connect-timeout": 300.0}))
+    before, t0, killed = uptime(), time.monotonic(), []
+    with LocalFederation(work / "flower", args.nodes, server_roots=[work]) as fed:
+        run_id = fed.submit(write_app(work / "app"), rc)
+        status = "running"
+        while time.monotonic() - t0 < args.timeout:
+            if len(killed) < kill:
+                for i in range(args.nodes):
+                    if i not in killed and len(killed) < kill and \
+                            sent_train_reply(fed.log_dir / f"supernode-{i}.log"):
+                        fed.kill_supernode(i)
+                        killed.append(i)
+                        print(f"  {variant}: killed SuperNode {i} after its masked vector was "
+                              f"sent ({time.monotonic() - t0:.0f} s)", flush=True)
+            if result.exists():
+                status = fed.status(run_id)
+                if status.startswith("finished"):
+                    break
+            time.sleep(0.2)
+        else:
+            status = fed.status(run_id)
+        log_text = fed.run_log(run_id)
+    after = uptime()
+    (work / "run.log").write_text(log_text)
+    if not result.exists():
+        return {"variant": variant, "status": status, "error": f"no result (see {work / 'run.log'})"}
+    _, metrics, summary = read_run(Path(result.read_text().strip()))
+    rounds = []
+    for m in metrics:
+        used = [c for c in m["client_metrics"] if c.get("used")]
+        rounds.append({
+            "round": m["round"], "time_s": m["round_time_s"], "selected": len(m["clients"]),
+            "used": len(used), "skipped": m["skipped"],
+            "excluded": [(e["client"], e["reason"][:80]) for e in m["excluded"]],
+            "bytes_up": _mean([c.get("bytes_up") for c in used]),
+            "bytes_up_plain": _mean([c.get("bytes_up_plain") for c in used]),
+            "bytes_down": _mean([c.get("bytes_down") for c in used]),
+            **{k: m.get(k) for k in ("secagg_clients", "secagg_recovered", "secagg_clipped",
+                                     "secagg_upload_bytes", "secagg_full_upload_bytes",
+                                     "secagg_skipped")}})
+    out = {"variant": variant, "status": status, "uptime_before": before, "uptime_after": after,
+           "killed_nodes": killed, "rounds": rounds, "wall_s": time.monotonic() - t0,
+           "test_accuracy": summary.get("test_accuracy"),
+           "final_dev_accuracy": summary.get("final_dev_accuracy")}
+    if secure:
+        from fedslice.config import PrivacyConfig
+        out["key_bytes_up_down"] = key_bytes(args.nodes, PrivacyConfig().threshold(args.nodes))
+    return out
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def table(args, results: list[dict]) -> str:
+    lines = [f"{args.model}, {args.method}, {args.nodes} SuperNodes, {args.steps} local steps of "
+             f"{args.batch_size}, {args.train_per_client} examples per client", "",
+             "| variant | round | time (s) | used / selected | in the sum (recovered) | up per client (B) "
+             "| plain up (B) | down per client (B) | key stages up / down (B) | load before -> after |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | - | {r['status']}: {r['error']} |||||||")
+            continue
+        load = lambda s: s.split("load average:")[-1].strip()  # noqa: E731
+        keys = r.get("key_bytes_up_down")
+        for x in r["rounds"]:
+            lines.append(
+                f"| {r['variant']} | {x['round']} | {x['time_s']:.1f} | {x['used']} / {x['selected']} | "
+                f"{x.get('secagg_clients') or '-'} ({x.get('secagg_recovered') or 0}) | "
+                f"{x['bytes_up']:,.0f} | {(x['bytes_up_plain'] or x['bytes_up']):,.0f} | "
+                f"{x['bytes_down']:,.0f} | {f'{keys[0]:,} / {keys[1]:,}' if keys else '-'} | "
+                f"{load(r['uptime_before'])} -> {load(r['uptime_after'])} |")
+    lines.append("")
+    for r in results:
+        if "error" not in r:
+            lines.append(f"- {r['variant']}: killed {r['killed_nodes']}, test accuracy "
+                         f"{r['test_accuracy']}, excluded per round "
+                         f"{[x['excluded'] for x in r['rounds']]}, wall {r['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="minilm")
+    p.add_argument("--method", choices=sorted(METHODS), default="fedpetuning")
+    p.add_argument("--variants", nargs="+", default=["plain", "secure"],
+                   choices=["plain", "secure", "kill1", "kill3"])
+    p.add_argument("--nodes", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--train-per-client", type=int, default=32)
+    p.add_argument("--dev", type=int, default=200)
+    p.add_argument("--round-timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=float, default=560.0, help="per variant")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "secagg5")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for v in args.variants:
+        work = Path(tempfile.mkdtemp(prefix=f"fedslice-secagg-{v}-"))
+        try:
+            results.append(run_variant(args, v, work))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(json.dumps(results[-1])[:2000], flush=True)
+    name = f"{args.model}_{args.method}_{'_'.join(args.variants)}".replace("+", "-")
+    (args.out / f"{name}.json").write_text(json.dumps({"command": " ".join(sys.argv),
+                                                       "results": results}, indent=1))
+    text = table(args, results)
+    (args.out / f"{name}.md").write_text(text + "\n")
+    print(text)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
