@@ -3,7 +3,7 @@ Alpaca-GPT4, dense LoRA against int8 and the planner's budgets, scored with lm-e
 
 Set-up: ``configs/instruct_alpaca_smollm2.toml`` (the dense row): FlowerTune's LoRA shape
 (r 32, alpha 64) on q and v, 20 IID clients of ``alpaca-gpt4-demo``
-(``bench/data/instruction_sets.py``), conversations of at most 256 tokens rendered with
+(``bench/data/instruction_sets.py``), conversations of at most 128 tokens rendered with
 SmolLM2's chat template, the loss on the assistant's tokens; ``--rounds`` rounds of
 ``--per-round`` clients, ``--local-steps`` AdamW steps of 4 conversations each.
 
@@ -30,7 +30,7 @@ first ``--limit`` examples, zero-shot) on its final model (adapter merged; appli
 base for int8), through ``fedslice.harness.evaluate_harness`` (what ``fedslice evaluate --harness``
 runs). ``--stage train`` or ``--stage harness`` runs one half of each asked row.
 
-Columns: harness scores, held-out assistant loss (nats per assistant token of the 64 test
+Columns: harness scores, held-out assistant loss (nats per assistant token of the 48 test
 conversations), client peak memory (the largest client's measured peak: model + gradients +
 AdamW state + saved activations, ``memory_mb_max``), training GFLOPs and upload MB per
 client-round, and the training process's CPU seconds (wall time is not reported: the machine
@@ -240,11 +240,13 @@ def write_table(args) -> None:
     rows = {r: load(args.out, r) for r in ROWS}
     dense = rows["dense"]
     tasks = [t for t in args.harness.split(",")]
+    c = base_config(args)
     lines = [f"SmolLM2-135M-Instruct, LoRA r32 alpha 64 on q,v, Alpaca-GPT4 demo (849 train "
-             f"conversations, 20 IID clients), max 256 tokens, {args.rounds} rounds x "
-             f"{args.per_round} clients x {args.local_steps} local steps x 4 conversations, lr "
-             f"1e-3, seed {args.seed}; harness: {', '.join(tasks)}, first {args.limit:g} "
-             "examples each, zero-shot.", "",
+             f"conversations, 20 IID clients), max {c['data']['max_length']} tokens, {args.rounds} "
+             f"rounds x {args.per_round} clients x {args.local_steps} local steps x "
+             f"{c['federation']['batch_size']} conversations, lr {c['federation']['lr']:g}, seed "
+             f"{args.seed}; held-out: {c['data']['max_test_examples']} test conversations; "
+             f"harness: {', '.join(tasks)}, first {args.limit:g} examples each, zero-shot.", "",
              "| row | fits | " + " | ".join(f"{t} acc" for t in tasks) +
              " | held-out loss | Δ loss vs dense | test ROUGE-L | peak MiB (× dense) | GFLOPs/client-round "
              "(× dense) | upload MB/client-round | train CPU s |",
@@ -290,14 +292,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=ROWS)
     ap.add_argument("--stage", choices=["train", "harness", "both"], default="both")
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--per-round", type=int, default=2)
     ap.add_argument("--local-steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--harness", default=TASKS)
-    ap.add_argument("--limit", type=float, default=100)
-    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--limit", type=float, default=50)
+    ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--again", action="store_true")
     ap.add_argument("--table", action="store_true", help="only rewrite results.md")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/llm_instruct")
