@@ -39,7 +39,7 @@ KEYS = ("reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward", 
 
 def config(args) -> dict:
     return {
-        "seed": args.seed, "threads": 1,
+        "seed": args.seed, "threads": args.threads,
         "data": {"path": args.data, "max_length": args.prompt_tokens, "max_dev_examples": 10},
         "model": {"name": "smollm2"},
         "task": {"kind": "preference", "dpo_beta": args.beta, "max_target_length": args.answer_tokens},
@@ -71,8 +71,12 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-every", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--train-eval", type=int, default=0,
+                    help="also score the last round's model on this many training pairs (does "
+                         "what it learned on its own pairs transfer?)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = validate_config(config(args))
@@ -110,7 +114,14 @@ def main(argv=None) -> None:
         ev = method.evaluate(state, data.test, 16)
         rows.append({"round": last, **{k: ev[k] for k in KEYS}})
         print(json.dumps(rows[-1]), flush=True)
-    result = {"args": vars(args), "rounds_run": last, "train_cpu_s": train_cpu,
+    train_rows = {}
+    if args.train_eval:
+        seen = data.train.subset(list(range(min(args.train_eval, len(data.train)))))
+        ev = method.evaluate(state, seen, 16)
+        train_rows = {"pairs": len(seen), **{k: ev[k] for k in KEYS}}
+        print(json.dumps({"train": train_rows}), flush=True)
+    result = {"args": vars(args), "rounds_run": last, "train_pairs_scored": train_rows,
+              "train_cpu_s": train_cpu,
               "train_eval_wall_s": elapsed, "setup_s": setup_s,
               "base_eval_s": base_eval_s, "train_pairs": len(data.train), "test_pairs": len(data.test),
               "train_loss": [r.get("train_loss") for r in records], "rows": rows}

@@ -21,7 +21,7 @@ Rows (each its own piece, resumable: a row whose result file exists is skipped u
   natural-base, natural   the base and the dense row on ``alpaca-eval-gpt4`` split naturally by
             its ``dataset`` column (5 clients: selfinstruct, oasst, koala, helpful_base, vicuna;
             ``configs/instruct_natural_smollm2.toml``)
-  alone     plans only (no training): at 30% and 50%, the planner with one knob family at a
+  alone     plans only (no training): at 30% (``--alone-budgets``), the planner with one knob family at a
             time (checkpointing + micro-batches; int8 base; LoRA rank; local work; adapter
             depth), and whether it fits (the planner's predicted costs)
 
@@ -146,9 +146,11 @@ def train_row(row: str, args) -> dict:
     except ConfigError as e:
         return save(args.out, row, {"row": row, "fits": False, "why": str(e), "budgets": cfg.get("budgets")})
     s = json.loads((run / "summary.json").read_text())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rss = max((r.get("peak_rss_mb_max") or 0 for r in records), default=None)
     return save(args.out, row, {"row": row, "fits": True, "run": str(run), "budgets": cfg.get("budgets"),
                                 "cpu_s": time.process_time() - c0, "wall_s": time.time() - t0,
-                                "load": os.getloadavg()[0], **measured(s)})
+                                "load": os.getloadavg()[0], "peak_rss_mb": rss, **measured(s)})
 
 
 def base_row(row: str, args) -> dict:
@@ -206,7 +208,7 @@ def alone_rows(args) -> dict:
     if not dense.get("memory_mb"):
         raise SystemExit("alone: train the dense row first (its measured costs set the budgets)")
     out = load(args.out, "alone").get("plans", {})
-    for f in (0.3, 0.5):
+    for f in args.alone_budgets:
         for name, knobs in {**ALONE, "all (the planner)": {**PLANNER, "ranks": RANKS}}.items():
             key = f"{name}@{f:g}"
             if key in out and not args.again:
@@ -300,6 +302,7 @@ def main(argv=None) -> None:
     ap.add_argument("--harness", default=TASKS)
     ap.add_argument("--limit", type=float, default=50)
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--alone-budgets", type=float, nargs="*", default=[0.3])
     ap.add_argument("--again", action="store_true")
     ap.add_argument("--table", action="store_true", help="only rewrite results.md")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/llm_instruct")
@@ -320,6 +323,11 @@ def main(argv=None) -> None:
                                              train_row(row, args)).items() if k not in ("plans", "samples", "budgets")}),
                   flush=True)
         have = load(args.out, row)
+        if row == "natural-base" and load(args.out, "base").get("harness"):  # the same untrained model
+            b = load(args.out, "base")
+            save(args.out, row, {"harness": b["harness"], "harness_limit": b["harness_limit"],
+                                 "harness_from": "base"})
+            continue
         if args.stage in ("harness", "both") and have.get("fits", True) and (args.again or "harness" not in have):
             print(row, "harness", json.dumps(harness_row(row, args).get("harness")), flush=True)
     write_table(args)
