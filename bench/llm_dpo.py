@@ -39,7 +39,7 @@ KEYS = ("reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward", 
 
 def config(args) -> dict:
     return {
-        "seed": args.seed, "threads": 1,
+        "seed": args.seed, "threads": args.threads,
         "data": {"path": args.data, "max_length": args.prompt_tokens, "max_dev_examples": 10},
         "model": {"name": "smollm2"},
         "task": {"kind": "preference", "dpo_beta": args.beta, "max_target_length": args.answer_tokens},
@@ -53,6 +53,55 @@ def config(args) -> dict:
         "output": {"dir": str(Path(args.out) / "runs"), "progress": False, "plots": False,
                    "checkpoint_every": 0},
     }
+
+
+def staged(args, cfg, method, data, out: Path) -> None:
+    """The run in pieces that each fit a time slot (``--state FILE``, ``--wall-budget S``): each
+    call trains rounds until its wall budget is spent, saving the global state after every round
+    and the selector's RNG (the same clients as one uninterrupted run); once
+    every round is trained, calls evaluate the last model on test (policy and reference), then
+    on ``--train-eval`` training pairs, each saved as it finishes. The base's figures are those
+    of round 0 of the uninterrupted script (the same data files): not recomputed here."""
+    path = Path(args.state)
+    saved = torch.load(path, weights_only=False) if path.is_file() else \
+        {"round": 0, "state": None, "records": [], "train_cpu_s": 0.0}
+    t0 = time.perf_counter()
+    if saved["round"] < cfg.federation.rounds:
+        sim = Simulation(cfg, method, data)
+        state = saved["state"] if saved["state"] is not None else Rounds(cfg, method).initial_state(sim.selector)
+        if saved.get("selector"):
+            sim.selector.load_state_dict(saved["selector"])
+        for rnd in range(saved["round"] + 1, cfg.federation.rounds + 1):
+            c0 = time.process_time()
+            state, record = sim.run_round(rnd, state)
+            saved["train_cpu_s"] += time.process_time() - c0
+            saved["records"].append({"round": rnd, "train_loss": record.get("train_loss"),
+                                     "clients": record.get("clients"), "train_cpu_s": saved["train_cpu_s"]})
+            saved.update(round=rnd, state=state, selector=sim.selector.state_dict())
+            torch.save(saved, path)
+            print(json.dumps(saved["records"][-1]), flush=True)
+            if time.perf_counter() - t0 > args.wall_budget and rnd < cfg.federation.rounds:
+                print(f"stopped after round {rnd}: run the same command again to go on", flush=True)
+                return
+        return  # evaluation in the next call (its own time slot)
+    for name, split in (("test", data.test),
+                        ("train", data.train.subset(list(range(min(args.train_eval, len(data.train)))))
+                         if args.train_eval else None)):
+        if split is None or name in saved:
+            continue
+        if name != "test" and time.perf_counter() - t0 > args.wall_budget / 2:
+            print("run the same command again to score the training pairs", flush=True)
+            break
+        c0 = time.perf_counter()
+        ev = method.evaluate(saved["state"], split, 16)
+        saved[name] = {"pairs": len(split), "eval_s": time.perf_counter() - c0, **{k: ev[k] for k in KEYS}}
+        torch.save(saved, path)
+        print(json.dumps({name: saved[name]}), flush=True)
+    result = {"args": vars(args), "rounds_run": saved["round"], "train_cpu_s": saved["train_cpu_s"],
+              "train_pairs": len(data.train), "test_pairs": len(data.test), "records": saved["records"],
+              **{k: saved[k] for k in ("test", "train") if k in saved}}
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "records"}))
 
 
 def main(argv=None) -> None:
@@ -71,14 +120,23 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-every", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--train-eval", type=int, default=0,
+                    help="also score the last round's model on this many training pairs (does "
+                         "what it learned on its own pairs transfer?)")
+    ap.add_argument("--state", help="run in pieces (see staged): the file of the state between them")
+    ap.add_argument("--wall-budget", type=float, default=420.0,
+                    help="with --state: seconds of training (or evaluation) per call")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = validate_config(config(args))
     t0 = time.perf_counter()
     method, data = setup(cfg)
     setup_s = time.perf_counter() - t0
+    if args.state:
+        return staged(args, cfg, method, data, out)
     t0 = time.perf_counter()
     base = method.task.evaluate(method.model, data.test, 16)  # adapter B = 0: the base itself
     base_eval_s = time.perf_counter() - t0
@@ -110,7 +168,14 @@ def main(argv=None) -> None:
         ev = method.evaluate(state, data.test, 16)
         rows.append({"round": last, **{k: ev[k] for k in KEYS}})
         print(json.dumps(rows[-1]), flush=True)
-    result = {"args": vars(args), "rounds_run": last, "train_cpu_s": train_cpu,
+    train_rows = {}
+    if args.train_eval:
+        seen = data.train.subset(list(range(min(args.train_eval, len(data.train)))))
+        ev = method.evaluate(state, seen, 16)
+        train_rows = {"pairs": len(seen), **{k: ev[k] for k in KEYS}}
+        print(json.dumps({"train": train_rows}), flush=True)
+    result = {"args": vars(args), "rounds_run": last, "train_pairs_scored": train_rows,
+              "train_cpu_s": train_cpu,
               "train_eval_wall_s": elapsed, "setup_s": setup_s,
               "base_eval_s": base_eval_s, "train_pairs": len(data.train), "test_pairs": len(data.test),
               "train_loss": [r.get("train_loss") for r in records], "rows": rows}

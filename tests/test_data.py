@@ -719,3 +719,17 @@ def test_default_text_column_fits_the_data(tmp_path, caplog):
     write(amb, "train.csv", "title,body,label\n" + "".join(f"a,{t},{y}\n" for t, y in rows))
     with pytest.raises(ConfigError, match=r"\['title', 'body', 'label'\].*set data.text_columns"):
         load_raw_splits(data_cfg(amb), 0)
+
+
+def test_builders_data_folder_is_searched(tmp_path, monkeypatch):
+    """A set a bench/data builder wrote to the cache's data folder (~/.cache/fedslice/data) is
+    found by name, after ../shared/data and before the system's folders."""
+    from fedslice.data import locate as loading
+
+    monkeypatch.setenv("FEDSLICE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FEDSLICE_DATA_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cache" / "data" / "my-set").mkdir(parents=True)
+    dirs = loading.data_search_dirs()
+    assert dirs.index(tmp_path / "cache" / "data") == len(dirs) - 1 - len(loading.SYSTEM_DATA_DIRS)
+    assert loading.resolve_source("my-set", dirs) == (tmp_path / "cache" / "data" / "my-set").resolve()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -297,6 +298,127 @@ def test_prompts_use_the_chat_template_by_default(pref_cfg):
     text = method.task.tokenizer.decode(data.train.chosen.prompts[0])
     assert text.endswith("<|im_start|>user\nTell me about the lamp number 0.<|im_end|>\n"
                          "<|im_start|>assistant\n")
+
+
+# -- messages-form prompts (issue 57) ----------------------------------------------------------
+
+def _conversational(pref_cfg, tmp_path, layout: str) -> Path:
+    """The pairs rewritten with each prompt as a conversation (a system turn, an earlier
+    exchange, then the user's turn): TRL's conversational layout (``prompt`` a list of
+    ``{role, content}``, answers as assistant turns) or LLaMA-Factory's ShareGPT one
+    (``conversations`` of ``{from, value}``, answers as one ``{from, value}`` turn)."""
+    folder = tmp_path / layout
+    folder.mkdir()
+    for split in ("train", "dev", "test"):
+        out = []
+        for r in (json.loads(line) for line in (Path(pref_cfg["data"]["path"]) / f"{split}.jsonl")
+                  .read_text().splitlines()):
+            turns = [("system", "Be kind."), ("user", "Hi."), ("assistant", "Hello."),
+                     ("user", r["prompt"])]
+            if layout == "trl":
+                out.append({"prompt": [{"role": a, "content": b} for a, b in turns],
+                            "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                            "rejected": [{"role": "assistant", "content": r["rejected"]}]})
+            else:
+                names = {"system": "system", "user": "human", "assistant": "gpt"}
+                out.append({"conversations": [{"from": names[a], "value": b} for a, b in turns],
+                            "chosen": {"from": "gpt", "value": r["chosen"]},
+                            "rejected": {"from": "gpt", "value": r["rejected"]}})
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in out))
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["trl", "sharegpt"])
+def test_messages_prompts_render_with_the_chat_template(pref_cfg, tmp_path, layout):
+    """A conversation prompt is the template's own rendering of its turns with the assistant's
+    cue (system turn and earlier exchange kept); the answers are the assistant turns' text; the
+    pairs equal those of the same prompts rendered by hand (string prompts, no template)."""
+    plain_cfg = json.loads(json.dumps(pref_cfg))
+    pref_cfg["data"]["path"] = str(_conversational(pref_cfg, tmp_path, layout))
+    method, data = setup(validate_config(pref_cfg))
+    tok = method.task.tokenizer
+    turns = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi."},
+             {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": "Tell me about the lamp number 0."}]
+    expected = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(data.train.chosen.prompts[0]) == expected
+    assert tok.decode(data.train.chosen.targets[0]) == "Gladly: the lamp is lovely.<|im_end|>"
+    assert tok.decode(data.train.rejected.targets[0]) == "No. Go away, lamp.<|im_end|>"
+    assert method.task.input_columns()[0] == ("prompt" if layout == "trl" else "conversations")
+    if layout != "trl":
+        return
+    # the same texts as string prompts, the template off: identical token ids
+    folder = tmp_path / f"{layout}-rendered"
+    folder.mkdir()
+    for split in ("train", "dev", "test"):
+        rows = [json.loads(line) for line in (Path(plain_cfg["data"]["path"]) / f"{split}.jsonl")
+                .read_text().splitlines()]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps({**r, "prompt": tok.apply_chat_template(
+            [*turns[:3], {"role": "user", "content": r["prompt"]}], tokenize=False,
+            add_generation_prompt=True)}) + "\n" for r in rows))
+    plain_cfg["data"]["path"] = str(folder)
+    plain_cfg["task"]["chat_template"] = False
+    _, plain = setup(validate_config(plain_cfg))
+    for ours, theirs in ((data.train.chosen, plain.train.chosen), (data.test.rejected, plain.test.rejected)):
+        assert len(ours.prompts) == len(theirs.prompts)
+        assert all(torch.equal(a, b) for a, b in zip(ours.prompts, theirs.prompts))
+        assert all(torch.equal(a, b) for a, b in zip(ours.targets, theirs.targets))
+
+
+def test_bad_messages_prompts_name_file_and_line(pref_cfg, tmp_path, caplog):
+    folder = _conversational(pref_cfg, tmp_path, "trl")
+    pref_cfg["data"]["path"] = str(folder)
+    pref_cfg["task"]["messages_column"] = "prompt"
+    _rewrite(folder, "train", 2, prompt=[{"role": "user", "content": "Hi."},
+                                         {"role": "assistant", "content": "Yo."}])
+    with pytest.raises(DataError) as e:
+        setup(validate_config(pref_cfg))
+    assert f"{folder / 'train.jsonl'}, line 3" in str(e.value), str(e.value)
+    assert "ends with the assistant's turn" in str(e.value) and "\n" not in str(e.value)
+    pref_cfg["data"]["bad_rows"] = "skip"
+    with caplog.at_level(logging.WARNING):
+        _, data = setup(validate_config(pref_cfg))
+    assert len(data.train) == 23 and any("skipped 1" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("cell, says", [
+    ([{"role": "user"}], "turn 1 has no 'content'"),
+    ([{"role": "robot", "content": "Hi."}], "unknown role 'robot'"),
+    ("not json", "is not JSON"),
+    ([{"role": "system", "content": "Be kind."}], "ends with the system's turn"),
+])
+def test_bad_prompt_cells_say_why(cell, says):
+    from fedslice.data.conversations import BadConversation
+    from fedslice.tasks.preference import prompt_turns
+
+    with pytest.raises(BadConversation, match=re.escape(says)):
+        prompt_turns(cell, "prompt")
+
+
+@pytest.mark.parametrize("cell, text", [
+    ("Sure.", "Sure."), ({"role": "assistant", "content": "Sure."}, "Sure."),
+    ({"from": "gpt", "value": "Sure."}, "Sure."), ([{"role": "assistant", "content": "Sure."}], "Sure."),
+    ([{"role": "user", "content": "Sure."}], None), (3, None),
+    ([{"role": "assistant", "content": "A"}, {"role": "assistant", "content": "B"}], None),
+])
+def test_response_cells_are_the_assistants_text(cell, text):
+    from fedslice.data.conversations import BadConversation
+    from fedslice.tasks.preference import response_text
+
+    if text is None:
+        with pytest.raises(BadConversation, match="'chosen'"):
+            response_text(cell, "chosen")
+    else:
+        assert response_text(cell, "chosen") == text
+
+
+def test_messages_column_config_checks(pref_cfg):
+    with pytest.raises(ConfigError, match="not both"):
+        validate_config({**pref_cfg, "task": {**pref_cfg["task"], "prompt": "{prompt}",
+                                              "messages_column": "prompt"}})
+    with pytest.raises(ConfigError, match="kind = 'chat' or 'preference'"):
+        validate_config({**pref_cfg, "task": {"kind": "generation", "target": "{x}",
+                                              "messages_column": "m"}})
 
 
 # -- Flower ------------------------------------------------------------------------------------

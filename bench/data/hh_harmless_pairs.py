@@ -10,8 +10,9 @@ files (checked by the input's sha256). Licence of the data: MIT (the repository'
     python bench/data/hh_harmless_pairs.py [--mirror GIT_DIR | --file test.jsonl.gz] [--out DIR]
 
 ``--mirror``: a clone (bare is fine) of github.com/anthropics/hh-rlhf at commit COMMIT; default
-/work/.mirror/anthropics+hh-rlhf/repo. ``--out``: default ../shared/data/hh-harmless-single
-beside the checkout (data.path = "hh-harmless-single" finds it). The data stays out of git.
+/work/.mirror/anthropics+hh-rlhf/repo. ``--out``: default ~/.cache/fedslice/data/hh-harmless-single
+($FEDSLICE_CACHE_DIR/data when set; data.path = "hh-harmless-single" finds it there). The data
+stays out of git and out of ../shared.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import gzip
 import hashlib
 import json
+import os
 import random
 import subprocess
 from pathlib import Path
@@ -60,11 +62,11 @@ def single_turn_pairs(records: list[dict]) -> tuple[list[dict], dict[str, int]]:
 
 
 def main(argv=None) -> None:
-    here = Path(__file__).resolve().parents[2]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mirror", default="/work/.mirror/anthropics+hh-rlhf/repo")
     ap.add_argument("--file", help="the harmless-base test.jsonl.gz itself (instead of --mirror)")
-    ap.add_argument("--out", default=str(here.parent / "shared" / "data" / "hh-harmless-single"))
+    cache = Path(os.environ.get("FEDSLICE_CACHE_DIR") or Path.home() / ".cache" / "fedslice").expanduser()
+    ap.add_argument("--out", default=str(cache / "data" / "hh-harmless-single"))
     args = ap.parse_args(argv)
     if args.file:
         raw = Path(args.file).read_bytes()

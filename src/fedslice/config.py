@@ -824,7 +824,11 @@ class TaskConfig(Section):
     messages_column: str | None = Field(None, description="kind = 'chat': the column of "
                                         "conversations (a list of {role, content} turns, or "
                                         "ShareGPT's {from, value}; a JSON string in CSV). Unset: "
-                                        "'messages', else 'conversations'.")
+                                        "'messages', else 'conversations'. kind = 'preference': "
+                                        "the column of each pair's prompt as a conversation "
+                                        "(ending with a user turn; unset: a list-valued 'prompt' "
+                                        "column, else 'messages' or 'conversations' when there "
+                                        "is no 'prompt' column).")
     max_target_length: int = Field(64, ge=1, description="Target tokens kept (longer targets are "
                                    "truncated and counted); prompts are limited by data.max_length.")
     max_new_tokens: int = Field(64, ge=1, description="Greedy generation length at evaluation.")
@@ -864,6 +868,9 @@ class TaskConfig(Section):
                                           or self.preset != "none"):
             raise ValueError("label_words/target/preset are not for kind = 'preference' (its rows "
                              "are task.prompt, task.chosen_column and task.rejected_column)")
+        if self.kind == "preference" and self.messages_column is not None and self.prompt is not None:
+            raise ValueError("kind = 'preference': give task.prompt (a template over columns) or "
+                             "task.messages_column (a conversation column), not both")
         if self.kind == "generation" and self.label_words is not None:
             raise ValueError("label_words are for kind = 'classification'")
         if self.kind == "chat":
@@ -873,8 +880,8 @@ class TaskConfig(Section):
                                  "by the model's chat template (messages_column, or preset = "
                                  "'alpaca', picks the data)")
             return self
-        if self.messages_column is not None:
-            raise ValueError("messages_column is for kind = 'chat'")
+        if self.messages_column is not None and self.kind != "preference":
+            raise ValueError("messages_column is for kind = 'chat' or 'preference'")
         if self.kind == "classification" and (self.target is not None or self.preset != "none"):
             raise ValueError("target/preset are for kind = 'generation' (classification predicts "
                              "label_words)")

@@ -18,6 +18,7 @@ import numpy as np
 
 from fedslice.data.tables import EXTENSIONS, FileFormat, RawTable, drop_incomplete, read_table
 from fedslice.errors import ConfigError, DataError
+from fedslice.paths import cache_root
 
 if TYPE_CHECKING:
     from fedslice.config import DataConfig
@@ -49,12 +50,14 @@ SYSTEM_DATA_DIRS: tuple[Path, ...] = (Path("/usr/share/datasets"),)
 
 def data_search_dirs() -> list[Path]:
     """Where relative data paths are looked up: $FEDSLICE_DATA_DIR, ., ../shared/data,
-    ../shared/data beside the source checkout, then the system's data folders
-    (:data:`SYSTEM_DATA_DIRS`)."""
+    ../shared/data beside the source checkout, the cache's ``data`` folder (where the builders
+    under bench/data write what they fetch: ~/.cache/fedslice/data), then the system's data
+    folders (:data:`SYSTEM_DATA_DIRS`)."""
     dirs = [Path(os.environ["FEDSLICE_DATA_DIR"])] if os.environ.get("FEDSLICE_DATA_DIR") else []
     repo = Path(__file__).resolve().parents[3]
+    cache = cache_root()
     return dirs + [Path.cwd(), Path.cwd().parent / "shared" / "data", repo.parent / "shared" / "data",
-                   *SYSTEM_DATA_DIRS]
+                   *([cache / "data"] if cache is not None else []), *SYSTEM_DATA_DIRS]
 
 
 def _looks_like_path(text: str) -> bool:

@@ -3,8 +3,13 @@ a chosen and a rejected response.
 
 Each row renders its prompt from ``task.prompt`` (default ``'{prompt}'``: the ``prompt``
 column), wrapped as a user turn of the tokenizer's chat template when it has one (unless
-``task.chat_template = false``); the responses are the columns ``task.chosen_column`` and
-``task.rejected_column``, each ending with the end-of-sequence token. A decoder reads
+``task.chat_template = false``); or, a conversation (TRL's conversational layout, OpenAI's
+``{role, content}`` turns or ShareGPT's ``{from, value}``: a list-valued ``prompt`` column, or
+``task.messages_column``, or a ``messages``/``conversations`` column where there is no
+``prompt``), rendered whole by the chat template with the assistant's cue, system turns kept;
+its last turn is the user's. The responses are the columns ``task.chosen_column`` and
+``task.rejected_column`` (text, or the assistant's turn: ``{role, content}``, ``{from, value}``
+or a list of one), each ending with the end-of-sequence token. A decoder reads
 ``prompt + response``; log-probabilities are summed over the response tokens only.
 
 The loss is DPO's (Eq. 7), per pair::
@@ -28,12 +33,11 @@ rows (micro-batches, the planner's measured rows, the batched multi-client pass)
 whole. Batches are not packed (``federation.pack`` is ignored: a pair's two sequences would need
 their log-probabilities gathered per packed example), and only decoders are supported.
 
-Messages-form prompts (a conversation column) are not read yet: :meth:`Preference.prompt_texts`
-is the one place a row becomes prompt text, where a chat renderer plugs in.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -43,12 +47,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fedslice.data.batching import Indices, as_index_list, iter_batches
+from fedslice.data.conversations import (CONVERSATION_COLUMNS, BadConversation, Turn, parse_turns)
 from fedslice.data.locate import load_tables
 from fedslice.data.pairs import PairSplit
 from fedslice.data.tables import RawTable, drop_incomplete
 from fedslice.errors import ConfigError, DataError
 import fedslice.tasks.lm as lm
 from fedslice.tasks.base import length_order
+from fedslice.tasks.chat_template import install_template, render as render_chat
 from fedslice.tasks.text import Truncation, apply_chat, render, template_fields
 from fedslice.tasks.text2text import TextToText, eval_mode
 
@@ -106,6 +112,35 @@ class PreferenceSplit:
 
     def collate_packed(self, indices: Indices) -> dict[str, torch.Tensor]:
         raise ValueError("preference pairs are not packed")
+
+
+def prompt_turns(cell, column: str) -> list[Turn]:
+    """A conversation prompt's turns (a list, or a JSON string of one), checked: its last turn
+    is the user's (the answers follow it)."""
+    turns = parse_turns(cell, column)
+    if turns[-1]["role"] != "user":
+        raise BadConversation(f"the prompt conversation in {column!r} ends with the "
+                              f"{turns[-1]['role']}'s turn: its last turn must be the user's (the "
+                              "chosen and rejected answers follow it)")
+    return turns
+
+
+def response_text(cell, column: str) -> str:
+    """A response cell as text: text, or the assistant's turn (``{role, content}``,
+    ``{from, value}``, or a list of one such turn)."""
+    if isinstance(cell, str):
+        return cell
+    if isinstance(cell, dict):
+        cell = [cell]
+    if isinstance(cell, (list, tuple)) and cell:
+        turns = parse_turns(list(cell), column)
+        if len(turns) == 1 and turns[0]["role"] == "assistant":
+            return turns[0]["content"]
+        raise BadConversation(f"{column!r} must be the assistant's answer: text or one assistant "
+                              f"turn, got {len(turns)} turn(s) of roles "
+                              f"{[t['role'] for t in turns]}")
+    raise BadConversation(f"column {column!r} must be text or an assistant turn, got "
+                          f"{type(cell).__name__}")
 
 
 def response(batch: dict[str, torch.Tensor], which: str) -> dict[str, torch.Tensor]:
@@ -170,6 +205,8 @@ class Preference(TextToText):
             raise ConfigError(f"task.kind = 'preference' trains decoders; {cfg.model.name!r} is a "
                               f"{arch.model_type} encoder-decoder")
         self.chat = False
+        #: the column of conversation prompts (None: ``task.prompt`` over columns), per the data
+        self.conversation: str | None = None
         #: the reference's scores of the splits evaluated (the last few), by what they depend on:
         #: the base is frozen, so an evaluation computes the policy's only (half the forwards)
         self._reference: dict[tuple, dict[str, torch.Tensor]] = {}
@@ -179,10 +216,26 @@ class Preference(TextToText):
     def prompt_template(self) -> str:
         return self.cfg.task.prompt or "{prompt}"
 
+    def conversation_of(self, columns: dict[str, list]) -> str | None:
+        """The column of conversation prompts in ``table``: ``task.messages_column``; unset (and
+        no ``task.prompt``), a ``prompt`` column holding lists, else ``messages`` or
+        ``conversations`` when there is no ``prompt`` column; None: text prompts. ``columns``:
+        a split's cells by column."""
+        t = self.cfg.task
+        if t.messages_column is not None:
+            return t.messages_column
+        if t.prompt is not None:
+            return None
+        if "prompt" in columns:
+            first = next((c for c in columns["prompt"] if c is not None), None)
+            return "prompt" if isinstance(first, (list, tuple)) else None
+        return next((c for c in CONVERSATION_COLUMNS if c in columns), None)
+
     def required(self) -> list[tuple[str, str]]:
         """``(column, config field)`` of every column a row needs, filled."""
         t = self.cfg.task
-        need = [(f, "task.prompt") for f in template_fields(self.prompt_template)]
+        need = ([(self.conversation, "task.messages_column")] if self.conversation else
+                [(f, "task.prompt") for f in template_fields(self.prompt_template)])
         need += [(t.chosen_column, "task.chosen_column"), (t.rejected_column, "task.rejected_column")]
         return list(dict.fromkeys(need))
 
@@ -192,6 +245,7 @@ class Preference(TextToText):
         skipped."""
         d = self.cfg.data
         tables = load_tables(d, self.cfg.seed, required=[], carve_missing=carve_missing)
+        self.conversation = self.conversation_of((tables.get("train") or next(iter(tables.values()))).columns)
         need = self.required()
         for name, table in tables.items():
             missing = [(c, f) for c, f in need if c not in table.columns]
@@ -200,11 +254,42 @@ class Preference(TextToText):
                                   f"{[c for c, _ in missing]} not in {table.source} (columns: "
                                   f"{list(table.columns)})")
             table, _ = drop_incomplete(table, need, skip=d.bad_rows == "skip")
+            table = self.read_pairs(table, skip=d.bad_rows == "skip")
             tables[name] = self.drop_ties(table, skip=d.bad_rows == "skip")
             if not len(tables[name]):
                 raise DataError(f"{table.source}: no usable preference pair (every row was skipped)")
         self.text_columns = [c for c, f in need if f == "task.prompt"]
         return tables
+
+    def read_pairs(self, table: RawTable, *, skip: bool) -> RawTable:
+        """The table with each conversation prompt parsed into turns and each response as text;
+        a row that has neither (a malformed turn, a prompt not ending with the user's turn, a
+        response that is not the assistant's) is an error naming file and line, or (``skip``)
+        is dropped, counted in one warning."""
+        t = self.cfg.task
+        conv = self.conversation
+        columns = {c: list(v) for c, v in table.columns.items()}
+        kept, bad = [], []
+        for i in range(len(table)):
+            try:
+                if conv is not None:
+                    columns[conv][i] = prompt_turns(columns[conv][i], conv)
+                for col in (t.chosen_column, t.rejected_column):
+                    columns[col][i] = response_text(columns[col][i], col)
+            except BadConversation as e:
+                if not skip:
+                    raise DataError(f"{table.where(i)}: {e} (set data.bad_rows = \"skip\" to skip "
+                                    "such rows)") from None
+                bad.append((table.lines[i], str(e)))
+                continue
+            kept.append(i)
+        out = dataclasses.replace(table, columns=columns)
+        if not bad:
+            return out
+        shown = ", ".join(str(line) for line, _ in bad[:10]) + (", ..." if len(bad) > 10 else "")
+        log.warning("%s: skipped %d pair(s) that cannot be read (%s %s; first: %s)", table.source,
+                    len(bad), "lines" if table.unit == "line" else "rows", shown, bad[0][1])
+        return out.select(kept)
 
     def drop_ties(self, table: RawTable, *, skip: bool) -> RawTable:
         """Rows whose responses are text and differ; a row with a non-text response, or the same
@@ -233,7 +318,16 @@ class Preference(TextToText):
 
     def uses_chat(self, tokenizer) -> bool:
         """Whether prompts become a user turn of the chat template: ``task.chat_template`` when
-        set, else whenever the tokenizer has a template."""
+        set, else whenever the tokenizer has a template. Conversation prompts always are (a
+        tokenizer without a template is a ConfigError naming ``task.chat_template_file``)."""
+        if self.conversation is not None:
+            if self.cfg.task.chat_template is False:
+                raise ConfigError(f"task.chat_template = false: the prompts of column "
+                                  f"{self.conversation!r} are conversations, which only a chat "
+                                  "template renders")
+            if self.cfg.task.chat_template_file is None:
+                install_template(tokenizer, None, self.cfg.model.name)
+            return True
         if self.cfg.task.chat_template is not None:
             return self.cfg.task.chat_template
         return bool(getattr(tokenizer, "chat_template", None))
@@ -243,15 +337,24 @@ class Preference(TextToText):
         self.chat = self.uses_chat(loaded.tokenizer)
 
     def prompt_texts(self, rows: list[dict]) -> list[str]:
-        """The prompt of each row: ``task.prompt`` rendered over its columns (the place a
-        messages-form prompt would be rendered by a chat renderer)."""
-        return [render(self.prompt_template, r) for r in rows]
+        """The prompt text of each row, ready for the answer: a conversation rendered by the
+        chat template with the assistant's cue; else ``task.prompt`` rendered over its columns,
+        as a user turn of the chat template when :meth:`uses_chat`."""
+        if self.conversation is not None:
+            return [render_chat(self.tokenizer, self.turns(r), generation_prompt=True) for r in rows]
+        prompts = [render(self.prompt_template, r) for r in rows]
+        return [apply_chat(self.tokenizer, p) for p in prompts] if self.chat else prompts
+
+    def turns(self, row: dict) -> list[Turn]:
+        """A row's conversation prompt (parsed by :meth:`read_pairs`, or raw in ``predict``)."""
+        cell = row[self.conversation]
+        parsed = isinstance(cell, list) and cell and all(
+            isinstance(x, dict) and set(x) == {"role", "content"} for x in cell)
+        return cell if parsed else prompt_turns(cell, self.conversation)
 
     def prompt_ids(self, prompts: list[str], trunc: Truncation) -> list[torch.Tensor]:
-        """Prompt ids, as a chat template's user turn (with the assistant's cue) when
-        :meth:`uses_chat`; a long prompt keeps its end (``data.max_length``)."""
-        if self.chat:
-            prompts = [apply_chat(self.tokenizer, p) for p in prompts]
+        """Prompt ids (the texts of :meth:`prompt_texts`); a long prompt keeps its end
+        (``data.max_length``)."""
         return trunc.ids(self.tokenizer, prompts, self.cfg.data.max_length, "prompts",
                          special=not self.chat, side="left")
 
@@ -267,8 +370,10 @@ class Preference(TextToText):
     def encode_rows(self, rows: list[dict], trunc: Truncation, source: str) -> PreferenceSplit:
         t = self.cfg.task
         prompts = self.prompt_ids(self.prompt_texts(rows), trunc)
-        chosen = self.response_ids([r[t.chosen_column] for r in rows], trunc, "chosen responses")
-        rejected = self.response_ids([r[t.rejected_column] for r in rows], trunc, "rejected responses")
+        chosen = self.response_ids([response_text(r[t.chosen_column], t.chosen_column) for r in rows],
+                                   trunc, "chosen responses")
+        rejected = self.response_ids([response_text(r[t.rejected_column], t.rejected_column)
+                                      for r in rows], trunc, "rejected responses")
         same = sum(torch.equal(c, r) for c, r in zip(chosen, rejected))
         if same:
             log.warning("%s: %d of %d pairs have the same tokens once truncated to "
@@ -355,14 +460,20 @@ class Preference(TextToText):
 
     def input_columns(self) -> list[str]:
         t = self.cfg.task
-        return [*template_fields(self.prompt_template), t.chosen_column, t.rejected_column]
+        prompt = [self.conversation] if self.conversation else template_fields(self.prompt_template)
+        return [*prompt, t.chosen_column, t.rejected_column]
 
     @torch.no_grad()
     def predict(self, model, loaded, rows, batch_size, source):
         """Per row: the response the model's implicit reward prefers (``chosen`` or
         ``rejected`` as the row names them), with both rewards and their margin."""
+        if rows:
+            self.conversation = self.conversation_of({k: [r.get(k) for r in rows] for k in rows[0]})
         self.bind(loaded)
-        split = self.encode_rows(rows, Truncation(), source)
+        try:
+            split = self.encode_rows(rows, Truncation(), source)
+        except BadConversation as e:
+            raise DataError(f"{source}: {e}") from None
         s = self.scores(model, split, batch_size)
         beta = self.cfg.task.dpo_beta
         chosen = beta * (s["chosen"] - s["ref_chosen"])

@@ -1,0 +1,337 @@
+"""Benchmark (issue 57, part 5): federated instruction tuning of SmolLM2-135M-Instruct on
+Alpaca-GPT4, dense LoRA against int8 and the planner's budgets, scored with lm-evaluation-harness.
+
+Set-up: ``configs/instruct_alpaca_smollm2.toml`` (the dense row): FlowerTune's LoRA shape
+(r 32, alpha 64) on q and v, 20 IID clients of ``alpaca-gpt4-demo``
+(``bench/data/instruction_sets.py``), conversations of at most 128 tokens rendered with
+SmolLM2's chat template, the loss on the assistant's tokens; ``--rounds`` rounds of
+``--per-round`` clients, ``--local-steps`` AdamW steps of 4 conversations each.
+
+Rows (each its own piece, resumable: a row whose result file exists is skipped unless
+``--again``):
+
+  base      the untrained model: held-out assistant loss (test split) and harness scores
+  dense     FedPETuning, every client the whole model (fp32 base)
+  int8      the same over an int8 base (``model.quantize = "int8"``)
+  p30, p50  the planner (``[budgets]``, method fedpetuning: LoRA rank 8/16/32, an int8 copy of
+            the base, adapters in the top half of the blocks, local work, checkpointing and
+            micro-batches), every client at 30% / 50% of the dense row's measured peak memory
+            and training FLOPs per client-round
+  mixed     the planner over a population of thirds at 30%, 50% and 100%
+  natural-base, natural   the base and the dense row on ``alpaca-eval-gpt4`` split naturally by
+            its ``dataset`` column (5 clients: selfinstruct, oasst, koala, helpful_base, vicuna;
+            ``configs/instruct_natural_smollm2.toml``)
+  alone     plans only (no training): at 30% (``--alone-budgets``), the planner with one knob family at a
+            time (checkpointing + micro-batches; int8 base; LoRA rank; local work; adapter
+            depth), and whether it fits (the planner's predicted costs)
+
+Every trained row, then ``--harness`` (comma-separated lm_eval tasks, fedslice's local ones, the
+first ``--limit`` examples, zero-shot) on its final model (adapter merged; applied over the int8
+base for int8), through ``fedslice.harness.evaluate_harness`` (what ``fedslice evaluate --harness``
+runs). ``--stage train`` or ``--stage harness`` runs one half of each asked row.
+
+Columns: harness scores, held-out assistant loss (nats per assistant token of the 48 test
+conversations), client peak memory (the largest client's measured peak: model + gradients +
+AdamW state + saved activations, ``memory_mb_max``), training GFLOPs and upload MB per
+client-round, and the training process's CPU seconds (wall time is not reported: the machine
+is shared). Writes ``<out>/<row>.json`` and ``<out>/results.md``.
+
+    python bench/data/instruction_sets.py
+    flock /tmp/fedslice-heavy.lock python bench/llm_instruct.py --rows base dense
+    flock /tmp/fedslice-heavy.lock python bench/llm_instruct.py --rows int8 p30 p50 mixed
+    flock /tmp/fedslice-heavy.lock python bench/llm_instruct.py --rows natural-base natural alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"alpaca": ROOT / "configs/instruct_alpaca_smollm2.toml",
+           "natural": ROOT / "configs/instruct_natural_smollm2.toml"}
+TASKS = "arc_easy_local,mmlu_local"
+#: the planner's knobs in the budget rows (fedpetuning's stages)
+PLANNER = {"precisions": ["none", "int8"], "adapter_depths": [1.0, 0.5],
+           "local_work": [1.0, 0.75, 0.5, 0.375, 0.25], "checkpointing": True,
+           "micro_batches": [1, 2, 4]}
+RANKS = [8, 16, 32]
+#: the "alone" plans: one knob family each (the others held at the dense row's setting)
+ALONE = {
+    "checkpointing+micro-batches": {},
+    "int8 base": {"precisions": ["none", "int8"]},
+    "LoRA rank": {"ranks": RANKS},
+    "local work": {"local_work": PLANNER["local_work"]},
+    "adapter depth": {"adapter_depths": [1.0, 0.5]},
+}
+ROWS = ("base", "dense", "int8", "p30", "p50", "mixed", "natural-base", "natural", "alone")
+
+
+def base_config(args, which: str = "alpaca") -> dict:
+    from fedslice.experiment import load_config
+
+    cfg = load_config(CONFIGS[which]).model_dump(mode="json")
+    cfg["seed"], cfg["threads"] = args.seed, args.threads
+    cfg["federation"].update(rounds=args.rounds, clients_per_round=args.per_round,
+                             local_steps=args.local_steps)
+    cfg["evaluation"]["every"] = args.rounds
+    cfg["output"].update(progress=False, plots=False, checkpoint_every=0)
+    return cfg
+
+
+def tier(f: float, dense: dict, share: float = 1.0) -> dict:
+    """A tier at ``f`` of the dense client's measured peak memory and FLOPs per round."""
+    return {"name": f"{f:.0%}", "share": share, "memory_mb": round(f * dense["memory_mb"], 1),
+            "gflops_per_round": round(f * dense["gflops"], 2)}
+
+
+def budgets(tiers: list[dict], knobs: dict) -> dict:
+    b = {"tiers": tiers, "precisions": ["none"], "adapter_depths": [1.0], "local_work": [1.0],
+         "checkpointing": True, "micro_batches": [1, 2, 4]}
+    b.update({k: v for k, v in knobs.items() if k != "ranks"})
+    return b
+
+
+def row_config(row: str, args, dense: dict | None) -> dict:
+    cfg = base_config(args, "natural" if row.startswith("natural") else "alpaca")
+    cfg["name"] = f"instruct-{row}"
+    if row == "int8":
+        cfg["model"]["quantize"] = "int8"
+    tiers = {"p30": [tier(0.3, dense)] if dense else None, "p50": [tier(0.5, dense)] if dense else None,
+             "mixed": [tier(f, dense, s) for f, s in ((0.3, 0.33), (0.5, 0.33), (1.0, 0.34))]
+             if dense else None}.get(row)
+    if tiers is not None:
+        cfg["budgets"] = budgets(tiers, PLANNER)
+        cfg["lora"]["ranks"] = RANKS
+    return cfg
+
+
+def save(out: Path, row: str, result: dict) -> dict:
+    path = out / f"{row}.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    old.update(result)
+    path.write_text(json.dumps(old, indent=1) + "\n")
+    return old
+
+
+def load(out: Path, row: str) -> dict:
+    path = out / f"{row}.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def measured(s: dict) -> dict:
+    return {"test_loss": s.get("test_loss"), "test_perplexity": s.get("test_perplexity"),
+            "test_rougeL": s.get("test_rougeL"), "memory_mb": s.get("memory_mb_max"),
+            "gflops": ((s.get("flops_measured_mean") or 0) + (s.get("flops_importance_mean") or 0)) / 1e9,
+            "upload_mb": (s.get("bytes_up_mean") or 0) / 1e6,
+            "plans": s.get("plans"), "rounds": s.get("rounds_completed", s.get("rounds")),
+            "samples": s.get("samples")}
+
+
+def train_row(row: str, args) -> dict:
+    from fedslice.api import run_experiment
+    from fedslice.errors import ConfigError
+    from fedslice.experiment import validate_config
+
+    dense = load(args.out, "dense") if row in ("p30", "p50", "mixed") else None
+    if dense is not None and not dense.get("memory_mb"):
+        raise SystemExit(f"{row}: train the dense row first (its measured costs set the budgets)")
+    cfg = row_config(row, args, dense)
+    t0, c0 = time.time(), time.process_time()
+    try:
+        run = run_experiment(validate_config(cfg), args.out / "runs", progress=False)
+    except ConfigError as e:
+        return save(args.out, row, {"row": row, "fits": False, "why": str(e), "budgets": cfg.get("budgets")})
+    s = json.loads((run / "summary.json").read_text())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rss = max((r.get("peak_rss_mb_max") or 0 for r in records), default=None)
+    return save(args.out, row, {"row": row, "fits": True, "run": str(run), "budgets": cfg.get("budgets"),
+                                "cpu_s": time.process_time() - c0, "wall_s": time.time() - t0,
+                                "load": os.getloadavg()[0], "peak_rss_mb": rss, **measured(s)})
+
+
+def base_row(row: str, args) -> dict:
+    """The untrained model's held-out assistant loss (and answers), as a run evaluates test."""
+    from fedslice.api import setup
+    from fedslice.experiment import validate_config
+
+    cfg = validate_config(row_config(row, args, None))
+    method, data = setup(cfg)
+    c0 = time.process_time()
+    ev = method.task.evaluate(method.model, data.test, cfg.evaluation.batch_size)
+    return save(args.out, row, {"row": row, "fits": True, "cpu_s": time.process_time() - c0,
+                                "test_loss": ev["loss"], "test_perplexity": ev["perplexity"],
+                                "test_rougeL": ev.get("rougeL"), "test_examples": len(data.test)})
+
+
+def harness_row(row: str, args) -> dict:
+    from fedslice.harness import _scores, check_tasks, parse_tasks, run_harness, task_manager
+
+    names = parse_tasks(args.harness)
+    tm = task_manager(names=names)
+    check_tasks(tm, names)
+    limit = args.limit if args.limit < 1 else int(args.limit)
+    c0 = time.process_time()
+    if row.endswith("base"):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from fedslice.models.loading import resolve_model_path
+
+        folder = resolve_model_path("smollm2")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(folder)
+        scores = _scores(run_harness(model, tok, names, tm, limit=limit, batch_size=args.batch_size), names)
+    else:
+        from fedslice.harness import evaluate_harness
+
+        run = load(args.out, row).get("run")
+        if not run:
+            raise SystemExit(f"{row}: no trained run (train it first)")
+        _, scores = evaluate_harness(run, names, limit=limit, batch_size=args.batch_size)
+    harness = {t: {m: v for m, v in s["metrics"].items()} | {"examples": s["samples"]}
+               for t, s in scores.items()}
+    return save(args.out, row, {"harness": harness, "harness_limit": limit,
+                                "harness_cpu_s": time.process_time() - c0})
+
+
+def alone_rows(args) -> dict:
+    """Plans only: at 30% and 50% of dense, one knob family at a time."""
+    from fedslice.errors import ConfigError
+    from fedslice.experiment import validate_config
+    from fedslice.plan import budget_plan
+
+    dense = load(args.out, "dense")
+    if not dense.get("memory_mb"):
+        raise SystemExit("alone: train the dense row first (its measured costs set the budgets)")
+    out = load(args.out, "alone").get("plans", {})
+    for f in args.alone_budgets:
+        for name, knobs in {**ALONE, "all (the planner)": {**PLANNER, "ranks": RANKS}}.items():
+            key = f"{name}@{f:g}"
+            if key in out and not args.again:
+                continue
+            cfg = row_config("dense", args, None)
+            cfg["budgets"] = budgets([tier(f, dense)], {"checkpointing": False, "micro_batches": [1],
+                                                        **knobs}
+                                     if name != "checkpointing+micro-batches" else {})
+            if "ranks" in knobs:
+                cfg["lora"]["ranks"] = knobs["ranks"]
+            path = args.out / "plan.json"
+            try:
+                budget_plan(validate_config(cfg), str(path))
+                plan = json.loads(path.read_text())["0"]
+                out[key] = {"fits": True, "plan": {k: plan[k] for k in
+                                                   ("rank", "checkpointing", "micro_batches",
+                                                    "precision", "steps", "batch", "depth")},
+                            "predicted": plan["predicted"], "budget": plan["budget"]}
+            except ConfigError as e:
+                out[key] = {"fits": False, "why": " ".join(str(e).split())[:400]}
+            print(key, json.dumps(out[key]), flush=True)
+            save(args.out, "alone", {"row": "alone", "plans": out})
+    return load(args.out, "alone")
+
+
+def fmt(v, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def write_table(args) -> None:
+    rows = {r: load(args.out, r) for r in ROWS}
+    dense = rows["dense"]
+    tasks = [t for t in args.harness.split(",")]
+    c = base_config(args)
+    lines = [f"SmolLM2-135M-Instruct, LoRA r32 alpha 64 on q,v, Alpaca-GPT4 demo (849 train "
+             f"conversations, 20 IID clients), max {c['data']['max_length']} tokens, {args.rounds} "
+             f"rounds x {args.per_round} clients x {args.local_steps} local steps x "
+             f"{c['federation']['batch_size']} conversations, lr {c['federation']['lr']:g}, seed "
+             f"{args.seed}; held-out: {c['data']['max_test_examples']} test conversations; "
+             f"harness: {', '.join(tasks)}, first {args.limit:g} examples each, zero-shot.", "",
+             "| row | fits | " + " | ".join(f"{t} acc" for t in tasks) +
+             " | held-out loss | Δ loss vs dense | test ROUGE-L | peak MiB (× dense) | GFLOPs/client-round "
+             "(× dense) | upload MB/client-round | train CPU s |",
+             "|---|---|" + "---|" * len(tasks) + "---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        if not r or name == "alone":
+            continue
+        if not r.get("fits", True):
+            lines.append(f"| {name} | no: {' '.join(r['why'].split())[:150]} |" + " |" * (len(tasks) + 7))
+            continue
+        h = r.get("harness", {})
+        accs = [fmt((h.get(t) or {}).get("acc"), ".4f") for t in tasks]
+        dl = (r["test_loss"] / dense["test_loss"] - 1) if dense.get("test_loss") and r.get("test_loss") \
+            and not name.startswith("natural") else None
+        mem = r.get("memory_mb")
+        x = lambda v, k: f" ({v / dense[k]:.2f})" if v and dense.get(k) else ""  # noqa: E731
+        lines.append(f"| {name} | yes | " + " | ".join(accs) + f" | {fmt(r.get('test_loss'), '.4f')} | "
+                     f"{fmt(None if dl is None else 100 * dl, '+.2f')}{'%' if dl is not None else ''} | "
+                     f"{fmt(r.get('test_rougeL'), '.4f')} | {fmt(mem, '.0f')}{x(mem, 'memory_mb')} | "
+                     f"{fmt(r.get('gflops') or None, '.1f')}{x(r.get('gflops'), 'gflops')} | "
+                     f"{fmt(r.get('upload_mb') or None, '.3f')} | {fmt(r.get('cpu_s'), '.0f')} |")
+    for name in ("p30", "p50", "mixed"):
+        for p in rows[name].get("plans") or []:
+            lines.append(f"- {name}: {json.dumps(p)[:300]}")
+    alone = rows["alone"].get("plans", {})
+    if alone:
+        lines += ["", "Plans only (the planner's predictions, one knob family at a time):", "",
+                  "| knobs | budget | fits | plan | predicted MiB | predicted GFLOPs/round | upload MB |",
+                  "|---|---|---|---|---|---|---|"]
+        for key, p in alone.items():
+            name, f = key.rsplit("@", 1)
+            if not p["fits"]:
+                lines.append(f"| {name} | {float(f):.0%} | no | {p['why'][:160]} | | | |")
+                continue
+            pr = p["predicted"]
+            lines.append(f"| {name} | {float(f):.0%} | yes | {json.dumps(p['plan'])} | "
+                         f"{pr['memory_mb']:.0f} | {pr['gflops_per_round']:.1f} | {pr['upload_mb']:.3f} |")
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=ROWS)
+    ap.add_argument("--stage", choices=["train", "harness", "both"], default="both")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--per-round", type=int, default=2)
+    ap.add_argument("--local-steps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--harness", default=TASKS)
+    ap.add_argument("--limit", type=float, default=50)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--alone-budgets", type=float, nargs="*", default=[0.3])
+    ap.add_argument("--again", action="store_true")
+    ap.add_argument("--table", action="store_true", help="only rewrite results.md")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/llm_instruct")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for row in [] if args.table else args.rows:
+        have = load(args.out, row)
+        if row == "alone":
+            alone_rows(args)
+            continue
+        if args.stage in ("train", "both") and (args.again or "test_loss" not in have) and have.get("fits", True):
+            print(row, "train", json.dumps({k: v for k, v in
+                                            (base_row(row, args) if row.endswith("base") else
+                                             train_row(row, args)).items() if k not in ("plans", "samples", "budgets")}),
+                  flush=True)
+        have = load(args.out, row)
+        if row == "natural-base" and load(args.out, "base").get("harness"):  # the same untrained model
+            b = load(args.out, "base")
+            save(args.out, row, {"harness": b["harness"], "harness_limit": b["harness_limit"],
+                                 "harness_from": "base"})
+            continue
+        if args.stage in ("harness", "both") and have.get("fits", True) and (args.again or "harness" not in have):
+            print(row, "harness", json.dumps(harness_row(row, args).get("harness")), flush=True)
+    write_table(args)
+
+
+if __name__ == "__main__":
+    main()
