@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from fedslice import measure
-from fedslice.config import BUDGET_LIMITS, BudgetsConfig, read_utf8
+from fedslice.config import BUDGET_LIMITS, DEVICE_FIELDS, BudgetsConfig, read_utf8
 from fedslice.data.packing import packed_training
 from fedslice.errors import ConfigError
 from fedslice.fl.client import (ActivationReference, activation_units, extrapolates_by_parts,
@@ -122,8 +122,10 @@ def read_budget_csv(path: Path, num_clients: int) -> dict[int, ClientBudget]:
     limits = [c for c in columns if c in BUDGET_FIELDS]
     if not limits:
         raise ConfigError(f"{where}: no budget column: give at least one of {', '.join(BUDGET_FIELDS)}")
-    if unknown := [c for c in columns if c not in BUDGET_FIELDS and c != "client"]:
-        raise ConfigError(f"{where}: unknown column(s) {unknown} (known: client, {', '.join(BUDGET_FIELDS)})")
+    # a client's device may sit in the same file (fedslice.fl.devices reads those columns)
+    known = (*BUDGET_FIELDS, *DEVICE_FIELDS)
+    if unknown := [c for c in columns if c not in known and c != "client"]:
+        raise ConfigError(f"{where}: unknown column(s) {unknown} (known: client, {', '.join(known)})")
     if len(lines) == 1:
         raise ConfigError(f"{where}: no rows after the header (give one row per client, ids "
                           f"0..{num_clients - 1})")
