@@ -503,6 +503,52 @@ def started(monkeypatch):
     assert not leftovers, f"processes left running: {leftovers}"
 
 
+#: The node heartbeat interval (s) of the SuperNodes in the tests that kill one (Flower's is
+#: 30 s, its least 10 s): the SuperLink drops a node that sent none for 2 intervals and answers
+#: the messages waiting for it with an error. At 30 s the killed node's round waited for its
+#: round timeout and the end of the run for the drop (up to 60 s after the kill); at 10 s both
+#: end about 20 s after the kill. Only the SuperNode process announces it (its ClientApps keep
+#: Flower's task heartbeats).
+QUICK_HEARTBEAT_S = 10
+QUICK_HEARTBEAT_LINE = f"fedslice tests: node heartbeat every {QUICK_HEARTBEAT_S} s"
+
+QUICK_HEARTBEAT_SITECUSTOMIZE = f'''
+import os, sys
+if os.path.basename(sys.argv[0]) == "flower-supernode":
+    import flwr.supercore.heartbeat as _sender
+    import flwr.supernode.fleet_http_connection as _connection
+    _sender.HEARTBEAT_DEFAULT_INTERVAL = {QUICK_HEARTBEAT_S}
+    _connection.HEARTBEAT_DEFAULT_INTERVAL = {QUICK_HEARTBEAT_S}
+    print({QUICK_HEARTBEAT_LINE!r}, file=sys.stderr, flush=True)
+'''
+
+
+@pytest.fixture
+def quick_heartbeats(tmp_path, monkeypatch):
+    """SuperNodes started in the test announce a node heartbeat of ``QUICK_HEARTBEAT_S``
+    (a ``sitecustomize`` on their PYTHONPATH; each SuperNode's log says so: the test checks it
+    with :func:`_assert_quick_heartbeats`). Only the start of the processes is patched."""
+    from fedslice.flower import local
+
+    site = tmp_path / "quick-heartbeats"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(QUICK_HEARTBEAT_SITECUSTOMIZE)
+    start = local.start_process
+
+    def start_with_quick_heartbeats(name, argv, env, log_dir):
+        if name.startswith("supernode"):
+            path = [str(site)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+            env = {**env, "PYTHONPATH": os.pathsep.join(path)}
+        return start(name, argv, env, log_dir)
+
+    monkeypatch.setattr(local, "start_process", start_with_quick_heartbeats)
+
+
+def _assert_quick_heartbeats(fed) -> None:
+    nodes = [p for p in fed.processes if p.name.startswith("supernode")]
+    assert nodes and all(QUICK_HEARTBEAT_LINE in p.log_path.read_text(errors="replace") for p in nodes)
+
+
 def _e2e_config(cfg_dict: dict, tmp_path: Path, method: str, rounds: int = 2,
                 num_clients: int = 2) -> Path:
     cfg_dict["method"] = {"name": method}
@@ -563,15 +609,25 @@ def _run_on(fed, tmp_path: Path, config: Path, timeout: float = 240.0,
 
 
 @needs_flower
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 def test_deploy_local_two_supernodes_matches_in_process(tiny_cfg_dict, tmp_path, started):
-    """`fedslice deploy local`: SuperLink + 2 SuperNodes, 2 rounds, finished:completed (checked
-    inside deploy_local), same weights as the in-process engine."""
+    """`fedslice deploy local --tls --auth`: SuperLink + 2 SuperNodes, TLS certificates made with
+    openssl in the test, SuperNode keys registered with `flwr supernode register`; 2 rounds of
+    full fine-tuning (fedavg), finished:completed (checked inside deploy_local), the in-process
+    engine's weights. (One federation for what were two tests, a plain 2-round deployment and
+    a 1-round TLS + auth one: TLS and authentication change the connection only. The plain
+    connection is every other deployment test's: the loopback fixtures, the killed SuperNode;
+    deploy_local without TLS: test_simulation_engine_matches_in_process.)"""
     from fedslice.flower.deploy import deploy_local
 
-    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedpetuning")
-    run_dir = deploy_local(path, nodes=2, out_dir=tmp_path / "runs", round_timeout=90,
-                           connect_timeout=60, timeout=240, workdir=tmp_path / "work")
+    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedavg")
+    run_dir = deploy_local(path, nodes=2, out_dir=tmp_path / "runs", tls=True, auth=True,
+                           round_timeout=90, connect_timeout=60, timeout=240,
+                           workdir=tmp_path / "work")
     assert [p.name for p in started] == ["superlink", "supernode-0", "supernode-1"]
+    assert (tmp_path / "work" / "certificates" / "ca.crt").is_file()
+    superlink = (tmp_path / "work" / "logs" / "superlink.log").read_text()
+    assert "https://127.0.0.1" in superlink
     _check_deployed_run(run_dir, tiny_cfg_dict)
 
 
@@ -579,9 +635,9 @@ def test_deploy_local_two_supernodes_matches_in_process(tiny_cfg_dict, tmp_path,
 def test_deployed_generation_on_a_decoder_matches_in_process(tiny_gen_cfg_dict, tmp_path, loopback):
     """A decoder LLM (tiny LLaMA, grouped-query attention) generating on SuperLink + 2
     SuperNodes: the in-process weights, and BLEU/ROUGE in the summary. One round: a node's
-    later rounds are its first again (a fresh ClientApp process; fedpetuning keeps nothing in
-    Context.state), deployed in test_deploy_local_two_supernodes_matches_in_process and on
-    this decoder through the ServerApp/ClientApp code in
+    later rounds are its first again (a fresh ClientApp process; fedpetuning, like fedavg, keeps
+    nothing in Context.state), deployed in test_deploy_local_two_supernodes_matches_in_process
+    (fedavg) and on this decoder through the ServerApp/ClientApp code in
     test_serverapp_matches_in_process_engine_on_generative_models (2 rounds each)."""
     tiny_gen_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=1)
     run_dir = _run_on(loopback, tmp_path, _write_config(tiny_gen_cfg_dict, tmp_path / "gen.json"))
@@ -601,25 +657,6 @@ def test_deployed_image_classification_matches_in_process(tiny_img_cfg_dict, tmp
     _, _, summary = read_run(run_dir)
     assert summary["task"] == "image_classification"
     assert set(summary["test_accuracy_per_class"]) == {"left", "right"}
-
-
-@needs_flower
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
-def test_deploy_local_tls_and_supernode_auth(tiny_cfg_dict, tmp_path, started):
-    """TLS certificates made with openssl in the test, SuperNode keys registered with
-    `flwr supernode register`; full fine-tuning (fedavg) gives the in-process weights. One
-    round: what TLS and authentication change is the connection (the rounds after the first
-    are the plain deployment's, test_deploy_local_two_supernodes_matches_in_process)."""
-    from fedslice.flower.deploy import deploy_local
-
-    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedavg", rounds=1)
-    run_dir = deploy_local(path, nodes=2, out_dir=tmp_path / "runs", tls=True, auth=True,
-                           round_timeout=90, connect_timeout=60, timeout=240,
-                           workdir=tmp_path / "work")
-    assert (tmp_path / "work" / "certificates" / "ca.crt").is_file()
-    superlink = (tmp_path / "work" / "logs" / "superlink.log").read_text()
-    assert "https://127.0.0.1" in superlink
-    _check_deployed_run(run_dir, tiny_cfg_dict)
 
 
 @functools.partial(needs_flower, group="ray")
@@ -665,15 +702,15 @@ def _wait_for_line(path: Path, text: str, timeout: float) -> None:
 
 #: The killed-SuperNode test's round timeout: the healthy node's reply must arrive within it
 #: (a ClientApp process started, torch imported, 3 steps of the tiny model: <= 11 s after the
-#: train message at load 5.3, 2026-11-26). A shorter one saves little: the run's end-of-run
-#: message waits for the dead node until the SuperLink drops it (Flower 1.41: 2 missed 30 s
-#: heartbeats): the run finished 48 s after the kill at 40 s, 45 s after it at 25 s (the test,
-#: back to back at load 5.3-5.6: 79 s at 40 s, 74 s at 25 s with the result-file hint below).
+#: train message at load 5.3, 2026-11-26). The round ends before it: the SuperLink drops the
+#: killed node (``quick_heartbeats``: about 20 s after the kill) and answers its train message
+#: with an error; the end-of-run message then goes to the healthy node only. (With Flower's 30 s
+#: heartbeats the round ended at this timeout and the run about 48 s after the kill.)
 KILLED_ROUND_TIMEOUT_S = 40.0
 
 
 @needs_flower
-def test_supernode_killed_mid_round(tiny_cfg_dict, tmp_path, started):
+def test_supernode_killed_mid_round(tiny_cfg_dict, tmp_path, started, quick_heartbeats):
     """A SuperNode dies while training: the round ends at round-timeout with the other reply,
     the failure is logged and in metrics.jsonl, and the run completes."""
     from fedslice.flower.local import LocalFederation
@@ -689,7 +726,9 @@ def test_supernode_killed_mid_round(tiny_cfg_dict, tmp_path, started):
         fed.kill_supernode(1)  # the machine is gone: no goodbye to the SuperLink
         assert fed.wait(run_id, timeout=120, finished_hint=result.exists) == "finished:completed"
         run_log = fed.run_log(run_id)
-    # the usual reason is the missing reply; a busy machine can see the SuperLink's verdict first
+        _assert_quick_heartbeats(fed)
+    # the usual reason is the SuperLink's verdict on the silent node; a busy machine can reach
+    # the round timeout first
     reason = rf"(no reply within {KILLED_ROUND_TIMEOUT_S:g} s|node \d+ failed: .+)"
     assert re.search(rf"round 1: client 1 excluded: {reason}", run_log)
     (run_dir,) = (tmp_path / "runs").iterdir()

@@ -19,7 +19,8 @@ from fedslice.run.engine import Simulation
 from fedslice.flower.server_app import run as server_run
 from tests.conftest import method_options
 from tests.test_flower import (InProcessGrid, _nodes, _settings, _submit, _wait_for_line,  # noqa: F401
-                               _weights, _write_config, needs_flower, started)
+                               _assert_quick_heartbeats, _weights, _write_config, needs_flower,
+                               quick_heartbeats, started)
 
 
 @pytest.fixture(autouse=True)
@@ -141,7 +142,8 @@ def test_too_few_survivors_skip_the_round(tiny_cfg_dict, tmp_path):
 
 
 @needs_flower
-def test_deployed_secure_aggregation_with_a_killed_supernode(tiny_cfg_dict, tmp_path, started):
+def test_deployed_secure_aggregation_with_a_killed_supernode(tiny_cfg_dict, tmp_path, started,
+                                                             quick_heartbeats):
     """SuperLink + 3 SuperNodes, secure aggregation with threshold 2, a method sending slices
     (RaFFM's widths with heads, no client the whole model): a SuperNode killed while it trains
     (it has shared its keys; its masked vector never arrives) is recovered from the two others'
@@ -162,6 +164,7 @@ def test_deployed_secure_aggregation_with_a_killed_supernode(tiny_cfg_dict, tmp_
         _wait_for_line(victim.log_path, "Receiving: train message", timeout=180)
         fed.kill_supernode(2)
         assert fed.wait(run_id, timeout=300, finished_hint=result.exists) == "finished:completed"
+        _assert_quick_heartbeats(fed)  # the dead node dropped ~20 s after the kill, not 60 s
     (run_dir,) = (tmp_path / "runs").iterdir()
     _, metrics, summary = read_run(run_dir)
     m = metrics[0]
