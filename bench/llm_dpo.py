@@ -57,11 +57,12 @@ def config(args) -> dict:
 
 def staged(args, cfg, method, data, out: Path) -> None:
     """The run in pieces that each fit a time slot (``--state FILE``, ``--wall-budget S``): each
-    call trains rounds until its wall budget is spent, saving the global state after every round
-    and the selector's RNG (the same clients as one uninterrupted run); once
-    every round is trained, calls evaluate the last model on test (policy and reference), then
-    on ``--train-eval`` training pairs, each saved as it finishes. The base's figures are those
-    of round 0 of the uninterrupted script (the same data files): not recomputed here."""
+    call trains rounds until its wall budget is spent, saving the global state and the
+    selector's RNG after every round (the same clients as one uninterrupted run); once every
+    round is trained, the next call (or this one, when training took less than half its budget)
+    evaluates the last model on test (policy and reference), then on ``--train-eval`` training
+    pairs, each saved as it finishes. The base's figures are those of round 0 of the
+    uninterrupted script (the same data files): not recomputed here."""
     path = Path(args.state)
     saved = torch.load(path, weights_only=False) if path.is_file() else \
         {"round": 0, "state": None, "records": [], "train_cpu_s": 0.0}
@@ -83,7 +84,8 @@ def staged(args, cfg, method, data, out: Path) -> None:
             if time.perf_counter() - t0 > args.wall_budget and rnd < cfg.federation.rounds:
                 print(f"stopped after round {rnd}: run the same command again to go on", flush=True)
                 return
-        return  # evaluation in the next call (its own time slot)
+        if time.perf_counter() - t0 > args.wall_budget / 2:
+            return  # evaluation in the next call (its own time slot)
     for name, split in (("test", data.test),
                         ("train", data.train.subset(list(range(min(args.train_eval, len(data.train)))))
                          if args.train_eval else None)):
