@@ -336,3 +336,21 @@ def test_validate_says_the_policy_and_the_devices_spread(tiny_cfg_dict):
     assert text.startswith("round policy 'async' (FedBuff: 3 training, 2 replies per aggregation)")
     assert "4 devices" in text and "GFLOP/s" in text and "online 100% of rounds" in text
     assert describe_clock(validate_config(tiny_cfg_dict)) == ""
+
+
+def test_budgets_csv_device_columns_give_each_clients_device(tiny_cfg_dict, tmp_path):
+    """budgets.csv may carry the device columns beside the budgets (the budget reader taking
+    them is the planner's); the devices come from it, per client, errors by row."""
+    from fedslice.fl.devices import population
+
+    path = tmp_path / "clients.csv"
+    path.write_text("client,memory_mb,gflops_per_s,upload_mb_per_s\n0,300,10,1\n1,,2,\n"
+                    "2,300,10,1\n3,,0.5,0.2\n")
+    d = json.loads(json.dumps(tiny_cfg_dict))
+    d["budgets"] = {"csv": str(path)}
+    pop = population(validate_config(d))
+    assert [pop.devices[c].gflops_per_s for c in range(4)] == [10, 2, 10, 0.5]
+    assert pop.devices[1].upload_mb_per_s is None and pop.devices[3].upload_mb_per_s == 0.2
+    path.write_text("client,memory_mb,gflops_per_s\n0,300,10\n1,,-2\n2,1,1\n3,1,1\n")
+    with pytest.raises(ConfigError, match="budgets.csv row 3, gflops_per_s: -2.0 is not a positive"):
+        population(validate_config(d))
