@@ -354,3 +354,14 @@ def test_budgets_csv_device_columns_give_each_clients_device(tiny_cfg_dict, tmp_
     path.write_text("client,memory_mb,gflops_per_s\n0,300,10\n1,,-2\n2,1,1\n3,1,1\n")
     with pytest.raises(ConfigError, match="budgets.csv row 3, gflops_per_s: -2.0 is not a positive"):
         population(validate_config(d))
+
+
+def test_reports_plot_accuracy_against_simulated_time(tiny_cfg_dict, tmp_path):
+    from fedslice.html_report import write_compare_report, write_run_report
+
+    d = _cfg(tiny_cfg_dict, round_policy="deadline", round_deadline_s=5.0, rounds=1)
+    runs = [run_experiment(validate_config(d), tmp_path / "runs")]
+    page = write_run_report(runs[0]).read_text()
+    assert "accuracy against simulated time" in page and "wasted on dropped replies" in page
+    page = write_compare_report(runs, tmp_path / "compare.html").read_text()
+    assert "dev accuracy against simulated time" in page and "s simulated)" in page
