@@ -209,7 +209,7 @@ def test_all_policy_trains_as_without_devices_and_records_simulated_time(tiny_cf
     assert "sim_time_s" not in plain_records[-1]  # no devices: no simulated time
 
 
-def test_deadline_drops_late_replies_as_wasted_work_and_overselects(tiny_cfg_dict):
+def test_deadline_drops_late_replies_as_wasted_work_overselects_and_skips_offline(tiny_cfg_dict):
     d = _cfg(tiny_cfg_dict, round_policy="deadline", round_deadline_s=5.0, overselect=0.5,
              clients_per_round=2, rounds=2)
     d["devices"]["tiers"][1]["availability"] = 0.5
@@ -217,6 +217,8 @@ def test_deadline_drops_late_replies_as_wasted_work_and_overselects(tiny_cfg_dic
     lost = 0.0
     for r in records:
         assert len(r["clients"]) <= 3  # ceil(2 x 1.5)
+        # offline clients are never selected (the round's draw: who was online at its start)
+        assert all(sim.population.online(c, r["round"], 0.0) for c in r["clients"])
         for m in r["client_metrics"]:
             late = m["sim_s"] > 5.0
             assert not (late and m["used"])  # a late reply is never used
@@ -227,15 +229,6 @@ def test_deadline_drops_late_replies_as_wasted_work_and_overselects(tiny_cfg_dic
         assert r["sim_round_s"] <= 5.0
     assert lost > 0 and summary["wasted_flops"] == pytest.approx(lost)
     assert 0 < summary["wasted_share"] < 1
-
-
-def test_offline_clients_are_never_selected(tiny_cfg_dict):
-    d = _cfg(tiny_cfg_dict, rounds=3)
-    for t in d["devices"]["tiers"]:
-        t["availability"] = 0.5
-    sim, _, records, _ = _run(d)
-    for r in records:  # the round's draw: who was online at its start
-        assert all(sim.population.online(c, r["round"], 0.0) for c in r["clients"])
 
 
 def test_async_keeps_clients_training_and_weights_stale_replies(tiny_cfg_dict):
