@@ -209,7 +209,7 @@ def test_all_policy_trains_as_without_devices_and_records_simulated_time(tiny_cf
     assert "sim_time_s" not in plain_records[-1]  # no devices: no simulated time
 
 
-def test_deadline_drops_late_replies_as_wasted_work_and_overselects(tiny_cfg_dict):
+def test_deadline_drops_late_replies_as_wasted_work_overselects_and_skips_offline(tiny_cfg_dict):
     d = _cfg(tiny_cfg_dict, round_policy="deadline", round_deadline_s=5.0, overselect=0.5,
              clients_per_round=2, rounds=2)
     d["devices"]["tiers"][1]["availability"] = 0.5
@@ -217,6 +217,8 @@ def test_deadline_drops_late_replies_as_wasted_work_and_overselects(tiny_cfg_dic
     lost = 0.0
     for r in records:
         assert len(r["clients"]) <= 3  # ceil(2 x 1.5)
+        # offline clients are never selected (the round's draw: who was online at its start)
+        assert all(sim.population.online(c, r["round"], 0.0) for c in r["clients"])
         for m in r["client_metrics"]:
             late = m["sim_s"] > 5.0
             assert not (late and m["used"])  # a late reply is never used
@@ -227,15 +229,6 @@ def test_deadline_drops_late_replies_as_wasted_work_and_overselects(tiny_cfg_dic
         assert r["sim_round_s"] <= 5.0
     assert lost > 0 and summary["wasted_flops"] == pytest.approx(lost)
     assert 0 < summary["wasted_share"] < 1
-
-
-def test_offline_clients_are_never_selected(tiny_cfg_dict):
-    d = _cfg(tiny_cfg_dict, rounds=3)
-    for t in d["devices"]["tiers"]:
-        t["availability"] = 0.5
-    sim, _, records, _ = _run(d)
-    for r in records:  # the round's draw: who was online at its start
-        assert all(sim.population.online(c, r["round"], 0.0) for c in r["clients"])
 
 
 def test_async_keeps_clients_training_and_weights_stale_replies(tiny_cfg_dict):
@@ -336,3 +329,32 @@ def test_validate_says_the_policy_and_the_devices_spread(tiny_cfg_dict):
     assert text.startswith("round policy 'async' (FedBuff: 3 training, 2 replies per aggregation)")
     assert "4 devices" in text and "GFLOP/s" in text and "online 100% of rounds" in text
     assert describe_clock(validate_config(tiny_cfg_dict)) == ""
+
+
+def test_budgets_csv_device_columns_give_each_clients_device(tiny_cfg_dict, tmp_path):
+    """budgets.csv may carry the device columns beside the budgets (the budget reader taking
+    them is the planner's); the devices come from it, per client, errors by row."""
+    from fedslice.fl.devices import population
+
+    path = tmp_path / "clients.csv"
+    path.write_text("client,memory_mb,gflops_per_s,upload_mb_per_s\n0,300,10,1\n1,,2,\n"
+                    "2,300,10,1\n3,,0.5,0.2\n")
+    d = json.loads(json.dumps(tiny_cfg_dict))
+    d["budgets"] = {"csv": str(path)}
+    pop = population(validate_config(d))
+    assert [pop.devices[c].gflops_per_s for c in range(4)] == [10, 2, 10, 0.5]
+    assert pop.devices[1].upload_mb_per_s is None and pop.devices[3].upload_mb_per_s == 0.2
+    path.write_text("client,memory_mb,gflops_per_s\n0,300,10\n1,,-2\n2,1,1\n3,1,1\n")
+    with pytest.raises(ConfigError, match="budgets.csv row 3, gflops_per_s: -2.0 is not a positive"):
+        population(validate_config(d))
+
+
+def test_reports_plot_accuracy_against_simulated_time(tiny_cfg_dict, tmp_path):
+    from fedslice.html_report import write_compare_report, write_run_report
+
+    d = _cfg(tiny_cfg_dict, round_policy="deadline", round_deadline_s=5.0, rounds=1)
+    runs = [run_experiment(validate_config(d), tmp_path / "runs")]
+    page = write_run_report(runs[0]).read_text()
+    assert "accuracy against simulated time" in page and "wasted on dropped replies" in page
+    page = write_compare_report(runs, tmp_path / "compare.html").read_text()
+    assert "dev accuracy against simulated time" in page and "s simulated)" in page

@@ -219,6 +219,15 @@ def run_views(folder: Path) -> tuple[dict, list[dict], dict, list[View]]:
         curves[f"test {primary}"] = _series(metrics, f"test_{primary}")
     views.append(line_view(f"{primary} per round", rounds, curves, xlabel="round", ylabel=primary,
                            caption=f"Final test {primary}: {_fmt(test_final)}."))
+    if metrics and all(m.get("sim_time_s") is not None for m in metrics):  # [devices]
+        views.append(line_view(f"{primary} against simulated time", _series(metrics, "sim_time_s"),
+                               curves, xlabel="simulated seconds", ylabel=primary,
+                               x_key="simulated s", caption=(
+                                   "Devices on the simulated clock (docs/time.md): each round "
+                                   f"ends when its policy stops waiting; the run took "
+                                   f"{_fmt(summary.get('sim_time_s'))} simulated s, "
+                                   f"{summary.get('wasted_share') or 0:.1%} of the client FLOPs "
+                                   "wasted on dropped replies.")))
     views.append(line_view("Loss per round", rounds, {"train (clients' mean)": _series(metrics, "train_loss"),
                                                        "dev": _series(metrics, "dev_loss")},
                            xlabel="round", ylabel="loss"))
@@ -330,6 +339,8 @@ def write_compare_report(runs: Sequence[Path], out: str | Path, title: str = "fe
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     views.append(View(f"dev {primary} and communication per round", svg(fig), metric_rows + byte_rows))
+    if data and all(ms and all(m.get("sim_time_s") is not None for m in ms) for _, ms, _ in data):
+        views.append(_time_to_accuracy(runs, data, primary))
     links = "".join(f'<li><a href="{html.escape(_rel(r / REPORT, out.parent))}">'
                     f"{html.escape(r.name)}</a></li>" for r in runs if (r / REPORT).is_file())
     extra = f'<section id="runs"><h2>Run reports</h2><ul>{links}</ul></section>' if links else ""
@@ -338,6 +349,26 @@ def write_compare_report(runs: Sequence[Path], out: str | Path, title: str = "fe
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(out)
     return out
+
+
+def _time_to_accuracy(runs: Sequence[Path], data: list, primary: str) -> View:
+    """Runs with devices (docs/time.md): the dev metric against simulated time, overlaid."""
+    fig, (ax,) = figure()
+    rows = []
+    for r, (_, metrics, summary) in zip(runs, data):
+        name = summary.get("name") or r.name
+        pts = [(m["sim_time_s"], m[f"dev_{primary}"]) for m in metrics
+               if m.get(f"dev_{primary}") is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", markersize=3, label=name)
+        rows += [{"run": name, "simulated s": t, f"dev {primary}": y} for t, y in pts]
+    ax.set_xlabel("simulated seconds")
+    ax.set_ylabel(f"dev {primary}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    return View(f"dev {primary} against simulated time", svg(fig), rows,
+                "Time to accuracy on the simulated clock: each run's devices, round policy and "
+                "wasted work are in its summary (sim_time_s, sim_time_to_target_s, wasted_share).")
 
 
 def _rel(path: Path, start: Path) -> str:

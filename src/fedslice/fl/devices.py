@@ -145,9 +145,24 @@ class Population:
 # --------------------------------------------------------------------------------------------
 
 def has_devices(cfg: ExperimentConfig) -> bool:
-    """The config puts its clients on the simulated clock."""
+    """The config puts its clients on the simulated clock ([devices], device fields in
+    budgets.tiers, or device columns in budgets.csv)."""
     tiers = (cfg.budgets.tiers if cfg.budgets is not None else None) or []
-    return cfg.devices is not None or any(t.device_fields() for t in tiers)
+    return cfg.devices is not None or any(t.device_fields() for t in tiers) or \
+        bool(budget_csv_device_columns(cfg))
+
+
+def budget_csv_device_columns(cfg: ExperimentConfig) -> list[str]:
+    """The device columns of ``budgets.csv`` (its header; [] without one or without the file:
+    reading it is :func:`fedslice.methods.planner.read_budget_csv`'s, which names its errors)."""
+    if cfg.budgets is None or cfg.budgets.csv is None:
+        return []
+    try:
+        with open(cfg.budgets.csv, encoding="utf-8-sig", newline="") as f:
+            header = next(csv.reader(f), [])
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return []
+    return [c.strip() for c in header if c.strip() in DEVICE_FIELDS]
 
 
 def population(cfg: ExperimentConfig, num_clients: int | None = None) -> Population | None:
@@ -157,6 +172,8 @@ def population(cfg: ExperimentConfig, num_clients: int | None = None) -> Populat
         return None
     n = cfg.federation.num_clients if num_clients is None else num_clients
     d = cfg.devices
+    if d is None and cfg.budgets.csv is not None:  # device columns of budgets.csv
+        return Population(read_device_csv(Path(cfg.budgets.csv), n, "budgets.csv"), cfg.seed)
     if d is None:  # device fields of budgets.tiers, placed as the budgets are
         from fedslice.fl.tiers import tier_of_clients
         tiers = cfg.budgets.tiers
@@ -258,11 +275,12 @@ def _number(row: Mapping[str, str], k: str, where: str) -> float:
 _BUDGET_COLUMNS = ("memory_mb", "gflops_per_round", "upload_mb_per_round", "seconds_per_round")
 
 
-def read_device_csv(path: Path, num_clients: int) -> dict[int, Device]:
+def read_device_csv(path: Path, num_clients: int, what: str = "devices.csv") -> dict[int, Device]:
     """Client -> device from a CSV with a ``client`` column and any of the device fields (an
-    empty cell: none); every client once. Errors name the file, the row (its line) and the
-    field."""
-    where, columns, rows = _rows(path, "devices.csv")
+    empty cell: none); every client once. Budget columns are left to the budgets' reader (the
+    same file may be ``budgets.csv``, ``what``). Errors name the file, the row (its line) and
+    the field."""
+    where, columns, rows = _rows(path, what)
     if unknown := [c for c in columns if c not in DEVICE_FIELDS and c != "client"
                    and c not in _BUDGET_COLUMNS]:
         raise ConfigError(f"{where}: unknown column(s) {unknown} (known: client, "
@@ -274,7 +292,7 @@ def read_device_csv(path: Path, num_clients: int) -> dict[int, Device]:
         if c in out:
             raise ConfigError(f"{at}, client: client {c} has a second row")
         values = {k: _number(row, k, at) for k in DEVICE_FIELDS if k in row and row[k]}
-        out[c] = Device(**values, where=f"devices.csv row {line}")
+        out[c] = Device(**values, where=f"{what} row {line}")
     if missing := sorted(set(range(num_clients)) - set(out)):
         raise ConfigError(f"{where}: no row for client(s) {missing[:10]}"
                           f"{' ...' if len(missing) > 10 else ''}")
