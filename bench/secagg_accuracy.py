@@ -33,6 +33,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--per-round", type=int, default=4)
     p.add_argument("--max-length", type=int, default=48)
     p.add_argument("--dev", type=int, default=500)
+    p.add_argument("--set", action="append", default=[], help="more overrides (key=value)")
     args = p.parse_args(argv)
     base = [f"federation.rounds={args.rounds}", f"federation.local_steps={args.steps}",
             f"federation.batch_size={args.batch_size}", f"federation.lr={args.lr}",
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> int:
             f"federation.clients_per_round={args.per_round}", f"data.max_length={args.max_length}",
             f"data.max_dev_examples={args.dev}", f"data.max_test_examples={args.dev}",
             f"evaluation.every={args.rounds}", "output.plots=false", "output.progress=false",
-            "output.save_weights=false"]
+            "output.save_weights=false", *args.set]
     out = {}
     for secure in (False, True):
         cfg = load_config(CONFIGS[args.method],

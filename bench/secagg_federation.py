@@ -163,8 +163,11 @@ def run_variant(args, variant: str, work: Path) -> dict:
             **{k: m.get(k) for k in ("secagg_clients", "secagg_recovered", "secagg_clipped",
                                      "secagg_upload_bytes", "secagg_full_upload_bytes",
                                      "secagg_skipped")}})
+    # the ServerApp's word that a killed node's unmasking answer is missing (after masking)
+    unmask_missing = sorted(set(re.findall(r"client (\d+) did not answer the unmasking", log_text)))
     out = {"variant": variant, "status": status, "uptime_before": before, "uptime_after": after,
-           "killed_nodes": killed, "rounds": rounds, "wall_s": time.monotonic() - t0,
+           "killed_nodes": killed, "unmask_missing_clients": unmask_missing,
+           "rounds": rounds, "wall_s": time.monotonic() - t0,
            "test_accuracy": summary.get("test_accuracy"),
            "final_dev_accuracy": summary.get("final_dev_accuracy")}
     if secure:
@@ -200,7 +203,8 @@ def table(args, results: list[dict]) -> str:
     lines.append("")
     for r in results:
         if "error" not in r:
-            lines.append(f"- {r['variant']}: killed {r['killed_nodes']}, test accuracy "
+            lines.append(f"- {r['variant']}: killed {r['killed_nodes']} (clients missing at the "
+                         f"unmasking: {r.get('unmask_missing_clients')}), test accuracy "
                          f"{r['test_accuracy']}, excluded per round "
                          f"{[x['excluded'] for x in r['rounds']]}, wall {r['wall_s']:.0f} s")
     return "\n".join(lines)
