@@ -178,7 +178,9 @@ def _shrunk(argv: list[str]) -> list[str]:
     if methods and methods <= {"raffm", "raffm+heads"}:
         extra += ["method.width_steps=4"]
     if any(c.budgets is not None for f in configs for c in load_variants(ROOT / f)):
-        extra += ["budgets.width_steps=2"]
+        # RaFFM's tiers reach down to 0.25 of a dense client's FLOPs: a grid that holds them
+        extra += ["budgets.width_steps=4" if methods and methods <= {"raffm", "raffm+heads"}
+                  else "budgets.width_steps=2"]
     if any(c.data.partition == "natural" for f in configs for c in load_variants(ROOT / f)):
         # the clients come from the data (a num_clients that differs is an error)
         extra = [x for x in extra if not x.startswith(("federation.num_clients=",

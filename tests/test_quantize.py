@@ -364,8 +364,8 @@ class _Watch(Rounds):
         super().__init__(cfg, method)
         self.rss, self.ptrs, self.model_bytes = [], [], []
 
-    def round_done(self, server_round, state, record, selector):
-        super().round_done(server_round, state, record, selector)
+    def round_done(self, server_round, state, record, selector, clock=None):
+        super().round_done(server_round, state, record, selector, clock)
         self.rss.append(psutil.Process().memory_info().rss)
         q = Q.quantized_weights(self.method.model)
         self.ptrs.append(sorted((n, p.qdata.data_ptr()) for n, p in q.items()))

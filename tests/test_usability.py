@@ -196,15 +196,14 @@ def test_own_data_config_is_short_and_valid(tmp_path, tiny_model_dir):
     assert splits["train"].label_names == sorted(TOPICS) and len(splits["test"]) == 24
 
 
-def test_validate_gives_raffm_sub_model_sizes_per_client(tiny_cfg_dict):
-    """RaFFM's planner reads tensor values: validate retries on random weights (same shapes) and
-    lists the sub-model of every budget tier."""
+def test_validate_points_raffm_sub_model_sizes_to_the_planner(tiny_cfg_dict):
+    """RaFFM's clients are planned ([budgets], its tiers a spelling of them): validate does not
+    plan, it says where each client's sub-model is printed (`fedslice plan`)."""
     from fedslice.experiment import validate_config
     from fedslice.plan import make_plan
 
     tiny_cfg_dict["method"] = {"name": "raffm", "width_steps": 4,
                                "tiers": [{"share": 0.5, "flops": 0.5}, {"share": 0.5, "flops": 1.0}]}
     plan = make_plan(validate_config(tiny_cfg_dict), timing=False)
-    assert plan.submodel_params and all(0 < n < plan.total_params for n in plan.submodel_params.values())
-    assert any("randomly initialised" in n for n in plan.notes)
-    assert len(plan.bytes_up) == 4 and "sub-models" in plan.render()
+    assert not plan.submodel_params and plan.total_params > 0
+    assert any("fedslice plan CONFIG" in n for n in plan.notes)

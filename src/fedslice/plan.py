@@ -195,8 +195,11 @@ def make_plan(cfg: ExperimentConfig, *, timing: bool = True) -> Plan:
 
 
 def _method_sizes(cfg: ExperimentConfig, plan: Plan, inputs: Inputs, loaded: LoadedModel) -> None:
-    """Build the method on ``loaded``; record what each client receives and sends."""
+    """Build the method on ``loaded``; record what each client receives and sends (under
+    ``[budgets]`` each client's model and upload are its plan's: ``fedslice plan`` measures them)."""
     plan.total_params = sum(p.numel() for p in loaded.model.parameters())
+    if cfg.budgets is not None:
+        return
     try:
         method = inputs.method(cfg, role="client", loaded=loaded)
         state = method.initial_state()
