@@ -68,7 +68,7 @@ SLICES = {
                      "size_weight": 1.0}, {}),
     "fedot": ("fedot", {}),
     "fedpetuning+ranks": ({"name": "fedpetuning", "tiers": [{"share": 0.5, "flops": 0.95},
-                                                            {"share": 0.5, "flops": 0.91}]},
+                                                            {"share": 0.5, "flops": 0.92}]},
                           {"r": 8, "ranks": [2, 4, 8]}),
 }
 
