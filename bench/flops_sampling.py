@@ -4,7 +4,7 @@ No training: replays each client's round-1 local batches as its loader draws the
 (``fl.client.local_batch_rows`` with the run's ``run.engine.client_seed``, packed as
 ``data.packing.row_capacity`` lays them out) for every client of a ``bench/budget_predictions.py``
 classifier config, and compares the positions (rows x row length, what most of a step's FLOPs grow
-with) to the planner's prediction (``methods.planner.step_units``). Prints the mean over all
+with) to the planner's prediction (``methods.plan_batches.step_units``). Prints the mean over all
 clients against the prediction, one client-round's spread, and how often the mean of a round of
 k random clients is within 10% of the prediction.
 
@@ -26,7 +26,7 @@ import budget_predictions as bp  # noqa: E402  (the benchmark's own configs)
 from fedslice.data.packing import ROW_TOKENS, row_capacity  # noqa: E402
 from fedslice.experiment import validate_config  # noqa: E402
 from fedslice.fl.client import local_batch_rows  # noqa: E402
-from fedslice.methods.planner import step_units  # noqa: E402
+from fedslice.methods.plan_batches import step_units  # noqa: E402
 from fedslice.run.engine import client_seed  # noqa: E402
 from fedslice.run.setup import load_inputs  # noqa: E402
 

@@ -21,7 +21,7 @@ from fedslice.api import run_experiment
 from fedslice.errors import ConfigError
 from fedslice.experiment import validate_config
 from fedslice.fl.client import is_checkpointing
-from fedslice.methods.planner import client_budgets, read_budget_csv
+from fedslice.methods.budgets import client_budgets, read_budget_csv
 
 
 def _cfg(tiny_cfg_dict, budgets, method="fedpetuning", **extra) -> dict:
@@ -282,7 +282,8 @@ def test_a_sub_model_is_skipped_only_when_no_overhead_brings_it_within_budget(ti
     """Checkpointing saves memory and costs FLOPs: a budget that the least-memory point
     (checkpointing + the most micro-batches) misses on FLOPs, but micro-batches alone meet, is
     planned with micro-batches and no checkpointing, not refused."""
-    from fedslice.methods.planner import BudgetPlanner, ClientBudget, Knobs
+    from fedslice.methods.budgets import ClientBudget
+from fedslice.methods.planner import BudgetPlanner, Knobs
     from fedslice.run.setup import load_inputs
 
     cfg = validate_config(_cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, "memory_mb": 1000}]},

@@ -13,7 +13,7 @@ import pytest
 
 from fedslice.cli import main
 from fedslice.experiment import load_config
-from fedslice.methods.planner import client_budgets, read_budget_csv
+from fedslice.methods.budgets import client_budgets, read_budget_csv
 
 
 def _write_config(tiny_cfg_dict, folder: Path, budgets: dict) -> Path:

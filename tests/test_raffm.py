@@ -13,7 +13,8 @@ from fedslice.errors import ConfigError
 from fedslice.api import setup
 from fedslice.run.engine import Simulation
 from fedslice.fl.strategy import Reply
-from fedslice.methods.planner import ClientBudget, ClientPlan, Knobs, client_budgets
+from fedslice.methods.budgets import ClientBudget, client_budgets
+from fedslice.methods.planner import ClientPlan, Knobs
 from fedslice.methods.raffm import RaFFMStrategy
 from fedslice.models.arch import ARCHITECTURES
 from fedslice.slicing.aggregate import fedavg

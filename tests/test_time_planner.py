@@ -12,7 +12,7 @@ import pytest
 from fedslice.api import setup
 from fedslice.errors import ConfigError
 from fedslice.experiment import validate_config
-from fedslice.methods.planner import render_plans
+from fedslice.methods.plan_report import render_plans
 from fedslice.run.asynchronous import simulation_for
 
 #: a fast and a slow device, 10x apart, links that count

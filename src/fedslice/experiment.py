@@ -59,7 +59,7 @@ def _from_file(data: dict[str, Any], path: str | Path, overrides: list[str] | No
     ``budgets.csv`` fails here, before any model or data is loaded."""
     cfg = validate_config(_with_overrides(data, path, overrides), source)
     if cfg.budgets is not None and cfg.budgets.csv is not None:
-        from fedslice.methods.planner import read_budget_csv
+        from fedslice.methods.budgets import read_budget_csv
         read_budget_csv(Path(cfg.budgets.csv), cfg.federation.num_clients)
     if cfg.devices is not None:  # devices.csv and devices.trace, read now
         from fedslice.fl.devices import check_devices

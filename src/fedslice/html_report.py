@@ -248,7 +248,7 @@ def run_views(folder: Path) -> tuple[dict, list[dict], dict, list[View]]:
     if part is not None:
         views.append(part)
     if summary.get("plans"):
-        from fedslice.methods.planner import plans_view
+        from fedslice.methods.plan_report import plans_view
         views.append(plans_view(summary["plans"]))
     if summary.get("samples"):
         views.append(_samples_view(summary["samples"]))

@@ -238,7 +238,7 @@ def budget_plan(cfg: ExperimentConfig, json_path: str | None = None) -> str:
     as JSON. A ConfigError when the config has no budgets or a client's budget fits no plan."""
     import json
 
-    from fedslice.methods.planner import render_plans
+    from fedslice.methods.plan_report import render_plans
 
     if cfg.budgets is None:
         raise ConfigError("fedslice plan: the config has no [budgets] section (tiers or a csv of "
@@ -246,7 +246,7 @@ def budget_plan(cfg: ExperimentConfig, json_path: str | None = None) -> str:
     configure_process(cfg)
     inputs = load_inputs(cfg, role="both", weights="random")
     method = inputs.method(cfg, "both")
-    from fedslice.methods.planner import planning_lengths
+    from fedslice.methods.plan_batches import planning_lengths
 
     fed = cfg.federation
     longest, per_example = planning_lengths(cfg, inputs.data.train.lengths)

@@ -154,7 +154,7 @@ def has_devices(cfg: ExperimentConfig) -> bool:
 
 def budget_csv_device_columns(cfg: ExperimentConfig) -> list[str]:
     """The device columns of ``budgets.csv`` (its header; [] without one or without the file:
-    reading it is :func:`fedslice.methods.planner.read_budget_csv`'s, which names its errors)."""
+    reading it is :func:`fedslice.methods.budgets.read_budget_csv`'s, which names its errors)."""
     if cfg.budgets is None or cfg.budgets.csv is None:
         return []
     try:

@@ -274,9 +274,10 @@ class Method:
         plan from its payload), measured on ``batch`` (default: the task's profile batch of
         federation.batch_size rows as long as the longest training example: a step's peak
         memory is its longest batch's), its FLOPs scaled to the
-        tokens a batch really holds (:func:`~fedslice.methods.planner.planning_lengths`); kept
+        tokens a batch really holds (:func:`~fedslice.methods.plan_batches.planning_lengths`); kept
         in :attr:`plans`."""
-        from fedslice.methods.planner import packed_peak_shape, plan_clients, planning_lengths, step_units
+        from fedslice.methods.plan_batches import packed_peak_shape, planning_lengths, step_units
+        from fedslice.methods.planner import plan_clients
 
         if self.cfg.budgets is None or self.role == "client":
             return {}

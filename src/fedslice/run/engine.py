@@ -271,7 +271,7 @@ def finalize(cfg: ExperimentConfig, method: Method, data: FederatedData, state: 
         summary["samples"] = samples
     summary.update(method.final_metrics(state, data, records, cfg.evaluation.batch_size))
     if method.plans:  # [budgets]: each group's plan, its predicted and measured costs
-        from fedslice.methods.planner import plan_report
+        from fedslice.methods.plan_report import plan_report
         summary["plans"] = plan_report(method.plans, records)
     return summary
 

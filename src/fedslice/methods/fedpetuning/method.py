@@ -14,7 +14,7 @@ import numpy as np
 from fedslice.config import ExperimentConfig
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.methods.base import Method, Role
-from fedslice.methods.planner import PlannedStrategy
+from fedslice.methods.plan_strategy import PlannedStrategy
 from fedslice.methods.fedpetuning.report import mean_of
 from fedslice.methods.fedpetuning.strategy import at_rank
 from fedslice.models.loading import LoadedModel

@@ -1,5 +1,5 @@
 """A ``fedpetuning`` client's LoRA tensors at its rank (its strategy is the planner's
-:class:`~fedslice.methods.planner.PlannedStrategy`, or FedAvg). See :mod:`fedslice.methods.fedpetuning`.
+:class:`~fedslice.methods.plan_strategy.PlannedStrategy`, or FedAvg). See :mod:`fedslice.methods.fedpetuning`.
 """
 
 from __future__ import annotations

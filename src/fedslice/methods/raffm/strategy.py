@@ -10,7 +10,8 @@ from typing import Any
 
 from fedslice.config import FederationConfig
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
-from fedslice.methods.planner import ClientPlan, plan_config
+from fedslice.methods.plan_strategy import plan_config
+from fedslice.methods.planner import ClientPlan
 from fedslice.methods.raffm.options import RaFFMMethod
 from fedslice.models.arch import ArchSpec
 from fedslice.slicing.keys import sliceable_keys
