@@ -36,7 +36,8 @@ import torch
 
 from fedslice.api import setup
 from fedslice.experiment import load_config, validate_config
-from fedslice.slicing.heads import fill_pruned_heads, fill_ridge, mask_spec, output_means
+from fedslice.slicing.head_fill import fill_pruned_heads, fill_ridge, output_means
+from fedslice.slicing.heads import mask_spec
 from fedslice.slicing.surgery import extract_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -218,7 +218,7 @@ def test_heads_sends_only_kept_heads_of_each_adapter(adapter, model_dirs, tiny_c
     client's keep-mask: LoRA B rows / A columns, DoRA magnitudes, IA3 vector slices, a prefix's
     key/value columns), fewer bytes than the dense adapter, and bytes_up counts what is sent."""
     from fedslice.methods.heads import KEPT
-    from fedslice.slicing.heads import heads_state
+    from fedslice.slicing.head_aggregate import heads_state
     cfg = config(adapter, "llama", "generation", model_dirs, tiny_cfg_dict, tiny_gen_cfg_dict,
                  "heads", sparsity=0.5, importance_max_examples=8)
     method, _, state, _, _, reply = one_round(cfg, True)

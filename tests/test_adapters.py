@@ -32,8 +32,8 @@ from fedslice.peft import (DoraAdapter, DoraConfig, IA3Adapter, IA3Config, LoraA
                            PTuningConfig)
 from fedslice.peft.targets import logical
 from fedslice.registry import ADAPTERS
-from fedslice.slicing.heads import (HeadUpdate, aggregate_heads, heads_state, mask_rows, mask_spec,
-                                    position_cuts)
+from fedslice.slicing.head_aggregate import HeadUpdate, aggregate_heads, heads_state, position_cuts
+from fedslice.slicing.heads import mask_rows, mask_spec
 from fedslice.slicing.partial import partial_model
 from fedslice.slicing.salience import part_weights
 from fedslice.slicing.keys import HeadPositions, key_info

@@ -149,7 +149,8 @@ def test_eq8_against_numpy_reference():
     import numpy as np
 
     from fedslice.models.arch import ARCHITECTURES
-    from fedslice.slicing.heads import HeadUpdate, aggregate_heads, mask_spec
+    from fedslice.slicing.head_aggregate import HeadUpdate, aggregate_heads
+    from fedslice.slicing.heads import mask_spec
     from fedslice.slicing.state import extract_state
     arch = ARCHITECTURES["bert"]
     L, H, hd, r = 2, 4, 2, 3
@@ -200,7 +201,8 @@ def test_eq8_against_numpy_reference():
 
 def test_fedavg_mode_averages_kept_heads_by_examples():
     from fedslice.models.arch import ARCHITECTURES
-    from fedslice.slicing.heads import HeadUpdate, aggregate_heads, mask_spec
+    from fedslice.slicing.head_aggregate import HeadUpdate, aggregate_heads
+    from fedslice.slicing.heads import mask_spec
     from fedslice.slicing.state import extract_state
     arch = ARCHITECTURES["bert"]
     dims = {"num_layers": 1, "num_heads": 2, "head_dim": 1, "hidden": 2, "ffn": 3}

@@ -16,8 +16,9 @@ from fedslice.api import setup
 from fedslice.experiment import validate_config
 from fedslice.methods.heads import ALPHA, KEPT
 from fedslice.models.arch import arch_for
-from fedslice.slicing.heads import (HeadUpdate, aggregate_heads, confidence, fill_pruned_heads,
-                                    head_importance, mask_rows, mask_spec, num_rows, output_means)
+from fedslice.slicing.head_aggregate import HeadUpdate, aggregate_heads
+from fedslice.slicing.heads import confidence, head_importance, mask_rows, mask_spec, num_rows
+from fedslice.slicing.head_fill import fill_pruned_heads, output_means
 from fedslice.slicing.partial import PartialLinear, partial_model
 from fedslice.slicing.keys import key_info
 from fedslice.slicing.state import extract_state
@@ -274,7 +275,7 @@ def test_linear_fill_is_the_ridge_regression_of_the_pruned_heads_on_the_attentio
     forwards it was fitted on; the sub-model computes exactly the full model with each such
     layer's pruned heads replaced by that map (headless layers: the mean fill). A lower rank
     fits worse on the same tokens, but better than the mean alone."""
-    from fedslice.slicing.heads import FILL_RIDGE, linear_fill
+    from fedslice.slicing.head_fill import FILL_RIDGE, linear_fill
 
     model = _with_lora(_lm(tiny_lm_dirs, arch)).eval()
     a = arch_for(model)
@@ -349,7 +350,7 @@ def test_linear_fill_chooses_its_ridge_by_two_fold_cross_validation_over_example
     calls of 3 and 2 examples); :func:`fill_ridge` picks the ridge whose fit on one half has the
     least squared error on the other, both ways round (numpy, from the tokens); the default fill
     is fitted at that ridge; fewer than two examples: FILL_RIDGE."""
-    from fedslice.slicing.heads import FILL_RIDGE, fill_ridge, linear_fill
+    from fedslice.slicing.head_fill import FILL_RIDGE, fill_ridge, linear_fill
 
     model = _with_lora(_lm(tiny_lm_dirs, arch)).eval()
     a = arch_for(model)

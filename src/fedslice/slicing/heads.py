@@ -29,7 +29,6 @@ model, L_enc + 2 L_dec for an encoder-decoder. Every stack has the same head cou
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -41,10 +40,9 @@ from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.data.packing import segment_ids
 from fedslice.errors import ConfigError, ModelError
 from fedslice.models.arch import arch_for
-from fedslice.slicing.aggregate import aggregate_deltas
-from fedslice.slicing.keys import HeadPositions, KeyInfo, key_info
+from fedslice.slicing.keys import KeyInfo, key_info
 from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec, kv_groups, stack_list
-from fedslice.slicing.state import extract_state, scatter
+
 
 Dims = Mapping[str, int] | Sequence[Mapping[str, int]]
 
@@ -248,7 +246,7 @@ def keep_mask(importance: torch.Tensor, sparsity: float, *,
     return torch.cat(masks).view(n_layers, n_heads)
 
 
-def _stacks(dims: Dims) -> list[Mapping[str, int]]:
+def dims_stacks(dims: Dims) -> list[Mapping[str, int]]:
     """Per-stack dims (a single Mapping is a one-stack model)."""
     return [dims] if isinstance(dims, Mapping) else list(dims)
 
@@ -256,7 +254,7 @@ def _stacks(dims: Dims) -> list[Mapping[str, int]]:
 def mask_rows(dims: Dims) -> dict[tuple[int, int], int]:
     """(stack, attention family) -> first row of its block of ``num_layers`` rows in a keep-mask."""
     out, r = {}, 0
-    for k, d in enumerate(_stacks(dims)):
+    for k, d in enumerate(dims_stacks(dims)):
         for f in range(d.get("families", 1)):
             out[(k, f)] = r
             r += d["num_layers"]
@@ -265,7 +263,7 @@ def mask_rows(dims: Dims) -> dict[tuple[int, int], int]:
 
 def num_rows(dims: Dims) -> int:
     """Rows R of a keep-mask: one per (attention family, layer)."""
-    return sum(d["num_layers"] * d.get("families", 1) for d in _stacks(dims))
+    return sum(d["num_layers"] * d.get("families", 1) for d in dims_stacks(dims))
 
 
 def head_axes(names: Iterable[str], arch) -> dict[str, KeyInfo]:
@@ -308,14 +306,10 @@ def head_weight(per_head: torch.Tensor, info: KeyInfo, dims: Mapping[str, int],
     return w[:, None] if info.axis == 0 else w[None, :]
 
 
-# --------------------------------------------------------------------------------------------
-# Masks as slice specs, and head-weighted aggregation (Eq. 8)
-# --------------------------------------------------------------------------------------------
-
 def mask_spec(mask: torch.Tensor, dims: Dims) -> ModelSlice:
     """The slice of a (R, H) keep-mask (:func:`mask_rows`): every layer of every stack, its kept
     heads per attention family (key/value heads follow their query heads), every FFN neuron."""
-    stacks, rows = _stacks(dims), mask_rows(dims)
+    stacks, rows = dims_stacks(dims), mask_rows(dims)
     if tuple(mask.shape) != (num_rows(dims), stacks[0]["num_heads"]):
         raise ValueError(f"keep-mask of shape {tuple(mask.shape)}, expected "
                          f"{(num_rows(dims), stacks[0]['num_heads'])}")
@@ -336,7 +330,7 @@ def mask_spec(mask: torch.Tensor, dims: Dims) -> ModelSlice:
 
 def _stack_slices(spec: Spec, dims: Dims) -> list[SliceSpec]:
     """One SliceSpec per stack of ``spec`` (a stack kept whole: its full spec)."""
-    stacks = _stacks(dims)
+    stacks = dims_stacks(dims)
     given = list(stack_list(spec)) + [None] * (len(stacks) - len(stack_list(spec)))
     return [SliceSpec.full(d) if s is None else s for s, d in zip(given, stacks)]
 
@@ -346,7 +340,7 @@ def sub_dims(dims: Dims, spec: Spec) -> list[dict[str, int]]:
     and its heads per layer (which must be as many in every kept layer and family: RaFFM's
     width slices are; a ModelError otherwise), key/value heads likewise."""
     out = []
-    for k, (d, s) in enumerate(zip(_stacks(dims), _stack_slices(spec, dims))):
+    for k, (d, s) in enumerate(zip(dims_stacks(dims), _stack_slices(spec, dims))):
         fams = range(d.get("families", 1))
         counts = {len(s.heads_of(j, f)) for j in range(len(s.layers)) for f in fams}
         kv = {len(s.kv_heads(j, 0)) for j in range(len(s.layers))}
@@ -366,9 +360,9 @@ def to_full(sub: torch.Tensor, spec: Spec, dims: Dims) -> torch.Tensor:
     """A (R', H') per-head tensor of the sub-model of ``spec`` (keep-mask, importance) placed at
     its heads in the full model's (R, H) layout; zero (False) on every head outside the slice."""
     rows, sub_rows = mask_rows(dims), mask_rows(sub_dims(dims, spec))
-    out = torch.zeros((num_rows(dims), _stacks(dims)[0]["num_heads"]), dtype=sub.dtype)
+    out = torch.zeros((num_rows(dims), dims_stacks(dims)[0]["num_heads"]), dtype=sub.dtype)
     for k, s in enumerate(_stack_slices(spec, dims)):
-        for f in range(_stacks(dims)[k].get("families", 1)):
+        for f in range(dims_stacks(dims)[k].get("families", 1)):
             for j, layer in enumerate(s.layers):
                 heads = torch.tensor(s.heads_of(j, f), dtype=torch.long)
                 out[rows[(k, f)] + layer, heads] = sub[sub_rows[(k, f)] + j, :len(heads)]
@@ -386,406 +380,7 @@ def restrict(spec: Spec, kept: torch.Tensor, dims: Dims) -> ModelSlice:
             return tuple(tuple(h for h in s.heads_of(j, f) if bool(kept[r + layer, h]))
                          for j, layer in enumerate(s.layers))
 
-        cross = heads(1) if _stacks(dims)[k].get("families", 1) > 1 else None
+        cross = heads(1) if dims_stacks(dims)[k].get("families", 1) > 1 else None
         out.append(SliceSpec(s.layers, heads(0), s.neurons, s.num_layers, s.num_heads,
                              s.head_dim, s.ffn, s.num_kv_heads, cross))
     return ModelSlice(tuple(out))
-
-
-@dataclass
-class HeadUpdate:
-    """One client's upload: its sub-state (full-model names, kept heads only), its (R, H) keep
-    mask, its importance α_c (Eq. 7: 0 on pruned heads; None under FedAvg) and |D_c|."""
-
-    arrays: Mapping[str, torch.Tensor]
-    kept: torch.Tensor
-    alpha: torch.Tensor | None
-    num_examples: int
-    #: the slice the client trained, in full-model indices (None: :func:`mask_spec` of ``kept``,
-    #: the full model's kept heads); a sub-model's, restricted to its kept heads (:func:`restrict`)
-    spec: Spec | None = None
-    #: a factor on every weight of the client (RaFFM's f^p)
-    factor: float = 1.0
-
-
-def head_client_weights(update: HeadUpdate, keys: Iterable[str], masks: Mapping[str, torch.Tensor],
-                        axes: Mapping[str, KeyInfo], dims: Dims,
-                        mode: Literal["head_weighted", "fedavg"]) -> dict[str, torch.Tensor | float]:
-    """Per-key weights of one client: α_hc on the rows/columns of head h of a head-tied tensor
-    (``head_weighted``, Eq. 8; a key/value head: the sum of α over its kept query heads) or |D_c|
-    on the kept heads (``fedavg``; a key/value head: while any query head of its group is kept);
-    |D_c| times the held-mask on every other tensor (Eq. 5)."""
-    n = float(update.num_examples)
-    kept, stacks, rows = update.kept.bool(), _stacks(dims), mask_rows(dims)
-    out: dict[str, torch.Tensor | float] = {}
-    for k in keys:
-        info = axes.get(k)
-        if info is None:
-            out[k] = n * masks[k]
-            continue
-        r = rows[(info.stack, info.family)] + info.layer
-        if mode == "head_weighted":
-            per_head, reduce = update.alpha[r].float() * kept[r], "sum"     # (H,)
-        else:
-            per_head, reduce = n * kept[r].float(), "max"
-        w = head_weight(per_head, info, stacks[info.stack], reduce)
-        if isinstance(keys, Mapping) and keys[k].dim() == 1:
-            w = w.flatten()  # a vector along the head axis (DoRA's magnitudes): (rows,)
-        out[k] = w * masks[k]
-    return out
-
-
-def aggregate_heads(global_state: Mapping[str, torch.Tensor], updates: Sequence[HeadUpdate],
-                    arch, dims: Dims, *,
-                    mode: Literal["head_weighted", "fedavg"] = "head_weighted",
-                    eta: float = 1.0, eps: float = 1e-8,
-                    positions: Positions | None = None) -> dict[str, torch.Tensor]:
-    """Server update of the global trainable state from head-pruned clients (pure function).
-
-    Head-tied LoRA tensors (q/k/v ``lora_B`` rows, o ``lora_A`` columns; :func:`head_axes`):
-    ``p_h += eta * sum_c α_hc Δp_hc / (sum_c α_hc + eps)`` (Eq. 8), or the example-weighted mean
-    over the clients that kept head h (``fedavg``). A head that no client kept is unchanged.
-    A tensor outside the blocks that maps to heads (``positions``: a prefix's key/value columns)
-    is weighted per key/value head the same way. Every other tensor: Eq. 5 over the clients that
-    sent it (eps = 0).
-    """
-    deltas, weights = head_deltas(global_state, updates, arch, dims, mode, positions)
-    return combine_heads(global_state, deltas, weights, arch, dims, eta=eta, eps=eps,
-                         positions=positions)
-
-
-Positions = Mapping[str, HeadPositions]
-
-
-def kept_positions(pos: HeadPositions, kept: torch.Tensor, dims: Dims) -> torch.Tensor:
-    """The entries along ``pos.axis`` that a client with the (R, H) keep-mask ``kept`` holds:
-    those of a key/value head with a kept query head in its row (all of them under plain
-    multi-head attention, where a key/value head is its query head)."""
-    return torch.nonzero(_kv_kept(kept, dims)[pos.row, pos.kv]).flatten()
-
-
-def _kv_kept(kept: torch.Tensor, dims: Dims) -> torch.Tensor:
-    """(R, KV): a key/value head is kept while any query head of its group is."""
-    kv = _stacks(dims)[0].get("num_kv_heads", kept.shape[1])
-    return kept.bool().view(kept.shape[0], kv, -1).any(-1)
-
-
-def position_cuts(positions: Positions, kept: torch.Tensor, dims: Dims
-                  ) -> dict[str, tuple[torch.Tensor, int]]:
-    """name -> (kept entries, axis) of each tensor outside the blocks that maps to heads (for
-    :func:`fedslice.slicing.partial.partial_model`'s ``extra``)."""
-    return {n: (kept_positions(p, kept, dims), p.axis) for n, p in positions.items()}
-
-
-def heads_state(state: Mapping[str, torch.Tensor], kept: torch.Tensor, arch, dims: Dims,
-                positions: Positions | None = None) -> dict[str, torch.Tensor]:
-    """What a client with keep-mask ``kept`` holds of ``state``: the block tensors of its kept
-    heads (:func:`extract_state` of :func:`mask_spec`), and of a tensor outside the blocks that
-    maps to heads (a prefix: ``positions``) the entries of its kept key/value heads."""
-    out = extract_state(state, mask_spec(kept, dims), arch)
-    for name, pos in (positions or {}).items():
-        if name in out:
-            out[name] = out[name].index_select(pos.axis, kept_positions(pos, kept, dims))
-    return out
-
-
-def _position_weight(per_head: torch.Tensor, pos: HeadPositions, dims: Dims, shape,
-                     reduce: Literal["sum", "max"]) -> torch.Tensor:
-    """A per-(row, query head) weight (R, H) summed (or maxed) over each key/value head's group
-    and laid out along ``pos.axis`` of a tensor of ``shape``, broadcastable against it."""
-    kv = _stacks(dims)[0].get("num_kv_heads", per_head.shape[1])
-    groups = per_head.float().view(per_head.shape[0], kv, -1)           # (R, KV, H / KV)
-    w = (groups.sum(-1) if reduce == "sum" else groups.amax(-1))[pos.row, pos.kv]  # (N,)
-    view = [1] * len(shape)
-    view[pos.axis] = shape[pos.axis]
-    return w.view(view)
-
-
-def head_deltas(global_state: Mapping[str, torch.Tensor], updates: Sequence[HeadUpdate], arch,
-                dims: Dims, mode: Literal["head_weighted", "fedavg"],
-                positions: Positions | None = None
-                ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor | float]]]:
-    """Each client's update scattered to full shape (zeros where not held) and its per-element
-    weights (α on head-tied rows/columns, or |D_c| x held-mask). ``positions``: tensors outside
-    the blocks that map to heads (a prefix), weighted per key/value head alike."""
-    if mode == "head_weighted" and any(u.alpha is None for u in updates):
-        raise ValueError("head_weighted aggregation needs every client's importance alpha")
-    positions = positions or {}
-    shapes = {k: t.shape for k, t in global_state.items()}
-    axes = head_axes(global_state, arch)
-    deltas, weights = [], []
-    for u in updates:
-        spec = mask_spec(u.kept, dims) if u.spec is None else u.spec
-        if u.spec is None:
-            g_sub = heads_state(global_state, u.kept, arch, dims, positions)
-        else:  # a sub-model's slice: no prefix positions (RaFFM refuses such adapters)
-            g_sub = extract_state(global_state, spec, arch)
-        delta = {k: u.arrays[k].float() - g_sub[k].float() for k in u.arrays}  # sliced shapes
-        outside = {k: delta.pop(k) for k in list(delta) if k in positions}
-        full, masks = scatter(delta, spec, arch, shapes)
-        w = head_client_weights(u, full, masks, axes, dims, mode)
-        n, kept = float(u.num_examples), u.kept.bool()
-        for k, d in outside.items():
-            pos = positions[k]
-            idx = kept_positions(pos, kept, dims)
-            full[k] = torch.zeros(shapes[k]).index_copy_(pos.axis, idx, d)
-            per_head = (u.alpha.float() * kept) if mode == "head_weighted" else n * kept.float()
-            held = torch.zeros(shapes[k][pos.axis])
-            held[idx] = 1.0
-            view = [1] * len(shapes[k])
-            view[pos.axis] = shapes[k][pos.axis]
-            w[k] = _position_weight(per_head, pos, dims, shapes[k],
-                                    "sum" if mode == "head_weighted" else "max") * held.view(view)
-        if u.factor != 1.0:
-            w = {k: u.factor * x for k, x in w.items()}
-        deltas.append(full)
-        weights.append(w)
-    return deltas, weights
-
-
-def combine_heads(global_state: Mapping[str, torch.Tensor], deltas, weights, arch,
-                  dims: Dims, *, eta: float = 1.0, eps: float = 1e-8,
-                  positions: Positions | None = None) -> dict[str, torch.Tensor]:
-    """Eq. 8 (eps) on the head-tied tensors (``positions`` too), Eq. 5 (no eps) on the others."""
-    axes = {**head_axes(global_state, arch), **(positions or {})}
-    tied = {k: t for k, t in global_state.items() if k in axes}
-    rest = {k: t for k, t in global_state.items() if k not in axes}
-    new = aggregate_deltas(tied, deltas, weights, eta=eta, eps=eps)
-    new.update(aggregate_deltas(rest, deltas, weights, eta=eta, eps=0.0))
-    return {k: new[k] for k in global_state}
-
-
-# --------------------------------------------------------------------------- pruned heads' means
-class OutputMeans(dict):
-    """(stack, family, layer) -> the mean input of that attention's output projection ``o`` (the
-    heads' concatenated outputs, one block of ``head_dim`` columns per head) over the real tokens
-    of the forwards run inside :func:`output_means`; filled when its ``with`` block ends. With
-    ``regression``: also, per key, the moments a linear fill is fitted from
-    (:class:`FillMoments`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.moments: dict[tuple[int, int, int], FillMoments] = {}
-
-
-@dataclass
-class FillMoments:
-    """Sums over real tokens of one attention layer, ``h`` its input (what ``q`` reads) with a
-    constant 1 appended, ``x`` its output projection's input: ``gram`` = sum h h^T (D+1, D+1),
-    ``cross`` = sum h x^T (D+1, W), in float64; ``half_gram`` / ``half_cross`` the same sums
-    over every other row of the forwards' batches (the 1st, 3rd, ... in order: an example, or
-    a packed row of several), ``examples`` the rows seen: the two halves a ridge is
-    cross-validated on (:func:`fill_ridge`)."""
-
-    gram: torch.Tensor
-    cross: torch.Tensor
-    half_gram: torch.Tensor
-    half_cross: torch.Tensor
-    examples: int = 0
-
-
-def _token_weights(x: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
-    """(B, T) weights of ``x`` (B, T, width): the 2-D attention mask of the forward call with
-    x's shape (padding weighs 0), or ones where none has it."""
-    m = next((m for m in masks if tuple(m.shape) == tuple(x.shape[:2])), None)
-    return torch.ones(x.shape[:2], dtype=x.dtype, device=x.device) if m is None else m.to(x.dtype)
-
-
-class output_means:  # noqa: N801 (a context manager, used like a function)
-    """Context manager: hooks every attention output projection of ``model`` and, over the
-    forwards run inside it, averages its input over the real tokens (``attention_mask`` /
-    ``decoder_attention_mask`` of the call; every position where a call passes none of the
-    right shape). Yields an :class:`OutputMeans`, filled on exit::
-
-        with output_means(model) as means:
-            head_importance(model, data, ...)
-    """
-
-    def __init__(self, model: nn.Module, arch=None, regression: bool = False):
-        self.model, self.arch, self.regression = model, arch or arch_for(model), regression
-        self.means = OutputMeans()
-
-    def __enter__(self) -> OutputMeans:
-        sums: dict[tuple[int, int, int], torch.Tensor] = {}
-        counts: dict[tuple[int, int, int], torch.Tensor] = {}  # on x's device: no host sync
-        inputs: dict[tuple[int, int, int], torch.Tensor] = {}  # each layer's q input, this call
-        masks: list[torch.Tensor] = []
-
-        def on_call(_module, _args, kwargs):
-            masks[:] = [v for k, v in kwargs.items() if k.endswith("attention_mask")
-                        and torch.is_tensor(v) and v.dim() == 2]
-
-        def on_q(key):
-            def hook(_module, args):
-                inputs[key] = args[0].detach()
-            return hook
-
-        def on_o(key):
-            def hook(_module, args):
-                x = args[0].detach()
-                w = _token_weights(x, masks)
-                sums[key] = sums.get(key, 0) + (x.float() * w.float()[..., None]).sum((0, 1))
-                counts[key] = counts.get(key, 0) + w.float().sum()
-                h = inputs.pop(key, None)
-                if self.regression and h is not None and h.shape[:2] == x.shape[:2]:
-                    self._add_moments(key, h, x, w)
-            return hook
-
-        self.hooks = [self.model.register_forward_pre_hook(on_call, with_kwargs=True)]
-        for k, stack in enumerate(self.arch.stacks):
-            for j, block in enumerate(self.arch.blocks(self.model, k)):
-                for f, att in enumerate(stack.attention):
-                    o = block.get_submodule(att.o)
-                    self.hooks.append(o.register_forward_pre_hook(on_o((k, f, j))))
-                    if self.regression:
-                        q = block.get_submodule(att.q)
-                        self.hooks.append(q.register_forward_pre_hook(on_q((k, f, j))))
-        self._sums, self._counts = sums, counts
-        return self.means
-
-    def _add_moments(self, key, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-        """Add one call's real tokens (weights ``w``, (B, T): padding 0) to ``key``'s moments."""
-        m = self.means.moments.get(key)
-        seen = 0 if m is None else m.examples
-        half = (torch.arange(len(w), device=w.device) + seen) % 2 == 0               # (B,): its rows
-        half = half[:, None].expand(w.shape).reshape(-1)                          # (N,): its tokens
-        hb = h.reshape(-1, h.shape[-1]).double()                                  # (N, D)
-        hb = torch.cat([hb, hb.new_ones(len(hb), 1)], 1)                          # (N, D + 1)
-        hw = hb * w.reshape(-1, 1).double()
-        xb = x.reshape(-1, x.shape[-1]).double()                                  # (N, W)
-        # each half's sums over its own tokens: as many multiply-adds as the whole's
-        gh, ch = hw[half].T @ hb[half], hw[half].T @ xb[half]
-        gram, cross = gh + hw[~half].T @ hb[~half], ch + hw[~half].T @ xb[~half]
-        if m is None:
-            self.means.moments[key] = FillMoments(gram, cross, gh, ch, len(w))
-        else:
-            m.gram += gram
-            m.cross += cross
-            m.half_gram += gh
-            m.half_cross += ch
-            m.examples += len(w)
-
-    def __exit__(self, *exc) -> None:
-        for h in self.hooks:
-            h.remove()
-        self.means.update({key: s / self._counts[key].clamp_min(1.0) for key, s in self._sums.items()})
-
-
-#: ridge of the linear fill, relative to the mean diagonal of the inputs' second moments, where
-#: the moments' two halves cannot choose one (fewer than two examples)
-FILL_RIDGE = 1e-3
-#: the ridges :func:`fill_ridge` chooses from
-FILL_RIDGES = (1e-4, 1e-3, 1e-2, 1e-1)
-
-
-def _ridge_solve(gram: torch.Tensor, target: torch.Tensor, ridge: float) -> torch.Tensor:
-    """(gram + ridge x mean diag(gram) x I)^-1 target."""
-    scale = ridge * float(torch.diagonal(gram).mean())
-    return torch.linalg.solve(gram + scale * torch.eye(len(gram), dtype=gram.dtype, device=gram.device),
-                              target)
-
-
-def fill_ridge(m: FillMoments, pruned_map: torch.Tensor, ridges=FILL_RIDGES) -> float:
-    """The ridge of ``ridges`` whose full-rank fill, fitted on one half of ``m``'s examples,
-    predicts the other half's pruned-head output best (squared error summed over both ways
-    round: two-fold cross-validation over examples, from the moments alone); :data:`FILL_RIDGE`
-    where a half holds no token."""
-    pm = pruned_map.double()
-    halves = [(m.half_gram, m.half_cross @ pm), (m.gram - m.half_gram, (m.cross - m.half_cross) @ pm)]
-    if m.examples < 2 or any(float(g[-1, -1]) <= 0 for g, _ in halves):  # g[-1, -1]: the half's tokens
-        return FILL_RIDGE
-
-    def held_out_error(ridge: float) -> float:
-        err = 0.0
-        for (g_fit, c_fit), (g_held, c_held) in (halves, halves[::-1]):
-            a = _ridge_solve(g_fit, c_fit, ridge)                                 # (D+1, D_out)
-            err += float((a * (g_held @ a)).sum() - 2 * (a * c_held).sum())       # + a constant
-        return err
-    return min(ridges, key=held_out_error)
-
-
-def linear_fill(m: FillMoments, pruned_map: torch.Tensor, rank: int,
-                ridge: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rank-``rank`` linear map of a layer's attention input that best predicts what its
-    pruned heads add to the output (ridge least squares over the tokens of ``m``, then reduced-rank
-    regression): ``(P, Q)``, P (D+1, r) and Q (r, D_out), the fill being ``[h, 1] @ P @ Q``
-    (a rank of D_out or more: Q is None, the fill ``[h, 1] @ P``).
-    ``pruned_map`` (W, D_out): the output projection's map of its input columns, zero on the
-    kept heads' columns, so ``x @ pruned_map`` is what the pruned heads add. ``ridge``
-    (relative to the mean diagonal of the inputs' second moments): default, the one
-    :func:`fill_ridge` chooses on ``m``'s two halves."""
-    ridge = fill_ridge(m, pruned_map) if ridge is None else ridge
-    gram, target = m.gram, m.cross @ pruned_map.double()                          # (D+1, D+1), (D+1, D_out)
-    a = _ridge_solve(gram, target, ridge)                                         # (D+1, D_out)
-    if rank >= a.shape[1]:
-        return a.float(), None
-    _, vecs = torch.linalg.eigh(a.T @ gram @ a)                                   # fitted outputs' moments
-    v = vecs[:, -rank:]                                                           # (D_out, r): the top r
-    return (a @ v).float(), v.T.float()
-
-
-def _add_linear_fill(q_sub: nn.Module, o_sub: nn.Module, p: torch.Tensor,
-                     q: torch.Tensor | None) -> None:
-    """Hooks: ``q_sub`` keeps its input h; ``o_sub``'s output gets ``[h, 1] @ p (@ q)``."""
-    seen: dict[str, torch.Tensor] = {}
-    q_sub.register_forward_pre_hook(lambda _m, args: seen.__setitem__("h", args[0]))
-
-    def add(_m, _a, out):
-        fill = seen.pop("h").to(p.dtype) @ p[:-1] + p[-1]                     # (B, T, r)
-        return out + (fill if q is None else fill @ q).to(out.dtype)           # (B, T, D_out)
-    o_sub.register_forward_hook(add)
-
-
-@torch.no_grad()
-def fill_pruned_heads(sub: nn.Module, model: nn.Module, kept: torch.Tensor, dims: Dims,
-                      means: Mapping[tuple[int, int, int], torch.Tensor], arch=None,
-                      rank: int | None = None, ridge: float | None = None) -> int:
-    """Mean-fill the heads ``sub`` lacks: on each (family, layer) of the sub-model that keeps
-    some but not all of its heads (``kept``, over ``dims``: ``model``'s heads), a forward hook
-    adds to its output projection's output the constant ``o(m_pruned) - o(0)`` of ``model``'s
-    projection, ``m_pruned`` being ``means`` (:func:`output_means`, measured on ``model``) with
-    the kept heads' columns zeroed: what the pruned heads add on average in ``model``.
-    ``sub`` then matches ``model`` to first order where ``prune = "forward"`` cut heads away
-    (mean ablation instead of zero ablation). A layer that keeps no head gets it too where its
-    projection still runs (its sliced ``o``, zero input columns); a transposed (``Conv1D``)
-    projection of a headless layer does not run, and gets nothing. With ``rank`` (``method.fill
-    = "linear"``; ``means`` from ``output_means(..., regression=True)``) a layer that keeps some
-    heads gets instead the rank-``rank`` linear map of its attention input that best predicts
-    what the pruned heads add (:func:`linear_fill`, at ``ridge``, default each layer's
-    cross-validated one; its intercept holds the mean). Returns the layers filled."""
-    arch = arch or arch_for(model)
-    rows, added = mask_rows(dims), 0
-    for (k, f), r0 in rows.items():
-        att, d = arch.stacks[k].attention[f], _stacks(dims)[k]
-        full_blocks, sub_blocks = arch.blocks(model, k), arch.blocks(sub, k)
-        for j in range(d["num_layers"]):
-            row, m = kept[r0 + j], means.get((k, f, j))
-            if bool(row.all()) or m is None:
-                continue
-            o, o_sub = full_blocks[j].get_submodule(att.o), sub_blocks[j].get_submodule(att.o)
-            if o_sub is o:
-                raise ModelError(f"layer {j}: the sub-model shares its output projection with the "
-                                 "model (no heads were cut there)")
-            cols = row.repeat_interleave(d["head_dim"]).to(m.device)
-            if cols.numel() != m.numel():
-                raise ModelError(f"layer {j}: {m.numel()} input columns of the output projection, "
-                                 f"{row.numel()} heads of {d['head_dim']}")
-            was = o.training
-            o.eval()  # an adapter's dropout off
-            moments = getattr(means, "moments", {}).get((k, f, j))
-            if rank is not None and moments is not None and bool(row.any()):
-                basis = torch.diag((~cols).to(o_dtype(o)))                    # (W, W): pruned columns
-                pruned_map = o(basis) - o(torch.zeros_like(basis[:1]))        # (W, D_out)
-                p, q = linear_fill(moments, pruned_map, rank, ridge)
-                _add_linear_fill(sub_blocks[j].get_submodule(att.q), o_sub, p, q)
-            else:
-                x = torch.where(cols, torch.zeros_like(m), m)[None].to(o_dtype(o))
-                shift = (o(x) - o(torch.zeros_like(x)))[0]
-                o_sub.register_forward_hook(lambda _m, _a, out, s=shift: out + s.to(out.dtype))
-            o.train(was)
-            added += 1
-    return added
-
-
-def o_dtype(o: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in o.parameters() if p.is_floating_point()), torch.float32)

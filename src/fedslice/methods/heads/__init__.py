@@ -25,7 +25,7 @@ local training, since it decides what the client trains):
    classifier), its keep-mask and its importance vector α_c (counted in the upload bytes).
 
 The server (:class:`HeadsStrategy`, pure functions over state dicts) applies Eq. 8 per head and
-Eq. 5 to the rest (:func:`fedslice.slicing.heads.aggregate_heads`). Client selection is the
+Eq. 5 to the rest (:func:`fedslice.slicing.head_aggregate.aggregate_heads`). Client selection is the
 engine's ``federation.selection`` ('loss_gap' = Eq. 9). Baselines of the paper's Table 1:
 B1 = ``pruning='none', aggregation='fedavg'`` (FedPETuning), B2 = ``pruning='random',
 aggregation='fedavg'``.

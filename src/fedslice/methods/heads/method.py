@@ -32,10 +32,10 @@ from fedslice.methods.heads.report import paper_ops, plot_head_importance
 from fedslice.methods.heads.strategy import ALPHA, HeadsStrategy, KEPT
 from fedslice.methods.planner import PlannedModel
 from fedslice.models.loading import LoadedModel
-from fedslice.slicing.heads import (ensure_eager_attention, fill_pruned_heads,
-                                    head_axes, head_importance, heads_state, keep_mask, mask_rows,
-                                    mask_spec, num_rows, output_means, position_cuts,
-                                    restrict, sub_dims, to_full)
+from fedslice.slicing.heads import (ensure_eager_attention, head_axes, head_importance, keep_mask,
+                                    mask_rows, mask_spec, num_rows, restrict, sub_dims, to_full)
+from fedslice.slicing.head_fill import fill_pruned_heads, output_means
+from fedslice.slicing.head_aggregate import heads_state, position_cuts
 from fedslice.slicing.keys import key_info
 from fedslice.slicing.partial import PartialLinear, freeze_parameters, partial_model
 from fedslice.slicing.spec import HEAD_PARTS
@@ -222,7 +222,7 @@ class HeadStage(Method):
         """The model the client trains: ``model`` (the stage below's, ``dims`` its heads) with
         the pruned heads' trainable tensors frozen (``prune='parameters'``), or without them
         (``'forward'``: a sub-model cut from the full model, the payload loaded into it; with
-        ``means`` (:func:`fedslice.slicing.heads.output_means` of ``model``, ``method.fill =
+        ``means`` (:func:`fedslice.slicing.head_fill.output_means` of ``model``, ``method.fill =
         'mean'``) the pruned heads' mean outputs are added back as constants)."""
         dims = self.all_dims if dims is None else dims
         if bool(kept.all()):

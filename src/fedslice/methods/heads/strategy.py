@@ -11,8 +11,8 @@ import torch
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, Wrapper
 from fedslice.fl.validation import check_num_examples, check_update
 from fedslice.methods.heads.options import HeadsMethod
-from fedslice.slicing.heads import (HeadUpdate, combine_heads, head_deltas, heads_state, keep_mask,
-                                    mask_rows, num_rows, restrict, sub_dims, to_full)
+from fedslice.slicing.head_aggregate import HeadUpdate, combine_heads, head_deltas, heads_state
+from fedslice.slicing.heads import keep_mask, mask_rows, num_rows, restrict, sub_dims, to_full
 from fedslice.slicing.state import extract_state
 from fedslice.slicing.keys import HeadPositions, key_info
 from fedslice.slicing.spec import HEAD_PARTS
