@@ -183,7 +183,8 @@ def test_a_memory_budget_is_held_step_by_step_with_the_same_update(tiny_model_di
     The first step is predicted from a reference step (the planner's, in a run). Packed
     batches: the planned-run test below."""
     from fedslice import measure
-    from fedslice.fl.client import ActivationReference, activation_units, train_local
+    from fedslice.fl.memory_hold import ActivationReference, activation_units
+    from fedslice.fl.client import train_local
 
     data = _tiny_split(tiny_model_dir, write_shaped_tsv(tmp_path / "data", "bimodal", seed=3))
     cfg = {"lr": 1e-2, "batch_size": 16, "local_steps": 3}
@@ -212,7 +213,8 @@ def test_a_memory_budget_is_held_step_by_step_with_the_same_update(tiny_model_di
 
 def test_a_step_that_fits_no_split_raises_naming_the_budget_and_what_it_needs(tiny_model_dir, tmp_path):
     from fedslice import measure
-    from fedslice.fl.client import MemoryBudgetExceeded, train_local
+    from fedslice.fl.memory_hold import MemoryBudgetExceeded
+    from fedslice.fl.client import train_local
 
     data = _tiny_split(tiny_model_dir, write_shaped_tsv(tmp_path / "data", "long"))
     model, params = _tiny_model(tiny_model_dir)

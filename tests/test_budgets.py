@@ -132,7 +132,8 @@ def _train(tiny_model_dir, tiny_data_dir, **cfg):
 
 def _grads(model, params, batch, parts=1, ckpt=False):
     from fedslice.compute import CPU
-    from fedslice.fl.client import _accumulate, _hf_loss, gradient_checkpointing, split_batch
+    from fedslice.fl.client import _accumulate, _hf_loss, gradient_checkpointing
+    from fedslice.fl.memory_hold import split_batch
 
     model.train()
     for p in params.values():
@@ -283,7 +284,7 @@ def test_a_sub_model_is_skipped_only_when_no_overhead_brings_it_within_budget(ti
     (checkpointing + the most micro-batches) misses on FLOPs, but micro-batches alone meet, is
     planned with micro-batches and no checkpointing, not refused."""
     from fedslice.methods.budgets import ClientBudget
-from fedslice.methods.planner import BudgetPlanner, Knobs
+    from fedslice.methods.planner import BudgetPlanner, Knobs
     from fedslice.run.setup import load_inputs
 
     cfg = validate_config(_cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, "memory_mb": 1000}]},

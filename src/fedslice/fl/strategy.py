@@ -63,7 +63,7 @@ class Reply:
 
 def skipped_reason(reply: Any) -> str | None:
     """Why a client trained nothing though it was sent work, from its reply's metrics (a memory
-    budget its step did not fit one example at a time: fl.client.MemoryBudgetExceeded), or None."""
+    budget its step did not fit one example at a time: fl.memory_hold.MemoryBudgetExceeded), or None."""
     metrics = getattr(reply, "metrics", None)
     if not isinstance(metrics, dict) or not metrics.get("memory_skipped"):
         return None

@@ -40,7 +40,8 @@ from fedslice.data.packing import packs
 from fedslice.data.partition import sample_rows
 from fedslice import measure
 from fedslice.compute import Compute
-from fedslice.fl.client import LocalResult, MemoryBudgetExceeded, train_config_key, train_local
+from fedslice.fl.client import LocalResult, train_config_key, train_local
+from fedslice.fl.memory_hold import MemoryBudgetExceeded
 from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.rules.lora import check_lora_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy

@@ -38,7 +38,8 @@ from fedslice import measure
 from fedslice.config import BudgetsConfig
 from fedslice.data.packing import packed_training
 from fedslice.errors import ConfigError
-from fedslice.fl.client import ActivationReference, activation_units, extrapolates_by_parts, gradient_checkpointing
+from fedslice.fl.memory_hold import ActivationReference, activation_units
+from fedslice.fl.client import extrapolates_by_parts, gradient_checkpointing
 from fedslice.fl.wire import wire_bytes
 from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import batch_head_positions
@@ -135,7 +136,7 @@ class KnobCost:
     importance_flops_per_example: float = 0.0
     download_bytes: int = 0  # the tensors the client receives to train (as held)
     #: the measured step's saved tensors and batch shape, which a client holding its memory
-    #: budget predicts its own steps from until it has measured one (fl.client.memory_split)
+    #: budget predicts its own steps from until it has measured one (fl.memory_hold.memory_split)
     reference: ActivationReference | None = None
     #: of ``step_flops``, attention's and the head's (None: not split; extrapolated per
     #: position), the attention pairs of the batch counted, and whether the head runs once per
