@@ -235,7 +235,7 @@ def test_a_planned_run_whose_data_outgrow_the_profile_holds_or_skips(tiny_cfg_di
     layout the simulation missed would): held, every client-round stays within its budget and
     the downgraded steps are in the plans' report; a budget not even one example at a time fits
     skips the client for the round with a one-line message, and the run finishes."""
-    import fedslice.methods.planner as planner
+    import fedslice.methods.plan_batches as planner  # where make_plans reads packed_peak_shape
 
     monkeypatch.setattr(planner, "packed_peak_shape", lambda *a: (4, 64, 16))  # real: 16 x 64
     data = write_shaped_tsv(tmp_path / "data", "at_max")

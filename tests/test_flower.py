@@ -261,7 +261,7 @@ def test_serverapp_holds_memory_budgets_as_in_process(tiny_cfg_dict, tmp_path, m
     clients' rows, as data whose layout the simulation missed would be): the budget and the
     planner's measured step travel in each client's message, a Flower node runs the same steps
     as micro-batches as in process (budgets.enforce_memory), and the weights are the same."""
-    import fedslice.methods.planner as planner
+    import fedslice.methods.plan_batches as planner  # where make_plans reads packed_peak_shape
 
     monkeypatch.setattr(planner, "packed_peak_shape", lambda *a: (1, 16, 8))
     tiny_cfg_dict["federation"].update(num_clients=4, clients_per_round=4, rounds=1, pack=True)
