@@ -487,7 +487,7 @@ def test_missing_library_and_unknown_value(tiny_cfg_dict, monkeypatch):
     tiny_cfg_dict["model"]["quantize"] = "int4"
     with pytest.raises(ConfigError, match=r"model.quantize.*'none', 'int8' or 'nf4'"):
         validate_config(tiny_cfg_dict)
-    import fedslice.config as C
+    import fedslice.config.model as C  # where quantize_available looks the libraries up
     monkeypatch.setattr(C, "_has", lambda module: False)
     tiny_cfg_dict["model"]["quantize"] = "int8"
     with pytest.raises(ConfigError, match=r"model.quantize = 'int8'.*pip install torchao"):

@@ -70,7 +70,7 @@ def fitted(tiny_model_dir, tiny_data_dir, tmp_path_factory):
         Simulation(cfg, m, data)  # tells the strategy the partition sizes
         state = m.initial_state()
         clients = [0, 1] if method != "raffm" else [c for c, p in m.strategy.plans.items()
-                                                    if p.plan.spec is not None][:2]
+                                                    if p.sits_out is None][:2]
         payloads = m.strategy.configure_train(1, state, clients)
         replies = {c: m.fit(payloads[c], data.client(c), c) for c in clients}
         out[method] = (m, state, clients, payloads, replies, data)
