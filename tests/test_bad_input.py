@@ -41,7 +41,7 @@ def test_heads_sparsity_without_heads_names_field_and_largest_valid(tiny_cfg_dic
     # the value the message gives is valid as written: it keeps one head per pool
     method, data = setup(validate_config(_with(tiny_cfg_dict, name="heads", sparsity=largest,
                                                scope=scope)))
-    kept = method.keep(None, seed=0)  # no scores: the mask's size only
+    kept = method.keep(None, seed=0, sparsity=method.opts.sparsity)  # no scores: the size only
     assert int(kept.sum()) == (1 if scope == "global" else kept.shape[0])
 
 

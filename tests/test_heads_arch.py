@@ -97,7 +97,7 @@ def test_importance_per_family(arch, tiny_gen_cfg_dict, tiny_lm_dirs):
         assert not s.requires_grad  # scored without autograd (LoRA tensors do require grad)
     alpha, flops = method.importance(split, 0)
     assert alpha.shape == method.mask_shape == (2 * len(want), 4) and flops > 0
-    kept = method.keep(alpha, 0)
+    kept = method.keep(alpha, 0, method.opts.sparsity)
     assert int(kept.sum()) == round(0.5 * kept.numel())
 
 

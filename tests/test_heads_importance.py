@@ -39,7 +39,7 @@ def _assert_scores_like_the_pass(method, data, payload, reply):
     ref = torch.cat([ref[f.name] for f in method.arch.attention_outputs])
     got = torch.tensor(reply.metrics["head_importance"]).view_as(ref)
     torch.testing.assert_close(got, ref.float(), atol=2e-6, rtol=0)
-    assert torch.equal(reply.arrays[KEPT], method.keep(ref, 3))
+    assert torch.equal(reply.arrays[KEPT], method.keep(ref, 3, method.opts.sparsity))
 
 
 def _no_attention_dropout(model):

@@ -50,6 +50,13 @@ class MethodOptions(Section):
     #: the options :meth:`spelled_budgets` reads (left out of the config that holds the table)
     spelling_fields: ClassVar[tuple[str, ...]] = ()
 
+    def knob_defaults(self) -> dict[str, Any]:
+        """The method's value of each per-client knob a plan may set (by the field names of
+        :class:`fedslice.fl.orders.Orders`), for a client whose plan sets none: the one rule
+        "the plan's, else the method's" (:meth:`fedslice.methods.base.Method.orders`). A
+        composition's options merge their parts'. Default: none."""
+        return {}
+
     def set_aside_note(self) -> str | None:
         """One line naming the options set aside and whose they are; None when there are none."""
         if not self._set_aside:

@@ -31,6 +31,7 @@ import torch.nn as nn
 from fedslice.compute import CPU, Compute
 from fedslice.data.batching import TokenizedSplit, stack_batches
 from fedslice.fl.client import LocalResult, flops_budget, local_batches, local_step_count, over_budget
+from fedslice.fl.orders import Orders, OrdersLike
 from fedslice.measure import LargestBatches, PeakMemory, count_flops
 from fedslice.peft import Adapter
 from fedslice.tasks.base import batch_examples, batch_head_positions, batch_real_tokens, batch_tokens
@@ -155,17 +156,17 @@ def can_stack(model: nn.Module, names: list[str], adapter: Adapter) -> bool:
 
 
 def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, torch.Tensor]],
-                  datas: list[TokenizedSplit], cfg: dict[str, Any], seeds: list[int],
+                  datas: list[TokenizedSplit], cfg: OrdersLike, seeds: list[int],
                   client_losses: ClientLosses, adapter: Adapter, compute: Compute = CPU
                   ) -> list[tuple[dict[str, torch.Tensor], LocalResult]]:
     """Train the tensors ``names`` of ``model`` for each client (its starting values ``starts[k]``,
     data ``datas[k]``, seed ``seeds[k]``) in one batched pass per step; returns each client's
     trained tensors and its :class:`LocalResult`, as :func:`fedslice.fl.client.train_local`
     would for that client alone. The model's own tensors ``names`` are not used or changed.
-    The clients share ``cfg`` (:func:`fedslice.fl.client.train_config_key`); under its
+    The clients share ``cfg`` (:meth:`fedslice.fl.orders.Orders.train_key`); under its
     ``flops_budget`` a client leaves the pass before the step that would pass it, as alone."""
-    mu = float(cfg.get("fedprox_mu") or 0.0)
-    clip = float(cfg.get("max_grad_norm") or 0.0)
+    cfg = Orders.of(cfg)
+    mu, clip = cfg.fedprox_mu, cfg.max_grad_norm
     budget = flops_budget(cfg)
     clients = []
     for start, data, seed in zip(starts, datas, seeds):
@@ -174,7 +175,7 @@ def train_batched(model: nn.Module, names: list[str], starts: list[dict[str, tor
         gen = torch.Generator().manual_seed(seed)
         clients.append(_Client(
             tensors=tensors, batches=iter(local_batches(data, cfg, gen)), steps_left=local_step_count(data, cfg),
-            opt=torch.optim.AdamW(tensors.values(), lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.0)),
+            opt=torch.optim.AdamW(tensors.values(), lr=cfg.lr, weight_decay=cfg.weight_decay),
             ref={n: t.detach().clone() for n, t in tensors.items()} if mu > 0 else None,
             cut=None if budget is None else 0))
     torch.manual_seed(seeds[0])  # dropout masks (one generator for the stacked batch)

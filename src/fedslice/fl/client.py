@@ -21,6 +21,7 @@ from fedslice.data.packing import packed_training
 from fedslice.measure import LargestBatches, PeakMemory, count_flops
 from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import batch_examples, batch_head_positions, batch_real_tokens, batch_rows, batch_tokens
+from fedslice.fl.orders import Orders, OrdersLike
 from fedslice.fl.memory_hold import (ActivationBound, ActivationReference, MemoryBudgetExceeded,
                                      activation_units, cheapest_step_mb, memory_allowance,
                                      memory_split)
@@ -51,14 +52,14 @@ class LocalResult:
     # packed batches: the row length attention's FLOPs go with, sum(rows x length²) / tokens
     # (rows differ in length from step to step; tokens / rows, their mean, is off by the spread)
     attention_length: float | None = None
-    # a FLOPs budget (cfg["flops_budget"]): the local steps it cut (None: no budget)
+    # a FLOPs budget (Orders.flops_budget): the local steps it cut (None: no budget)
     steps_cut: int | None = None
-    # a memory budget (cfg["memory_budget"]): the local steps run as micro-batches to hold it
+    # a memory budget (Orders.memory_budget): the local steps run as micro-batches to hold it
     # (None: no budget)
     plan_downgrades: int | None = None
 
 
-def local_batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator, pack: bool = False):
+def local_batches(data: TokenizedSplit, cfg: OrdersLike, gen: torch.Generator, pack: bool = False):
     """Local epochs, or exactly ``local_steps`` batches cycling through reshuffled epochs;
     ``pack``: each batch packed into rows (the same examples, no padded work)."""
     collate = data.collate_packed if pack else data.collate
@@ -66,15 +67,13 @@ def local_batches(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generato
         yield collate(rows)
 
 
-def local_batch_rows(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Generator
+def local_batch_rows(data: TokenizedSplit, cfg: OrdersLike, gen: torch.Generator
                      ) -> Iterator[torch.Tensor]:
     """The rows of ``data`` in each of :func:`local_batches`' batches (the same draws from
     ``gen``), not collated."""
     idx = range(len(data))
-    steps = int(cfg.get("local_steps") or 0)
-    epochs = int(cfg.get("local_epochs") or 1)
-    bs = int(cfg["batch_size"])
-    group = bool(cfg.get("group_by_length", False))
+    o = Orders.of(cfg)
+    steps, epochs, bs, group = o.local_steps, o.local_epochs, o.batch_size, o.group_by_length
     if not steps:
         for _ in range(epochs):
             yield from batch_indices(data, idx, bs, shuffle=True, generator=gen, group_by_length=group)
@@ -88,34 +87,23 @@ def local_batch_rows(data: TokenizedSplit, cfg: dict[str, Any], gen: torch.Gener
                 return
 
 
-def planned_tokens(data: TokenizedSplit, cfg: dict[str, Any], seed: int) -> int:
+def planned_tokens(data: TokenizedSplit, cfg: OrdersLike, seed: int) -> int:
     """The tokens of the examples :func:`train_local` will train on with ``seed`` (its batches,
     drawn the same way, not collated): what a client's training time grows with."""
     gen = torch.Generator().manual_seed(seed)
     return sum(int(data.lengths[rows].sum()) for rows in local_batch_rows(data, cfg, gen))
 
 
-def local_step_count(data: TokenizedSplit, cfg: dict[str, Any]) -> int:
-    steps = int(cfg.get("local_steps") or 0)
-    return steps or int(cfg.get("local_epochs") or 1) * num_batches(len(data), int(cfg["batch_size"]))
+def local_step_count(data: TokenizedSplit, cfg: OrdersLike) -> int:
+    o = Orders.of(cfg)
+    return o.local_steps or o.local_epochs * num_batches(len(data), o.batch_size)
 
 
-#: the keys of a payload's config that :func:`train_local` and
-#: :func:`fedslice.fl.batched.train_batched` train by (a plan may set some per client)
-TRAIN_CONFIG_KEYS = ("lr", "weight_decay", "local_steps", "local_epochs", "batch_size",
-                     "group_by_length", "max_grad_norm", "fedprox_mu", "flops_budget", "memory_budget")
-
-
-def train_config_key(cfg: dict[str, Any]) -> tuple:
-    """What clients must agree on to train in one batched pass (which reads one config)."""
-    return tuple(cfg.get(k) for k in TRAIN_CONFIG_KEYS)
-
-
-def flops_budget(cfg: dict[str, Any], spent: float = 0.0) -> float | None:
-    """The FLOPs local training may take this round: a plan's ``cfg["flops_budget"]`` (its
-    client's whole round) less ``spent`` before training (an importance pass); None: no budget."""
-    budget = cfg.get("flops_budget")
-    return None if budget is None else float(budget) - spent
+def flops_budget(cfg: OrdersLike, spent: float = 0.0) -> float | None:
+    """The FLOPs local training may take this round: a plan's ``flops_budget`` (its client's
+    whole round) less ``spent`` before training (an importance pass); None: no budget."""
+    budget = Orders.of(cfg).flops_budget
+    return None if budget is None else budget - spent
 
 
 def over_budget(spent: float, step_cost: float, budget: float | None, step: int) -> bool:
@@ -351,13 +339,14 @@ def _accumulate(model: nn.Module, params: dict[str, nn.Parameter], parts: list[d
 
 
 def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: TokenizedSplit,
-                cfg: dict[str, Any], seed: int, loss_fn: LossFn = _hf_loss,
+                cfg: OrdersLike, seed: int, loss_fn: LossFn = _hf_loss,
                 compute: Compute = CPU, virtual_tokens: int = 0, pack: bool = False,
                 flops_spent: float = 0.0, by_parts: bool = True) -> LocalResult:
     """AdamW on ``params`` of ``model`` over the client's data; deterministic given ``seed``.
 
-    ``cfg`` holds the strategy's train config (lr, weight_decay, local_epochs/local_steps,
-    batch_size, max_grad_norm, fedprox_mu). The first step runs under a FLOP counter; the total
+    ``cfg``: the client's orders (:class:`~fedslice.fl.orders.Orders`, or the payload config
+    they are read from): lr, weight_decay, local_epochs/local_steps, batch_size, max_grad_norm,
+    fedprox_mu. The first step runs under a FLOP counter; the total
     is that count per padded token times the padded tokens of all steps (packed batches: each
     part of the count by what it grows with, :class:`_FlopExtrapolation`, whose rates a later
     client of the same model and structure reuses without counting: :class:`_ModelCache`; so
@@ -372,27 +361,28 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     batches are packed into rows (:mod:`fedslice.data.packing`; the loss must take them), and
     a CPU model with attention dropout trains on eager attention with cheaper dropout masks
     (:func:`fedslice.data.packing.packed_training`). A client's plan may set
-    ``cfg["micro_batches"]`` (each batch as that many micro-batches whose gradients add up:
-    :func:`_accumulate`) and ``cfg["checkpointing"]`` (:func:`gradient_checkpointing`), and
-    ``cfg["flops_budget"]``: the round's FLOPs, of which ``flops_spent`` went before training
+    ``cfg.micro_batches`` (each batch as that many micro-batches whose gradients add up:
+    :func:`_accumulate`) and ``cfg.checkpointing`` (:func:`gradient_checkpointing`), and
+    ``cfg.flops_budget``: the round's FLOPs, of which ``flops_spent`` went before training
     (an importance pass); ``by_parts``: the first step's count may split into parts that
     extrapolate by their own units (False for an adapter outside the model's modules: its
     virtual tokens or prefix keys are positions and pairs the batch does not show); the local
     steps stop before the first whose measured FLOPs (the
     first step's count, extrapolated to the next batch as the total is) would pass it
-    (:func:`over_budget`), and the result records the steps cut; and ``cfg["memory_budget"]``
-    (MiB, with the planner's measured step ``cfg["memory_reference"]``): a step whose saved
+    (:func:`over_budget`), and the result records the steps cut; and ``cfg.memory_budget``
+    (MiB, with the planner's measured step ``cfg.memory_reference``): a step whose saved
     tensors, predicted from the last measured step (the planner's before the first), would
     pass what the model and optimizer state leave of the budget runs as micro-batches
     (:func:`memory_split`: the same update), counted in ``plan_downgrades``; a step that does
     not fit one example at a time raises :class:`MemoryBudgetExceeded`.
     """
+    cfg = Orders.of(cfg)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout masks
-    opt = torch.optim.AdamW(params.values(), lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.0))
-    mu = float(cfg.get("fedprox_mu") or 0.0)
+    opt = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    mu = cfg.fedprox_mu
     ref = {n: p.detach().clone() for n, p in params.items()} if mu > 0 else None
-    clip = float(cfg.get("max_grad_norm") or 0.0)
+    clip = cfg.max_grad_norm
     was_training = model.training
     model.train()
     losses: list[torch.Tensor] = []
@@ -400,14 +390,14 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     real = 0
     flops = _FlopExtrapolation(by_parts)
     head = head_segments(model)
-    what = structure(model, loss_fn, bool(cfg.get("checkpointing")), head)
+    what = structure(model, loss_fn, cfg.checkpointing, head)
     # padded batches count their own first step, as they always have (a step under the
     # counter may take other kernels than one without it: the stored run digests hold)
     cached = _RATES.get(model, what) if pack else None
     t0 = time.perf_counter()
     optimizer_bytes = 3 * sum(p.numel() * p.element_size() for p in params.values())  # grad + 2 moments
     scaler = compute.grad_scaler()
-    micro = int(cfg.get("micro_batches") or 1)
+    micro = cfg.micro_batches
     saved_key = (what, compute.device.type, compute.precision, micro, mu > 0)
     budget = flops_budget(cfg, flops_spent)
     planned, cut = local_step_count(data, cfg), None if budget is None else 0
@@ -421,11 +411,11 @@ def train_local(model: nn.Module, params: dict[str, nn.Parameter], data: Tokeniz
     with PeakMemory(model, extra_bytes=optimizer_bytes, interval_s=0.01, saved_tensors=False) as mem, \
             progress.task("local training steps", planned) as advance, \
             (packed_training(model) if pack else nullcontext()), compute.training_linears(), \
-            gradient_checkpointing(model, bool(cfg.get("checkpointing"))):
+            gradient_checkpointing(model, cfg.checkpointing):
         for step, drawn in enumerate(local_batch_rows(data, cfg, gen)):
             parts, split = memory_split(drawn, collate, allowance, reference, micro)
             if parts is None:  # not even one example at a time fits the budget
-                raise MemoryBudgetExceeded(float(cfg["memory_budget"]), cheapest_step_mb(
+                raise MemoryBudgetExceeded(cfg.memory_budget, cheapest_step_mb(
                     model, optimizer_bytes, reference, [collate(drawn[i:i + 1])
                                                         for i in range(len(drawn))]))
             if budget is not None and over_budget(flops.total, flops.cost(parts, virtual_tokens),

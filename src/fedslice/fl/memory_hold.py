@@ -6,7 +6,6 @@ that fit, and the error when not one example does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -14,6 +13,7 @@ import torch.nn as nn
 from fedslice.data.packing import is_packed
 from fedslice import measure
 from fedslice.tasks.base import batch_rows
+from fedslice.fl.orders import Orders, OrdersLike
 
 _MIB = float(1 << 20)
 
@@ -110,20 +110,21 @@ def memory_split(rows: torch.Tensor, collate, allowance: float | None,
         parts = min(n, parts * 2)
 
 
-def memory_allowance(model: nn.Module, cfg: dict[str, Any], optimizer_bytes: int
+def memory_allowance(model: nn.Module, cfg: OrdersLike, optimizer_bytes: int
                      ) -> tuple[float | None, ActivationBound | None, int]:
     """``(bytes a step may save for backward, the planner's reference step, 0)`` under the
-    plan's ``cfg["memory_budget"]`` (MiB: the model's tensors, gradients and AdamW state, and
+    plan's ``memory_budget`` (MiB: the model's tensors, gradients and AdamW state, and
     a step's saved tensors, as the run's ``memory_mb`` counts them); ``(None, None, 0)``
     without one. A budget the model and optimizer state alone pass: MemoryBudgetExceeded."""
-    budget = cfg.get("memory_budget")
+    o = Orders.of(cfg)
+    budget = o.memory_budget
     if budget is None:
         return None, None, 0
     static = measure.module_bytes(model) + optimizer_bytes
     allowance = float(budget) * _MIB - static
     if allowance <= 0:
         raise MemoryBudgetExceeded(float(budget), static / _MIB)
-    planned = ActivationReference.from_config(cfg.get("memory_reference"))
+    planned = ActivationReference.from_config(o.memory_reference)
     return allowance, None if planned is None else ActivationBound((planned,)), 0
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from fedslice.config import FederationConfig
+from fedslice.fl.orders import Orders, order_fields
 from fedslice.fl.validation import check_num_examples, check_update
 from fedslice.slicing.aggregate import aggregate_deltas, client_delta
 
@@ -50,6 +51,12 @@ class Payload:
     arrays: State
     config: dict[str, Any] = field(default_factory=dict)
     model: State = field(default_factory=dict)
+
+    @property
+    def orders(self) -> Orders:
+        """The config as its typed record (:class:`fedslice.fl.orders.Orders`): what every
+        reader takes; the dict is the wire form."""
+        return Orders.of(self.config)
 
 
 @dataclass
@@ -116,15 +123,14 @@ class Strategy:
     # -- configure ---------------------------------------------------------------------------
     def train_config(self, server_round: int) -> dict[str, Any]:
         f = self.fed
-        return {"round": server_round, "lr": f.lr, "weight_decay": f.weight_decay,
-                "local_epochs": f.local_epochs, "local_steps": f.local_steps or 0,
-                "batch_size": f.batch_size, "group_by_length": f.group_by_length, "pack": f.pack,
-                "max_grad_norm": f.max_grad_norm or 0.0,
-                "fedprox_mu": f.fedprox_mu}
+        return order_fields(round=server_round, lr=f.lr, weight_decay=f.weight_decay,
+                            local_epochs=f.local_epochs, local_steps=f.local_steps or 0,
+                            batch_size=f.batch_size, group_by_length=f.group_by_length, pack=f.pack,
+                            max_grad_norm=f.max_grad_norm or 0.0, fedprox_mu=f.fedprox_mu)
 
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
         """The payload of one client. Default: the whole trainable state (tensors shared, not copied)."""
-        return Payload(arrays=dict(state), config={**config, "client": client})
+        return Payload(arrays=dict(state), config={**config, **order_fields(client=client)})
 
     def configure_train(self, server_round: int, state: State, clients: list[int],
                         population: int | None = None) -> dict[int, Payload]:
@@ -202,7 +208,7 @@ class Strategy:
         averages NaN silently: we do not."""
         return check_update(self.expected_update(state, payload, reply), reply.arrays,
                             reply.num_examples, reply.metrics,
-                            self.client_sizes.get(payload.config.get("client")))
+                            self.client_sizes.get(payload.orders.client))
 
     def validate(self, state: State, payload: Payload, reply: Any) -> str | None:
         """:meth:`check_reply`, made total: a reply of another shape (not a :class:`Reply`, its
@@ -214,10 +220,10 @@ class Strategy:
             if not isinstance(value, dict):
                 return f"the reply's {what} are a {type(value).__name__}, not a mapping"
         if reason := check_num_examples(reply.num_examples,
-                                        self.client_sizes.get(payload.config.get("client"))):
+                                        self.client_sizes.get(payload.orders.client)):
             return reason
         try:
-            if payload.config.get("frozen_tensors"):
+            if payload.orders.frozen_tensors:
                 return self._check_below_depth(state, payload, reply)
             return self.check_reply(state, payload, reply)
         except Exception as e:  # noqa: BLE001 - a malformed reply must never end the round
@@ -229,7 +235,7 @@ class Strategy:
         frozen (``frozen_tensors``): it must not send them, and its other tensors are checked
         as if it had sent those unchanged (they are then absent from its update: each is
         averaged over the clients that trained it)."""
-        below = payload.config["frozen_tensors"]
+        below = payload.orders.frozen_tensors
         if sent := [k for k in below if k in reply.arrays]:
             return (f"tensor {sent[0]} is below the client's adapter depth (its plan leaves it "
                     "frozen)")

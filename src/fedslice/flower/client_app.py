@@ -185,7 +185,7 @@ def throttle(context: Context, payload) -> None:
     per_step = float(context.node_config.get(THROTTLE, 0) or 0)
     if per_step > 0:
         import time
-        time.sleep(per_step * max(1, int(payload.config.get("local_steps") or 1)))
+        time.sleep(per_step * max(1, payload.orders.local_steps))
 
 
 @app.train()
@@ -198,11 +198,12 @@ def train(msg: Message, context: Context) -> Message:
     payload, experiment = decode_payload(msg.content)
     cfg, method, data = _setup(experiment)
     pid = node_partition(context.node_config, cfg.federation.num_clients)
-    client = payload.config.get("client", pid)
+    orders = payload.orders
+    client = pid if orders.client is None else orders.client
     if client != pid:
         raise RuntimeError(f"payload for client {client} reached the node of partition {pid}")
     method.load_client_state(load_kept(context))
-    reply = method.train_client(payload, data.client(pid), client_seed(cfg.seed, payload.config["round"], pid))
+    reply = method.train_client(payload, data.client(pid), client_seed(cfg.seed, orders.round, pid))
     throttle(context, payload)
     if state := method.client_state():
         store_kept(context, state, received_model=bool(payload.model))

@@ -58,7 +58,7 @@ def masked_reply(msg: Message, context: Context, method, payload: Payload, reply
     layout = layout_from_record(fields)
     params = sp.Params(int(fields["threshold"]), float(fields["clip"]))
     rule = find_rule(method.strategy, SecureAggregation)
-    vector, reason = rule.client_vector(int(payload.config["round"]), payload, reply, layout, params)
+    vector, reason = rule.client_vector(payload.orders.round, payload, reply, layout, params)
     if vector is None:
         raise RuntimeError(f"secure aggregation: this client's update is refused: {reason}")
     masked = sp.mask(me, vector, params)

@@ -40,7 +40,8 @@ from fedslice.data.packing import packs
 from fedslice.data.partition import sample_rows
 from fedslice import measure
 from fedslice.compute import Compute
-from fedslice.fl.client import LocalResult, train_config_key, train_local
+from fedslice.fl.client import LocalResult, train_local
+from fedslice.fl.orders import Orders
 from fedslice.fl.memory_hold import MemoryBudgetExceeded
 from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.rules.lora import check_lora_fields
@@ -222,6 +223,8 @@ class Method:
             raise ValueError(f"role must be 'both', 'client' or 'server', got {role!r}")
         self.cfg, self.role, self.task = cfg, role, task
         self.client_sizes = dict(client_sizes or {})
+        #: the method's knobs where a client's plan sets none (:meth:`orders`)
+        self.knob_defaults: dict[str, Any] = type(self).plan_defaults(cfg)
         self.token_lengths, self.head_lengths = token_lengths, head_lengths
         self.compute = compute or Compute.from_config(cfg.compute, cfg.federation.clients_per_round)
         self.arch: ArchSpec = loaded.arch
@@ -242,6 +245,21 @@ class Method:
         self.strategy = wrap_rules(self.make_strategy(), cfg, role, arch=self.arch,
                                    trainable=[n for n, p in self.model.named_parameters()
                                               if p.requires_grad])
+
+    @classmethod
+    def plan_defaults(cls, cfg: ExperimentConfig) -> dict[str, Any]:
+        """The method's value of each knob a client's plan may leave unset: its options'
+        (:meth:`fedslice.config.MethodOptions.knob_defaults`) and, for a method whose clients
+        quantize their own slices, the run's base precision."""
+        out = cfg.method.knob_defaults()
+        if cls.quantizes_slices and cfg.model.quantize != "none":
+            out["base_precision"] = cfg.model.quantize
+        return out
+
+    def orders(self, payload: Payload) -> Orders:
+        """The client's orders (:class:`fedslice.fl.orders.Orders`), the method's knobs where
+        its plan sets none: the one place "the plan's, else the method's" is decided."""
+        return payload.orders.resolved(self.knob_defaults)
 
     @property
     def own_strategy(self) -> Strategy:
@@ -298,7 +316,7 @@ class Method:
         # and a target, each as long as the longest: more than the longest pair)
         unpadded = batch_tokens(batch) / len(batch["input_ids"]) if "input_ids" in batch else length
         packed_of = None
-        if self.packs({"pack": fed.pack}):  # what a client of one micro-batch trains on
+        if self.packs(Orders(pack=fed.pack)):  # what a client of one micro-batch trains on
             def packed_of(rows: int) -> tuple[dict, float, dict]:
                 """``rows`` examples packed, the tokens a packed example costs over ``length``,
                 and the packed batch every drawn batch of ``rows`` examples fits in (peak memory)."""
@@ -348,7 +366,7 @@ class Method:
         """``model`` with the tensors its client's plan leaves frozen (``frozen_tensors`` of the
         payload: its adapter depth) frozen until the client is done (:meth:`train_client`) or
         the next client's model is asked for (:meth:`thaw_plan` first)."""
-        names = payload.config.get("frozen_tensors")
+        names = payload.orders.frozen_tensors
         if names:
             self._plan_frozen.extend(freeze(model, names))
         return model
@@ -465,8 +483,9 @@ class Method:
         client's LoRA rank, ``lora_rank`` of its payload, when ranks differ; over the base at
         its plan's precision, ``base_precision``: :meth:`base_at`)."""
         self.thaw_plan()  # what an earlier client's plan froze (a caller outside train_client)
-        model = self.base_at(payload.config.get("base_precision"))
-        params = self.load_model(model, payload.arrays, payload.config.get("lora_rank"))
+        o = self.orders(payload)
+        model = self.base_at(o.base_precision)
+        params = self.load_model(model, payload.arrays, o.lora_rank)
         self.freeze_plan(model, payload)  # after loading: a resized adapter has new tensors
         return model, {n: p for n, p in params.items() if p.requires_grad}
 
@@ -506,35 +525,35 @@ class Method:
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of one client: returns the trained tensors and measured costs."""
         model, params = self.client_model(payload)
-        result = train_local(model, params, data, payload.config, seed, loss_fn=self.task.loss,
+        orders = self.orders(payload)
+        result = train_local(model, params, data, orders, seed, loss_fn=self.task.loss,
                              compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
-                             by_parts=self.adapter.in_modules,
-                             pack=self.packs(payload.config))
+                             by_parts=self.adapter.in_modules, pack=self.packs(orders))
         arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
         metrics = self.client_metrics(model, params, payload, arrays, result)
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
 
-    def packs(self, config: dict[str, Any]) -> bool:
+    def packs(self, orders: Orders) -> bool:
         """Whether a client's training batches are packed: ``federation.pack``, where the
         architecture, head and adapter allow it (:func:`fedslice.data.packing.packs`), and the
         client's plan does not split its batches (micro-batches split rows of examples)."""
-        if int(config.get("micro_batches") or 1) > 1:
+        if orders.micro_batches > 1:
             return False
-        return bool(config.get("pack")) and self.task.packable and packs(self.arch.model_type, self.task.head,
-                                                  self.adapter.in_modules)
+        return orders.pack and self.task.packable and packs(self.arch.model_type, self.task.head,
+                                                            self.adapter.in_modules)
 
     def batch_key(self, payload: Payload):
         """Clients whose payloads have equal keys train the same tensors of the same model and
         may share one batched pass; None: this client trains alone. Default: every client trains
         the one shared model (when the method declares ``batched_clients``), clients of one LoRA
-        rank, base precision and training config (:func:`~fedslice.fl.client.train_config_key`:
+        rank, base precision and training config (:meth:`~fedslice.fl.orders.Orders.train_key`:
         a plan's local steps, batch size, FLOPs budget) together (tensors of other shapes do not
         stack); a client whose plan splits its batches or checkpoints trains alone (the batched
         pass does neither)."""
-        if not self.batched_clients or trains_alone(payload):
+        o = self.orders(payload)
+        if not self.batched_clients or o.trains_alone():
             return None
-        return ("model", payload.config.get("lora_rank"), payload.config.get("base_precision"),
-                train_config_key(payload.config))
+        return ("model", o.lora_rank, o.base_precision, o.train_key())
 
     def fit_batched(self, jobs: list[tuple[int, Payload, TokenizedSplit, int]], compute: Compute,
                     on_reply) -> None:
@@ -559,7 +578,7 @@ class Method:
             for lo in range(0, len(group), size):
                 chunk = group[lo:lo + size]
                 results = train_batched(model, names, [p.arrays for _, p, _, _ in chunk],
-                                        [d for _, _, d, _ in chunk], chunk[0][1].config,
+                                        [d for _, _, d, _ in chunk], self.orders(chunk[0][1]),
                                         [s for _, _, _, s in chunk], self.task.client_losses,
                                         self.adapter, compute)
                 for (c, payload, data, _), (tensors, result) in zip(chunk, results):
@@ -725,14 +744,6 @@ class Method:
         regenerates them, :func:`fedslice.report.plot_run`); returns the paths written.
         Default: none."""
         return []
-
-
-def trains_alone(payload: Payload) -> bool:
-    """The client's plan splits its batches, checkpoints, trains the top blocks' adapters
-    only or holds a memory budget step by step (not in a batched pass)."""
-    c = payload.config
-    return int(c.get("micro_batches") or 1) > 1 or bool(c.get("checkpointing")) \
-        or bool(c.get("frozen_tensors")) or c.get("memory_budget") is not None
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fedslice.fl.orders import order_fields
 from fedslice.fl.strategy import Payload, State, Strategy
 from fedslice.methods.planner import ClientPlan
 
@@ -34,9 +35,10 @@ def plan_config(plan: ClientPlan | None) -> dict[str, Any]:
     """What a payload's config carries of a client's plan (nothing without one)."""
     if plan is None:
         return {}
-    return {**plan.knobs.payload_config(), "tier": plan.tier, "budget": plan.budget.describe(),
-            **({"frozen_tensors": list(plan.frozen)} if plan.frozen else {}),
-            **({"flops_budget": plan.flops_budget} if plan.flops_budget is not None else {}),
-            **({"memory_budget": plan.memory_budget} if plan.memory_budget is not None else {}),
-            **({"memory_reference": plan.memory_reference.to_config()}
-               if plan.memory_budget is not None and plan.memory_reference is not None else {})}
+    return order_fields(
+        **plan.knobs.payload_config(), tier=plan.tier, budget=plan.budget.describe(),
+        **({"frozen_tensors": list(plan.frozen)} if plan.frozen else {}),
+        **({"flops_budget": plan.flops_budget} if plan.flops_budget is not None else {}),
+        **({"memory_budget": plan.memory_budget} if plan.memory_budget is not None else {}),
+        **({"memory_reference": plan.memory_reference.to_config()}
+           if plan.memory_budget is not None and plan.memory_reference is not None else {}))

@@ -66,5 +66,5 @@ def longest_first(clients: list[int], payloads: dict[int, Payload],
     (:func:`fedslice.fl.client.planned_tokens`; ties in selection order), so a round does not
     end on one worker's long last client while the others wait (longest-processing-time-first).
     Which worker trains a client, and when, changes nothing in its reply."""
-    tokens = {c: planned_tokens(data(c), payloads[c].config, seeds[c]) for c in clients}
+    tokens = {c: planned_tokens(data(c), payloads[c].orders, seeds[c]) for c in clients}
     return sorted(clients, key=lambda c: -tokens[c])

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from fedslice.config import ExperimentConfig
+from fedslice.fl.orders import order_fields
 from fedslice.fl.rules.base import Rule
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import count_flops
@@ -377,10 +378,10 @@ class LoraRanks(Rule):
         r = self.client_rank(client)
         if r is None:
             return p
-        return Payload(self._truncate(p.arrays, r), {**p.config, "lora_rank": r}, p.model)
+        return Payload(self._truncate(p.arrays, r), {**p.config, **order_fields(lora_rank=r)}, p.model)
 
     def expected_update(self, state: State, payload: Payload, reply: Reply) -> dict:
-        r = payload.config.get("lora_rank")
+        r = payload.orders.lora_rank
         if r is None:
             return self.inner.expected_update(state, payload, reply)
         full = self.inner.expected_update(state, *self._padded(state, payload, reply))
@@ -388,7 +389,7 @@ class LoraRanks(Rule):
 
     def client_view(self, payload: Payload, shapes) -> tuple[State, dict[str, torch.Tensor]]:
         """The inner view of the payload padded to the global rank, held up to the client's."""
-        r = payload.config.get("lora_rank")
+        r = payload.orders.lora_rank
         if r is None:
             return self.inner.client_view(payload, shapes)
         padded = Payload(self._pad(payload.arrays, shapes), payload.config, payload.model)
@@ -400,7 +401,7 @@ class LoraRanks(Rule):
         return view, held
 
     def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
-        r = payload.config.get("lora_rank")
+        r = payload.orders.lora_rank
         if r is None:
             return self.inner.check_reply(state, payload, reply)
         for k, t in reply.arrays.items():
@@ -417,7 +418,7 @@ class LoraRanks(Rule):
                                                     {c: r for c, (_, r) in padded.items()})
         out_w = []
         for c, delta, w in zip(sorted(replies), deltas, weights):
-            r = payloads[c].config.get("lora_rank")
+            r = payloads[c].orders.lora_rank
             per_key = dict(w) if isinstance(w, Mapping) else {k: w for k in delta}
             for k in list(delta):
                 axis = rank_axis(k)

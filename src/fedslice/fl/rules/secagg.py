@@ -119,7 +119,7 @@ class SecureAggregation(Rule):
         its elements: its partition size, the bound the server checks ``num_examples`` against
         (the method's weights are that times factors at most 1: held-masks, f^p, importance)."""
         sp = protocol()
-        sizes = [self.client_sizes.get(p.config.get("client")) for p in payloads.values()]
+        sizes = [self.client_sizes.get(p.orders.client) for p in payloads.values()]
         if any(s is None for s in sizes) or not sizes:
             raise ValueError("privacy.secure_aggregation needs the clients' partition sizes on the "
                              "server (the weights' public bound)")
@@ -137,7 +137,7 @@ class SecureAggregation(Rule):
         (:meth:`~fedslice.fl.strategy.Strategy.client_view`) less the tensors its plan leaves
         frozen (``frozen_tensors``)."""
         _, held = self.inner.client_view(payload, shapes)
-        frozen = set(payload.config.get("frozen_tensors") or ())
+        frozen = set(payload.orders.frozen_tensors)
         return {k: m for k, m in held.items() if k not in frozen}
 
     def weight_shapes(self, state: State, payloads: Mapping[int, Payload],
@@ -165,7 +165,7 @@ class SecureAggregation(Rule):
     # -- a client's side -----------------------------------------------------------------------
     def client_vector(self, server_round: int, payload: Payload, reply: Reply, layout, params
                       ) -> tuple[list[np.ndarray] | None, str | None]:
-        """What client ``payload.config['client']`` puts under the mask, from what it holds
+        """What client ``payload.orders.client`` puts under the mask, from what it holds
         (its payload, seen in the full shapes: :meth:`~fedslice.fl.strategy.Strategy.client_view`,
         in process as on Flower): its own reply checked (the server cannot check it any more),
         its weighting for itself alone, encoded on the round's union; or why it sends nothing."""
@@ -174,7 +174,7 @@ class SecureAggregation(Rule):
         state, _ = self.inner.client_view(payload, layout.shapes)
         if reason := self.validate(state, payload, reply):
             return None, reason
-        c = payload.config.get("client")
+        c = payload.orders.client
         deltas, weights = self.inner.client_updates(server_round, state, {c: payload}, {c: reply})
         extra = [k for k in deltas[0] if k not in layout.shapes]
         if extra:

@@ -168,9 +168,9 @@ class FedOT(Method):
         if frozen:
             self._load_emulator(frozen)
         elif self.emulator_params and not self.emulator_held:
-            raise RuntimeError(f"client {payload.config.get('client')}: no distilled emulator on this "
+            raise RuntimeError(f"client {payload.orders.client}: no distilled emulator on this "
                                "worker and none in the payload (its copy was lost)")
-        self.client_base.receive(payload.model, f"client {payload.config.get('client')}")
+        self.client_base.receive(payload.model, f"client {payload.orders.client}")
         params = self.trainable(self.sub)
         self.load_state(params, arrays)
         return self.sub, params

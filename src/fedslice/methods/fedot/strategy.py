@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from fedslice.fl.orders import order_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.methods.fedot.layout import FROZEN_PREFIX
 from fedslice.models.arch import ArchSpec
@@ -41,7 +42,7 @@ class SubModelStrategy(Strategy):
             arrays.update({FROZEN_PREFIX + k: t for k, t in self.frozen.items()})
             model = self.base
             self.holders.add(client)
-        return Payload(arrays=arrays, config={**config, "client": client}, model=model)
+        return Payload(arrays=arrays, config={**config, **order_fields(client=client)}, model=model)
 
     def forget(self, client: int) -> None:
         self.holders.discard(client)

@@ -89,12 +89,12 @@ class FedPETuning(Method):
 
     def _kept(self, payload: Payload) -> State:
         """The client's own tensors (what it kept, else their initial values) at its rank."""
-        c = payload.config.get("client")
+        c = payload.orders.client
         kept = self._received if self._received is not None else self.personal.get(c)
         self._received = None
         if not kept:
             kept = self._personal_init
-        return {k: t.clone() for k, t in at_rank(kept, payload.config.get("lora_rank")).items()}
+        return {k: t.clone() for k, t in at_rank(kept, payload.orders.lora_rank).items()}
 
     def _with_kept(self, payload: Payload) -> Payload:
         return Payload({**payload.arrays, **self._kept(payload)}, payload.config, payload.model)
@@ -118,7 +118,7 @@ class FedPETuning(Method):
         if not self.personal_names:
             return super().fit(payload, data, seed)
         reply = super().fit(self._with_kept(payload), data, seed)
-        return self._keep(payload.config.get("client"), reply)
+        return self._keep(payload.orders.client, reply)
 
     def fit_batched(self, jobs, compute, on_reply) -> None:
         if not self.personal_names:

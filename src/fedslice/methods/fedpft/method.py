@@ -25,6 +25,7 @@ from fedslice.distill.report import write_curves
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.methods.base import Method, Role
 from fedslice.methods.fedpft.options import FedPFTMethod, KD_BEFORE, KD_DURING, UPDATE_PREFIX
+from fedslice.methods.fedpft.orders import ProxyOrders
 from fedslice.methods.fedpft.proxy import (build_proxy, compressed_layers, compressed_units, ffn_modules,
                                            ffn_weights, global_layer, proxy_slice, stack_offsets)
 from fedslice.methods.fedpft.refit import head_params, refit_head, soft_targets
@@ -253,23 +254,23 @@ class FedPFT(Method):
         """Refuse an incremental proxy update that does not start from this process's copy (a
         client id served by another worker before): the client fails this round, and the server
         sends it the whole proxy next time (``FedPFTStrategy.aggregate_train``)."""
-        base, version = payload.config.get("proxy_base"), payload.config.get("proxy_version")
-        if version is None:
+        proxy = ProxyOrders.of(payload.config)
+        if proxy.version is None:
             return
-        if base is not None and (self.held_version is None or self.held_version < base):
-            raise RuntimeError(f"client {payload.config.get('client')}: the proxy update starts from "
-                               f"version {base}, this worker holds version {self.held_version}")
-        self.held_version = int(version)
+        if proxy.base is not None and (self.held_version is None or self.held_version < proxy.base):
+            raise RuntimeError(f"client {payload.orders.client}: the proxy update starts from "
+                               f"version {proxy.base}, this worker holds version {self.held_version}")
+        self.held_version = proxy.version
 
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of the proxy; in alignment rounds, APoZ on the local data first."""
         self._check_copy(payload)
-        self.client_base.receive(payload.model, f"client {payload.config.get('client')}")
-        count = None
-        if payload.config.get("report_apoz"):
+        self.client_base.receive(payload.model, f"client {payload.orders.client}")
+        count, proxy = None, ProxyOrders.of(payload.config)
+        if proxy.report_apoz:
             self._load(payload.arrays)
             count = count_near_zero(self.proxy, self.arch, self.compressed, data,
-                                    int(payload.config["batch_size"]), float(payload.config["apoz_tau"]),
+                                    payload.orders.batch_size, proxy.apoz_tau,
                                     self.opts.apoz_max_examples, seed)
         reply = super().fit(payload, data, seed)
         if count is not None:

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from fedslice.distill.apoz import split_report
+from fedslice.fl.orders import order_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
+from fedslice.methods.fedpft.orders import ProxyOrders
 from fedslice.methods.fedpft.options import FedPFTMethod, KD_DURING, UPDATE_PREFIX
 from fedslice.methods.fedpft.proxy import global_layer
 from fedslice.models.arch import ArchSpec
@@ -51,7 +53,7 @@ class FedPFTStrategy(Strategy):
     def train_config(self, server_round: int) -> dict[str, Any]:
         cfg = super().train_config(server_round)
         if self.align_round(server_round):
-            cfg.update(report_apoz=True, apoz_tau=self.method.apoz_tau)
+            cfg.update(ProxyOrders.entries(report_apoz=True, apoz_tau=self.method.apoz_tau))
         return cfg
 
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
@@ -60,11 +62,11 @@ class FedPFTStrategy(Strategy):
         ``proxy_version``/``proxy_base`` let the client check its copy (see ``_check_copy``)."""
         arrays = {k: v for k, v in state.items() if k not in self.proxy_keys}
         held = self.client_version.get(client)
-        config = {**config, "client": client, "proxy_version": self.version}
+        config = {**config, **order_fields(client=client), **ProxyOrders.entries(version=self.version)}
         if held is None:
             arrays.update({k: v for k, v in state.items() if k in self.proxy_keys})
         else:
-            config["proxy_base"] = held
+            config.update(ProxyOrders.entries(base=held))
             if held < self.version:
                 arrays.update(self.neuron_update(state, self.updates[held:]))
         self.client_version[client] = self.version
@@ -112,7 +114,7 @@ class FedPFTStrategy(Strategy):
         [0, 1] per kept neuron of every compressed layer, weighted by ``apoz_tokens``, a count of
         at most the client's examples (or ``apoz_max_examples``) x ``data.max_length`` tokens."""
         model, apoz = split_report(reply.arrays)
-        asked = bool(payload.config.get("report_apoz"))
+        asked = ProxyOrders.of(payload.config).report_apoz
         if apoz and not asked:
             return "APoZ report in a round that did not ask for one"
         if asked and set(apoz) != set(self.widths):
@@ -133,7 +135,7 @@ class FedPFTStrategy(Strategy):
         if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or \
                 not math.isfinite(tokens) or tokens <= 0 or tokens != int(tokens):
             return f"apoz_tokens={tokens!r} is not a positive count (it weighs the APoZ report)"
-        size = self.client_sizes.get(payload.config.get("client"))
+        size = self.client_sizes.get(payload.orders.client)
         examples = min(n for n in (size, self.method.apoz_max_examples, reply.num_examples)
                        if n is not None)
         bound = examples * self.max_tokens

@@ -22,6 +22,7 @@ from fedslice.data.batching import TokenizedSplit, iter_batches
 from fedslice.data.partition import sample_rows
 from fedslice.errors import ConfigError, ModelError
 from fedslice.fl.client import LocalResult, train_local
+from fedslice.fl.orders import order_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
 from fedslice.methods.base import Method, Role
@@ -186,7 +187,7 @@ class HeadStage(Method):
         self.positions = {n: pos for n, p in self.trainable().items()
                           if (pos := self.adapter.head_positions(n, p.shape, self.all_dims)) is not None}
         return HeadsStrategy(super().make_strategy(), self.cfg.method, self.arch, self.all_dims,
-                             self.positions)
+                             self.positions, self.knob_defaults)
 
     # -- client ------------------------------------------------------------------------------
     def importance(self, data: TokenizedSplit, seed: int, model: nn.Module | None = None
@@ -204,16 +205,14 @@ class HeadStage(Method):
             raise ModelError(f"no attention scores for {missing} (got {sorted(scores)})")
         return torch.cat([scores[n].float() for n in names]), float(fc.total)  # (R, H)
 
-    def keep(self, alpha: torch.Tensor | None, seed: int, dims=None,
-             sparsity: float | None = None) -> torch.Tensor:
-        """The (R, H) keep-mask of this client for this round (Eq. 7), over the heads of its
-        model (``dims``: a sub-model's, :func:`fedslice.slicing.heads.sub_dims`, where at least
-        one head is kept; None: the full model's), at its plan's ``sparsity`` (None:
-        method.sparsity)."""
+    def keep(self, alpha: torch.Tensor | None, seed: int, sparsity: float, dims=None) -> torch.Tensor:
+        """The (R, H) keep-mask of this client for this round (Eq. 7) at ``sparsity`` (its
+        orders', :meth:`orders`), over the heads of its model (``dims``: a sub-model's,
+        :func:`fedslice.slicing.heads.sub_dims`, where at least one head is kept; None: the
+        full model's)."""
         shape = (num_rows(dims or self.all_dims), (dims or self.all_dims)[0]["num_heads"])
         scores = alpha if alpha is not None else torch.zeros(shape)
-        s = self.opts.sparsity if sparsity is None else sparsity
-        return keep_mask(scores, s, mode=self.opts.pruning, scope=self.opts.scope,
+        return keep_mask(scores, sparsity, mode=self.opts.pruning, scope=self.opts.scope,
                          generator=torch.Generator().manual_seed(seed % (2**63)),
                          min_keep=0 if dims is None else 1)
 
@@ -245,7 +244,7 @@ class HeadStage(Method):
             # backward does not run down to it for a zero gradient
             # and the tensors below the client's adapter depth (its plan's)
             return freeze_parameters(sub, self.headless_tensors(sub, kept, dims)
-                                     | set(payload.config.get("frozen_tensors") or ()))
+                                     | set(payload.orders.frozen_tensors))
         return partial_model(model, spec, self.arch,
                              extra=position_cuts(self.positions, kept, dims))
 
@@ -275,10 +274,10 @@ class HeadStage(Method):
         model, _ = self.client_model(payload)
         outer = self.client_spec(payload)
         dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
-        kept = self.count_mask(dims, payload.config.get("sparsity"), outer is not None)
+        kept = self.count_mask(dims, self.orders(payload).sparsity, outer is not None)
         return self.upload_of(self.local_params(self.local_model(model, kept, payload, dims), kept, dims))
 
-    def count_mask(self, dims, sparsity: float | None, sub_model: bool) -> torch.Tensor:
+    def count_mask(self, dims, sparsity: float, sub_model: bool) -> torch.Tensor:
         """A keep-mask of the right size over ``dims``' heads: which heads a client keeps
         depends on its data, how many does not. They are spread over as many (family, layer)
         rows as they can be (head 0 of every row first, then head 1, ...): a row that keeps a
@@ -286,9 +285,8 @@ class HeadStage(Method):
         client of this sparsity can send (the budget planner's upload)."""
         rows, heads = num_rows(dims), dims[0]["num_heads"]
         spread = -(torch.arange(heads)[None, :] * rows + torch.arange(rows)[:, None]).float()  # (R, H)
-        mode = "none" if self.opts.pruning == "none" else "importance"
-        s = self.opts.sparsity if sparsity is None else sparsity
-        return keep_mask(spread, s, mode=mode, scope=self.opts.scope, min_keep=1 if sub_model else 0)
+        return keep_mask(spread, sparsity, mode=self.opts.count_mode, scope=self.opts.scope,
+                         min_keep=1 if sub_model else 0)
 
     def upload_of(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What a client sends: its kept heads' tensors, its mask and importance vector."""
@@ -331,14 +329,15 @@ class HeadStage(Method):
         with super().planned_model(knobs) as lower:
             outer = knobs.spec
             dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
-            kept = self.count_mask(dims, knobs.sparsity, outer is not None)
-            payload = Payload({}, {**({} if outer is None else {"spec": outer.to_dict()}),
-                                   "frozen_tensors": self.depth_frozen(knobs.depth)})
+            payload = Payload({}, {**knobs.payload_config(), **order_fields(
+                spec=None if outer is None else outer.to_dict(),
+                frozen_tensors=self.depth_frozen(knobs.depth))})
+            orders = self.orders(payload)
+            kept = self.count_mask(dims, orders.sparsity, outer is not None)
             sub = self.local_model(lower.model, kept, payload, dims)
             params = self.local_params(sub, kept, dims)
-            source = knobs.importance or self.opts.importance_source
-            yield PlannedModel(sub, self.upload_of(params),
-                               lower.model if self.needs_pass and source == "pass" else None)
+            yield PlannedModel(sub, self.upload_of(params), lower.model
+                               if self.needs_pass and orders.importance_source == "pass" else None)
 
     @torch.no_grad()
     def forward_pass(self, data: TokenizedSplit, seed: int, model: nn.Module) -> float:
@@ -380,13 +379,14 @@ class HeadStage(Method):
         if self.sits_out(payload):
             return super().fit(payload, data, seed)
         if len(data) == 0:
-            log.warning("client %s has no training data: skipped", payload.config.get("client"))
+            log.warning("client %s has no training data: skipped", payload.orders.client)
             return Reply(arrays={}, num_examples=0, metrics=self._skipped_metrics(payload))
         # the stage below's model (the full one, or the client's sub-model), the payload loaded
         model, _ = self.client_model(payload)
         outer = self.client_spec(payload)
         dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
-        source = payload.config.get("importance_source", self.opts.importance_source)  # a plan's
+        orders = self.orders(payload)
+        source = orders.importance_source
         if self.needs_importance and source == "first_step":
             alpha, kept, sub, params, result = self._fit_first_step(model, payload, data, seed,
                                                                     dims, outer)
@@ -401,13 +401,13 @@ class HeadStage(Method):
                 alpha, imp_flops = self.importance(data, seed, model) if self.needs_importance else (None, 0.0)
                 if self.fills_means and not self.needs_importance:  # random pruning: a forward for the means
                     imp_flops = self.forward_pass(data, seed, model)
-            kept = self.keep(alpha, seed, None if outer is None else dims, payload.config.get("sparsity"))
+            kept = self.keep(alpha, seed, orders.sparsity, None if outer is None else dims)
             sub = self.local_model(model, kept, payload, dims, means=means)
             params = self.local_params(sub, kept, dims)
-            result = train_local(sub, params, data, payload.config, seed, loss_fn=self.task.loss,
+            result = train_local(sub, params, data, orders, seed, loss_fn=self.task.loss,
                                  compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
-                                 by_parts=self.adapter.in_modules,
-                                 pack=self.packs(payload.config), flops_spent=imp_flops)
+                                 by_parts=self.adapter.in_modules, pack=self.packs(orders),
+                                 flops_spent=imp_flops)
         for p in sub.parameters():
             p.grad = None  # tensors outside the optimizer (empty slices) may hold a gradient
         if outer is not None:  # the server reads masks in the full model's layout
@@ -439,7 +439,7 @@ class HeadStage(Method):
         found: dict[str, torch.Tensor] = {}
 
         def on_scores(alpha: torch.Tensor) -> None:
-            kept = self.keep(alpha, seed, None if outer is None else dims, payload.config.get("sparsity"))
+            kept = self.keep(alpha, seed, self.orders(payload).sparsity, None if outer is None else dims)
             found.update(alpha=alpha, kept=kept)
             for name, mask in self.gradient_masks(model, kept, payload, dims, full).items():
                 m = mask.to(full[name].dtype)  # once: multiplied into every step's gradient
@@ -472,7 +472,7 @@ class HeadStage(Method):
         if not total:
             raise ModelError("importance_source='training': training ran no step to score heads on")
         alpha = total["sum"] / total["n"]
-        kept = self.keep(alpha, seed, None if outer is None else dims, payload.config.get("sparsity"))
+        kept = self.keep(alpha, seed, self.orders(payload).sparsity, None if outer is None else dims)
         sub = self.local_model(model, kept, payload, dims)
         return alpha, kept, sub, self.local_params(sub, kept, dims), result
 
@@ -481,10 +481,10 @@ class HeadStage(Method):
         """:func:`train_local` with a capturing ``loss_fn`` (:meth:`first_step_loss`); its attention
         restored and the gradient-mask ``handles`` removed afterwards, whatever happens."""
         try:
-            return train_local(model, params, data, payload.config, seed, loss_fn=loss_fn,
+            orders = self.orders(payload)
+            return train_local(model, params, data, orders, seed, loss_fn=loss_fn,
                                compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
-                               by_parts=self.adapter.in_modules,
-                               pack=self.packs(payload.config))
+                               by_parts=self.adapter.in_modules, pack=self.packs(orders))
         finally:
             loss_fn.restore()
             for h in handles:

@@ -93,6 +93,17 @@ class HeadsMethod(MethodOptions):
             self.scope = "per_layer" if self.prune == "forward" else "global"
         return self
 
+    @property
+    def count_mode(self) -> str:
+        """The keep rule of a mask whose size, not which heads, matters (the planner's
+        upload, the server's check of a reply's count): every head when the method does not
+        prune, else the top-k of the sparsity."""
+        return "none" if self.pruning == "none" else "importance"
+
+    def knob_defaults(self) -> dict[str, Any]:
+        return {**super().knob_defaults(), "sparsity": self.sparsity,
+                "importance_source": self.importance_source}
+
     def spelled_budgets(self, budgets_given: bool) -> dict[str, Any] | None:
         """The stage below's spelling, with this stage's knobs fixed at the method's own (a
         spelling plans what the stage below varies, nothing of the head stage's)."""

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -48,9 +49,12 @@ class HeadsStrategy(Wrapper):
     the inner strategy's per-client factor."""
 
     def __init__(self, inner: Strategy, opts: HeadsMethod, arch, dims: list[dict[str, int]],
-                 positions: Mapping[str, HeadPositions] | None = None):
+                 positions: Mapping[str, HeadPositions] | None = None,
+                 knob_defaults: Mapping[str, Any] | None = None):
         super().__init__(inner)
         self.opts, self.arch, self.dims = opts, arch, dims  # dims: one dict per stack
+        #: the method's knobs where a plan sets none (:meth:`fedslice.methods.base.Method.orders`)
+        self.knob_defaults = dict(opts.knob_defaults() if knob_defaults is None else knob_defaults)
         #: adapter tensors outside the blocks that map to heads (a prefix), by name
         self.positions = dict(positions or {})
 
@@ -97,23 +101,20 @@ class HeadsStrategy(Wrapper):
         exactly when the method prunes), the importance α of Eq. 8 (in (0, 1] on every kept
         head, 0 on the pruned ones) and the head metrics the run's summary reads (equal to the
         mask)."""
-        size = self.client_sizes.get(payload.config.get("client"))
+        orders = payload.orders.resolved(self.knob_defaults)
+        size = self.client_sizes.get(orders.client)
         if reason := check_num_examples(reply.num_examples, size):
             return reason
-        if reason := self.check_heads(reply, self.inner.client_slice(payload),
-                                      payload.config.get("sparsity")):
+        if reason := self.check_heads(reply, orders.sparsity, self.inner.client_slice(payload)):
             return reason
         model = {k: t for k, t in reply.arrays.items() if k not in (KEPT, ALPHA)}
         return check_update(self.expected_update(state, payload, reply), model, reply.num_examples,
                             reply.metrics, size)
 
-    def expected_counts(self, spec, sparsity: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def expected_counts(self, spec, sparsity: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(heads a client keeps per row, or in all under 'global'; the heads it may keep) for a
-        client of the full model (``spec`` None) or of a sub-model, at its plan's ``sparsity``
-        (None: method.sparsity)."""
-        o = self.opts
-        s = o.sparsity if sparsity is None else sparsity
-        mode = "none" if o.pruning == "none" else "importance"
+        client of the full model (``spec`` None) or of a sub-model, at its orders' ``sparsity``."""
+        o, s, mode = self.opts, sparsity, self.opts.count_mode
         if spec is None:
             want = keep_mask(torch.zeros(self.mask_shape), s, scope=o.scope, mode=mode)
             allowed = torch.ones(self.mask_shape, dtype=torch.bool)
@@ -125,9 +126,8 @@ class HeadsStrategy(Wrapper):
             allowed = to_full(torch.ones(shape, dtype=torch.bool), spec, self.dims)
         return (want.sum(1) if o.scope == "per_layer" else want.sum()), allowed
 
-    def check_heads(self, reply: Reply, spec=None, sparsity: float | None = None) -> str | None:
-        shape, o = self.mask_shape, self.opts
-        s = o.sparsity if sparsity is None else sparsity
+    def check_heads(self, reply: Reply, sparsity: float, spec=None) -> str | None:
+        shape, o, s = self.mask_shape, self.opts, sparsity
         for key in (KEPT, ALPHA):
             t = reply.arrays.get(key)
             if t is not None and not isinstance(t, torch.Tensor):
@@ -140,7 +140,7 @@ class HeadsStrategy(Wrapper):
         kept = self._kept(reply) if KEPT not in reply.arrays else reply.arrays[KEPT]
         if kept.dtype != torch.bool:
             return f"{KEPT} has dtype {kept.dtype}, expected torch.bool"
-        want, allowed = self.expected_counts(spec, sparsity)
+        want, allowed = self.expected_counts(spec, s)
         if KEPT not in reply.arrays:  # pruning 'none': every head of the client's model
             kept = allowed
         if bool((kept & ~allowed).any()):
@@ -178,7 +178,7 @@ class HeadsStrategy(Wrapper):
             kept = self._kept(r)
             spec = self.inner.client_slice(payloads[c])
             if spec is not None and KEPT not in r.arrays:
-                kept = self.expected_counts(spec)[1]
+                kept = self.expected_counts(spec, payloads[c].orders.resolved(self.knob_defaults).sparsity)[1]
             updates.append(HeadUpdate(
                 {k: t for k, t in r.arrays.items() if k not in (KEPT, ALPHA)}, kept,
                 bounded_importance(r.arrays.get(ALPHA), kept), r.num_examples,

@@ -21,11 +21,11 @@ from fedslice import measure
 from fedslice.compute import model_device, to_device
 from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError
-from fedslice.fl.client import LocalResult, train_config_key
+from fedslice.fl.client import LocalResult
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.measure import ClientCost
 from fedslice.models.quantize import held_bytes
-from fedslice.methods.base import Method, Role, trains_alone
+from fedslice.methods.base import Method, Role
 from fedslice.methods.raffm.options import RaFFMMethod
 from fedslice.methods.raffm.report import plot_elastic
 from fedslice.methods.raffm.strategy import RaFFMStrategy
@@ -139,7 +139,7 @@ class RaFFM(Method):
             self.client_submodel(spec), self.profile, loss_fn=self.task.loss))
         return RaFFMStrategy(fed, opts, self.arch, self.all_dims, self.make_plans(), self.adapter.scale,
                              set(self.trainable()), self.client_sizes,
-                             scale_tensors(self.model, self.arch), self.client_precision)
+                             scale_tensors(self.model, self.arch), self.knob_defaults)
 
     def plan_axes(self, budgets) -> dict[str, list]:
         """Sub-models of ``budgets.width_steps`` widths (largest first, with their share of the
@@ -324,17 +324,17 @@ class RaFFM(Method):
 
     # -- client ------------------------------------------------------------------------------
     def client_spec(self, payload: Payload) -> Spec | None:
-        spec = payload.config.get("spec")
+        spec = payload.orders.spec
         return None if spec is None else spec_from_dict(spec)
 
     def sits_out(self, payload: Payload) -> bool:
-        return bool(payload.config.get("sit_out"))
+        return payload.orders.sit_out is not None
 
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         """The client's sub-model (:meth:`client_base`) with its payload loaded."""
         self.thaw_plan()  # what an earlier client's plan froze (a caller outside train_client)
         model = self.client_base(payload)
-        params = self._load(model, payload.arrays, payload.config.get("lora_rank"))
+        params = self._load(model, payload.arrays, payload.orders.lora_rank)
         self.freeze_plan(model, payload)  # its plan's adapter depth (after resize: same tensors)
         return model, {n: p for n, p in params.items() if p.requires_grad}
 
@@ -343,11 +343,11 @@ class RaFFM(Method):
         base (``base_precision``, ``model.quantize``) the quantized copy of the slice
         (:meth:`submodel_at`), made from the payload's frozen slices the first time their order
         is seen."""
-        spec, config = spec_from_dict(payload.config["spec"]), payload.config
-        precision = config.get("base_precision") or self.client_precision
-        if precision in (None, "none"):
+        o = self.orders(payload)
+        spec = spec_from_dict(o.spec)
+        if o.base_precision in (None, "none"):
             return self.submodel(spec)
-        return self.submodel_at(spec, precision, config.get("base_order"), payload.arrays)
+        return self.submodel_at(spec, o.base_precision, o.base_order, payload.arrays)
 
     def prepare_clients(self, payloads: Mapping[int, Payload]) -> None:
         """The quantized copies of the round's slices made here, before workers fork (they
@@ -361,12 +361,11 @@ class RaFFM(Method):
     def batch_key(self, payload: Payload):
         """Clients training the same sub-model (same slice, rank, precision and training config)
         share a batched pass."""
-        if payload.config.get("sit_out") or not self.adapter.batched_clients or self.opts.sandwich \
-                or trains_alone(payload):
+        o = self.orders(payload)
+        if o.sit_out is not None or not self.adapter.batched_clients or self.opts.sandwich \
+                or o.trains_alone():
             return None
-        return json.dumps([payload.config["spec"], payload.config.get("lora_rank"),
-                           payload.config.get("base_precision"), train_config_key(payload.config)],
-                          sort_keys=True)
+        return json.dumps([o.spec, o.lora_rank, o.base_precision, o.train_key()], sort_keys=True)
 
     def fit(self, payload: Payload, data, seed: int) -> Reply:
         if self.sits_out(payload):
@@ -386,7 +385,8 @@ class RaFFM(Method):
         inputs to W_o / W_out zeroed, so the pass computes exactly that slice's function)."""
         from fedslice.fl.client import train_local
         model, params = self.client_model(payload)
-        own = spec_from_dict(payload.config["spec"])
+        orders = self.orders(payload)
+        own = spec_from_dict(orders.spec)
         masks = _nested_masks(model, self.arch, own, self.smallest_spec())
 
         def loss_fn(m, batch):
@@ -396,10 +396,9 @@ class RaFFM(Method):
                     loss = loss + self.task.loss(m, batch)
             return loss
 
-        result = train_local(model, params, data, payload.config, seed, loss_fn=loss_fn,
+        result = train_local(model, params, data, orders, seed, loss_fn=loss_fn,
                              compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
-                             by_parts=self.adapter.in_modules,
-                             pack=self.packs(payload.config))
+                             by_parts=self.adapter.in_modules, pack=self.packs(orders))
         arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
         metrics = self.client_metrics(model, params, payload, arrays, result)
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
@@ -410,7 +409,7 @@ class RaFFM(Method):
                           trainable_params=None, train_time_s=None, peak_rss_mb=0.0,
                           activation_mb=0.0)
         return {"loss": float("nan"), "steps": 0, **cost.to_metrics(), "sat_out": 1,
-                "tier": payload.config.get("tier")}
+                "tier": payload.orders.tier}
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
@@ -420,13 +419,13 @@ class RaFFM(Method):
         frozen = {k: t for k, t in payload.arrays.items() if k not in params}
         model_bytes = sum(held_bytes(p) for p in {id(p): p for p in model.parameters()}.values())
         m.update({
-            "tier": payload.config.get("tier"), "sat_out": 0,
+            "tier": payload.orders.tier, "sat_out": 0,
             # comparable with fedpetuning: the trained tensors; the frozen sub-model slices are
             # what a client without the model must also hold (counted apart)
             "bytes_down": measure.tensor_bytes(trained), "bytes_down_frozen": measure.tensor_bytes(frozen),
             "flops_analytic": self._analytic_flops(spec, model, result),
             "flops_ratio_planned": self.sizes.cost(spec).flops_ratio,
-            "lora_rank": payload.config.get("lora_rank"),
+            "lora_rank": payload.orders.lora_rank,
             "model_mb": model_bytes / 2**20, "memory_mb": model_bytes / 2**20 + result.activation_mb,
             **spec_sizes(spec),
         })

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fedslice.config import FederationConfig
+from fedslice.fl.orders import Orders, order_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.methods.plan_strategy import plan_config
 from fedslice.methods.planner import ClientPlan
@@ -29,7 +30,7 @@ class RaFFMStrategy(Strategy):
                  dims: list[Mapping[str, int]], plans: dict[int, ClientPlan],
                  adapter_scale: float | None, trainable: set[str] | None = None,
                  client_sizes: Mapping[int, int] | None = None, scales: State | None = None,
-                 base_precision: str | None = None):
+                 knob_defaults: Mapping[str, Any] | None = None):
         super().__init__(fed, client_sizes)
         self.opts, self.arch, self.dims, self.plans = opts, arch, dims, plans
         #: frozen layer scales salience reads (DINOv2); the state's own values win
@@ -38,8 +39,8 @@ class RaFFMStrategy(Strategy):
         self.trainable = None if trainable is None else {_generic(k) for k in trainable}
         self.adapter_scale = adapter_scale  # the adapter's scale in salience (LoRA: alpha / r)
         self.perm = Permutation.identity(dims)
-        #: every client's base precision (``model.quantize``; None: fp32, or a plan's own)
-        self.base_precision = base_precision
+        #: the method's knobs where a plan sets none (:meth:`fedslice.methods.base.Method.orders`)
+        self.knob_defaults = dict(knob_defaults or {})
         #: salience = 'activation': state -> the output projections' mean |input| of the model
         #: holding that state over the calibration batch (set by the method)
         self.activations = None
@@ -69,23 +70,27 @@ class RaFFMStrategy(Strategy):
     # -- configure ---------------------------------------------------------------------------
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
         cp = self.plans[client]
-        cfg = {**config, "client": client, **plan_config(cp)}
+        cfg = {**config, **order_fields(client=client), **plan_config(cp)}
         if cp.sits_out is not None:
-            return Payload(arrays={}, config={**cfg, "sit_out": cp.sits_out})
-        if (cfg.get("base_precision") or self.base_precision) not in (None, "none"):
+            return Payload(arrays={}, config={**cfg, **order_fields(sit_out=cp.sits_out)})
+        if self.orders(cfg).base_precision not in (None, "none"):
             # a client over a quantized copy of its slice quantizes once per order of the base
-            cfg["base_order"] = self.perm.digest
+            cfg.update(order_fields(base_order=self.perm.digest))
         if self.opts.size_weight:
-            cfg["weight_factor"] = self.size_factor(client)
+            cfg.update(order_fields(weight_factor=self.size_factor(client)))
         return Payload(arrays=extract_state(state, cp.knobs.spec, self.arch),
-                       config={**cfg, "spec": cp.knobs.spec.to_dict()})
+                       config={**cfg, **order_fields(spec=cp.knobs.spec.to_dict())})
+
+    def orders(self, config) -> Orders:
+        """A payload's orders, the method's knobs where its plan sets none."""
+        return Orders.of(config).resolved(self.knob_defaults)
 
     def client_rank(self, client: int) -> int | None:
         return self.plans[client].knobs.rank
 
     def client_slice(self, payload: Payload):
         """The client's sub-model (its payload's spec; None for a client that sat out)."""
-        spec = payload.config.get("spec")
+        spec = payload.orders.spec
         return None if spec is None else spec_from_dict(spec)
 
     def frozen_state_keys(self, trainable, frozen) -> list[str]:
@@ -94,9 +99,8 @@ class RaFFMStrategy(Strategy):
         return sliceable_keys(self.arch, list(frozen))
 
     def absent(self, payload: Payload) -> str | None:
-        if payload.config.get("sit_out"):
-            return f"sat out: {payload.config['sit_out']}"
-        return None
+        why = payload.orders.sit_out
+        return None if why is None else f"sat out: {why}"
 
     def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
         """The trainable tensors of the client's slice (the frozen slices are sent, not returned)."""
@@ -113,7 +117,7 @@ class RaFFMStrategy(Strategy):
 
     def client_factor(self, payload: Payload) -> float:
         """f^p, as the payload carries it (:meth:`size_factor` when it was made)."""
-        return float(payload.config.get("weight_factor", 1.0))
+        return payload.orders.weight_factor
 
     def client_view(self, payload: Payload, shapes) -> tuple[State, dict]:
         """The trainable tensors of the client's slice scattered to full shape, held where its
@@ -121,7 +125,7 @@ class RaFFMStrategy(Strategy):
         if self.absent(payload) is not None:
             return {}, {}
         arrays = self.expected_update({}, payload, Reply({}, 0))
-        return scatter({k: t for k, t in arrays.items()}, spec_from_dict(payload.config["spec"]),
+        return scatter({k: t for k, t in arrays.items()}, spec_from_dict(payload.orders.spec),
                        self.arch, shapes)
 
     def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
@@ -132,7 +136,7 @@ class RaFFMStrategy(Strategy):
         deltas, weights = [], []
         for c in sorted(replies):
             sent, reply = payloads[c], replies[c]
-            spec = spec_from_dict(sent.config["spec"])
+            spec = spec_from_dict(sent.orders.spec)
             delta = {k: t.float() - sent.arrays[k].float() for k, t in reply.arrays.items()}
             full, masks = scatter(delta, spec, self.arch, shapes)
             deltas.append(full)
