@@ -162,7 +162,8 @@ def run_variant(args, variant: str, work: Path) -> dict:
             "bytes_down": _mean([c.get("bytes_down") for c in used]),
             **{k: m.get(k) for k in ("secagg_clients", "secagg_recovered", "secagg_clipped",
                                      "secagg_upload_bytes", "secagg_full_upload_bytes",
-                                     "secagg_skipped")}})
+                                     "secagg_skipped", "secagg_setup_s", "secagg_share_keys_s",
+                                     "secagg_unmask_s")}})
     # the ServerApp's word that a killed node's unmasking answer is missing (after masking)
     unmask_missing = sorted(set(re.findall(r"client (\d+) did not answer the unmasking", log_text)))
     out = {"variant": variant, "status": status, "uptime_before": before, "uptime_after": after,
@@ -176,6 +177,12 @@ def run_variant(args, variant: str, work: Path) -> dict:
     return out
 
 
+def _stages(x: dict) -> str:
+    """The round's key-stage seconds (setup / key sharing / unmasking), '-' for a plain round."""
+    t = [x.get(f"secagg_{s}_s") for s in ("setup", "share_keys", "unmask")]
+    return "-" if all(v is None for v in t) else " / ".join("-" if v is None else f"{v:.1f}" for v in t)
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -185,8 +192,9 @@ def table(args, results: list[dict]) -> str:
     lines = [f"{args.model}, {args.method}, {args.nodes} SuperNodes, {args.steps} local steps of "
              f"{args.batch_size}, {args.train_per_client} examples per client", "",
              "| variant | round | time (s) | used / selected | in the sum (recovered) | up per client (B) "
-             "| plain up (B) | down per client (B) | key stages up / down (B) | load before -> after |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| plain up (B) | down per client (B) | key stages up / down (B) | key stages setup / "
+             "share / unmask (s) | load before -> after |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['variant']} | - | {r['status']}: {r['error']} |||||||")
@@ -199,7 +207,7 @@ def table(args, results: list[dict]) -> str:
                 f"{x.get('secagg_clients') or '-'} ({x.get('secagg_recovered') or 0}) | "
                 f"{x['bytes_up']:,.0f} | {(x['bytes_up_plain'] or x['bytes_up']):,.0f} | "
                 f"{x['bytes_down']:,.0f} | {f'{keys[0]:,} / {keys[1]:,}' if keys else '-'} | "
-                f"{load(r['uptime_before'])} -> {load(r['uptime_after'])} |")
+                f"{_stages(x)} | {load(r['uptime_before'])} -> {load(r['uptime_after'])} |")
     lines.append("")
     for r in results:
         if "error" not in r:
@@ -226,10 +234,16 @@ def main() -> int:
     p.add_argument("--round-timeout", type=float, default=300.0)
     p.add_argument("--timeout", type=float, default=560.0, help="per variant")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "secagg5")
+    p.add_argument("--settle", type=float, default=0.0,
+                   help="before each variant, wait (at most this many seconds) until the 1-minute "
+                        "load average is below --settle-load: the previous variant's processes "
+                        "leave the load average high for minutes after they end")
+    p.add_argument("--settle-load", type=float, default=1.0)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for v in args.variants:
+        settle(args.settle, args.settle_load)
         work = Path(tempfile.mkdtemp(prefix=f"fedslice-secagg-{v}-"))
         try:
             results.append(run_variant(args, v, work))
@@ -243,6 +257,13 @@ def main() -> int:
     (args.out / f"{name}.md").write_text(text + "\n")
     print(text)
     return 0 if all("error" not in r for r in results) else 1
+
+
+def settle(seconds: float, below: float) -> None:
+    """Wait until the 1-minute load average is below ``below``, at most ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and os.getloadavg()[0] >= below:
+        time.sleep(5)
 
 
 if __name__ == "__main__":

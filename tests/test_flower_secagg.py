@@ -95,6 +95,9 @@ def test_secure_serverapp_equals_in_process(tiny_cfg_dict, tmp_path, method):
     for m, r in zip(metrics, records):
         assert m["clients"] == r["clients"] and not m["skipped"]
         assert m["secagg_clients"] == 4 and m["secagg_recovered"] == 0
+        # the key stages' seconds, what a secure round adds (the round's time includes them)
+        stages = [m[f"secagg_{s}_s"] for s in ("setup", "share_keys", "unmask")]
+        assert all(0 < t for t in stages) and sum(stages) < m["round_time_s"]
         assert m["secagg_upload_bytes"] == r["secagg_upload_bytes"]
         assert all(c["bytes_up"] == m["secagg_upload_bytes"] for c in m["client_metrics"])
         by = lambda ms: {c["client"]: c for c in ms}  # noqa: E731

@@ -1,6 +1,7 @@
 import math
 
 from fedslice.fl.selection import LossGapSelector, UniformSelector, make_selector
+from fedslice.methods.probe import probe_loss
 
 
 def test_uniform_is_seeded_and_without_replacement():
@@ -53,7 +54,7 @@ def test_engine_probes_unknown_clients_once_with_the_global_model(tiny_cfg_dict)
     method, data = setup(cfg)
     sim = Simulation(cfg, method, data)
     state = method.initial_state()
-    expected = {c: method.probe_loss(state, data.client(c), 4, client_seed(0, 0, c))[0] for c in range(4)}
+    expected = {c: probe_loss(method, state, data.client(c), 4, client_seed(0, 0, c))[0] for c in range(4)}
     state, r1 = sim.run_round(1, state)
     assert r1["probe_clients"] == 4 and r1["probe_flops"] > 0
     probed = {c: sim.selector.last_loss[c] for c in range(4) if c not in r1["clients"]}

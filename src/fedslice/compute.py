@@ -138,6 +138,18 @@ class Compute:
     def to_device(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return to_device(batch, self.device)
 
+    def apply_to(self, model: torch.nn.Module) -> None:
+        """``gradient_checkpointing`` and ``compile`` on the model clients train (in place:
+        parameter names are unchanged; a compiled model compiles at first use)."""
+        if self.gradient_checkpointing:
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            if not getattr(base, "supports_gradient_checkpointing", False):
+                raise ConfigError(f"compute.gradient_checkpointing: {type(base).__name__} does not "
+                                  "support gradient checkpointing")
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.compile:
+            model.compile()
+
 
 CPU = Compute()
 

@@ -142,10 +142,7 @@ def read_conversations(table: RawTable, column: str | None, *, skip: bool,
                 raise BadConversation(f"the client column {client_column!r} (data.client_column) "
                                       "is empty")
         except BadConversation as e:
-            if not skip:
-                raise DataError(f"{table.where(i)}: {e} (set data.bad_rows = \"skip\" to skip "
-                                "such rows)") from None
-            bad.append((table.lines[i], str(e)))
+            table.refuse_row(i, e, skip, bad)
             continue
         kept.append(i)
         out.append(turns)

@@ -59,6 +59,14 @@ class RawTable:
         """``"file, line N"`` of row index ``row``, for messages."""
         return f"{self.source}, {self.unit} {self.lines[row]}"
 
+    def refuse_row(self, row: int, error: Exception, skip: bool, bad: list) -> None:
+        """A row a task cannot read: a DataError naming it, or under ``data.bad_rows = "skip"``
+        its (line, reason) appended to ``bad`` (the caller skips it and says the count once)."""
+        if not skip:
+            raise DataError(f"{self.where(row)}: {error} (set data.bad_rows = \"skip\" to skip "
+                            "such rows)") from None
+        bad.append((self.lines[row], str(error)))
+
     def column(self, name: str, field: str = "data.text_columns") -> list[Any]:
         """The cells of column ``name``; a DataError naming it, the config ``field`` that asked
         for it and the columns found if the table has no such column."""

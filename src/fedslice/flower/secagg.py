@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -97,6 +98,7 @@ class SecureFlowerAdapter(FlowerAdapter):
         super().__init__(*args, **kwargs)
         self.rule: SecureAggregation = find_rule(self.inner, SecureAggregation)
         self._secure: dict[str, Any] = {}  # the round being trained: layout, keys, failures
+        self._stage_s: dict[str, float] = {}  # the round's seconds per key stage (its record's)
 
     def _exchange(self, grid: Grid, server_round: int, fields: Mapping[int, dict]
                   ) -> tuple[dict[int, ConfigRecord], dict[int, str]]:
@@ -107,7 +109,10 @@ class SecureFlowerAdapter(FlowerAdapter):
                            dst_node_id=self.partitions.nodes[c], message_type=MessageType.QUERY,
                            group_id=str(server_round), ttl=self.round_timeout + TTL_MARGIN_S)
                 for c, f in fields.items()}
+        t0 = time.perf_counter()
         answers = list(grid.send_and_receive(list(msgs.values()), timeout=self.round_timeout))
+        stage = f"secagg_{next(iter(fields.values()), {}).get('stage', 'stage')}_s"
+        self._stage_s[stage] = self._stage_s.get(stage, 0.0) + time.perf_counter() - t0
         by_id = {m.metadata.message_id: c for c, m in msgs.items()}  # set when pushed
         got, failed = {}, {}
         for m in answers:
@@ -127,6 +132,7 @@ class SecureFlowerAdapter(FlowerAdapter):
 
     def configure_train(self, server_round: int, arrays, config, grid: Grid) -> Iterable[Message]:
         messages = super().configure_train(server_round, arrays, config, grid)
+        self._stage_s = {}
         sent = self._round
         layout = self.rule.layout(sent.state, sent.payloads)
         params = self.rule.params(len(sent.clients))
@@ -203,6 +209,8 @@ class SecureFlowerAdapter(FlowerAdapter):
             used = sorted(c for c in masked if c not in {e["client"] for e in bad})
             result = RoundResult(new, used, bad, rejected=len(bad),
                                  invalid=[e["client"] for e in bad], metrics=metrics)
+        # the key stages' wall seconds (setup, key sharing, unmasking: what a round adds)
+        result.metrics.update(self._stage_s)
         new_state, server_metrics = self.method.on_round_end(
             server_round, result.state, {c: received[c] for c in result.used})
         self._record(sent, received, failures, result, server_metrics, malformed)

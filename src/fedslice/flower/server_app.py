@@ -114,7 +114,6 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     from fedslice.flower.strategy import FlowerAdapter
     from fedslice.run.checkpoint import (check_same_config, check_same_data, data_changes,
                                          find_resumable, read_checkpoint)
-    from fedslice.run.engine import finalize
     from fedslice.run.session import RunSession
     from fedslice.run.setup import setup
 
@@ -158,11 +157,23 @@ def run(grid: Grid, settings: RunSettings) -> Path:
                 grid, state_to_record(state), num_rounds=cfg.federation.rounds - done,
                 timeout=wait, evaluate_fn=evaluate)
             state = record_to_state(result.arrays)
-            summary = finalize(cfg, method, data, state, session.records, session.t_start)
-        summary["engine"] = "flower"
-        summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in session.records)
-        return state, summary
+            return state, _flower_summary(cfg, method, data, state, session)
 
+    return _run_session(session, train, settings)
+
+
+def _flower_summary(cfg, method, data, state, session) -> dict:
+    """The run's summary (:func:`fedslice.run.engine.finalize`) with Flower's own entries."""
+    from fedslice.run.engine import finalize
+    summary = finalize(cfg, method, data, state, session.records, session.t_start)
+    summary["engine"] = "flower"
+    summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in session.records)
+    return summary
+
+
+def _run_session(session, train, settings) -> Path:
+    """``session.run(train)``; the finished run folder's path, also written to the run
+    config's result file when it names one."""
     path = session.run(train)
     if settings.result_file:
         settings.result_file.write_text(str(path) + "\n")
@@ -189,7 +200,6 @@ def _run_async(grid, settings, cfg, method, data, partitions, session, wait, don
     """The run under ``federation.round_policy = 'async'``
     (:class:`fedslice.flower.asynchronous.AsyncServer`)."""
     from fedslice.flower.asynchronous import AsyncServer
-    from fedslice.run.engine import finalize
 
     server = AsyncServer(cfg, method, data, partitions, wait, offset=done)
 
@@ -200,15 +210,9 @@ def _run_async(grid, settings, cfg, method, data, partitions, session, wait, don
                 method.strategy.forget(c)
         with _ending_run(grid):
             state = server.run(grid, session, state)
-            summary = finalize(cfg, method, data, state, session.records, session.t_start)
-        summary["engine"] = "flower"
-        summary["failed_nodes"] = sum(r.get("failed_nodes", 0) for r in session.records)
-        return state, summary
+            return state, _flower_summary(cfg, method, data, state, session)
 
-    path = session.run(train)
-    if settings.result_file:
-        settings.result_file.write_text(str(path) + "\n")
-    return path
+    return _run_session(session, train, settings)
 
 
 @contextmanager

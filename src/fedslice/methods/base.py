@@ -24,7 +24,6 @@ its config checks in :meth:`Method.check_config`, its plots in
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -35,10 +34,8 @@ import torch.nn as nn
 
 from fedslice.config import ExperimentConfig, quantize_refusal
 from fedslice.errors import ConfigError
-from fedslice.data.batching import TokenizedSplit, iter_batches
+from fedslice.data.batching import TokenizedSplit
 from fedslice.data.packing import packs
-from fedslice.data.partition import sample_rows
-from fedslice import measure
 from fedslice.compute import Compute
 from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.orders import Orders
@@ -46,15 +43,13 @@ from fedslice.fl.memory_hold import MemoryBudgetExceeded
 from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.rules.lora import check_lora_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
-from fedslice.measure import ClientCost
+from fedslice.methods import client_costs
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import Adapter, make_adapter
 from fedslice.registry import ADAPTERS
 from fedslice.slicing.depth import freeze, frozen, frozen_below
-from fedslice.slicing.planner import measure_training_step
 from fedslice.tasks import Task
-from fedslice.tasks.base import batch_examples, batch_tokens
 
 
 #: who builds the method: the in-process engine ("both"), a Flower ClientApp ("client"), Flower's
@@ -233,7 +228,7 @@ class Method:
         if self.compute.device.type != "cpu" and not _on_meta(loaded.model):
             loaded.model.to(self.compute.device)
         self.model = self.prepare_model(loaded.model)
-        self._apply_compute_options()
+        self.compute.apply_to(self.model)
         #: precision -> the quantized copy of ``model`` its planned clients train (made on first use)
         self._bases: dict[str, nn.Module] = {}
         #: client -> its plan under ``[budgets]`` (:meth:`make_plans`; empty without budgets)
@@ -266,18 +261,6 @@ class Method:
         """The method's own strategy (its payloads, weighting, server state) under the rules."""
         return unwrap(self.strategy)
 
-    def _apply_compute_options(self) -> None:
-        """``compute.gradient_checkpointing`` and ``compute.compile`` on the model clients train."""
-        c = self.compute
-        if c.gradient_checkpointing:
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            if not getattr(base, "supports_gradient_checkpointing", False):
-                raise ConfigError(f"compute.gradient_checkpointing: {type(base).__name__} does not "
-                                  "support gradient checkpointing")
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if c.compile:
-            self.model.compile()  # in place: parameter names are unchanged; compiled at first use
-
     # -- construction hooks ------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Set which parameters train: the adapter's (LoRA's; ``none``: every parameter)."""
@@ -289,58 +272,12 @@ class Method:
 
     # -- budgets (fedslice.methods.planner) --------------------------------------------------
     def make_plans(self, batch: dict[str, torch.Tensor] | None = None) -> dict[int, Any]:
-        """Every client's plan under ``[budgets]`` (none in the client role: a client reads its
-        plan from its payload), measured on ``batch`` (default: the task's profile batch of
-        federation.batch_size rows as long as the longest training example: a step's peak
-        memory is its longest batch's), its FLOPs scaled to the
-        tokens a batch really holds (:func:`~fedslice.methods.plan_batches.planning_lengths`); kept
-        in :attr:`plans`."""
-        from fedslice.methods.plan_batches import packed_peak_shape, planning_lengths, step_units
-        from fedslice.methods.planner import plan_clients
-
-        if self.cfg.budgets is None or self.role == "client":
-            return {}
-        fed = self.cfg.federation
-        # a client's batches are drawn from its own data (grouped by length within it)
-        sizes = sorted(self.client_sizes.values()) if self.client_sizes else []
-        n = int(sizes[len(sizes) // 2]) if sizes else None
-        lengths, heads = self.token_lengths, self.head_lengths
-        length, per_example = planning_lengths(self.cfg, lengths, client_examples=n)
-        if batch is None:
-            known = heads is not None and len(heads) and lengths is not None and len(lengths) == len(heads)
-            batch = self.task.planning_batch(
-                self.model.config, fed.batch_size, length, self.cfg.seed,
-                int(heads.max()) if known else None,
-                int((torch.as_tensor(lengths) - heads).max()) if known else None)
-        # a padded example's tokens over the profile's (an encoder-decoder's rows are a prompt
-        # and a target, each as long as the longest: more than the longest pair)
-        unpadded = batch_tokens(batch) / len(batch["input_ids"]) if "input_ids" in batch else length
-        packed_of = None
-        if self.packs(Orders(pack=fed.pack)):  # what a client of one micro-batch trains on
-            def packed_of(rows: int) -> tuple[dict, float, dict]:
-                """``rows`` examples packed, the tokens a packed example costs over ``length``,
-                and the packed batch every drawn batch of ``rows`` examples fits in (peak memory)."""
-                config = self.model.config
-                packed = self.task.packed_profile_batch(config, rows, length, self.cfg.seed)
-                r, c, h = packed_peak_shape(self.cfg, lengths, rows, n, heads)
-                peak = self.task.packed_grid_batch(config, r, c, rows, self.cfg.seed, h / (r * c))
-                return packed, planning_lengths(self.cfg, lengths, True, rows, n)[1] / length, peak
-
-        @functools.cache  # the planner asks for every plan it weighs: simulate once per size
-        def scale_of(rows: int) -> float:  # a plan's smaller batch holds less padding
-            return planning_lengths(self.cfg, lengths, batch_size=rows, client_examples=n)[1] / unpadded
-
-        @functools.cache
-        def pairs_of(rows: int, packed: bool) -> float:  # a step's attention pairs, in the mean
-            return step_units(self.cfg, lengths, packed, rows, n)[1]
-
-        def heads_of(rows: int) -> float:  # a step's head positions, in the mean
-            return float(rows if heads is None or not len(heads) else rows * heads.double().mean())
-
-        self.plans = plan_clients(self, self.cfg.budgets, batch, self.client_sizes, fed.num_clients,
-                                  self.cfg.seed, flops_scale=per_example / unpadded, packed_of=packed_of,
-                                  scale_of=scale_of, pairs_of=pairs_of, heads_of=heads_of)
+        """Every client's plan under ``[budgets]`` (:func:`fedslice.methods.plan_batches.method_plans`:
+        none in the client role), kept in :attr:`plans`."""
+        from fedslice.methods.plan_batches import method_plans
+        self.plans = method_plans(self, batch)
         return self.plans
+
 
     def plan_axes(self, budgets) -> dict[str, list]:
         """The knobs this method's stages let the planner vary, each list best first:
@@ -456,13 +393,6 @@ class Method:
     def load_client_state(self, state: State) -> None:
         """Restore :meth:`client_state` (``{}`` for a client that kept nothing yet)."""
 
-    def measure_at_rank(self, model: nn.Module, rank: int, batch: dict[str, torch.Tensor]
-                        ) -> tuple[float, float, int, int]:
-        """(FLOPs, memory MiB, params, trainable params) of a training step of ``model`` on
-        ``batch`` with its LoRA factors at ``rank`` (the budget planner's measurement)."""
-        with self.adapter.at_rank(model, rank):
-            return measure_training_step(model, batch, loss_fn=self.task.loss)
-
     def client_spec(self, payload: Payload):
         """The slice of the full model (a :class:`fedslice.slicing.spec.Spec`) that
         ``payload``'s client trains when it trains a sub-model (RaFFM); None: the whole model
@@ -557,106 +487,27 @@ class Method:
 
     def fit_batched(self, jobs: list[tuple[int, Payload, TokenizedSplit, int]], compute: Compute,
                     on_reply) -> None:
-        """Train ``jobs`` (client, payload, data, seed) and call ``on_reply(client, reply)`` for
-        each. Clients with the same :meth:`batch_key` go through
-        :func:`fedslice.fl.batched.train_batched` together (at most ``compute.max_batched`` at a
-        time); the others, and groups whose tensors cannot stack, train one after another."""
-        from fedslice.fl.batched import can_stack, train_batched
+        """Train ``jobs`` (client, payload, data, seed), calling ``on_reply(client, reply)``:
+        :func:`fedslice.methods.batched_fit.fit_batched`."""
+        from fedslice.methods.batched_fit import fit_batched
+        fit_batched(self, jobs, compute, on_reply)
 
-        groups: dict = {}
-        for job in jobs:
-            key = self.batch_key(job[1])
-            groups.setdefault(("alone", job[0]) if key is None else ("key", key), []).append(job)
-        size = compute.max_batched or len(jobs)
-        for group in groups.values():
-            model, params = self.client_model(group[0][1])
-            names = [n for n in params if n in group[0][1].arrays]
-            if len(group) == 1 or not can_stack(model, names, self.adapter):
-                for c, payload, data, seed in group:
-                    on_reply(c, self.train_client(payload, data, seed))
-                continue
-            for lo in range(0, len(group), size):
-                chunk = group[lo:lo + size]
-                results = train_batched(model, names, [p.arrays for _, p, _, _ in chunk],
-                                        [d for _, _, d, _ in chunk], self.orders(chunk[0][1]),
-                                        [s for _, _, _, s in chunk], self.task.client_losses,
-                                        self.adapter, compute)
-                for (c, payload, data, _), (tensors, result) in zip(chunk, results):
-                    arrays = {n: t.clone() for n, t in tensors.items()}
-                    metrics = self.client_metrics(model, tensors, payload, arrays, result)
-                    metrics["batched_clients"] = len(chunk)
-                    on_reply(c, Reply(arrays=arrays, num_examples=len(data), metrics=metrics))
 
-    def adapter_flops(self, model: nn.Module, result: LocalResult) -> dict[str, float]:
-        """The adapter's share of :func:`fedslice.measure.analytic_train_flops` for one client's
-        local training (virtual tokens, prefix keys, its own operations:
-        :meth:`fedslice.peft.Adapter.cost`)."""
-        return self.adapter.cost(model).analytic_kwargs(result.tokens, result.examples, result.steps)
-
-    def analytic_train_flops(self, model: nn.Module, result: LocalResult, *,
-                             num_layers: int | None = None,
-                             embedding_backward: bool | None = None,
-                             frozen: tuple[int, int] | None = None) -> dict[str, float]:
-        """:func:`fedslice.measure.analytic_train_flops` of one client's local training on
-        ``model``: its linears counted from the model, the output head at ``result``'s head
-        positions, the adapter's share. ``num_layers`` defaults to the model's blocks (a sub-model
-        may have fewer; an encoder-decoder counts both stacks), ``embedding_backward`` to whether
-        the model trains its embeddings; the backward stops above :meth:`frozen_bottom`'s blocks
-        (``frozen``: its result, when the caller has it). Methods add their own corrections."""
-        counts = measure.linear_param_counts(model)
-        if num_layers is None:
-            num_layers = sum(len(self.arch.blocks(model, k)) for k in range(len(self.arch.stacks)))
-        if embedding_backward is None:
-            embedding_backward = measure.embeddings_train(model)
-        if frozen is None:
-            frozen = (0, 0) if embedding_backward else self.frozen_bottom(model)
-        return measure.analytic_train_flops(
-            num_layers=num_layers, hidden=self.dims["hidden"], ffn=self.dims["ffn"],
-            num_heads=self.dims["num_heads"], tokens=result.tokens,
-            seq_len=result.attention_length or result.tokens / max(result.rows or result.examples, 1),
-            trainable_linear_params=counts["trainable"], total_linear_params=counts["total"],
-            embedding_backward=embedding_backward, examples=result.examples,
-            head_positions=result.head_positions, head_linear_params=counts["head_total"],
-            head_trainable_linear_params=counts["head_trainable"],
-            frozen_layers=frozen[0], frozen_linear_params=frozen[1],
-            # the lowest trained block's attention- and LoRA-A input-gradients autograd skips
-            **({} if embedding_backward else measure.bottom_skips(model, self.arch, frozen[0])),
-            **self.adapter_flops(model, result))
+    def analytic_train_flops(self, model: nn.Module, result: LocalResult, **kw) -> dict[str, float]:
+        """:func:`fedslice.methods.client_costs.analytic_train_flops` on this method's model
+        family (a stage adds its corrections to what this returns)."""
+        return client_costs.analytic_train_flops(self, model, result, **kw)
 
     def frozen_bottom(self, model: nn.Module) -> tuple[int, int]:
-        """:func:`fedslice.measure.frozen_bottom` of a one-stack ``model`` (the lowest blocks
-        the backward never reaches, e.g. where head pruning left no trained head); ``(0, 0)``
-        for an encoder-decoder (its stacks are not one chain from the bottom)."""
-        if len(self.arch.stacks) != 1:
-            return 0, 0
-        return measure.frozen_bottom(model, list(self.arch.blocks(model)))
+        """:func:`fedslice.methods.client_costs.frozen_bottom`."""
+        return client_costs.frozen_bottom(self, model)
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
-        analytic = self.analytic_train_flops(model, result)
-        mb = measure.module_bytes(model) / 2**20
-        frozen = {k: t for k, t in payload.arrays.items() if k not in params}
-        cost = ClientCost(
-            bytes_down=measure.tensor_bytes(payload.arrays) + measure.tensor_bytes(payload.model),
-            bytes_up=measure.tensor_bytes(arrays),
-            params_down=measure.num_params(payload.arrays) + measure.num_params(payload.model),
-            params_up=measure.num_params(arrays),
-            trainable_params=sum(p.numel() for p in params.values()),
-            flops_measured=result.flops_measured, flops_analytic=analytic["total"],
-            examples=result.examples, tokens=result.tokens, peak_rss_mb=result.peak_rss_mb,
-            activation_mb=result.activation_mb, train_time_s=result.time_s,
-            # what the client's device holds at its peak: the model it trains, saved activations,
-            # gradients and AdamW state (deterministic; RSS deltas are not, see measure.py)
-            model_mb=mb, memory_mb=mb + result.activation_mb, gpu_peak_mb=result.gpu_peak_mb,
-            tokens_real=result.tokens_real)
-        # of bytes_down: frozen tensors the server changed (FedEx-LoRA's and FLoRA's base weights)
-        return {"loss": result.loss, "steps": result.steps, **cost.to_metrics(),
-                "bytes_down_frozen": measure.tensor_bytes(frozen),
-                # a plan's FLOPs budget: the local steps it cut (train_local)
-                **({"steps_cut": result.steps_cut} if result.steps_cut is not None else {}),
-                # a plan's memory budget: the local steps it ran as micro-batches
-                **({"plan_downgrades": result.plan_downgrades}
-                   if result.plan_downgrades is not None else {})}
+        """A reply's metrics: its loss, steps and costs
+        (:func:`fedslice.methods.client_costs.client_cost_metrics`); a stage adds its own."""
+        return client_costs.client_cost_metrics(self, model, params, payload, arrays, result)
+
 
     # -- server evaluation -------------------------------------------------------------------
     def eval_model(self, state: State) -> nn.Module:
@@ -671,23 +522,6 @@ class Method:
         model = self.eval_model(state)
         with self.compute.autocast():
             return self.task.evaluate(model, data, batch_size, max_generations)
-
-    @torch.no_grad()
-    def probe_loss(self, state: State, data: TokenizedSplit, max_examples: int,
-                   seed: int) -> tuple[float, float]:
-        """The global model's mean task loss on (a seeded sample of) a client's data and its
-        measured FLOPs: the cold-start probe of loss-gap selection (forward only)."""
-        if max_examples < len(data):
-            data = data.subset(sample_rows(len(data), max_examples, seed))
-        model = self.eval_model(state)
-        was_training = model.training
-        model.eval()
-        total = 0.0
-        with measure.count_flops() as fc:
-            for batch in iter_batches(data, range(len(data)), 32, shuffle=False, generator=None):
-                total += float(self.task.loss(model, batch)) * batch_examples(batch)
-        model.train(was_training)
-        return total / max(len(data), 1), float(fc.total)
 
     # -- server work between rounds ----------------------------------------------------------
     def on_round_end(self, server_round: int, state: State,

@@ -4,8 +4,14 @@ length, the positions and attention pairs of a step, packed layouts.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import numpy as np
 import torch
+
+from fedslice.fl.orders import Orders
+from fedslice.tasks.base import batch_tokens
 
 
 def planning_lengths(cfg, lengths: torch.Tensor | None, packed: bool = False,
@@ -102,3 +108,56 @@ def packed_peak_shape(cfg, lengths, batch_size: int, client_examples: int | None
     its target tokens)."""
     layouts = packed_layouts(cfg, lengths, batch_size, client_examples, head_lengths)
     return int(layouts[:, 0].max()), int(layouts[:, 1].max()), int(layouts[:, 2].max())
+
+
+def method_plans(method, batch: dict[str, torch.Tensor] | None = None) -> dict[int, Any]:
+    """``method``'s every client's plan under ``[budgets]`` (none in the client role: a client reads its
+    plan from its payload), measured on ``batch`` (default: the task's profile batch of
+    federation.batch_size rows as long as the longest training example: a step's peak
+    memory is its longest batch's), its FLOPs scaled to the
+    tokens a batch really holds (:func:`~fedslice.methods.plan_batches.planning_lengths`); kept
+    (the method keeps them)."""
+    from fedslice.methods.planner import plan_clients
+
+    if method.cfg.budgets is None or method.role == "client":
+        return {}
+    fed = method.cfg.federation
+    # a client's batches are drawn from its own data (grouped by length within it)
+    sizes = sorted(method.client_sizes.values()) if method.client_sizes else []
+    n = int(sizes[len(sizes) // 2]) if sizes else None
+    lengths, heads = method.token_lengths, method.head_lengths
+    length, per_example = planning_lengths(method.cfg, lengths, client_examples=n)
+    if batch is None:
+        known = heads is not None and len(heads) and lengths is not None and len(lengths) == len(heads)
+        batch = method.task.planning_batch(
+            method.model.config, fed.batch_size, length, method.cfg.seed,
+            int(heads.max()) if known else None,
+            int((torch.as_tensor(lengths) - heads).max()) if known else None)
+    # a padded example's tokens over the profile's (an encoder-decoder's rows are a prompt
+    # and a target, each as long as the longest: more than the longest pair)
+    unpadded = batch_tokens(batch) / len(batch["input_ids"]) if "input_ids" in batch else length
+    packed_of = None
+    if method.packs(Orders(pack=fed.pack)):  # what a client of one micro-batch trains on
+        def packed_of(rows: int) -> tuple[dict, float, dict]:
+            """``rows`` examples packed, the tokens a packed example costs over ``length``,
+            and the packed batch every drawn batch of ``rows`` examples fits in (peak memory)."""
+            config = method.model.config
+            packed = method.task.packed_profile_batch(config, rows, length, method.cfg.seed)
+            r, c, h = packed_peak_shape(method.cfg, lengths, rows, n, heads)
+            peak = method.task.packed_grid_batch(config, r, c, rows, method.cfg.seed, h / (r * c))
+            return packed, planning_lengths(method.cfg, lengths, True, rows, n)[1] / length, peak
+
+    @functools.cache  # the planner asks for every plan it weighs: simulate once per size
+    def scale_of(rows: int) -> float:  # a plan's smaller batch holds less padding
+        return planning_lengths(method.cfg, lengths, batch_size=rows, client_examples=n)[1] / unpadded
+
+    @functools.cache
+    def pairs_of(rows: int, packed: bool) -> float:  # a step's attention pairs, in the mean
+        return step_units(method.cfg, lengths, packed, rows, n)[1]
+
+    def heads_of(rows: int) -> float:  # a step's head positions, in the mean
+        return float(rows if heads is None or not len(heads) else rows * heads.double().mean())
+
+    return plan_clients(method, method.cfg.budgets, batch, method.client_sizes, fed.num_clients,
+                        method.cfg.seed, flops_scale=per_example / unpadded, packed_of=packed_of,
+                        scale_of=scale_of, pairs_of=pairs_of, heads_of=heads_of)

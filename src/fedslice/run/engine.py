@@ -22,6 +22,7 @@ from fedslice.errors import ConfigError, DataError
 from fedslice.fl.clock import SimClock, client_seconds, measure_host_gflops, settle_round
 from fedslice.fl.devices import Population, population
 from fedslice.fl.faults import corrupt, missed_deadline, plan_faults
+from fedslice.methods.probe import probe_loss
 from fedslice.run.runner import ClientRunner
 from fedslice.run.session import Rounds
 from fedslice.fl.selection import make_selector
@@ -135,7 +136,7 @@ class Simulation:
             return {}
         losses, flops = {}, 0.0
         for c in unknown:
-            losses[c], f = self.method.probe_loss(state, self.data.client(c), fed.probe_examples,
+            losses[c], f = probe_loss(self.method, state, self.data.client(c), fed.probe_examples,
                                                   client_seed(self.cfg.seed, 0, c))
             flops += f
         self.selector.observe_probe(losses)

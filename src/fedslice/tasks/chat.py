@@ -94,10 +94,7 @@ class Chat(Generation):
             try:
                 full, trained, prompt = tokenize_conversation(self.tokenizer, turns)
             except BadConversation as e:
-                if not skip:
-                    raise DataError(f"{table.where(i)}: {e} (set data.bad_rows = \"skip\" to skip "
-                                    "such rows)") from None
-                refused.append((table.lines[i], str(e)))
+                table.refuse_row(i, e, skip, refused)
                 continue
             x = full
             if len(full) > limit:

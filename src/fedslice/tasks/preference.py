@@ -277,10 +277,7 @@ class Preference(TextToText):
                 for col in (t.chosen_column, t.rejected_column):
                     columns[col][i] = response_text(columns[col][i], col)
             except BadConversation as e:
-                if not skip:
-                    raise DataError(f"{table.where(i)}: {e} (set data.bad_rows = \"skip\" to skip "
-                                    "such rows)") from None
-                bad.append((table.lines[i], str(e)))
+                table.refuse_row(i, e, skip, bad)
                 continue
             kept.append(i)
         out = dataclasses.replace(table, columns=columns)

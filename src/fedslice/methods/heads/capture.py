@@ -12,7 +12,9 @@ import torch.nn as nn
 
 from fedslice.compute import model_device, to_device
 from fedslice.errors import ModelError
-from fedslice.slicing.heads import batch_confidence_sums, ensure_eager_attention
+from fedslice.slicing.heads import batch_confidence_sums, ensure_eager_attention, num_rows
+from fedslice.data.batching import TokenizedSplit
+from fedslice.fl.strategy import Payload
 from fedslice.tasks.base import batch_examples
 
 TaskLoss = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
@@ -97,3 +99,58 @@ class CapturingLoss:
         if not outs:
             raise ModelError("importance from training steps: the task's loss did not call the model")
         return loss, outs[-1]
+
+
+def fit_first_step(method, model: nn.Module, payload: Payload, data: TokenizedSplit, seed: int,
+                    dims, outer):
+    """``importance_source = "first_step"`` (``prune = "parameters"``): train ``model``'s
+    every trainable tensor; the first step's forward runs with eager attention and returns
+    its attention weights, which score the heads (Eq. 6 on that batch, :meth:`~fedslice.methods.heads.method.HeadStage.first_step_loss`);
+    the keep-mask follows, and before that step's backward every tensor the mask prunes (the
+    pruned heads' rows, a headless layer's attention adapter) gets a gradient hook that zeroes
+    its gradient, so with AdamW and no weight decay it keeps its value exactly. Returns
+    (alpha, kept, the parameter-pruned model, its trained tensors, the training result): the
+    model and tensors are those the method's ``local_model`` and ``local_params`` give, built from
+    the trained model."""
+    shape = (num_rows(dims), dims[0]["num_heads"])
+    full = method.local_params(model, torch.ones(shape, dtype=torch.bool), dims)
+    handles: list = []
+    found: dict[str, torch.Tensor] = {}
+
+    def on_scores(alpha: torch.Tensor) -> None:
+        kept = method.keep(alpha, seed, method.orders(payload).sparsity, None if outer is None else dims)
+        found.update(alpha=alpha, kept=kept)
+        for name, mask in method.gradient_masks(model, kept, payload, dims, full).items():
+            m = mask.to(full[name].dtype)  # once: multiplied into every step's gradient
+            handles.append(full[name].register_hook(lambda g, m=m: g * m))
+
+    result = method._train_capturing(model, full, data, payload, seed,
+                                   method.first_step_loss(on_scores), handles)
+    if "kept" not in found:
+        raise ModelError("importance_source='first_step': training ran no step to score heads on")
+    alpha, kept = found["alpha"], found["kept"]
+    sub = method.local_model(model, kept, payload, dims)
+    return alpha, kept, sub, method.local_params(sub, kept, dims), result
+
+def fit_training(method, model: nn.Module, payload: Payload, data: TokenizedSplit, seed: int,
+                  dims, outer):
+    """``importance_source = "training"``: train every trainable tensor of ``model``, every
+    step's forward captured (:meth:`~fedslice.methods.heads.method.HeadStage.first_step_loss` with ``every_step``); after training,
+    the keep-mask of the mean scores over all training batches, and the kept heads' tensors
+    of the trained model (the method's ``local_model``, ``local_params``) as the upload."""
+    shape = (num_rows(dims), dims[0]["num_heads"])
+    full = method.local_params(model, torch.ones(shape, dtype=torch.bool), dims)
+    total: dict[str, torch.Tensor] = {}
+
+    def on_scores(alpha: torch.Tensor, n: int) -> None:
+        total["sum"] = total.get("sum", 0) + alpha * n
+        total["n"] = total.get("n", 0) + n
+
+    result = method._train_capturing(model, full, data, payload, seed,
+                                   method.first_step_loss(on_scores, every_step=True))
+    if not total:
+        raise ModelError("importance_source='training': training ran no step to score heads on")
+    alpha = total["sum"] / total["n"]
+    kept = method.keep(alpha, seed, method.orders(payload).sparsity, None if outer is None else dims)
+    sub = method.local_model(model, kept, payload, dims)
+    return alpha, kept, sub, method.local_params(sub, kept, dims), result

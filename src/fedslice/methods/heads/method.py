@@ -27,9 +27,9 @@ from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
 from fedslice.methods.base import Method, Role
 from fedslice.methods.fedpetuning import FedPETuning
-from fedslice.methods.heads.capture import CapturingLoss
+from fedslice.methods.heads.capture import CapturingLoss, fit_first_step, fit_training
 from fedslice.methods.heads.options import HeadsMethod, kept_count, max_sparsity
-from fedslice.methods.heads.report import paper_ops, plot_head_importance
+from fedslice.methods.heads.report import head_views, paper_ops, plot_head_importance
 from fedslice.methods.heads.strategy import ALPHA, HeadsStrategy, KEPT
 from fedslice.methods.planner import PlannedModel
 from fedslice.models.loading import LoadedModel
@@ -388,12 +388,12 @@ class HeadStage(Method):
         orders = self.orders(payload)
         source = orders.importance_source
         if self.needs_importance and source == "first_step":
-            alpha, kept, sub, params, result = self._fit_first_step(model, payload, data, seed,
-                                                                    dims, outer)
+            alpha, kept, sub, params, result = fit_first_step(self, model, payload, data, seed, dims,
+                                                               outer)
             imp_flops = 0.0  # no forward of its own: the scores come from training's first step
         elif self.needs_importance and source == "training":
-            alpha, kept, sub, params, result = self._fit_training(model, payload, data, seed,
-                                                                  dims, outer)
+            alpha, kept, sub, params, result = fit_training(self, model, payload, data, seed, dims,
+                                                             outer)
             imp_flops = 0.0  # no forward of its own: the scores come from training's forwards
         else:
             with output_means(model, self.arch, regression=self.opts.fill == "linear") \
@@ -421,60 +421,6 @@ class HeadStage(Method):
         metrics = self.client_metrics(sub, params, payload, arrays, result)
         metrics.update(self.head_metrics(kept, alpha, result, imp_flops))
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
-
-    def _fit_first_step(self, model: nn.Module, payload: Payload, data: TokenizedSplit, seed: int,
-                        dims, outer):
-        """``importance_source = "first_step"`` (``prune = "parameters"``): train ``model``'s
-        every trainable tensor; the first step's forward runs with eager attention and returns
-        its attention weights, which score the heads (Eq. 6 on that batch, :meth:`first_step_loss`);
-        the keep-mask follows, and before that step's backward every tensor the mask prunes (the
-        pruned heads' rows, a headless layer's attention adapter) gets a gradient hook that zeroes
-        its gradient, so with AdamW and no weight decay it keeps its value exactly. Returns
-        (alpha, kept, the parameter-pruned model, its trained tensors, the training result): the
-        model and tensors are those :meth:`local_model` and :meth:`local_params` give, built from
-        the trained model."""
-        shape = (num_rows(dims), dims[0]["num_heads"])
-        full = self.local_params(model, torch.ones(shape, dtype=torch.bool), dims)
-        handles: list = []
-        found: dict[str, torch.Tensor] = {}
-
-        def on_scores(alpha: torch.Tensor) -> None:
-            kept = self.keep(alpha, seed, self.orders(payload).sparsity, None if outer is None else dims)
-            found.update(alpha=alpha, kept=kept)
-            for name, mask in self.gradient_masks(model, kept, payload, dims, full).items():
-                m = mask.to(full[name].dtype)  # once: multiplied into every step's gradient
-                handles.append(full[name].register_hook(lambda g, m=m: g * m))
-
-        result = self._train_capturing(model, full, data, payload, seed,
-                                       self.first_step_loss(on_scores), handles)
-        if "kept" not in found:
-            raise ModelError("importance_source='first_step': training ran no step to score heads on")
-        alpha, kept = found["alpha"], found["kept"]
-        sub = self.local_model(model, kept, payload, dims)
-        return alpha, kept, sub, self.local_params(sub, kept, dims), result
-
-    def _fit_training(self, model: nn.Module, payload: Payload, data: TokenizedSplit, seed: int,
-                      dims, outer):
-        """``importance_source = "training"``: train every trainable tensor of ``model``, every
-        step's forward captured (:meth:`first_step_loss` with ``every_step``); after training,
-        the keep-mask of the mean scores over all training batches, and the kept heads' tensors
-        of the trained model (:meth:`local_model`, :meth:`local_params`) as the upload."""
-        shape = (num_rows(dims), dims[0]["num_heads"])
-        full = self.local_params(model, torch.ones(shape, dtype=torch.bool), dims)
-        total: dict[str, torch.Tensor] = {}
-
-        def on_scores(alpha: torch.Tensor, n: int) -> None:
-            total["sum"] = total.get("sum", 0) + alpha * n
-            total["n"] = total.get("n", 0) + n
-
-        result = self._train_capturing(model, full, data, payload, seed,
-                                       self.first_step_loss(on_scores, every_step=True))
-        if not total:
-            raise ModelError("importance_source='training': training ran no step to score heads on")
-        alpha = total["sum"] / total["n"]
-        kept = self.keep(alpha, seed, self.orders(payload).sparsity, None if outer is None else dims)
-        sub = self.local_model(model, kept, payload, dims)
-        return alpha, kept, sub, self.local_params(sub, kept, dims), result
 
     def _train_capturing(self, model: nn.Module, params, data: TokenizedSplit, payload: Payload,
                          seed: int, loss_fn, handles=()):
@@ -604,32 +550,8 @@ class HeadStage(Method):
 
     @classmethod
     def report_views(cls, folder, config, metrics, summary) -> list:
-        """The stage below's views, then Eq. 6 importance per head (mean over every client-round
-        that scored heads) and how often each head was kept."""
-        from fedslice.viz import heatmap_view
-        imp, kept = [], []
-        for r in metrics:
-            for c in r.get("client_metrics") or []:
-                if c.get("head_importance") and c.get("num_heads"):
-                    imp.append(np.reshape(c["head_importance"], (-1, int(c["num_heads"]))))
-                if c.get("head_kept") and c.get("num_heads"):
-                    kept.append(np.reshape(c["head_kept"], (-1, int(c["num_heads"]))))
-        views = super().report_views(folder, config, metrics, summary)
-        if imp:
-            m = np.mean(imp, axis=0)
-            names = [f"row {i}" for i in range(m.shape[0])]
-            views.append(heatmap_view(
-                "Head importance (heads method)", m, xlabel="head", ylabel="attention layer",
-                row_names=names, value="mean importance (Eq. 6)",
-                caption=f"Mean over {len(imp)} client-rounds; rows: one per (attention family, "
-                        "layer), stack by stack."))
-        if kept:
-            m = np.mean(kept, axis=0)
-            views.append(heatmap_view(
-                "Heads kept (heads method)", m, xlabel="head", ylabel="attention layer",
-                row_names=[f"row {i}" for i in range(m.shape[0])], value="share of client-rounds kept",
-                caption=f"Share of {len(kept)} client-rounds that trained each head."))
-        return views
+        """The stage below's views, then the heads' (:func:`~fedslice.methods.heads.report.head_views`)."""
+        return super().report_views(folder, config, metrics, summary) + head_views(metrics)
 
     # -- after training ----------------------------------------------------------------------
     def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],

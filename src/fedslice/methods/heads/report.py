@@ -131,3 +131,34 @@ def paper_ops(num_layers: int, hidden: int, tokens: float, *, rank: int = 0, pef
         out["peft"] = row["prompt"] * (sum(ks) / num_layers)
     out["total"] = out["qkv"] + out["attention"] + out["fc"] + out["peft"]
     return out
+
+
+def head_views(metrics: Sequence[Mapping[str, Any]]) -> list:
+    """The report's views of the head stage: Eq. 6 importance per head (mean over every
+    client-round that scored heads) and how often each head was kept."""
+    import numpy as np
+
+    from fedslice.viz import heatmap_view
+    imp, kept = [], []
+    for r in metrics:
+        for c in r.get("client_metrics") or []:
+            if c.get("head_importance") and c.get("num_heads"):
+                imp.append(np.reshape(c["head_importance"], (-1, int(c["num_heads"]))))
+            if c.get("head_kept") and c.get("num_heads"):
+                kept.append(np.reshape(c["head_kept"], (-1, int(c["num_heads"]))))
+    views = []
+    if imp:
+        m = np.mean(imp, axis=0)
+        names = [f"row {i}" for i in range(m.shape[0])]
+        views.append(heatmap_view(
+            "Head importance (heads method)", m, xlabel="head", ylabel="attention layer",
+            row_names=names, value="mean importance (Eq. 6)",
+            caption=f"Mean over {len(imp)} client-rounds; rows: one per (attention family, "
+                    "layer), stack by stack."))
+    if kept:
+        m = np.mean(kept, axis=0)
+        views.append(heatmap_view(
+            "Heads kept (heads method)", m, xlabel="head", ylabel="attention layer",
+            row_names=[f"row {i}" for i in range(m.shape[0])], value="share of client-rounds kept",
+            caption=f"Share of {len(kept)} client-rounds that trained each head."))
+    return views

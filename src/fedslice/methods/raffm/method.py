@@ -27,7 +27,7 @@ from fedslice.measure import ClientCost
 from fedslice.models.quantize import held_bytes
 from fedslice.methods.base import Method, Role
 from fedslice.methods.raffm.options import RaFFMMethod
-from fedslice.methods.raffm.report import plot_elastic
+from fedslice.methods.raffm.report import plot_elastic, elastic_views, tier_summary
 from fedslice.methods.raffm.strategy import RaFFMStrategy
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
@@ -478,22 +478,8 @@ class RaFFM(Method):
 
     @classmethod
     def report_views(cls, folder, config, metrics, summary) -> list:
-        """Elastic inference: the primary metric of the global model at every evaluated size."""
-        from fedslice.viz import line_view
-        rows = [e for e in summary.get("elastic") or [] if "metric" in e]
-        if not rows:
-            return []
-        metric = rows[0]["metric"]
-        view = line_view("Elastic inference (raffm)", [e["size"] for e in rows],
-                         {f"test {metric}": [e.get(f"test_{metric}") for e in rows],
-                          f"dev {metric}": [e.get(f"dev_{metric}") for e in rows]},
-                         xlabel="size (fraction of full-model training FLOPs)", ylabel=metric,
-                         x_key="size", caption="The trained global model cut to each elastic "
-                         "size (leading heads and neurons); `fedslice export --size S` writes one.")
-        for row, e in zip(view.rows, rows):
-            row.update({k: e.get(k) for k in ("params", "forward_gflops_per_example",
-                                                "forward_flops_ratio", "heads", "ffn")})
-        return [view]
+        """Elastic inference (:func:`~fedslice.methods.raffm.report.elastic_views`)."""
+        return elastic_views(summary)
 
     def elastic_specs(self) -> list[dict[str, Any]]:
         """Every elastic size's sub-model as a spec over the saved state (the checkpoint's order
@@ -552,27 +538,7 @@ class RaFFM(Method):
     def final_metrics(self, state: State, data, records: list[dict[str, Any]], batch_size: int) -> dict[str, Any]:
         """Elastic sizes, per-tier costs and the plans (merged into summary.json)."""
         per_client = [m for r in records for m in r["client_metrics"]]
-        tiers = []
-        groups = sorted({cp.tier for cp in self.slices.plans.values()}, key=lambda t: (t is None, t))
-        for tier in groups:
-            cps = [cp for cp in self.slices.plans.values() if cp.tier == tier]
-            ran = [m for m in per_client if m.get("tier") == tier and not m.get("sat_out")]
-            trains = [cp for cp in cps if cp.sits_out is None]
-            specs = {cp.knobs.spec for cp in trains}
-            entry = {"tier": tier, "budget": cps[0].budget.describe() if tier is not None else cps[0].budget.name,
-                     "clients": len(cps), "clients_without_submodel": len(cps) - len(trains),
-                     "client_rounds": len(ran),
-                     "sat_out_rounds": sum(1 for m in per_client if m.get("tier") == tier and m.get("sat_out"))}
-            if len(specs) == 1:
-                spec = next(iter(specs))
-                entry.update({"spec": spec.describe(), "planned": self.sizes.cost(spec).to_dict()})
-            tier_ranks = {cp.knobs.rank for cp in trains}
-            if len(tier_ranks) == 1 and None not in tier_ranks:
-                entry["lora_rank"] = next(iter(tier_ranks))  # summary["plans"] has the plan's costs
-            for k in (*ClientCost.AGGREGATED, "bytes_down_frozen"):
-                vals = [m[k] for m in ran if m.get(k) is not None]
-                entry[f"{k}_mean"] = float(np.mean(vals)) if vals else None
-            tiers.append(entry)
+        tiers = tier_summary(self.slices.plans, per_client, self.sizes.cost)
         full_cost = self.sizes.cost(self.sizes.candidates[-1])
         return {"elastic": self.elastic(state, data, batch_size), "tiers": tiers,
                 "full_model_planned": full_cost.to_dict(),

@@ -41,3 +41,53 @@ def plot_elastic(elastic: Sequence[Mapping[str, Any]], out_path: str | os.PathLi
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def elastic_views(summary: Mapping[str, Any]) -> list:
+    """The report's view of elastic inference: the primary metric of the global model at every evaluated size."""
+    from fedslice.viz import line_view
+    rows = [e for e in summary.get("elastic") or [] if "metric" in e]
+    if not rows:
+        return []
+    metric = rows[0]["metric"]
+    view = line_view("Elastic inference (raffm)", [e["size"] for e in rows],
+                     {f"test {metric}": [e.get(f"test_{metric}") for e in rows],
+                      f"dev {metric}": [e.get(f"dev_{metric}") for e in rows]},
+                     xlabel="size (fraction of full-model training FLOPs)", ylabel=metric,
+                     x_key="size", caption="The trained global model cut to each elastic "
+                     "size (leading heads and neurons); `fedslice export --size S` writes one.")
+    for row, e in zip(view.rows, rows):
+        row.update({k: e.get(k) for k in ("params", "forward_gflops_per_example",
+                                            "forward_flops_ratio", "heads", "ffn")})
+    return [view]
+
+
+def tier_summary(plans: Mapping[int, Any], per_client: Sequence[Mapping[str, Any]], cost_of) -> list[dict[str, Any]]:
+    """Per budget tier of the plans: its clients, the rounds they trained or sat out, the
+    sub-model and rank they share (if one), the planned cost (``cost_of(spec)``) and the means
+    of the aggregated client costs."""
+    import numpy as np
+
+    from fedslice.measure import ClientCost
+    tiers = []
+    groups = sorted({cp.tier for cp in plans.values()}, key=lambda t: (t is None, t))
+    for tier in groups:
+        cps = [cp for cp in plans.values() if cp.tier == tier]
+        ran = [m for m in per_client if m.get("tier") == tier and not m.get("sat_out")]
+        trains = [cp for cp in cps if cp.sits_out is None]
+        specs = {cp.knobs.spec for cp in trains}
+        entry = {"tier": tier, "budget": cps[0].budget.describe() if tier is not None else cps[0].budget.name,
+                 "clients": len(cps), "clients_without_submodel": len(cps) - len(trains),
+                 "client_rounds": len(ran),
+                 "sat_out_rounds": sum(1 for m in per_client if m.get("tier") == tier and m.get("sat_out"))}
+        if len(specs) == 1:
+            spec = next(iter(specs))
+            entry.update({"spec": spec.describe(), "planned": cost_of(spec).to_dict()})
+        tier_ranks = {cp.knobs.rank for cp in trains}
+        if len(tier_ranks) == 1 and None not in tier_ranks:
+            entry["lora_rank"] = next(iter(tier_ranks))  # summary["plans"] has the plan's costs
+        for k in (*ClientCost.AGGREGATED, "bytes_down_frozen"):
+            vals = [m[k] for m in ran if m.get(k) is not None]
+            entry[f"{k}_mean"] = float(np.mean(vals)) if vals else None
+        tiers.append(entry)
+    return tiers
