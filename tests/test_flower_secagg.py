@@ -96,6 +96,7 @@ def test_secure_serverapp_equals_in_process(tiny_cfg_dict, tmp_path, method):
         assert m["clients"] == r["clients"] and not m["skipped"]
         assert m["secagg_clients"] == 4 and m["secagg_recovered"] == 0
         assert m["secagg_upload_bytes"] == r["secagg_upload_bytes"]
+        assert m["secagg_single_holder"] == r["secagg_single_holder"]
         assert all(c["bytes_up"] == m["secagg_upload_bytes"] for c in m["client_metrics"])
         by = lambda ms: {c["client"]: c for c in ms}  # noqa: E731
         for c, mc in by(m["client_metrics"]).items():

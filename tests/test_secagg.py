@@ -171,10 +171,15 @@ CASES = {
     "fedpetuning+ranks": ({"name": "fedpetuning", "tiers": [
         {"share": 0.5, "flops": 0.95}, {"share": 0.5, "flops": 0.92}]},
         {"lora": {"r": 8, "ranks": [2, 4, 8]}}),
+    # one client of the round has the widest sub-model: its elements outside the narrower
+    # slice are summed over it alone (counted in secagg_single_holder)
+    "raffm-one-wide": ({"name": "raffm", "width_steps": 4, "tiers": [
+        {"share": 0.75, "flops": 0.4}, {"share": 0.25, "flops": 0.7}]}, {}),
 }
 #: cases whose union is exactly what the clients' weights hold (heads: the kept heads of each
 #: client's slice are a subset of the announced slice)
-EXACT_UNION = ("raffm", "raffm+ranks", "fedot", "raffm-narrow", "fedpetuning+ranks", "fedpetuning")
+EXACT_UNION = ("raffm", "raffm+ranks", "fedot", "raffm-narrow", "fedpetuning+ranks", "fedpetuning",
+               "raffm-one-wide")
 NARROW = ("raffm-narrow", "raffm+heads-narrow", "fedpetuning+ranks")
 
 
@@ -278,6 +283,19 @@ def test_secure_round_equals_plain_sums(tiny_cfg_dict, tmp_path, case, monkeypat
         size = int(union.sum())
         expect += size + (size if layout.weight_shape(k) else 1)
     assert all(k in layout.shapes for d in deltas for k in d)  # no key a client trains left out
+    # the coordinates only one summed client holds: the unmasked sum there is that client's
+    # weighted update, and the round counts them (docs/security.md)
+    ones = 0
+    for k, shape in layout.shapes.items():
+        n = sum((torch.as_tensor(w.get(k, 0.0) if isinstance(w, dict) else w).expand(shape) != 0
+                 ).int() for d, w in zip(deltas, weights) if k in d)
+        ones += int((torch.as_tensor(n) == 1).sum())
+    if case in EXACT_UNION:  # (heads: a client's weight is zero on heads pruned in its slice)
+        assert rec["secagg_single_holder"] == ones
+    if case in ("fedpetuning", "fedpetuning+fedadam", "ffa", "fedsa"):
+        assert rec["secagg_single_holder"] == 0
+    if case == "raffm-one-wide":
+        assert rec["secagg_single_holder"] > 0
     assert rec["secagg_upload_bytes"] == 4 * expect
     assert all(m["bytes_up"] == 4 * expect for m in rec["client_metrics"] if m.get("used"))
     if case in NARROW:

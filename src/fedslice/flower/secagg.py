@@ -193,7 +193,7 @@ class SecureFlowerAdapter(FlowerAdapter):
         else:
             new, metrics, bad, why = self.rule.aggregate_masked(
                 server_round, sent.state, masked, reveal, s["keyholders"], s["peers"],
-                s["layout"], params)
+                s["layout"], params, sent.payloads)
         if why is not None:
             log.warning("round %d: secure aggregation skipped: %s; global state unchanged",
                         server_round, why)
