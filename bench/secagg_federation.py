@@ -18,8 +18,10 @@ a light process between messages; keep the data and steps small (``--train-per-c
 ``--steps``) on a small machine. What those processes cost is sampled every 0.25 s (psutil,
 every process of the federation): per ClientApp process its peak RSS and how long it lived
 (one message), the most ClientApp processes alive at once, the largest sum of RSS over all the
-federation's processes (SuperLink, ServerApp, SuperNodes, ClientApps) and the machine's lowest
-available memory; ``--nodes`` x the heavy ClientApps' peak RSS is what a round needs at once.
+federation's processes (SuperLink, ServerApp, SuperNodes, ClientApps) and the machine's
+available memory before the federation and at its lowest. RSS counts shared pages (libraries,
+a model file that safetensors maps) once per process, so the sum overstates what the processes
+take together; the drop of available memory is the machine's real cost.
 
     python bench/secagg_federation.py --model minilm --method fedpetuning --variants plain secure
     python bench/secagg_federation.py --model minilm --method fedpetuning --variants kill1 kill3
@@ -205,7 +207,10 @@ def run_variant(args, variant: str, work: Path) -> dict:
     rc.write_text(tomli_w.dumps({"config": str(config), "out-dir": str(work / "runs"),
                                  "result-file": str(result), "round-timeout": args.round_timeout,
                                  "connect-timeout": 300.0}))
+    import psutil
+
     before, t0, killed = uptime(), time.monotonic(), []
+    available_before = psutil.virtual_memory().available / 2**20
     with LocalFederation(work / "flower", args.nodes, server_roots=[work]) as fed:
         sampler = ProcessSampler(fed, floor_mb=args.memory_floor_mb)
         sampler.start()
@@ -236,7 +241,7 @@ def run_variant(args, variant: str, work: Path) -> dict:
         sampler.stop_flag.set()
         sampler.join()
     after = uptime()
-    processes = sampler.summary()
+    processes = {**sampler.summary(), "available_before_mb": available_before}
     (work / "run.log").write_text(log_text)
     if not result.exists():
         return {"variant": variant, "status": status, "processes": processes,
@@ -304,7 +309,7 @@ def table(args, results: list[dict]) -> str:
     lines.append("| variant | ClientApp processes heavy / light | heavy peak RSS max / median (MB) | "
                  "heavy s per message median / max | light peak RSS max (MB) | light s median | "
                  "ClientApps alive at once | ServerApp peak RSS (MB) | federation peak RSS (MB) | "
-                 "lowest available (MB) |")
+                 "available before -> lowest (MB) |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     f = lambda v, d=0: "-" if v is None else f"{v:,.{d}f}"  # noqa: E731
     for r in results:
@@ -317,7 +322,7 @@ def table(args, results: list[dict]) -> str:
                      f"{f(h['seconds_max'], 1)} | {f(li['peak_rss_mb_max'])} | "
                      f"{f(li['seconds_median'], 1)} | {pr['peak_clientapps_alive']} | "
                      f"{f(pr['flwr-serverapp_peak_rss_mb_max'])} | {f(pr['peak_total_rss_mb'])} | "
-                     f"{f(pr['min_available_mb'])} |")
+                     f"{f(pr.get('available_before_mb'))} -> {f(pr['min_available_mb'])} |")
     return "\n".join(lines)
 
 
