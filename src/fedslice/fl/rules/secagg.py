@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 
 #: a client's masked vector (a list of integer arrays)
 Masked = list
-#: clients whose quantized vectors sum without wrapping: 2^32 / 2^22 (``fedslice.fl.secagg``'s
-#: modulus over its quantization range; a test checks they agree)
+#: the largest round: its quantization keeps Flower's 2^22 levels (``fedslice.fl.secagg``'s
+#: modulus over them; a test checks they agree); smaller rounds get finer levels
+#: (:func:`fedslice.fl.secagg.target_range`)
 MAX_CLIENTS = 1024
 
 
@@ -110,7 +111,11 @@ class SecureAggregation(Rule):
 
     # -- the round's public parameters ---------------------------------------------------------
     def params(self, clients: int):
-        return protocol().Params(self.privacy.threshold(clients), self.privacy.secagg_clip_range)
+        """The round's public parameters for ``clients`` clients: the threshold, the clipping
+        range and the finest quantization their sum allows (:func:`~fedslice.fl.secagg.target_range`)."""
+        sp = protocol()
+        return sp.Params(self.privacy.threshold(clients), self.privacy.secagg_clip_range,
+                         sp.target_range(clients))
 
     def layout(self, state: State, payloads: Mapping[int, Payload]):
         """The vector's layout: every tensor the clients train (its full shape) restricted to
