@@ -7,12 +7,22 @@ equal the in-process ones for the same seed: tests/test_flower_secagg.py). Accur
 largest weight difference only (the machine is shared: no wall times).
 
     python bench/secagg_accuracy.py [--rounds 10] [--steps 10] [--method fedpetuning]
+
+Each variant can run alone (``--variants plain`` then ``--variants secure``: a heavy run stays
+short) with ``--save DIR``: its final state, summary and records go to
+``DIR/<method>[-<tag>]-<variant>.pt`` and the comparison is printed once both files exist.
+
+    python bench/secagg_accuracy.py --method raffm+heads --variants plain --save bench/results/secagg6 \
+        --set 'budgets.tiers=[{share=0.5, flops_share=0.5}, {share=0.5, flops_share=0.75}]'
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+import torch
 
 from fedslice.api import setup
 from fedslice.experiment import load_config
@@ -34,6 +44,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-length", type=int, default=48)
     p.add_argument("--dev", type=int, default=500)
     p.add_argument("--set", action="append", default=[], help="more overrides (key=value)")
+    p.add_argument("--variants", nargs="+", choices=["plain", "secure"], default=["plain", "secure"])
+    p.add_argument("--save", type=Path, default=None,
+                   help="folder: keep each variant's result there (compare once both exist)")
+    p.add_argument("--tag", default="", help="name of this setting in the saved files")
     args = p.parse_args(argv)
     base = [f"federation.rounds={args.rounds}", f"federation.local_steps={args.steps}",
             f"federation.batch_size={args.batch_size}", f"federation.lr={args.lr}",
@@ -43,14 +57,27 @@ def main(argv: list[str]) -> int:
             f"evaluation.every={args.rounds}", "output.plots=false", "output.progress=false",
             "output.save_weights=false", *args.set]
     out = {}
-    for secure in (False, True):
+    name = f"{args.method}{'-' + args.tag if args.tag else ''}".replace("+", "-")
+    for variant in ("plain", "secure"):
+        secure = variant == "secure"
+        path = args.save / f"{name}-{variant}.pt" if args.save else None
+        if variant not in args.variants:
+            if path is not None and path.is_file():
+                out[secure] = torch.load(path, weights_only=False)
+            continue
         cfg = load_config(CONFIGS[args.method],
                           [*base, f"privacy.secure_aggregation={str(secure).lower()}"])
         method, data = setup(cfg)
         state, records, summary = Simulation(cfg, method, data).run()
         out[secure] = (state, summary, records)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(out[secure], path)
         print(f"secure={secure}: test {summary.get('test_accuracy')} dev "
               f"{summary.get('final_dev_accuracy')}", flush=True)
+    if len(out) < 2:
+        print("one variant only: the comparison waits for the other (--save)")
+        return 0
     (s0, m0, r0), (s1, m1, r1) = out[False], out[True]
     worst = max(float((s0[k] - s1[k]).abs().max()) for k in s0)
     up = [r.get("secagg_upload_bytes") for r in r1]

@@ -15,7 +15,13 @@ other in one invocation, with ``uptime``'s load before and after each.
 
 Each SuperNode starts a fresh ClientApp process per message (Flower's deployment), so a node is
 a light process between messages; keep the data and steps small (``--train-per-client``,
-``--steps``) on a small machine.
+``--steps``) on a small machine. What those processes cost is sampled every 0.25 s (psutil,
+every process of the federation): per ClientApp process its peak RSS and how long it lived
+(one message), the most ClientApp processes alive at once, the largest sum of RSS over all the
+federation's processes (SuperLink, ServerApp, SuperNodes, ClientApps) and the machine's
+available memory before the federation and at its lowest. RSS counts shared pages (libraries,
+a model file that safetensors maps) once per process, so the sum overstates what the processes
+take together; the drop of available memory is the machine's real cost.
 
     python bench/secagg_federation.py --model minilm --method fedpetuning --variants plain secure
     python bench/secagg_federation.py --model minilm --method fedpetuning --variants kill1 kill3
@@ -31,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -113,6 +120,82 @@ def sent_train_reply(log: Path) -> bool:
     return i >= 0 and "Sent successfully" in text[i:]
 
 
+class ProcessSampler(threading.Thread):
+    """Every ``period`` s: the RSS of every process of the federation (its processes and all
+    below them), kept per process as (kind, first seen, last seen, peak RSS), the largest total,
+    the most ClientApp processes alive at once, and the machine's lowest available memory."""
+
+    def __init__(self, fed: LocalFederation, period: float = 0.25, floor_mb: float = 0.0):
+        super().__init__(daemon=True)
+        self.fed, self.period, self.stop_flag = fed, period, threading.Event()
+        #: set once the machine's available memory fell below ``floor_mb`` (the run is stopped)
+        self.low_memory, self.floor = threading.Event(), floor_mb * 2**20
+        self.procs: dict[int, dict] = {}
+        self.peak_total = self.peak_clientapps = 0
+        self.min_available = None
+
+    @staticmethod
+    def kind(cmd: list[str]) -> str:
+        text = " ".join(cmd)
+        for k in ("flwr-clientapp", "flwr-serverapp", "flower-superexec", "flower-supernode",
+                  "flower-superlink"):
+            if k in text:
+                return k
+        return "other"
+
+    def run(self) -> None:
+        import psutil
+
+        from fedslice.flower.local import descendants
+
+        while not self.stop_flag.is_set():
+            now, total, apps = time.monotonic(), 0, 0
+            for top in list(self.fed.processes):
+                try:
+                    tops = [psutil.Process(top.pid)] if top.alive() else []
+                except psutil.Error:
+                    tops = []
+                for p in [*tops, *descendants(top.pid)]:
+                    try:
+                        rss, cmd = p.memory_info().rss, p.cmdline()
+                    except psutil.Error:
+                        continue
+                    rec = self.procs.setdefault(p.pid, {"kind": self.kind(cmd), "first": now,
+                                                        "last": now, "peak_rss": 0})
+                    rec["last"], rec["peak_rss"] = now, max(rec["peak_rss"], rss)
+                    total += rss
+                    apps += rec["kind"] == "flwr-clientapp"
+            self.peak_total = max(self.peak_total, total)
+            self.peak_clientapps = max(self.peak_clientapps, apps)
+            avail = psutil.virtual_memory().available
+            self.min_available = avail if self.min_available is None else min(self.min_available, avail)
+            if avail < self.floor:
+                self.low_memory.set()
+            self.stop_flag.wait(self.period)
+
+    def summary(self, heavy_mb: float = 300.0) -> dict:
+        """ClientApp processes split at ``heavy_mb`` of peak RSS: heavy = a TRAIN message (the
+        model loaded), light = a QUERY (partition, key stages, unmasking: no torch)."""
+        mb = 1 / 2**20
+        out = {"peak_total_rss_mb": self.peak_total * mb,
+               "peak_clientapps_alive": self.peak_clientapps,
+               "min_available_mb": (self.min_available or 0) * mb}
+        apps = [r for r in self.procs.values() if r["kind"] == "flwr-clientapp"]
+        for name, group in (("heavy", [r for r in apps if r["peak_rss"] * mb >= heavy_mb]),
+                            ("light", [r for r in apps if r["peak_rss"] * mb < heavy_mb])):
+            rss = sorted(r["peak_rss"] * mb for r in group)
+            life = sorted(r["last"] - r["first"] for r in group)
+            out[f"clientapp_{name}"] = {
+                "n": len(group), "peak_rss_mb_max": rss[-1] if rss else None,
+                "peak_rss_mb_median": rss[len(rss) // 2] if rss else None,
+                "seconds_median": life[len(life) // 2] if life else None,
+                "seconds_max": life[-1] if life else None}
+        for kind in ("flwr-serverapp", "flower-supernode", "flower-superlink"):
+            rss = [r["peak_rss"] * mb for r in self.procs.values() if r["kind"] == kind]
+            out[f"{kind}_peak_rss_mb_max"] = max(rss) if rss else None
+        return out
+
+
 def run_variant(args, variant: str, work: Path) -> dict:
     secure = variant != "plain"
     kill = int(variant[4:]) if variant.startswith("kill") else 0
@@ -124,11 +207,21 @@ def run_variant(args, variant: str, work: Path) -> dict:
     rc.write_text(tomli_w.dumps({"config": str(config), "out-dir": str(work / "runs"),
                                  "result-file": str(result), "round-timeout": args.round_timeout,
                                  "connect-timeout": 300.0}))
+    import psutil
+
     before, t0, killed = uptime(), time.monotonic(), []
+    available_before = psutil.virtual_memory().available / 2**20
     with LocalFederation(work / "flower", args.nodes, server_roots=[work]) as fed:
+        sampler = ProcessSampler(fed, floor_mb=args.memory_floor_mb)
+        sampler.start()
         run_id = fed.submit(write_app(work / "app"), rc)
         status = "running"
         while time.monotonic() - t0 < args.timeout:
+            if sampler.low_memory.is_set():
+                status = (f"stopped: the machine's available memory fell below "
+                          f"{args.memory_floor_mb:g} MB")
+                print(f"  {variant}: {status}", flush=True)
+                break
             if len(killed) < kill:
                 for i in range(args.nodes):
                     if i not in killed and len(killed) < kill and \
@@ -145,10 +238,14 @@ def run_variant(args, variant: str, work: Path) -> dict:
         else:
             status = fed.status(run_id)
         log_text = fed.run_log(run_id)
+        sampler.stop_flag.set()
+        sampler.join()
     after = uptime()
+    processes = {**sampler.summary(), "available_before_mb": available_before}
     (work / "run.log").write_text(log_text)
     if not result.exists():
-        return {"variant": variant, "status": status, "error": f"no result (see {work / 'run.log'})"}
+        return {"variant": variant, "status": status, "processes": processes,
+                "error": "no result", "log_tail": log_text[-3000:]}
     _, metrics, summary = read_run(Path(result.read_text().strip()))
     rounds = []
     for m in metrics:
@@ -168,6 +265,7 @@ def run_variant(args, variant: str, work: Path) -> dict:
     unmask_missing = sorted(set(re.findall(r"client (\d+) did not answer the unmasking", log_text)))
     out = {"variant": variant, "status": status, "uptime_before": before, "uptime_after": after,
            "killed_nodes": killed, "unmask_missing_clients": unmask_missing,
+           "processes": processes,
            "rounds": rounds, "wall_s": time.monotonic() - t0,
            "test_accuracy": summary.get("test_accuracy"),
            "final_dev_accuracy": summary.get("final_dev_accuracy")}
@@ -215,6 +313,24 @@ def table(args, results: list[dict]) -> str:
                          f"unmasking: {r.get('unmask_missing_clients')}), test accuracy "
                          f"{r['test_accuracy']}, excluded per round "
                          f"{[x['excluded'] for x in r['rounds']]}, wall {r['wall_s']:.0f} s")
+    lines.append("")
+    lines.append("| variant | ClientApp processes heavy / light | heavy peak RSS max / median (MB) | "
+                 "heavy s per message median / max | light peak RSS max (MB) | light s median | "
+                 "ClientApps alive at once | ServerApp peak RSS (MB) | federation peak RSS (MB) | "
+                 "available before -> lowest (MB) |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    f = lambda v, d=0: "-" if v is None else f"{v:,.{d}f}"  # noqa: E731
+    for r in results:
+        pr = r.get("processes")
+        if not pr:
+            continue
+        h, li = pr["clientapp_heavy"], pr["clientapp_light"]
+        lines.append(f"| {r['variant']} | {h['n']} / {li['n']} | {f(h['peak_rss_mb_max'])} / "
+                     f"{f(h['peak_rss_mb_median'])} | {f(h['seconds_median'], 1)} / "
+                     f"{f(h['seconds_max'], 1)} | {f(li['peak_rss_mb_max'])} | "
+                     f"{f(li['seconds_median'], 1)} | {pr['peak_clientapps_alive']} | "
+                     f"{f(pr['flwr-serverapp_peak_rss_mb_max'])} | {f(pr['peak_total_rss_mb'])} | "
+                     f"{f(pr.get('available_before_mb'))} -> {f(pr['min_available_mb'])} |")
     return "\n".join(lines)
 
 
@@ -233,6 +349,8 @@ def main() -> int:
     p.add_argument("--dev", type=int, default=200)
     p.add_argument("--round-timeout", type=float, default=300.0)
     p.add_argument("--timeout", type=float, default=560.0, help="per variant")
+    p.add_argument("--memory-floor-mb", type=float, default=1500.0,
+                   help="stop the federation when the machine's available memory falls below this")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "secagg5")
     p.add_argument("--settle", type=float, default=0.0,
                    help="before each variant, wait (at most this many seconds) until the 1-minute "

@@ -99,6 +99,7 @@ def test_secure_serverapp_equals_in_process(tiny_cfg_dict, tmp_path, method):
         stages = [m[f"secagg_{s}_s"] for s in ("setup", "share_keys", "unmask")]
         assert all(0 < t for t in stages) and sum(stages) < m["round_time_s"]
         assert m["secagg_upload_bytes"] == r["secagg_upload_bytes"]
+        assert m["secagg_single_holder"] == r["secagg_single_holder"]
         assert all(c["bytes_up"] == m["secagg_upload_bytes"] for c in m["client_metrics"])
         by = lambda ms: {c["client"]: c for c in ms}  # noqa: E731
         for c, mc in by(m["client_metrics"]).items():

@@ -121,6 +121,45 @@ def test_decoded_sums_within_the_stated_quantization_error(seed):
         assert torch.equal(got_den[k][den[k] == 0], torch.zeros_like(got_den[k][den[k] == 0]))
 
 
+def test_quantization_uses_the_field_a_round_allows():
+    """The levels grow as the round shrinks, never so far that n clients' values wrap mod 2^32
+    or leave int32 (Flower's quantizer); a weight far below its bound (an unimportant head's
+    importance, 1e-4 W) then keeps its mean exact to well below the 2^22 levels' error."""
+    assert sp.target_range(1024) == 2**22 - 1 and sp.target_range(4) == 2**30 - 1
+    assert sp.target_range(1) == 2**31 - 1
+    for n in (1, 2, 3, 4, 10, 1000, 1024):
+        assert n * sp.target_range(n) < sp.MOD_RANGE and sp.target_range(n) <= 2**31 - 1
+    with pytest.raises(ValueError, match="0 clients"):
+        sp.target_range(0)
+    g = torch.Generator().manual_seed(0)
+    n, shapes = 4, {"a": (8, 16)}
+    layout = sp.Layout(shapes, {"a": 1000.0})
+    deltas = [1e-3 * torch.randn(shapes["a"], generator=g) for _ in range(n)]
+    weights = [{"a": torch.full(shapes["a"], 0.1 * (c + 1))} for c in range(n)]  # 1e-4 W .. 4e-4 W
+    exact = sum(w["a"] * d for w, d in zip(weights, deltas)) / sum(w["a"] for w in weights)
+    errors = {}
+    for levels in (sp.TARGET_RANGE, sp.target_range(n)):
+        params = sp.Params(threshold=2, clip_range=1.0, target_range=levels)
+        total = None
+        for c in range(n):
+            v = sp.encode({"a": deltas[c]}, weights[c], layout, params, seed=c)
+            total = v if total is None else [x + y for x, y in zip(total, v)]
+        num, den, _ = sp.decode([x % params.mod_range for x in total], n, layout, params)
+        errors[levels] = float(((num["a"] / den["a"]) - exact).abs().max())
+    fine = errors[sp.target_range(n)]
+    assert fine < 2e-5 and fine * 100 < errors[sp.TARGET_RANGE]
+
+
+def test_a_round_announces_its_levels(tiny_cfg_dict, tmp_path):
+    """The rule's parameters for a round of n clients carry target_range(n): the server
+    decodes with the levels every client encoded with."""
+    cfg = validate_config(_cfg(tiny_cfg_dict, tmp_path, "fedpetuning"))
+    method, _ = setup(cfg)
+    rule = find_rule(method.strategy, SecureAggregation)
+    assert rule.params(4).target_range == sp.target_range(4) == 2**30 - 1
+    assert rule.params(4).step() == pytest.approx(2 * 0.5 / (2**30 - 1))
+
+
 def test_one_weight_per_tensor_where_the_layout_says_so():
     """A layout that holds one weight for a tensor (FedAvg's examples) sends one number for it,
     decodes to the same sums, and refuses a weight that varies over the tensor."""
@@ -171,10 +210,15 @@ CASES = {
     "fedpetuning+ranks": ({"name": "fedpetuning", "tiers": [
         {"share": 0.5, "flops": 0.95}, {"share": 0.5, "flops": 0.92}]},
         {"lora": {"r": 8, "ranks": [2, 4, 8]}}),
+    # one client of the round has the widest sub-model: its elements outside the narrower
+    # slice are summed over it alone (counted in secagg_single_holder)
+    "raffm-one-wide": ({"name": "raffm", "width_steps": 4, "tiers": [
+        {"share": 0.75, "flops": 0.4}, {"share": 0.25, "flops": 0.7}]}, {}),
 }
 #: cases whose union is exactly what the clients' weights hold (heads: the kept heads of each
 #: client's slice are a subset of the announced slice)
-EXACT_UNION = ("raffm", "raffm+ranks", "fedot", "raffm-narrow", "fedpetuning+ranks", "fedpetuning")
+EXACT_UNION = ("raffm", "raffm+ranks", "fedot", "raffm-narrow", "fedpetuning+ranks", "fedpetuning",
+               "raffm-one-wide")
 NARROW = ("raffm-narrow", "raffm+heads-narrow", "fedpetuning+ranks")
 
 
@@ -278,6 +322,19 @@ def test_secure_round_equals_plain_sums(tiny_cfg_dict, tmp_path, case, monkeypat
         size = int(union.sum())
         expect += size + (size if layout.weight_shape(k) else 1)
     assert all(k in layout.shapes for d in deltas for k in d)  # no key a client trains left out
+    # the coordinates only one summed client holds: the unmasked sum there is that client's
+    # weighted update, and the round counts them (docs/security.md)
+    ones = 0
+    for k, shape in layout.shapes.items():
+        n = sum((torch.as_tensor(w.get(k, 0.0) if isinstance(w, dict) else w).expand(shape) != 0
+                 ).int() for d, w in zip(deltas, weights) if k in d)
+        ones += int((torch.as_tensor(n) == 1).sum())
+    if case in EXACT_UNION:  # (heads: a client's weight is zero on heads pruned in its slice)
+        assert rec["secagg_single_holder"] == ones
+    if case in ("fedpetuning", "fedpetuning+fedadam", "ffa", "fedsa"):
+        assert rec["secagg_single_holder"] == 0
+    if case == "raffm-one-wide":
+        assert rec["secagg_single_holder"] > 0
     assert rec["secagg_upload_bytes"] == 4 * expect
     assert all(m["bytes_up"] == 4 * expect for m in rec["client_metrics"] if m.get("used"))
     if case in NARROW:

@@ -57,7 +57,7 @@ def masked_reply(msg: Message, context: Context, method, payload: Payload, reply
     me = secrets_from_record(context.state.config_records[SECAGG])
     sp.receive_shares(me, dict(zip([int(s) for s in fields["src"]], fields["ct"])))
     layout = layout_from_record(fields)
-    params = sp.Params(int(fields["threshold"]), float(fields["clip"]))
+    params = sp.Params(int(fields["threshold"]), float(fields["clip"]), int(fields["target"]))
     rule = find_rule(method.strategy, SecureAggregation)
     vector, reason = rule.client_vector(payload.orders.round, payload, reply, layout, params)
     if vector is None:
@@ -158,7 +158,8 @@ class SecureFlowerAdapter(FlowerAdapter):
             content = old.content
             content[SECAGG] = ConfigRecord({
                 "src": srcs, "ct": [_box(boxes[s], c) for s in srcs], **announced,
-                "clip": float(params.clip_range), "threshold": params.threshold})
+                "clip": float(params.clip_range), "threshold": params.threshold,
+                "target": params.target_range})
             # a new message: its time to live starts now, after the key stages
             sent.messages[c] = Message(content, dst_node_id=old.metadata.dst_node_id,
                                        message_type=MessageType.TRAIN, group_id=str(sent.number),
@@ -199,7 +200,7 @@ class SecureFlowerAdapter(FlowerAdapter):
         else:
             new, metrics, bad, why = self.rule.aggregate_masked(
                 server_round, sent.state, masked, reveal, s["keyholders"], s["peers"],
-                s["layout"], params)
+                s["layout"], params, sent.payloads)
         if why is not None:
             log.warning("round %d: secure aggregation skipped: %s; global state unchanged",
                         server_round, why)

@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 
 #: a client's masked vector (a list of integer arrays)
 Masked = list
-#: clients whose quantized vectors sum without wrapping: 2^32 / 2^22 (``fedslice.fl.secagg``'s
-#: modulus over its quantization range; a test checks they agree)
+#: the largest round: its quantization keeps Flower's 2^22 levels (``fedslice.fl.secagg``'s
+#: modulus over them; a test checks they agree); smaller rounds get finer levels
+#: (:func:`fedslice.fl.secagg.target_range`)
 MAX_CLIENTS = 1024
 
 
@@ -110,7 +111,11 @@ class SecureAggregation(Rule):
 
     # -- the round's public parameters ---------------------------------------------------------
     def params(self, clients: int):
-        return protocol().Params(self.privacy.threshold(clients), self.privacy.secagg_clip_range)
+        """The round's public parameters for ``clients`` clients: the threshold, the clipping
+        range and the finest quantization their sum allows (:func:`~fedslice.fl.secagg.target_range`)."""
+        sp = protocol()
+        return sp.Params(self.privacy.threshold(clients), self.privacy.secagg_clip_range,
+                         sp.target_range(clients))
 
     def layout(self, state: State, payloads: Mapping[int, Payload]):
         """The vector's layout: every tensor the clients train (its full shape) restricted to
@@ -139,6 +144,20 @@ class SecureAggregation(Rule):
         _, held = self.inner.client_view(payload, shapes)
         frozen = set(payload.orders.frozen_tensors)
         return {k: m for k, m in held.items() if k not in frozen}
+
+    def single_holder(self, state: State, payloads: Mapping[int, Payload],
+                      clients: Sequence[int]) -> int:
+        """Coordinates that exactly one of ``clients`` (the round's masked vectors in the sum)
+        was sent to train: there the unmasked sum is that client's weighted update and weight,
+        and the server, which chose the slices, knows whose (docs/security.md). Zero where every
+        client holds every coordinate (FedAvg)."""
+        shapes = {k: tuple(state[k].shape) for k in self.trainable if k in state}
+        count = {k: torch.zeros(s, dtype=torch.int32) for k, s in shapes.items()}
+        for c in clients:
+            if c in payloads and self.absent(payloads[c]) is None:
+                for k, m in self.held(payloads[c], shapes).items():
+                    count[k] += (torch.as_tensor(m).expand(shapes[k]) != 0).to(torch.int32)
+        return sum(int((v == 1).sum()) for v in count.values())
 
     def weight_shapes(self, state: State, payloads: Mapping[int, Payload],
                       shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -189,12 +208,15 @@ class SecureAggregation(Rule):
     def aggregate_masked(self, server_round: int, state: State, masked: Mapping[int, Masked],
                          reveal: Callable[[list[int], list[int]], Mapping[int, Mapping[int, bytes]]],
                          keyholders: Sequence[int], peers: Mapping[int, tuple[bytes, bytes]],
-                         layout, params) -> tuple[State | None, dict[str, Any], list[dict], str | None]:
+                         layout, params, payloads: Mapping[int, Payload] | None = None
+                         ) -> tuple[State | None, dict[str, Any], list[dict], str | None]:
         """The server's side of a round from the clients' masked vectors alone: each checked
         (a vector that fails is dropped, naming its client), summed, unmasked with the shares
         ``reveal(active, dead)`` returns (survivor -> {client: share}), divided per coordinate
         and combined by the inner chain. Returns the new state (None: skipped), the
-        aggregation's metrics, the clients excluded and why the round was skipped."""
+        aggregation's metrics, the clients excluded and why the round was skipped. With the
+        round's ``payloads`` (the server made them) the metrics count the coordinates only one
+        summed client held (:meth:`single_holder`)."""
         sp = protocol()
         excluded, good = [], {}
         for c, v in sorted(masked.items()):
@@ -229,6 +251,8 @@ class SecureAggregation(Rule):
                    "secagg_clipped": clipped,
                    "secagg_upload_bytes": 4 * layout.coordinates(),
                    "secagg_full_upload_bytes": 4 * layout.full_coordinates()}
+        if payloads is not None:
+            metrics["secagg_single_holder"] = self.single_holder(state, payloads, active)
         return new, metrics, excluded, None
 
     def combine_sums(self, server_round: int, state: State, num: Mapping[str, torch.Tensor],
@@ -296,7 +320,7 @@ class SecureAggregation(Rule):
                     for c in active if c not in gone_after_masking}
 
         new, metrics, bad, why = self.aggregate_masked(server_round, state, masked, reveal,
-                                                       clients, peers, layout, params)
+                                                       clients, peers, layout, params, payloads)
         excluded += bad
         invalid += [e["client"] for e in bad]
         if why is not None:
