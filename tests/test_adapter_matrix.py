@@ -136,7 +136,9 @@ def _method_opts(method: str, corpus) -> dict:
     distill = {"corpus": str(corpus), "steps": 1, "batch_size": 4, "max_length": 16, "cache_dir": ""}
     return {"fedavg": {}, "fedpetuning": {},
             "heads": {"sparsity": 0.5, "importance_max_examples": 8},
-            "raffm": {"tiers": [{"share": 0.5, "flops": 0.6}, {"share": 0.5, "flops": 1.0}]},
+            # the tests' usual grid of 4 widths (the default 48: tests/test_one_planner.py)
+            "raffm": {"tiers": [{"share": 0.5, "flops": 0.6}, {"share": 0.5, "flops": 1.0}],
+                      "width_steps": 4},
             "fedpft": {"keep_ratio": 0.5, "align_every": 1, "align_steps": 1, "distill": distill},
             "fedot": {"bottom_layers": 1, "top_layers": 0, "distill_emulator": True, "distill": distill},
             }[method]

@@ -202,6 +202,11 @@ def valid_configs(draw):
     elif method == "raffm":
         opts = {"tuning": draw(st.sampled_from(["lora", "full"])), "width_steps": 4,
                 "tiers": [{"share": 0.5, "flops": draw(st.floats(0.3, 1.0))}, {"share": 0.5, "flops": 1.0}]}
+    elif method == "raffm+heads":
+        # the planner's grid of 4 widths, as raffm's above (its default 48, planned by every
+        # heads sparsity, cost ~10 s a config here: 12 of the 30 drew it); the default grid is
+        # planned in tests/test_one_planner.py (raffm+heads-default) and tests/test_matrix.py
+        opts = {"width_steps": 4}
     elif method == "fedpft":
         opts = {"keep_ratio": draw(st.floats(0.1, 1.0)), "kd": "none", "whole_layers": [0]}
     elif method == "fedot":

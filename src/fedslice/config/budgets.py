@@ -294,6 +294,11 @@ class BudgetsConfig(Section):
     #: 'default': a method's default tiers), or 'budgets': the ``[budgets]`` table itself
     _source: str = PrivateAttr("budgets")
 
+    @property
+    def source(self) -> str:
+        """The option that spelled this table, or 'budgets' (see ``_source``)."""
+        return self._source
+
     def field_of(self, what: str) -> str:
         """The field a message names for ``what`` ('tiers[1]', 'flops_share_range'): as written."""
         if self._source == "budgets":

@@ -67,23 +67,7 @@ class ExperimentConfig(Section):
     def _method_options(cls, v):
         """The registered method's own options class validates the table (its errors are
         located under ``method``: ``method.sparsity``)."""
-        if isinstance(v, MethodOptions):
-            return v
-        if not isinstance(v, dict) or not isinstance(v.get("name"), str):
-            raise ValueError("give the method as a table with a `name`, e.g. {name = \"fedavg\"}")
-        try:
-            v = {**v, "name": method_name(v["name"])}  # a composition in stage order
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        if v["name"] not in METHODS:
-            raise ValueError(f"unknown method {v['name']!r} (known: {', '.join(METHODS.names())})")
-        options_cls = METHODS.get(v["name"]).options_cls
-        others = {k: [e.name for e in METHODS.entries() if k in e.options_cls.model_fields and not e.parts]
-                  for k in v if k not in options_cls.model_fields}
-        aside = {k: names for k, names in others.items() if names}
-        options = options_cls.model_validate({k: x for k, x in v.items() if k not in aside})
-        options._set_aside = aside
-        return options
+        return _method_table(v)
 
     @model_validator(mode="before")
     @classmethod
@@ -141,23 +125,26 @@ class ExperimentConfig(Section):
         """One planner: a method's own spelling of client budgets (raffm's and fedpetuning's
         ``method.tiers``, raffm's ``method.budget_distribution`` and default tiers) is read as
         the ``[budgets]`` table it means (:meth:`MethodOptions.spelled_budgets`, said in the
-        log): the config is validated again with that table and without the spelling, so that
-        it holds one way to say it and a config written back reads the same."""
-        cfg = handler(data)
-        spelled = cfg.method.spelled_budgets(cfg.budgets is not None)
-        if spelled is None or not isinstance(data, dict):
-            return cfg
-        field = spelled.pop("field")
-        if cfg.budgets is not None:
+        log): the table is derived from the method table before the config is validated, and
+        the config is validated once, with that table and without the spelling, so that it
+        holds one way to say it and a config written back reads the same. (A table that does
+        not validate is reported as before: the config's own errors as written first, then the
+        table's, located under ``budgets``.)"""
+        spelled = _spelling(data, cls.DEFAULT_METHOD)
+        if spelled is None:
+            return handler(data)
+        field, table, method = spelled
+        if data.get("budgets") is not None:
+            handler(data)  # the config's own errors first
             raise ValueError(f"{field} and budgets: the budgets section plans every client "
                              f"(width, rank, ...): remove {field}")
-        method = data.get("method")
-        cleared = {k: None for k in cfg.method.spelling_fields}
-        if isinstance(method, MethodOptions):
-            method = method.model_copy(update=cleared)
-        else:
-            method = {k: v for k, v in (method or {}).items() if k not in cleared}
-        cfg = handler({**data, "method": method, "budgets": spelled})
+        try:
+            budgets = BudgetsConfig.model_validate(table)
+            budgets._source = field  # the method's checks (``check_config``) read where it came from
+        except ValidationError:
+            handler(data)  # the config's own errors first, as written
+            budgets = table  # then the table's, under budgets
+        cfg = handler({**data, "method": method, "budgets": budgets})
         cfg.budgets._source = field
         if field != "default":
             log.info("%s is read as this [budgets] table (write it so): %s", field,
@@ -281,6 +268,51 @@ class ExperimentConfig(Section):
     @property
     def run_name(self) -> str:
         return self.output.name or self.name or self.method.name
+
+
+def _method_table(v: Any) -> MethodOptions:
+    """The ``[method]`` table validated by the registered method's options class (a ValueError
+    or ValidationError saying what is wrong); options of other registered methods are set aside."""
+    if isinstance(v, MethodOptions):
+        return v
+    if not isinstance(v, dict) or not isinstance(v.get("name"), str):
+        raise ValueError("give the method as a table with a `name`, e.g. {name = \"fedavg\"}")
+    try:
+        v = {**v, "name": method_name(v["name"])}  # a composition in stage order
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    if v["name"] not in METHODS:
+        raise ValueError(f"unknown method {v['name']!r} (known: {', '.join(METHODS.names())})")
+    options_cls = METHODS.get(v["name"]).options_cls
+    others = {k: [e.name for e in METHODS.entries() if k in e.options_cls.model_fields and not e.parts]
+              for k in v if k not in options_cls.model_fields}
+    aside = {k: names for k, names in others.items() if names}
+    options = options_cls.model_validate({k: x for k, x in v.items() if k not in aside})
+    options._set_aside = aside
+    return options
+
+
+def _spelling(data: Any, default_method: str) -> tuple[str, dict[str, Any], Any] | None:
+    """What a config's method table spells of ``[budgets]`` (:meth:`MethodOptions.spelled_budgets`):
+    (the option that spells it, the table, the method table without the spelling), or None (no
+    spelling, not a dict, or a method table that does not validate: its field says why)."""
+    if not isinstance(data, dict):
+        return None
+    method = data.get("method", {"name": default_method})
+    try:
+        options = _method_table(method)
+    except ValueError:  # a ValidationError too: the method field reports it
+        return None
+    table = options.spelled_budgets(data.get("budgets") is not None)
+    if table is None:
+        return None
+    field = table.pop("field")
+    cleared = {k: None for k in options.spelling_fields}
+    if isinstance(method, MethodOptions):
+        method = method.model_copy(update=cleared)
+    else:
+        method = {k: v for k, v in method.items() if k not in cleared}
+    return field, table, method
 
 
 def _not_default(section: Section, name: str) -> bool:

@@ -44,7 +44,9 @@ class FedPETuning(Method):
                              "adapter's parameters, not the model's own (use method fedavg)")
         if not cls.lora_ranks_per_client:
             return
-        tiers = getattr(cfg.method, "tiers", None)
+        # method.tiers, or the [budgets] table they are read as (config.experiment)
+        tiers = getattr(cfg.method, "tiers", None) or \
+            (cfg.budgets is not None and cfg.budgets.source == "method.tiers")
         ranks = cfg.lora.ranks if name == "lora" else None
         if tiers and not ranks:
             raise ValueError(f"method.tiers: method {cfg.method.name} uses device tiers to choose "
