@@ -1,0 +1,71 @@
+"""bench/time_to_accuracy.py (issue 59 part 4) on the tiny model: every row runs to its
+simulated-time budget (2 t*, t* = when ``all`` first reached its round-N dev metric), the dev
+metric is measured on the model available at each time point, the planner's clients reply
+within the deadline, a finished piece is reused, and the table and plot are written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "time_to_accuracy.py"
+
+
+@pytest.fixture
+def bench(monkeypatch, tiny_model_dir, tiny_data_dir):
+    spec = importlib.util.spec_from_file_location("time_to_accuracy", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setitem(mod.WORKLOADS, "tiny", (
+        {"data": {"path": str(tiny_data_dir), "partition": "iid"}, "model": {"name": str(tiny_model_dir)}},
+        "accuracy", True))
+    monkeypatch.setitem(mod.DEFAULTS, "tiny", dict(
+        clients=6, per_round=2, local_steps=2, batch_size=4, max_length=16, lr=5e-3,
+        dev_examples=16, target_rounds=4, all_eval_every=2, gflops=0.02))
+    return mod
+
+
+def test_every_row_runs_to_the_budget_and_is_reused(bench, tmp_path, capsys):
+    out = tmp_path / "results"
+    argv = ["--workload", "tiny", "--seeds", "0", "--out", str(out), "--threads", "1",
+            "--report", str(out / "tiny.md")]
+    assert bench.main(argv) == 0
+    pieces = {r: json.loads((out / f"tiny-seed0-{r}.json").read_text()) for r in bench.ROWS}
+    ref = pieces["all"]["ref"]
+    budget = 2 * ref["t_star"]
+    all_ = pieces["all"]
+    # the target is all's dev metric after target_rounds rounds; t* the first time it was reached
+    at_n = next(e for e in all_["evals"] if e["round"] == 4)
+    assert ref["target"] == at_n["metric"] and ref["t_target"] == at_n["t"]
+    assert ref["t_star"] == next(e["t"] for e in all_["evals"] if e["metric"] >= ref["target"])
+    for row, p in pieces.items():
+        assert p["complete"], row
+        times = [r["sim_time_s"] for r in p["records"]]
+        # it stopped at the first round that ended at or after the budget (all: not before
+        # the round that sets the target)
+        first = next(i for i, t in enumerate(times, 1) if t >= budget - 1e-9)
+        assert len(times) == (max(first, 4) if row == "all" else first), row
+        # the model measured at time t is the last one published by then
+        for e in p["evals"]:
+            published = [r["round"] for r in p["records"] if r["sim_time_s"] <= e["t"] + 1e-9]
+            assert e["round"] == published[-1], (row, e)
+        assert any(abs(e["t"] - budget) < 1e-9 for e in p["evals"]) or row == "all"
+    deadline = ref["deadline_s"]
+    assert pieces["deadline"]["config"]["federation"]["round_deadline_s"] == deadline
+    planned = [m for r in pieces["planner"]["records"] for m in r["client_metrics"]]
+    assert planned and all(m["sim_s_predicted"] <= deadline * (1 + 1e-9) for m in planned)
+    assert all(m["sim_s"] <= deadline * (1 + 1e-9) for m in planned)
+    assert all(r["wasted_flops"] == 0 for r in pieces["planner"]["records"])
+    assert all(r["staleness_mean"] is not None for r in pieces["async"]["records"])
+    table = (out / "tiny.md").read_text()
+    assert all(f"| {r} | 0 |" in table for r in bench.ROWS)
+    assert (out / "tiny.png").stat().st_size > 0
+    # a finished piece is read back, not run again
+    stamp = {r: (out / f"tiny-seed0-{r}.json").stat().st_mtime_ns for r in bench.ROWS}
+    capsys.readouterr()
+    assert bench.main(argv[:-2]) == 0
+    assert "running" not in capsys.readouterr().out
+    assert stamp == {r: (out / f"tiny-seed0-{r}.json").stat().st_mtime_ns for r in bench.ROWS}
