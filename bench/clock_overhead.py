@@ -29,9 +29,9 @@ import time
 def config(args, seed: int, devices: bool) -> dict:
     d = {
         "name": "clock-overhead", "seed": seed, "threads": args.threads,
-        "data": {"path": "sst2", "max_length": args.max_length, "partition": "iid",
+        "data": {"path": args.data, "max_length": args.max_length, "partition": "iid",
                  "max_dev_examples": args.dev_examples, "max_test_examples": 16},
-        "model": {"name": "minilm"},
+        "model": {"name": args.model},
         "lora": {"r": 16, "alpha": 32, "targets": ["q", "v"]},
         "method": {"name": "fedpetuning"},
         "federation": {"num_clients": args.clients, "clients_per_round": args.per_round,
@@ -66,7 +66,7 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=7, help="pairs (with, without), alternating")
     ap.add_argument("--threads", type=int, default=2)
@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-length", type=int, default=48)
     ap.add_argument("--dev-examples", type=int, default=64)
+    ap.add_argument("--data", default="sst2")
+    ap.add_argument("--model", default="minilm")
     args = ap.parse_args(argv)
     print(f"threads {args.threads}; {args.reps} pairs after a warm-up pair; "
           f"{args.rounds} rounds of {args.per_round} of {args.clients} clients, "
@@ -92,13 +94,16 @@ def main(argv=None) -> int:
             print(f"rep {rep} {'with' if devices else 'without'} devices: total {total:.3f} s, "
                   f"rounds {rounds:.3f} s", flush=True)
     print("uptime after:", uptime())
-    for i, what in enumerate(("total (setup + rounds)", "rounds")):
+    out = {}
+    for i, what in enumerate(("total", "rounds")):
         w = statistics.median(t[i] for t in arms[True])
         wo = statistics.median(t[i] for t in arms[False])
+        out[what] = w / wo
         print(f"{what}: median with devices {w:.3f} s, without {wo:.3f} s, ratio {w / wo:.4f} "
               f"({(w / wo - 1) * 100:+.2f}%; target < +2%)")
-    return 0
+    return out
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    sys.exit(0)

@@ -109,8 +109,10 @@ def row_config(args, seed: int, row: str, ref: dict | None) -> dict:
                    overselect=0.3 if row == "deadline" else 0.0)
     if row == "planner":
         # the deadline applies to every client (round_policy = "deadline"); the tier says it too
+        # a client whose upload alone passes the deadline sits out (said in the table)
         d["budgets"] = {"tiers": [{"share": 1.0, "name": "everyone",
                                    "seconds_per_round": ref["deadline_s"]}], "local_work_by": "batch",
+                        "on_infeasible": "sit_out",
                         "micro_batches": [1], "checkpointing": False}
     if row == "async":
         fed.update(round_policy="async", concurrency=min(2 * args.per_round, args.clients),
@@ -181,7 +183,7 @@ def make_driver(args, method, data, row: str, ref: dict | None):
                 self.budget = 2 * self.t_star
                 self.points = [self.budget] if self.budget > now + 1e-9 else []
             self.prev = (rnd, state)
-            print(f"  round {rnd}: sim {now:.1f} s"
+            print(f"  round {rnd}: sim {now:.1f} s, wall {self.elapsed():.0f} s"
                   + (f", dev {metric} {self.evals[-1]['metric']:.4f} (t={self.evals[-1]['t']:.1f})"
                      if self.evals else ""), flush=True)
             if now >= self.budget - 1e-9 and not self.points:
@@ -231,7 +233,7 @@ def run_piece(args, seed: int, row: str) -> dict:
         out["ref"] = ref
     if method.plans:
         out["plans"] = {str(c): {"seconds": p.seconds, "batch": p.knobs.batch,
-                                 "gflops_per_round": p.gflops_per_round}
+                                 "gflops_per_round": p.gflops_per_round, "sits_out": p.sits_out}
                         for c, p in method.plans.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

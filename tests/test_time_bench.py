@@ -69,3 +69,16 @@ def test_every_row_runs_to_the_budget_and_is_reused(bench, tmp_path, capsys):
     assert bench.main(argv[:-2]) == 0
     assert "running" not in capsys.readouterr().out
     assert stamp == {r: (out / f"tiny-seed0-{r}.json").stat().st_mtime_ns for r in bench.ROWS}
+
+
+def test_clock_overhead_times_both_arms(tiny_model_dir, tiny_data_dir, capsys):
+    spec = importlib.util.spec_from_file_location("clock_overhead", BENCH.with_name("clock_overhead.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ratios = mod.main(["--reps", "2", "--threads", "1", "--clients", "4", "--per-round", "2",
+                       "--rounds", "2", "--dev-examples", "8", "--max-length", "16",
+                       "--data", str(tiny_data_dir), "--model", str(tiny_model_dir)])
+    out = capsys.readouterr().out
+    assert set(ratios) == {"total", "rounds"} and all(r > 0 for r in ratios.values())
+    assert out.count("with devices:") == 2 and out.count("without devices:") == 2
+    assert "uptime before:" in out and "uptime after:" in out and "ratio" in out
