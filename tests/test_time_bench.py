@@ -82,3 +82,24 @@ def test_clock_overhead_times_both_arms(tiny_model_dir, tiny_data_dir, capsys):
     assert set(ratios) == {"total", "rounds"} and all(r > 0 for r in ratios.values())
     assert out.count("with devices:") == 2 and out.count("without devices:") == 2
     assert "uptime before:" in out and "uptime after:" in out and "ratio" in out
+
+
+def test_a_loss_workload_targets_the_lowest(bench, tmp_path, tiny_lm_dirs, tiny_d2t_dir, monkeypatch):
+    """A generative workload's metric is the dev loss: the target is all's round-N loss, t* the
+    first time the loss was at most that."""
+    monkeypatch.setitem(bench.WORKLOADS, "tinygen", (
+        {"data": {"path": str(tiny_d2t_dir)}, "model": {"name": str(tiny_lm_dirs["llama"])},
+         "task": {"kind": "generation", "prompt": "Describe the restaurant: {mr}\n",
+                  "target": "{ref}", "max_target_length": 16, "max_new_tokens": 4}}, "loss", False))
+    monkeypatch.setitem(bench.DEFAULTS, "tinygen", dict(
+        clients=3, per_round=2, local_steps=1, batch_size=4, max_length=32, lr=5e-3,
+        dev_examples=8, target_rounds=3, all_eval_every=1, gflops=0.02))
+    out = tmp_path / "gen"
+    assert bench.main(["--workload", "tinygen", "--seeds", "0", "--out", str(out), "--threads", "1",
+                       "--rows", "all", "async"]) == 0
+    all_ = json.loads((out / "tinygen-seed0-all.json").read_text())
+    ref = all_["ref"]
+    assert ref["target"] == next(e["metric"] for e in all_["evals"] if e["round"] == 3)
+    assert ref["t_star"] == next(e["t"] for e in all_["evals"] if e["metric"] <= ref["target"])
+    assert all(e["metric"] > 0 for e in all_["evals"])  # a loss, not an accuracy
+    assert (out / "tinygen-seed0-async.json").is_file()
