@@ -109,10 +109,11 @@ def row_config(args, seed: int, row: str, ref: dict | None) -> dict:
                    overselect=0.3 if row == "deadline" else 0.0)
     if row == "planner":
         # the deadline applies to every client (round_policy = "deadline"); the tier says it too
-        # a client whose upload alone passes the deadline sits out (said in the table)
+        # adapter depths: a client on a slow link sends the top blocks' adapters only (fewer
+        # bytes), where even its least local work would not reply in time with every block's
         d["budgets"] = {"tiers": [{"share": 1.0, "name": "everyone",
                                    "seconds_per_round": ref["deadline_s"]}], "local_work_by": "batch",
-                        "on_infeasible": "sit_out",
+                        "adapter_depths": args.adapter_depths,
                         "micro_batches": [1], "checkpointing": False}
     if row == "async":
         fed.update(round_policy="async", concurrency=min(2 * args.per_round, args.clients),
@@ -178,8 +179,9 @@ def make_driver(args, method, data, row: str, ref: dict | None):
             if ref is None and (rnd % args.all_eval_every == 0 or rnd == args.target_rounds):
                 self.evaluate(rnd, state, now)
             if ref is None and rnd == args.target_rounds:
-                self.target, self.t_target = self.evals[-1]["metric"], now
-                self.t_star = next(e["t"] for e in self.evals if better(higher, e["metric"], self.target))
+                sm = smoothed(self.evals, args.smooth)
+                self.target, self.t_target = sm[-1], now
+                self.t_star = next(e["t"] for e, v in zip(self.evals, sm) if better(higher, v, self.target))
                 self.budget = 2 * self.t_star
                 self.points = [self.budget] if self.budget > now + 1e-9 else []
             self.prev = (rnd, state)
@@ -243,17 +245,28 @@ def run_piece(args, seed: int, row: str) -> dict:
 
 
 # -- the summary ---------------------------------------------------------------------------------
-def at_time(evals: list[dict], t: float) -> float | None:
-    """The dev metric of the model available at simulated time ``t`` (None: not measured)."""
-    done = [e for e in evals if e["t"] <= t + 1e-9]
-    return done[-1]["metric"] if done else None
+def smoothed(evals: list[dict], k: int) -> list[float]:
+    """Each measurement's running mean with the ``k - 1`` before it (fewer at the start): a
+    dev set of a few hundred examples moves by a few points from one evaluation to the next,
+    and a first crossing of the raw curve would time a lucky measurement."""
+    m = [e["metric"] for e in evals]
+    return [float(np.mean(m[max(0, i - k + 1):i + 1])) for i in range(len(m))]
 
 
-def time_to(evals: list[dict], target: float, higher: bool) -> float | None:
-    return next((e["t"] for e in evals if better(higher, e["metric"], target)), None)
+def at_time(evals: list[dict], t: float, k: int = 1) -> float | None:
+    """The (smoothed) dev metric of the model available at simulated time ``t`` (None: not
+    measured)."""
+    sm = smoothed(evals, k)
+    done = [v for e, v in zip(evals, sm) if e["t"] <= t + 1e-9]
+    return done[-1] if done else None
 
 
-def piece_stats(piece: dict, higher: bool) -> dict:
+def time_to(evals: list[dict], target: float, higher: bool, k: int = 1) -> float | None:
+    """The first time the (smoothed) dev metric reached ``target``."""
+    return next((e["t"] for e, v in zip(evals, smoothed(evals, k)) if better(higher, v, target)), None)
+
+
+def piece_stats(piece: dict, higher: bool, k: int) -> dict:
     ref = piece["ref"]
     budget = 2 * ref["t_star"]
     recs = [r for r in piece["records"] if r["sim_time_s"] <= budget + 1e-9]
@@ -261,9 +274,9 @@ def piece_stats(piece: dict, higher: bool) -> dict:
     total = sum(r["round_flops"] or 0 for r in recs)
     ratios = [m["sim_s"] / m["sim_s_predicted"] for r in recs for m in r["client_metrics"]
               if m.get("sim_s_predicted")]
-    tt = time_to(piece["evals"], ref["target"], higher)
+    tt = time_to(piece["evals"], ref["target"], higher, k)
     return {"rounds": len(recs), "t_to": tt, "ratio": None if tt is None else tt / ref["t_star"],
-            "at_budget": at_time(piece["evals"], budget), "target": ref["target"],
+            "at_budget": at_time(piece["evals"], budget, k), "target": ref["target"],
             "wasted": wasted / total if total else 0.0,
             "upload_mb": sum(r["bytes_up"] for r in recs) / 1e6, "sim_pred": ratios,
             "complete": piece["complete"]}
@@ -295,7 +308,7 @@ def summarize(args) -> str:
             p = piece_path(args, seed, row)
             if not p.is_file():
                 continue
-            st = piece_stats(json.loads(p.read_text()), higher)
+            st = piece_stats(json.loads(p.read_text()), higher, args.smooth)
             if row == "all":
                 all_stats = st
             st["delta"] = (None if st["at_budget"] is None or all_stats["at_budget"] is None
@@ -383,7 +396,7 @@ def mean_curves(args) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
     for r, ps in pieces.items():
         if not ps:
             continue
-        vals = np.array([[np.nan if (v := at_time(p["evals"], t)) is None else v for t in grid]
+        vals = np.array([[np.nan if (v := at_time(p["evals"], t, args.smooth)) is None else v for t in grid]
                          for p in ps])
         with warnings.catch_warnings():  # a time no seed has measured yet: NaN
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -434,6 +447,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-batch-size", type=int, default=32)
     ap.add_argument("--target-rounds", type=int, help="all's rounds that set the target")
     ap.add_argument("--all-eval-every", type=int)
+    ap.add_argument("--adapter-depths", type=float, nargs="+", default=[1.0, 0.5, 0.25],
+                    help="the planner row's budgets.adapter_depths")
+    ap.add_argument("--smooth", type=int, default=3, help="the dev metric is the running mean of "
+                    "this many measurements (the target, the time to it, the value at the budget)")
     ap.add_argument("--max-rounds", type=int, default=600, help="a piece stops here at the latest")
     ap.add_argument("--gflops", type=float, help="median training GFLOP/s")
     ap.add_argument("--speed-sigma", type=float, default=0.9)
