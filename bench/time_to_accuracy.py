@@ -466,7 +466,10 @@ def main(argv=None) -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     for seed in args.seeds:
-        for row in args.rows:
+        for row in sorted(args.rows, key=ROWS.index):  # all first: the others read its piece
+            if row != "all" and not piece_path(args, seed, "all").is_file():
+                print(f"{args.workload} seed {seed} {row}: skipped (run all first: --rows all)")
+                continue
             if not piece_path(args, seed, row).is_file():
                 print(f"{args.workload} seed {seed} {row}: running", flush=True)
                 run_piece(args, seed, row)
