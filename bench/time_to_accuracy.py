@@ -70,8 +70,8 @@ WORKLOADS = {
 DEFAULTS = {
     "sst2": dict(clients=50, per_round=5, local_steps=2, batch_size=8, max_length=32, lr=3e-3,
                  dev_examples=128, target_rounds=30, all_eval_every=2, gflops=20.0),
-    "e2e": dict(clients=20, per_round=4, local_steps=1, batch_size=4, max_length=32, lr=3e-3,
-                dev_examples=48, target_rounds=8, all_eval_every=1, gflops=20.0),
+    "e2e": dict(clients=20, per_round=4, local_steps=1, batch_size=2, max_length=32, lr=3e-3,
+                dev_examples=16, target_rounds=8, all_eval_every=1, gflops=20.0),
 }
 
 
