@@ -115,6 +115,9 @@ def row_config(args, seed: int, row: str, ref: dict | None) -> dict:
                                    "seconds_per_round": ref["deadline_s"]}], "local_work_by": "batch",
                         "adapter_depths": args.adapter_depths,
                         "micro_batches": [1], "checkpointing": False}
+        # ... and a lower LoRA rank where that is not enough (fedpetuning cannot sit a client
+        # out; heterogeneous ranks aggregate over the clients that hold each component)
+        d["lora"]["ranks"] = args.ranks
     if row == "async":
         fed.update(round_policy="async", concurrency=min(2 * args.per_round, args.clients),
                    buffer_size=args.per_round)
@@ -449,6 +452,8 @@ def main(argv=None) -> int:
     ap.add_argument("--all-eval-every", type=int)
     ap.add_argument("--adapter-depths", type=float, nargs="+", default=[1.0, 0.5, 0.25],
                     help="the planner row's budgets.adapter_depths")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 8, 4, 2],
+                    help="the planner row's lora.ranks")
     ap.add_argument("--smooth", type=int, default=3, help="the dev metric is the running mean of "
                     "this many measurements (the target, the time to it, the value at the budget)")
     ap.add_argument("--max-rounds", type=int, default=600, help="a piece stops here at the latest")
