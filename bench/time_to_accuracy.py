@@ -499,7 +499,8 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-quantile", type=float, default=0.7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--report", type=Path, help="write the table (markdown) here, and the "
-                    "time-to-accuracy plot beside it (.png)")
+                    "time-to-accuracy plot beside it (.png), from the pieces that have run "
+                    "(none is started: run them under the heavy-run lock first)")
     args = ap.parse_args(argv)
     for k, v in DEFAULTS[args.workload].items():
         if getattr(args, k) is None:
@@ -510,6 +511,9 @@ def main(argv=None) -> int:
                 print(f"{args.workload} seed {seed} {row}: skipped (run all first: --rows all)")
                 continue
             if not piece_path(args, seed, row).is_file():
+                if args.report:  # a report reads what has run; it never starts a piece
+                    print(f"{args.workload} seed {seed} {row}: not run yet (left out)")
+                    continue
                 print(f"{args.workload} seed {seed} {row}: running", flush=True)
                 run_piece(args, seed, row)
             print(f"{args.workload} seed {seed} {row}: done", flush=True)

@@ -30,9 +30,12 @@ def bench(monkeypatch, tiny_model_dir, tiny_data_dir):
 
 def test_every_row_runs_to_the_budget_and_is_reused(bench, tmp_path, capsys):
     out = tmp_path / "results"
-    argv = ["--workload", "tiny", "--seeds", "0", "--out", str(out), "--threads", "1",
-            "--report", str(out / "tiny.md")]
+    argv = ["--workload", "tiny", "--seeds", "0", "--out", str(out), "--threads", "1"]
+    # a report reads the pieces that have run and starts none
+    assert bench.main(argv + ["--report", str(out / "none.md")]) == 0
+    assert not list(out.glob("*.json")) and "| all |" not in (out / "none.md").read_text()
     assert bench.main(argv) == 0
+    assert bench.main(argv + ["--report", str(out / "tiny.md")]) == 0
     pieces = {r: json.loads((out / f"tiny-seed0-{r}.json").read_text()) for r in bench.ROWS}
     ref = pieces["all"]["ref"]
     budget = 2 * ref["t_star"]
@@ -69,7 +72,7 @@ def test_every_row_runs_to_the_budget_and_is_reused(bench, tmp_path, capsys):
     # a finished piece is read back, not run again
     stamp = {r: (out / f"tiny-seed0-{r}.json").stat().st_mtime_ns for r in bench.ROWS}
     capsys.readouterr()
-    assert bench.main(argv[:-2]) == 0
+    assert bench.main(argv) == 0
     assert "running" not in capsys.readouterr().out
     assert stamp == {r: (out / f"tiny-seed0-{r}.json").stat().st_mtime_ns for r in bench.ROWS}
 
