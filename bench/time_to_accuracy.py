@@ -1,27 +1,44 @@
-"""Benchmark (issue 59, part 4, first version): time to accuracy on a simulated clock.
+"""Benchmark (issue 59, part 4): time to accuracy on a simulated clock.
 
-SST-2 with MiniLM-L6 + LoRA, dense clients (fedpetuning), a population whose training speeds
-are log-normal (``--speed-sigma`` 0.9: the 5th-95th percentile spread is 19x) and which is
-online ``--availability`` (0.7) of the rounds; the same federation and seed under the round
-policies:
+A population of clients whose training speeds are log-normal (``--speed-sigma`` 0.9: the
+5th-95th percentile spread is 19x) and links too, online ``--availability`` (0.7) of the rounds
+(a seeded draw per round and client), dense clients (fedpetuning: LoRA), on two workloads:
 
-* ``all``: every selected client, ``--rounds`` rounds; its simulated time T and its final dev
-  accuracy (the target) set the budget and the bar;
+* ``sst2``: SST-2 with MiniLM-L6 (dev accuracy, higher is better);
+* ``e2e``: E2E NLG with SmolLM2-135M-Instruct (dev loss on the references, lower is better).
+
+Rows, the same federation and seed each:
+
+* ``all``: every selected client. Its dev metric after ``--target-rounds`` (30) rounds is the
+  **target**; the simulated time at which it first reached it is ``t*``; it runs on to ``2 t*``;
 * ``deadline``: the round deadline at the ``--deadline-quantile`` (0.7) of the client-round
-  times ``all`` measured, 30% over-selection;
+  times ``all`` measured in its first ``--target-rounds`` rounds, 30% over-selection;
 * ``async``: FedBuff, ``concurrency`` = 2 x clients per round, ``buffer_size`` = clients per
-  round.
+  round (the library's defaults);
+* ``planner``: fedpetuning with ``[budgets]`` and the same deadline as ``deadline``, no
+  over-selection: the planner fits each client's local work (examples per step,
+  ``budgets.local_work_by = "batch"``) to the deadline on its own device (part 3), so no reply
+  is late.
 
-``deadline`` and ``async`` run up to ``--cap`` x ``--rounds`` rounds and are cut at T. For each
-policy and seed: simulated time to ``all``'s final dev accuracy (cost to target), dev accuracy
-at T/2 and T (quality under budget), wasted client FLOPs, upload. The planner fitted to the
-deadline (part 3) is not in this version.
+Every row stops at ``2 t*`` (the budget). The dev metric is measured on the model *available*
+at each time point: ``all`` every ``--all-eval-every`` rounds (and at round 30); the others on
+a grid of ``T30 / (30 / all-eval-every)`` simulated seconds (T30 = ``all``'s time at round 30),
+each point evaluating the last model published by then, plus the budget point ``2 t*``. Per
+row and seed: simulated time to the target (cost to target; its ratio to ``all``'s ``t*``), the
+dev metric at ``2 t*`` (quality under budget), wasted client FLOPs (replies dropped) within the
+budget, MB uploaded within it, and each client-round's simulated seconds over the planner's
+predicted seconds. The summary gives the mean and spread over seeds.
 
-Each (seed, policy) run is one resumable piece (its records in ``--out``; an existing file is
-reused), so a shared machine can run them one at a time::
+Each (workload, row, seed) run is one resumable piece (a JSON file under ``--out``, written when
+the piece completes; an existing one is reused), so a shared machine can run them one at a
+time; ``deadline`` and ``planner`` read ``all``'s piece (the deadline, the grid, the budget)::
 
-    flock /tmp/fedslice-heavy.lock .venv/bin/python bench/time_to_accuracy.py --seeds 0 --policies all
-    .venv/bin/python bench/time_to_accuracy.py --seeds 0 1 2 --report bench/notes/time12.md
+    flock /tmp/fedslice-heavy.lock python bench/time_to_accuracy.py --seeds 0 --rows all
+    flock /tmp/fedslice-heavy.lock python bench/time_to_accuracy.py --seeds 0 --rows deadline async planner
+    python bench/time_to_accuracy.py --seeds 0 1 2 --report bench/results/time4/sst2.md
+
+``--report`` writes the table (markdown) and the time-to-accuracy plot beside it (.png: the
+seeds' mean against simulated seconds, one line per row).
 """
 
 from __future__ import annotations
@@ -30,132 +47,418 @@ import argparse
 import json
 import math
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 
-from fedslice.api import setup
-from fedslice.experiment import validate_config
-from fedslice.run.asynchronous import simulation_for
+ROWS = ("all", "deadline", "async", "planner")
 
-POLICIES = ("all", "deadline", "async")
+#: workload -> (the config's fixed part, the dev metric, higher is better)
+WORKLOADS = {
+    "sst2": ({"data": {"path": "sst2", "partition": "iid", "max_test_examples": 16},
+              "model": {"name": "minilm"}}, "accuracy", True),
+    "e2e": ({"data": {"path": "e2e_nlg", "holdout_fraction": 0.1, "group_column": "mr",
+                      "max_test_examples": 4},
+             "model": {"name": "smollm2"},
+             "task": {"kind": "generation", "prompt": "Describe the restaurant: {mr}\n",
+                      "target": "{ref}", "max_new_tokens": 8}}, "loss", False),
+}
+
+#: per-workload defaults of the sizing flags (a flag given on the command line wins)
+DEFAULTS = {
+    "sst2": dict(clients=50, per_round=5, local_steps=2, batch_size=8, max_length=32, lr=3e-3,
+                 dev_examples=128, target_rounds=30, all_eval_every=2, gflops=20.0),
+    "e2e": dict(clients=20, per_round=4, local_steps=1, batch_size=2, max_length=32, lr=3e-3,
+                dev_examples=16, target_rounds=8, all_eval_every=1, gflops=20.0),
+}
+
+
+class Budget(Exception):
+    """The piece reached its simulated-time budget (raised from the rounds' driver)."""
 
 
 def base_config(args, seed: int) -> dict:
+    fixed, _, _ = WORKLOADS[args.workload]
+    d = json.loads(json.dumps(fixed))
+    d["data"].update(max_length=args.max_length, max_dev_examples=args.dev_examples)
+    if args.workload == "e2e":
+        d["task"]["max_target_length"] = args.max_length
     return {
-        "name": "time-to-accuracy", "seed": seed, "threads": args.threads,
-        "data": {"path": "sst2", "max_length": args.max_length, "partition": "iid",
-                 "max_dev_examples": args.dev_examples, "max_test_examples": 64},
-        "model": {"name": "minilm"},
+        "name": f"time-{args.workload}", "seed": seed, "threads": args.threads, **d,
         "lora": {"r": 16, "alpha": 32, "targets": ["q", "v"]},
         "method": {"name": "fedpetuning"},
         "federation": {"num_clients": args.clients, "clients_per_round": args.per_round,
-                       "rounds": args.rounds, "local_steps": args.local_steps,
+                       "rounds": args.max_rounds, "local_steps": args.local_steps,
                        "batch_size": args.batch_size, "lr": args.lr},
         "devices": {"distribution": "lognormal", "gflops_per_s": args.gflops,
                     "upload_mb_per_s": args.upload, "download_mb_per_s": args.download,
                     "availability": args.availability, "speed_sigma": args.speed_sigma},
-        "evaluation": {"every": 1, "batch_size": 64},
+        # the bench evaluates the model available at its time points itself (Driver)
+        "evaluation": {"every": 10 ** 6, "batch_size": 32},
         "output": {"progress": False, "plots": False},
     }
 
 
-def run_piece(args, seed: int, policy: str) -> list[dict]:
-    """The records of one run (cached as JSON in --out)."""
-    path = args.out / f"seed{seed}-{policy}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
+def row_config(args, seed: int, row: str, ref: dict | None) -> dict:
     d = base_config(args, seed)
     fed = d["federation"]
-    if policy == "deadline":
-        ref = run_piece(args, seed, "all")
-        secs = [m["sim_s"] for r in ref for m in r["client_metrics"]]
-        fed.update(round_policy="deadline", overselect=0.3, rounds=args.cap * args.rounds,
-                   round_deadline_s=float(np.quantile(secs, args.deadline_quantile)))
-    elif policy == "async":
+    if row in ("deadline", "planner"):
+        fed.update(round_policy="deadline", round_deadline_s=ref["deadline_s"],
+                   overselect=0.3 if row == "deadline" else 0.0)
+    if row == "planner":
+        # the deadline applies to every client (round_policy = "deadline"); the tier says it too
+        # adapter depths: a client on a slow link sends the top blocks' adapters only (fewer
+        # bytes), where even its least local work would not reply in time with every block's
+        d["budgets"] = {"tiers": [{"share": 1.0, "name": "everyone",
+                                   "seconds_per_round": ref["deadline_s"]}], "local_work_by": "batch",
+                        "adapter_depths": args.adapter_depths,
+                        "micro_batches": [1], "checkpointing": False}
+        # ... and a lower LoRA rank where that is not enough (fedpetuning cannot sit a client
+        # out; heterogeneous ranks aggregate over the clients that hold each component)
+        d["lora"]["ranks"] = args.ranks
+    if row == "async":
         fed.update(round_policy="async", concurrency=min(2 * args.per_round, args.clients),
-                   buffer_size=args.per_round, rounds=args.cap * args.rounds)
-    cfg = validate_config(d)
+                   buffer_size=args.per_round)
+    return d
+
+
+def piece_path(args, seed: int, row: str) -> Path:
+    return args.out / f"{args.workload}-seed{seed}-{row}.json"
+
+
+def better(higher: bool, x: float | None, target: float) -> bool:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return False
+    return x >= target - 1e-12 if higher else x <= target + 1e-12
+
+
+def make_driver(args, method, data, row: str, ref: dict | None):
+    """The rounds' driver of one piece (a :class:`Rounds` that evaluates the model available at
+    the piece's time points and stops at the budget)."""
+    from fedslice.run.session import Rounds
+
+    _, metric, higher = WORKLOADS[args.workload]
+
+    class Driver(Rounds):
+        def __init__(self, cfg):
+            super().__init__(cfg, method)
+            self.evals: list[dict] = []  # {t, round, metric}: the model available from t on
+            self.prev: tuple[int, dict] | None = None  # (round, state) published before this one
+            self.target = self.t_star = self.t_target = None
+            if ref is not None:
+                self.budget = 2 * ref["t_star"]
+                g = ref["t_target"] / (args.target_rounds / args.all_eval_every)
+                pts = list(np.arange(1, math.floor(self.budget / g) + 1) * g) + [self.budget]
+                self.points = sorted({round(float(p), 9) for p in pts})
+            else:
+                self.budget, self.points = math.inf, []
+
+        def evaluate(self, rnd: int, state: dict, t: float) -> None:
+            if self.evals and self.evals[-1]["round"] == rnd:  # the same model: measured once
+                self.evals.append({**self.evals[-1], "t": t})
+                return
+            if metric == "loss" and hasattr(method.task, "target_nll"):
+                # a generative task: the loss on the references only (no generations)
+                from fedslice.tasks.text2text import eval_mode
+
+                model = method.eval_model(state)
+                with eval_mode(model), method.compute.autocast():
+                    value = method.task.target_nll(model, data.dev, args.eval_batch_size)
+            else:
+                value = method.evaluate(state, data.dev, args.eval_batch_size)[metric]
+            self.evals.append({"t": t, "round": rnd, "metric": float(value)})
+
+        def round_done(self, rnd, state, record, selector, clock=None):
+            super().round_done(rnd, state, record, selector, clock)
+            now = record["sim_time_s"]
+            while self.points and self.points[0] < now - 1e-9:  # passed before this round ended
+                p = self.points.pop(0)
+                if self.prev is not None:
+                    self.evaluate(*self.prev, p)
+            if self.points and abs(self.points[0] - now) <= 1e-9:
+                self.evaluate(rnd, state, self.points.pop(0))
+            if ref is None and (rnd % args.all_eval_every == 0 or rnd == args.target_rounds):
+                self.evaluate(rnd, state, now)
+            if ref is None and rnd == args.target_rounds:
+                sm = smoothed(self.evals, args.smooth)
+                self.target, self.t_target = sm[-1], now
+                self.t_star = next(e["t"] for e, v in zip(self.evals, sm) if better(higher, v, self.target))
+                self.budget = 2 * self.t_star
+                self.points = [self.budget] if self.budget > now + 1e-9 else []
+            self.prev = (rnd, state)
+            print(f"  round {rnd}: sim {now:.1f} s, wall {self.elapsed():.0f} s"
+                  + (f", dev {metric} {self.evals[-1]['metric']:.4f} (t={self.evals[-1]['t']:.1f})"
+                     if self.evals else ""), flush=True)
+            if now >= self.budget - 1e-9 and not self.points:
+                raise Budget
+
+    return Driver
+
+
+def run_piece(args, seed: int, row: str) -> dict:
+    """One (workload, row, seed) run, cached as JSON under --out."""
+    path = piece_path(args, seed, row)
+    if path.is_file():
+        return json.loads(path.read_text())
+    from fedslice.api import setup
+    from fedslice.experiment import validate_config
+    from fedslice.run.asynchronous import simulation_for
+
+    ref = None
+    if row != "all":
+        ref = run_piece(args, seed, "all")["ref"]
+    cfg = validate_config(row_config(args, seed, row, ref))
+    t0 = time.perf_counter()
     method, data = setup(cfg)
-    _, records, _ = simulation_for(cfg, method, data).run()
-    slim = [{k: r.get(k) for k in ("round", "sim_time_s", "sim_round_s", "dev_accuracy",
-                                   "wasted_flops", "round_flops", "staleness_mean",
-                                   "examples_used")}
+    driver = make_driver(args, method, data, row, ref)(cfg)
+    complete = False
+    try:
+        simulation_for(cfg, method, data).run(driver)
+    except Budget:
+        complete = True
+    records = driver.records
+    slim = [{k: r.get(k) for k in ("round", "sim_time_s", "sim_round_s", "wasted_flops",
+                                   "round_flops", "staleness_mean", "examples_used")}
             | {"bytes_up": sum(m.get("bytes_up") or 0 for m in r["client_metrics"]),
-               "client_metrics": [{"client": m["client"], "sim_s": m.get("sim_s"),
-                                   "used": m["used"]} for m in r["client_metrics"]]}
+               "client_metrics": [{k: m.get(k) for k in ("client", "sim_s", "sim_s_predicted",
+                                                         "used", "examples", "steps_cut", "tokens",
+                                                         "flops_measured", "bytes_up", "bytes_down")}
+                                  for m in r["client_metrics"]]}
             for r in records]
+    out = {"workload": args.workload, "row": row, "seed": seed, "complete": complete,
+           "config": row_config(args, seed, row, ref), "records": slim, "evals": driver.evals,
+           "wall_s_loaded_machine": time.perf_counter() - t0}
+    if row == "all":
+        secs = [m["sim_s"] for r in records[:args.target_rounds] for m in r["client_metrics"]]
+        out["ref"] = {"target": driver.target, "t_star": driver.t_star, "t_target": driver.t_target,
+                      "deadline_s": float(np.quantile(secs, args.deadline_quantile))}
+    else:
+        out["ref"] = ref
+    if method.plans:
+        out["plans"] = {str(c): {"seconds": p.seconds, "batch": p.knobs.batch,
+                                 "gflops_per_round": p.gflops_per_round, "sits_out": p.sits_out}
+                        for c, p in method.plans.items()}
     args.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(slim))
-    return slim
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(path)
+    return out
 
 
-def at_time(records: list[dict], t: float) -> float | None:
-    """Dev accuracy of the last round finished by simulated time ``t`` (None: the run ended
-    before ``t``, or had no evaluation by then)."""
-    if not records or records[-1]["sim_time_s"] < t - 1e-9:
-        return None
-    done = [r for r in records if r["sim_time_s"] <= t + 1e-9 and r["dev_accuracy"] is not None]
-    return done[-1]["dev_accuracy"] if done else None
+# -- the summary ---------------------------------------------------------------------------------
+def smoothed(evals: list[dict], k: int) -> list[float]:
+    """Each measurement's running mean with the ``k - 1`` before it (fewer at the start): a
+    dev set of a few hundred examples moves by a few points from one evaluation to the next,
+    and a first crossing of the raw curve would time a lucky measurement."""
+    m = [e["metric"] for e in evals]
+    return [float(np.mean(m[max(0, i - k + 1):i + 1])) for i in range(len(m))]
 
 
-def time_to(records: list[dict], target: float) -> float | None:
-    hit = [r["sim_time_s"] for r in records if (r["dev_accuracy"] or 0) >= target - 1e-12]
-    return hit[0] if hit else None
+def at_time(evals: list[dict], t: float, k: int = 1) -> float | None:
+    """The (smoothed) dev metric of the model available at simulated time ``t`` (None: not
+    measured)."""
+    sm = smoothed(evals, k)
+    done = [v for e, v in zip(evals, sm) if e["t"] <= t + 1e-9]
+    return done[-1] if done else None
+
+
+def time_to(evals: list[dict], target: float, higher: bool, k: int = 1) -> float | None:
+    """The first time the (smoothed) dev metric reached ``target``."""
+    return next((e["t"] for e, v in zip(evals, smoothed(evals, k)) if better(higher, v, target)), None)
+
+
+def piece_stats(piece: dict, higher: bool, k: int) -> dict:
+    ref = piece["ref"]
+    budget = 2 * ref["t_star"]
+    recs = [r for r in piece["records"] if r["sim_time_s"] <= budget + 1e-9]
+    wasted = sum(r["wasted_flops"] or 0 for r in recs)
+    total = sum(r["round_flops"] or 0 for r in recs)
+    ratios = [m["sim_s"] / m["sim_s_predicted"] for r in recs for m in r["client_metrics"]
+              if m.get("sim_s_predicted")]
+    tt = time_to(piece["evals"], ref["target"], higher, k)
+    return {"rounds": len(recs), "t_to": tt, "ratio": None if tt is None else tt / ref["t_star"],
+            "at_budget": at_time(piece["evals"], budget, k), "target": ref["target"],
+            "wasted": wasted / total if total else 0.0,
+            "upload_mb": sum(r["bytes_up"] for r in recs) / 1e6, "sim_pred": ratios,
+            "complete": piece["complete"]}
+
+
+def _ms(xs: list[float | None], fmt: str) -> str:
+    """mean ± standard deviation over seeds (n shown when some seed has none)."""
+    v = [x for x in xs if x is not None and math.isfinite(x)]
+    if not v:
+        return "-"
+    s = format(float(np.mean(v)), fmt)
+    if len(v) > 1:
+        s += " ± " + format(float(np.std(v, ddof=1)), fmt)
+    if len(v) < len(xs):
+        s += f" ({len(v)} of {len(xs)})"
+    return s
 
 
 def summarize(args) -> str:
-    rows, ratios = [], {p: [] for p in POLICIES}
+    _, metric, higher = WORKLOADS[args.workload]
+    stats: dict[str, list[dict]] = {r: [] for r in ROWS}
+    seeds_of: dict[str, list[int]] = {r: [] for r in ROWS}
+    per_seed = []
     for seed in args.seeds:
-        runs = {p: json.loads((args.out / f"seed{seed}-{p}.json").read_text())
-                for p in POLICIES if (args.out / f"seed{seed}-{p}.json").is_file()}
-        if "all" not in runs:
+        if not piece_path(args, seed, "all").is_file():
             continue
-        T = runs["all"][-1]["sim_time_s"]
-        target = runs["all"][-1]["dev_accuracy"]
-        t_all = time_to(runs["all"], target)
-        for p, recs in runs.items():
-            recs = [r for r in recs if r["sim_time_s"] <= T + 1e-9]  # within all's budget
-            tt = time_to(recs, target)
-            wasted = sum(r["wasted_flops"] or 0 for r in recs)
-            total = sum(r["round_flops"] or 0 for r in recs)
-            up = sum(r["bytes_up"] for r in recs) / 1e6
-            ratios[p].append(tt / t_all if tt is not None else math.inf)
-            last = recs[-1]
-            rows.append(f"| {seed} | {p} | {len(recs)} | {last['sim_time_s']:.0f} | "
-                        f"{_f(last['dev_accuracy'])} | {target:.4f} | "
-                        f"{'-' if tt is None else f'{tt:.0f} ({tt / t_all:.2f}x)'} | "
-                        f"{_f(at_time(recs, T / 2))} | {_f(at_time(recs, T))} | "
-                        f"{wasted / total if total else 0:.1%} | {up:.1f} |")
-    head = ("| seed | policy | rounds (within T) | sim s at its last round | dev acc there | "
-            "target = all's final dev acc | sim s to target (x all's) | dev acc at T/2 | "
-            "dev acc at T | wasted FLOPs | upload MB |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
-    med = "\n".join(f"- {p}: median (over {len(v)} seed(s)) simulated time to the target / "
-                    f"all's: {np.median(v):.2f}" for p, v in ratios.items() if v)
-    return head + "\n" + "\n".join(rows) + "\n\n" + med + "\n"
+        all_stats = None
+        for row in ROWS:
+            p = piece_path(args, seed, row)
+            if not p.is_file():
+                continue
+            st = piece_stats(json.loads(p.read_text()), higher, args.smooth)
+            if row == "all":
+                all_stats = st
+            st["delta"] = (None if st["at_budget"] is None or all_stats["at_budget"] is None
+                           else (st["at_budget"] - all_stats["at_budget"]) * (100 if higher else 1))
+            stats[row].append(st)
+            seeds_of[row].append(seed)
+            tt = "-" if st["t_to"] is None else f"{st['t_to']:.1f} ({st['ratio']:.2f}x)"
+            per_seed.append(
+                f"| {seed} | {row} | {st['rounds']} | {st['target']:.4f} | {tt} | "
+                f"{_f(st['at_budget'])} | {st['wasted']:.1%} | {st['upload_mb']:.1f} |"
+                + ("" if st["complete"] else " (stopped at the round cap)"))
+    unit = "pt" if higher else "nats"
+    head = (f"| row | seeds | rounds to 2t* | sim s to target | x all's t* | dev {metric} at 2t* | "
+            f"vs all at 2t* ({unit}) | wasted FLOPs | upload MB to 2t* | client-round sim/pred "
+            "(p5, median, p95; share within 10%) |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = []
+    for row in ROWS:
+        st = stats[row]
+        if not st:
+            continue
+        sp = [x for s in st for x in s["sim_pred"]]
+        pred = ("-" if not sp else
+                f"{np.percentile(sp, 5):.3f}, {np.median(sp):.3f}, {np.percentile(sp, 95):.3f}; "
+                f"{np.mean(np.abs(np.asarray(sp) - 1) <= 0.1):.0%} of {len(sp)}")
+        lines.append(f"| {row} | {','.join(map(str, seeds_of[row]))} | "
+                     f"{_ms([s['rounds'] for s in st], '.0f')} | {_ms([s['t_to'] for s in st], '.1f')} | "
+                     f"{_ms([s['ratio'] for s in st], '.2f')} | {_ms([s['at_budget'] for s in st], '.4f')} | "
+                     f"{'-' if row == 'all' else _ms([s['delta'] for s in st], '+.2f')} | "
+                     f"{_ms([s['wasted'] for s in st], '.3f')} | {_ms([s['upload_mb'] for s in st], '.1f')} | "
+                     f"{pred} |")
+    detail = ("| seed | row | rounds to 2t* | target | sim s to target (x all's t*) | "
+              f"dev {metric} at 2t* | wasted FLOPs | upload MB |\n|---|---|---|---|---|---|---|---|")
+    return (head + "\n" + "\n".join(lines) + "\n\n" + prediction_breakdown(args)
+            + "\nTime to lower targets (the seeds' mean ± sd; x: over all's time to the same):\n\n"
+            + below_target(args)
+            + "\nPer seed:\n\n" + detail + "\n" + "\n".join(per_seed) + "\n")
+
+
+def prediction_breakdown(args) -> str:
+    """Where a planner client-round's simulated seconds depart from the prediction: the FLOPs it
+    trained over the plan's predicted FLOPs, and its padded tokens over the mean tokens of the
+    clients' rounds of the same plan (a round's batches vary in length; the planner predicts
+    their mean). The links' seconds are exact (bytes / rate), so when the FLOPs ratio follows
+    the tokens ratio the clock and the planner's costs agree and the spread is the data's."""
+    rows = []
+    for seed in args.seeds:
+        p = piece_path(args, seed, "planner")
+        if not p.is_file():
+            continue
+        piece = json.loads(p.read_text())
+        plans = piece.get("plans", {})
+        budget = 2 * piece["ref"]["t_star"]
+        ms = [m for r in piece["records"] if r["sim_time_s"] <= budget + 1e-9
+              for m in r["client_metrics"] if m.get("sim_s_predicted") and m.get("flops_measured")]
+        by_batch: dict = {}
+        for m in ms:
+            by_batch.setdefault(plans[str(m["client"])]["batch"], []).append(m["tokens"])
+        for m in ms:
+            plan = plans[str(m["client"])]
+            rows.append((m["sim_s"] / m["sim_s_predicted"],
+                         m["flops_measured"] / (plan["gflops_per_round"] * 1e9),
+                         m["tokens"] / np.mean(by_batch[plan["batch"]]), m.get("steps_cut") or 0))
+    if not rows:
+        return ""
+    a = np.asarray(rows, dtype=float)
+    corr = float(np.corrcoef(a[:, 1], a[:, 2])[0, 1]) if len(a) > 2 else float("nan")
+    q = lambda x: f"{np.percentile(x, 5):.3f} / {np.median(x):.3f} / {np.percentile(x, 95):.3f}"
+    return (f"Planner client-rounds ({len(a)}): simulated / predicted seconds (p5 / median / p95) "
+            f"{q(a[:, 0])}; measured / predicted FLOPs {q(a[:, 1])}; the round's padded tokens / "
+            f"the mean of its plan's rounds {q(a[:, 2])}; correlation of the FLOPs ratio with the "
+            f"tokens ratio {corr:.3f}; client-rounds with a step cut by the FLOPs budget "
+            f"{int((a[:, 3] > 0).sum())}; within 10% of the prediction: "
+            f"{np.mean(np.abs(a[:, 0] - 1) <= 0.1):.0%}.\n")
+
+
+def below_target(args) -> str:
+    """Simulated time to targets below all's round-30 value (by ``--below`` points; on a loss,
+    above it), each row's over all's time to the same: where the curves still climb the ratio
+    measures speed; at the plateau all reaches in 30 rounds it measures the dev set's noise."""
+    _, metric, higher = WORKLOADS[args.workload]
+    scale = 100 if higher else 1
+    head = ("| target | " + " | ".join(f"{r}: sim s (x all's)" for r in ROWS) + " |\n|---|"
+            + "---|" * len(ROWS))
+    lines = []
+    for gap in args.below:
+        cells = {r: [] for r in ROWS}
+        for seed in args.seeds:
+            if not piece_path(args, seed, "all").is_file():
+                continue
+            pieces = {r: json.loads(piece_path(args, seed, r).read_text()) for r in ROWS
+                      if piece_path(args, seed, r).is_file()}
+            ref = pieces["all"]["ref"]
+            thr = ref["target"] - gap / scale if higher else ref["target"] + gap
+            t_all = time_to(pieces["all"]["evals"], thr, higher, args.smooth)
+            for r, p in pieces.items():
+                budget = 2 * ref["t_star"]
+                t = time_to([e for e in p["evals"] if e["t"] <= budget + 1e-9], thr, higher, args.smooth)
+                cells[r].append((t, None if t is None or not t_all else t / t_all))
+        lines.append(f"| all's round-{args.target_rounds} value {'-' if higher else '+'} {gap:g} "
+                     f"{'pt' if higher else ''} | "
+                     + " | ".join(f"{_ms([t for t, _ in c], '.1f')} ({_ms([x for _, x in c], '.2f')})"
+                                  if c else "-" for c in cells.values()) + " |")
+    return head + "\n" + "\n".join(lines) + "\n"
+
+
+def mean_curves(args) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+    """Each row's dev metric on a common simulated-time grid (0 .. the smallest budget over the
+    seeds), the seeds' mean (the model available at each time; before a row's first
+    measurement, the initial model's value is not known and the curve starts later)."""
+    pieces = {r: [json.loads(piece_path(args, s, r).read_text()) for s in args.seeds
+                  if piece_path(args, s, r).is_file()] for r in ROWS}
+    if not pieces["all"]:
+        return {}
+    end = min(2 * p["ref"]["t_star"] for p in pieces["all"])
+    grid = np.linspace(0, end, 200)
+    out = {}
+    for r, ps in pieces.items():
+        if not ps:
+            continue
+        vals = np.array([[np.nan if (v := at_time(p["evals"], t, args.smooth)) is None else v for t in grid]
+                         for p in ps])
+        with warnings.catch_warnings():  # a time no seed has measured yet: NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
+            out[r] = (grid, np.nanmean(vals, axis=0), len(ps))
+    return out
 
 
 def plot(args, path: Path) -> Path:
-    """Dev accuracy against simulated time, one panel per seed, a line per policy."""
+    from fedslice.report import figure, save_figure
     from matplotlib.ticker import AutoLocator
 
-    from fedslice.report import figure, save_figure
-
-    seeds = [s for s in args.seeds if (args.out / f"seed{s}-all.json").is_file()]
-    fig, axes = figure(ncols=max(1, len(seeds)), width=4.5, height=3.5)
-    for ax, seed in zip(axes, seeds):
-        T = json.loads((args.out / f"seed{seed}-all.json").read_text())[-1]["sim_time_s"]
-        for p in POLICIES:
-            f = args.out / f"seed{seed}-{p}.json"
-            if f.is_file():
-                recs = [r for r in json.loads(f.read_text()) if r["dev_accuracy"] is not None]
-                ax.plot([r["sim_time_s"] for r in recs], [r["dev_accuracy"] for r in recs],
-                        marker=".", label=p)
-        ax.axvline(T, color="grey", lw=0.8, ls=":")
-        ax.xaxis.set_major_locator(AutoLocator())
-        ax.set(title=f"seed {seed}", xlabel="simulated seconds", ylabel="dev accuracy")
-        ax.legend()
+    _, metric, higher = WORKLOADS[args.workload]
+    curves = mean_curves(args)
+    fig, (ax,) = figure(ncols=1, width=6.0, height=4.0)
+    for r, (x, y, n) in curves.items():
+        keep = ~np.isnan(y)
+        ax.plot(x[keep], y[keep], label=f"{r} ({n} seed{'s' if n > 1 else ''})",
+                drawstyle="steps-post")
+    targets = [json.loads(piece_path(args, s, "all").read_text())["ref"]["target"]
+               for s in args.seeds if piece_path(args, s, "all").is_file()]
+    if targets:
+        ax.axhline(float(np.mean(targets)), color="grey", lw=0.8, ls=":",
+                   label="target (all, round 30; mean)" if args.workload == "sst2" else "target (mean)")
+    ax.xaxis.set_major_locator(AutoLocator())
+    ax.set(xlabel="simulated seconds", ylabel=f"dev {metric}",
+           title=f"{args.workload}: dev {metric} against simulated time (seeds' mean)")
+    ax.legend()
     return save_figure(fig, path)
 
 
@@ -165,32 +468,55 @@ def _f(x):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("bench/results/time_to_accuracy"))
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="sst2")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/time4"))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--cap", type=int, default=2, help="deadline/async run up to cap x rounds")
-    ap.add_argument("--clients", type=int, default=50)
-    ap.add_argument("--per-round", type=int, default=5)
-    ap.add_argument("--local-steps", type=int, default=4)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--max-length", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--dev-examples", type=int, default=256)
-    ap.add_argument("--gflops", type=float, default=20.0, help="median training GFLOP/s")
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    ap.add_argument("--clients", type=int)
+    ap.add_argument("--per-round", type=int)
+    ap.add_argument("--local-steps", type=int)
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--max-length", type=int)
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--dev-examples", type=int)
+    ap.add_argument("--eval-batch-size", type=int, default=32)
+    ap.add_argument("--target-rounds", type=int, help="all's rounds that set the target")
+    ap.add_argument("--all-eval-every", type=int)
+    ap.add_argument("--adapter-depths", type=float, nargs="+", default=[1.0, 0.5, 0.25],
+                    help="the planner row's budgets.adapter_depths")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 8, 4, 2],
+                    help="the planner row's lora.ranks")
+    ap.add_argument("--below", type=float, nargs="+", default=[1.0, 3.0, 5.0],
+                    help="also report the time to all's target less these points (a loss: plus)")
+    ap.add_argument("--smooth", type=int, default=3, help="the dev metric is the running mean of "
+                    "this many measurements (the target, the time to it, the value at the budget)")
+    ap.add_argument("--max-rounds", type=int, default=600, help="a piece stops here at the latest")
+    ap.add_argument("--gflops", type=float, help="median training GFLOP/s")
     ap.add_argument("--speed-sigma", type=float, default=0.9)
     ap.add_argument("--upload", type=float, default=1.0, help="median MB/s up")
     ap.add_argument("--download", type=float, default=5.0, help="median MB/s down")
     ap.add_argument("--availability", type=float, default=0.7)
     ap.add_argument("--deadline-quantile", type=float, default=0.7)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--report", type=Path, help="write the table (markdown) here too, and the "
-                    "accuracy-against-simulated-time plot beside it (.png)")
+    ap.add_argument("--report", type=Path, help="write the table (markdown) here, and the "
+                    "time-to-accuracy plot beside it (.png), from the pieces that have run "
+                    "(none is started: run them under the heavy-run lock first)")
     args = ap.parse_args(argv)
+    for k, v in DEFAULTS[args.workload].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     for seed in args.seeds:
-        for p in args.policies:
-            run_piece(args, seed, p)
-            print(f"seed {seed} {p}: done", flush=True)
+        for row in sorted(args.rows, key=ROWS.index):  # all first: the others read its piece
+            if row != "all" and not piece_path(args, seed, "all").is_file():
+                print(f"{args.workload} seed {seed} {row}: skipped (run all first: --rows all)")
+                continue
+            if not piece_path(args, seed, row).is_file():
+                if args.report:  # a report reads what has run; it never starts a piece
+                    print(f"{args.workload} seed {seed} {row}: not run yet (left out)")
+                    continue
+                print(f"{args.workload} seed {seed} {row}: running", flush=True)
+                run_piece(args, seed, row)
+            print(f"{args.workload} seed {seed} {row}: done", flush=True)
     table = summarize(args)
     print(table)
     if args.report:

@@ -90,3 +90,22 @@ def test_time_limits_need_a_device_with_a_known_rate(tiny_cfg_dict):
     d = _cfg(tiny_cfg_dict, [{"share": 1.0, "seconds_per_round": 5.0, "speed": 0.5}])
     with pytest.raises(ConfigError, match=r"budgets\.tiers\[0\].*speed.*devices\.host_gflops_per_s"):
         setup(validate_config(d))
+
+
+def test_on_rows_of_one_length_every_client_round_takes_its_predicted_seconds(tiny_cfg_dict, one_length_data_dir):
+    """What tells the clock and the planner's costs from the data: where every batch has the
+    profile batch's tokens, each client-round's simulated seconds are its plan's predicted
+    seconds (the spread bench/time_to_accuracy.py measures on SST-2 is its batches' lengths)."""
+    tiny_cfg_dict["data"]["path"] = str(one_length_data_dir)
+    tiers = [{"share": 0.5, "memory_mb": 1e4, **FAST}, {"share": 0.5, "memory_mb": 1e4, **SLOW}]
+    method, _ = setup(validate_config(_cfg(tiny_cfg_dict, tiers)))
+    seconds = sorted(p.seconds for p in method.plans.values())
+    d = _cfg(tiny_cfg_dict, tiers, round_policy="deadline",
+             round_deadline_s=(seconds[0] + seconds[-1]) / 2)
+    cfg = validate_config(d)
+    method, data = setup(cfg)
+    _, records, _ = simulation_for(cfg, method, data).run()
+    ms = [m for r in records for m in r["client_metrics"]]
+    assert len(ms) == 2 * 4 and any(method.plans[m["client"]].knobs.batch for m in ms)
+    for m in ms:
+        assert m["sim_s"] == pytest.approx(m["sim_s_predicted"], rel=5e-3), m

@@ -1,0 +1,112 @@
+"""bench/time_to_accuracy.py (issue 59 part 4) on the tiny model: every row runs to its
+simulated-time budget (2 t*, t* = when ``all`` first reached its round-N dev metric), the dev
+metric is measured on the model available at each time point, the planner's clients reply
+within the deadline, a finished piece is reused, and the table and plot are written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "time_to_accuracy.py"
+
+
+@pytest.fixture
+def bench(monkeypatch, tiny_model_dir, tiny_data_dir):
+    spec = importlib.util.spec_from_file_location("time_to_accuracy", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setitem(mod.WORKLOADS, "tiny", (
+        {"data": {"path": str(tiny_data_dir), "partition": "iid"}, "model": {"name": str(tiny_model_dir)}},
+        "accuracy", True))
+    monkeypatch.setitem(mod.DEFAULTS, "tiny", dict(
+        clients=6, per_round=2, local_steps=2, batch_size=4, max_length=16, lr=5e-3,
+        dev_examples=16, target_rounds=4, all_eval_every=2, gflops=0.02))
+    return mod
+
+
+def test_every_row_runs_to_the_budget_and_is_reused(bench, tmp_path, capsys):
+    out = tmp_path / "results"
+    argv = ["--workload", "tiny", "--seeds", "0", "--out", str(out), "--threads", "1"]
+    # a report reads the pieces that have run and starts none
+    assert bench.main(argv + ["--report", str(out / "none.md")]) == 0
+    assert not list(out.glob("*.json")) and "| all |" not in (out / "none.md").read_text()
+    assert bench.main(argv) == 0
+    assert bench.main(argv + ["--report", str(out / "tiny.md")]) == 0
+    pieces = {r: json.loads((out / f"tiny-seed0-{r}.json").read_text()) for r in bench.ROWS}
+    ref = pieces["all"]["ref"]
+    budget = 2 * ref["t_star"]
+    all_ = pieces["all"]
+    # the target is all's dev metric after target_rounds rounds; t* the first time it was reached
+    sm = bench.smoothed(all_["evals"], 3)  # the running mean of three measurements
+    i = next(i for i, e in enumerate(all_["evals"]) if e["round"] == 4)
+    window = [e["metric"] for e in all_["evals"][max(0, i - 2):i + 1]]
+    assert ref["target"] == sm[i] == pytest.approx(sum(window) / len(window), abs=1e-12)
+    assert ref["t_target"] == all_["evals"][i]["t"]
+    assert ref["t_star"] == next(e["t"] for e, v in zip(all_["evals"], sm) if v >= ref["target"])
+    for row, p in pieces.items():
+        assert p["complete"], row
+        times = [r["sim_time_s"] for r in p["records"]]
+        # it stopped at the first round that ended at or after the budget (all: not before
+        # the round that sets the target)
+        first = next(i for i, t in enumerate(times, 1) if t >= budget - 1e-9)
+        assert len(times) == (max(first, 4) if row == "all" else first), row
+        # the model measured at time t is the last one published by then
+        for e in p["evals"]:
+            published = [r["round"] for r in p["records"] if r["sim_time_s"] <= e["t"] + 1e-9]
+            assert e["round"] == published[-1], (row, e)
+        assert any(abs(e["t"] - budget) < 1e-9 for e in p["evals"]) or row == "all"
+    deadline = ref["deadline_s"]
+    assert pieces["deadline"]["config"]["federation"]["round_deadline_s"] == deadline
+    planned = [m for r in pieces["planner"]["records"] for m in r["client_metrics"]]
+    assert planned and all(m["sim_s_predicted"] <= deadline * (1 + 1e-9) for m in planned)
+    assert all(m["sim_s"] <= deadline * (1 + 1e-9) for m in planned)
+    assert all(r["wasted_flops"] == 0 for r in pieces["planner"]["records"])
+    assert all(r["staleness_mean"] is not None for r in pieces["async"]["records"])
+    table = (out / "tiny.md").read_text()
+    assert all(f"| {r} | 0 |" in table for r in bench.ROWS)
+    assert (out / "tiny.png").stat().st_size > 0
+    # a finished piece is read back, not run again
+    stamp = {r: (out / f"tiny-seed0-{r}.json").stat().st_mtime_ns for r in bench.ROWS}
+    capsys.readouterr()
+    assert bench.main(argv) == 0
+    assert "running" not in capsys.readouterr().out
+    assert stamp == {r: (out / f"tiny-seed0-{r}.json").stat().st_mtime_ns for r in bench.ROWS}
+
+
+def test_clock_overhead_times_both_arms(tiny_model_dir, tiny_data_dir, capsys):
+    spec = importlib.util.spec_from_file_location("clock_overhead", BENCH.with_name("clock_overhead.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ratios = mod.main(["--reps", "2", "--threads", "1", "--clients", "4", "--per-round", "2",
+                       "--rounds", "2", "--dev-examples", "8", "--max-length", "16",
+                       "--data", str(tiny_data_dir), "--model", str(tiny_model_dir)])
+    out = capsys.readouterr().out
+    assert set(ratios) == {"total", "rounds"} and all(r > 0 for r in ratios.values())
+    assert out.count("with devices:") == 2 and out.count("without devices:") == 2
+    assert "uptime before:" in out and "uptime after:" in out and "ratio" in out
+
+
+def test_a_loss_workload_targets_the_lowest(bench, tmp_path, tiny_lm_dirs, tiny_d2t_dir, monkeypatch):
+    """A generative workload's metric is the dev loss: the target is all's round-N loss, t* the
+    first time the loss was at most that."""
+    monkeypatch.setitem(bench.WORKLOADS, "tinygen", (
+        {"data": {"path": str(tiny_d2t_dir)}, "model": {"name": str(tiny_lm_dirs["llama"])},
+         "task": {"kind": "generation", "prompt": "Describe the restaurant: {mr}\n",
+                  "target": "{ref}", "max_target_length": 16, "max_new_tokens": 4}}, "loss", False))
+    monkeypatch.setitem(bench.DEFAULTS, "tinygen", dict(
+        clients=3, per_round=2, local_steps=1, batch_size=4, max_length=32, lr=5e-3,
+        dev_examples=8, target_rounds=3, all_eval_every=1, gflops=0.02))
+    out = tmp_path / "gen"
+    assert bench.main(["--workload", "tinygen", "--seeds", "0", "--out", str(out), "--threads", "1",
+                       "--rows", "all", "async"]) == 0
+    all_ = json.loads((out / "tinygen-seed0-all.json").read_text())
+    ref = all_["ref"]
+    sm = bench.smoothed(all_["evals"], 3)
+    assert ref["target"] == next(v for e, v in zip(all_["evals"], sm) if e["round"] == 3)
+    assert ref["t_star"] == next(e["t"] for e, v in zip(all_["evals"], sm) if v <= ref["target"])
+    assert all(e["metric"] > 0 for e in all_["evals"])  # a loss, not an accuracy
+    assert (out / "tinygen-seed0-async.json").is_file()
