@@ -748,3 +748,50 @@ def test_a_planned_run_holds_every_client_round_to_its_flops_budget(tiny_cfg_dic
                 free[k]["examples_trained"]
     if batched:
         assert all(m.get("batched_clients", 1) > 1 for m in held.values())
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_the_planner_measures_each_model_and_rows_once_and_plans_as_before(tiny_cfg_dict, one_length_data_dir,
+                                                                          monkeypatch, pack):
+    """The planner keeps each measured step by (the planned model, the measured rows): plans
+    that differ only in rows per step or micro-batches measure the same first rows of the
+    profile batch (scaled), once. Every client's plan and predicted costs are exactly those of
+    a planner that measures every plan afresh, with fewer steps measured; a step measured with
+    the FLOP counter saves what one without it saves (the reuse of its memory)."""
+    import fedslice.methods.planner as planner
+    from fedslice.api import setup
+    from fedslice.slicing.planner import measure_step
+
+    tiers = [{"share": 0.25, "name": f"t{i}", "flops_share": f} for i, f in enumerate([1.0, 0.7, 0.5, 0.3])]
+    d = _cfg(tiny_cfg_dict, {"tiers": tiers, "local_work": [1.0, 0.75, 0.5, 0.25], "micro_batches": [1, 2, 4],
+                             "checkpointing": True, "precisions": ["none", "int8"]},
+             data={"path": str(one_length_data_dir)}, federation={"pack": pack}, lora={"ranks": [2, 4]})
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(bool(args[3] if len(args) > 3 else kwargs.get("flops", True)))
+        return measure_step(*args, **kwargs)
+
+    def plans():
+        calls.clear()
+        method, _ = setup(validate_config(d))
+        return {c: p.to_dict() for c, p in method.plans.items()}, (len(calls), sum(calls))
+
+    monkeypatch.setattr(planner, "measure_step", counted)
+    kept, measured = plans()
+    monkeypatch.setattr(planner.BudgetPlanner, "_step_of", lambda self, knobs, model, packed, flops, head:
+                        lambda rows: planner.measure_step(model, rows, self.method.task.loss, flops, head))
+    fresh, every = plans()
+    assert kept == fresh
+    assert len({p["rank"] for p in kept.values()}) > 1 or len({p["batch"] for p in kept.values()}) > 1
+    assert measured[0] < every[0] and measured[1] < every[1], (measured, every)  # (steps, with FLOPs)
+
+    method, _ = setup(validate_config(d))
+    batch = method.task.profile_batch(method.model.config, 2, 16, 0)
+    with_flops = measure_step(method.model, batch, method.task.loss, True)
+    without = measure_step(method.model, batch, method.task.loss, False)
+    assert with_flops.saved_mb == without.saved_mb and with_flops.static_bytes == without.static_bytes
+    assert with_flops.flops > 0 == without.flops
+    with method.planned_model(planner.Knobs(precision="int8")) as planned:  # the FLOPs lent across precisions
+        int8 = measure_step(planned.model, batch, method.task.loss, True)
+    assert int8.flops == with_flops.flops and int8.static_bytes < with_flops.static_bytes

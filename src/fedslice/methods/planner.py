@@ -43,7 +43,8 @@ from fedslice.fl.client import extrapolates_by_parts, gradient_checkpointing
 from fedslice.fl.wire import wire_bytes
 from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import batch_head_positions
-from fedslice.slicing.planner import measure_training_step, training_state_bytes
+from fedslice.slicing.planner import (StepMeasure, batch_key, measure_step, measure_training_step,
+                                      training_state_bytes)
 from fedslice.slicing.spec import Spec, spec_sizes
 from fedslice.methods.budgets import ClientBudget, UNITS, client_budgets, client_time_budgets
 log = logging.getLogger(__name__)
@@ -233,6 +234,11 @@ class BudgetPlanner:
                            rank=method.cfg.lora.r if "ranks" in axes else None)
         self._costs: dict[Knobs, KnobCost] = {}
         self._packed: dict[int, tuple[dict, float]] = {}
+        #: measured steps by (the planned model, packed, the measured rows), then by the head
+        #: modules whose FLOPs were counted apart (None: no FLOPs counted): plans that differ
+        #: only in their rows per step or micro-batches often measure the same rows (the first
+        #: two of the profile batch, scaled), measured once
+        self._steps: dict[tuple, dict] = {}
 
     def overheads(self, knobs: Knobs | None = None) -> list[tuple[bool, int]]:
         """(checkpointing, micro-batches), least overhead first: the splits of ``knobs``' batch."""
@@ -277,9 +283,16 @@ class BudgetPlanner:
             split = self.method.adapter.in_modules and extrapolates_by_parts(
                 part, self.method.adapter.virtual_tokens)
             counted: dict[str, float] = {}
+            head = head_segments(planned.model) if split else ()
+            # a padded part of fewer rows than the measurement's two: the profile batch's first
+            # two, scaled down (as two rows are scaled up to a whole batch): one step serves
+            # every split and every share of local work of a planned model
+            rows = len(part["input_ids"] if "input_ids" in part else part["pixel_values"])
+            whole = self.batch if packed is None and rows < 2 <= self.rows else part
             flops, memory, _, _ = measure_training_step(
-                planned.model, part, loss_fn=self.method.task.loss, flops=known is None,
-                head=head_segments(planned.model) if split else (), parts=counted)
+                planned.model, whole, loss_fn=self.method.task.loss, flops=known is None,
+                head=head, parts=counted, rows=rows,
+                measured=self._step_of(knobs, planned.model, packed is not None, known is None, head))
             steps = 1 if packed is not None else knobs.micro_batches
             shares = {} if known is not None or not split else dict(
                 step_attention=counted["attention"] * steps, step_head=counted["head"] * steps,
@@ -287,7 +300,8 @@ class BudgetPlanner:
             if packed is not None and len(packed) > 2:  # the packed layout every batch fits in
                 part = packed[2]
                 memory = measure_training_step(planned.model, part, loss_fn=self.method.task.loss,
-                                               flops=False)[1]
+                                               flops=False, measured=self._step_of(
+                                                   knobs, planned.model, True, False, ()))[1]
             saved = memory * _MIB - training_state_bytes(planned.model)
             reference = ActivationReference(saved, *activation_units(part))
             if known is not None:
@@ -299,6 +313,35 @@ class BudgetPlanner:
                 imp = self._forward_flops(planned.importance_model) / self.rows
         return KnobCost(memory, flops * (1 if packed is not None else knobs.micro_batches), upload, imp,
                         download, reference, **shares)
+
+    def _step_of(self, knobs: Knobs, model: nn.Module, packed: bool, flops: bool,
+                 head) -> Callable[[Mapping[str, torch.Tensor]], StepMeasure]:
+        """Measures a step of ``knobs``' planned ``model`` on the rows it is given, once per
+        (model, rows): the model is what every knob but the rows per step and the micro-batches
+        makes it. A step whose FLOPs are not asked reuses one measured with them (the counter
+        does not change what is saved for backward), and a step whose FLOPs were counted over
+        another precision of the base lends them (a quantized base changes bytes, not
+        operations): its own step is measured without the counter, which costs most of a
+        measured step (tests/test_budgets.py checks both)."""
+        model_knobs = replace(knobs, batch=None, micro_batches=1, steps=None)
+        ops = replace(model_knobs, precision=None)
+
+        def measured(rows: Mapping[str, torch.Tensor]) -> StepMeasure:
+            key = batch_key(rows)
+            done = self._steps.setdefault((model_knobs, packed, key), {})
+            got = done.get(tuple(head)) if flops else next(iter(done.values()), None)
+            if got is not None:
+                return got
+            lent = None if not flops else next(
+                (d[tuple(head)] for (k, p, b), d in self._steps.items()
+                 if p == packed and b == key and tuple(head) in d and replace(k, precision=None) == ops), None)
+            got = measure_step(model, rows, self.method.task.loss, flops and lent is None,
+                               head if lent is None else ())
+            if lent is not None:
+                got = replace(got, flops=lent.flops, attention=lent.attention, head=lent.head)
+            done[tuple(head) if flops else None] = got
+            return got
+        return measured
 
     def _forward_flops(self, model: nn.Module) -> float:
         """FLOPs of a forward pass over the profile batch (two rows, scaled: linear in rows)."""

@@ -125,34 +125,39 @@ def training_state_bytes(model: nn.Module) -> int:
         p.numel() * p.element_size() for p in params if p.requires_grad)
 
 
-def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
-                          measure_rows: int | None = 2,
-                          loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
-                          flops: bool = True, head: Sequence[str] = (),
-                          parts: dict[str, float] | None = None) -> tuple[float, float, int, int]:
-    """(FLOPs, memory MiB, params, trainable params) of one training step of ``model`` on ``batch``.
+@dataclass(frozen=True)
+class StepMeasure:
+    """One training step measured on a batch as given (not scaled): what
+    :func:`measure_training_step` scales to a whole batch, and what a caller that measures the
+    same model on the same rows again may keep (:func:`batch_key`)."""
 
-    Memory = every parameter + gradient and two AdamW moments per trainable parameter + the peak
-    of tensors saved for backward (deterministic, unlike RSS). The step is run on the first
-    ``measure_rows`` rows of the batch and its FLOPs and saved-activation bytes are scaled to the
-    whole batch: every matmul and every saved activation of an encoder is linear in the batch
-    dimension, and the measurement is then ~16x cheaper (``None``: run the whole batch). The
-    RNG state and train/eval mode are restored and the gradients left as None. ``loss_fn``
-    (a task's loss: e.g. logits at target positions only) replaces ``model(**batch).loss``.
-    ``flops=False``: memory only (no FLOP counter, which slows every op down); FLOPs are 0.
-    ``parts``: filled with the FLOPs' ``attention`` and ``head`` shares (``head``: the head
-    modules' name parts, :func:`fedslice.measure.flops.head_segments`), scaled as the total.
-    """
-    rows = len(batch["input_ids"] if "input_ids" in batch else batch["pixel_values"])
-    if measure_rows is not None and measure_rows < rows:
-        scale = rows / measure_rows
-        batch = first_rows(batch, measure_rows)
-    else:
-        scale = 1.0
+    flops: float  # FLOPs of the step (0 where not counted)
+    saved_mb: float  # peak MiB of tensors saved for backward
+    attention: float  # of ``flops``, attention's
+    head: float  # of ``flops``, the head modules'
+    static_bytes: int  # :func:`training_state_bytes`
+    params: int
+    trainable: int
+
+
+def batch_key(batch: Mapping[str, torch.Tensor]) -> tuple:
+    """What a step's measured costs depend on in ``batch``: each tensor's name, shape, dtype
+    and values (a digest), so that equal keys are the same step."""
+    import hashlib
+
+    return tuple((k, tuple(v.shape), str(v.dtype),
+                  hashlib.blake2b(v.detach().cpu().contiguous().numpy().tobytes(), digest_size=16).hexdigest())
+                 for k, v in sorted(batch.items()))
+
+
+def measure_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
+                 loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
+                 flops: bool = True, head: Sequence[str] = ()) -> StepMeasure:
+    """One training step of ``model`` on ``batch`` as given, measured (:class:`StepMeasure`);
+    :func:`measure_training_step` documents what is counted."""
     params = {id(p): p for p in model.parameters()}.values()
     n_params = sum(p.numel() for p in params)
-    trainable = [p for p in params if p.requires_grad]
-    n_train = sum(p.numel() for p in trainable)
+    n_train = sum(p.numel() for p in params if p.requires_grad)
     static = training_state_bytes(model)
     was_training = model.training
     model.train()
@@ -165,10 +170,49 @@ def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-    memory = static / _MIB + scale * mem.saved_activation_mb
+    return StepMeasure(float(fc.total), mem.saved_activation_mb, float(fc.attention), float(fc.head),
+                       static, n_params, n_train)
+
+
+def measure_training_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
+                          measure_rows: int | None = 2,
+                          loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
+                          flops: bool = True, head: Sequence[str] = (),
+                          parts: dict[str, float] | None = None,
+                          measured: Callable[[Mapping[str, torch.Tensor]], StepMeasure] | None = None,
+                          rows: int | None = None) -> tuple[float, float, int, int]:
+    """(FLOPs, memory MiB, params, trainable params) of one training step of ``model`` on ``batch``.
+
+    Memory = every parameter + gradient and two AdamW moments per trainable parameter + the peak
+    of tensors saved for backward (deterministic, unlike RSS). The step is run on the first
+    ``measure_rows`` rows of the batch and its FLOPs and saved-activation bytes are scaled to the
+    whole batch: every matmul and every saved activation of an encoder is linear in the batch
+    dimension, and the measurement is then ~16x cheaper (``None``: run the whole batch). The
+    RNG state and train/eval mode are restored and the gradients left as None. ``loss_fn``
+    (a task's loss: e.g. logits at target positions only) replaces ``model(**batch).loss``.
+    ``flops=False``: memory only (no FLOP counter, which slows every op down); FLOPs are 0.
+    ``parts``: filled with the FLOPs' ``attention`` and ``head`` shares (``head``: the head
+    modules' name parts, :func:`fedslice.measure.flops.head_segments`), scaled as the total.
+    ``measured(rows)``: the step on the measured rows (default :func:`measure_step`; a caller
+    that measures the same model often passes one that keeps its answers, :func:`batch_key`).
+    ``rows``: the rows to scale to where fewer than the batch's (a step of one row predicted
+    from the first two, as two rows predict four).
+    """
+    held = len(batch["input_ids"] if "input_ids" in batch else batch["pixel_values"])
+    rows = held if rows is None else rows
+    if measure_rows is not None and measure_rows < held:
+        scale = rows / measure_rows
+        batch = first_rows(batch, measure_rows)
+    else:
+        scale = rows / held
+    if measured is None:
+        m = measure_step(model, batch, loss_fn, flops, head)
+    else:
+        m = measured(batch)
+    memory = m.static_bytes / _MIB + scale * m.saved_mb
     if parts is not None:
-        parts.update(attention=scale * float(fc.attention), head=scale * float(fc.head))
-    return scale * float(fc.total), memory, n_params, n_train
+        parts.update(attention=scale * m.attention, head=scale * m.head)
+    return scale * m.flops, memory, m.params, m.trainable
 
 
 class WidthsByFlops:
