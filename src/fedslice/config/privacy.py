@@ -25,9 +25,9 @@ class PrivacyConfig(Section):
                                      "update (its change, times its weight over the round's "
                                      "largest possible weight) is clipped to [-c, c] (clipped "
                                      "coordinates are counted, the count summed under the mask) "
-                                     "and quantized to L = (2^32 - 1) // n levels for a round of "
-                                     "n clients (at most 2^31 - 1; 2^22 for 1024): error at most "
-                                     "2c / L per client and coordinate.")
+                                     "and quantized to L levels, the largest power of two with "
+                                     "n L < 2^32 for a round of n clients (2^29 for 4, 2^21 for "
+                                     "1024): error at most 2c / L per client and coordinate.")
 
     def threshold(self, clients_per_round: int) -> int:
         """t for a round of ``clients_per_round`` clients."""

@@ -58,21 +58,26 @@ Vector = list[np.ndarray]
 TARGET_RANGE = 2**22
 MOD_RANGE = 2**32
 MAX_CLIENTS = MOD_RANGE // TARGET_RANGE
-#: Flower's quantizer rounds to int32
-INT32_MAX = 2**31 - 1
+#: the most levels a round uses (Flower's quantizer rounds to int32)
+MAX_TARGET_RANGE = 2**30
 
 
 def target_range(n: int, mod_range: int = MOD_RANGE) -> int:
-    """The quantization levels of a round of ``n`` clients: the most whose sum over ``n``
-    vectors stays below ``mod_range`` (no wrap), within int32. A fixed 2^22 (Flower's default,
-    made for 1024 clients) would waste the field on small rounds: a weight far below its bound
-    W (heads' importance of an unimportant head, 1e-4 W) then keeps only a few significant
-    levels, and the mean ``sum w delta / sum w`` there carries a relative error of
-    n 2^-21 W / sum w (issue 60, bench/secagg_divergence.py). 4 clients: 2^30 - 1 levels;
-    1024: 2^22 - 1."""
+    """The quantization levels of a round of ``n`` clients: the largest power of two ``L`` (at
+    most 2^30) whose sum over ``n`` vectors cannot wrap, ``n L < mod_range``. A power of two
+    (even) so that 0 lands exactly on a level (``c`` times ``L / 2c``): an element nobody of
+    the round weighs decodes to exactly 0, never to one step of noise that the division by the
+    summed weight would blow up. A fixed 2^22 (Flower's default, made for 1024 clients) would
+    waste the field on small rounds: a weight far below its bound W (heads' importance of an
+    unimportant head, 1e-4 W) then keeps only a few significant levels, and the mean
+    ``sum w delta / sum w`` there carries a relative error of n 2^-21 W / sum w (issue 60,
+    bench/secagg_divergence.py). 4 clients: 2^29 levels; 1024: 2^21."""
     if n < 1:
         raise ValueError(f"a round of {n} clients")
-    return min(INT32_MAX, (mod_range - 1) // n)
+    levels = MAX_TARGET_RANGE
+    while levels > 1 and n * levels >= mod_range:
+        levels >>= 1
+    return levels
 
 
 class ProtocolError(ValueError):
