@@ -284,7 +284,8 @@ def test_a_sub_model_is_skipped_only_when_no_overhead_brings_it_within_budget(ti
     (checkpointing + the most micro-batches) misses on FLOPs, but micro-batches alone meet, is
     planned with micro-batches and no checkpointing, not refused."""
     from fedslice.methods.budgets import ClientBudget
-    from fedslice.methods.planner import BudgetPlanner, Knobs
+    from fedslice.methods.planner import BudgetPlanner
+    from fedslice.methods.plan_records import Knobs
     from fedslice.run.setup import load_inputs
 
     cfg = validate_config(_cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, "memory_mb": 1000}]},

@@ -14,7 +14,7 @@ from fedslice.api import setup
 from fedslice.run.engine import Simulation
 from fedslice.fl.strategy import Reply
 from fedslice.methods.budgets import ClientBudget, client_budgets
-from fedslice.methods.planner import ClientPlan, Knobs
+from fedslice.methods.plan_records import ClientPlan, Knobs
 from fedslice.methods.raffm import RaFFMStrategy
 from fedslice.models.arch import ARCHITECTURES
 from fedslice.slicing.aggregate import fedavg

@@ -330,8 +330,8 @@ class Method:
     @contextmanager
     def planned_model(self, knobs) -> Iterator[Any]:
         """The model a client with ``knobs`` trains and the tensors it sends back
-        (:class:`fedslice.methods.planner.PlannedModel`), for measuring; put back after."""
-        from fedslice.methods.planner import PlannedModel
+        (:class:`fedslice.methods.plan_records.PlannedModel`), for measuring; put back after."""
+        from fedslice.methods.plan_records import PlannedModel
 
         model = self.base_at(knobs.precision)
         with (self.adapter.at_rank(model, knobs.rank) if knobs.rank is not None else nullcontext()), \

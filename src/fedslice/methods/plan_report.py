@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedslice.methods.planner import ClientPlan
+from fedslice.methods.plan_records import ClientPlan
 
 _MB = 1e6
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from fedslice.fl.orders import order_fields
 from fedslice.fl.strategy import Payload, State, Strategy
-from fedslice.methods.planner import ClientPlan
+from fedslice.methods.plan_records import ClientPlan
 
 
 class PlannedStrategy(Strategy):

@@ -28,8 +28,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -45,150 +44,13 @@ from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import batch_head_positions
 from fedslice.slicing.planner import (StepMeasure, batch_key, measure_step, measure_training_step,
                                       training_state_bytes)
-from fedslice.slicing.spec import Spec, spec_sizes
+from fedslice.slicing.spec import Spec
 from fedslice.methods.budgets import ClientBudget, UNITS, client_budgets, client_time_budgets
+from fedslice.methods.plan_records import ClientPlan, KnobCost, Knobs, examples_per_round
 log = logging.getLogger(__name__)
 
 _MB = 1e6
 _MIB = float(1 << 20)
-
-
-@dataclass(frozen=True)
-class Knobs:
-    """One plan: what a client trains (None: the stage is absent or at the run's setting)."""
-
-    spec: Spec | None = None  # the sub-model (None: the whole model)
-    sparsity: float | None = None  # the head stage's sparsity
-    rank: int | None = None  # the LoRA rank
-    checkpointing: bool = False
-    micro_batches: int = 1
-    width: float = 1.0  # the sub-model's share of the full model's linear parameters
-    importance: str | None = None  # where the head stage's scores come from ("pass", "first_step")
-    precision: str | None = None  # the base's ("none": the run's fp32; "int8", "nf4": a quantized copy)
-    steps: int | None = None  # local steps per round (None: federation.local_steps, every one)
-    batch: int | None = None  # examples per local step (None: federation.batch_size)
-    depth: float | None = None  # share of the top blocks whose adapters train (None: every block)
-
-    def payload_config(self) -> dict[str, Any]:
-        """What the client reads from its payload's config (the sub-model and rank travel as the
-        stages below put them: ``spec``, ``lora_rank``)."""
-        out: dict[str, Any] = {"micro_batches": self.micro_batches, "checkpointing": self.checkpointing}
-        if self.sparsity is not None:
-            out["sparsity"] = self.sparsity
-        if self.importance is not None:
-            out["importance_source"] = self.importance
-        if self.precision not in (None, "none"):
-            out["base_precision"] = self.precision
-        if self.steps is not None:
-            out["local_steps"] = self.steps
-        if self.batch is not None:
-            out["batch_size"] = self.batch
-        return out  # the adapter depth travels as the tensors it freezes (ClientPlan.frozen)
-
-    def describe(self, overhead: bool = True) -> str:
-        parts = []
-        if self.spec is not None:
-            parts.append(f"width {self.width:.2f}")
-        if self.steps is not None:
-            parts.append(f"{self.steps} local step{'s' if self.steps > 1 else ''}")
-        if self.batch is not None:
-            parts.append(f"{self.batch} example{'s' if self.batch > 1 else ''} per step")
-        if self.depth is not None and self.depth < 1:
-            parts.append(f"adapters in the top {self.depth:.0%} of blocks")
-        if self.sparsity is not None:
-            parts.append(f"sparsity {self.sparsity:g}")
-        if self.rank is not None:
-            parts.append(f"rank {self.rank}")
-        if self.importance == "first_step":
-            parts.append("importance from the first step")
-        elif self.importance == "pass":
-            parts.append("the importance pass")
-        if self.precision not in (None, "none"):
-            parts.append(f"{self.precision} base")
-        if overhead:
-            parts.append("checkpointing" if self.checkpointing else "no checkpointing")
-            parts.append(f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}")
-        return ", ".join(parts) or "the whole model"
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k != "spec"}
-        if self.spec is not None:
-            d.update(spec_sizes(self.spec))
-        return d
-
-
-@dataclass(frozen=True)
-class PlannedModel:
-    """What a client with some knobs trains (from :meth:`Method.planned_model`): the model, the
-    tensors it sends back, and the model its importance pass runs on (the head stage; None)."""
-
-    model: nn.Module
-    upload: Mapping[str, torch.Tensor]
-    importance_model: nn.Module | None = None
-
-
-@dataclass(frozen=True)
-class KnobCost:
-    """Measured costs of one plan on the profile batch."""
-
-    memory_mb: float  # peak training memory of a step (its micro-batch's activations)
-    step_flops: float  # FLOPs of one step over a whole batch (every micro-batch)
-    upload_bytes: int
-    importance_flops_per_example: float = 0.0
-    download_bytes: int = 0  # the tensors the client receives to train (as held)
-    #: the measured step's saved tensors and batch shape, which a client holding its memory
-    #: budget predicts its own steps from until it has measured one (fl.memory_hold.memory_split)
-    reference: ActivationReference | None = None
-    #: of ``step_flops``, attention's and the head's (None: not split; extrapolated per
-    #: position), the attention pairs of the batch counted, and whether the head runs once per
-    #: example (classification) or per target token
-    step_attention: float | None = None
-    step_head: float = 0.0
-    pairs: float = 0.0
-    heads: float = 0.0
-
-
-@dataclass
-class ClientPlan:
-    """A client's plan, its predicted costs and why it was chosen."""
-
-    client: int
-    tier: int | None
-    budget: ClientBudget
-    knobs: Knobs
-    memory_mb: float
-    gflops_per_round: float
-    upload_mb: float
-    reason: str = ""
-    #: the trainable tensors the plan leaves frozen (below its adapter depth), by name
-    frozen: tuple[str, ...] = ()
-    #: FLOPs the client's round may take, enforced as it trains (``budgets.enforce_flops``;
-    #: None: not enforced): :func:`fedslice.fl.client.train_local`
-    flops_budget: float | None = None
-    #: MiB the client's steps may hold, held as it trains (``budgets.enforce_memory``; None:
-    #: not held), and the planner's measured step it predicts its first from
-    memory_budget: float | None = None
-    memory_reference: ActivationReference | None = None
-    #: the plan's predicted FLOPs per round over a dense client's (the whole model at the run's
-    #: settings, the same examples)
-    flops_share: float | None = None
-    #: why the client trains nothing (``budgets.on_infeasible = "sit_out"``: no plan fits)
-    sits_out: str | None = None
-    #: a client-round's simulated seconds on the client's device (None: no device)
-    seconds: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"client": self.client, "tier": self.tier, "budget_name": self.budget.name,
-                "budget": self.budget.limits(), **self.knobs.to_dict(),
-                "predicted": {"memory_mb": self.memory_mb, "gflops_per_round": self.gflops_per_round,
-                              "upload_mb": self.upload_mb}, "reason": self.reason,
-                "flops_budget": self.flops_budget, "memory_budget": self.memory_budget,
-                "flops_share": self.flops_share, "sits_out": self.sits_out, "seconds": self.seconds}
-
-
-def examples_per_round(fed, n: int) -> int:
-    """Examples a client of ``n`` examples trains on per round (local steps x batch, or epochs x n)."""
-    return fed.local_steps * fed.batch_size if fed.local_steps else fed.local_epochs * n
 
 
 class BudgetPlanner:

@@ -31,7 +31,7 @@ from fedslice.methods.heads.capture import CapturingLoss, fit_first_step, fit_tr
 from fedslice.methods.heads.options import HeadsMethod, kept_count, max_sparsity
 from fedslice.methods.heads.report import head_views, paper_ops, plot_head_importance
 from fedslice.methods.heads.strategy import ALPHA, HeadsStrategy, KEPT
-from fedslice.methods.planner import PlannedModel
+from fedslice.methods.plan_records import PlannedModel
 from fedslice.models.loading import LoadedModel
 from fedslice.slicing.heads import (ensure_eager_attention, head_axes, head_importance, keep_mask,
                                     mask_rows, mask_spec, num_rows, restrict, sub_dims, to_full)

@@ -33,7 +33,7 @@ from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.slicing.keys import sliceable_keys
 from fedslice.slicing.permute import Permutation, in_original_order, unpermute_state
-from fedslice.methods.planner import PlannedModel
+from fedslice.methods.plan_records import PlannedModel
 from fedslice.slicing.planner import WidthsByFlops, measure_training_step, spec_params, width_candidates
 from fedslice.slicing.masks import masked_inputs
 from fedslice.slicing.depth import frozen

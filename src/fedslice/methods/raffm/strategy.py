@@ -12,7 +12,7 @@ from fedslice.config import FederationConfig
 from fedslice.fl.orders import Orders, order_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.methods.plan_strategy import plan_config
-from fedslice.methods.planner import ClientPlan
+from fedslice.methods.plan_records import ClientPlan
 from fedslice.methods.raffm.options import RaFFMMethod
 from fedslice.models.arch import ArchSpec
 from fedslice.slicing.keys import sliceable_keys
