@@ -43,7 +43,9 @@ from fedslice.fl.memory_hold import MemoryBudgetExceeded
 from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.rules.lora import check_lora_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
-from fedslice.methods import client_costs
+from fedslice.methods.client_costs import analytic_train_flops as cost_flops
+from fedslice.methods.client_costs import client_cost_metrics
+from fedslice.methods.client_costs import frozen_bottom as cost_frozen_bottom
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import Adapter, make_adapter
@@ -496,17 +498,17 @@ class Method:
     def analytic_train_flops(self, model: nn.Module, result: LocalResult, **kw) -> dict[str, float]:
         """:func:`fedslice.methods.client_costs.analytic_train_flops` on this method's model
         family (a stage adds its corrections to what this returns)."""
-        return client_costs.analytic_train_flops(self, model, result, **kw)
+        return cost_flops(self, model, result, **kw)
 
     def frozen_bottom(self, model: nn.Module) -> tuple[int, int]:
         """:func:`fedslice.methods.client_costs.frozen_bottom`."""
-        return client_costs.frozen_bottom(self, model)
+        return cost_frozen_bottom(self, model)
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
         """A reply's metrics: its loss, steps and costs
         (:func:`fedslice.methods.client_costs.client_cost_metrics`); a stage adds its own."""
-        return client_costs.client_cost_metrics(self, model, params, payload, arrays, result)
+        return client_cost_metrics(self, model, params, payload, arrays, result)
 
 
     # -- server evaluation -------------------------------------------------------------------
