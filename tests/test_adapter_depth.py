@@ -182,4 +182,4 @@ def test_flower_serverapp_matches_in_process_with_adapter_depths(tiny_cfg_dict, 
     assert any(set(m.plans[c["client"]].frozen) for r in records for c in r["client_metrics"])
     path = _write_config(d, tmp_path / "exp.json")
     run_dir = server_run(InProcessGrid(_nodes(4)), _settings(path, tmp_path / "fl"))
-    _assert_same_state(_weights(run_dir), m.export_state(state))
+    _assert_same_state(_weights(run_dir), m.exported(state))

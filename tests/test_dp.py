@@ -52,7 +52,7 @@ def test_dp_on_flower_averages_every_method_the_config_accepts(tiny_cfg_dict, mo
     cfg_dict = _dp_config(tiny_cfg_dict, method, model4, tmp_path)
     state, records, _ = _in_process(cfg_dict)
     initial = setup(validate_config(cfg_dict))[0]
-    initial = initial.export_state(initial.initial_state())
+    initial = initial.exported(initial.initial_state())
     path = _write_config(cfg_dict, tmp_path / "exp.json")
     run_dir = server_run(InProcessGrid(_nodes(3)), _settings(path, tmp_path / "fl"))
     _, metrics, _ = read_run(run_dir)

@@ -140,15 +140,15 @@ def test_client_role_receives_the_emulator_instead_of_distilling(ot_cfg):
         torch.testing.assert_close(reply.arrays[k], ref.arrays[k], rtol=0, atol=0)
     emu_bytes = sum(t.numel() * 4 for k, t in first.arrays.items() if k.startswith("emulator."))
     assert emu_bytes > 0 and reply.metrics["bytes_down"] >= emu_bytes
-    kept = client.client_state()
+    kept = client.kept_state("client")
     for k, p in server.emulator_params.items():
         assert torch.equal(kept[f"emulator.{k}"], p)
     again = server.strategy.configure_train(2, state, [0])[0]
     assert not any(k.startswith("emulator.") for k in again.arrays)
     fresh, _ = setup(cfg, role="client")
-    fresh.load_client_state({})
+    fresh.restore_state("client", {})
     with pytest.raises(RuntimeError, match="no distilled emulator"):
         fresh.fit(again, data.client(0), seed=3)
-    fresh.load_client_state(kept)  # what the SuperNode kept in Context.state
+    fresh.restore_state("client", kept)  # what the SuperNode kept in Context.state
     torch.testing.assert_close(fresh.fit(again, data.client(0), seed=3).arrays,
                                client.fit(again, data.client(0), seed=3).arrays, rtol=0, atol=0)

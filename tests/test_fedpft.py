@@ -290,7 +290,7 @@ def test_stale_clients_get_only_the_redistilled_neurons(pft_cfg):
 
 def test_worker_copy_is_checked_kept_and_restored(pft_cfg):
     """A deployment runs each message in a fresh ClientApp process: the proxy copy travels in the
-    node's state (client_state/load_client_state); an update that does not start from the
+    node's state (kept_state/restore_state); an update that does not start from the
     worker's copy is refused, and the server sends that client the whole proxy next time."""
     cfg = validate_config(pft_cfg)
     server, data = setup(cfg)
@@ -299,9 +299,9 @@ def test_worker_copy_is_checked_kept_and_restored(pft_cfg):
     worker, _ = setup(cfg)  # another process: its own method instance
     seed, part = 0, data.client(0)
     first = s.configure_train(1, state, [0])[0]
-    worker.load_client_state({})
+    worker.restore_state("client", {})
     worker.fit(first, part, seed)
-    kept = worker.client_state()
+    kept = worker.kept_state("client")
     assert int(kept["proxy_version"]) == 0 and set(kept) - {"proxy_version"} == set(server.proxy_params)
     # the server re-distils layer 1's neurons 1 and 3
     update = {l: torch.zeros(16, dtype=torch.bool) for l in server.compressed}
@@ -311,15 +311,15 @@ def test_worker_copy_is_checked_kept_and_restored(pft_cfg):
     delta = s.configure_train(2, new, [0])[0]
     assert delta.config["proxy_base"] == 0 and delta.config["proxy_version"] == 1
     fresh, _ = setup(cfg)  # a fresh process without the node's state: refused, clearly
-    fresh.load_client_state({})
+    fresh.restore_state("client", {})
     with pytest.raises(RuntimeError, match="starts from version 0, this worker holds version None"):
         fresh.fit(delta, part, seed)
-    fresh.load_client_state(kept)  # with the node's state: the copy equals the server's proxy
+    fresh.restore_state("client", kept)  # with the node's state: the copy equals the server's proxy
     fresh.fit(delta, part, seed)
     w_in = next(k for k in server.proxy_params if f"layer.{server.compressed[0]}.intermediate.dense.weight" in k)
-    got = fresh.client_state()[w_in]
+    got = fresh.kept_state("client")[w_in]
     assert torch.equal(got[[1, 3]], new[w_in][[1, 3]]) and torch.equal(got[[0, 2]], state[w_in][[0, 2]])
-    assert int(fresh.client_state()["proxy_version"]) == 1
+    assert int(fresh.kept_state("client")["proxy_version"]) == 1
     # a client that did not reply (e.g. refused) is sent the whole proxy next time
     s.configure_train(3, new, [0, 1])
     s.aggregate_train(3, new, {}, {})
@@ -542,9 +542,9 @@ def test_head_refit_changes_only_the_head_and_reduces_the_kl_to_the_proxy(pft_cf
     assert metrics["head_refit_examples"] == len(split) and metrics["head_refit_time_s"] > 0
     # the proxy keeps the head FL trained: its predictions are unchanged
     torch.testing.assert_close(_logits(method.proxy_model(new)), proxy_logits, rtol=0, atol=0)
-    saved = method.server_state()  # a resumed run keeps the proxy's head and the log
+    saved = method.kept_state("server")  # a resumed run keeps the proxy's head and the log
     other, _ = setup(validate_config(pft_cfg))
-    other.load_server_state(saved)
+    other.restore_state("server", saved)
     assert other.refit_log.losses == method.refit_log.losses
     assert all(torch.equal(other.proxy_head[k], state[k]) for k in _head_keys(state))
 

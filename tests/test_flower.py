@@ -172,7 +172,7 @@ def _in_process(cfg_dict: dict):
     cfg = validate_config(cfg_dict)
     method, data = setup(cfg)
     state, records, summary = Simulation(cfg, method, data).run()
-    return method.export_state(state), records, summary  # as saved in a run folder
+    return method.exported(state), records, summary  # as saved in a run folder
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -130,11 +130,11 @@ def test_client_builds_from_the_config_and_the_first_payload(tiny_cfg_dict, mode
 
     # a fresh ClientApp process of the same node: the kept state replaces the first payload
     fresh, _ = setup(validate_config(client_cfg), role="client")
-    fresh.load_client_state(client.client_state())
+    fresh.restore_state("client", client.kept_state("client"))
     torch.testing.assert_close(fresh.fit(second, data.client(0), seed=5).arrays,
                                client.fit(second, data.client(0), seed=5).arrays, rtol=0, atol=0)
     lost, _ = setup(validate_config(client_cfg), role="client")
-    lost.load_client_state({})
+    lost.restore_state("client", {})
     with pytest.raises(RuntimeError, match="not on this node|no distilled emulator|holds version None"):
         lost.fit(second, data.client(0), seed=5)
 
@@ -227,7 +227,7 @@ def test_node_keeps_the_received_model_on_its_disk(tiny_cfg_dict, model_dir, tmp
     client, _ = setup(cfg, role="client")
     first = server.strategy.configure_train(1, server.initial_state(), [0])[0]
     client.fit(first, data.client(0), seed=0)
-    state = client.client_state()
+    state = client.kept_state("client")
     ctx = Context(run_id=7, node_id=3, node_config={}, state=RecordDict(), run_config={})
     store_kept(ctx, state, received_model=True)
     path = Path(str(ctx.state.config_records[KEPT_MODEL]["path"]))
@@ -247,7 +247,7 @@ def test_node_keeps_the_received_model_on_its_disk(tiny_cfg_dict, model_dir, tmp
     lost = load_kept(ctx)
     assert "proxy_version" in lost and not any(k.startswith("base.") for k in lost)
     fresh, _ = setup(cfg, role="client")
-    fresh.load_client_state(lost)
+    fresh.restore_state("client", lost)
     second = server.strategy.configure_train(2, server.initial_state(), [0])[0]
     with pytest.raises(RuntimeError, match="not on this node"):
         fresh.fit(second, data.client(0), seed=0)

@@ -58,7 +58,7 @@ def _in_process(d):
     cfg = validate_config(d)
     method, data = setup(cfg)
     state, records, _ = Simulation(cfg, method, data).run()
-    return method.export_state(state), records
+    return method.exported(state), records
 
 
 NARROW = [{"share": 0.5, "flops": 0.4}, {"share": 0.5, "flops": 0.7}]

@@ -511,7 +511,7 @@ def test_ffa_runs_on_every_lora_method_and_keeps_a(tiny_cfg_dict, tmp_path, meth
     state, records, _ = Simulation(cfg, method_, data).run()
     assert records[-1]["train_loss"] is not None
     if method == "raffm":  # the state holds A as a frozen, permuted tensor: in checkpoint order
-        exported = method_.export_state(state)
+        exported = method_.exported(state)
         assert all(torch.equal(exported[n], t) for n, t in a0.items())
         return
     assert not any(".lora_A." in k for k in state)  # never sent, never aggregated

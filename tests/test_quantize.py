@@ -250,7 +250,7 @@ def test_flower_serverapp_matches_in_process_over_an_int8_base(tiny_cfg_dict, tm
     method, state, _, _ = _run(d)
     path = _write_config(d, tmp_path / "exp.json")
     run_dir = server_run(InProcessGrid(_nodes(3)), _settings(path, tmp_path / "fl"))
-    _assert_same_state(_weights(run_dir), method.export_state(state))
+    _assert_same_state(_weights(run_dir), method.exported(state))
 
 
 @pytest.mark.parametrize("method,how", [("raffm", "precisions"), ("raffm+heads", "precisions"),
@@ -280,7 +280,7 @@ def test_flower_serverapp_matches_in_process_over_int8_slices(tiny_cfg_dict, tmp
         assert {cp.knobs.precision for cp in method.plans.values()} == {"int8"}
     path = _write_config(d, tmp_path / "exp.json")
     run_dir = server_run(InProcessGrid(_nodes(3)), _settings(path, tmp_path / "fl"))
-    _assert_same_state(_weights(run_dir), method.export_state(state))
+    _assert_same_state(_weights(run_dir), method.exported(state))
 
 
 @pytest.mark.parametrize("method", ["raffm", "raffm+heads"])

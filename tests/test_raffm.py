@@ -242,7 +242,7 @@ def test_two_round_run_with_tiers(tiny_cfg_dict, tuning):
     assert summary["elastic"][0]["forward_flops_ratio"] < 0.5
     assert not method.strategy.perm.is_identity
     # export un-permutes: the exported state equals the model order of the checkpoint
-    exported = method.export_state(state)
+    exported = method.exported(state)
     assert exported.keys() == state.keys()
     json.dumps(summary)
 

@@ -141,7 +141,7 @@ def test_run_with_activation_salience(tiny_gen_cfg_dict, calibration):
     assert sum(len(b["input_ids"]) for b in batches) == (6 if calibration == "dev" else 4)
     # the exported state is the checkpoint's order: re-permuting it by the tracked permutation
     # gives the global state back
-    back = permute_state(method.export_state(state), method.slices.perm, method.arch)
+    back = permute_state(method.exported(state), method.slices.perm, method.arch)
     for k in state:
         torch.testing.assert_close(back[k], state[k])
 

@@ -156,7 +156,7 @@ def _read_partial(path: Path, cfg: ExperimentConfig, info: dict[str, Any], what:
                           f"of {cfg.federation.rounds} ({what})")
     run = TrainedRun(path, cfg, info, {}, f"checkpoint after round {ckpt.round} of "
                      f"{cfg.federation.rounds} ({what})")
-    run.state = method_class(cfg.method.name).state_from_checkpoint(ckpt.state, ckpt.server, run.arch)
+    run.state = method_class(cfg.method.name).export_state(ckpt.state, ckpt.server, run.arch)
     return run
 
 

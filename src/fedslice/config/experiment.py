@@ -176,7 +176,7 @@ class ExperimentConfig(Section):
                 raise ValueError(f"{policy} with faults.{set_faults[0]}: injected faults are "
                                  "drawn per synchronous round; not under 'async' yet")
             method = METHODS.get(self.method.name).method_cls
-            if why := method.reorders_state(self):
+            if why := method.facts(self).reorders_state:
                 raise ValueError(f"{policy} with {why}: a stale reply's update would be "
                                  "applied to re-ordered elements")
         return self
@@ -217,7 +217,7 @@ class ExperimentConfig(Section):
         method = METHODS.get(self.method.name).method_cls  # one that plans budgets: an adapter's
         # the method's own answer (raffm quantizes each client's slice though its global state
         # holds fp32 base tensors); by default, whether it trains over a quantized base at all
-        why = getattr(method, "precision_refusal", lambda cfg: quantize_refusal(method))(self)
+        why = method.facts(self).precision_refusal
         if why:
             raise ValueError(f"budgets.precisions = {b.precisions} does not compose with method.name = "
                              f"{self.method.name!r}: {why}")

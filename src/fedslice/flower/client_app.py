@@ -14,7 +14,7 @@ FedOT's adapter + emulator) arrive in its first train message (the ``model`` rec
 :mod:`fedslice.flower.codec`, counted in ``bytes_down``). Flower starts a fresh ClientApp process
 per message in a deployment, so each round loads the model (or builds it from its config) and the
 data again; the simulation engine reuses its workers, and the last setup is kept in memory then.
-What a method's client keeps between its participations (``Method.client_state``) lives in the
+What a method's client keeps between its participations (``Method.kept_state("client")``) lives in the
 node's ``Context.state``, which Flower keeps per node across messages of a run, except the model
 the node received (the ``base.*`` tensors: tens of MB for MiniLM, far more for larger models): it
 is written once, when it arrives, to a safetensors file on the node's own disk (node config
@@ -202,10 +202,10 @@ def train(msg: Message, context: Context) -> Message:
     client = pid if orders.client is None else orders.client
     if client != pid:
         raise RuntimeError(f"payload for client {client} reached the node of partition {pid}")
-    method.load_client_state(load_kept(context))
+    method.restore_state("client", load_kept(context))
     reply = method.train_client(payload, data.client(pid), client_seed(cfg.seed, orders.round, pid))
     throttle(context, payload)
-    if state := method.client_state():
+    if state := method.kept_state("client"):
         store_kept(context, state, received_model=bool(payload.model))
     if "fedslice_secagg" in msg.content.config_records:  # only the masked vector leaves
         from fedslice.fl.wire import received

@@ -24,6 +24,7 @@ its config checks in :meth:`Method.check_config`, its plots in
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -44,8 +45,9 @@ from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.rules.lora import check_lora_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.methods.client_costs import analytic_train_flops as cost_flops
-from fedslice.methods.client_costs import client_cost_metrics
+from fedslice.methods.client_costs import client_cost_metrics, sat_out_metrics
 from fedslice.methods.client_costs import frozen_bottom as cost_frozen_bottom
+from fedslice.methods.facts import Facts
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import Adapter, make_adapter
@@ -57,6 +59,9 @@ from fedslice.tasks import Task
 #: who builds the method: the in-process engine ("both"), a Flower ClientApp ("client"), Flower's
 #: ServerApp ("server": built as "both", but its clients train elsewhere and Flower adds DP noise)
 Role = Literal["both", "client", "server"]
+
+#: where a method's kept state lives (:meth:`Method.kept_state`)
+Side = Literal["client", "server"]
 
 
 def _legacy_adapter(value: str) -> str:
@@ -115,21 +120,22 @@ class Method:
     #: the bottom of the method's stages puts a client's plan into its payloads
     plans_budgets: ClassVar[bool] = False
 
-    @classmethod
-    def reorders_state(cls, cfg: ExperimentConfig) -> str | None:
-        """Why the strategy re-orders the elements of the global state between rounds (RaFFM's
-        re-ordering every R rounds), named with the option; None when it never does after the
-        first round. A rule holding per-element server state (a server optimizer's moments)
-        refuses it."""
-        return None
+    #: keys of the saved state that the deployed model does not hold (``fedslice export``,
+    #: ``predict``, ``evaluate``): FedPFT's proxy FFN tensors (the trained LoRA plugs into the
+    #: full model)
+    deploy_exclude: tuple[str, ...] = ()
+
+    #: the examples of its data a client runs an importance pass over per round before it
+    #: trains: 0 none, None all of them, else at most that many (the head stage's)
+    importance_cap: int | None = 0
 
     @classmethod
-    def client_statistics(cls, cfg: ExperimentConfig) -> str | None:
-        """What a client sends the server under ``cfg`` besides its update, its example count and
-        its costs, that steers the server's work (e.g. FedPFT's APoZ reports), named with the
-        option that asks for it and how to turn it off; None when nothing. DP-FedAvg refuses a config that has some:
-        it would reach the server without noise and outside the accountant."""
-        return None
+    def facts(cls, cfg: ExperimentConfig) -> Facts:
+        """What the config checks and the rules ask of the method under ``cfg``
+        (:class:`~fedslice.methods.facts.Facts`). Default: nothing re-ordered, no client
+        statistics, and a plan may pick its base's precision where the method trains over a
+        quantized base (:attr:`quantized_base`)."""
+        return Facts(precision_refusal=quantize_refusal(cls))
 
     @classmethod
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:
@@ -318,8 +324,10 @@ class Method:
         self._plan_frozen.clear()
 
     def train_client(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
-        """:meth:`fit` of one client; the tensors its plan froze (:meth:`freeze_plan`) train
-        again after it, whatever happens."""
+        """:meth:`fit` of one client (none when its plan :meth:`sits_out` the round); the
+        tensors its plan froze (:meth:`freeze_plan`) train again after it, whatever happens."""
+        if self.sits_out(payload):
+            return Reply(arrays={}, num_examples=0, metrics=sat_out_metrics(payload))
         try:
             return self.fit(payload, data, seed)
         except MemoryBudgetExceeded as e:  # discovered at run time: the data outgrew the plan
@@ -341,8 +349,9 @@ class Method:
             yield PlannedModel(model, self.trainable(model))
 
     def importance_examples(self, n: int) -> int:
-        """Examples a client of ``n`` examples runs an importance pass over per round (0: none)."""
-        return 0
+        """Examples a client of ``n`` examples runs an importance pass over per round
+        (:attr:`importance_cap`)."""
+        return n if self.importance_cap is None else min(n, self.importance_cap)
 
     def can_checkpoint(self) -> bool:
         """The model clients train supports gradient checkpointing."""
@@ -387,28 +396,29 @@ class Method:
         return self.trainable(model)
 
     # -- client ------------------------------------------------------------------------------
-    def client_state(self) -> State:
-        """What a client keeps between its participations (Flower stores it in the node's
-        ``Context.state``: a deployment starts a fresh ClientApp process per message). Default: nothing."""
+    def kept_state(self, side: Side) -> dict[str, Any]:
+        """What ``side`` keeps beyond the global state and the strategy's. ``"client"``: what a
+        client keeps between its participations, as tensors by name (Flower stores it in the
+        node's ``Context.state``: a deployment starts a fresh ClientApp process per message);
+        ``"server"``: what a resumed run needs (e.g. FedPFT's distillation logs), as nested JSON
+        with tensors. Default: nothing."""
         return {}
 
-    def load_client_state(self, state: State) -> None:
-        """Restore :meth:`client_state` (``{}`` for a client that kept nothing yet)."""
+    def restore_state(self, side: Side, state: dict[str, Any]) -> None:
+        """Restore :meth:`kept_state` of ``side`` (``{}``: nothing kept yet)."""
 
-    def client_spec(self, payload: Payload):
+    def client_spec(self, payload: Payload, arrays: State | None = None):
         """The slice of the full model (a :class:`fedslice.slicing.spec.Spec`) that
         ``payload``'s client trains when it trains a sub-model (RaFFM); None: the whole model
-        this method gives clients. A stage above (heads) prunes inside it."""
+        this method gives clients. A stage above (heads) prunes inside it. With the client's
+        reply ``arrays`` in hand: the slice it really trained (for its costs), narrowed by the
+        stages above."""
         return None
 
-    def trained_spec(self, payload: Payload, arrays: State):
-        """The slice the client really trained (its reply ``arrays`` in hand), for its costs:
-        :meth:`client_spec`, narrowed by the stages above. Default: None."""
-        return self.client_spec(payload)
-
-    def sits_out(self, payload: Payload) -> bool:
-        """The client was sent no work this round (no sub-model fits its budget)."""
-        return False
+    @staticmethod
+    def sits_out(payload: Payload) -> bool:
+        """The client was sent no work this round (its plan: no sub-model fits its budget)."""
+        return payload.orders.sit_out is not None
 
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         """The model a client trains and its trainable tensors, with the payload loaded (at the
@@ -420,13 +430,6 @@ class Method:
         params = self.load_model(model, payload.arrays, o.lora_rank)
         self.freeze_plan(model, payload)  # after loading: a resized adapter has new tensors
         return model, {n: p for n, p in params.items() if p.requires_grad}
-
-    @classmethod
-    def precision_refusal(cls, cfg: ExperimentConfig) -> str | None:
-        """Why a client's plan cannot pick its base's precision (``budgets.precisions``) under
-        this method and ``cfg``; None: it can (its clients train :meth:`base_at`'s model).
-        Default: where the method trains over a quantized base (:attr:`quantized_base`)."""
-        return quantize_refusal(cls)
 
     def base_at(self, precision: str | None) -> nn.Module:
         """The model clients planned at ``precision`` train: the run's (None, 'none'), or a copy
@@ -483,9 +486,9 @@ class Method:
         stack); a client whose plan splits its batches or checkpoints trains alone (the batched
         pass does neither)."""
         o = self.orders(payload)
-        if not self.batched_clients or o.trains_alone():
+        if not self.batched_clients or o.trains_alone() or o.sit_out is not None:
             return None
-        return ("model", o.lora_rank, o.base_precision, o.train_key())
+        return json.dumps([o.spec, o.lora_rank, o.base_precision, o.train_key()], sort_keys=True)
 
     def fit_batched(self, jobs: list[tuple[int, Payload, TokenizedSplit, int]], compute: Compute,
                     on_reply) -> None:
@@ -533,23 +536,23 @@ class Method:
         are the valid replies used in the aggregation. Default: nothing."""
         return state, {}
 
-    def server_state(self) -> dict[str, Any]:
-        """Method state a resumed run needs beyond the global state and the strategy's (e.g.
-        FedPFT's distillation logs), as nested JSON with tensors. Default: none."""
-        return {}
-
-    def load_server_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`server_state`."""
-
     # -- after training ----------------------------------------------------------------------
     def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],
                       batch_size: int) -> dict[str, Any]:
         """Method-specific results merged into summary.json (e.g. accuracy per sub-model size)."""
         return {}
 
-    def export_state(self, state: State) -> State:
-        """The global state as saved in the run folder (e.g. undo a method's internal reordering)."""
+    @classmethod
+    def export_state(cls, state: State, server: dict[str, Any], arch: ArchSpec) -> State:
+        """The global state as a run folder saves it, from the global state and the server's
+        state as a checkpoint holds it (``{"strategy": ..., "method": ...}``): e.g. RaFFM undoes
+        its re-ordering of heads and neurons. Default: the state itself."""
         return state
+
+    def exported(self, state: State) -> State:
+        """:meth:`export_state` of this run (its server state, as a checkpoint would hold it)."""
+        server = {"strategy": self.strategy.state_dict(), "method": self.kept_state("server")}
+        return type(self).export_state(state, server, self.arch)
 
     def write_artifacts(self, folder: Path) -> None:
         """Write method-specific files (curves, plots) into the run folder. Default: none."""
@@ -560,18 +563,6 @@ class Method:
         """The method's own sections of a run's HTML report (:class:`fedslice.viz.View`: a
         figure and the data behind it), from the finished run folder. Default: none."""
         return []
-
-    # -- deployment (fedslice export / predict / evaluate) -----------------------------------
-    def deploy_exclude(self) -> list[str]:
-        """Keys of the saved state that the evaluated model does not hold (e.g. FedPFT's proxy
-        FFN tensors: the trained LoRA plugs into the full model). Default: none."""
-        return []
-
-    @classmethod
-    def state_from_checkpoint(cls, state: State, server: dict[str, Any], arch: ArchSpec) -> State:
-        """The state as :meth:`export_state` saves it, from a checkpoint's global state and
-        server state (``fedslice export --allow-partial``). Default: the state itself."""
-        return state
 
     @classmethod
     def plots(cls, run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]],

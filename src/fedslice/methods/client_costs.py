@@ -7,6 +7,8 @@ stage adds its own corrections in its ``client_metrics``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn as nn
 
 from fedslice import measure
@@ -85,3 +87,11 @@ def client_cost_metrics(method, model: nn.Module, params: dict[str, nn.Parameter
             # a plan's memory budget: the local steps it ran as micro-batches
             **({"plan_downgrades": result.plan_downgrades}
                if result.plan_downgrades is not None else {})}
+
+
+def sat_out_metrics(payload: Payload) -> dict[str, Any]:
+    """The metrics of a client that sat the round out: no loss, no step, no cost."""
+    cost = ClientCost(bytes_down=None, bytes_up=None, params_down=None, params_up=None,
+                      trainable_params=None, train_time_s=None, peak_rss_mb=0.0, activation_mb=0.0)
+    return {"loss": float("nan"), "steps": 0, **cost.to_metrics(), "sat_out": 1,
+            "tier": payload.orders.tier}

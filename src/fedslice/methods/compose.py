@@ -23,8 +23,8 @@ alone, ``heads`` the head stage over it (``fedpetuning+heads`` is another spelli
 A composition is built from its parts' classes: the bottom part's method class, below the
 mixin (``stage_cls``) of each part above it: ``raffm+heads`` is ``HeadStage`` over ``RaFFM``
 (its options: both parts' options in one table). A mixin asks the stage below through
-:class:`~fedslice.methods.base.Method` hooks (``client_model``, ``client_spec``,
-``trained_spec``, ``sits_out``) and wraps the stage below's strategy
+:class:`~fedslice.methods.base.Method` hooks (``client_model``, ``client_spec``; the contract:
+:mod:`fedslice.methods.contract`) and wraps the stage below's strategy
 (:class:`~fedslice.fl.strategy.Wrapper`), so no stage names another. Pairs that cannot work are
 refused here, with the reason, when the config loads (:func:`fedslice.registry.method_name`).
 """

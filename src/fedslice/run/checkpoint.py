@@ -339,7 +339,7 @@ def capture(server_round: int, config: dict[str, Any], method, selector, state: 
             records: list[dict[str, Any]], elapsed_s: float, clock=None) -> Checkpoint:
     """``clock``: the simulated clock of a run with devices (an asynchronous run's holds what
     is in flight), kept under ``server["clock"]``."""
-    server = {"strategy": method.strategy.state_dict(), "method": method.server_state(),
+    server = {"strategy": method.strategy.state_dict(), "method": method.kept_state("server"),
               "selector": selector.state_dict()}
     if clock is not None:
         server["clock"] = clock.state_dict()
@@ -353,7 +353,7 @@ def restore(ckpt: Checkpoint, method, selector, clock=None) -> State:
     the global state."""
     check_same_architecture(ckpt, method)
     method.strategy.load_state_dict(ckpt.server["strategy"])
-    method.load_server_state(ckpt.server["method"])
+    method.restore_state("server", ckpt.server["method"])
     selector.load_state_dict(ckpt.server["selector"])
     if clock is not None and "clock" in ckpt.server:
         clock.load_state_dict(ckpt.server["clock"])

@@ -168,7 +168,7 @@ def inference_info(cfg: ExperimentConfig, method: Method, task) -> dict[str, Any
     return {"format": 1, "model_type": method.arch.model_type, "head": task.head,
             "num_labels": config.num_labels if task.head in CLASSIFIER_HEADS else None,
             "label_names": task.label_names, "text_columns": task.text_columns,
-            "task": task.kind, "exclude": method.deploy_exclude()}
+            "task": task.kind, "exclude": list(method.deploy_exclude)}
 
 
 def start_run_folder(run: RunDir, cfg: ExperimentConfig, method: Method, data: FederatedData) -> None:
@@ -196,7 +196,7 @@ def keep_failed_run(run: RunDir, method: Method, latest: tuple[int, dict] | None
     if latest is not None:
         rnd, state = latest
         try:
-            run.save_weights(method.export_state(state), LATEST_WEIGHTS, {"round": str(rnd)})
+            run.save_weights(method.exported(state), LATEST_WEIGHTS, {"round": str(rnd)})
             what.append(f"{LATEST_WEIGHTS} (the weights after round {rnd})")
         except Exception as e:  # noqa: BLE001 - keep what is there; say why the weights are not
             log.error("could not save the latest weights into %s: %s", run.staging_path, e)
@@ -224,6 +224,6 @@ def save_results(run: RunDir, cfg: ExperimentConfig, method: Method, state: Stat
         (run.path / "plans.json").write_text(json.dumps(
             {str(c): p.to_dict() for c, p in sorted(method.plans.items())}, indent=1))
     if cfg.output.save_weights:
-        run.save_weights(method.export_state(state))
+        run.save_weights(method.exported(state))
     for name in (CHECKPOINT, LATEST_WEIGHTS):
         (run.path / name).unlink(missing_ok=True)

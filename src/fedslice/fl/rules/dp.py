@@ -60,7 +60,7 @@ class DPFedAvg(Rule):
                 "every round samples clients_per_round of the clients uniformly at random; "
                 f"loss-gap selection picks them by the losses they report{probe}, which is neither "
                 "uniform nor private, so the epsilon would be wrong: use selection='uniform'")
-        stats = method_cls.client_statistics(cfg)
+        stats = method_cls.facts(cfg).client_statistics
         if stats is not None:
             raise ValueError(f"dp.enabled with {stats}: client statistics that reach the server "
                              "without noise and outside the accountant, so epsilon would not "

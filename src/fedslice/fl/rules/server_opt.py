@@ -100,7 +100,7 @@ class ServerOpt(Rule):
                              f"{cfg.federation.server_lr}: the optimizer's step size is "
                              "server_opt.lr; server_lr would scale the pseudo-gradient it reads "
                              "as well: leave federation.server_lr at 1")
-        if why := method_cls.reorders_state(cfg):
+        if why := method_cls.facts(cfg).reorders_state:
             raise ValueError(f"{cls.setting(cfg)} cannot combine with {why}: the optimizer's "
                              "per-element moments would no longer sit on their elements")
         for rule in selected_rules(cfg):

@@ -20,7 +20,7 @@ from fedslice.distill.losses import hidden_loss
 from fedslice.distill.report import write_curves
 from fedslice.errors import ConfigError
 from fedslice.fl.strategy import Payload, State, Strategy
-from fedslice.methods.base import Method, Role
+from fedslice.methods.base import Method, Role, Side
 from fedslice.methods.fedot.layout import fedot_layout, FROZEN_PREFIX
 from fedslice.methods.fedot.options import FedOTMethod
 from fedslice.methods.fedot.strategy import SubModelStrategy
@@ -175,17 +175,19 @@ class FedOT(Method):
         self.load_state(params, arrays)
         return self.sub, params
 
-    def client_state(self) -> State:
-        """The sub-model this client received (kept between its participations): the distilled
-        emulator and the other frozen tensors."""
-        if self.role != "client":
+    def kept_state(self, side: Side) -> State:
+        """A client's: the sub-model it received (kept between its participations): the
+        distilled emulator and the other frozen tensors."""
+        if side != "client" or self.role != "client":
             return {}
         out = self.client_base.state()
         if self.emulator_held:
             out.update({FROZEN_PREFIX + k: p.detach().clone() for k, p in self.emulator_params.items()})
         return out
 
-    def load_client_state(self, state: State) -> None:
+    def restore_state(self, side: Side, state: State) -> None:
+        if side != "client":
+            return
         self._load_emulator(state)
         self.client_base.load_state(state)
 

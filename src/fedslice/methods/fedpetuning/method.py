@@ -13,7 +13,7 @@ import numpy as np
 
 from fedslice.config import ExperimentConfig
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
-from fedslice.methods.base import Method, Role
+from fedslice.methods.base import Method, Role, Side
 from fedslice.methods.plan_strategy import PlannedStrategy
 from fedslice.methods.fedpetuning.report import mean_of
 from fedslice.methods.fedpetuning.strategy import at_rank
@@ -65,7 +65,7 @@ class FedPETuning(Method):
                                if k in self.personal_names}
         #: client -> its kept tensors (the simulation keeps them here for its clients)
         self.personal: dict[int, State] = {}
-        self._received: State | None = None  # what a Flower node kept (load_client_state)
+        self._received: State | None = None  # what a Flower node kept (restore_state)
         self._last_client: int | None = None
         if self.personal_names:
             # a client's kept tensors live in this process: no forked workers
@@ -80,14 +80,20 @@ class FedPETuning(Method):
         return PlannedStrategy(self.cfg.federation, self.make_plans(), self.client_sizes)
 
     # -- tensors a client keeps (fedsa) --------------------------------------------------------
-    def client_state(self) -> State:
-        """What a Flower node keeps between its participations: its own B (fedsa)."""
+    def kept_state(self, side: Side) -> dict[str, Any]:
+        """A Flower node's, between its participations: its own B (fedsa). The server's: every
+        client's kept tensors (the simulation holds them for its clients)."""
+        if side == "server":
+            return {"personal": {str(c): dict(t) for c, t in self.personal.items()}} if self.personal else {}
         if not self.personal_names or self._last_client is None:
             return {}
         return dict(self.personal.get(self._last_client, {}))
 
-    def load_client_state(self, state: State) -> None:
-        self._received = dict(state)
+    def restore_state(self, side: Side, state: dict[str, Any]) -> None:
+        if side == "server":
+            self.personal = {int(c): dict(t) for c, t in (state.get("personal") or {}).items()}
+        else:
+            self._received = dict(state)
 
     def _kept(self, payload: Payload) -> State:
         """The client's own tensors (what it kept, else their initial values) at its rank."""
@@ -138,15 +144,6 @@ class FedPETuning(Method):
                               payload.config, payload.model)
             arrays = {k: t for k, t in arrays.items() if k not in self.personal_names}
         return super().client_metrics(model, params, payload, arrays, result)
-
-    def server_state(self) -> dict[str, Any]:
-        """The clients' kept tensors (the simulation holds them for its clients)."""
-        if not self.personal:
-            return {}
-        return {"personal": {str(c): dict(t) for c, t in self.personal.items()}}
-
-    def load_server_state(self, state: dict[str, Any]) -> None:
-        self.personal = {int(c): dict(t) for c, t in (state.get("personal") or {}).items()}
 
     # -- after training --------------------------------------------------------------------
     def final_metrics(self, state: State, data, records: list[dict[str, Any]],

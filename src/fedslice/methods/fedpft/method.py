@@ -23,7 +23,8 @@ from fedslice.distill.loop import DistillLog, block_masks, decoder_start, distil
 from fedslice.distill.losses import layer_kd_loss
 from fedslice.distill.report import write_curves
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
-from fedslice.methods.base import Method, Role
+from fedslice.methods.facts import Facts
+from fedslice.methods.base import Method, Role, Side
 from fedslice.methods.fedpft.options import FedPFTMethod, KD_BEFORE, KD_DURING, UPDATE_PREFIX
 from fedslice.methods.fedpft.orders import ProxyOrders
 from fedslice.methods.fedpft.proxy import (build_proxy, compressed_layers, compressed_units, ffn_modules,
@@ -53,12 +54,14 @@ class FedPFT(Method):
     adapters = None  # an adapter inside the attention modules (check_config)
 
     @classmethod
-    def client_statistics(cls, cfg: ExperimentConfig) -> str | None:
+    def facts(cls, cfg: ExperimentConfig) -> Facts:
+        """Clients report APoZ statistics when neuron-level KD runs during FL."""
         if cfg.method.kd in KD_DURING:
-            return (f"method.kd={cfg.method.kd!r} (neuron-level KD during FL re-distils the "
-                    "neurons chosen by the clients' APoZ statistics of their data; set "
-                    "method.kd = 'before', layer-level KD on the server's corpus only, or 'none')")
-        return None
+            return super().facts(cfg).but(client_statistics=(
+                f"method.kd={cfg.method.kd!r} (neuron-level KD during FL re-distils the "
+                "neurons chosen by the clients' APoZ statistics of their data; set "
+                "method.kd = 'before', layer-level KD on the server's corpus only, or 'none')"))
+        return super().facts(cfg)
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -116,6 +119,7 @@ class FedPFT(Method):
             materialize(self.proxy)  # the proxy's tensors only: the full model stays shapes
         ffns = [m for k, l in self.units.values() for m in ffn_modules(self.proxy, self.arch, k, l)]
         self.proxy_params = named_params(self.proxy, ffns)
+        self.deploy_exclude = tuple(sorted(self.proxy_params))  # the deployed model is the full one
         self.client_base = ClientBase(self.proxy, self.proxy_params, from_server=self.role == "client")
         self.kd_before, self.kd_cached = None, False
         if o.kd in KD_BEFORE and self.compressed and o.distill.steps > 0 and self.role != "client":
@@ -234,16 +238,25 @@ class FedPFT(Method):
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         return self.proxy, self._load(payload.arrays)
 
-    def client_state(self) -> State:
-        """The client's proxy copy (compressed FFN tensors, and in the client role the rest of
-        the proxy, ``base.*``) and its version."""
+    def kept_state(self, side: Side) -> dict[str, Any]:
+        """A client's: its proxy copy (compressed FFN tensors, and in the client role the rest
+        of the proxy, ``base.*``) and its version. The server's: the distillation logs and the
+        proxy version the clients hold."""
+        if side == "server":
+            return self._server_state()
         if self.held_version is None:
             return {}
         kept = {k: p.detach().clone() for k, p in self.proxy_params.items()}
         return {**kept, **self.client_base.state(), "proxy_version": torch.tensor(self.held_version)}
 
+    def restore_state(self, side: Side, state: dict[str, Any]) -> None:
+        if side == "server":
+            self._load_server_state(state)
+        else:
+            self._load_client_state(state)
+
     @torch.no_grad()
-    def load_client_state(self, state: State) -> None:
+    def _load_client_state(self, state: State) -> None:
         self.held_version = int(state["proxy_version"]) if "proxy_version" in state else None
         for k, t in state.items():
             if k in self.proxy_params:
@@ -336,13 +349,13 @@ class FedPFT(Method):
         new_state = {**state, **{k: p.detach().clone() for k, p in head.items()}}
         return new_state, {**lg.summary("head_refit"), "head_refit_examples": len(split)}
 
-    def server_state(self) -> dict[str, Any]:
+    def _server_state(self) -> dict[str, Any]:
         return {"align_logs": [lg.to_dict() for lg in self.align_logs],
                 "align_records": self.align_records, "held_version": self.held_version,
                 "refit_log": None if self.refit_log is None else self.refit_log.to_dict(),
                 "proxy_head": self.proxy_head}
 
-    def load_server_state(self, state: dict[str, Any]) -> None:
+    def _load_server_state(self, state: dict[str, Any]) -> None:
         self.align_logs = [DistillLog.from_dict(d) for d in state["align_logs"]]
         self.align_records = list(state["align_records"])
         self.held_version = state["held_version"]
@@ -370,10 +383,6 @@ class FedPFT(Method):
         """Plug-in: the full model with the trained LoRA + classifier (shared with the proxy)."""
         self._load(state)
         return self.model
-
-    def deploy_exclude(self) -> list[str]:
-        """The proxy's compressed FFN tensors: the deployed model is the full one (plug-in)."""
-        return sorted(self.proxy_params)
 
     def proxy_model(self, state: State) -> nn.Module:
         """The proxy with ``state`` loaded; after a head re-fit, with the head FL trained."""

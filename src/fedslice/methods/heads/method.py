@@ -25,6 +25,7 @@ from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.orders import order_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
+from fedslice.methods.facts import Facts
 from fedslice.methods.base import Method, Role
 from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.methods.heads.capture import CapturingLoss, fit_first_step, fit_training
@@ -76,11 +77,13 @@ class HeadStage(Method):
     # rank), so a client's kept heads are cut from its rank's tensors
 
     @classmethod
-    def precision_refusal(cls, cfg: ExperimentConfig) -> str | None:
+    def facts(cls, cfg: ExperimentConfig) -> Facts:
+        """The stage below's, but a plan cannot pick the precision of a sub-model cut by pruning."""
+        below = super().facts(cfg)
         if cfg.method.prune == "forward":
-            return ("method.prune = 'forward' cuts each client's sub-model from the fp32 model; "
-                    "use method.prune = 'parameters'")
-        return super().precision_refusal(cfg)
+            return below.but(precision_refusal="method.prune = 'forward' cuts each client's "
+                             "sub-model from the fp32 model; use method.prune = 'parameters'")
+        return below
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -132,6 +135,9 @@ class HeadStage(Method):
         self.special_ids = special_token_ids(loaded.tokenizer, loaded.model.config)
         self.all_dims = loaded.arch.all_dims(loaded.model.config)
         self.opts: HeadsMethod = cfg.method  # before the strategy: the budget planner reads it
+        # a pass of its own before training (else scored from training's forwards)
+        self.importance_cap = self.opts.importance_max_examples \
+            if self.needs_pass and self.opts.importance_source == "pass" else 0
         super().__init__(cfg, loaded, task, role, client_sizes, **kw)
         self._check_heads()
 
@@ -369,15 +375,7 @@ class HeadStage(Method):
         a linear map of the attention input fitted to them) added back."""
         return self.opts.prune == "forward" and self.opts.fill in ("mean", "linear")
 
-    def importance_examples(self, n: int) -> int:
-        if not self.needs_pass or self.opts.importance_source != "pass":
-            return 0  # no pass of its own: scored from training's forwards
-        cap = self.opts.importance_max_examples
-        return n if cap is None else min(n, cap)
-
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
-        if self.sits_out(payload):
-            return super().fit(payload, data, seed)
         if len(data) == 0:
             log.warning("client %s has no training data: skipped", payload.orders.client)
             return Reply(arrays={}, num_examples=0, metrics=self._skipped_metrics(payload))
@@ -474,17 +472,18 @@ class HeadStage(Method):
         return masks
 
     # -- metrics -----------------------------------------------------------------------------
-    def trained_spec(self, payload: Payload, arrays: State):
-        """The stage below's slice, restricted to the kept heads when they leave the forward."""
-        outer = super().trained_spec(payload, arrays)
-        if outer is None or self.opts.prune != "forward":
+    def client_spec(self, payload: Payload, arrays: State | None = None):
+        """The stage below's slice; once trained, restricted to the kept heads when they leave
+        the forward."""
+        outer = super().client_spec(payload, arrays)
+        if arrays is None or outer is None or self.opts.prune != "forward":
             return outer
         return restrict(outer, self._kept_of(arrays), self.all_dims)
 
     def client_metrics(self, model, params, payload, arrays, result: LocalResult) -> dict[str, float]:
         metrics = super().client_metrics(model, params, payload, arrays, result)
         if self.client_spec(payload) is not None:
-            return metrics  # the sub-model's own count (:meth:`trained_spec`)
+            return metrics  # the sub-model's own count (:meth:`client_spec` of the reply)
         kept = self._kept_of(arrays)
         if self.opts.prune == "parameters":  # every head runs forward (and passes gradients back)
             kept = torch.ones_like(kept)

@@ -4,7 +4,6 @@ end. See :mod:`fedslice.methods.raffm`.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -23,8 +22,8 @@ from fedslice.config import ExperimentConfig
 from fedslice.errors import ConfigError
 from fedslice.fl.client import LocalResult
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
-from fedslice.measure import ClientCost
 from fedslice.models.quantize import held_bytes
+from fedslice.methods.facts import Facts
 from fedslice.methods.base import Method, Role
 from fedslice.methods.raffm.options import RaFFMMethod
 from fedslice.methods.raffm.report import plot_elastic, elastic_views, tier_summary
@@ -70,18 +69,15 @@ class RaFFM(Method):
     quantizes_slices = True
 
     @classmethod
-    def precision_refusal(cls, cfg: ExperimentConfig) -> str | None:
-        """None: a client planned at a lower precision trains an int8 copy of its slice
-        (:meth:`submodel_at`)."""
-        return None
-
-    @classmethod
-    def reorders_state(cls, cfg: ExperimentConfig) -> str | None:
-        o = cfg.method
+    def facts(cls, cfg: ExperimentConfig) -> Facts:
+        """A plan may pick its base's precision: a client planned at a lower precision trains
+        an int8 copy of its slice (:meth:`submodel_at`); the global state is re-ordered every
+        ``reorder_every`` rounds."""
+        o, reorders = cfg.method, None
         if o.reorder and o.reorder_every:
-            return (f"method.reorder_every={o.reorder_every} (the server salience-orders the "
-                    f"global state's heads and neurons every {o.reorder_every} rounds)")
-        return None
+            reorders = (f"method.reorder_every={o.reorder_every} (the server salience-orders the "
+                        f"global state's heads and neurons every {o.reorder_every} rounds)")
+        return super().facts(cfg).but(precision_refusal=None, reorders_state=reorders)
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -121,6 +117,8 @@ class RaFFM(Method):
         #: the precision of every client's base (``model.quantize``; None: fp32); a client's plan
         #: may lower it (``budgets.precisions``, with an fp32 run base)
         self.client_precision = None if cfg.model.quantize == "none" else cfg.model.quantize
+        if self.opts.sandwich:  # each client's loss runs the smallest size too: trains alone
+            self.batched_clients = False
         super().__init__(cfg, loaded, task, role, client_sizes, **kw)
 
     # -- construction ------------------------------------------------------------------------
@@ -260,7 +258,9 @@ class RaFFM(Method):
         self._quantized[(spec, precision)] = (order, model)
         return model
 
-    def state_keys(self) -> list[str]:
+    def global_keys(self) -> list[str]:
+        """The names of the global state: the base's (:meth:`Method.state_keys`) and every
+        sliceable frozen tensor (the server re-orders them with the trainable ones)."""
         names = [n for n, _ in self.model.named_parameters()]
         trainable = list(self.trainable())
         frozen = [n for n in names if n not in set(trainable)]
@@ -270,7 +270,7 @@ class RaFFM(Method):
 
     def initial_state(self) -> State:
         params = dict(self.model.named_parameters())
-        state = {n: params[n].detach().clone() for n in self.state_keys()}
+        state = {n: params[n].detach().clone() for n in self.global_keys()}
         self.slices.perm = Permutation.identity(self.all_dims)
         if self.opts.salience == "activation":
             self.slices.activations = self.calibration_activations
@@ -323,12 +323,9 @@ class RaFFM(Method):
         return params
 
     # -- client ------------------------------------------------------------------------------
-    def client_spec(self, payload: Payload) -> Spec | None:
+    def client_spec(self, payload: Payload, arrays: State | None = None) -> Spec | None:
         spec = payload.orders.spec
         return None if spec is None else spec_from_dict(spec)
-
-    def sits_out(self, payload: Payload) -> bool:
-        return payload.orders.sit_out is not None
 
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         """The client's sub-model (:meth:`client_base`) with its payload loaded."""
@@ -356,20 +353,9 @@ class RaFFM(Method):
             if not self.sits_out(payload):
                 self.client_base(payload)
 
-    batched_clients = True  # clients of one sub-model size train together
-
-    def batch_key(self, payload: Payload):
-        """Clients training the same sub-model (same slice, rank, precision and training config)
-        share a batched pass."""
-        o = self.orders(payload)
-        if o.sit_out is not None or not self.adapter.batched_clients or self.opts.sandwich \
-                or o.trains_alone():
-            return None
-        return json.dumps([o.spec, o.lora_rank, o.base_precision, o.train_key()], sort_keys=True)
+    batched_clients = True  # clients of one sub-model size train together (not sandwich's)
 
     def fit(self, payload: Payload, data, seed: int) -> Reply:
-        if self.sits_out(payload):
-            return Reply(arrays={}, num_examples=0, metrics=self._sit_out_metrics(payload))
         if self.opts.sandwich:
             return self._fit_sandwich(payload, data, seed)
         return super().fit(payload, data, seed)
@@ -403,18 +389,10 @@ class RaFFM(Method):
         metrics = self.client_metrics(model, params, payload, arrays, result)
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
 
-    @staticmethod
-    def _sit_out_metrics(payload: Payload) -> dict[str, Any]:
-        cost = ClientCost(bytes_down=None, bytes_up=None, params_down=None, params_up=None,
-                          trainable_params=None, train_time_s=None, peak_rss_mb=0.0,
-                          activation_mb=0.0)
-        return {"loss": float("nan"), "steps": 0, **cost.to_metrics(), "sat_out": 1,
-                "tier": payload.orders.tier}
-
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
         m = super().client_metrics(model, params, payload, arrays, result)
-        spec = self.trained_spec(payload, arrays)
+        spec = self.client_spec(payload, arrays)
         trained = {k: t for k, t in payload.arrays.items() if k in params}
         frozen = {k: t for k, t in payload.arrays.items() if k not in params}
         model_bytes = sum(held_bytes(p) for p in {id(p): p for p in model.parameters()}.values())
@@ -468,12 +446,9 @@ class RaFFM(Method):
         self._load(quantized, state)
         return quantized
 
-    def export_state(self, state: State) -> State:
-        """The global state in the checkpoint's order of heads and neurons."""
-        return unpermute_state(state, self.slices.perm, self.arch)
-
     @classmethod
-    def state_from_checkpoint(cls, state: State, server: dict[str, Any], arch: ArchSpec) -> State:
+    def export_state(cls, state: State, server: dict[str, Any], arch: ArchSpec) -> State:
+        """The global state in the checkpoint's order of heads and neurons."""
         return unpermute_state(state, Permutation.from_dict(server["strategy"]["perm"]), arch)
 
     @classmethod
