@@ -31,7 +31,7 @@ from fedslice.methods.fedpft.proxy import (build_proxy, compressed_layers, compr
                                            ffn_weights, global_layer, proxy_slice, stack_offsets)
 from fedslice.methods.fedpft.refit import head_params, refit_head, soft_targets
 from fedslice.methods.fedpft.strategy import FedPFTStrategy
-from fedslice.methods.submodel import (ClientBase, cached_distill, make_corpus,
+from fedslice.methods.submodel import (ClientBase, Corpus, cached_distill, make_corpus,
                                        concat_logs, named_params, sub_accuracy, sub_seed,
                                        transformer_params)
 from fedslice.models.loading import LoadedModel, materialize

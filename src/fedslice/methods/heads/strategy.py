@@ -77,7 +77,7 @@ class HeadsStrategy(Wrapper):
         spec = self.inner.client_slice(payload)
         if spec is None:
             held = heads_state(state, kept, self.arch, self.dims, self.positions)
-            sub_rows, layers = rows, None
+            layers = None
         else:
             wanted = self.inner.expected_update(state, payload, reply)
             narrowed = restrict(spec, kept, self.dims)
