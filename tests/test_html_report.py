@@ -75,11 +75,13 @@ def test_run_and_compare_reports_render_in_a_browser(tiny_cfg_dict, tmp_path):
     got = browser_check(run, tmp_path)
     expected = ["Results", "accuracy per round", "Loss per round", "Bytes per round",
                 "FLOPs per round", "Per-client costs", "Partition: label histogram",
-                "Head importance (heads method)", "Heads kept (heads method)", "Config", "Files"]
+                "Head importance (heads method)", "Heads kept (heads method)",
+                "Head importance per client (heads method)",
+                "Distance between clients' head importance (heads method)", "Config", "Files"]
     assert got["sections"] == expected
-    assert got["figures"] == got["figures_laid_out"] == got["figures_in_window"] == 8
+    assert got["figures"] == got["figures_laid_out"] == got["figures_in_window"] == 10
     # the results table and one data table per figure
-    assert got["tables"] == got["tables_laid_out"] == 9
+    assert got["tables"] == got["tables_laid_out"] == 11
     assert got["page_width"] <= got["window_width"] and got["external"] == 0  # phone width: no overflow
     cmp = browser_check(folder / REPORT, tmp_path)
     assert cmp["figures"] == cmp["figures_laid_out"] == 1 and cmp["tables_laid_out"] == 2

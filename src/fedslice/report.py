@@ -285,7 +285,8 @@ def _bytes_series(metrics: Sequence[Mapping[str, Any]]) -> tuple[list[int], list
     return xs, down, up
 
 
-def _label(summary: Mapping[str, Any], run_dir: Path) -> str:
+def run_label(summary: Mapping[str, Any], run_dir: Path) -> str:
+    """A run's name in plot titles: its name (the folder's when unnamed) and method."""
     name = summary.get("name") or run_dir.name
     method = summary.get("method")
     return f"{name} ({method})" if method and method != name else str(name)
@@ -325,7 +326,7 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     the run folder. Returns the two paths."""
     run_dir = Path(run_dir)
     config, metrics, summary = read_run(run_dir)
-    title = _label(summary, run_dir)
+    title = run_label(summary, run_dir)
 
     fig, (ax,) = figure()
     _plot_accuracy(ax, metrics, summary)
@@ -365,20 +366,21 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     bytes_path = save_figure(fig, run_dir / "bytes.png")
-    return [acc_path, bytes_path] + method_plots(run_dir, config, metrics, summary, title)
+    return [acc_path, bytes_path] + method_plots(run_dir, config, metrics, summary)
 
 
 def method_plots(run_dir: Path, config: Mapping[str, Any], metrics: Sequence[Mapping[str, Any]],
-                 summary: Mapping[str, Any], title: str) -> list[Path]:
-    """The plots the run's method contributes (:meth:`fedslice.methods.base.Method.plots`: RaFFM's
-    elastic sizes, heads' importance maps), asked through the registry; none when the method is
-    not registered in this process (the built-in ones are, once :mod:`fedslice.plugins` is
-    imported, as ``fedslice report`` does)."""
+                 summary: Mapping[str, Any]) -> list[Path]:
+    """The plots the run's method contributes: its report views that name a PNG
+    (:meth:`fedslice.methods.base.Method.report_views`: RaFFM's elastic sizes, heads' importance
+    maps), asked through the registry; none when the method is not registered in this process
+    (the built-in ones are, once :mod:`fedslice.plugins` is imported, as ``fedslice report``
+    does)."""
     name = summary.get("method") or (config.get("method") or {}).get("name")
     if name not in METHODS:
         return []
-    return METHODS.get(name).method_cls.plots(run_dir, dict(config), list(metrics), dict(summary),
-                                              title)
+    views = METHODS.get(name).method_cls.report_views(run_dir, dict(config), list(metrics), dict(summary))
+    return [save_figure(v.figure, run_dir / v.png) for v in views if v.png and v.figure is not None]
 
 
 def plot_compare(run_dirs: Sequence[str | os.PathLike], out_path: str | os.PathLike) -> Path:
@@ -393,7 +395,7 @@ def plot_compare(run_dirs: Sequence[str | os.PathLike], out_path: str | os.PathL
     fig, (ax_acc, ax_bytes) = figure(ncols=2)
     for i, run_dir in enumerate(run_dirs):
         _, metrics, summary = read_run(run_dir)
-        label = _label(summary, run_dir)
+        label = run_label(summary, run_dir)
         color = palette[i % len(palette)]
         _plot_accuracy(ax_acc, metrics, summary, label=label, color=color)
         xs, down, up = _bytes_series(metrics)

@@ -15,12 +15,22 @@ from typing import Any
 
 @dataclass
 class View:
-    """One section of a report: a title, an inline SVG figure (or none) and its data rows."""
+    """One section of a report: a title, an inline SVG figure (or none) and its data rows. A
+    view with a ``png`` name is also a plot ``fedslice report`` writes into the run folder (from
+    its matplotlib ``figure``)."""
 
     title: str
     svg: str | None
     rows: list[dict[str, Any]] = field(default_factory=list)
     caption: str = ""
+    png: str | None = None
+    figure: Any = field(default=None, repr=False, compare=False)
+
+
+def figure_view(title: str, fig, rows: list[dict[str, Any]], caption: str = "",
+                png: str | None = None) -> View:
+    """A view of a drawn matplotlib figure (kept for its ``png`` when it has one)."""
+    return View(title, svg(fig), rows, caption, png, fig if png else None)
 
 
 def figure(width: float = 6.0, height: float = 3.4, ncols: int = 1):

@@ -561,15 +561,9 @@ class Method:
     def report_views(cls, folder: Path, config: dict[str, Any], metrics: list[dict[str, Any]],
                      summary: dict[str, Any]) -> list:
         """The method's own sections of a run's HTML report (:class:`fedslice.viz.View`: a
-        figure and the data behind it), from the finished run folder. Default: none."""
-        return []
-
-    @classmethod
-    def plots(cls, run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]],
-              summary: dict[str, Any], title: str) -> list[Path]:
-        """The method's own plots, from a finished run folder's files (``fedslice report``
-        regenerates them, :func:`fedslice.report.plot_run`); returns the paths written.
-        Default: none."""
+        figure and the data behind it), from the finished run folder; a view with a ``png``
+        name is also a plot ``fedslice report`` writes there (RaFFM's elastic sizes, heads'
+        importance maps). Default: none."""
         return []
 
 

@@ -28,7 +28,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
     # server work after aggregation
     "server": ("on_round_end",),
     # after training: summary entries, files, the report's sections and plots
-    "report": ("final_metrics", "write_artifacts", "report_views", "plots"),
+    "report": ("final_metrics", "write_artifacts", "report_views"),
     # the saved state and the model evaluated from it
     "export": ("export_state", "eval_model"),
 }
@@ -80,9 +80,7 @@ class Report(Protocol):
     def final_metrics(self, state, data, records, batch_size: int) -> dict: ...
     def write_artifacts(self, folder) -> None: ...
     @classmethod
-    def report_views(cls, folder, config, metrics, summary) -> list: ...
-    @classmethod
-    def plots(cls, run_dir, config, metrics, summary, title: str) -> list: ...
+    def report_views(cls, folder, config, metrics, summary) -> list: ...  # views; PNG plots too
 
 
 class Export(Protocol):

@@ -30,7 +30,8 @@ from fedslice.methods.base import Method, Role
 from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.methods.heads.capture import CapturingLoss, fit_first_step, fit_training
 from fedslice.methods.heads.options import HeadsMethod, kept_count, max_sparsity
-from fedslice.methods.heads.report import head_views, paper_ops, plot_head_importance
+from fedslice.methods.heads.report import head_views, importance_views, paper_ops
+from fedslice.report import run_label
 from fedslice.methods.heads.strategy import ALPHA, HeadsStrategy, KEPT
 from fedslice.methods.plan_records import PlannedModel
 from fedslice.models.loading import LoadedModel
@@ -549,8 +550,13 @@ class HeadStage(Method):
 
     @classmethod
     def report_views(cls, folder, config, metrics, summary) -> list:
-        """The stage below's views, then the heads' (:func:`~fedslice.methods.heads.report.head_views`)."""
-        return super().report_views(folder, config, metrics, summary) + head_views(metrics)
+        """The stage below's views, then the heads' (:func:`~fedslice.methods.heads.report.head_views`),
+        and each client's importance in the first ``method.plot_rounds`` rounds with the
+        distance between clients' (``head_importance.png``, ``head_distance.png``:
+        :func:`~fedslice.methods.heads.report.importance_views`)."""
+        rounds = (config.get("method") or {}).get("plot_rounds", 10)
+        return super().report_views(folder, config, metrics, summary) + head_views(metrics) + \
+            importance_views(metrics, rounds, run_label(summary, Path(folder)))
 
     # -- after training ----------------------------------------------------------------------
     def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],
@@ -571,15 +577,6 @@ class HeadStage(Method):
         out["paper_ops_T512_dense"] = paper_ops(rows, d["hidden"], 512, **peft)["total"]
         out["paper_ops_T512"] = paper_ops(rows, d["hidden"], 512, kept=per_layer, **peft)["total"]
         return out
-
-    @classmethod
-    def plots(cls, run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]],
-              summary: dict[str, Any], title: str) -> list[Path]:
-        """``head_importance.png`` and ``head_distance.png`` (:func:`plot_head_importance`),
-        after the stage below's plots."""
-        rounds = (config.get("method") or {}).get("plot_rounds", 10)
-        return super().plots(run_dir, config, metrics, summary, title) + \
-            plot_head_importance(metrics, run_dir, rounds, title)
 
 
 class Heads(HeadStage, FedPETuning):

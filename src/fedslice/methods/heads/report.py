@@ -26,17 +26,25 @@ def _importance_by_round(metrics: Sequence[Mapping[str, Any]]) -> list[tuple[int
 
 def plot_head_importance(metrics: Sequence[Mapping[str, Any]], run_dir: str | os.PathLike,
                          rounds: int = 10, title: str = "", max_clients: int = 4) -> list[Path]:
+    """``head_importance.png`` and ``head_distance.png`` (:func:`importance_views`) written into
+    ``run_dir``; returns the paths ([] when no client reported head importance)."""
+    return [save_figure(v.figure, Path(run_dir) / v.png)
+            for v in importance_views(metrics, rounds, title, max_clients)]
+
+
+def importance_views(metrics: Sequence[Mapping[str, Any]], rounds: int = 10, title: str = "",
+                     max_clients: int = 4) -> list:
     """``head_importance.png``: a heatmap (rows: layers per attention family; columns: heads)
-    of each selected client's importance in the first ``rounds`` rounds (at most ``max_clients`` per round; kept heads dotted), and
-    ``head_distance.png``: the Euclidean distance between two clients' importance vectors per
-    round (the heads paper's Fig. 5), with the mean pairwise distance when more clients train.
-    Returns the paths written ([] when no client reported head importance)."""
+    of each selected client's importance in the first ``rounds`` rounds (at most ``max_clients``
+    per round; kept heads dotted), and ``head_distance.png``: the Euclidean distance between two
+    clients' importance vectors per round (the heads paper's Fig. 5), with the mean pairwise
+    distance when more clients train; [] when no client reported head importance."""
     import numpy as np
 
+    from fedslice.viz import figure_view
     data = _importance_by_round(metrics)
     if not data or rounds <= 0:
         return []
-    run_dir = Path(run_dir)
     shown = data[:rounds]
     ncols = min(max_clients, max(len(cs) for _, cs in shown))
     vmin = min(float(a.min()) for _, cs in shown for _, a in cs[:ncols])
@@ -68,7 +76,12 @@ def plot_head_importance(metrics: Sequence[Mapping[str, Any]], run_dir: str | os
             ax.set_title(f"r{r} c{c}", fontsize=7)
     fig.colorbar(image, ax=axes, shrink=0.6, label="importance (rows: layers, per attention family; • kept)")
     fig.suptitle(f"{title}: head importance" if title else "head importance", fontsize=9)
-    heat = save_figure(fig, run_dir / "head_importance.png")
+    cells = [{"round": r, "client": c, "mean importance": float(imp.mean()),
+              "heads kept": None if kept_of.get((r, c)) is None else int(np.sum(kept_of[(r, c)]))}
+             for r, clients in shown for c, imp in clients[:ncols]]
+    heat = figure_view("Head importance per client (heads method)", fig, cells,
+                       f"Each client's Eq. 6 importance in the first {len(shown)} rounds (at most "
+                       f"{ncols} clients a round; dots: the heads it kept).", png="head_importance.png")
 
     fig, (ax,) = figure()
     xs, two, mean = [], [], []
@@ -90,7 +103,10 @@ def plot_head_importance(metrics: Sequence[Mapping[str, Any]], run_dir: str | os
     ax.grid(True, alpha=0.3)
     if xs:
         ax.legend(loc="upper right")
-    return [heat, save_figure(fig, run_dir / "head_distance.png")]
+    rows = [{"round": r, "first two clients": a, "mean over client pairs": b} for r, a, b in zip(xs, two, mean)]
+    return [heat, figure_view("Distance between clients' head importance (heads method)", fig, rows,
+                              "Euclidean distance of two clients' importance vectors per round "
+                              "(the heads paper's Fig. 5).", png="head_distance.png")]
 
 
 Peft = Literal["lora", "ia3", "prompt_tuning", "p_tuning", "none"]

@@ -26,7 +26,8 @@ from fedslice.models.quantize import held_bytes
 from fedslice.methods.facts import Facts
 from fedslice.methods.base import Method, Role
 from fedslice.methods.raffm.options import RaFFMMethod
-from fedslice.methods.raffm.report import plot_elastic, elastic_views, tier_summary
+from fedslice.methods.raffm.report import elastic_views, tier_summary
+from fedslice.report import run_label
 from fedslice.methods.raffm.strategy import RaFFMStrategy
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
@@ -453,8 +454,8 @@ class RaFFM(Method):
 
     @classmethod
     def report_views(cls, folder, config, metrics, summary) -> list:
-        """Elastic inference (:func:`~fedslice.methods.raffm.report.elastic_views`)."""
-        return elastic_views(summary)
+        """Elastic inference (:func:`~fedslice.methods.raffm.report.elastic_views`: ``elastic.png``)."""
+        return elastic_views(summary, run_label(summary, Path(folder)))
 
     def elastic_specs(self) -> list[dict[str, Any]]:
         """Every elastic size's sub-model as a spec over the saved state (the checkpoint's order
@@ -501,14 +502,6 @@ class RaFFM(Method):
             if full and "forward_gflops_per_example" in e:
                 e["forward_flops_ratio"] = e["forward_gflops_per_example"] / full["forward_gflops_per_example"]
         return [e for e in out if e["size"] in self.opts.elastic_sizes]
-
-    @classmethod
-    def plots(cls, run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]],
-              summary: dict[str, Any], title: str) -> list[Path]:
-        """``elastic.png`` (:func:`plot_elastic`) from the summary's ``elastic`` entries."""
-        if not summary.get("elastic"):
-            return []
-        return [plot_elastic(summary["elastic"], run_dir / "elastic.png", title)]
 
     def final_metrics(self, state: State, data, records: list[dict[str, Any]], batch_size: int) -> dict[str, Any]:
         """Elastic sizes, per-tier costs and the plans (merged into summary.json)."""

@@ -13,8 +13,14 @@ from fedslice.report import figure, save_figure
 
 def plot_elastic(elastic: Sequence[Mapping[str, Any]], out_path: str | os.PathLike,
                  title: str = "", series: str | None = None, fig_axes=None) -> Path:
-    """``elastic.png``: test (and dev) primary metric of the global model evaluated at several sub-model
-    sizes, against the size (FLOPs fraction) and against forward GFLOPs per example."""
+    """``elastic.png`` (:func:`elastic_figure`) written to ``out_path``."""
+    return save_figure(elastic_figure(elastic, title, series, fig_axes), Path(out_path))
+
+
+def elastic_figure(elastic: Sequence[Mapping[str, Any]], title: str = "", series: str | None = None,
+                   fig_axes=None):
+    """Test (and dev) primary metric of the global model evaluated at several sub-model sizes,
+    against the size (FLOPs fraction) and against forward GFLOPs per example."""
     from matplotlib.ticker import AutoLocator
 
     fig, (ax_size, ax_flops) = fig_axes or figure(ncols=2, width=5.0)
@@ -36,30 +42,28 @@ def plot_elastic(elastic: Sequence[Mapping[str, Any]], out_path: str | os.PathLi
         ax.grid(True, alpha=0.3)
         ax.legend(loc="lower right")
     ax_size.set_title(f"{title}: elastic inference" if title else "elastic inference")
-    return save_figure(fig, Path(out_path))
+    return fig
 
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def elastic_views(summary: Mapping[str, Any]) -> list:
-    """The report's view of elastic inference: the primary metric of the global model at every evaluated size."""
-    from fedslice.viz import line_view
+def elastic_views(summary: Mapping[str, Any], title: str = "") -> list:
+    """The report's view of elastic inference (``elastic.png``): the primary metric of the
+    global model at every evaluated size."""
+    from fedslice.viz import figure_view
     rows = [e for e in summary.get("elastic") or [] if "metric" in e]
     if not rows:
         return []
     metric = rows[0]["metric"]
-    view = line_view("Elastic inference (raffm)", [e["size"] for e in rows],
-                     {f"test {metric}": [e.get(f"test_{metric}") for e in rows],
-                      f"dev {metric}": [e.get(f"dev_{metric}") for e in rows]},
-                     xlabel="size (fraction of full-model training FLOPs)", ylabel=metric,
-                     x_key="size", caption="The trained global model cut to each elastic "
-                     "size (leading heads and neurons); `fedslice export --size S` writes one.")
-    for row, e in zip(view.rows, rows):
-        row.update({k: e.get(k) for k in ("params", "forward_gflops_per_example",
-                                            "forward_flops_ratio", "heads", "ffn")})
-    return [view]
+    table = [{"size": e["size"], f"test {metric}": e.get(f"test_{metric}"),
+              f"dev {metric}": e.get(f"dev_{metric}"),
+              **{k: e.get(k) for k in ("params", "forward_gflops_per_example", "forward_flops_ratio",
+                                       "heads", "ffn")}} for e in rows]
+    return [figure_view("Elastic inference (raffm)", elastic_figure(summary["elastic"], title), table,
+                        "The trained global model cut to each elastic size (leading heads and "
+                        "neurons); `fedslice export --size S` writes one.", png="elastic.png")]
 
 
 def tier_summary(plans: Mapping[int, Any], per_client: Sequence[Mapping[str, Any]], cost_of) -> list[dict[str, Any]]:
