@@ -331,7 +331,8 @@ class BudgetPlanner:
         Pruned search, most-training first, one knob at a time: sub-model, local work, sparsity,
         rank, importance source, precision, then the overheads. A sub-model whose
         cheapest point (least local work, largest sparsity, smallest rank, every memory saving)
-        does not fit is skipped whole, then the same per local work, per sparsity and per rank.
+        does not fit is skipped whole (nested sub-models: the first in reach by bisection), then
+        the same per local work, per sparsity and per rank.
         The plan says why: what the nearest larger plan it passed over needs."""
         passed = None  # (the nearest larger plan passed over, what it needs)
 
