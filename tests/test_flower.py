@@ -503,6 +503,30 @@ def started(monkeypatch):
     assert not leftovers, f"processes left running: {leftovers}"
 
 
+#: Seconds between two status checks (``flwr ls``) while a test waits for a run: each check
+#: starts the ``flwr`` CLI (1.4 CPU s at load 6, 2026-11-29), and at LocalFederation.wait's 5 s
+#: they were ~11% of a deployment test's CPU (the killed node's: 53 -> 47 CPU s at 30 s). Every
+#: wait here has a finished hint (the run's result file, or the SuperLink's log line for a run
+#: that fails), on which the status is read within a second: the checks in between only catch a
+#: run that ends without its hint (the test then fails that much later).
+STATUS_POLL_S = 30.0
+
+
+@pytest.fixture
+def rare_status_checks(monkeypatch):
+    """``deploy_local``'s wait for its run checks the status every ``STATUS_POLL_S`` (its hint:
+    the run's result file)."""
+    from fedslice.flower import local
+
+    wait = local.LocalFederation.wait
+
+    def rare(self, run_id, timeout, poll=STATUS_POLL_S, finished_hint=None):
+        assert finished_hint is not None, "a wait without a finished hint needs the 5 s checks"
+        return wait(self, run_id, timeout, poll, finished_hint)
+
+    monkeypatch.setattr(local.LocalFederation, "wait", rare)
+
+
 #: The node heartbeat interval (s) of the SuperNodes in the tests that kill one (Flower's is
 #: 30 s, its least 10 s): the SuperLink drops a node that sent none for 2 intervals and answers
 #: the messages waiting for it with an error. At 30 s the killed node's round waited for its
@@ -603,24 +627,29 @@ def _run_on(fed, tmp_path: Path, config: Path, timeout: float = 240.0,
     run_id = _submit(fed, tmp_path, config, **{"result-file": str(result),
                                                "round-timeout": round_timeout,
                                                "connect-timeout": 60.0})
-    status = fed.wait(run_id, timeout, finished_hint=result.exists)
+    status = fed.wait(run_id, timeout, STATUS_POLL_S, finished_hint=result.exists)
     assert status == "finished:completed" and result.is_file(), fed.run_log(run_id)[-3000:]
     return Path(result.read_text().strip())
 
 
 @needs_flower
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
-def test_deploy_local_two_supernodes_matches_in_process(tiny_cfg_dict, tmp_path, started):
+def test_deploy_local_two_supernodes_matches_in_process(tiny_cfg_dict, tmp_path, started,
+                                                         rare_status_checks):
     """`fedslice deploy local --tls --auth`: SuperLink + 2 SuperNodes, TLS certificates made with
-    openssl in the test, SuperNode keys registered with `flwr supernode register`; 2 rounds of
+    openssl in the test, SuperNode keys registered with `flwr supernode register`; a round of
     full fine-tuning (fedavg), finished:completed (checked inside deploy_local), the in-process
     engine's weights. (One federation for what were two tests, a plain 2-round deployment and
     a 1-round TLS + auth one: TLS and authentication change the connection only. The plain
     connection is every other deployment test's: the loopback fixtures, the killed SuperNode;
-    deploy_local without TLS: test_simulation_engine_matches_in_process.)"""
+    deploy_local without TLS: test_simulation_engine_matches_in_process. One round: a fedavg
+    node's later rounds are its first again, a fresh ClientApp process given the aggregate;
+    later rounds on SuperNodes: the proxy methods' deployments, 2 rounds each and state kept
+    on the nodes, tests/test_flower_proxy.py; every method's 2 rounds through the ServerApp and
+    ClientApp code: test_serverapp_matches_in_process_engine.)"""
     from fedslice.flower.deploy import deploy_local
 
-    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedavg")
+    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedavg", rounds=1)
     run_dir = deploy_local(path, nodes=2, out_dir=tmp_path / "runs", tls=True, auth=True,
                            round_timeout=90, connect_timeout=60, timeout=240,
                            workdir=tmp_path / "work")
@@ -636,9 +665,9 @@ def test_deployed_generation_on_a_decoder_matches_in_process(tiny_gen_cfg_dict, 
     """A decoder LLM (tiny LLaMA, grouped-query attention) generating on SuperLink + 2
     SuperNodes: the in-process weights, and BLEU/ROUGE in the summary. One round: a node's
     later rounds are its first again (a fresh ClientApp process; fedpetuning, like fedavg, keeps
-    nothing in Context.state), deployed in test_deploy_local_two_supernodes_matches_in_process
-    (fedavg) and on this decoder through the ServerApp/ClientApp code in
-    test_serverapp_matches_in_process_engine_on_generative_models (2 rounds each)."""
+    nothing in Context.state); later rounds are deployed in tests/test_flower_proxy.py (2
+    rounds, state kept on the nodes) and run on this decoder through the ServerApp/ClientApp
+    code in test_serverapp_matches_in_process_engine_on_generative_models (2 rounds)."""
     tiny_gen_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=1)
     run_dir = _run_on(loopback, tmp_path, _write_config(tiny_gen_cfg_dict, tmp_path / "gen.json"))
     _check_deployed_run(run_dir, tiny_gen_cfg_dict, logs=False)
@@ -660,16 +689,18 @@ def test_deployed_image_classification_matches_in_process(tiny_img_cfg_dict, tmp
 
 
 @functools.partial(needs_flower, group="ray")
-def test_simulation_engine_matches_in_process(tiny_cfg_dict, tmp_path, started):
+def test_simulation_engine_matches_in_process(tiny_cfg_dict, tmp_path, started, rare_status_checks):
     """Flower's simulation engine (Ray, the `simulation` extra): 4 virtual SuperNodes, 2 per
-    round, same selections and weights as the in-process engine."""
+    round, same selections and weights as the in-process engine. One Ray actor (a CPU for Ray,
+    one per client): the virtual nodes' ClientApps run one after another in one process (each
+    actor imports torch and fedslice: a second one costs more than it overlaps on CI's 2 cores)."""
     pytest.importorskip("ray")
     from fedslice.flower.deploy import deploy_local
 
     path = _e2e_config(tiny_cfg_dict, tmp_path, "fedpetuning", num_clients=4)
     run_dir = deploy_local(path, out_dir=tmp_path / "runs", round_timeout=90, connect_timeout=60,
                            timeout=240, workdir=tmp_path / "work",
-                           simulation={"client-resources-num-cpus": 1})
+                           simulation={"client-resources-num-cpus": 1, "init-args-num-cpus": 1})
     assert [p.name for p in started] == ["superlink"]
     _check_deployed_run(run_dir, tiny_cfg_dict, node_logs=False)
 
@@ -724,7 +755,7 @@ def test_supernode_killed_mid_round(tiny_cfg_dict, tmp_path, started, quick_hear
         victim = fed.processes[2]  # supernode-1
         _wait_for_line(victim.log_path, "Receiving: train message", timeout=120)
         fed.kill_supernode(1)  # the machine is gone: no goodbye to the SuperLink
-        assert fed.wait(run_id, timeout=120, finished_hint=result.exists) == "finished:completed"
+        assert fed.wait(run_id, 120, STATUS_POLL_S, finished_hint=result.exists) == "finished:completed"
         run_log = fed.run_log(run_id)
         _assert_quick_heartbeats(fed)
     # the usual reason is the SuperLink's verdict on the silent node; a busy machine can reach
@@ -750,11 +781,11 @@ def test_bad_input_fails_the_run_with_a_clear_error(tiny_cfg_dict, tmp_path, sta
                          server_roots=[tmp_path]) as fed:
         missing = _submit(fed, tmp_path, tmp_path / "missing.toml")
         ended = _task_finished(fed, missing)
-        assert fed.wait(missing, timeout=120, finished_hint=ended) == "finished:failed"
+        assert fed.wait(missing, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
         assert f"config file {tmp_path / 'missing.toml'} does not exist" in fed.run_log(missing)
         bad_node = _submit(fed, tmp_path, path, **{"connect-timeout": 60.0})
         ended = _task_finished(fed, bad_node)
-        assert fed.wait(bad_node, timeout=120, finished_hint=ended) == "finished:failed"
+        assert fed.wait(bad_node, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
         assert "partition-id=5 is out of range" in fed.run_log(bad_node)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 

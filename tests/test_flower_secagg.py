@@ -18,9 +18,9 @@ from fedslice.output import read_run
 from fedslice.run.engine import Simulation
 from fedslice.flower.server_app import run as server_run
 from tests.conftest import method_options
-from tests.test_flower import (InProcessGrid, _nodes, _settings, _submit, _wait_for_line,  # noqa: F401
-                               _assert_quick_heartbeats, _weights, _write_config, needs_flower,
-                               quick_heartbeats, started)
+from tests.test_flower import (STATUS_POLL_S, InProcessGrid, _nodes, _settings, _submit,  # noqa: F401
+                               _wait_for_line, _assert_quick_heartbeats, _weights, _write_config,
+                               needs_flower, quick_heartbeats, started)
 
 
 @pytest.fixture(autouse=True)
@@ -167,7 +167,7 @@ def test_deployed_secure_aggregation_with_a_killed_supernode(tiny_cfg_dict, tmp_
         victim = fed.processes[3]  # supernode-2
         _wait_for_line(victim.log_path, "Receiving: train message", timeout=180)
         fed.kill_supernode(2)
-        assert fed.wait(run_id, timeout=300, finished_hint=result.exists) == "finished:completed"
+        assert fed.wait(run_id, 300, STATUS_POLL_S, finished_hint=result.exists) == "finished:completed"
         _assert_quick_heartbeats(fed)  # the dead node dropped ~20 s after the kill, not 60 s
     (run_dir,) = (tmp_path / "runs").iterdir()
     _, metrics, summary = read_run(run_dir)

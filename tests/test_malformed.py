@@ -13,6 +13,10 @@ from fedslice.methods import METHODS
 
 from malformed import (CONTENT_CASES, REPLY_CASES, RULES, FlowerHarness, combinations, fit_round)
 
+# make test (--dist loadgroup): the module's tests on one worker, so that `fitted` (round 1 of
+# every method and rule, ~20 s) is computed once, not once on each worker
+pytestmark = pytest.mark.xdist_group("malformed")
+
 SETTINGS = settings(max_examples=10, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
 

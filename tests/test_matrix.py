@@ -37,9 +37,8 @@ WORKS = {(m, a) for m in METHODS for a in ENCODERS} | \
 # model_dirs (conftest, one per session): a tiny model of every architecture of the table
 
 #: raffm's planner grid where tiers are given (the tests' usual 4, as conftest's method_options):
-#: the invariants hold for any sub-model; the default 48 widths, which the planner scans from the
-#: largest down (~0.2 s a width measured), are planned for the encoders below and in
-#: tests/test_one_planner.py
+#: the invariants hold for any sub-model; the default 48 widths (the planner bisects them: ~0.2 s
+#: a width measured) are planned for the encoders below and in tests/test_one_planner.py
 WIDTH_STEPS = 4
 
 

@@ -15,6 +15,10 @@ from fedslice.fl.strategy import Reply
 from fedslice.fl.validation import check_num_examples, check_tensors
 from fedslice.methods import METHODS
 
+# make test (--dist loadgroup): the module's tests on one worker, so that `fitted` (a round of
+# every method) is computed once, not once on each worker
+pytestmark = pytest.mark.xdist_group("validation")
+
 CASES = {
     "outside the slice": "is outside the client's slice",
     "shape": "has shape",

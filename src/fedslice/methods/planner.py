@@ -44,13 +44,39 @@ from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import batch_head_positions
 from fedslice.slicing.planner import (StepMeasure, batch_key, measure_step, measure_training_step,
                                       training_state_bytes)
-from fedslice.slicing.spec import Spec
+from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec
 from fedslice.methods.budgets import ClientBudget, UNITS, client_budgets, client_time_budgets
 from fedslice.methods.plan_records import ClientPlan, KnobCost, Knobs, examples_per_round
 log = logging.getLogger(__name__)
 
 _MB = 1e6
 _MIB = float(1 << 20)
+
+
+def contains(big: Spec | None, small: Spec | None) -> bool:
+    """Whether sub-model ``small`` is a part of ``big``: each layer, head and FFN neuron it keeps
+    is kept by ``big`` (None: the whole model, or stack)."""
+    if big is None or small is None:
+        return big is None or (small is None and big.is_full)
+    if isinstance(big, ModelSlice) or isinstance(small, ModelSlice):
+        return isinstance(big, ModelSlice) and isinstance(small, ModelSlice) and \
+            len(big.stacks) == len(small.stacks) and all(map(contains, big.stacks, small.stacks))
+    at = {layer: j for j, layer in enumerate(big.layers)}
+    for j, layer in enumerate(small.layers):
+        k = at.get(layer)
+        if k is None or not (set(small.heads[j]) <= set(big.heads[k])
+                             and set(small.neurons[j]) <= set(big.neurons[k])):
+            return False
+        if small.cross is not None and (big.cross is None or not set(small.cross[j]) <= set(big.cross[k])):
+            return False
+    return True
+
+
+def is_chain(specs: list[Spec | None]) -> bool:
+    """Whether each sub-model (largest first) is a part of the one before it: then every cost
+    of a point (memory, FLOPs, upload, time) only falls along the list, and so does whether its
+    cheapest point fits a budget."""
+    return all(map(contains, specs, specs[1:]))
 
 
 class BudgetPlanner:
@@ -101,6 +127,9 @@ class BudgetPlanner:
         #: only in their rows per step or micro-batches often measure the same rows (the first
         #: two of the profile batch, scaled), measured once
         self._steps: dict[tuple, dict] = {}
+        #: the sub-models nest (RaFFM's leading slices): the first one in reach is found by
+        #: bisection (:meth:`_specs_in_reach`)
+        self.nested = is_chain([s for s, _ in self.specs])
 
     def overheads(self, knobs: Knobs | None = None) -> list[tuple[bool, int]]:
         """(checkpointing, micro-batches), least overhead first: the splits of ``knobs``' batch."""
@@ -302,7 +331,8 @@ class BudgetPlanner:
         Pruned search, most-training first, one knob at a time: sub-model, local work, sparsity,
         rank, importance source, precision, then the overheads. A sub-model whose
         cheapest point (least local work, largest sparsity, smallest rank, every memory saving)
-        does not fit is skipped whole, then the same per local work, per sparsity and per rank.
+        does not fit is skipped whole (nested sub-models: the first in reach by bisection), then
+        the same per local work, per sparsity and per rank.
         The plan says why: what the nearest larger plan it passed over needs."""
         passed = None  # (the nearest larger plan passed over, what it needs)
 
@@ -315,9 +345,13 @@ class BudgetPlanner:
             return not over
 
         s_min, r_min = self.sparsities[-1], self.ranks[-1]
-        for spec, width in self.specs:
-            if not fits(self._cheapest(spec, width, s_min, r_min), Knobs(spec, width=width)):
-                continue  # not even the sub-model's smallest point fits
+
+        def spec_fits(i: int) -> bool:  # not even the sub-model's smallest point fits: skipped
+            spec, width = self.specs[i]
+            return fits(self._cheapest(spec, width, s_min, r_min), Knobs(spec, width=width))
+
+        for i in self._specs_in_reach(spec_fits):
+            spec, width = self.specs[i]
             for work, d in self._works_in_reach(spec, width, fits):
                 for s in self.sparsities:
                     if not fits(self._cheapest(spec, width, s, r_min, work=work, depth=d),
@@ -342,6 +376,29 @@ class BudgetPlanner:
                                         return self._plan(client, tier, budget, knobs, pred, passed)
                                     passed = (knobs.describe(), over)
         return None
+
+    def _specs_in_reach(self, spec_fits: Callable[[int], bool]) -> Iterator[int]:
+        """The sub-models (indices into :attr:`specs`, largest first) whose cheapest point may fit
+        (``spec_fits``), as a scan of every one finds them, with the scan's last effect before
+        each (``spec_fits`` of the one before it). Nested sub-models (:attr:`nested`): the
+        first in reach by bisection (the fit only turns true along the list), then the rest
+        in turn: a 0.25 client on 48 widths asks 6 sub-models, not 37 (tests/test_planner_search.py
+        checks plans and reasons against the scan)."""
+        n = len(self.specs)
+        first = 0
+        if self.nested:
+            lo, hi = 0, n  # every one before lo is out of reach; hi is in reach (or the end)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if spec_fits(mid) else (mid + 1, hi)
+            if lo == n:
+                return
+            if lo > 0:
+                spec_fits(lo - 1)  # out of reach: the plan passed over, as the scan leaves it
+            first = lo
+        for i in range(first, n):
+            if spec_fits(i):
+                yield i
 
     def _works_in_reach(self, spec, width, fits) -> Iterator[tuple[dict[str, int], float | None]]:
         """(local work, adapter depth) pairs of a sub-model, most training first, whose cheapest
