@@ -109,3 +109,24 @@ def test_on_rows_of_one_length_every_client_round_takes_its_predicted_seconds(ti
     assert len(ms) == 2 * 4 and any(method.plans[m["client"]].knobs.batch for m in ms)
     for m in ms:
         assert m["sim_s"] == pytest.approx(m["sim_s_predicted"], rel=5e-3), m
+
+
+def test_each_client_round_is_predicted_from_its_own_batches(tiny_cfg_dict):
+    """The planner predicts each client-round from the batches it will train (their rows, padded
+    length and head positions: a client's report of its own coming round) at the plan's measured
+    FLOP rates, cut where the client's FLOPs guard cuts: on rows of many lengths the simulated
+    seconds are the prediction's, and the FLOPs the client counts are the predicted FLOPs."""
+    tiers = [{"share": 0.5, "memory_mb": 1e4, **FAST}, {"share": 0.5, "memory_mb": 1e4, **SLOW}]
+    method, _ = setup(validate_config(_cfg(tiny_cfg_dict, tiers)))
+    seconds = sorted(p.seconds for p in method.plans.values())
+    d = _cfg(tiny_cfg_dict, tiers, round_policy="deadline", round_deadline_s=(seconds[0] + seconds[-1]) / 2,
+             rounds=3)
+    cfg = validate_config(d)
+    method, data = setup(cfg)
+    _, records, _ = simulation_for(cfg, method, data).run()
+    ms = [m for r in records for m in r["client_metrics"]]
+    assert len(ms) == 3 * 4
+    planned = [m["sim_s"] / m["sim_s_planned"] for m in ms]
+    assert max(planned) / min(planned) > 1.2, planned  # the rounds vary: a mean misses them
+    for m in ms:
+        assert m["sim_s"] == pytest.approx(m["sim_s_predicted"], rel=1e-6), m
