@@ -60,6 +60,14 @@ class DPFedAvg(Rule):
                 "every round samples clients_per_round of the clients uniformly at random; "
                 f"loss-gap selection picks them by the losses they report{probe}, which is neither "
                 "uniform nor private, so the epsilon would be wrong: use selection='uniform'")
+        if fed.round_policy == "deadline" and cfg.budgets is not None:
+            raise ValueError(
+                "dp.enabled with [budgets] under federation.round_policy='deadline': the server "
+                "predicts each client-round from the shapes of the client's batches (its "
+                "examples' lengths) and sends no work to a client predicted past the deadline, "
+                "so who trains depends on the clients' data, outside the accountant: use "
+                "round_policy='all' (a tier's seconds_per_round still fits each plan), or drop "
+                "[budgets]")
         stats = method_cls.client_statistics(cfg)
         if stats is not None:
             raise ValueError(f"dp.enabled with {stats}: client statistics that reach the server "
