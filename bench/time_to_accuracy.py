@@ -18,7 +18,8 @@ Rows, the same federation and seed each:
 * ``planner``: fedpetuning with ``[budgets]`` and the same deadline as ``deadline``, no
   over-selection: the planner fits each client's local work (examples per step,
   ``budgets.local_work_by = "batch"``) to the deadline on its own device (part 3), so no reply
-  is late.
+  is late; a client-round whose first step alone is predicted past the deadline sits the round
+  out (sent no work; counted in the report).
 
 Every row stops at ``2 t*`` (the budget). The dev metric is measured on the model *available*
 at each time point: ``all`` every ``--all-eval-every`` rounds (and at round 30); the others on

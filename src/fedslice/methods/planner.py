@@ -139,6 +139,7 @@ class BudgetPlanner:
         known = None if packed is not None else next(
             (c for k, c in self._costs.items() if self._packed_batch(k) is None
              and replace(k, micro_batches=1) == replace(knobs, micro_batches=1)), None)
+        depth_frozen = set(self.method.depth_frozen(knobs.depth))  # (asked before freezing them)
         with self.method.planned_model(knobs) as planned, \
                 gradient_checkpointing(planned.model, knobs.checkpointing), \
                 (packed_training(planned.model) if packed is not None else nullcontext()):
@@ -170,7 +171,11 @@ class BudgetPlanner:
             if known is not None:
                 return replace(known, memory_mb=memory, reference=reference)
             upload = wire_bytes(planned.upload, self.method.cfg.federation.upload_dtype)  # as it travels
-            download = measure.tensor_bytes(dict(planned.upload))
+            # what the client receives: the tensors it trains and those its adapter depth
+            # leaves frozen (their forward still runs), at its rank
+            below = depth_frozen - set(planned.upload)
+            download = measure.tensor_bytes(dict(planned.upload)) + measure.tensor_bytes(
+                {n: p for n, p in planned.model.named_parameters() if n in below})
             imp = 0.0
             if planned.importance_model is not None:
                 imp = self._forward_flops(planned.importance_model) / self.rows
