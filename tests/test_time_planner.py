@@ -163,3 +163,23 @@ def test_a_client_whose_first_step_would_pass_the_deadline_sits_the_round_out(ti
     assert all(m["sim_s"] <= deadline for r in records for m in r["client_metrics"])
     assert {(r["round"], m["client"]) for r in records for m in r["client_metrics"]} | sat == \
         {(r["round"], c) for r in records for c in r["clients"]}
+
+
+@pytest.mark.parametrize("name, rel", [("raffm", 1e-9), ("raffm+heads", 0.1)])
+def test_sub_models_and_pruned_heads_are_predicted_per_client_round(tiny_cfg_dict, name, rel):
+    """RaFFM's sub-models extrapolate by the same parts: each client-round is its prediction.
+    The head stage's importance pass is predicted at the profile's length (an upper bound of a
+    pass over the client's own examples) and its kept heads are the client's own: within 10%."""
+    tiers = [{"share": 0.5, "memory_mb": 1e4, **FAST}, {"share": 0.5, "memory_mb": 1e4, **SLOW}]
+    d = _cfg(tiny_cfg_dict, tiers)
+    d["method"] = {"name": name, **({"sparsity": 0.5} if "heads" in name else {})}
+    method, _ = setup(validate_config(d))
+    seconds = sorted(p.seconds for p in method.plans.values())
+    d["federation"].update(round_policy="deadline", round_deadline_s=(seconds[0] + seconds[-1]) / 2)
+    cfg = validate_config(d)
+    method, data = setup(cfg)
+    _, records, _ = simulation_for(cfg, method, data).run()
+    ms = [m for r in records for m in r["client_metrics"]]
+    assert len(ms) == 2 * 4
+    for m in ms:
+        assert m["sim_s"] == pytest.approx(m["sim_s_predicted"], rel=rel), m
