@@ -18,7 +18,8 @@ Rows, the same federation and seed each:
 * ``planner``: fedpetuning with ``[budgets]`` and the same deadline as ``deadline``, no
   over-selection: the planner fits each client's local work (examples per step,
   ``budgets.local_work_by = "batch"``) to the deadline on its own device (part 3), so no reply
-  is late.
+  is late; a client-round whose first step alone is predicted past the deadline sits the round
+  out (sent no work; counted in the report).
 
 Every row stops at ``2 t*`` (the budget). The dev metric is measured on the model *available*
 at each time point: ``all`` every ``--all-eval-every`` rounds (and at round 30); the others on
@@ -220,9 +221,9 @@ def run_piece(args, seed: int, row: str) -> dict:
         complete = True
     records = driver.records
     slim = [{k: r.get(k) for k in ("round", "sim_time_s", "sim_round_s", "wasted_flops",
-                                   "round_flops", "staleness_mean", "examples_used")}
+                                   "round_flops", "staleness_mean", "examples_used", "sat_out")}
             | {"bytes_up": sum(m.get("bytes_up") or 0 for m in r["client_metrics"]),
-               "client_metrics": [{k: m.get(k) for k in ("client", "sim_s", "sim_s_predicted",
+               "client_metrics": [{k: m.get(k) for k in ("client", "sim_s", "sim_s_predicted", "sim_s_planned",
                                                          "used", "examples", "steps_cut", "tokens",
                                                          "flops_measured", "bytes_up", "bytes_down")}
                                   for m in r["client_metrics"]]}
@@ -277,11 +278,14 @@ def piece_stats(piece: dict, higher: bool, k: int) -> dict:
     total = sum(r["round_flops"] or 0 for r in recs)
     ratios = [m["sim_s"] / m["sim_s_predicted"] for r in recs for m in r["client_metrics"]
               if m.get("sim_s_predicted")]
+    sat = sum(r.get("sat_out") or 0 for r in recs)
+    sent = sum(len(r["client_metrics"]) for r in recs)
     tt = time_to(piece["evals"], ref["target"], higher, k)
     return {"rounds": len(recs), "t_to": tt, "ratio": None if tt is None else tt / ref["t_star"],
             "at_budget": at_time(piece["evals"], budget, k), "target": ref["target"],
             "wasted": wasted / total if total else 0.0,
             "upload_mb": sum(r["bytes_up"] for r in recs) / 1e6, "sim_pred": ratios,
+            "sat_out": sat, "sent": sent,
             "complete": piece["complete"]}
 
 
@@ -342,9 +346,14 @@ def summarize(args) -> str:
                      f"{'-' if row == 'all' else _ms([s['delta'] for s in st], '+.2f')} | "
                      f"{_ms([s['wasted'] for s in st], '.3f')} | {_ms([s['upload_mb'] for s in st], '.1f')} | "
                      f"{pred} |")
+    sat = [f"{row}: {sum(s['sat_out'] for s in stats[row])} of "
+           f"{sum(s['sat_out'] + s['sent'] for s in stats[row])} client-rounds"
+           for row in ROWS if any(s["sat_out"] for s in stats[row])]
+    sat_line = ("Sat out (predicted past the deadline after their first step, sent no work): "
+                + "; ".join(sat) + ".\n\n") if sat else ""
     detail = ("| seed | row | rounds to 2t* | target | sim s to target (x all's t*) | "
               f"dev {metric} at 2t* | wasted FLOPs | upload MB |\n|---|---|---|---|---|---|---|---|")
-    return (head + "\n" + "\n".join(lines) + "\n\n" + prediction_breakdown(args)
+    return (head + "\n" + "\n".join(lines) + "\n\n" + sat_line + prediction_breakdown(args)
             + "\nTime to lower targets (the seeds' mean ± sd; x: over all's time to the same):\n\n"
             + below_target(args)
             + "\nPer seed:\n\n" + detail + "\n" + "\n".join(per_seed) + "\n")
@@ -373,18 +382,21 @@ def prediction_breakdown(args) -> str:
             plan = plans[str(m["client"])]
             rows.append((m["sim_s"] / m["sim_s_predicted"],
                          m["flops_measured"] / (plan["gflops_per_round"] * 1e9),
-                         m["tokens"] / np.mean(by_batch[plan["batch"]]), m.get("steps_cut") or 0))
+                         m["tokens"] / np.mean(by_batch[plan["batch"]]), m.get("steps_cut") or 0,
+                         m["sim_s"] / (m.get("sim_s_planned") or m["sim_s_predicted"])))
     if not rows:
         return ""
     a = np.asarray(rows, dtype=float)
     corr = float(np.corrcoef(a[:, 1], a[:, 2])[0, 1]) if len(a) > 2 else float("nan")
     q = lambda x: f"{np.percentile(x, 5):.3f} / {np.median(x):.3f} / {np.percentile(x, 95):.3f}"
     return (f"Planner client-rounds ({len(a)}): simulated / predicted seconds (p5 / median / p95) "
-            f"{q(a[:, 0])}; measured / predicted FLOPs {q(a[:, 1])}; the round's padded tokens / "
+            f"{q(a[:, 0])}, within 10%: {np.mean(np.abs(a[:, 0] - 1) <= 0.1):.0%}, within 1%: "
+            f"{np.mean(np.abs(a[:, 0] - 1) <= 0.01):.0%} (each round predicted from its own batches); "
+            f"over the plan's mean round's seconds {q(a[:, 4])}, within 10%: "
+            f"{np.mean(np.abs(a[:, 4] - 1) <= 0.1):.0%}; measured / the plan's mean FLOPs {q(a[:, 1])}; the round's padded tokens / "
             f"the mean of its plan's rounds {q(a[:, 2])}; correlation of the FLOPs ratio with the "
             f"tokens ratio {corr:.3f}; client-rounds with a step cut by the FLOPs budget "
-            f"{int((a[:, 3] > 0).sum())}; within 10% of the prediction: "
-            f"{np.mean(np.abs(a[:, 0] - 1) <= 0.1):.0%}.\n")
+            f"{int((a[:, 3] > 0).sum())}.\n")
 
 
 def below_target(args) -> str:

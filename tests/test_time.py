@@ -17,9 +17,11 @@ from fedslice.config import FederationConfig
 from fedslice.errors import ConfigError
 from fedslice.experiment import load_config, validate_config
 from fedslice.fl.clock import SimClock, settle_round, staleness_weight
+from fedslice.fl.client import round_flops
 from fedslice.fl.devices import Device, Population
 from fedslice.fl.strategy import Payload, Reply, Strategy
 from fedslice.methods import METHODS
+from fedslice.methods.plan_records import RoundCost
 from fedslice.run.asynchronous import AsyncSimulation, Buffer, Staleness, simulation_for
 from fedslice.run.engine import Simulation
 
@@ -55,6 +57,24 @@ def test_client_round_is_flops_over_speed_plus_bytes_over_link():
     assert half.compute_seconds(1e9, host_gflops_per_s=4.0) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="host"):
         half.compute_seconds(1e9)
+
+
+def test_a_rounds_predicted_flops_follow_its_batches_and_the_clients_guard():
+    """A round predicted from its own steps' units (positions, attention pairs, head positions)
+    at a plan's rates; under a FLOPs budget it stops before the first step that would pass it,
+    the first step always running (fl.client.train_local's guard)."""
+    steps = [[(10, 100, 2)], [(20, 400, 2)], [(5, 25, 1), (5, 25, 1)]]  # the last: two micro-batches
+    rates = (2.0, 0.5, 10.0)  # steps of 90, 260 and 65 FLOPs
+    assert round_flops(steps, rates) == (415.0, 3)
+    assert round_flops(steps, rates, 400.0) == (350.0, 2)  # 415 would pass 400
+    assert round_flops(steps, rates, 100.0) == (90.0, 1)
+    assert round_flops(steps, rates, 10.0) == (90.0, 1)  # the first step alone passes: it runs
+    cost = RoundCost(rates, importance_flops=30.0, download_bytes=2_000_000, upload_bytes=500_000)
+    assert cost.flops(steps, 400.0) == (380.0, 2)  # the importance pass spent 30 of the 400
+    dev = Device(gflops_per_s=1e-7, upload_mb_per_s=0.5, download_mb_per_s=4.0)  # 100 FLOP/s
+    seconds, first = cost.seconds(dev, steps, 400.0)
+    assert seconds == pytest.approx(0.5 + 3.8 + 1.0, rel=1e-12)
+    assert first == pytest.approx(0.5 + 1.2 + 1.0, rel=1e-12)
 
 
 def test_round_policies_settle_by_arrival():
@@ -133,6 +153,10 @@ def test_stale_updates_are_taken_against_their_base_and_scaled():
      "lora.aggregation='svd' cannot combine with federation.round_policy = 'async'"),
     ({"federation": {"round_policy": "async"}, "dp": {"enabled": True, "clip_norm": 0.1, "noise_multiplier": 0.5}},
      "dp.enabled: DP-FedAvg cannot combine with federation.round_policy = 'async'"),
+    ({"federation": {"round_policy": "deadline", "round_deadline_s": 5.0},
+      "dp": {"enabled": True, "clip_norm": 0.1, "noise_multiplier": 0.5},
+      "budgets": {"tiers": [{"share": 1.0, "memory_mb": 1e4}]}},
+     "dp.enabled with [budgets] under federation.round_policy='deadline'"),
     ({"federation": {"round_policy": "async"}, "faults": {"dropout": 0.1}}, "faults.dropout"),
     ({"federation": {"round_policy": "async"}, "method": {"name": "raffm", "reorder_every": 1}},
      "method.reorder_every=1"),

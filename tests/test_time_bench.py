@@ -64,6 +64,8 @@ def test_every_row_runs_to_the_budget_and_is_reused(bench, tmp_path, capsys):
     planned = [m for r in pieces["planner"]["records"] for m in r["client_metrics"]]
     assert planned and all(m["sim_s_predicted"] <= deadline * (1 + 1e-9) for m in planned)
     assert all(m["sim_s"] <= deadline * (1 + 1e-9) for m in planned)
+    # each client-round predicted from its own batches: its simulated seconds, to rounding
+    assert all(m["sim_s"] == pytest.approx(m["sim_s_predicted"], rel=1e-9) for m in planned)
     assert all(r["wasted_flops"] == 0 for r in pieces["planner"]["records"])
     assert all(r["staleness_mean"] is not None for r in pieces["async"]["records"])
     table = (out / "tiny.md").read_text()

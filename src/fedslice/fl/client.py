@@ -94,6 +94,46 @@ def planned_tokens(data: TokenizedSplit, cfg: OrdersLike, seed: int) -> int:
     return sum(int(data.lengths[rows].sum()) for rows in local_batch_rows(data, cfg, gen))
 
 
+def batch_units(batch: dict[str, torch.Tensor], virtual_tokens: int = 0) -> tuple[int, int, int]:
+    """``(positions, attention pairs, head positions)`` of a batch: what a training step's FLOPs
+    grow with (:class:`_FlopExtrapolation`; pairs 0 for a batch without ``input_ids``)."""
+    pairs = _attention_units(batch) if "input_ids" in batch else 0
+    return _positions(batch, virtual_tokens), pairs, batch_head_positions(batch)
+
+
+def planned_steps(data: TokenizedSplit, cfg: OrdersLike, seed: int, pack: bool = False,
+                  virtual_tokens: int = 0) -> list[list[tuple[int, int, int]]]:
+    """Each step :func:`train_local` will train with ``seed``: its parts' :func:`batch_units`
+    (the batch, or the plan's micro-batches), drawn and collated as it draws them, before any
+    FLOPs budget cuts a step. What a client can tell of its coming round from its own data (its
+    examples' lengths) and its orders; a step a memory budget splits further is counted as the
+    plan's parts."""
+    o = Orders.of(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    collate = data.collate_packed if pack else data.collate
+    out = []
+    for rows in local_batch_rows(data, o, gen):
+        parts, _ = memory_split(rows, collate, None, None, o.micro_batches)
+        out.append([batch_units(p, virtual_tokens) for p in parts])
+    return out
+
+
+def round_flops(steps: list[list[tuple[int, int, int]]], rates: tuple[float, float, float],
+                budget: float | None = None) -> tuple[float, int]:
+    """``(FLOPs, steps run)`` of a round of ``steps`` (:func:`planned_steps`) at ``rates``
+    (FLOPs per position, attention pair and head position: :class:`_FlopExtrapolation`'s) under
+    a FLOPs ``budget`` (what is left of it after an importance pass): the steps stop before the
+    first that would pass it (:func:`over_budget`), as :func:`train_local` stops."""
+    per_position, per_pair, per_head = rates
+    total = 0.0
+    for i, parts in enumerate(steps):
+        cost = sum(per_position * p + per_pair * q + per_head * h for p, q, h in parts)
+        if over_budget(total, cost, budget, i):
+            return total, i
+        total += cost
+    return total, len(steps)
+
+
 def local_step_count(data: TokenizedSplit, cfg: OrdersLike) -> int:
     o = Orders.of(cfg)
     return o.local_steps or o.local_epochs * num_batches(len(data), o.batch_size)

@@ -40,8 +40,10 @@ def staleness_weight(staleness: int) -> float:
 def client_seconds(device: Device, metrics: Mapping[str, Any],
                    host_gflops_per_s: float | None = None) -> float:
     """One client-round on ``device`` from its reply's measured costs: bytes_down / download +
-    flops_measured / speed + bytes_up / upload."""
-    return device.seconds(float(metrics.get("flops_measured") or 0.0),
+    (flops_measured + flops_importance) / speed + bytes_up / upload (``flops_importance``: a
+    forward pass the client ran before training, the head stage's importance pass)."""
+    flops = float(metrics.get("flops_measured") or 0.0) + float(metrics.get("flops_importance") or 0.0)
+    return device.seconds(flops,
                           float(metrics.get("bytes_down") or 0.0),
                           float(metrics.get("bytes_up") or 0.0), host_gflops_per_s)
 

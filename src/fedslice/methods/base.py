@@ -134,8 +134,17 @@ class Method:
         """What the config checks and the rules ask of the method under ``cfg``
         (:class:`~fedslice.methods.facts.Facts`). Default: nothing re-ordered, no client
         statistics, and a plan may pick its base's precision where the method trains over a
-        quantized base (:attr:`quantized_base`)."""
-        return Facts(precision_refusal=quantize_refusal(cls))
+        quantized base (:attr:`quantized_base`); under a deadline with ``[budgets]`` the server
+        reads the shapes of each client's batches (it sends no work to a client-round predicted
+        past the deadline: :mod:`fedslice.run.predicted`)."""
+        stats = None
+        if cfg.federation.round_policy == "deadline" and cfg.budgets is not None:
+            stats = ("[budgets] under federation.round_policy='deadline' (the server predicts each "
+                     "client-round from the shapes of the client's batches, its examples' lengths, "
+                     "and sends no work to a client predicted past the deadline, so who trains "
+                     "depends on the clients' data; use round_policy='all', where a tier's "
+                     "seconds_per_round still fits each plan, or drop [budgets])")
+        return Facts(client_statistics=stats, precision_refusal=quantize_refusal(cls))
 
     @classmethod
     def check_supported(cls, arch: ArchSpec, task: Task) -> None:

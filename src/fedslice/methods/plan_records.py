@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fedslice.fl.client import round_flops
 from fedslice.fl.memory_hold import ActivationReference
 from fedslice.methods.budgets import ClientBudget
 from fedslice.slicing.spec import Spec, spec_sizes
@@ -110,6 +111,50 @@ class KnobCost:
     step_head: float = 0.0
     pairs: float = 0.0
     heads: float = 0.0
+    #: the positions of the batch counted (rows x length, + virtual tokens x rows): what the
+    #: rest of ``step_flops`` (or all of it, not split) grows with
+    positions: float = 0.0
+
+    def rates(self) -> tuple[float, float, float]:
+        """FLOPs per position, attention pair and head position of a step of this plan, as a
+        client extrapolates its first step's count (:func:`fedslice.fl.client.round_flops`)."""
+        if not self.positions:
+            return 0.0, 0.0, 0.0
+        if self.step_attention is None or not self.pairs or not self.heads:
+            return self.step_flops / self.positions, 0.0, 0.0
+        rest = self.step_flops - self.step_attention - self.step_head
+        return rest / self.positions, self.step_attention / self.pairs, self.step_head / self.heads
+
+
+@dataclass(frozen=True)
+class RoundCost:
+    """What a client-round of a plan costs, by what it trains: the measured step's FLOP rates
+    (per position, attention pair and head position), the importance pass's FLOPs and the
+    bytes received and sent. With the round's own batches (:func:`fedslice.fl.client.planned_steps`)
+    it predicts that round, not a mean one (:meth:`seconds`)."""
+
+    rates: tuple[float, float, float]
+    importance_flops: float = 0.0
+    download_bytes: int = 0
+    upload_bytes: int = 0
+
+    def flops(self, steps: list[list[tuple[int, int, int]]], budget: float | None = None
+              ) -> tuple[float, int]:
+        """``(FLOPs, steps run)`` of a round of ``steps`` under the plan's FLOPs ``budget``
+        (the client stops before a step that would pass it; the first always runs)."""
+        left = None if budget is None else budget - self.importance_flops
+        trained, run = round_flops(steps, self.rates, left)
+        return self.importance_flops + trained, run
+
+    def seconds(self, device, steps: list[list[tuple[int, int, int]]], budget: float | None = None,
+                host_gflops_per_s: float | None = None) -> tuple[float, float]:
+        """``(the round's seconds, the seconds of a reply after its first step alone)`` on
+        ``device`` (:class:`fedslice.fl.devices.Device`), as the simulated clock counts a reply."""
+        flops, _ = self.flops(steps, budget)
+        first, _ = self.flops(steps[:1], budget)
+        down, up = self.download_bytes, self.upload_bytes
+        return (device.seconds(flops, down, up, host_gflops_per_s),
+                device.seconds(first, down, up, host_gflops_per_s))
 
 
 @dataclass
@@ -138,8 +183,10 @@ class ClientPlan:
     flops_share: float | None = None
     #: why the client trains nothing (``budgets.on_infeasible = "sit_out"``: no plan fits)
     sits_out: str | None = None
-    #: a client-round's simulated seconds on the client's device (None: no device)
+    #: a client-round's simulated seconds on the client's device (None: no device): a mean
+    #: round's; :attr:`round_cost` predicts each round from its own batches
     seconds: float | None = None
+    round_cost: RoundCost | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"client": self.client, "tier": self.tier, "budget_name": self.budget.name,

@@ -38,7 +38,7 @@ from fedslice.config import BudgetsConfig
 from fedslice.data.packing import packed_training
 from fedslice.errors import ConfigError
 from fedslice.fl.memory_hold import ActivationReference, activation_units
-from fedslice.fl.client import extrapolates_by_parts, gradient_checkpointing
+from fedslice.fl.client import batch_units, extrapolates_by_parts, gradient_checkpointing
 from fedslice.fl.wire import wire_bytes
 from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import batch_head_positions
@@ -46,7 +46,7 @@ from fedslice.slicing.planner import (StepMeasure, batch_key, measure_step, meas
                                       training_state_bytes)
 from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec
 from fedslice.methods.budgets import ClientBudget, UNITS, client_budgets, client_time_budgets
-from fedslice.methods.plan_records import ClientPlan, KnobCost, Knobs, examples_per_round
+from fedslice.methods.plan_records import ClientPlan, KnobCost, Knobs, RoundCost, examples_per_round
 log = logging.getLogger(__name__)
 
 _MB = 1e6
@@ -168,6 +168,7 @@ class BudgetPlanner:
         known = None if packed is not None else next(
             (c for k, c in self._costs.items() if self._packed_batch(k) is None
              and replace(k, micro_batches=1) == replace(knobs, micro_batches=1)), None)
+        depth_frozen = set(self.method.depth_frozen(knobs.depth))  # (asked before freezing them)
         with self.method.planned_model(knobs) as planned, \
                 gradient_checkpointing(planned.model, knobs.checkpointing), \
                 (packed_training(planned.model) if packed is not None else nullcontext()):
@@ -185,6 +186,7 @@ class BudgetPlanner:
                 head=head, parts=counted, rows=rows,
                 measured=self._step_of(knobs, planned.model, packed is not None, known is None, head))
             steps = 1 if packed is not None else knobs.micro_batches
+            positions = float(batch_units(part, self.method.adapter.virtual_tokens)[0] * steps)
             shares = {} if known is not None or not split else dict(
                 step_attention=counted["attention"] * steps, step_head=counted["head"] * steps,
                 pairs=float(activation_units(part)[1] * steps), heads=float(batch_head_positions(part) * steps))
@@ -198,12 +200,16 @@ class BudgetPlanner:
             if known is not None:
                 return replace(known, memory_mb=memory, reference=reference)
             upload = wire_bytes(planned.upload, self.method.cfg.federation.upload_dtype)  # as it travels
-            download = measure.tensor_bytes(dict(planned.upload))
+            # what the client receives: the tensors it trains and those its adapter depth
+            # leaves frozen (their forward still runs), at its rank
+            below = depth_frozen - set(planned.upload)
+            download = measure.tensor_bytes(dict(planned.upload)) + measure.tensor_bytes(
+                {n: p for n, p in planned.model.named_parameters() if n in below})
             imp = 0.0
             if planned.importance_model is not None:
                 imp = self._forward_flops(planned.importance_model) / self.rows
         return KnobCost(memory, flops * (1 if packed is not None else knobs.micro_batches), upload, imp,
-                        download, reference, **shares)
+                        download, reference, **shares, positions=positions)
 
     def _step_of(self, knobs: Knobs, model: nn.Module, packed: bool, flops: bool,
                  head) -> Callable[[Mapping[str, torch.Tensor]], StepMeasure]:
@@ -285,6 +291,13 @@ class BudgetPlanner:
         gflops = (step / rows * examples
                   + c.importance_flops_per_example * importance_examples) / 1e9
         return {"memory_mb": c.memory_mb, "gflops_per_round": gflops, "upload_mb_per_round": c.upload_bytes / _MB}
+
+    def round_cost(self, knobs: Knobs, importance_examples: int) -> RoundCost:
+        """What a client-round of ``knobs`` costs by what it trains (:class:`RoundCost`): a
+        round predicted from its own batches rather than a mean one."""
+        c = self.cost(knobs)
+        return RoundCost(c.rates(), c.importance_flops_per_example * importance_examples,
+                         c.download_bytes, c.upload_bytes)
 
     # -- choice ------------------------------------------------------------------------------
     def _violations(self, budget: ClientBudget, pred: Mapping[str, float]) -> list[str]:
@@ -535,7 +548,7 @@ def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
             enforced = in_time if enforced is None else min(enforced, in_time)
         held = budget.memory_mb if budgets.enforce_memory else None
         plans[c] = replace(p, client=c, tier=tier, budget=budget, flops_budget=enforced,
-                           memory_budget=held)
+                           memory_budget=held, round_cost=planner.round_cost(p.knobs, imp))
     if failed:
         shown = failed[:10] + ([f"... and {len(failed) - 10} more"] if len(failed) > 10 else [])
         if budgets.on_infeasible == "error" or len(failed) == num_clients:

@@ -23,11 +23,12 @@ from fedslice.fl.clock import SimClock, client_seconds, measure_host_gflops, set
 from fedslice.fl.devices import Population, population
 from fedslice.fl.faults import corrupt, missed_deadline, plan_faults
 from fedslice.methods.probe import probe_loss
+from fedslice.run.predicted import RoundPrediction, past_deadline, predict_round
 from fedslice.run.runner import ClientRunner
 from fedslice.run.session import Rounds
 from fedslice.fl.selection import make_selector
 from fedslice.methods import Method
-from fedslice.fl.strategy import Reply, RoundResult, State, host_state, on_host
+from fedslice.fl.strategy import Payload, Reply, RoundResult, State, host_state, on_host
 from fedslice.fl.wire import received, to_wire
 from fedslice.fl.workers import WorkerLost
 from fedslice.heap import trim_heap
@@ -173,6 +174,9 @@ class Simulation:
         lost: dict[int, str] = {}
         todo = [c for c in clients if c not in faults.dropped]
         seeds = {c: client_seed(self.cfg.seed, server_round, c) for c in todo}
+        predicted = self.predict(payloads, todo, seeds)
+        sat_out = past_deadline(predicted, fed.round_deadline_s) if fed.round_policy == "deadline" else {}
+        todo = [c for c in todo if c not in sat_out]
         with progress_display.task(f"round {server_round}: clients", len(clients)) as advance:
             advance(len(clients) - len(todo))
 
@@ -207,12 +211,14 @@ class Simulation:
         gone += [{"client": c, "reason": f"{why}: dropped this round"} for c, why in sorted(lost.items())]
         gone += [{"client": c, "reason": f"reply {d:g} s after the round started, past the "
                   f"{f.deadline_s:g} s deadline (injected straggler)"} for c, d in sorted(late.items())]
+        gone += [{"client": c, "reason": why} for c, why in sat_out.items()]
         if gone:
             record["excluded"] = sorted(record["excluded"] + gone, key=lambda e: e["client"])
         record.update(dropped=len(faults.dropped) + len(lost), late=len(late),
                       attackers=sorted(faults.attackers), client_mode=mode)
         if timed is not None:
-            self.clock_record(record, replies, *timed)
+            self.clock_record(record, replies, *timed, predicted)
+            record["sat_out"] = len(sat_out)
         record["round_time_s"] = time.perf_counter() - t0
         record["process_rss_mb"] = _rss_mb()
         return new_state, record
@@ -229,16 +235,36 @@ class Simulation:
         self.clock.now = now + settled.seconds
         return settled, secs
 
-    def clock_record(self, record: dict[str, Any], replies: dict[int, Reply], settled, secs) -> None:
-        """Simulated time next to wall time: the round's and the run's seconds, each client's,
-        and the work of the replies the policy dropped (wasted)."""
+    def predict(self, payloads: dict[int, Payload], todo: list[int], seeds: dict[int, int]
+                ) -> dict[int, RoundPrediction]:
+        """The planner's prediction of each client-round of ``todo`` from its own batches
+        (:mod:`fedslice.run.predicted`); empty without plans or devices."""
+        plans = getattr(self.method, "plans", None) or {}
+        if self.clock is None or not plans:
+            return {}
+        out = {}
+        for c in todo:
+            if c in plans:
+                p = predict_round(self.method, plans[c], payloads[c], self.data.client(c), seeds[c],
+                                  self.population.devices[c], self.clock.host_gflops_per_s)
+                if p is not None:
+                    out[c] = p
+        return out
+
+    def clock_record(self, record: dict[str, Any], replies: dict[int, Reply], settled, secs,
+                     predicted: dict[int, RoundPrediction]) -> None:
+        """Simulated time next to wall time: the round's and the run's seconds, each client's
+        (and the planner's prediction of it, from its round's own batches), and the work of the
+        replies the policy dropped (wasted)."""
         plans = getattr(self.method, "plans", None) or {}
         for m in record["client_metrics"]:
             if m["client"] in secs:
                 m["sim_s"] = secs[m["client"]]
                 planned = plans.get(m["client"])
-                if planned is not None and planned.seconds is not None:  # the planner's prediction
-                    m["sim_s_predicted"] = planned.seconds
+                if m["client"] in predicted:
+                    m["sim_s_predicted"] = predicted[m["client"]].seconds
+                if planned is not None and planned.seconds is not None:  # a mean round's
+                    m["sim_s_planned"] = planned.seconds
         gone = [{"client": c, "reason": why} for c, why in sorted(settled.dropped.items())]
         if gone:
             record["excluded"] = sorted(record["excluded"] + gone, key=lambda e: e["client"])
@@ -334,7 +360,8 @@ def sim_summary(records: list[dict], key: str, target: float | None) -> dict[str
     total = sum(r.get("round_flops", 0.0) for r in records)
     return {"sim_time_s": records[-1]["sim_time_s"],
             "sim_time_to_target_s": reached[0] if reached else None,
-            "wasted_flops": lost, "wasted_share": lost / total if total else 0.0}
+            "wasted_flops": lost, "wasted_share": lost / total if total else 0.0,
+            "sat_out": sum(r.get("sat_out", 0) for r in records)}
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:
