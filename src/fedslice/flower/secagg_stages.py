@@ -25,7 +25,8 @@ NEXT = "fedslice_secagg_next"  # Context.state: the keys drawn ahead, for their 
 # -- a client's secrets in Context.state ------------------------------------------------------
 def secrets_to_record(me: sp.ClientSecrets, server_round: int) -> ConfigRecord:
     return ConfigRecord({
-        "round": server_round, "nid": me.nid, "sk1": me.sk1, "pk1": me.pk1, "sk2": me.sk2, "pk2": me.pk2, "seed": me.seed,
+        "round": server_round, "nid": me.nid, "sk1": me.sk1, "pk1": me.pk1, "sk2": me.sk2,
+        "pk2": me.pk2, "seed": me.seed,
         "seed_owners": list(me.seed_shares), "seed_shares": list(me.seed_shares.values()),
         "sk1_owners": list(me.sk1_shares), "sk1_shares": list(me.sk1_shares.values()),
         "peers": list(me.peers), "peer_pk1": [p[0] for p in me.peers.values()],
