@@ -268,9 +268,11 @@ def test_keys_ahead_serve_their_round_only():
     """A node's keys drawn ahead serve the key sharing of their round only: another round's
     stage fails with a clear reason; a setup of that round supersedes them."""
     from flwr.app import ConfigRecord, Context, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
 
     from fedslice.flower.secagg_stages import AHEAD, NEXT, SECAGG, answer_ahead, client_stage
 
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 7, 1  # as a ClientApp's
     ctx = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
 
     def msg(records):
