@@ -260,7 +260,7 @@ def run_variant(args, variant: str, work: Path) -> dict:
         rounds.append({
             "round": m["round"], "time_s": m["round_time_s"], "selected": len(m["clients"]),
             "used": len(used), "skipped": m["skipped"],
-            "excluded": [(e["client"], e["reason"][:80]) for e in m["excluded"]],
+            "excluded": [(e["client"], e["reason"][:400]) for e in m["excluded"]],
             "bytes_up": _mean([c.get("bytes_up") for c in used]),
             "bytes_up_plain": _mean([c.get("bytes_up_plain") for c in used]),
             "bytes_down": _mean([c.get("bytes_down") for c in used]),
@@ -293,6 +293,11 @@ def _stages(x: dict) -> str:
     return text if not ahead else f"{text} (keys ahead: {ahead})"
 
 
+def _n(v) -> str:
+    """A byte count, '-' where the round used no client (skipped)."""
+    return "-" if v is None else f"{v:,.0f}"
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -315,8 +320,8 @@ def table(args, results: list[dict]) -> str:
             lines.append(
                 f"| {r['variant']} | {x['round']} | {x['time_s']:.1f} | {x['used']} / {x['selected']} | "
                 f"{x.get('secagg_clients') or '-'} ({x.get('secagg_recovered') or 0}) | "
-                f"{x['bytes_up']:,.0f} | {(x['bytes_up_plain'] or x['bytes_up']):,.0f} | "
-                f"{x['bytes_down']:,.0f} | {f'{keys[0]:,} / {keys[1]:,}' if keys else '-'} | "
+                f"{_n(x['bytes_up'])} | {_n(x['bytes_up_plain'] or x['bytes_up'])} | "
+                f"{_n(x['bytes_down'])} | {f'{keys[0]:,} / {keys[1]:,}' if keys else '-'} | "
                 f"{_stages(x)} | {load(r['uptime_before'])} -> {load(r['uptime_after'])} |")
     lines.append("")
     for r in results:
