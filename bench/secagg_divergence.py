@@ -14,6 +14,9 @@ If the protocol error stays at the bound while the runs part by orders of magnit
 difference in accuracy comes from training on slightly different models (the heads each client
 keeps flip between near-equal importances), not from the quantization range, clipping or the
 union's weights. Accuracy and weight differences only (the machine is shared: no wall times).
+With ``--save DIR`` each variant can run alone (``--variants secure``, then ``--variants plain``:
+a heavy run stays short); its per-round states and rows go to ``DIR/divergence-<method>-<variant>.pt``
+and the table is printed once both files exist.
 
     python bench/secagg_divergence.py --method raffm+heads \\
         --set budgets.width_steps=4 --set 'budgets.tiers=[{share=0.5,flops_share=0.5},{share=0.5,flops_share=0.75}]'
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -104,14 +108,36 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--set", action="append", default=[], help="more overrides (key=value)")
+    p.add_argument("--variants", nargs="+", choices=["secure", "plain"], default=["secure", "plain"],
+                   help="which runs to do now (with --save: the others are read from DIR)")
+    p.add_argument("--save", type=Path, help="folder of each variant's saved result")
     args = p.parse_args(argv)
     base = [f"federation.rounds={args.rounds}", f"federation.local_steps={args.steps}",
             "federation.batch_size=16", "federation.lr=3e-3", "federation.num_clients=10",
             "federation.clients_per_round=4", "data.max_length=48", "data.max_dev_examples=500",
             "data.max_test_examples=500", f"evaluation.every={args.rounds}", "output.plots=false",
             "output.progress=false", "output.save_weights=false", *args.set]
-    keys, s1, k1, prot, m1 = run(CONFIGS[args.method], base, True, None)
-    _, s0, k0, _, m0 = run(CONFIGS[args.method], base, False, keys)
+    got = {}
+    for variant in ("secure", "plain"):  # the plain run compares the secure run's trained keys
+        path = args.save / f"divergence-{args.method}-{variant}.pt" if args.save else None
+        if variant in args.variants:
+            keys = got["secure"][0] if "secure" in got else None
+            if variant == "plain" and keys is None:
+                p.error("--variants plain needs the secure run first (or its --save file)")
+            got[variant] = run(CONFIGS[args.method], base, variant == "secure", keys)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"overrides": base, "result": got[variant]}, path)
+        elif path is not None and path.exists():
+            saved = torch.load(path, weights_only=False)
+            if saved["overrides"] != base:
+                p.error(f"{path} was saved with other settings: {saved['overrides']}")
+            got[variant] = saved["result"]
+    if len(got) < 2:
+        print(f"saved {', '.join(sorted(got))}; run the other variant with the same settings")
+        return 0
+    keys, s1, k1, prot, m1 = got["secure"]
+    _, s0, k0, _, m0 = got["plain"]
     print(f"\n{args.method}: test accuracy plain {m0['test_accuracy']:.4f}, secure "
           f"{m1['test_accuracy']:.4f}; {len(keys)} trained tensors compared\n")
     print("| round | protocol error: state from the secure sum vs the plain aggregation of the "

@@ -17,9 +17,10 @@ Each SuperNode starts a fresh ClientApp process per message (Flower's deployment
 a light process between messages; keep the data and steps small (``--train-per-client``,
 ``--steps``) on a small machine. What those processes cost is sampled every 0.25 s (psutil,
 every process of the federation): per ClientApp process its peak RSS and how long it lived
-(one message), the most ClientApp processes alive at once, the largest sum of RSS over all the
-federation's processes (SuperLink, ServerApp, SuperNodes, ClientApps) and the machine's
-available memory before the federation and at its lowest. RSS counts shared pages (libraries,
+(one message) and its CPU seconds (user + system, at its last sample: a figure that holds on
+a loaded machine, where wall seconds do not), the most ClientApp processes alive at once, the
+largest sum of RSS over all the federation's processes (SuperLink, ServerApp, SuperNodes,
+ClientApps) and the machine's available memory before the federation and at its lowest. RSS counts shared pages (libraries,
 a model file that safetensors maps) once per process, so the sum overstates what the processes
 take together; the drop of available memory is the machine's real cost.
 
@@ -157,12 +158,13 @@ class ProcessSampler(threading.Thread):
                     tops = []
                 for p in [*tops, *descendants(top.pid)]:
                     try:
-                        rss, cmd = p.memory_info().rss, p.cmdline()
+                        rss, cmd, cpu = p.memory_info().rss, p.cmdline(), p.cpu_times()
                     except psutil.Error:
                         continue
                     rec = self.procs.setdefault(p.pid, {"kind": self.kind(cmd), "first": now,
-                                                        "last": now, "peak_rss": 0})
+                                                        "last": now, "peak_rss": 0, "cpu_s": 0.0})
                     rec["last"], rec["peak_rss"] = now, max(rec["peak_rss"], rss)
+                    rec["cpu_s"] = max(rec["cpu_s"], cpu.user + cpu.system)
                     total += rss
                     apps += rec["kind"] == "flwr-clientapp"
             self.peak_total = max(self.peak_total, total)
@@ -185,9 +187,14 @@ class ProcessSampler(threading.Thread):
                             ("light", [r for r in apps if r["peak_rss"] * mb < heavy_mb])):
             rss = sorted(r["peak_rss"] * mb for r in group)
             life = sorted(r["last"] - r["first"] for r in group)
+            cpu = sorted(r["cpu_s"] for r in group)
             out[f"clientapp_{name}"] = {
                 "n": len(group), "peak_rss_mb_max": rss[-1] if rss else None,
                 "peak_rss_mb_median": rss[len(rss) // 2] if rss else None,
+                # CPU seconds (user + system) at its last sample: what the process cost, however
+                # loaded the machine (its last <= 0.25 s are not seen)
+                "cpu_s_median": cpu[len(cpu) // 2] if cpu else None,
+                "cpu_s_sum": sum(cpu) if cpu else None,
                 "seconds_median": life[len(life) // 2] if life else None,
                 "seconds_max": life[-1] if life else None}
         for kind in ("flwr-serverapp", "flower-supernode", "flower-superlink"):
@@ -253,14 +260,14 @@ def run_variant(args, variant: str, work: Path) -> dict:
         rounds.append({
             "round": m["round"], "time_s": m["round_time_s"], "selected": len(m["clients"]),
             "used": len(used), "skipped": m["skipped"],
-            "excluded": [(e["client"], e["reason"][:80]) for e in m["excluded"]],
+            "excluded": [(e["client"], e["reason"][:400]) for e in m["excluded"]],
             "bytes_up": _mean([c.get("bytes_up") for c in used]),
             "bytes_up_plain": _mean([c.get("bytes_up_plain") for c in used]),
             "bytes_down": _mean([c.get("bytes_down") for c in used]),
             **{k: m.get(k) for k in ("secagg_clients", "secagg_recovered", "secagg_clipped",
                                      "secagg_upload_bytes", "secagg_full_upload_bytes",
                                      "secagg_skipped", "secagg_setup_s", "secagg_share_keys_s",
-                                     "secagg_unmask_s")}})
+                                     "secagg_unmask_s", "secagg_keys_ahead")}})
     # the ServerApp's word that a killed node's unmasking answer is missing (after masking)
     unmask_missing = sorted(set(re.findall(r"client (\d+) did not answer the unmasking", log_text)))
     out = {"variant": variant, "status": status, "uptime_before": before, "uptime_after": after,
@@ -276,9 +283,19 @@ def run_variant(args, variant: str, work: Path) -> dict:
 
 
 def _stages(x: dict) -> str:
-    """The round's key-stage seconds (setup / key sharing / unmasking), '-' for a plain round."""
+    """The round's key-stage seconds (setup / key sharing / unmasking), '-' for a plain round;
+    the setup's is '0 (ahead N)' when N clients' keys were drawn ahead and none needed one."""
     t = [x.get(f"secagg_{s}_s") for s in ("setup", "share_keys", "unmask")]
-    return "-" if all(v is None for v in t) else " / ".join("-" if v is None else f"{v:.1f}" for v in t)
+    if all(v is None for v in t):
+        return "-"
+    text = " / ".join("-" if v is None else f"{v:.1f}" for v in t)
+    ahead = x.get("secagg_keys_ahead")
+    return text if not ahead else f"{text} (keys ahead: {ahead})"
+
+
+def _n(v) -> str:
+    """A byte count, '-' where the round used no client (skipped)."""
+    return "-" if v is None else f"{v:,.0f}"
 
 
 def _mean(xs):
@@ -303,8 +320,8 @@ def table(args, results: list[dict]) -> str:
             lines.append(
                 f"| {r['variant']} | {x['round']} | {x['time_s']:.1f} | {x['used']} / {x['selected']} | "
                 f"{x.get('secagg_clients') or '-'} ({x.get('secagg_recovered') or 0}) | "
-                f"{x['bytes_up']:,.0f} | {(x['bytes_up_plain'] or x['bytes_up']):,.0f} | "
-                f"{x['bytes_down']:,.0f} | {f'{keys[0]:,} / {keys[1]:,}' if keys else '-'} | "
+                f"{_n(x['bytes_up'])} | {_n(x['bytes_up_plain'] or x['bytes_up'])} | "
+                f"{_n(x['bytes_down'])} | {f'{keys[0]:,} / {keys[1]:,}' if keys else '-'} | "
                 f"{_stages(x)} | {load(r['uptime_before'])} -> {load(r['uptime_after'])} |")
     lines.append("")
     for r in results:
@@ -316,9 +333,10 @@ def table(args, results: list[dict]) -> str:
     lines.append("")
     lines.append("| variant | ClientApp processes heavy / light | heavy peak RSS max / median (MB) | "
                  "heavy s per message median / max | light peak RSS max (MB) | light s median | "
+                 "light CPU-s median / sum | "
                  "ClientApps alive at once | ServerApp peak RSS (MB) | federation peak RSS (MB) | "
                  "available before -> lowest (MB) |")
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     f = lambda v, d=0: "-" if v is None else f"{v:,.{d}f}"  # noqa: E731
     for r in results:
         pr = r.get("processes")
@@ -328,7 +346,8 @@ def table(args, results: list[dict]) -> str:
         lines.append(f"| {r['variant']} | {h['n']} / {li['n']} | {f(h['peak_rss_mb_max'])} / "
                      f"{f(h['peak_rss_mb_median'])} | {f(h['seconds_median'], 1)} / "
                      f"{f(h['seconds_max'], 1)} | {f(li['peak_rss_mb_max'])} | "
-                     f"{f(li['seconds_median'], 1)} | {pr['peak_clientapps_alive']} | "
+                     f"{f(li['seconds_median'], 1)} | {f(li.get('cpu_s_median'), 2)} / "
+                     f"{f(li.get('cpu_s_sum'), 1)} | {pr['peak_clientapps_alive']} | "
                      f"{f(pr['flwr-serverapp_peak_rss_mb_max'])} | {f(pr['peak_total_rss_mb'])} | "
                      f"{f(pr.get('available_before_mb'))} -> {f(pr['min_available_mb'])} |")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ dropouts after masking recovered and too few survivors skipping the round."""
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,9 @@ from tests.conftest import method_options
 from tests.test_flower import (STATUS_POLL_S, InProcessGrid, _nodes, _settings, _submit,  # noqa: F401
                                _wait_for_line, _assert_quick_heartbeats, _weights, _write_config,
                                needs_flower, quick_heartbeats, started)
+
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 @pytest.fixture(autouse=True)
@@ -95,9 +99,11 @@ def test_secure_serverapp_equals_in_process(tiny_cfg_dict, tmp_path, method):
     for m, r in zip(metrics, records):
         assert m["clients"] == r["clients"] and not m["skipped"]
         assert m["secagg_clients"] == 4 and m["secagg_recovered"] == 0
-        # the key stages' seconds, what a secure round adds (the round's time includes them)
-        stages = [m[f"secagg_{s}_s"] for s in ("setup", "share_keys", "unmask")]
+        # the key stages' seconds, what a secure round adds (the round's time includes them);
+        # every client's keys were drawn ahead (partition query, last unmasking): no setup
+        stages = [m[f"secagg_{s}_s"] for s in ("share_keys", "unmask")]
         assert all(0 < t for t in stages) and sum(stages) < m["round_time_s"]
+        assert m["secagg_setup_s"] == 0 and m["secagg_keys_ahead"] == 4
         assert m["secagg_upload_bytes"] == r["secagg_upload_bytes"]
         assert m["secagg_single_holder"] == r["secagg_single_holder"]
         assert all(c["bytes_up"] == m["secagg_upload_bytes"] for c in m["client_metrics"])
@@ -179,3 +185,145 @@ def test_deployed_secure_aggregation_with_a_killed_supernode(tiny_cfg_dict, tmp_
     assert m["secagg_upload_bytes"] < m["secagg_full_upload_bytes"]
     init = setup(validate_config(d))[0].initial_state()
     assert any(not torch.equal(_weights(run_dir)[k], init[k]) for k in init)
+
+
+class CountingGrid(FailingGrid):
+    """Records each message it handles: (type, stage or 'partition'/'end', round asked ahead)."""
+
+    def __init__(self, node_configs, stages: dict[int, str] | None = None):
+        super().__init__(node_configs, stages or {})
+        self.log: list[tuple[int, str, str, int | None]] = []
+
+    def _handle(self, msg: Message) -> Message:
+        recs = msg.content.config_records
+        stage = (recs["fedslice_secagg"]["stage"] if "fedslice_secagg" in recs and
+                 msg.metadata.message_type == "query" else msg.metadata.message_type)
+        if "fedslice" in recs and msg.metadata.message_type == "query":
+            stage = "end" if "end-run" in recs["fedslice"] else "partition"
+        ahead = recs.get("fedslice_secagg_ahead")
+        self.log.append((msg.metadata.dst_node_id, msg.metadata.group_id, stage,
+                         None if ahead is None else int(ahead["round"])))
+        return super()._handle(msg)
+
+    def by_round(self, group: str) -> list[tuple[str, int | None]]:
+        return sorted((s, a) for _, g, s, a in self.log if g == group)
+
+
+def test_keys_drawn_ahead_spare_the_setup_messages(tiny_cfg_dict, tmp_path):
+    """Stage 0 rides on queries the nodes answer anyway: the partition query draws round 1's
+    keys, round 1's unmasking round 2's; the last round's unmasking asks for none. No setup
+    message is sent; the weights are the in-process run's."""
+    d = _cfg(tiny_cfg_dict, rounds=2)
+    path = _write_config(d, tmp_path / "exp.json")
+    grid = CountingGrid(_nodes(4))
+    run_dir = server_run(grid, _settings(path, tmp_path / "fl"))
+    assert [a for _, _, s, a in grid.log if s == "partition"] == [1] * 4
+    assert grid.by_round("1") == [("share_keys", None)] * 4 + [("train", None)] * 4 + \
+        [("unmask", 2)] * 4
+    assert grid.by_round("2") == [("share_keys", None)] * 4 + [("train", None)] * 4 + \
+        [("unmask", None)] * 4
+    _, metrics, _ = read_run(run_dir)
+    assert [m["secagg_keys_ahead"] for m in metrics] == [4, 4]
+    want, _ = _in_process(d)
+    got = _weights(run_dir)
+    assert max((got[k] - want[k]).abs().max().item() for k in got) <= 1e-6
+
+
+def test_clients_without_keys_ahead_get_a_setup(tiny_cfg_dict, tmp_path):
+    """2 of 4 clients per round: a client that was not in the previous round (or whose
+    unmasking answer was lost) gets a setup message, the others none; the weights are the
+    in-process run's."""
+    d = _cfg(tiny_cfg_dict, rounds=3, secagg_threshold=2)
+    d["federation"]["clients_per_round"] = 2
+    path = _write_config(d, tmp_path / "exp.json")
+    grid = CountingGrid(_nodes(4))
+    run_dir = server_run(grid, _settings(path, tmp_path / "fl"))
+    _, metrics, _ = read_run(run_dir)
+    for prev, m in zip([None, *metrics], metrics):
+        kept = set(m["clients"]) & set(prev["clients"]) if prev else set(m["clients"])
+        setups = sorted(n - 100 for n, g, s, _ in grid.log if g == str(m["round"]) and s == "setup")
+        assert setups == sorted(set(m["clients"]) - kept)
+        assert m["secagg_keys_ahead"] == len(kept) and not m["skipped"]
+        assert (m["secagg_setup_s"] > 0) == bool(setups)
+    assert any(s == "setup" for _, _, s, _ in grid.log)  # the selection moved at least once
+    want, _ = _in_process(d)
+    got = _weights(run_dir)
+    assert max((got[k] - want[k]).abs().max().item() for k in got) <= 1e-6
+
+    # a node that vanished after masking in round 1 holds no keys for round 2: a setup for it
+    d = _cfg(tiny_cfg_dict, rounds=2, secagg_threshold=2)
+    path = _write_config(d, tmp_path / "exp2.json")
+    grid = CountingGrid(_nodes(4), {102: "unmask"})
+    run_dir = server_run(grid, _settings(path, tmp_path / "fl2"))
+    assert [(n, s) for n, g, s, _ in grid.log if g == "2" and s == "setup"] == [(102, "setup")]
+    _, metrics, _ = read_run(run_dir)
+    assert [m["secagg_keys_ahead"] for m in metrics] == [4, 3]
+    assert [m["secagg_clients"] for m in metrics] == [4, 4]
+    want, _ = _in_process(d)
+    got = _weights(run_dir)
+    assert max((got[k] - want[k]).abs().max().item() for k in got) <= 1e-6
+
+
+def test_keys_ahead_serve_their_round_only():
+    """A node's keys drawn ahead serve the key sharing of their round only: another round's
+    stage fails with a clear reason; a setup of that round supersedes them."""
+    from flwr.app import ConfigRecord, Context, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedslice.flower.secagg_stages import AHEAD, NEXT, SECAGG, answer_ahead, client_stage
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 7, 1  # as a ClientApp's
+    ctx = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+
+    def msg(records):
+        return Message(RecordDict(records), dst_node_id=7, message_type="query")
+
+    keys = answer_ahead(msg({AHEAD: ConfigRecord({"round": 3})}), ctx, 0)
+    assert keys["round"] == 3 and ctx.state.config_records[NEXT]["round"] == 3
+    peers = {"nids": [0], "pk1": [keys["pk1"]], "pk2": [keys["pk2"]], "threshold": 1}
+    with pytest.raises(RuntimeError, match="before this node's setup"):  # round 2: not its keys
+        client_stage(msg({SECAGG: ConfigRecord({"stage": "share_keys", "round": 2, **peers})}), ctx, 0)
+    client_stage(msg({SECAGG: ConfigRecord({"stage": "share_keys", "round": 3, **peers})}), ctx, 0)
+    assert ctx.state.config_records[SECAGG]["round"] == 3 and NEXT not in ctx.state.config_records
+    with pytest.raises(RuntimeError, match="stage 'unmask' of round 4: this node holds the keys "
+                                           "of round 3"):
+        client_stage(msg({SECAGG: ConfigRecord({"stage": "unmask", "round": 4, "active": [0],
+                                                "dead": [], "threshold": 1})}), ctx, 0)
+    answer_ahead(msg({AHEAD: ConfigRecord({"round": 4})}), ctx, 0)
+    reply = client_stage(msg({SECAGG: ConfigRecord({"stage": "setup", "round": 4})}), ctx, 0)
+    assert NEXT not in ctx.state.config_records  # superseded by the setup of its round
+    assert ctx.state.config_records[SECAGG]["pk1"] == reply.content[SECAGG]["pk1"]
+
+
+def test_key_stages_never_import_torch():
+    """Flower starts a fresh ClientApp process per message: loading the ClientApp module and
+    answering the partition query and every key stage imports neither torch nor transformers
+    nor fedslice's training code (the TRAIN message alone does)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from fedslice.flower.client_app import app, query
+TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 7, 1
+ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+def ask(records):
+    return query(Message(RecordDict(records), dst_node_id=7, message_type="query"), ctx)
+r = ask({"fedslice": ConfigRecord({"num_clients": 2}),
+         "fedslice_secagg_ahead": ConfigRecord({"round": 1})})
+k = r.content["fedslice_secagg_ahead"]
+stage = lambda **f: ask({"fedslice_secagg": ConfigRecord({"num_clients": 2, "round": 1, **f})})
+stage(stage="share_keys", nids=[0], pk1=[k["pk1"]], pk2=[k["pk2"]], threshold=1)
+stage(stage="unmask", active=[0], dead=[], threshold=1)
+stage(stage="setup")
+heavy = [m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "peft")
+         or m.startswith(("fedslice.methods", "fedslice.models", "fedslice.run", "fedslice.fl.rules"))]
+print("HEAVY", heavy)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "HEAVY []" in out.stdout, out.stdout

@@ -164,20 +164,27 @@ def end_run(context: Context) -> None:
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Reply with this node's partition (validated against the server's num_clients); an
-    ``end-run`` query removes the run's model files instead."""
-    if "fedslice_secagg" in msg.content.config_records:  # a secure aggregation stage
-        from fedslice.flower.secagg_stages import client_stage
+    ``end-run`` query removes the run's model files instead; a secure aggregation stage is
+    answered by :mod:`fedslice.flower.secagg_stages`, and a query that asks for a later round's
+    keys (the partition query, the unmasking) gets them in its answer too."""
+    from fedslice.flower.secagg_stages import AHEAD, SECAGG, answer_ahead, client_stage
 
-        num_clients = int(msg.content.config_records["fedslice_secagg"]["num_clients"])
-        return client_stage(msg, context, node_partition(context.node_config, num_clients))
-    fields = msg.content["fedslice"]
-    if END_RUN in fields:
-        end_run(context)
-        return Message(RecordDict({"fedslice": ConfigRecord({END_RUN: 1})}), reply_to=msg)
-    num_clients = int(fields["num_clients"])
-    pid = node_partition(context.node_config, num_clients)
-    record = ConfigRecord({PARTITION_ID: pid, NUM_PARTITIONS: num_clients})
-    return Message(RecordDict({"fedslice": record}), reply_to=msg)
+    if SECAGG in msg.content.config_records:  # a secure aggregation stage
+        num_clients = int(msg.content.config_records[SECAGG]["num_clients"])
+        pid = node_partition(context.node_config, num_clients)
+        reply = client_stage(msg, context, pid)
+    else:
+        fields = msg.content["fedslice"]
+        if END_RUN in fields:
+            end_run(context)
+            return Message(RecordDict({"fedslice": ConfigRecord({END_RUN: 1})}), reply_to=msg)
+        num_clients = int(fields["num_clients"])
+        pid = node_partition(context.node_config, num_clients)
+        record = ConfigRecord({PARTITION_ID: pid, NUM_PARTITIONS: num_clients})
+        reply = Message(RecordDict({"fedslice": record}), reply_to=msg)
+    if (keys := answer_ahead(msg, context, pid)) is not None:
+        reply.content[AHEAD] = keys
+    return reply
 
 
 def throttle(context: Context, payload) -> None:

@@ -9,12 +9,17 @@ message, since the experiment would silently differ from ``fedslice run``'s.
 Before each round the map is refreshed: clients whose node is no longer connected are not
 selected, and a node that joins later (e.g. a restarted SuperNode, which gets a new node id) is
 asked for its partition and takes that client over.
+
+The first queries may ask the nodes for more (``discover(..., ask=...)``: records added to each
+query, e.g. secure aggregation's request of the first round's keys); the answers are kept in
+``answers`` (node id -> the answer's content) for whoever asked.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
@@ -41,11 +46,15 @@ class PartitionMap:
     def __init__(self, num_clients: int):
         self.num_clients = num_clients
         self.nodes: dict[int, int] = {}  # client -> node
+        self.answers: dict[int, RecordDict] = {}  # node -> its answer to a query with ``ask``
 
-    def _query(self, grid: Grid, node_ids: list[int], timeout: float, strict: bool) -> dict[int, int]:
-        """Ask ``node_ids`` for their partition; node id -> partition id of those that answered.
-        A node's error is fatal when ``strict`` (at the start), a warning otherwise."""
-        content = RecordDict({"fedslice": ConfigRecord({"num_clients": self.num_clients})})
+    def _query(self, grid: Grid, node_ids: list[int], timeout: float, strict: bool,
+               ask: Mapping[str, ConfigRecord] | None = None) -> dict[int, int]:
+        """Ask ``node_ids`` for their partition (and ``ask``'s records); node id -> partition id
+        of those that answered. A node's error is fatal when ``strict`` (at the start), a
+        warning otherwise."""
+        content = RecordDict({"fedslice": ConfigRecord({"num_clients": self.num_clients}),
+                              **(ask or {})})
         messages = {nid: Message(content, dst_node_id=nid, message_type=MessageType.QUERY,
                                  ttl=timeout) for nid in node_ids}
         replies = grid.send_and_receive(list(messages.values()), timeout=timeout)
@@ -72,6 +81,8 @@ class PartitionMap:
                             nid, e)
                 continue
             found[nid] = pid
+            if ask:
+                self.answers[nid] = reply.content
         return found
 
     def _add(self, found: dict[int, int], connected: set[int], strict: bool) -> None:
@@ -88,15 +99,17 @@ class PartitionMap:
                 log.info("partition %d moved from SuperNode %d to %d", pid, old, nid)
             self.nodes[pid] = nid
 
-    def discover(self, grid: Grid, timeout: float) -> dict[int, int]:
-        """Wait at most ``timeout`` s for the SuperNodes of all partitions; client -> node."""
+    def discover(self, grid: Grid, timeout: float,
+                 ask: Mapping[str, ConfigRecord] | None = None) -> dict[int, int]:
+        """Wait at most ``timeout`` s for the SuperNodes of all partitions; client -> node.
+        ``ask``: records each query carries besides the partition's (answers: ``answers``)."""
         deadline = time.monotonic() + timeout
         while True:
             connected = set(grid.get_node_ids())
             new = sorted(connected - set(self.nodes.values()))
             if new:
                 wait = max(1.0, min(QUERY_TIMEOUT_S, deadline - time.monotonic()))
-                self._add(self._query(grid, new, wait, strict=True), connected, strict=True)
+                self._add(self._query(grid, new, wait, strict=True, ask=ask), connected, strict=True)
                 log.info("SuperNodes: %d of %d partitions connected", len(self.nodes), self.num_clients)
             if len(self.nodes) >= self.num_clients or time.monotonic() >= deadline:
                 break

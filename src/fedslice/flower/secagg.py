@@ -10,7 +10,13 @@ per-coordinate weight vector with the update. So the ServerApp drives the same p
 Flower's own primitives (:mod:`fedslice.fl.secagg`, shared with the in-process engine):
 
 * stage 0 (``setup``) and stage 1 (``share_keys``): QUERY messages sent from ``configure_train``
-  (Flower's ``Strategy.start`` hands it the grid); a node that fails them is left out of the round;
+  (Flower's ``Strategy.start`` hands it the grid); a node that fails them is left out of the round.
+  Stage 0 rides on queries the nodes answer anyway (keys ahead,
+  :mod:`fedslice.flower.secagg_stages`): the partition query at the start draws the first
+  round's key pairs, each round's unmasking the next round's; a setup message goes only to a
+  client of the round without them (a client that was not in the previous round, or whose
+  unmasking answer was lost). Flower starts a fresh ClientApp process per message, so each
+  message a round saves is ten process starts on ten nodes;
 * stage 2: the TRAIN message carries the payload, the encrypted shares for that client and the
   round's public layout (the union of the round's slices: a client of a method sending slices
   embeds its own in it, from its payload alone); the ClientApp trains, builds its vector with the same
@@ -40,7 +46,8 @@ from fedslice.fl import secagg as sp
 from fedslice.fl.rules import SecureAggregation, find_rule
 from fedslice.fl.rules.secagg import clear_metrics, upload_metrics
 from fedslice.fl.strategy import Payload, Reply, RoundResult
-from fedslice.flower.secagg_stages import SECAGG, secrets_from_record, secrets_to_record
+from fedslice.flower.secagg_stages import (AHEAD, SECAGG, ahead_keys, ahead_request, secrets,
+                                           secrets_to_record)
 from fedslice.flower.codec import encode_reply, error_reason, state_to_record
 from fedslice.flower.strategy import TTL_MARGIN_S, FlowerAdapter
 
@@ -54,7 +61,8 @@ def masked_reply(msg: Message, context: Context, method, payload: Payload, reply
     weighted by the method and encoded by :meth:`SecureAggregation.client_vector`), masked; the
     reply carries it, the example count and the scalar metrics, never the update."""
     fields = msg.content.config_records[SECAGG]
-    me = secrets_from_record(context.state.config_records[SECAGG])
+    server_round = int(fields["round"])
+    me = secrets(context, "mask", server_round)
     sp.receive_shares(me, dict(zip([int(s) for s in fields["src"]], fields["ct"])))
     layout = layout_from_record(fields)
     params = sp.Params(int(fields["threshold"]), float(fields["clip"]), int(fields["target"]))
@@ -63,7 +71,7 @@ def masked_reply(msg: Message, context: Context, method, payload: Payload, reply
     if vector is None:
         raise RuntimeError(f"secure aggregation: this client's update is refused: {reason}")
     masked = sp.mask(me, vector, params)
-    context.state[SECAGG] = secrets_to_record(me)
+    context.state[SECAGG] = secrets_to_record(me, server_round)
     metrics = upload_metrics(clear_metrics(reply.metrics), layout)
     content = encode_reply(Reply({}, reply.num_examples, metrics))
     content["arrays"] = ArrayRecord({f"{MASKED}.{i}": Array(a.astype(np.uint32))
@@ -99,13 +107,29 @@ class SecureFlowerAdapter(FlowerAdapter):
         self.rule: SecureAggregation = find_rule(self.inner, SecureAggregation)
         self._secure: dict[str, Any] = {}  # the round being trained: layout, keys, failures
         self._stage_s: dict[str, float] = {}  # the round's seconds per key stage (its record's)
+        #: keys drawn ahead: client -> (its node, the round they are for, pk1, pk2), from the
+        #: partition query (the first round's) and each unmasking (the next round's)
+        self._ahead: dict[int, tuple[int, int, bytes, bytes]] = {}
+        first = self.offset + 1
+        for c, nid in self.partitions.nodes.items():
+            answer = self.partitions.answers.get(nid)
+            if answer is not None and (keys := ahead_keys(answer, first)) is not None:
+                self._ahead[c] = (nid, first, *keys)
 
-    def _exchange(self, grid: Grid, server_round: int, fields: Mapping[int, dict]
-                  ) -> tuple[dict[int, ConfigRecord], dict[int, str]]:
+    @staticmethod
+    def first_keys_request(first_round: int) -> dict[str, ConfigRecord]:
+        """What the partition query at the start carries: the request of the first round's keys."""
+        return {AHEAD: ahead_request(first_round)}
+
+    def _exchange(self, grid: Grid, server_round: int, fields: Mapping[int, dict],
+                  ahead: int | None = None) -> tuple[dict[int, ConfigRecord], dict[int, str]]:
         """One QUERY per client (``fields``: client -> the stage's fields); the answers by
-        client and why the others failed."""
+        client and why the others failed. ``ahead``: each query also asks for the keys of that
+        round (kept for it)."""
         n = self.cfg.federation.num_clients
-        msgs = {c: Message(RecordDict({SECAGG: ConfigRecord({**f, "num_clients": n})}),
+        ask = {} if ahead is None else {AHEAD: ahead_request(ahead)}
+        msgs = {c: Message(RecordDict({SECAGG: ConfigRecord({**f, "round": server_round,
+                                                             "num_clients": n}), **ask}),
                            dst_node_id=self.partitions.nodes[c], message_type=MessageType.QUERY,
                            group_id=str(server_round), ttl=self.round_timeout + TTL_MARGIN_S)
                 for c, f in fields.items()}
@@ -125,6 +149,8 @@ class SecureFlowerAdapter(FlowerAdapter):
                 failed[c] = "its answer holds no secure aggregation record"
             else:
                 got[c] = m.content.config_records[SECAGG]
+                if ahead is not None and (keys := ahead_keys(m.content, ahead)) is not None:
+                    self._ahead[c] = (self.partitions.nodes[c], ahead, *keys)
         for c in fields:
             if c not in got and c not in failed:
                 failed[c] = f"no answer within {self.round_timeout:g} s"
@@ -136,8 +162,14 @@ class SecureFlowerAdapter(FlowerAdapter):
         sent = self._round
         layout = self.rule.layout(sent.state, sent.payloads)
         params = self.rule.params(len(sent.clients))
-        stage0, failed = self._exchange(grid, sent.number, {c: {"stage": "setup"} for c in sent.clients})
-        peers = {c: (r["pk1"], r["pk2"]) for c, r in sorted(stage0.items())}
+        ahead, self._ahead = self._ahead, {}
+        ready = {c: (a[2], a[3]) for c, a in ahead.items() if c in sent.clients
+                 and a[:2] == (self.partitions.nodes.get(c), sent.number)}
+        need = [c for c in sent.clients if c not in ready]
+        stage0, failed = self._exchange(grid, sent.number, {c: {"stage": "setup"} for c in need}) \
+            if need else ({}, {})
+        self._stage_s.setdefault("secagg_setup_s", 0.0)
+        peers = dict(sorted({**ready, **{c: (r["pk1"], r["pk2"]) for c, r in stage0.items()}}.items()))
         order = sorted(peers)
         boxes, failed1 = self._exchange(grid, sent.number, {c: {
             "stage": "share_keys", "nids": order, "pk1": [peers[n][0] for n in order],
@@ -145,7 +177,8 @@ class SecureFlowerAdapter(FlowerAdapter):
         failed.update(failed1)
         keyholders = sorted(boxes)
         self._secure = {"layout": layout, "params": params, "peers": peers,
-                        "keyholders": keyholders, "failed": failed, "grid": grid}
+                        "keyholders": keyholders, "failed": failed, "grid": grid,
+                        "keys_ahead": len(ready)}
         if len(keyholders) < params.threshold:
             log.warning("round %d: %d clients shared keys, fewer than privacy.secagg_threshold=%d",
                         sent.number, len(keyholders), params.threshold)
@@ -159,7 +192,7 @@ class SecureFlowerAdapter(FlowerAdapter):
             content[SECAGG] = ConfigRecord({
                 "src": srcs, "ct": [_box(boxes[s], c) for s in srcs], **announced,
                 "clip": float(params.clip_range), "threshold": params.threshold,
-                "target": params.target_range})
+                "target": params.target_range, "round": sent.number})
             # a new message: its time to live starts now, after the key stages
             sent.messages[c] = Message(content, dst_node_id=old.metadata.dst_node_id,
                                        message_type=MessageType.TRAIN, group_id=str(sent.number),
@@ -185,10 +218,13 @@ class SecureFlowerAdapter(FlowerAdapter):
                   for c, r in received.items()}
         grid, params = s["grid"], s["params"]
 
+        # the unmasking also draws the next round's keys (the last round's has no next)
+        following = server_round + 1 if server_round < self.cfg.federation.rounds else None
+
         def reveal(active, dead):
             got, failed = self._exchange(grid, server_round, {c: {
                 "stage": "unmask", "active": list(active), "dead": list(dead),
-                "threshold": params.threshold} for c in active})
+                "threshold": params.threshold} for c in active}, ahead=following)
             for c, why in failed.items():
                 log.warning("round %d: client %d did not answer the unmasking: %s", server_round, c, why)
             return {c: dict(zip([int(o) for o in r["owners"]], r["shares"])) for c, r in got.items()}
@@ -212,6 +248,7 @@ class SecureFlowerAdapter(FlowerAdapter):
                                  invalid=[e["client"] for e in bad], metrics=metrics)
         # the key stages' wall seconds (setup, key sharing, unmasking: what a round adds)
         result.metrics.update(self._stage_s)
+        result.metrics["secagg_keys_ahead"] = s.get("keys_ahead", 0)  # clients sent no setup
         new_state, server_metrics = self.method.on_round_end(
             server_round, result.state, {c: received[c] for c in result.used})
         self._record(sent, received, failures, result, server_metrics, malformed)

@@ -129,13 +129,13 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     method, data = setup(cfg, role="server")
     if ckpt is not None:  # the server's data as the checkpoint recorded it
         check_same_data(data_changes(ckpt.data, data.sources), staging)
-    partitions = PartitionMap(cfg.federation.num_clients)
-    partitions.discover(grid, settings.connect_timeout)
     done = ckpt.round if ckpt else 0
-    adapter_cls = FlowerAdapter
+    adapter_cls, ask = FlowerAdapter, None
     if cfg.privacy.secure_aggregation:  # the SecAgg stages around each round's training
         from fedslice.flower.secagg import SecureFlowerAdapter
-        adapter_cls = SecureFlowerAdapter
+        adapter_cls, ask = SecureFlowerAdapter, SecureFlowerAdapter.first_keys_request(done + 1)
+    partitions = PartitionMap(cfg.federation.num_clients)
+    partitions.discover(grid, settings.connect_timeout, ask=ask)
     adapter = adapter_cls(cfg, method, data, partitions, wait, offset=done)
     command = lambda path: resume_command(settings, path)  # noqa: E731
     if ckpt is None:
