@@ -780,7 +780,7 @@ def test_the_planner_measures_each_model_and_rows_once_and_plans_as_before(tiny_
 
     monkeypatch.setattr(planner, "measure_step", counted)
     kept, measured = plans()
-    monkeypatch.setattr(planner.BudgetPlanner, "_step_of", lambda self, knobs, model, packed, flops, head:
+    monkeypatch.setattr(planner.BudgetPlanner, "_step_of", lambda self, knobs, model, packed, flops, head, memory=True:
                         lambda rows: planner.measure_step(model, rows, self.method.task.loss, flops, head))
     fresh, every = plans()
     assert kept == fresh

@@ -109,9 +109,18 @@ class BudgetPlanner:
         return [(c, m) for c in self.checkpoints for m in splits]
 
     # -- costs -------------------------------------------------------------------------------
+    @staticmethod
+    def same_step(knobs: Knobs) -> Knobs:
+        """``knobs`` as the step they train, one spelling per step: a plan's local steps change
+        how many steps, not what one costs; the run's base is the precision None or "none", and
+        every block's adapters the depth None or 1 (the dense client, spelled with None, is the
+        plan at the top of the search, spelled with "none" and 1, measured once)."""
+        return replace(knobs, steps=None, precision=None if knobs.precision == "none" else knobs.precision,
+                       depth=None if knobs.depth is not None and knobs.depth >= 1 else knobs.depth)
+
     def cost(self, knobs: Knobs) -> KnobCost:
         """One step's costs (a plan's local steps change how many, not what a step costs)."""
-        knobs = replace(knobs, steps=None)
+        knobs = self.same_step(knobs)
         if knobs not in self._costs:
             self._costs[knobs] = self._measure(knobs)
         return self._costs[knobs]
@@ -151,15 +160,19 @@ class BudgetPlanner:
             # every split and every share of local work of a planned model
             rows = len(part["input_ids"] if "input_ids" in part else part["pixel_values"])
             whole = self.batch if packed is None and rows < 2 <= self.rows else part
+            # a packed plan's peak memory is measured on the layout every batch fits in (below):
+            # its step on the packed profile counts FLOPs only
+            peak = packed is not None and len(packed) > 2
             flops, memory, _, _ = measure_training_step(
                 planned.model, whole, loss_fn=self.method.task.loss, flops=known is None,
                 head=head, parts=counted, rows=rows,
-                measured=self._step_of(knobs, planned.model, packed is not None, known is None, head))
+                measured=self._step_of(knobs, planned.model, packed is not None, known is None, head,
+                                       memory=not peak))
             steps = 1 if packed is not None else knobs.micro_batches
             shares = {} if known is not None or not split else dict(
                 step_attention=counted["attention"] * steps, step_head=counted["head"] * steps,
                 pairs=float(activation_units(part)[1] * steps), heads=float(batch_head_positions(part) * steps))
-            if packed is not None and len(packed) > 2:  # the packed layout every batch fits in
+            if peak:  # the packed layout every batch fits in
                 part = packed[2]
                 memory = measure_training_step(planned.model, part, loss_fn=self.method.task.loss,
                                                flops=False, measured=self._step_of(
@@ -177,15 +190,17 @@ class BudgetPlanner:
                         download, reference, **shares)
 
     def _step_of(self, knobs: Knobs, model: nn.Module, packed: bool, flops: bool,
-                 head) -> Callable[[Mapping[str, torch.Tensor]], StepMeasure]:
+                 head, memory: bool = True) -> Callable[[Mapping[str, torch.Tensor]], StepMeasure]:
         """Measures a step of ``knobs``' planned ``model`` on the rows it is given, once per
         (model, rows): the model is what every knob but the rows per step and the micro-batches
         makes it. A step whose FLOPs are not asked reuses one measured with them (the counter
         does not change what is saved for backward), and a step whose FLOPs were counted over
         another precision of the base lends them (a quantized base changes bytes, not
         operations): its own step is measured without the counter, which costs most of a
-        measured step (tests/test_budgets.py checks both)."""
-        model_knobs = replace(knobs, batch=None, micro_batches=1, steps=None)
+        measured step (tests/test_budgets.py checks both). ``memory=False``: only the FLOPs are
+        read (a packed plan's memory is measured on another batch): FLOPs lent need no step
+        at all (what is returned then holds no memory figure, and is not kept)."""
+        model_knobs = replace(self.same_step(knobs), batch=None, micro_batches=1)
         ops = replace(model_knobs, precision=None)
 
         def measured(rows: Mapping[str, torch.Tensor]) -> StepMeasure:
@@ -197,6 +212,8 @@ class BudgetPlanner:
             lent = None if not flops else next(
                 (d[tuple(head)] for (k, p, b), d in self._steps.items()
                  if p == packed and b == key and tuple(head) in d and replace(k, precision=None) == ops), None)
+            if lent is not None and not memory:
+                return replace(lent, saved_mb=math.nan, static_bytes=training_state_bytes(model))
             got = measure_step(model, rows, self.method.task.loss, flops and lent is None,
                                head if lent is None else ())
             if lent is not None:
