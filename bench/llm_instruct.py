@@ -45,6 +45,7 @@ is shared). Writes ``<out>/<row>.json`` and ``<out>/results.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -131,6 +132,50 @@ def measured(s: dict) -> dict:
             "samples": s.get("samples")}
 
 
+@contextlib.contextmanager
+def cpu_costs():
+    """The planner's own cost against a round's, in process CPU seconds (the machine is shared:
+    wall time is no measure): CPU of the whole planning call (``plan_clients``), how many
+    training steps it measured and their CPU, and each round's CPU. Installed around the run by
+    this benchmark only (timers wrapped around the library's functions, restored after)."""
+    from fedslice.methods import planner
+    from fedslice.run.engine import Simulation
+
+    got = {"plan_cpu_s": 0.0, "plan_calls": 0, "plan_steps": 0, "plan_steps_flops": 0,
+           "plan_step_cpu_s": 0.0, "round_cpu_s": []}
+    plan_clients, measure_step, run_round = planner.plan_clients, planner.measure_step, Simulation.run_round
+
+    def timed_plan(*a, **kw):
+        c0 = time.process_time()
+        try:
+            return plan_clients(*a, **kw)
+        finally:
+            got["plan_cpu_s"] += time.process_time() - c0
+            got["plan_calls"] += 1
+
+    def timed_step(model, rows, loss_fn=None, flops=True, head=()):
+        c0 = time.process_time()
+        try:
+            return measure_step(model, rows, loss_fn, flops, head)
+        finally:
+            got["plan_step_cpu_s"] += time.process_time() - c0
+            got["plan_steps"] += 1
+            got["plan_steps_flops"] += bool(flops)
+
+    def timed_round(self, server_round, state):
+        c0 = time.process_time()
+        try:
+            return run_round(self, server_round, state)
+        finally:
+            got["round_cpu_s"].append(time.process_time() - c0)
+
+    planner.plan_clients, planner.measure_step, Simulation.run_round = timed_plan, timed_step, timed_round
+    try:
+        yield got
+    finally:
+        planner.plan_clients, planner.measure_step, Simulation.run_round = plan_clients, measure_step, run_round
+
+
 def train_row(row: str, args) -> dict:
     from fedslice.api import run_experiment
     from fedslice.errors import ConfigError
@@ -142,7 +187,8 @@ def train_row(row: str, args) -> dict:
     cfg = row_config(row, args, dense)
     t0, c0 = time.time(), time.process_time()
     try:
-        run = run_experiment(validate_config(cfg), args.out / "runs", progress=False)
+        with cpu_costs() as costs:
+            run = run_experiment(validate_config(cfg), args.out / "runs", progress=False)
     except ConfigError as e:
         return save(args.out, row, {"row": row, "fits": False, "why": str(e), "budgets": cfg.get("budgets")})
     s = json.loads((run / "summary.json").read_text())
@@ -150,7 +196,8 @@ def train_row(row: str, args) -> dict:
     rss = max((r.get("peak_rss_mb_max") or 0 for r in records), default=None)
     return save(args.out, row, {"row": row, "fits": True, "run": str(run), "budgets": cfg.get("budgets"),
                                 "cpu_s": time.process_time() - c0, "wall_s": time.time() - t0,
-                                "load": os.getloadavg()[0], "peak_rss_mb": rss, **measured(s)})
+                                "load": os.getloadavg()[0], "peak_rss_mb": rss, "cpu_costs": costs,
+                                **measured(s)})
 
 
 def base_row(row: str, args) -> dict:

@@ -751,6 +751,49 @@ def test_a_planned_run_holds_every_client_round_to_its_flops_budget(tiny_cfg_dic
         assert all(m.get("batched_clients", 1) > 1 for m in held.values())
 
 
+def test_a_packed_plan_out_of_reach_by_its_memory_has_no_flops_measured(tiny_lm_dirs, tmp_path, monkeypatch):
+    """A packed plan's memory and FLOPs are two steps (the layout every batch fits in, the
+    packed profile): the planner weighs a packed plan by its memory first and runs no FLOPs
+    step for one its memory rules out, nor for a plan weighed at its least by its memory;
+    every plan and its reason equal those of a planner that measures every plan whole, with
+    fewer steps and fewer counted FLOPs (a chat model, conversations of many lengths)."""
+    import fedslice.methods.planner as planner
+    from fedslice.api import setup
+    from test_chat import chat_cfg, write_chat_jsonl
+
+    tiers = [{"share": s, "name": n, "memory_share": m, "flops_share": f} for n, s, m, f in
+             (("a", 0.34, 1.0, 1.0), ("b", 0.33, 0.8, 0.5), ("c", 0.33, 0.6, 0.3))]
+    d = chat_cfg(write_chat_jsonl(tmp_path / "chat"), tiny_lm_dirs["llama"], tmp_path, lora={"ranks": [2, 4]},
+                 budgets={"tiers": tiers, "local_work": [1.0, 0.75, 0.5, 0.25], "micro_batches": [1, 2, 4],
+                          "adapter_depths": [1.0, 0.5], "checkpointing": True, "precisions": ["none", "int8"]})
+    calls = []
+    step = planner.measure_step
+
+    def counted(*args, **kwargs):
+        calls.append(bool(args[3] if len(args) > 3 else kwargs.get("flops", True)))
+        return step(*args, **kwargs)
+
+    def plans():
+        calls.clear()
+        method, _ = setup(validate_config(d))
+        return {c: p.to_dict() for c, p in method.plans.items()}, (len(calls), sum(calls))
+
+    monkeypatch.setattr(planner, "measure_step", counted)
+    kept, measured = plans()
+
+    def whole(self, knobs, need="all"):  # every cost measured whole
+        knobs = self.same_step(knobs)
+        if knobs not in self._costs:
+            self._costs[knobs] = self._measure(knobs)
+        return self._costs[knobs]
+
+    monkeypatch.setattr(planner.BudgetPlanner, "cost", whole)
+    every_plan, every = plans()
+    assert kept == every_plan
+    assert len({p["reason"] for p in kept.values()}) == 3 and len({p["batch"] for p in kept.values()}) > 1
+    assert measured[0] < every[0] and measured[1] < every[1], (measured, every)  # (steps, with FLOPs)
+
+
 @pytest.mark.parametrize("pack", [False, True])
 def test_the_planner_measures_each_model_and_rows_once_and_plans_as_before(tiny_cfg_dict, one_length_data_dir,
                                                                           monkeypatch, pack):
@@ -780,7 +823,7 @@ def test_the_planner_measures_each_model_and_rows_once_and_plans_as_before(tiny_
 
     monkeypatch.setattr(planner, "measure_step", counted)
     kept, measured = plans()
-    monkeypatch.setattr(planner.BudgetPlanner, "_step_of", lambda self, knobs, model, packed, flops, head:
+    monkeypatch.setattr(planner.BudgetPlanner, "_step_of", lambda self, knobs, model, packed, flops, head, memory=True:
                         lambda rows: planner.measure_step(model, rows, self.method.task.loss, flops, head))
     fresh, every = plans()
     assert kept == fresh

@@ -44,13 +44,15 @@ from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import batch_head_positions
 from fedslice.slicing.planner import (StepMeasure, batch_key, measure_step, measure_training_step,
                                       training_state_bytes)
-from fedslice.slicing.spec import ModelSlice, SliceSpec, Spec
+from fedslice.slicing.spec import ModelSlice, Spec
 from fedslice.methods.budgets import ClientBudget, UNITS, client_budgets, client_time_budgets
 from fedslice.methods.plan_records import ClientPlan, KnobCost, Knobs, RoundCost, examples_per_round
 log = logging.getLogger(__name__)
 
 _MB = 1e6
 _MIB = float(1 << 20)
+#: the limits a plan's memory alone answers
+_MEMORY = frozenset({"memory_mb", "memory_share"})
 
 
 def contains(big: Spec | None, small: Spec | None) -> bool:
@@ -121,6 +123,8 @@ class BudgetPlanner:
         self.dense = Knobs(self.specs[0][0], width=self.specs[0][1],
                            rank=method.cfg.lora.r if "ranks" in axes else None)
         self._costs: dict[Knobs, KnobCost] = {}
+        #: costs measured in part (:meth:`cost`'s ``need``), by (knobs, "memory" or "flops")
+        self._parts: dict[tuple[Knobs, str], KnobCost] = {}
         self._packed: dict[int, tuple[dict, float]] = {}
         #: measured steps by (the planned model, packed, the measured rows), then by the head
         #: modules whose FLOPs were counted apart (None: no FLOPs counted): plans that differ
@@ -138,15 +142,42 @@ class BudgetPlanner:
         return [(c, m) for c in self.checkpoints for m in splits]
 
     # -- costs -------------------------------------------------------------------------------
-    def cost(self, knobs: Knobs) -> KnobCost:
-        """One step's costs (a plan's local steps change how many, not what a step costs)."""
-        knobs = replace(knobs, steps=None)
-        if knobs not in self._costs:
+    @staticmethod
+    def same_step(knobs: Knobs) -> Knobs:
+        """``knobs`` as the step they train, one spelling per step: a plan's local steps change
+        how many steps, not what one costs; the run's base is the precision None or "none", and
+        every block's adapters the depth None or 1 (the dense client, spelled with None, is the
+        plan at the top of the search, spelled with "none" and 1, measured once)."""
+        return replace(knobs, steps=None, precision=None if knobs.precision == "none" else knobs.precision,
+                       depth=None if knobs.depth is not None and knobs.depth >= 1 else knobs.depth)
+
+    def cost(self, knobs: Knobs, need: str = "all") -> KnobCost:
+        """One step's costs (a plan's local steps change how many, not what a step costs).
+        ``need``: "memory" or "flops" where the caller reads only those (the memory of a plan
+        weighed at its least, the FLOPs of the plans beside it): a packed plan, whose memory
+        and FLOPs are two steps (:meth:`_two_steps`), runs only the one asked; the part
+        measured is kept (its other figures NaN) and its step serves the whole cost later."""
+        knobs = self.same_step(knobs)
+        if knobs in self._costs:
+            return self._costs[knobs]
+        if not self._two_steps(knobs):
+            need = "all"  # one step gives both (a memory step without the counter, measured
+            # again with it when the plan is weighed whole, would cost more than the counter)
+        if need == "all":
             self._costs[knobs] = self._measure(knobs)
-        return self._costs[knobs]
+            return self._costs[knobs]
+        if (knobs, need) not in self._parts:
+            self._parts[knobs, need] = self._measure(knobs, need)
+        return self._parts[knobs, need]
 
     def _rows(self, knobs: Knobs) -> int:
         return self.rows if knobs.batch is None else knobs.batch
+
+    def _two_steps(self, knobs: Knobs) -> bool:
+        """``knobs``' memory and FLOPs are two measured steps: a packed plan's memory is
+        measured on the layout every batch fits in, its FLOPs on the packed profile."""
+        packed = self._packed_batch(knobs)
+        return packed is not None and len(packed) > 2
 
     def _packed_batch(self, knobs: Knobs) -> tuple | None:
         """The packed profile batch of ``knobs``' rows, its FLOPs scale and (optionally) the
@@ -158,7 +189,7 @@ class BudgetPlanner:
             self._packed[rows] = self.packed_of(rows)
         return self._packed[rows]
 
-    def _measure(self, knobs: Knobs) -> KnobCost:
+    def _measure(self, knobs: Knobs, need: str = "all") -> KnobCost:
         packed = self._packed_batch(knobs)
         if packed is not None:
             part = packed[0]
@@ -181,16 +212,27 @@ class BudgetPlanner:
             # every split and every share of local work of a planned model
             rows = len(part["input_ids"] if "input_ids" in part else part["pixel_values"])
             whole = self.batch if packed is None and rows < 2 <= self.rows else part
-            flops, memory, _, _ = measure_training_step(
-                planned.model, whole, loss_fn=self.method.task.loss, flops=known is None,
-                head=head, parts=counted, rows=rows,
-                measured=self._step_of(knobs, planned.model, packed is not None, known is None, head))
+            # a packed plan's peak memory is measured on the layout every batch fits in (below):
+            # its step on the packed profile counts FLOPs only
+            peak = packed is not None and len(packed) > 2
+            count = known is None and need != "memory"
+            flops, memory = math.nan, math.nan
+            if not (peak and need == "memory"):
+                flops, memory, _, _ = measure_training_step(
+                    planned.model, whole, loss_fn=self.method.task.loss, flops=count,
+                    head=head if count else (), parts=counted, rows=rows,
+                    measured=self._step_of(knobs, planned.model, packed is not None, count,
+                                           head if count else (), memory=not peak))
+                flops = flops if count else math.nan
             steps = 1 if packed is not None else knobs.micro_batches
             positions = float(batch_units(part, self.method.adapter.virtual_tokens)[0] * steps)
-            shares = {} if known is not None or not split else dict(
+            shares = {} if known is not None or not split or not count else dict(
                 step_attention=counted["attention"] * steps, step_head=counted["head"] * steps,
                 pairs=float(activation_units(part)[1] * steps), heads=float(batch_head_positions(part) * steps))
-            if packed is not None and len(packed) > 2:  # the packed layout every batch fits in
+            if peak and need == "flops":
+                return KnobCost(math.nan, flops, *self._sent_and_importance(planned, depth_frozen),
+                                **shares, positions=positions)
+            if peak:  # the packed layout every batch fits in
                 part = packed[2]
                 memory = measure_training_step(planned.model, part, loss_fn=self.method.task.loss,
                                                flops=False, measured=self._step_of(
@@ -199,28 +241,37 @@ class BudgetPlanner:
             reference = ActivationReference(saved, *activation_units(part))
             if known is not None:
                 return replace(known, memory_mb=memory, reference=reference)
-            upload = wire_bytes(planned.upload, self.method.cfg.federation.upload_dtype)  # as it travels
-            # what the client receives: the tensors it trains and those its adapter depth
-            # leaves frozen (their forward still runs), at its rank
-            below = depth_frozen - set(planned.upload)
-            download = measure.tensor_bytes(dict(planned.upload)) + measure.tensor_bytes(
-                {n: p for n, p in planned.model.named_parameters() if n in below})
-            imp = 0.0
-            if planned.importance_model is not None:
-                imp = self._forward_flops(planned.importance_model) / self.rows
+            if need == "memory":
+                return KnobCost(memory, math.nan, 0, reference=reference, positions=positions)
+            upload, imp, download = self._sent_and_importance(planned, depth_frozen)
         return KnobCost(memory, flops * (1 if packed is not None else knobs.micro_batches), upload, imp,
                         download, reference, **shares, positions=positions)
 
+    def _sent_and_importance(self, planned, depth_frozen: set[str]) -> tuple[int, float, int]:
+        """A planned model's upload (as it travels), importance FLOPs per example, and download:
+        the tensors it trains and those its adapter depth leaves frozen (``depth_frozen``: their
+        forward still runs), at its rank."""
+        upload = wire_bytes(planned.upload, self.method.cfg.federation.upload_dtype)
+        imp = 0.0
+        if planned.importance_model is not None:
+            imp = self._forward_flops(planned.importance_model) / self.rows
+        below = depth_frozen - set(planned.upload)
+        download = measure.tensor_bytes(dict(planned.upload)) + measure.tensor_bytes(
+            {n: p for n, p in planned.model.named_parameters() if n in below})
+        return upload, imp, download
+
     def _step_of(self, knobs: Knobs, model: nn.Module, packed: bool, flops: bool,
-                 head) -> Callable[[Mapping[str, torch.Tensor]], StepMeasure]:
+                 head, memory: bool = True) -> Callable[[Mapping[str, torch.Tensor]], StepMeasure]:
         """Measures a step of ``knobs``' planned ``model`` on the rows it is given, once per
         (model, rows): the model is what every knob but the rows per step and the micro-batches
         makes it. A step whose FLOPs are not asked reuses one measured with them (the counter
         does not change what is saved for backward), and a step whose FLOPs were counted over
         another precision of the base lends them (a quantized base changes bytes, not
         operations): its own step is measured without the counter, which costs most of a
-        measured step (tests/test_budgets.py checks both)."""
-        model_knobs = replace(knobs, batch=None, micro_batches=1, steps=None)
+        measured step (tests/test_budgets.py checks both). ``memory=False``: only the FLOPs are
+        read (a packed plan's memory is measured on another batch): FLOPs lent need no step
+        at all (what is returned then holds no memory figure, and is not kept)."""
+        model_knobs = replace(self.same_step(knobs), batch=None, micro_batches=1)
         ops = replace(model_knobs, precision=None)
 
         def measured(rows: Mapping[str, torch.Tensor]) -> StepMeasure:
@@ -232,6 +283,8 @@ class BudgetPlanner:
             lent = None if not flops else next(
                 (d[tuple(head)] for (k, p, b), d in self._steps.items()
                  if p == packed and b == key and tuple(head) in d and replace(k, precision=None) == ops), None)
+            if lent is not None and not memory:
+                return replace(lent, saved_mb=math.nan, static_bytes=training_state_bytes(model))
             got = measure_step(model, rows, self.method.task.loss, flops and lent is None,
                                head if lent is None else ())
             if lent is not None:
@@ -253,23 +306,30 @@ class BudgetPlanner:
         return float(fc.total) * self.rows / 2
 
     def predicted(self, knobs: Knobs, examples: int, importance_examples: int,
-                  device=None) -> dict[str, float]:
+                  device=None, need: str = "all") -> dict[str, float]:
         """A plan's costs for a client of ``examples`` per round at full work, their shares of a
         dense client's (:attr:`dense`), and on a ``device`` (:class:`fedslice.fl.devices.Device`)
         a client-round's simulated seconds: the download, its FLOPs at the device's speed, the
-        upload (as the simulated clock counts a reply)."""
-        out = self._predicted(knobs, examples, importance_examples)
+        upload (as the simulated clock counts a reply). ``need="memory"``: the memory and its
+        share only; ``"flops"``: all but those (:meth:`cost`)."""
+        if need == "memory":
+            memory = self.cost(knobs, need).memory_mb
+            return {"memory_mb": memory, "memory_share": memory / self.cost(self.dense).memory_mb}
+        out = self._predicted(knobs, examples, importance_examples, need)
         dense = out if knobs == self.dense else self._predicted(self.dense, examples, importance_examples)
         out = {**out, "flops_share": out["gflops_per_round"] / dense["gflops_per_round"],
                "memory_share": out["memory_mb"] / dense["memory_mb"]}
+        if need == "flops":
+            del out["memory_mb"], out["memory_share"]
         if device is not None:
-            c = self.cost(knobs)
+            c = self.cost(knobs, need)
             out["seconds_per_round"] = device.seconds(out["gflops_per_round"] * 1e9, c.download_bytes,
                                                       c.upload_bytes, self.host_gflops)
         return out
 
-    def _predicted(self, knobs: Knobs, examples: int, importance_examples: int) -> dict[str, float]:
-        c = self.cost(knobs)
+    def _predicted(self, knobs: Knobs, examples: int, importance_examples: int,
+                   need: str = "all") -> dict[str, float]:
+        c = self.cost(knobs, need)
         # training batches hold about flops_scale x the profile's tokens; an importance pass
         # runs a client's examples in few large batches, each padded to its longest: counted at
         # the profile's length (the data's longest), an upper bound
@@ -302,8 +362,8 @@ class BudgetPlanner:
     # -- choice ------------------------------------------------------------------------------
     def _violations(self, budget: ClientBudget, pred: Mapping[str, float]) -> list[str]:
         out = []
-        for k, limit in budget.limits().items():
-            if pred[k] > limit * (1 + 1e-9):
+        for k, limit in budget.limits().items():  # (those ``pred`` holds)
+            if k in pred and pred[k] > limit * (1 + 1e-9):
                 out.append(f"{pred[k]:.4g} {UNITS[k]} > {limit:g}")
         return out
 
@@ -326,10 +386,12 @@ class BudgetPlanner:
         and upload at the least-FLOPs points (no checkpointing: it recomputes; one micro-batch,
         packed where batches pack, and the most); empty when some overhead may fit."""
         # (the base's precision changes its bytes, not its operations: the least-memory one)
+        mem = self.predicted(least, examples, importance_examples, need="memory")
+        if set(budget.limits()) <= _MEMORY:
+            return self._violations(budget, mem)  # no limit the FLOPs or upload reach
         no_ckpt = [replace(least, checkpointing=False, micro_batches=m)
                    for m in {min(m for _, m in self.overheads(least)), least.micro_batches}]
-        mem = self.predicted(least, examples, importance_examples, budget.device)
-        rest = [self.predicted(k, examples, importance_examples, budget.device) for k in no_ckpt]
+        rest = [self.predicted(k, examples, importance_examples, budget.device, need="flops") for k in no_ckpt]
         best = {"memory_mb": mem["memory_mb"], "memory_share": mem["memory_share"],
                 "gflops_per_round": min(r["gflops_per_round"] for r in rest),
                 "flops_share": min(r["flops_share"] for r in rest),
@@ -337,6 +399,14 @@ class BudgetPlanner:
         if budget.device is not None:
             best["seconds_per_round"] = min(r["seconds_per_round"] for r in rest)
         return self._violations(budget, best)
+
+    def _in_reach(self, budget: ClientBudget, examples: int, importance_examples: int,
+                  least: Knobs) -> bool:
+        """:meth:`_out_of_reach` is empty, its memory at the least asked first: a point whose
+        memory is out of reach needs none of its FLOPs measured."""
+        if self._violations(budget, self.predicted(least, examples, importance_examples, need="memory")):
+            return False
+        return not self._out_of_reach(budget, examples, importance_examples, least)
 
     def plan(self, client: int, tier: int | None, budget: ClientBudget, examples: int,
              importance_examples: int = 0) -> ClientPlan | None:
@@ -347,15 +417,18 @@ class BudgetPlanner:
         does not fit is skipped whole (nested sub-models: the first in reach by bisection), then
         the same per local work, per sparsity and per rank.
         The plan says why: what the nearest larger plan it passed over needs."""
-        passed = None  # (the nearest larger plan passed over, what it needs)
+        #: (the nearest larger plan passed over, what it needs): the second a function, called
+        #: for the plan passed over last only (a plan out of reach by its memory needs no FLOPs)
+        passed = None
 
         def fits(least: Knobs, shown: Knobs) -> bool:
             """Some overhead of ``least``'s point may fit; else ``shown`` (its fixed knobs) passed."""
             nonlocal passed
-            over = self._out_of_reach(budget, examples, importance_examples, least)
-            if over:
-                passed = (f"{shown.describe(overhead=False)}, at its least", over)
-            return not over
+            if self._in_reach(budget, examples, importance_examples, least):
+                return True
+            passed = (f"{shown.describe(overhead=False)}, at its least",
+                      lambda: self._out_of_reach(budget, examples, importance_examples, least))
+            return False
 
         s_min, r_min = self.sparsities[-1], self.ranks[-1]
 
@@ -383,11 +456,18 @@ class BudgetPlanner:
                                 point = Knobs(spec, s, r, False, 1, width, imp, prec, **work, depth=d)
                                 for ckpt, mb in self.overheads(point):
                                     knobs = replace(point, checkpointing=ckpt, micro_batches=mb)
+                                    if self._two_steps(knobs) and self._violations(
+                                            budget, self.predicted(knobs, examples, importance_examples,
+                                                                   need="memory")):
+                                        # its memory and FLOPs are two steps: the FLOPs not needed
+                                        passed = (knobs.describe(), self._needs(budget, knobs, examples,
+                                                                                importance_examples))
+                                        continue
                                     pred = self.predicted(knobs, examples, importance_examples, budget.device)
                                     over = self._violations(budget, pred)
                                     if not over:
                                         return self._plan(client, tier, budget, knobs, pred, passed)
-                                    passed = (knobs.describe(), over)
+                                    passed = (knobs.describe(), lambda over=over: over)
         return None
 
     def _specs_in_reach(self, spec_fits: Callable[[int], bool]) -> Iterator[int]:
@@ -451,12 +531,20 @@ class BudgetPlanner:
                 yield {key: lo}, d
             yield from ((work, d) for d in self.depths if reach[d])
 
+    def _needs(self, budget: ClientBudget, knobs: Knobs, examples: int,
+               importance_examples: int) -> Callable[[], list[str]]:
+        """What ``knobs`` needs that ``budget`` lacks, measured when asked (its memory only
+        where the budget limits nothing else)."""
+        need = "memory" if set(budget.limits()) <= _MEMORY else "all"
+        return lambda: self._violations(budget, self.predicted(
+            knobs, examples, importance_examples, None if need == "memory" else budget.device, need=need))
+
     def _plan(self, client, tier, budget, knobs, pred, passed) -> ClientPlan:
         why = ("the most-training plan (largest sub-model, every local step, every block's "
                "adapters, most heads, highest rank, the importance pass, the most precise base, "
                "least overhead)")
         if passed is not None:
-            why = f"the next larger plan ({passed[0]}) needs {'; '.join(passed[1])}"
+            why = f"the next larger plan ({passed[0]}) needs {'; '.join(passed[1]())}"
         return ClientPlan(client, tier, budget, knobs, pred["memory_mb"], pred["gflops_per_round"],
                           pred["upload_mb_per_round"], why, self.method.depth_frozen(knobs.depth),
                           memory_reference=self.cost(knobs).reference, flops_share=pred["flops_share"],
