@@ -758,7 +758,6 @@ def test_a_packed_plan_out_of_reach_by_its_memory_has_no_flops_measured(tiny_lm_
     every plan and its reason equal those of a planner that measures every plan whole, with
     fewer steps and fewer counted FLOPs (a chat model, conversations of many lengths)."""
     import fedslice.methods.planner as planner
-    from fedslice.api import setup
     from test_chat import chat_cfg, write_chat_jsonl
 
     tiers = [{"share": s, "name": n, "memory_share": m, "flops_share": f} for n, s, m, f in
@@ -766,19 +765,7 @@ def test_a_packed_plan_out_of_reach_by_its_memory_has_no_flops_measured(tiny_lm_
     d = chat_cfg(write_chat_jsonl(tmp_path / "chat"), tiny_lm_dirs["llama"], tmp_path, lora={"ranks": [2, 4]},
                  budgets={"tiers": tiers, "local_work": [1.0, 0.75, 0.5, 0.25], "micro_batches": [1, 2, 4],
                           "adapter_depths": [1.0, 0.5], "checkpointing": True, "precisions": ["none", "int8"]})
-    calls = []
-    step = planner.measure_step
-
-    def counted(*args, **kwargs):
-        calls.append(bool(args[3] if len(args) > 3 else kwargs.get("flops", True)))
-        return step(*args, **kwargs)
-
-    def plans():
-        calls.clear()
-        method, _ = setup(validate_config(d))
-        return {c: p.to_dict() for c, p in method.plans.items()}, (len(calls), sum(calls))
-
-    monkeypatch.setattr(planner, "measure_step", counted)
+    plans = _counting_plans(monkeypatch, d)
     kept, measured = plans()
 
     def whole(self, knobs, need="all"):  # every cost measured whole
@@ -810,18 +797,7 @@ def test_the_planner_measures_each_model_and_rows_once_and_plans_as_before(tiny_
     d = _cfg(tiny_cfg_dict, {"tiers": tiers, "local_work": [1.0, 0.75, 0.5, 0.25], "micro_batches": [1, 2, 4],
                              "checkpointing": True, "precisions": ["none", "int8"]},
              data={"path": str(one_length_data_dir)}, federation={"pack": pack}, lora={"ranks": [2, 4]})
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(bool(args[3] if len(args) > 3 else kwargs.get("flops", True)))
-        return measure_step(*args, **kwargs)
-
-    def plans():
-        calls.clear()
-        method, _ = setup(validate_config(d))
-        return {c: p.to_dict() for c, p in method.plans.items()}, (len(calls), sum(calls))
-
-    monkeypatch.setattr(planner, "measure_step", counted)
+    plans = _counting_plans(monkeypatch, d)
     kept, measured = plans()
     monkeypatch.setattr(planner.BudgetPlanner, "_step_of", lambda self, knobs, model, packed, flops, head, memory=True:
                         lambda rows: planner.measure_step(model, rows, self.method.task.loss, flops, head))
@@ -839,3 +815,25 @@ def test_the_planner_measures_each_model_and_rows_once_and_plans_as_before(tiny_
     with method.planned_model(planner.Knobs(precision="int8")) as planned:  # the FLOPs lent across precisions
         int8 = measure_step(planned.model, batch, method.task.loss, True)
     assert int8.flops == with_flops.flops and int8.static_bytes < with_flops.static_bytes
+
+
+def _counting_plans(monkeypatch, d: dict):
+    """A function that builds ``d``'s method and returns every client's plan and (steps the
+    planner measured, of those with the FLOP counter), counted through ``planner.measure_step``
+    (patched here, around the function it stands for now)."""
+    import fedslice.methods.planner as planner
+    from fedslice.api import setup
+
+    calls, step = [], planner.measure_step
+
+    def counted(*args, **kwargs):
+        calls.append(bool(args[3] if len(args) > 3 else kwargs.get("flops", True)))
+        return step(*args, **kwargs)
+
+    def plans():
+        calls.clear()
+        method, _ = setup(validate_config(d))
+        return {c: p.to_dict() for c, p in method.plans.items()}, (len(calls), sum(calls))
+
+    monkeypatch.setattr(planner, "measure_step", counted)
+    return plans
