@@ -349,7 +349,8 @@ def test_fedsa_keeps_b_on_the_clients_and_reports_personal_metrics(tiny_cfg_dict
     assert "personal_local_accuracy_mean" in summary
     # a client's kept B is what it starts from next time
     c = trained[0]
-    kept = method._kept(Payload({}, {"client": c}))
+    kept = method.personal.with_kept(Payload({}, {"client": c})).arrays
+    assert kept.keys() == method.personal[c].keys()
     assert all(torch.equal(kept[k], method.personal[c][k]) for k in kept)
 
 

@@ -18,8 +18,8 @@ A method is a plug-in: its module defines its options class (a
 :class:`~fedslice.config.MethodOptions`) and registers both
 (:func:`fedslice.registry.register_method`); what it does is declared as class attributes the
 library asks (``sends_slices``, ``adapters``, ``default_adapter``, ``client_model_from_server``),
-its config checks in :meth:`Method.check_config`, its plots in
-:meth:`Method.plots`.
+its config checks in :meth:`Method.check_config`, its report sections (and plots) in
+:meth:`Method.report_views`; what it may override is :mod:`fedslice.methods.contract`.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from fedslice.methods.client_costs import analytic_train_flops as cost_flops
 from fedslice.methods.client_costs import client_cost_metrics, sat_out_metrics
 from fedslice.methods.client_costs import frozen_bottom as cost_frozen_bottom
 from fedslice.methods.facts import Facts
+from fedslice.methods.personal import PersonalTensors
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
 from fedslice.peft import Adapter, make_adapter
@@ -257,6 +258,11 @@ class Method:
         self.strategy = wrap_rules(self.make_strategy(), cfg, role, arch=self.arch,
                                    trainable=[n for n, p in self.model.named_parameters()
                                               if p.requires_grad])
+        #: the tensors each client keeps for itself (the LoRA rule's: fedsa's B), by client
+        trainable = self.trainable()
+        self.personal = PersonalTensors(self.strategy.personal_tensors(list(trainable)), trainable)
+        if self.personal.names:  # a client's kept tensors live in this process: no forked workers
+            self.parallel_clients = False
 
     @classmethod
     def plan_defaults(cls, cfg: ExperimentConfig) -> dict[str, Any]:
@@ -410,11 +416,12 @@ class Method:
         client keeps between its participations, as tensors by name (Flower stores it in the
         node's ``Context.state``: a deployment starts a fresh ClientApp process per message);
         ``"server"``: what a resumed run needs (e.g. FedPFT's distillation logs), as nested JSON
-        with tensors. Default: nothing."""
-        return {}
+        with tensors. Default: the tensors clients keep for themselves (:attr:`personal`)."""
+        return self.personal.state(side)
 
     def restore_state(self, side: Side, state: dict[str, Any]) -> None:
         """Restore :meth:`kept_state` of ``side`` (``{}``: nothing kept yet)."""
+        self.personal.restore(side, state)
 
     def client_spec(self, payload: Payload, arrays: State | None = None):
         """The slice of the full model (a :class:`fedslice.slicing.spec.Spec`) that
@@ -467,7 +474,9 @@ class Method:
         return {n: p for n, p in params.items() if n in payload.arrays}
 
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
-        """Local training of one client: returns the trained tensors and measured costs."""
+        """Local training of one client: returns the trained tensors and measured costs (the
+        tensors it keeps for itself, :attr:`personal`, trained beside them and kept)."""
+        payload = self.personal.with_kept(payload)
         model, params = self.client_model(payload)
         orders = self.orders(payload)
         result = train_local(model, params, data, orders, seed, loss_fn=self.task.loss,
@@ -475,7 +484,8 @@ class Method:
                              by_parts=self.adapter.in_modules, pack=self.packs(orders))
         arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
         metrics = self.client_metrics(model, params, payload, arrays, result)
-        return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
+        return self.personal.keep(payload.orders.client, Reply(arrays=arrays, num_examples=len(data),
+                                                               metrics=metrics))
 
     def packs(self, orders: Orders) -> bool:
         """Whether a client's training batches are packed: ``federation.pack``, where the
@@ -519,8 +529,10 @@ class Method:
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
         """A reply's metrics: its loss, steps and costs
-        (:func:`fedslice.methods.client_costs.client_cost_metrics`); a stage adds its own."""
-        return client_cost_metrics(self, model, params, payload, arrays, result)
+        (:func:`fedslice.methods.client_costs.client_cost_metrics`; what a client keeps for
+        itself is neither received nor sent: not counted); a stage adds its own."""
+        payload = Payload(self.personal.strip(payload.arrays), payload.config, payload.model)
+        return client_cost_metrics(self, model, params, payload, self.personal.strip(arrays), result)
 
 
     # -- server evaluation -------------------------------------------------------------------

@@ -20,7 +20,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
     "build": ("prepare_model", "make_strategy", "initial_state"),
     # a client: its model, its slice, local training, what its reply reports
     "client": ("client_model", "client_spec", "fit", "client_metrics", "planned_upload",
-               "prepare_clients", "fit_batched"),
+               "prepare_clients"),
     # what the budget planner may vary, and the model each choice trains
     "plan": ("plan_axes", "planned_model"),
     # what a client keeps between participations, and the server between rounds
@@ -59,7 +59,6 @@ class Client(Protocol):
     def client_metrics(self, model, params, payload, arrays, result) -> dict: ...
     def planned_upload(self, payload) -> dict: ...  # the tensors it will send (their shapes)
     def prepare_clients(self, payloads) -> None: ...  # shared work before workers fork
-    def fit_batched(self, jobs, compute, on_reply) -> None: ...  # clients of one shape together
 
 
 class Plan(Protocol):

@@ -16,8 +16,8 @@ from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.methods.base import Method, Role, Side
 from fedslice.methods.plan_strategy import PlannedStrategy
 from fedslice.methods.fedpetuning.report import mean_of
-from fedslice.methods.fedpetuning.strategy import at_rank
 from fedslice.models.loading import LoadedModel
+from fedslice.peft.tuners.lora.aggregate import at_rank
 from fedslice.registry import ADAPTERS
 from fedslice.tasks import Task
 
@@ -56,21 +56,6 @@ class FedPETuning(Method):
             raise ValueError(f"lora.ranks={ranks}: method {cfg.method.name} takes each client's rank "
                              f"from the budgets of {where}: set one of them")
 
-    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both", client_sizes: Mapping[int, int] | None = None, **kw):
-        super().__init__(cfg, loaded, task, role, client_sizes, **kw)
-        #: tensors each client keeps for itself (fedsa's B), by name, and their initial values
-        self.personal_names = self.strategy.personal_tensors(list(self.trainable()))
-        self._personal_init = {k: p.detach().cpu().clone() for k, p in self.trainable().items()
-                               if k in self.personal_names}
-        #: client -> its kept tensors (the simulation keeps them here for its clients)
-        self.personal: dict[int, State] = {}
-        self._received: State | None = None  # what a Flower node kept (restore_state)
-        self._last_client: int | None = None
-        if self.personal_names:
-            # a client's kept tensors live in this process: no forked workers
-            self.parallel_clients = False
-
     # -- heterogeneous ranks -------------------------------------------------------------------
     def make_strategy(self) -> Strategy:
         """FedAvg; under ``[budgets]`` (or the ``method.tiers`` that spell it) every client's
@@ -79,77 +64,11 @@ class FedPETuning(Method):
             return Strategy(self.cfg.federation, self.client_sizes)
         return PlannedStrategy(self.cfg.federation, self.make_plans(), self.client_sizes)
 
-    # -- tensors a client keeps (fedsa) --------------------------------------------------------
-    def kept_state(self, side: Side) -> dict[str, Any]:
-        """A Flower node's, between its participations: its own B (fedsa). The server's: every
-        client's kept tensors (the simulation holds them for its clients)."""
-        if side == "server":
-            return {"personal": {str(c): dict(t) for c, t in self.personal.items()}} if self.personal else {}
-        if not self.personal_names or self._last_client is None:
-            return {}
-        return dict(self.personal.get(self._last_client, {}))
-
-    def restore_state(self, side: Side, state: dict[str, Any]) -> None:
-        if side == "server":
-            self.personal = {int(c): dict(t) for c, t in (state.get("personal") or {}).items()}
-        else:
-            self._received = dict(state)
-
-    def _kept(self, payload: Payload) -> State:
-        """The client's own tensors (what it kept, else their initial values) at its rank."""
-        c = payload.orders.client
-        kept = self._received if self._received is not None else self.personal.get(c)
-        self._received = None
-        if not kept:
-            kept = self._personal_init
-        return {k: t.clone() for k, t in at_rank(kept, payload.orders.lora_rank).items()}
-
-    def _with_kept(self, payload: Payload) -> Payload:
-        return Payload({**payload.arrays, **self._kept(payload)}, payload.config, payload.model)
-
-    def _keep(self, client: int, reply: Reply) -> Reply:
-        """The reply without the client's own tensors, which it keeps (a reply without them, as
-        :meth:`fit` returns it, is left as it is)."""
-        if not any(k in reply.arrays for k in self.personal_names):
-            return reply
-        loss = reply.metrics.get("loss")
-        if isinstance(loss, float) and not math.isfinite(loss):  # diverged: keeps what it had
-            return Reply({k: t for k, t in reply.arrays.items() if k not in self.personal_names},
-                         reply.num_examples, reply.metrics)
-        self.personal[client] = {k: reply.arrays[k].detach().cpu().clone()
-                                 for k in self.personal_names if k in reply.arrays}
-        self._last_client = client
-        return Reply({k: t for k, t in reply.arrays.items() if k not in self.personal_names},
-                     reply.num_examples, reply.metrics)
-
-    def fit(self, payload: Payload, data, seed: int) -> Reply:
-        if not self.personal_names:
-            return super().fit(payload, data, seed)
-        reply = super().fit(self._with_kept(payload), data, seed)
-        return self._keep(payload.orders.client, reply)
-
-    def fit_batched(self, jobs, compute, on_reply) -> None:
-        if not self.personal_names:
-            return super().fit_batched(jobs, compute, on_reply)
-
-        def keep(c, reply):
-            on_reply(c, self._keep(c, reply) if isinstance(reply, Reply) else reply)
-
-        super().fit_batched([(c, self._with_kept(p), d, s) for c, p, d, s in jobs], compute, keep)
-
-    def client_metrics(self, model, params, payload: Payload, arrays: State, result) -> dict[str, float]:
-        """Costs; what a client keeps (fedsa's B) is neither received nor sent: not counted."""
-        if self.personal_names:
-            payload = Payload({k: t for k, t in payload.arrays.items() if k not in self.personal_names},
-                              payload.config, payload.model)
-            arrays = {k: t for k, t in arrays.items() if k not in self.personal_names}
-        return super().client_metrics(model, params, payload, arrays, result)
-
     # -- after training --------------------------------------------------------------------
     def final_metrics(self, state: State, data, records: list[dict[str, Any]],
                       batch_size: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        if self.personal_names and self.personal:
+        if self.personal:
             out.update(self.personalised(state, data, batch_size))
         return out
 

@@ -90,6 +90,14 @@ def truncate_rank(t: torch.Tensor, axis: int, r: int) -> torch.Tensor:
     return t.narrow(axis, 0, r)
 
 
+def at_rank(state: Mapping[str, torch.Tensor], rank: int | None) -> dict[str, torch.Tensor]:
+    """``state`` with its LoRA factors truncated to ``rank`` (None: as it is)."""
+    if rank is None:
+        return dict(state)
+    return {k: truncate_rank(t, rank_axis(k), rank) if rank_axis(k) is not None and t.dim() == 2
+            else t for k, t in state.items()}
+
+
 def pad_rank(t: torch.Tensor, axis: int, r: int) -> torch.Tensor:
     """A factor of rank < r zero-padded to rank ``r`` (HetLoRA's padding)."""
     extra = r - t.shape[axis]
