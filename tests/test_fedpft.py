@@ -655,3 +655,18 @@ def test_alignment_round_of_a_decoder_accepts_prompt_plus_target_tokens(tiny_gen
     assert first["align_neurons"] > 0  # the server re-distilled after the reports
     reply = [c for c in first["client_metrics"] if c["used"]]
     assert len(reply) == 2
+
+
+@pytest.mark.parametrize("method_name", ["fedpft", "fedot"])
+def test_planned_upload_is_what_a_client_sends(pft_cfg, method_name):
+    """``fedslice validate`` counts what a client of the proxy (the emulator) sends: exactly the
+    model tensors of its reply (names, shapes); FedPFT's APoZ report travels beside them."""
+    if method_name == "fedot":
+        pft_cfg["method"] = {"name": "fedot"}
+    method, data = setup(validate_config(pft_cfg))
+    state = method.initial_state()
+    payloads = method.strategy.configure_train(1, state, [0, 1])
+    for c, payload in payloads.items():
+        planned = {k: tuple(t.shape) for k, t in method.planned_upload(payload).items()}
+        sent = split_report(method.fit(payload, data.client(c), 0).arrays)[0]
+        assert planned == {k: tuple(t.shape) for k, t in sent.items()}, c

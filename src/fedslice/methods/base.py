@@ -467,11 +467,17 @@ class Method:
         train them (they inherit it; what a worker builds dies with it). Default: nothing."""
 
     def planned_upload(self, payload: Payload) -> dict[str, torch.Tensor]:
-        """The tensors a client sends back for ``payload`` (their shapes: what ``fedslice
-        validate`` counts before training). Default: the trainable tensors of its model that
-        the payload carries."""
-        _, params = self.client_model(payload)
-        return {n: p for n, p in params.items() if n in payload.arrays}
+        """The tensors the client of ``payload`` sends back (their shapes: what ``fedslice
+        validate`` counts before training): :meth:`planned_model` at its plan's knobs (none
+        under ``[budgets]``: the method's own), less the tensors it keeps for itself. The head
+        stage's kept heads depend on the client's data, their count does not."""
+        from fedslice.methods.plan_records import Knobs
+
+        if self.sits_out(payload):
+            return {}
+        plan = self.plans.get(payload.orders.client)
+        with self.planned_model(Knobs() if plan is None else plan.knobs) as planned:
+            return self.personal.strip(planned.upload)
 
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of one client: returns the trained tensors and measured costs (the

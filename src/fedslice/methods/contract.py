@@ -19,8 +19,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
     # the server (and each client process) builds the method once
     "build": ("prepare_model", "make_strategy", "initial_state"),
     # a client: its model, its slice, local training, what its reply reports
-    "client": ("client_model", "client_spec", "fit", "client_metrics", "planned_upload",
-               "prepare_clients"),
+    "client": ("client_model", "client_spec", "fit", "client_metrics", "prepare_clients"),
     # what the budget planner may vary, and the model each choice trains
     "plan": ("plan_axes", "planned_model"),
     # what a client keeps between participations, and the server between rounds
@@ -57,7 +56,6 @@ class Client(Protocol):
     def client_spec(self, payload, arrays=None) -> Any: ...  # its slice (None: the whole model)
     def fit(self, payload, data, seed: int) -> Any: ...  # local training -> Reply
     def client_metrics(self, model, params, payload, arrays, result) -> dict: ...
-    def planned_upload(self, payload) -> dict: ...  # the tensors it will send (their shapes)
     def prepare_clients(self, payloads) -> None: ...  # shared work before workers fork
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from fedslice.distill.losses import hidden_loss
 from fedslice.distill.report import write_curves
 from fedslice.errors import ConfigError
 from fedslice.fl.strategy import Payload, State, Strategy
+from fedslice.methods.plan_records import PlannedModel
 from fedslice.methods.base import Method, Role, Side
 from fedslice.methods.fedot.layout import fedot_layout, FROZEN_PREFIX
 from fedslice.methods.fedot.options import FedOTMethod
@@ -161,6 +163,12 @@ class FedOT(Method):
         return cached_distill(cache.cache_root(d.cache_dir), inputs, params, run)
 
     # -- client ------------------------------------------------------------------------------
+    @contextmanager
+    def planned_model(self, knobs) -> Iterator[PlannedModel]:
+        """What every client trains and sends: the adapter layers at both ends around the emulator, at the method's
+        own settings (it plans no budgets)."""
+        yield PlannedModel(self.sub, self.trainable(self.sub))
+
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         """The adapter + emulator model, with the payload (sub-model names) loaded."""
         arrays = dict(payload.arrays)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from fedslice.distill.losses import layer_kd_loss
 from fedslice.distill.report import write_curves
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.methods.facts import Facts
+from fedslice.methods.plan_records import PlannedModel
 from fedslice.methods.base import Method, Role, Side
 from fedslice.methods.fedpft.options import FedPFTMethod, KD_BEFORE, KD_DURING, UPDATE_PREFIX
 from fedslice.methods.fedpft.orders import ProxyOrders
@@ -235,6 +237,12 @@ class FedPFT(Method):
         return params
 
     # -- client ------------------------------------------------------------------------------
+    @contextmanager
+    def planned_model(self, knobs) -> Iterator[PlannedModel]:
+        """What every client trains and sends: the proxy (a client never sees the full model), at the method's
+        own settings (it plans no budgets)."""
+        yield PlannedModel(self.proxy, self.trainable(self.proxy))
+
     def client_model(self, payload: Payload) -> tuple[nn.Module, dict[str, nn.Parameter]]:
         return self.proxy, self._load(payload.arrays)
 

@@ -273,17 +273,6 @@ class HeadStage(Method):
         return {n: p for n, p in sub.named_parameters()
                 if p.requires_grad and p.numel() and n not in headless}
 
-    def planned_upload(self, payload: Payload) -> dict[str, torch.Tensor]:
-        """The kept heads' tensors for a keep-mask of the sparsity's size (which heads a client
-        keeps depends on its data; how many does not), its mask and importance vector."""
-        if self.sits_out(payload):
-            return super().planned_upload(payload)
-        model, _ = self.client_model(payload)
-        outer = self.client_spec(payload)
-        dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
-        kept = self.count_mask(dims, self.orders(payload).sparsity, outer is not None)
-        return self.upload_of(self.local_params(self.local_model(model, kept, payload, dims), kept, dims))
-
     def count_mask(self, dims, sparsity: float, sub_model: bool) -> torch.Tensor:
         """A keep-mask of the right size over ``dims``' heads: which heads a client keeps
         depends on its data, how many does not. They are spread over as many (family, layer)
