@@ -274,7 +274,7 @@ def run_variant(args, variant: str, work: Path) -> dict:
            "killed_nodes": killed, "unmask_missing_clients": unmask_missing,
            "processes": processes,
            "rounds": rounds, "wall_s": time.monotonic() - t0,
-           "test_accuracy": summary.get("test_accuracy"),
+           "test_accuracy": summary.get("test_accuracy"), "test_loss": summary.get("test_loss"),
            "final_dev_accuracy": summary.get("final_dev_accuracy")}
     if secure:
         from fedslice.config import PrivacyConfig
@@ -328,7 +328,7 @@ def table(args, results: list[dict]) -> str:
         if "error" not in r:
             lines.append(f"- {r['variant']}: killed {r['killed_nodes']} (clients missing at the "
                          f"unmasking: {r.get('unmask_missing_clients')}), test accuracy "
-                         f"{r['test_accuracy']}, excluded per round "
+                         f"{r['test_accuracy']} (loss {r.get('test_loss')}), excluded per round "
                          f"{[x['excluded'] for x in r['rounds']]}, wall {r['wall_s']:.0f} s")
     lines.append("")
     lines.append("| variant | ClientApp processes heavy / light | heavy peak RSS max / median (MB) | "
