@@ -146,3 +146,37 @@ def test_gqa_sub_models_every_reply_accepted_and_mean_exact(gqa_dir, tiny_data_d
         assert torch.allclose(state[k].double(), t, atol=tol, rtol=0), (k, (state[k].double() - t).abs().max())
         changed += int(not torch.equal(state[k], before[k]))
     assert changed > 0
+
+
+def test_a_client_trains_the_key_value_heads_its_kept_query_heads_read(gqa_dir, tiny_data_dir, tmp_path):
+    """Parameter pruning inside a 0.75-tier sub-model (3 + 1 query heads of two groups): the
+    key/value rows that train are those of the groups of the kept query heads, at their
+    positions in the sub-model's key/value heads (not the sub-model's head positions cut into
+    equal blocks), and the pruned groups' rows stay frozen."""
+    from fedslice.slicing.heads import sub_dims
+    from fedslice.slicing.partial import PartialLinear
+
+    m, _ = setup(_cfg(gqa_dir, tiny_data_dir, tmp_path, "raffm+heads", False))
+    payloads = m.strategy.configure_train(1, m.initial_state(), [0, 1, 2, 3])
+    payload = next(p for p in payloads.values()
+                   if len(stack_list(spec_from_dict(p.orders.spec))[0].heads[0]) == 4)
+    outer = stack_list(spec_from_dict(payload.orders.spec))[0]
+    model, _ = m.client_model(payload)
+    dims = sub_dims(m.all_dims, outer)
+    arch = arch_for(m.model)
+    for keep in ((0, 1), (0, 3), (2, 3), (1, 2)):  # sub-model head positions, in both layers
+        kept = torch.zeros(2, 4, dtype=torch.bool)
+        kept[:, list(keep)] = True
+        sub = m.local_model(model, kept, payload, dims)
+        modules = dict(sub.named_modules())
+        for layer in range(2):
+            full = [outer.heads[layer][p] for p in keep]
+            groups = list(dict.fromkeys(h // (H // KV) for h in outer.heads[layer]))
+            read = list(dict.fromkeys(h // (H // KV) for h in full))
+            rows = torch.tensor([groups.index(g) * HD + i for g in read for i in range(HD)])
+            name = f"base_model.model.{arch.part_name(layer, 'v')}.lora_B.default"
+            v = modules[name]
+            if len(read) == len(groups):  # both groups read: the whole tensor trains
+                assert not isinstance(v, PartialLinear) and v.weight.requires_grad
+            else:
+                assert isinstance(v, PartialLinear) and torch.equal(v.idx, rows), (keep, layer)
