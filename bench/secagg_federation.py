@@ -133,6 +133,7 @@ class ProcessSampler(threading.Thread):
         self.low_memory, self.floor = threading.Event(), floor_mb * 2**20
         self.procs: dict[int, dict] = {}
         self.peak_total = self.peak_clientapps = 0
+        self.t0 = time.monotonic()  # the timeline's zero (the federation just started)
         self.min_available = None
 
     @staticmethod
@@ -200,6 +201,15 @@ class ProcessSampler(threading.Thread):
         for kind in ("flwr-serverapp", "flower-supernode", "flower-superlink"):
             rss = [r["peak_rss"] * mb for r in self.procs.values() if r["kind"] == kind]
             out[f"{kind}_peak_rss_mb_max"] = max(rss) if rss else None
+        # CPU seconds of every kind of process over the run (the SuperNodes' and SuperExecs'
+        # polling included), and each ClientApp's (first seen, last seen) in seconds from the
+        # federation's start with its CPU seconds and peak RSS: the key stages' processes, their
+        # spread and the idle time around them (compare the round's secagg_*_s)
+        out["cpu_s_by_kind"] = {k: round(sum(r["cpu_s"] for r in self.procs.values() if r["kind"] == k), 2)
+                                for k in sorted({r["kind"] for r in self.procs.values()})}
+        out["clientapp_timeline"] = sorted(
+            [round(r["first"] - self.t0, 2), round(r["last"] - self.t0, 2), round(r["cpu_s"], 2),
+             round(r["peak_rss"] * mb)] for r in apps)
         return out
 
 
