@@ -133,6 +133,7 @@ class ProcessSampler(threading.Thread):
         self.low_memory, self.floor = threading.Event(), floor_mb * 2**20
         self.procs: dict[int, dict] = {}
         self.peak_total = self.peak_clientapps = 0
+        self.t0 = time.monotonic()  # the timeline's zero (the federation just started)
         self.min_available = None
 
     @staticmethod
@@ -200,6 +201,15 @@ class ProcessSampler(threading.Thread):
         for kind in ("flwr-serverapp", "flower-supernode", "flower-superlink"):
             rss = [r["peak_rss"] * mb for r in self.procs.values() if r["kind"] == kind]
             out[f"{kind}_peak_rss_mb_max"] = max(rss) if rss else None
+        # CPU seconds of every kind of process over the run (the SuperNodes' and SuperExecs'
+        # polling included), and each ClientApp's (first seen, last seen) in seconds from the
+        # federation's start with its CPU seconds and peak RSS: the key stages' processes, their
+        # spread and the idle time around them (compare the round's secagg_*_s)
+        out["cpu_s_by_kind"] = {k: round(sum(r["cpu_s"] for r in self.procs.values() if r["kind"] == k), 2)
+                                for k in sorted({r["kind"] for r in self.procs.values()})}
+        out["clientapp_timeline"] = sorted(
+            [round(r["first"] - self.t0, 2), round(r["last"] - self.t0, 2), round(r["cpu_s"], 2),
+             round(r["peak_rss"] * mb)] for r in apps)
         return out
 
 
@@ -274,7 +284,7 @@ def run_variant(args, variant: str, work: Path) -> dict:
            "killed_nodes": killed, "unmask_missing_clients": unmask_missing,
            "processes": processes,
            "rounds": rounds, "wall_s": time.monotonic() - t0,
-           "test_accuracy": summary.get("test_accuracy"),
+           "test_accuracy": summary.get("test_accuracy"), "test_loss": summary.get("test_loss"),
            "final_dev_accuracy": summary.get("final_dev_accuracy")}
     if secure:
         from fedslice.config import PrivacyConfig
@@ -328,7 +338,7 @@ def table(args, results: list[dict]) -> str:
         if "error" not in r:
             lines.append(f"- {r['variant']}: killed {r['killed_nodes']} (clients missing at the "
                          f"unmasking: {r.get('unmask_missing_clients')}), test accuracy "
-                         f"{r['test_accuracy']}, excluded per round "
+                         f"{r['test_accuracy']} (loss {r.get('test_loss')}), excluded per round "
                          f"{[x['excluded'] for x in r['rounds']]}, wall {r['wall_s']:.0f} s")
     lines.append("")
     lines.append("| variant | ClientApp processes heavy / light | heavy peak RSS max / median (MB) | "

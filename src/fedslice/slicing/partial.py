@@ -119,7 +119,8 @@ def partial_parameters(module: nn.Module, cuts: Mapping[str, tuple[torch.Tensor,
 
 
 def partial_model(model: nn.Module, spec: Spec, arch: ArchSpec,
-                  extra: Mapping[str, tuple[torch.Tensor, int]] | None = None) -> nn.Module:
+                  extra: Mapping[str, tuple[torch.Tensor, int]] | None = None,
+                  within: Spec | None = None) -> nn.Module:
     """``model`` (HF or peft-wrapped) with the trainable tensors of the heads ``spec`` prunes frozen.
 
     ``spec`` keeps every layer of each sliced stack in order (a keep-mask,
@@ -130,10 +131,16 @@ def partial_model(model: nn.Module, spec: Spec, arch: ArchSpec,
     axis), :func:`fedslice.slicing.heads.position_cuts`). The trainable parameters of the result
     have the names and shapes of :func:`~fedslice.slicing.state.extract_state` on ``model``'s
     trainable state, less the attention tensors of headless (layer, family) pairs; its outputs
-    equal ``model``'s.
+    equal ``model``'s. ``within``: ``model`` is the sub-model of that slice
+    (:func:`~fedslice.slicing.surgery.extract_model`), ``spec`` a part of it keeping its layers,
+    both in full-model indices; each tensor keeps the positions of ``spec``'s rows among
+    ``within``'s (:meth:`SliceSpec.index_within`), the names and shapes of
+    :func:`~fedslice.slicing.state.extract_state` of ``spec`` on the full model.
     """
     specs = stack_specs(spec, arch)
-    if any(s is not None and s.layers != tuple(range(s.num_layers)) for s in specs):
+    outers = (None,) * len(specs) if within is None else stack_specs(within, arch)
+    if any(s is not None and s.layers != (tuple(range(s.num_layers)) if w is None else w.layers)
+           for s, w in zip(specs, outers)):
         raise ValueError("parameter pruning keeps every layer (a head keep-mask)")
     modules = dict(model.named_modules())
     replace: dict[str, nn.Module] = {}
@@ -146,13 +153,13 @@ def partial_model(model: nn.Module, spec: Spec, arch: ArchSpec,
         info = key_info(arch, name)
         if not p.requires_grad or info is None or info.part not in HEAD_PARTS:
             continue
-        s, j = specs[info.stack], info.layer
+        s, w, j = specs[info.stack], outers[info.stack], info.layer
         if s is None:
             continue
         if s.no_heads(j, info.family):
             replace[owner] = _frozen(modules[owner])
-        elif info.axis is not None and not s.is_identity(j, info.kind, info.family):
-            cuts.setdefault(owner, {})[leaf] = (s.index(j, info.kind, info.family), info.axis)
+        elif info.axis is not None and (idx := _kept_rows(s, w, j, info.kind, info.family)) is not None:
+            cuts.setdefault(owner, {})[leaf] = (idx, info.axis)
     for owner, leaves in cuts.items():
         if owner in replace:
             continue
@@ -163,6 +170,15 @@ def partial_model(model: nn.Module, spec: Spec, arch: ArchSpec,
         else:  # LoRA A columns too: DoRA reads lora_A.weight.shape[1] as the input width
             replace[owner] = partial_parameters(module, leaves)
     return rebuild_tree(model, "", replace, {}, {})
+
+
+def _kept_rows(s, outer, j: int, kind: str, family: int) -> torch.Tensor | None:
+    """The rows of ``s`` along a sliced axis of sub-layer ``j`` of the model (the full one, or
+    the sub-model of ``outer``); None when it keeps them all."""
+    if outer is None:
+        return None if s.is_identity(j, kind, family) else s.index(j, kind, family)
+    idx = s.index_within(outer, j, kind, family)
+    return None if torch.equal(idx, torch.arange(len(outer.index(j, kind, family)))) else idx
 
 
 def freeze_parameters(model: nn.Module, names: set[str]) -> nn.Module:

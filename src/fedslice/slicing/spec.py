@@ -210,6 +210,22 @@ class SliceSpec:
             return torch.cat([rows, rows + width, rows + 2 * width])
         return rows
 
+    def index_within(self, outer: SliceSpec, sub_layer: int, kind: str, family: int = 0) -> torch.Tensor:
+        """:meth:`index` read inside the sub-model of ``outer``: the positions of this slice's
+        rows along the sliced axis among ``outer``'s (both in full-model indices; this slice keeps
+        ``outer``'s layers and a part of its units). A slice of a sub-model is decided once, in
+        full-model indices: under grouped-query attention a sub-model's key/value heads need not
+        come in equal blocks of its query heads (RaFFM keeps 3 + 1 query heads of two groups of
+        SmolLM2's 3), so its own head positions do not say which key/value heads they read."""
+        if self.layers != outer.layers:
+            raise ValueError(f"a slice of layers {self.layers} inside one of layers {outer.layers}")
+        where = {int(r): p for p, r in enumerate(outer.index(sub_layer, kind, family))}
+        rows = self.index(sub_layer, kind, family)
+        if missing := [int(r) for r in rows if int(r) not in where]:
+            raise ValueError(f"layer {self.layers[sub_layer]}: {kind} rows {missing[:4]} are "
+                             "outside the sub-model's slice")
+        return torch.tensor([where[int(r)] for r in rows], dtype=torch.long)
+
     @property
     def same_heads(self) -> bool:
         """Every layer keeps the same (1+) self-attention heads and the same number of

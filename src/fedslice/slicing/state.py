@@ -22,24 +22,33 @@ def _locate(specs, info: KeyInfo) -> tuple[SliceSpec | None, int | None]:
     return (None, None) if s is None else (s, s.sub_layer(info.layer))
 
 
-def extract_state(state: Mapping[str, torch.Tensor], spec: Spec, arch: ArchSpec) -> State:
+def extract_state(state: Mapping[str, torch.Tensor], spec: Spec, arch: ArchSpec,
+                  within: Spec | None = None) -> State:
     """The sub-model's tensors: sliced copies for sliced tensors, the same tensor objects otherwise
     (never a copy of a whole tensor). Keys of dropped layers are left out, kept layers renumbered;
-    so are the q/k/v tensors of an attention family that keeps no head in a layer."""
+    so are the q/k/v tensors of an attention family that keeps no head in a layer. ``within``:
+    ``state`` is the sub-model of that slice (its layers renumbered), ``spec`` a part of it
+    keeping its layers, both in full-model indices (:meth:`SliceSpec.index_within`)."""
     specs = stack_specs(spec, arch)
+    outers = (None,) * len(specs) if within is None else stack_specs(within, arch)
     out: State = {}
     for key, t in state.items():
         info = key_info(arch, key)
         if info is None:
             out[key] = t
             continue
-        s, j = _locate(specs, info)
+        w = outers[info.stack]
+        s, j = _locate(specs, info) if w is None else (specs[info.stack], info.layer)
         if s is None:
             out[key] = t
             continue
         if j is None or (info.part in QKV_PARTS and s.no_heads(j, info.family)):
             continue
-        if info.axis is not None and not s.is_identity(j, info.kind, info.family):
+        if info.axis is not None and w is not None:
+            idx = s.index_within(w, j, info.kind, info.family)
+            if idx.numel() != t.shape[info.axis] or not torch.equal(idx, torch.arange(idx.numel())):
+                t = t.index_select(info.axis, idx)
+        elif info.axis is not None and not s.is_identity(j, info.kind, info.family):
             t = t.index_select(info.axis, s.index(j, info.kind, info.family))
         out[info.renamed(j)] = t
     return out

@@ -38,10 +38,11 @@ from fedslice.models.loading import LoadedModel
 from fedslice.slicing.heads import (ensure_eager_attention, head_axes, head_importance, keep_mask,
                                     mask_rows, mask_spec, num_rows, restrict, sub_dims, to_full)
 from fedslice.slicing.head_fill import fill_pruned_heads, output_means
-from fedslice.slicing.head_aggregate import heads_state, position_cuts
+from fedslice.slicing.head_aggregate import position_cuts
 from fedslice.slicing.keys import key_info
 from fedslice.slicing.partial import PartialLinear, freeze_parameters, partial_model
 from fedslice.slicing.spec import HEAD_PARTS
+from fedslice.slicing.state import extract_state
 from fedslice.slicing.surgery import extract_model
 from fedslice.tasks import Task
 
@@ -233,16 +234,16 @@ class HeadStage(Method):
         dims = self.all_dims if dims is None else dims
         if bool(kept.all()):
             return model
-        spec = mask_spec(kept, dims)
+        # the slice the client trains, in full-model indices (the server's expected update:
+        # HeadsStrategy), read inside the stage below's sub-model (``outer``) where there is one
+        outer = self.client_spec(payload)
+        spec = mask_spec(kept, dims) if outer is None else \
+            restrict(outer, to_full(kept, outer, self.all_dims), self.all_dims)
         if self.opts.prune == "forward":
-            outer = self.client_spec(payload)
-            if outer is None:
-                sub = extract_model(self.model, spec, self.arch)
-            else:  # the stage below's slice, restricted to the kept heads, from the full model
-                sub = extract_model(self.model, restrict(outer, to_full(kept, outer, self.all_dims),
-                                                         self.all_dims), self.arch)
+            sub = extract_model(self.model, spec, self.arch)
+            if outer is not None:  # the payload is the stage below's slice
                 self.load_state(dict(sub.named_parameters()),
-                                heads_state(payload.arrays, kept, self.arch, dims))
+                                extract_state(payload.arrays, spec, self.arch, within=outer))
             if means is not None:
                 fill_pruned_heads(sub, model, kept, dims, means, self.arch,
                                   rank=self.opts.fill_rank if self.opts.fill == "linear" else None,
@@ -252,7 +253,7 @@ class HeadStage(Method):
             # and the tensors below the client's adapter depth (its plan's)
             return freeze_parameters(sub, self.headless_tensors(sub, kept, dims)
                                      | set(payload.orders.frozen_tensors))
-        return partial_model(model, spec, self.arch,
+        return partial_model(model, spec, self.arch, within=outer,
                              extra=position_cuts(self.positions, kept, dims))
 
     def headless_tensors(self, sub: nn.Module, kept: torch.Tensor, dims=None) -> set[str]:
