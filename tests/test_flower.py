@@ -771,22 +771,23 @@ def test_supernode_killed_mid_round(tiny_cfg_dict, tmp_path, started, quick_hear
 
 
 @needs_flower
-def test_bad_input_fails_the_run_with_a_clear_error(tiny_cfg_dict, tmp_path, started):
-    """A config the ServerApp cannot load, then a SuperNode whose partition is out of range: each
-    run ends `finished:failed` with the reason in its log (no hang)."""
-    from fedslice.flower.local import LocalFederation
-
-    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedpetuning")
-    with LocalFederation(tmp_path / "work", nodes=1, node_config={"partition-id": 5},
-                         server_roots=[tmp_path]) as fed:
-        missing = _submit(fed, tmp_path, tmp_path / "missing.toml")
-        ended = _task_finished(fed, missing)
-        assert fed.wait(missing, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
-        assert f"config file {tmp_path / 'missing.toml'} does not exist" in fed.run_log(missing)
-        bad_node = _submit(fed, tmp_path, path, **{"connect-timeout": 60.0})
-        ended = _task_finished(fed, bad_node)
-        assert fed.wait(bad_node, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
-        assert "partition-id=5 is out of range" in fed.run_log(bad_node)
+def test_bad_input_fails_the_run_with_a_clear_error(tiny_cfg_dict, tmp_path, loopback):
+    """A config the ServerApp cannot load, then a SuperNode whose partition is out of range (the
+    loopback federation's second node, partition-id=1, for a run of one client): each run ends
+    `finished:failed` with the reason in its log (no hang). On the module's federation: a
+    failed run changes nothing on its nodes (each run has its own config and node state)."""
+    fed = loopback
+    tiny_cfg_dict["method"] = {"name": "fedpetuning"}
+    tiny_cfg_dict["federation"].update(num_clients=1, clients_per_round=1, rounds=2)
+    path = _write_config(tiny_cfg_dict, tmp_path / "one-client.json")
+    missing = _submit(fed, tmp_path, tmp_path / "missing.toml")
+    ended = _task_finished(fed, missing)
+    assert fed.wait(missing, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
+    assert f"config file {tmp_path / 'missing.toml'} does not exist" in fed.run_log(missing)
+    bad_node = _submit(fed, tmp_path, path, **{"connect-timeout": 60.0})
+    ended = _task_finished(fed, bad_node)
+    assert fed.wait(bad_node, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
+    assert "partition-id=1 is out of range" in fed.run_log(bad_node)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
