@@ -634,22 +634,28 @@ def _run_on(fed, tmp_path: Path, config: Path, timeout: float = 240.0,
 
 @needs_flower
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
-def test_deploy_local_two_supernodes_matches_in_process(tiny_cfg_dict, tmp_path, started,
+def test_deploy_local_two_supernodes_matches_in_process(tiny_img_cfg_dict, tmp_path, started,
                                                          rare_status_checks):
     """`fedslice deploy local --tls --auth`: SuperLink + 2 SuperNodes, TLS certificates made with
     openssl in the test, SuperNode keys registered with `flwr supernode register`; a round of
-    full fine-tuning (fedavg), finished:completed (checked inside deploy_local), the in-process
-    engine's weights. (One federation for what were two tests, a plain 2-round deployment and
-    a 1-round TLS + auth one: TLS and authentication change the connection only. The plain
-    connection is every other deployment test's: the loopback fixtures, the killed SuperNodes;
-    deploy_local without TLS: test_simulation_engine_matches_in_process. One round: a fedavg
-    node's later rounds are its first again, a fresh ClientApp process given the aggregate;
-    later rounds on SuperNodes: the proxy methods' deployments, 2 rounds each and state kept
-    on the nodes, tests/test_flower_proxy.py; every method's 2 rounds through the ServerApp and
-    ClientApp code: test_serverapp_matches_in_process_engine.)"""
+    full fine-tuning (fedavg) of a tiny DINOv2 classifying images (each node preprocesses its
+    images), finished:completed (checked inside deploy_local), the in-process engine's weights
+    and per-class test accuracy. (One federation for what were three tests, a plain 2-round
+    deployment, a 1-round TLS + auth one and a 1-round image classification on the loopback
+    federation: TLS and authentication change the connection only, and the task is what the
+    nodes run over it. The plain connection is every other deployment test's: the loopback
+    fixtures, the killed SuperNodes; deploy_local without TLS:
+    test_simulation_engine_matches_in_process. One round: a fedavg node's later rounds are its
+    first again, a fresh ClientApp process given the aggregate; later rounds on SuperNodes: the
+    proxy methods' deployments, 2 rounds each and state kept on the nodes,
+    tests/test_flower_proxy.py; every method's 2 rounds through the ServerApp and ClientApp code:
+    test_serverapp_matches_in_process_engine, on images
+    test_serverapp_matches_in_process_engine_on_images.)"""
     from fedslice.flower.deploy import deploy_local
 
-    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedavg", rounds=1)
+    tiny_img_cfg_dict["method"] = {"name": "fedavg"}
+    tiny_img_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=1)
+    path = _write_config(tiny_img_cfg_dict, tmp_path / "img.json")
     run_dir = deploy_local(path, nodes=2, out_dir=tmp_path / "runs", tls=True, auth=True,
                            round_timeout=90, connect_timeout=60, timeout=240,
                            workdir=tmp_path / "work")
@@ -657,7 +663,10 @@ def test_deploy_local_two_supernodes_matches_in_process(tiny_cfg_dict, tmp_path,
     assert (tmp_path / "work" / "certificates" / "ca.crt").is_file()
     superlink = (tmp_path / "work" / "logs" / "superlink.log").read_text()
     assert "https://127.0.0.1" in superlink
-    _check_deployed_run(run_dir, tiny_cfg_dict)
+    _check_deployed_run(run_dir, tiny_img_cfg_dict)
+    _, _, summary = read_run(run_dir)
+    assert summary["task"] == "image_classification" and summary["method"] == "fedavg"
+    assert set(summary["test_accuracy_per_class"]) == {"left", "right"}
 
 
 @needs_flower
@@ -673,19 +682,6 @@ def test_deployed_generation_on_a_decoder_matches_in_process(tiny_gen_cfg_dict, 
     _check_deployed_run(run_dir, tiny_gen_cfg_dict, logs=False)
     _, _, summary = read_run(run_dir)
     assert summary["primary_metric"] == "rougeL" and "test_bleu" in summary
-
-
-@needs_flower
-def test_deployed_image_classification_matches_in_process(tiny_img_cfg_dict, tmp_path, loopback):
-    """A tiny DINOv2 classifying images on SuperLink + 2 SuperNodes (each node preprocesses its
-    images): the in-process weights and per-class test accuracy. One round, as the decoder's
-    above (2 rounds: test_serverapp_matches_in_process_engine_on_images[fedpetuning])."""
-    tiny_img_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=1)
-    run_dir = _run_on(loopback, tmp_path, _write_config(tiny_img_cfg_dict, tmp_path / "img.json"))
-    _check_deployed_run(run_dir, tiny_img_cfg_dict, logs=False)
-    _, _, summary = read_run(run_dir)
-    assert summary["task"] == "image_classification"
-    assert set(summary["test_accuracy_per_class"]) == {"left", "right"}
 
 
 @functools.partial(needs_flower, group="ray")
