@@ -594,31 +594,6 @@ def _check_deployed_run(run_dir: Path, cfg_dict: dict, node_logs: bool = True,
         assert wanted <= {p.name for p in (run_dir / "flower").iterdir()}
 
 
-@pytest.fixture(scope="module")
-def loopback(tmp_path_factory):
-    """One SuperLink and 2 SuperNodes on loopback, shared by this module's deployment tests that
-    only submit a run (each run has its own config, output folder and node state; starting a
-    federation costs more than a tiny run). Every process and its descendants are checked gone
-    at the end."""
-    import psutil
-
-    from fedslice.flower import local
-
-    fed = local.LocalFederation(tmp_path_factory.mktemp("loopback"), nodes=2,
-                                server_roots=[tmp_path_factory.getbasetemp()])
-    with fed:
-        family = [psutil.Process(p.pid) for p in fed.processes]
-        yield fed
-        family += [c for p in fed.processes for c in local.descendants(p.pid)]
-    alive = local.running(family)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    assert not alive, f"processes left running: {alive}"
-
-
 def _run_on(fed, tmp_path: Path, config: Path, timeout: float = 240.0,
             round_timeout: float = 90.0) -> Path:
     """Submit ``config`` to a running federation (``flwr run``), wait for it to complete; its
@@ -643,8 +618,8 @@ def test_deploy_local_two_supernodes_matches_in_process(tiny_img_cfg_dict, tmp_p
     and per-class test accuracy. (One federation for what were three tests, a plain 2-round
     deployment, a 1-round TLS + auth one and a 1-round image classification on the loopback
     federation: TLS and authentication change the connection only, and the task is what the
-    nodes run over it. The plain connection is every other deployment test's: the loopback
-    fixtures, the killed SuperNodes; deploy_local without TLS:
+    nodes run over it. The plain connection is every other deployment test's: the proxy
+    methods' federation, the killed SuperNodes, the bad input's; deploy_local without TLS:
     test_simulation_engine_matches_in_process. One round: a fedavg node's later rounds are its
     first again, a fresh ClientApp process given the aggregate; later rounds on SuperNodes: the
     proxy methods' deployments, 2 rounds each and state kept on the nodes,
@@ -669,36 +644,31 @@ def test_deploy_local_two_supernodes_matches_in_process(tiny_img_cfg_dict, tmp_p
     assert set(summary["test_accuracy_per_class"]) == {"left", "right"}
 
 
-@needs_flower
-def test_deployed_generation_on_a_decoder_matches_in_process(tiny_gen_cfg_dict, tmp_path, loopback):
-    """A decoder LLM (tiny LLaMA, grouped-query attention) generating on SuperLink + 2
-    SuperNodes: the in-process weights, and BLEU/ROUGE in the summary. One round: a node's
-    later rounds are its first again (a fresh ClientApp process; fedpetuning, like fedavg, keeps
-    nothing in Context.state); later rounds are deployed in tests/test_flower_proxy.py (2
-    rounds, state kept on the nodes) and run on this decoder through the ServerApp/ClientApp
-    code in test_serverapp_matches_in_process_engine_on_generative_models (2 rounds)."""
-    tiny_gen_cfg_dict["federation"].update(num_clients=2, clients_per_round=2, rounds=1)
-    run_dir = _run_on(loopback, tmp_path, _write_config(tiny_gen_cfg_dict, tmp_path / "gen.json"))
-    _check_deployed_run(run_dir, tiny_gen_cfg_dict, logs=False)
-    _, _, summary = read_run(run_dir)
-    assert summary["primary_metric"] == "rougeL" and "test_bleu" in summary
-
-
 @functools.partial(needs_flower, group="ray")
-def test_simulation_engine_matches_in_process(tiny_cfg_dict, tmp_path, started, rare_status_checks):
+def test_simulation_engine_matches_in_process(tiny_gen_cfg_dict, tmp_path, started, rare_status_checks):
     """Flower's simulation engine (Ray, the `simulation` extra): 4 virtual SuperNodes, 2 per
-    round, same selections and weights as the in-process engine. One Ray actor (a CPU for Ray,
-    one per client): the virtual nodes' ClientApps run one after another in one process (each
-    actor imports torch and fedslice: a second one costs more than it overlaps on CI's 2 cores)."""
+    round, same selections and weights as the in-process engine, on a decoder LLM (tiny LLaMA,
+    grouped-query attention) generating: BLEU/ROUGE in the summary. One Ray actor (a CPU for
+    Ray, one per client): the virtual nodes' ClientApps run one after another in one process
+    (each actor imports torch and fedslice: a second one costs more than it overlaps on CI's 2
+    cores). (One federation for what were two tests, this one on the tiny BERT and a 1-round
+    decoder deployment on the loopback SuperNodes: the ClientApp code a node runs is the same
+    on both engines; what the deployment engine adds, a process per message and the node state
+    kept between them, every other deployment test runs: the TLS + auth image run, the proxy
+    methods' 2 rounds with state kept on the nodes, the killed SuperNodes. The decoder through
+    the ServerApp/ClientApp code, 2 rounds: test_serverapp_matches_in_process_engine_on_generative_models.)"""
     pytest.importorskip("ray")
     from fedslice.flower.deploy import deploy_local
 
-    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedpetuning", num_clients=4)
+    tiny_gen_cfg_dict["federation"].update(num_clients=4, clients_per_round=2, rounds=2)
+    path = _write_config(tiny_gen_cfg_dict, tmp_path / "gen.json")
     run_dir = deploy_local(path, out_dir=tmp_path / "runs", round_timeout=90, connect_timeout=60,
                            timeout=240, workdir=tmp_path / "work",
                            simulation={"client-resources-num-cpus": 1, "init-args-num-cpus": 1})
     assert [p.name for p in started] == ["superlink"]
-    _check_deployed_run(run_dir, tiny_cfg_dict, node_logs=False)
+    _check_deployed_run(run_dir, tiny_gen_cfg_dict, node_logs=False)
+    _, _, summary = read_run(run_dir)
+    assert summary["primary_metric"] == "rougeL" and "test_bleu" in summary
 
 
 def _submit(fed, tmp_path: Path, config: Path, **run_config) -> int:
@@ -738,23 +708,22 @@ def _wait_for_line(path: Path, text: str, timeout: float) -> None:
 
 
 @needs_flower
-def test_bad_input_fails_the_run_with_a_clear_error(tiny_cfg_dict, tmp_path, loopback):
-    """A config the ServerApp cannot load, then a SuperNode whose partition is out of range (the
-    loopback federation's second node, partition-id=1, for a run of one client): each run ends
-    `finished:failed` with the reason in its log (no hang). On the module's federation: a
-    failed run changes nothing on its nodes (each run has its own config and node state)."""
-    fed = loopback
-    tiny_cfg_dict["method"] = {"name": "fedpetuning"}
-    tiny_cfg_dict["federation"].update(num_clients=1, clients_per_round=1, rounds=2)
-    path = _write_config(tiny_cfg_dict, tmp_path / "one-client.json")
-    missing = _submit(fed, tmp_path, tmp_path / "missing.toml")
-    ended = _task_finished(fed, missing)
-    assert fed.wait(missing, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
-    assert f"config file {tmp_path / 'missing.toml'} does not exist" in fed.run_log(missing)
-    bad_node = _submit(fed, tmp_path, path, **{"connect-timeout": 60.0})
-    ended = _task_finished(fed, bad_node)
-    assert fed.wait(bad_node, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
-    assert "partition-id=1 is out of range" in fed.run_log(bad_node)
+def test_bad_input_fails_the_run_with_a_clear_error(tiny_cfg_dict, tmp_path, started):
+    """A config the ServerApp cannot load, then a SuperNode whose partition is out of range: each
+    run ends `finished:failed` with the reason in its log (no hang)."""
+    from fedslice.flower.local import LocalFederation
+
+    path = _e2e_config(tiny_cfg_dict, tmp_path, "fedpetuning")
+    with LocalFederation(tmp_path / "work", nodes=1, node_config={"partition-id": 5},
+                         server_roots=[tmp_path]) as fed:
+        missing = _submit(fed, tmp_path, tmp_path / "missing.toml")
+        ended = _task_finished(fed, missing)
+        assert fed.wait(missing, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
+        assert f"config file {tmp_path / 'missing.toml'} does not exist" in fed.run_log(missing)
+        bad_node = _submit(fed, tmp_path, path, **{"connect-timeout": 60.0})
+        ended = _task_finished(fed, bad_node)
+        assert fed.wait(bad_node, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
+        assert "partition-id=5 is out of range" in fed.run_log(bad_node)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
