@@ -710,20 +710,26 @@ def _wait_for_line(path: Path, text: str, timeout: float) -> None:
 @needs_flower
 def test_bad_input_fails_the_run_with_a_clear_error(tiny_cfg_dict, tmp_path, started):
     """A config the ServerApp cannot load, then a SuperNode whose partition is out of range: each
-    run ends `finished:failed` with the reason in its log (no hang)."""
+    run ends `finished:failed` with the reason in its log (no hang). Then Ctrl-C (or an error)
+    inside the federation's block stops the SuperLink and SuperNodes (on this federation: what
+    was a test of its own, starting one)."""
     from fedslice.flower.local import LocalFederation
 
     path = _e2e_config(tiny_cfg_dict, tmp_path, "fedpetuning")
-    with LocalFederation(tmp_path / "work", nodes=1, node_config={"partition-id": 5},
-                         server_roots=[tmp_path]) as fed:
-        missing = _submit(fed, tmp_path, tmp_path / "missing.toml")
-        ended = _task_finished(fed, missing)
-        assert fed.wait(missing, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
-        assert f"config file {tmp_path / 'missing.toml'} does not exist" in fed.run_log(missing)
-        bad_node = _submit(fed, tmp_path, path, **{"connect-timeout": 60.0})
-        ended = _task_finished(fed, bad_node)
-        assert fed.wait(bad_node, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
-        assert "partition-id=5 is out of range" in fed.run_log(bad_node)
+    with pytest.raises(KeyboardInterrupt):
+        with LocalFederation(tmp_path / "work", nodes=1, node_config={"partition-id": 5},
+                             server_roots=[tmp_path]) as fed:
+            missing = _submit(fed, tmp_path, tmp_path / "missing.toml")
+            ended = _task_finished(fed, missing)
+            assert fed.wait(missing, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
+            assert f"config file {tmp_path / 'missing.toml'} does not exist" in fed.run_log(missing)
+            bad_node = _submit(fed, tmp_path, path, **{"connect-timeout": 60.0})
+            ended = _task_finished(fed, bad_node)
+            assert fed.wait(bad_node, 120, STATUS_POLL_S, finished_hint=ended) == "finished:failed"
+            assert "partition-id=5 is out of range" in fed.run_log(bad_node)
+            assert len(started) == 2 and all(p.alive() for p in started)
+            raise KeyboardInterrupt
+    assert not any(p.alive() for p in started)  # the fixture also checks their descendants
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
@@ -744,18 +750,6 @@ def test_deploy_of_natural_clients_needs_their_number(tiny_lm_dirs, tmp_path, ca
     path = _write_config(d, tmp_path / "exp.json")
     assert main(["deploy", "local", str(path), "--nodes", "5"]) == 2
     assert "--set federation.num_clients=N" in capsys.readouterr().err
-
-
-@needs_flower
-def test_processes_are_stopped_when_the_caller_is_interrupted(tmp_path, started):
-    """Ctrl-C (or an error) inside the federation's block stops the SuperLink and SuperNodes."""
-    from fedslice.flower.local import LocalFederation
-
-    with pytest.raises(KeyboardInterrupt):
-        with LocalFederation(tmp_path / "work", nodes=1):
-            assert len(started) == 2 and all(p.alive() for p in started)
-            raise KeyboardInterrupt
-    assert not any(p.alive() for p in started)  # the fixture also checks their descendants
 
 
 def test_sigterm_unwinds_like_ctrl_c():
