@@ -508,8 +508,11 @@ def started(monkeypatch):
 #: they were ~11% of a deployment test's CPU (the killed node's: 53 -> 47 CPU s at 30 s). Every
 #: wait here has a finished hint (the run's result file, or the SuperLink's log line for a run
 #: that fails), on which the status is read within a second: the checks in between only catch a
-#: run that ends without its hint (the test then fails that much later).
-STATUS_POLL_S = 30.0
+#: run that ends without its hint (the test then fails that much later). At 60 s (was 30 s; the
+#: first check comes after it too): a loaded CI machine's deployment waits of 60-200 s read the
+#: status 1-3 times besides the hint's, not 2-6 (`flwr ls`: 1.6 CPU-s each, 11 of them in the
+#: deployment tests at 30 s, load 4-10, 2026-11-29).
+STATUS_POLL_S = 60.0
 
 
 @pytest.fixture
