@@ -198,7 +198,7 @@ def fedslice_round(c: Check, name: str, sets: list[str], rounds: int) -> dict:
             "--set", f"output.name={name}"]
     for s in c.workload_sets(rounds) + sets:
         args += ["--set", s]
-    r = run_measured(args, timeout=600)
+    r = run_measured(args, timeout=600, memory=False)
     metrics = out / name / "metrics.jsonl"
     if r["rc"] or not metrics.is_file():
         raise RuntimeError(f"fedslice run {name} failed:\n{r['tail']}")
@@ -225,7 +225,8 @@ def check_flower(c: Check, rounds: int) -> dict:
            "FLOWER_BENCH_WORKLOAD": json.dumps(workload)}
     if c.dry:  # one Ray actor (the default: 2) trains the tiny clients one after the other
         env["FLOWER_BENCH_CPUS"] = "1"
-    r = run_measured([python(), "bench/perf/flower_baseline.py", str(res), str(rounds)], env=env, timeout=600)
+    r = run_measured([python(), "bench/perf/flower_baseline.py", str(res), str(rounds)], env=env,
+                     timeout=600, memory=False)
     if r["rc"] or not res.is_file():
         raise RuntimeError(f"the Flower baseline failed:\n{r['tail']}")
     flower = median(json.loads(res.read_text())["round_times_s"][1:])
@@ -238,7 +239,7 @@ def check_flower(c: Check, rounds: int) -> dict:
 
 def _bench_json(c: Check, script: str, args: list[str]) -> dict:
     out = c.work / f"{Path(script).stem}.json"
-    r = run_measured([python(), script, *args, "--json", str(out)], timeout=600)
+    r = run_measured([python(), script, *args, "--json", str(out)], timeout=600, memory=False)
     if r["rc"] or not out.is_file():
         raise RuntimeError(f"{script} failed:\n{r['tail']}")
     return json.loads(out.read_text())

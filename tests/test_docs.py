@@ -8,6 +8,7 @@ real models, on a smaller budget); other commands name the test that runs them, 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -194,23 +195,40 @@ def _shrunk(argv: list[str]) -> list[str]:
     return argv + [x for s in extra for x in ("--set", s)]
 
 
-def _first_images(real: Path, dest: Path, train: int = 200, test: int = 50) -> None:
-    """The first images of each IDX file of ``real`` (the first rows, as for the tables)."""
+@functools.cache
+def _first_image_files(real: Path, train: int = 200, test: int = 50) -> dict[str, bytes]:
+    """The first images of each IDX file of ``real`` (the first rows, as for the tables): file
+    name -> bytes. Read once per process (the whole training file is ~26 MB of gzip)."""
     import gzip
     import struct
 
     from fedslice.data.images.sources import read_idx
 
-    if not real.is_dir():
-        pytest.skip(f"../shared/data/{real.name} is not here")
-    dest.mkdir(parents=True)
+    out = {}
     for f in real.iterdir():
         if "idx" not in f.name:
             continue
         array = read_idx(f)[:train if f.name.startswith("train") else test]
         head = bytes([0, 0, 8, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
-        (dest / f.name).write_bytes(gzip.compress(head + array.tobytes()) if f.suffix == ".gz"
-                                     else head + array.tobytes())
+        out[f.name] = gzip.compress(head + array.tobytes()) if f.suffix == ".gz" else head + array.tobytes()
+    return out
+
+
+def _first_images(real: Path, dest: Path) -> None:
+    """The first images of each IDX file of ``real`` written to ``dest``."""
+    if not real.is_dir():
+        pytest.skip(f"../shared/data/{real.name} is not here")
+    dest.mkdir(parents=True)
+    for name, data in _first_image_files(real).items():
+        (dest / name).write_bytes(data)
+
+
+@functools.cache
+def _first_rows(real: Path, rows: int) -> dict[str, str]:
+    """The header and first ``rows`` rows of each table of ``real``: file name -> text (once
+    per process)."""
+    return {f.name: "".join(f.read_text().splitlines(keepends=True)[:rows + 1])
+            for f in real.iterdir() if f.suffix in (".tsv", ".csv", ".txt")}
 
 
 def _scratch(tmp_path: Path, monkeypatch) -> Path:
@@ -225,10 +243,8 @@ def _scratch(tmp_path: Path, monkeypatch) -> Path:
         if not real.is_dir():
             pytest.skip(f"../shared/data/{name} is not here")
         (data / name).mkdir(parents=True)
-        for f in real.iterdir():
-            if f.suffix in (".tsv", ".csv", ".txt"):
-                lines = f.read_text().splitlines(keepends=True)[:rows + 1]
-                (data / name / f.name).write_text("".join(lines))
+        for file, text in _first_rows(real, rows).items():
+            (data / name / file).write_text(text)
     _first_images(ROOT.parent / "shared" / "data" / "fashion_mnist", data / "fashion_mnist")
     (tmp_path / "shared" / "models").symlink_to(ROOT.parent / "shared" / "models")
     from test_chat import write_chat_jsonl

@@ -330,23 +330,26 @@ def test_a_tokenizer_without_pad_token_gets_eos_logged(caplog):
 
 
 @pytest.mark.slow
-def test_cli_runs_the_e2e_config_unchanged_on_another_data_to_text_csv(tiny_d2t_dir, tmp_path):
+def test_cli_runs_the_e2e_config_unchanged_on_another_data_to_text_csv(tiny_d2t_dir, tmp_path,
+                                                                       monkeypatch, capsys):
     """`fedslice run configs/e2e_smollm2.toml --set data.path=...` on real SmolLM2: BLEU and
     ROUGE-L in the evaluation's log line and in summary.json (small overrides for time: one
-    round, whose evaluation, the test's and the summary are what the config's task changes)."""
-    import subprocess
-    import sys
+    round, whose evaluation, the test's and the summary are what the config's task changes).
+    The CLI's main in this process (a fresh interpreter imported torch and transformers again:
+    ~5 CPU-s; `python -m fedslice.cli` itself: tests/test_cli.py)."""
     from pathlib import Path
+
+    from fedslice.cli import main
 
     repo = Path(__file__).resolve().parents[1]
     sets = [f"data.path={tiny_d2t_dir}", "threads=1", "federation.rounds=1", "federation.local_steps=1",
             "federation.num_clients=4", "federation.clients_per_round=2", "evaluation.every=1",
             "task.max_new_tokens=8", f"output.dir={tmp_path / 'runs'}", "output.plots=false"]
-    proc = subprocess.run([sys.executable, "-m", "fedslice.cli", "run", str(repo / "configs/e2e_smollm2.toml"),
-                           *[a for s in sets for a in ("--set", s)]],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [l for l in proc.stdout.splitlines() if "round " in l and "/1 |" in l]  # "name: round 1/1 | ..."
+    monkeypatch.chdir(tmp_path)
+    code = main(["run", str(repo / "configs/e2e_smollm2.toml"), *[a for s in sets for a in ("--set", s)]])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    lines = [l for l in out.out.splitlines() if "round " in l and "/1 |" in l]  # "name: round 1/1 | ..."
     assert len(lines) == 1 and all("dev ROUGE-L" in l and "dev BLEU" in l for l in lines)
     run = next((tmp_path / "runs").iterdir())
     summary = json.loads((run / "summary.json").read_text())

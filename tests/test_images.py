@@ -396,22 +396,23 @@ def test_cli_validate_run_and_compare_on_images(tiny_img_cfg_dict, tmp_path, cap
 @pytest.mark.slow
 @pytest.mark.skipif(not (FMNIST.is_dir() and (SHARED / "models" / "dinov2-small").is_dir()),
                     reason="../shared Fashion-MNIST or DINOv2-S not present")
-def test_fmnist_dinov2_config_runs_on_the_shared_data(tmp_path):
+def test_fmnist_dinov2_config_runs_on_the_shared_data(tmp_path, monkeypatch, capsys):
     """`fedslice run configs/fmnist_dinov2.toml` (FedPFT, real DINOv2-S, real Fashion-MNIST IDX
     files) with small overrides for time: 10 named classes, 17 tokens per image, the layer KD on
-    the server's held-apart images."""
-    import subprocess
-    import sys
+    the server's held-apart images. The CLI's main in this process (a fresh interpreter imported
+    torch and transformers again: ~5 CPU-s; `python -m fedslice.cli` itself: tests/test_cli.py)."""
+    from fedslice.cli import main
+
     repo = Path(__file__).resolve().parents[1]
     sets = ["data.max_train_examples=300", "data.max_dev_examples=64", "data.max_test_examples=100",
             "federation.num_clients=4", "federation.clients_per_round=2", "federation.rounds=1",
             "federation.local_steps=1", "federation.batch_size=8", "method.distill.steps=2",
             "method.distill.batch_size=8", f"method.distill.cache_dir=\"{tmp_path / 'kd'}\"",
             f"output.dir=\"{tmp_path / 'runs'}\"", "output.plots=false"]
-    proc = subprocess.run([sys.executable, "-m", "fedslice.cli", "run", "configs/fmnist_dinov2.toml",
-                           "--no-progress", *[a for s in sets for a in ("--set", s)]],
-                          capture_output=True, text=True, timeout=900, cwd=repo)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.chdir(repo)
+    code = main(["run", "configs/fmnist_dinov2.toml", "--no-progress",
+                 *[a for s in sets for a in ("--set", s)]])
+    assert code == 0, capsys.readouterr().err[-3000:]
     run = tmp_path / "runs" / "fmnist-dinov2-fedpft"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["task"] == "image_classification" and len(summary["test_accuracy_per_class"]) == 10

@@ -70,11 +70,18 @@ class TreeMemory:
         self._thread.join()
 
 
-def run_measured(cmd: list[str], env: dict | None = None, timeout: float = 3600) -> dict:
-    """Run ``cmd`` in a fresh process; wall time, exit code, tree memory peaks (MB), output tail."""
+def run_measured(cmd: list[str], env: dict | None = None, timeout: float = 3600,
+                 memory: bool = True) -> dict:
+    """Run ``cmd`` in a fresh process; wall time, exit code, tree memory peaks (MB), output tail.
+    ``memory=False``: no memory sampling (no peaks or curve in the result) for a caller that
+    reads none: each sample reads the smaps of every process of the tree (~14 CPU-ms per
+    torch process, 4 samples a second), CPU taken from the command it measures."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if not memory:
+        out, _ = proc.communicate(timeout=timeout)
+        return {"wall_s": time.perf_counter() - t0, "rc": proc.returncode, "tail": out[-3000:]}
     with TreeMemory(proc.pid) as mem:
         out, _ = proc.communicate(timeout=timeout)
     return {"wall_s": time.perf_counter() - t0, "rc": proc.returncode,

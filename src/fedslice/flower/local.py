@@ -426,11 +426,12 @@ class LocalFederation:
 
         Each status check starts the ``flwr`` CLI (about a CPU second), so the status is read
         every ``poll`` seconds, or as soon as ``finished_hint()`` (a cheap check, e.g. for a file
-        the ServerApp writes at its end) turns true.
+        the ServerApp writes at its end) turns true. The first check comes ``poll`` seconds after
+        the submission (a check at once finds the run just submitted: pending or starting).
         """
         deadline = time.monotonic() + timeout
         warned: set[str] = set()
-        next_check = time.monotonic() + 1.0
+        next_check = time.monotonic() + poll
         while time.monotonic() < deadline:
             hint = finished_hint is not None and finished_hint()
             if hint or time.monotonic() >= next_check:
