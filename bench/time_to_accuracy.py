@@ -56,6 +56,26 @@ import numpy as np
 
 ROWS = ("all", "deadline", "async", "planner")
 
+
+def parse_variant(variant: str) -> tuple[str, dict]:
+    """A row and its setting: ``"planner"`` (the defaults), ``"deadline@p30"`` / ``"planner@p50"``
+    (the deadline at that percentile of all's client-round times), ``"async@20x5"``
+    (concurrency x buffer_size). The settings are the user's knobs; every one tried is reported."""
+    row, _, setting = variant.partition("@")
+    if row not in ROWS:
+        raise ValueError(f"unknown row {variant!r}: one of {', '.join(ROWS)}, with @setting")
+    if not setting:
+        return row, {}
+    if row in ("deadline", "planner") and setting.startswith("p"):
+        q = float(setting[1:]) / 100
+        if not 0 < q <= 1:
+            raise ValueError(f"{variant!r}: the percentile must be in (0, 100]")
+        return row, {"quantile": q}
+    if row == "async" and "x" in setting:
+        conc, buf = (int(x) for x in setting.split("x"))
+        return row, {"concurrency": conc, "buffer_size": buf}
+    raise ValueError(f"{variant!r}: a setting is @pNN (deadline, planner) or @CxB (async)")
+
 #: workload -> (the config's fixed part, the dev metric, higher is better)
 WORKLOADS = {
     "sst2": ({"data": {"path": "sst2", "partition": "iid", "max_test_examples": 16},
@@ -70,7 +90,7 @@ WORKLOADS = {
 #: per-workload defaults of the sizing flags (a flag given on the command line wins)
 DEFAULTS = {
     "sst2": dict(clients=50, per_round=5, local_steps=2, batch_size=8, max_length=32, lr=3e-3,
-                 dev_examples=128, target_rounds=30, all_eval_every=2, gflops=20.0),
+                 dev_examples=500, target_rounds=30, all_eval_every=2, gflops=20.0),
     "e2e": dict(clients=20, per_round=4, local_steps=1, batch_size=2, max_length=32, lr=3e-3,
                 dev_examples=16, target_rounds=8, all_eval_every=1, gflops=20.0),
 }
@@ -102,7 +122,8 @@ def base_config(args, seed: int) -> dict:
     }
 
 
-def row_config(args, seed: int, row: str, ref: dict | None) -> dict:
+def row_config(args, seed: int, variant: str, ref: dict | None) -> dict:
+    row, setting = parse_variant(variant)
     d = base_config(args, seed)
     fed = d["federation"]
     if row in ("deadline", "planner"):
@@ -120,13 +141,27 @@ def row_config(args, seed: int, row: str, ref: dict | None) -> dict:
         # out; heterogeneous ranks aggregate over the clients that hold each component)
         d["lora"]["ranks"] = args.ranks
     if row == "async":
-        fed.update(round_policy="async", concurrency=min(2 * args.per_round, args.clients),
-                   buffer_size=args.per_round)
+        fed.update(round_policy="async",
+                   concurrency=setting.get("concurrency", min(2 * args.per_round, args.clients)),
+                   buffer_size=setting.get("buffer_size", args.per_round))
     return d
 
 
-def piece_path(args, seed: int, row: str) -> Path:
-    return args.out / f"{args.workload}-seed{seed}-{row}.json"
+def piece_path(args, seed: int, variant: str) -> Path:
+    return args.out / f"{args.workload}-seed{seed}-{variant.replace('@', '-')}.json"
+
+
+def variant_ref(args, seed: int, variant: str) -> dict:
+    """``all``'s reference (target, t*, budget) with the variant's deadline: the default
+    ``--deadline-quantile``'s, or its own percentile of the client-round times ``all`` measured
+    in its first ``--target-rounds`` rounds."""
+    piece = run_piece(args, seed, "all")
+    ref = dict(piece["ref"])
+    q = parse_variant(variant)[1].get("quantile")
+    if q is not None:
+        secs = [m["sim_s"] for r in piece["records"][:args.target_rounds] for m in r["client_metrics"]]
+        ref["deadline_s"] = float(np.quantile(secs, q))
+    return ref
 
 
 def better(higher: bool, x: float | None, target: float) -> bool:
@@ -198,19 +233,18 @@ def make_driver(args, method, data, row: str, ref: dict | None):
     return Driver
 
 
-def run_piece(args, seed: int, row: str) -> dict:
-    """One (workload, row, seed) run, cached as JSON under --out."""
-    path = piece_path(args, seed, row)
+def run_piece(args, seed: int, variant: str) -> dict:
+    """One (workload, row and setting, seed) run, cached as JSON under --out."""
+    path = piece_path(args, seed, variant)
     if path.is_file():
         return json.loads(path.read_text())
     from fedslice.api import setup
     from fedslice.experiment import validate_config
     from fedslice.run.asynchronous import simulation_for
 
-    ref = None
-    if row != "all":
-        ref = run_piece(args, seed, "all")["ref"]
-    cfg = validate_config(row_config(args, seed, row, ref))
+    row = parse_variant(variant)[0]
+    ref = None if row == "all" else variant_ref(args, seed, variant)
+    cfg = validate_config(row_config(args, seed, variant, ref))
     t0 = time.perf_counter()
     method, data = setup(cfg)
     driver = make_driver(args, method, data, row, ref)(cfg)
@@ -228,8 +262,8 @@ def run_piece(args, seed: int, row: str) -> dict:
                                                          "flops_measured", "bytes_up", "bytes_down")}
                                   for m in r["client_metrics"]]}
             for r in records]
-    out = {"workload": args.workload, "row": row, "seed": seed, "complete": complete,
-           "config": row_config(args, seed, row, ref), "records": slim, "evals": driver.evals,
+    out = {"workload": args.workload, "row": row, "variant": variant, "seed": seed,
+           "complete": complete, "config": row_config(args, seed, variant, ref), "records": slim, "evals": driver.evals,
            "wall_s_loaded_machine": time.perf_counter() - t0}
     if row == "all":
         secs = [m["sim_s"] for r in records[:args.target_rounds] for m in r["client_metrics"]]
@@ -285,7 +319,7 @@ def piece_stats(piece: dict, higher: bool, k: int) -> dict:
             "at_budget": at_time(piece["evals"], budget, k), "target": ref["target"],
             "wasted": wasted / total if total else 0.0,
             "upload_mb": sum(r["bytes_up"] for r in recs) / 1e6, "sim_pred": ratios,
-            "sat_out": sat, "sent": sent,
+            "sat_out": sat, "sent": sent, "deadline_s": ref.get("deadline_s"),
             "complete": piece["complete"]}
 
 
@@ -304,14 +338,15 @@ def _ms(xs: list[float | None], fmt: str) -> str:
 
 def summarize(args) -> str:
     _, metric, higher = WORKLOADS[args.workload]
-    stats: dict[str, list[dict]] = {r: [] for r in ROWS}
-    seeds_of: dict[str, list[int]] = {r: [] for r in ROWS}
+    variants = report_variants(args)
+    stats: dict[str, list[dict]] = {r: [] for r in variants}
+    seeds_of: dict[str, list[int]] = {r: [] for r in variants}
     per_seed = []
     for seed in args.seeds:
         if not piece_path(args, seed, "all").is_file():
             continue
         all_stats = None
-        for row in ROWS:
+        for row in variants:
             p = piece_path(args, seed, row)
             if not p.is_file():
                 continue
@@ -328,11 +363,11 @@ def summarize(args) -> str:
                 f"{_f(st['at_budget'])} | {st['wasted']:.1%} | {st['upload_mb']:.1f} |"
                 + ("" if st["complete"] else " (stopped at the round cap)"))
     unit = "pt" if higher else "nats"
-    head = (f"| row | seeds | rounds to 2t* | sim s to target | x all's t* | dev {metric} at 2t* | "
+    head = (f"| row | seeds | deadline s | rounds to 2t* | sim s to target | x all's t* | dev {metric} at 2t* | "
             f"vs all at 2t* ({unit}) | wasted FLOPs | upload MB to 2t* | client-round sim/pred "
-            "(p5, median, p95; share within 10%) |\n|---|---|---|---|---|---|---|---|---|---|")
+            "(p5, median, p95; share within 10%) |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = []
-    for row in ROWS:
+    for row in variants:
         st = stats[row]
         if not st:
             continue
@@ -340,7 +375,9 @@ def summarize(args) -> str:
         pred = ("-" if not sp else
                 f"{np.percentile(sp, 5):.3f}, {np.median(sp):.3f}, {np.percentile(sp, 95):.3f}; "
                 f"{np.mean(np.abs(np.asarray(sp) - 1) <= 0.1):.0%} of {len(sp)}")
-        lines.append(f"| {row} | {','.join(map(str, seeds_of[row]))} | "
+        dl = ("-" if parse_variant(row)[0] not in ("deadline", "planner")
+              else _ms([s["deadline_s"] for s in st], '.2f'))
+        lines.append(f"| {row} | {','.join(map(str, seeds_of[row]))} | {dl} | "
                      f"{_ms([s['rounds'] for s in st], '.0f')} | {_ms([s['t_to'] for s in st], '.1f')} | "
                      f"{_ms([s['ratio'] for s in st], '.2f')} | {_ms([s['at_budget'] for s in st], '.4f')} | "
                      f"{'-' if row == 'all' else _ms([s['delta'] for s in st], '+.2f')} | "
@@ -348,7 +385,7 @@ def summarize(args) -> str:
                      f"{pred} |")
     sat = [f"{row}: {sum(s['sat_out'] for s in stats[row])} of "
            f"{sum(s['sat_out'] + s['sent'] for s in stats[row])} client-rounds"
-           for row in ROWS if any(s["sat_out"] for s in stats[row])]
+           for row in variants if any(s["sat_out"] for s in stats[row])]
     sat_line = ("Sat out (predicted past the deadline after their first step, sent no work): "
                 + "; ".join(sat) + ".\n\n") if sat else ""
     detail = ("| seed | row | rounds to 2t* | target | sim s to target (x all's t*) | "
@@ -366,8 +403,9 @@ def prediction_breakdown(args) -> str:
     their mean). The links' seconds are exact (bytes / rate), so when the FLOPs ratio follows
     the tokens ratio the clock and the planner's costs agree and the spread is the data's."""
     rows = []
-    for seed in args.seeds:
-        p = piece_path(args, seed, "planner")
+    for seed, variant in [(s, v) for s in args.seeds for v in report_variants(args)
+                          if parse_variant(v)[0] == "planner"]:
+        p = piece_path(args, seed, variant)
         if not p.is_file():
             continue
         piece = json.loads(p.read_text())
@@ -405,15 +443,16 @@ def below_target(args) -> str:
     measures speed; at the plateau all reaches in 30 rounds it measures the dev set's noise."""
     _, metric, higher = WORKLOADS[args.workload]
     scale = 100 if higher else 1
-    head = ("| target | " + " | ".join(f"{r}: sim s (x all's)" for r in ROWS) + " |\n|---|"
-            + "---|" * len(ROWS))
+    variants = report_variants(args)
+    head = ("| target | " + " | ".join(f"{r}: sim s (x all's)" for r in variants) + " |\n|---|"
+            + "---|" * len(variants))
     lines = []
     for gap in args.below:
-        cells = {r: [] for r in ROWS}
+        cells = {r: [] for r in variants}
         for seed in args.seeds:
             if not piece_path(args, seed, "all").is_file():
                 continue
-            pieces = {r: json.loads(piece_path(args, seed, r).read_text()) for r in ROWS
+            pieces = {r: json.loads(piece_path(args, seed, r).read_text()) for r in variants
                       if piece_path(args, seed, r).is_file()}
             ref = pieces["all"]["ref"]
             thr = ref["target"] - gap / scale if higher else ref["target"] + gap
@@ -429,12 +468,18 @@ def below_target(args) -> str:
     return head + "\n" + "\n".join(lines) + "\n"
 
 
+def report_variants(args, rows: list[str] | None = None) -> list[str]:
+    """The variants a report covers (``rows``, default ``--rows``): ``all`` first, then the
+    others in their order."""
+    return ["all"] + [v for v in dict.fromkeys(rows or args.rows) if v != "all"]
+
+
 def mean_curves(args) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
     """Each row's dev metric on a common simulated-time grid (0 .. the smallest budget over the
     seeds), the seeds' mean (the model available at each time; before a row's first
     measurement, the initial model's value is not known and the curve starts later)."""
     pieces = {r: [json.loads(piece_path(args, s, r).read_text()) for s in args.seeds
-                  if piece_path(args, s, r).is_file()] for r in ROWS}
+                  if piece_path(args, s, r).is_file()] for r in report_variants(args, args.plot_rows)}
     if not pieces["all"]:
         return {}
     end = min(2 * p["ref"]["t_star"] for p in pieces["all"])
@@ -481,9 +526,13 @@ def _f(x):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="sst2")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/time4"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/time6"))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    ap.add_argument("--rows", nargs="+", default=list(ROWS),
+                    help="rows, each with an optional setting: deadline@p30, planner@p50 (the "
+                    "deadline at that percentile of all's client-round times), async@20x5 "
+                    "(concurrency x buffer_size)")
+    ap.add_argument("--plot-rows", nargs="+", help="the rows the plot shows (default: --rows)")
     ap.add_argument("--clients", type=int)
     ap.add_argument("--per-round", type=int)
     ap.add_argument("--local-steps", type=int)
@@ -491,7 +540,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-length", type=int)
     ap.add_argument("--lr", type=float)
     ap.add_argument("--dev-examples", type=int)
-    ap.add_argument("--eval-batch-size", type=int, default=32)
+    ap.add_argument("--eval-batch-size", type=int, default=128)
     ap.add_argument("--target-rounds", type=int, help="all's rounds that set the target")
     ap.add_argument("--all-eval-every", type=int)
     ap.add_argument("--adapter-depths", type=float, nargs="+", default=[1.0, 0.5, 0.25],
@@ -514,11 +563,16 @@ def main(argv=None) -> int:
                     "time-to-accuracy plot beside it (.png), from the pieces that have run "
                     "(none is started: run them under the heavy-run lock first)")
     args = ap.parse_args(argv)
+    for v in args.rows + (args.plot_rows or []):
+        try:
+            parse_variant(v)
+        except ValueError as e:
+            ap.error(str(e))
     for k, v in DEFAULTS[args.workload].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     for seed in args.seeds:
-        for row in sorted(args.rows, key=ROWS.index):  # all first: the others read its piece
+        for row in sorted(args.rows, key=lambda v: v != "all"):  # all first: the others read its piece
             if row != "all" and not piece_path(args, seed, "all").is_file():
                 print(f"{args.workload} seed {seed} {row}: skipped (run all first: --rows all)")
                 continue
