@@ -165,6 +165,28 @@ def test_a_client_whose_first_step_would_pass_the_deadline_sits_the_round_out(ti
         {(r["round"], c) for r in records for c in r["clients"]}
 
 
+def test_async_records_each_client_rounds_prediction(tiny_cfg_dict):
+    """Under round_policy "async" the planner's tiers (seconds_per_round) are fitted as under the
+    others, and each reply records the seconds predicted from its own batches before it was sent
+    (``sim_s_predicted``, as the synchronous engine does) and its plan's mean round's
+    (``sim_s_planned``): on rows of many lengths, its simulated seconds to rounding."""
+    tiers = [{"share": 0.5, "memory_mb": 1e4, **FAST}, {"share": 0.5, "memory_mb": 1e4, **SLOW}]
+    method, _ = setup(validate_config(_cfg(tiny_cfg_dict, tiers)))
+    seconds = sorted(p.seconds for p in method.plans.values())
+    limit = (seconds[0] + seconds[-1]) / 2  # the slow tier's whole round does not fit
+    d = _cfg(tiny_cfg_dict, [{**t, "seconds_per_round": limit} for t in tiers], round_policy="async",
+             concurrency=3, buffer_size=2, rounds=4)
+    cfg = validate_config(d)
+    method, data = setup(cfg)
+    _, records, _ = simulation_for(cfg, method, data).run()
+    ms = [m for r in records for m in r["client_metrics"]]
+    assert len(ms) == 4 * 2 and any(m["staleness"] > 0 for m in ms)
+    assert any(method.plans[m["client"]].knobs.batch for m in ms)  # a cut plan among them
+    for m in ms:
+        assert m["sim_s"] == pytest.approx(m["sim_s_predicted"], rel=1e-9), m
+        assert m["sim_s_planned"] == method.plans[m["client"]].seconds <= limit * (1 + 1e-9)
+
+
 @pytest.mark.parametrize("name, rel", [("raffm", 1e-9), ("raffm+heads", 0.1)])
 def test_sub_models_and_pruned_heads_are_predicted_per_client_round(tiny_cfg_dict, name, rel):
     """RaFFM's sub-models extrapolate by the same parts: each client-round is its prediction.
