@@ -59,13 +59,16 @@ ROWS = ("all", "deadline", "async", "planner")
 
 def parse_variant(variant: str) -> tuple[str, dict]:
     """A row and its setting: ``"planner"`` (the defaults), ``"deadline@p30"`` / ``"planner@p50"``
-    (the deadline at that percentile of all's client-round times), ``"async@20x5"``
-    (concurrency x buffer_size). The settings are the user's knobs; every one tried is reported."""
+    (the deadline at that percentile of all's client-round times), ``"planner@p30+fit"``
+    (and ``budgets.fit_rounds``), ``"async@20x5"`` (concurrency x buffer_size). The settings
+    are the user's knobs; every one tried is reported."""
     row, _, setting = variant.partition("@")
     if row not in ROWS:
         raise ValueError(f"unknown row {variant!r}: one of {', '.join(ROWS)}, with @setting")
     if not setting:
         return row, {}
+    if row == "planner" and setting.endswith("+fit"):  # budgets.fit_rounds
+        return row, {**parse_variant(f"planner@{setting[:-4]}")[1], "fit_rounds": True}
     if row in ("deadline", "planner") and setting.startswith("p"):
         q = float(setting[1:]) / 100
         if not 0 < q <= 1:
@@ -74,7 +77,8 @@ def parse_variant(variant: str) -> tuple[str, dict]:
     if row == "async" and "x" in setting:
         conc, buf = (int(x) for x in setting.split("x"))
         return row, {"concurrency": conc, "buffer_size": buf}
-    raise ValueError(f"{variant!r}: a setting is @pNN (deadline, planner) or @CxB (async)")
+    raise ValueError(f"{variant!r}: a setting is @pNN (deadline, planner; planner@pNN+fit) or "
+                     "@CxB (async)")
 
 #: workload -> (the config's fixed part, the dev metric, higher is better)
 WORKLOADS = {
@@ -140,6 +144,8 @@ def row_config(args, seed: int, variant: str, ref: dict | None) -> dict:
         # ... and a lower LoRA rank where that is not enough (fedpetuning cannot sit a client
         # out; heterogeneous ranks aggregate over the clients that hold each component)
         d["lora"]["ranks"] = args.ranks
+        if setting.get("fit_rounds"):
+            d["budgets"]["fit_rounds"] = True
     if row == "async":
         fed.update(round_policy="async",
                    concurrency=setting.get("concurrency", min(2 * args.per_round, args.clients)),
@@ -148,7 +154,8 @@ def row_config(args, seed: int, variant: str, ref: dict | None) -> dict:
 
 
 def piece_path(args, seed: int, variant: str) -> Path:
-    return args.out / f"{args.workload}-seed{seed}-{variant.replace('@', '-')}.json"
+    name = variant.replace("@", "-").replace("+", "-")
+    return args.out / f"{args.workload}-seed{seed}-{name}.json"
 
 
 def variant_ref(args, seed: int, variant: str) -> dict:
@@ -255,10 +262,11 @@ def run_piece(args, seed: int, variant: str) -> dict:
         complete = True
     records = driver.records
     slim = [{k: r.get(k) for k in ("round", "sim_time_s", "sim_round_s", "wasted_flops",
-                                   "round_flops", "staleness_mean", "examples_used", "sat_out")}
+                                   "round_flops", "staleness_mean", "examples_used", "sat_out",
+                                   "rounds_fitted")}
             | {"bytes_up": sum(m.get("bytes_up") or 0 for m in r["client_metrics"]),
                "client_metrics": [{k: m.get(k) for k in ("client", "sim_s", "sim_s_predicted", "sim_s_planned",
-                                                         "used", "examples", "steps_cut", "tokens",
+                                                         "used", "examples", "examples_trained", "steps_cut", "tokens",
                                                          "flops_measured", "bytes_up", "bytes_down")}
                                   for m in r["client_metrics"]]}
             for r in records]
@@ -531,8 +539,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--rows", nargs="+", default=list(ROWS),
                     help="rows, each with an optional setting: deadline@p30, planner@p50 (the "
-                    "deadline at that percentile of all's client-round times), async@20x5 "
-                    "(concurrency x buffer_size)")
+                    "deadline at that percentile of all's client-round times), planner@p50+fit "
+                    "(and budgets.fit_rounds), async@20x5 (concurrency x buffer_size)")
     ap.add_argument("--plot-rows", nargs="+", help="the rows the plot shows (default: --rows)")
     ap.add_argument("--clients", type=int)
     ap.add_argument("--per-round", type=int)

@@ -5,6 +5,7 @@ within the deadline, a finished piece is reused, and the table and plot are writ
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 from pathlib import Path
@@ -137,3 +138,10 @@ def test_settings_are_rows_of_their_own(bench, tmp_path):
     assert (out / "tiny.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         bench.main(argv[:-3] + ["--rows", "async@p30"])
+    assert bench.parse_variant("planner@p30+fit") == ("planner", {"quantile": 0.3, "fit_rounds": True})
+    args = argparse.Namespace(**bench.DEFAULTS["tiny"], workload="tiny", threads=1, max_rounds=10,
+                              upload=1.0, download=5.0, availability=0.7, speed_sigma=0.9,
+                              adapter_depths=[1.0], ranks=[16])
+    fit = bench.row_config(args, 0, "planner@p30+fit", {"deadline_s": 1.0})
+    assert fit["budgets"]["fit_rounds"] is True and "fit_rounds" not in \
+        bench.row_config(args, 0, "planner@p30", {"deadline_s": 1.0})["budgets"]
