@@ -155,6 +155,8 @@ def row_config(args, seed: int, variant: str, ref: dict | None) -> dict:
 
 def piece_path(args, seed: int, variant: str) -> Path:
     name = variant.replace("@", "-").replace("+", "-")
+    if variant != "all":  # a piece cut short of 2 t* is a piece of its own
+        name += ("" if args.budget_x == 2 else f"-to{args.budget_x:g}t") + ("-stop" if args.stop_at_target else "")
     return args.out / f"{args.workload}-seed{seed}-{name}.json"
 
 
@@ -190,8 +192,9 @@ def make_driver(args, method, data, row: str, ref: dict | None):
             self.evals: list[dict] = []  # {t, round, metric}: the model available from t on
             self.prev: tuple[int, dict] | None = None  # (round, state) published before this one
             self.target = self.t_star = self.t_target = None
+            self.stopped_at_target = False
             if ref is not None:
-                self.budget = 2 * ref["t_star"]
+                self.budget = args.budget_x * ref["t_star"]
                 g = ref["t_target"] / (args.target_rounds / args.all_eval_every)
                 pts = list(np.arange(1, math.floor(self.budget / g) + 1) * g) + [self.budget]
                 self.points = sorted({round(float(p), 9) for p in pts})
@@ -234,6 +237,10 @@ def make_driver(args, method, data, row: str, ref: dict | None):
             print(f"  round {rnd}: sim {now:.1f} s, wall {self.elapsed():.0f} s"
                   + (f", dev {metric} {self.evals[-1]['metric']:.4f} (t={self.evals[-1]['t']:.1f})"
                      if self.evals else ""), flush=True)
+            if ref is not None and args.stop_at_target and self.evals \
+                    and better(higher, smoothed(self.evals, args.smooth)[-1], ref["target"]):
+                self.stopped_at_target = True  # the time to the target is known: no more needed
+                raise Budget
             if now >= self.budget - 1e-9 and not self.points:
                 raise Budget
 
@@ -272,7 +279,8 @@ def run_piece(args, seed: int, variant: str) -> dict:
             for r in records]
     out = {"workload": args.workload, "row": row, "variant": variant, "seed": seed,
            "complete": complete, "config": row_config(args, seed, variant, ref), "records": slim, "evals": driver.evals,
-           "wall_s_loaded_machine": time.perf_counter() - t0}
+           "wall_s_loaded_machine": time.perf_counter() - t0,
+           "budget_s": driver.budget, "stopped_at_target": driver.stopped_at_target}
     if row == "all":
         secs = [m["sim_s"] for r in records[:args.target_rounds] for m in r["client_metrics"]]
         out["ref"] = {"target": driver.target, "t_star": driver.t_star, "t_target": driver.t_target,
@@ -316,6 +324,7 @@ def time_to(evals: list[dict], target: float, higher: bool, k: int = 1) -> float
 def piece_stats(piece: dict, higher: bool, k: int) -> dict:
     ref = piece["ref"]
     budget = 2 * ref["t_star"]
+    short = piece.get("stopped_at_target") or piece.get("budget_s", budget) < budget - 1e-9
     recs = [r for r in piece["records"] if r["sim_time_s"] <= budget + 1e-9]
     wasted = sum(r["wasted_flops"] or 0 for r in recs)
     total = sum(r["round_flops"] or 0 for r in recs)
@@ -325,7 +334,7 @@ def piece_stats(piece: dict, higher: bool, k: int) -> dict:
     sent = sum(len(r["client_metrics"]) for r in recs)
     tt = time_to(piece["evals"], ref["target"], higher, k)
     return {"rounds": len(recs), "t_to": tt, "ratio": None if tt is None else tt / ref["t_star"],
-            "at_budget": at_time(piece["evals"], budget, k), "target": ref["target"],
+            "at_budget": None if short else at_time(piece["evals"], budget, k), "target": ref["target"],
             "wasted": wasted / total if total else 0.0,
             "upload_mb": sum(r["bytes_up"] for r in recs) / 1e6, "sim_pred": ratios,
             "sat_out": sat, "sent": sent, "deadline_s": ref.get("deadline_s"),
@@ -497,8 +506,9 @@ def mean_curves(args) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
     for r, ps in pieces.items():
         if not ps:
             continue
-        vals = np.array([[np.nan if (v := at_time(p["evals"], t, args.smooth)) is None else v for t in grid]
-                         for p in ps])
+        # a piece cut short (--budget-x, --stop-at-target) is drawn to its last measurement
+        vals = np.array([[np.nan if (v := at_time(p["evals"], t, args.smooth)) is None
+                          or t > p["evals"][-1]["t"] + 1e-9 else v for t in grid] for p in ps])
         with warnings.catch_warnings():  # a time no seed has measured yet: NaN
             warnings.simplefilter("ignore", RuntimeWarning)
             out[r] = (grid, np.nanmean(vals, axis=0), len(ps))
@@ -560,6 +570,12 @@ def main(argv=None) -> int:
                     help="also report the time to all's target less these points (a loss: plus)")
     ap.add_argument("--smooth", type=int, default=3, help="the dev metric is the running mean of "
                     "this many measurements (the target, the time to it, the value at the budget)")
+    ap.add_argument("--budget-x", type=float, default=2.0, help="the rows other than all run to "
+                    "this many t* (2: the quality-under-budget point; less: a cheaper piece that "
+                    "gives the time to the target only where it is reached by then)")
+    ap.add_argument("--stop-at-target", action="store_true", help="a row other than all stops "
+                    "once its (smoothed) dev metric reaches the target (the time to it known; no "
+                    "value at 2 t*)")
     ap.add_argument("--max-rounds", type=int, default=600, help="a piece stops here at the latest")
     ap.add_argument("--gflops", type=float, help="median training GFLOP/s")
     ap.add_argument("--speed-sigma", type=float, default=0.9)

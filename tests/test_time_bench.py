@@ -136,6 +136,17 @@ def test_settings_are_rows_of_their_own(bench, tmp_path):
     table = (out / "tiny.md").read_text()
     assert "| planner@p50 | 0 |" in table and "| async@3x1 | 0 |" in table
     assert (out / "tiny.png").stat().st_size > 0
+    # a cheaper piece: to 1.5 t* at most, stopped once the target is reached
+    assert bench.main(argv[:-3] + ["planner@p50", "--budget-x", "1.5", "--stop-at-target"]) == 0
+    short = json.loads((out / "tiny-seed0-planner-p50-to1.5t-stop.json").read_text())
+    assert short["budget_s"] == pytest.approx(1.5 * all_["ref"]["t_star"])
+    sm = bench.smoothed(short["evals"], 3)
+    reached = [i for i, v in enumerate(sm) if v >= short["ref"]["target"]]
+    if short["stopped_at_target"]:
+        assert reached == [len(sm) - 1]  # stopped at the first measurement that reached it
+    else:
+        assert not reached and short["records"][-1]["sim_time_s"] >= short["budget_s"] - 1e-9
+    assert bench.piece_stats(short, True, 3)["at_budget"] is None  # no value at 2 t*
     with pytest.raises(SystemExit):
         bench.main(argv[:-3] + ["--rows", "async@p30"])
     assert bench.parse_variant("planner@p30+fit") == ("planner", {"quantile": 0.3, "fit_rounds": True})
