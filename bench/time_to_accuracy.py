@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import time
 import warnings
@@ -102,6 +103,10 @@ DEFAULTS = {
 
 class Budget(Exception):
     """The piece reached its simulated-time budget (raised from the rounds' driver)."""
+
+
+class Interrupted(Exception):
+    """The piece was ended from outside (SIGTERM, as `timeout` sends)."""
 
 
 def base_config(args, seed: int) -> dict:
@@ -263,10 +268,20 @@ def run_piece(args, seed: int, variant: str) -> dict:
     method, data = setup(cfg)
     driver = make_driver(args, method, data, row, ref)(cfg)
     complete = False
+
+    def interrupted(signum, frame):  # `timeout` ends the piece: keep what it measured
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
     try:
         simulation_for(cfg, method, data).run(driver)
     except Budget:
         complete = True
+    except Interrupted:
+        print(f"  interrupted at round {len(driver.records)}: the piece is written as it stands "
+              "(not complete)", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     records = driver.records
     slim = [{k: r.get(k) for k in ("round", "sim_time_s", "sim_round_s", "wasted_flops",
                                    "round_flops", "staleness_mean", "examples_used", "sat_out",
@@ -324,7 +339,8 @@ def time_to(evals: list[dict], target: float, higher: bool, k: int = 1) -> float
 def piece_stats(piece: dict, higher: bool, k: int) -> dict:
     ref = piece["ref"]
     budget = 2 * ref["t_star"]
-    short = piece.get("stopped_at_target") or piece.get("budget_s", budget) < budget - 1e-9
+    short = (piece.get("stopped_at_target") or piece.get("budget_s", budget) < budget - 1e-9
+             or not piece["complete"])
     recs = [r for r in piece["records"] if r["sim_time_s"] <= budget + 1e-9]
     wasted = sum(r["wasted_flops"] or 0 for r in recs)
     total = sum(r["round_flops"] or 0 for r in recs)
@@ -379,7 +395,7 @@ def summarize(args) -> str:
             per_seed.append(
                 f"| {seed} | {row} | {st['rounds']} | {st['target']:.4f} | {tt} | "
                 f"{_f(st['at_budget'])} | {st['wasted']:.1%} | {st['upload_mb']:.1f} |"
-                + ("" if st["complete"] else " (stopped at the round cap)"))
+                + ("" if st["complete"] else " (not complete: the round cap or interrupted)"))
     unit = "pt" if higher else "nats"
     head = (f"| row | seeds | deadline s | rounds to 2t* | sim s to target | x all's t* | dev {metric} at 2t* | "
             f"vs all at 2t* ({unit}) | wasted FLOPs | upload MB to 2t* | client-round sim/pred "
