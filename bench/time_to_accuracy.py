@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import time
 import warnings
@@ -55,6 +56,30 @@ from pathlib import Path
 import numpy as np
 
 ROWS = ("all", "deadline", "async", "planner")
+
+
+def parse_variant(variant: str) -> tuple[str, dict]:
+    """A row and its setting: ``"planner"`` (the defaults), ``"deadline@p30"`` / ``"planner@p50"``
+    (the deadline at that percentile of all's client-round times), ``"planner@p30+fit"``
+    (and ``budgets.fit_rounds``), ``"async@20x5"`` (concurrency x buffer_size). The settings
+    are the user's knobs; every one tried is reported."""
+    row, _, setting = variant.partition("@")
+    if row not in ROWS:
+        raise ValueError(f"unknown row {variant!r}: one of {', '.join(ROWS)}, with @setting")
+    if not setting:
+        return row, {}
+    if row == "planner" and setting.endswith("+fit"):  # budgets.fit_rounds
+        return row, {**parse_variant(f"planner@{setting[:-4]}")[1], "fit_rounds": True}
+    if row in ("deadline", "planner") and setting.startswith("p"):
+        q = float(setting[1:]) / 100
+        if not 0 < q <= 1:
+            raise ValueError(f"{variant!r}: the percentile must be in (0, 100]")
+        return row, {"quantile": q}
+    if row == "async" and "x" in setting:
+        conc, buf = (int(x) for x in setting.split("x"))
+        return row, {"concurrency": conc, "buffer_size": buf}
+    raise ValueError(f"{variant!r}: a setting is @pNN (deadline, planner; planner@pNN+fit) or "
+                     "@CxB (async)")
 
 #: workload -> (the config's fixed part, the dev metric, higher is better)
 WORKLOADS = {
@@ -70,7 +95,7 @@ WORKLOADS = {
 #: per-workload defaults of the sizing flags (a flag given on the command line wins)
 DEFAULTS = {
     "sst2": dict(clients=50, per_round=5, local_steps=2, batch_size=8, max_length=32, lr=3e-3,
-                 dev_examples=128, target_rounds=30, all_eval_every=2, gflops=20.0),
+                 dev_examples=500, target_rounds=30, all_eval_every=2, gflops=20.0),
     "e2e": dict(clients=20, per_round=4, local_steps=1, batch_size=2, max_length=32, lr=3e-3,
                 dev_examples=16, target_rounds=8, all_eval_every=1, gflops=20.0),
 }
@@ -78,6 +103,10 @@ DEFAULTS = {
 
 class Budget(Exception):
     """The piece reached its simulated-time budget (raised from the rounds' driver)."""
+
+
+class Interrupted(Exception):
+    """The piece was ended from outside (SIGTERM, as `timeout` sends)."""
 
 
 def base_config(args, seed: int) -> dict:
@@ -102,7 +131,8 @@ def base_config(args, seed: int) -> dict:
     }
 
 
-def row_config(args, seed: int, row: str, ref: dict | None) -> dict:
+def row_config(args, seed: int, variant: str, ref: dict | None) -> dict:
+    row, setting = parse_variant(variant)
     d = base_config(args, seed)
     fed = d["federation"]
     if row in ("deadline", "planner"):
@@ -119,14 +149,33 @@ def row_config(args, seed: int, row: str, ref: dict | None) -> dict:
         # ... and a lower LoRA rank where that is not enough (fedpetuning cannot sit a client
         # out; heterogeneous ranks aggregate over the clients that hold each component)
         d["lora"]["ranks"] = args.ranks
+        if setting.get("fit_rounds"):
+            d["budgets"]["fit_rounds"] = True
     if row == "async":
-        fed.update(round_policy="async", concurrency=min(2 * args.per_round, args.clients),
-                   buffer_size=args.per_round)
+        fed.update(round_policy="async",
+                   concurrency=setting.get("concurrency", min(2 * args.per_round, args.clients)),
+                   buffer_size=setting.get("buffer_size", args.per_round))
     return d
 
 
-def piece_path(args, seed: int, row: str) -> Path:
-    return args.out / f"{args.workload}-seed{seed}-{row}.json"
+def piece_path(args, seed: int, variant: str) -> Path:
+    name = variant.replace("@", "-").replace("+", "-")
+    if variant != "all":  # a piece cut short of 2 t* is a piece of its own
+        name += ("" if args.budget_x == 2 else f"-to{args.budget_x:g}t") + ("-stop" if args.stop_at_target else "")
+    return args.out / f"{args.workload}-seed{seed}-{name}.json"
+
+
+def variant_ref(args, seed: int, variant: str) -> dict:
+    """``all``'s reference (target, t*, budget) with the variant's deadline: the default
+    ``--deadline-quantile``'s, or its own percentile of the client-round times ``all`` measured
+    in its first ``--target-rounds`` rounds."""
+    piece = run_piece(args, seed, "all")
+    ref = dict(piece["ref"])
+    q = parse_variant(variant)[1].get("quantile")
+    if q is not None:
+        secs = [m["sim_s"] for r in piece["records"][:args.target_rounds] for m in r["client_metrics"]]
+        ref["deadline_s"] = float(np.quantile(secs, q))
+    return ref
 
 
 def better(higher: bool, x: float | None, target: float) -> bool:
@@ -148,8 +197,9 @@ def make_driver(args, method, data, row: str, ref: dict | None):
             self.evals: list[dict] = []  # {t, round, metric}: the model available from t on
             self.prev: tuple[int, dict] | None = None  # (round, state) published before this one
             self.target = self.t_star = self.t_target = None
+            self.stopped_at_target = False
             if ref is not None:
-                self.budget = 2 * ref["t_star"]
+                self.budget = args.budget_x * ref["t_star"]
                 g = ref["t_target"] / (args.target_rounds / args.all_eval_every)
                 pts = list(np.arange(1, math.floor(self.budget / g) + 1) * g) + [self.budget]
                 self.points = sorted({round(float(p), 9) for p in pts})
@@ -192,45 +242,60 @@ def make_driver(args, method, data, row: str, ref: dict | None):
             print(f"  round {rnd}: sim {now:.1f} s, wall {self.elapsed():.0f} s"
                   + (f", dev {metric} {self.evals[-1]['metric']:.4f} (t={self.evals[-1]['t']:.1f})"
                      if self.evals else ""), flush=True)
+            if ref is not None and args.stop_at_target and self.evals \
+                    and better(higher, smoothed(self.evals, args.smooth)[-1], ref["target"]):
+                self.stopped_at_target = True  # the time to the target is known: no more needed
+                raise Budget
             if now >= self.budget - 1e-9 and not self.points:
                 raise Budget
 
     return Driver
 
 
-def run_piece(args, seed: int, row: str) -> dict:
-    """One (workload, row, seed) run, cached as JSON under --out."""
-    path = piece_path(args, seed, row)
+def run_piece(args, seed: int, variant: str) -> dict:
+    """One (workload, row and setting, seed) run, cached as JSON under --out."""
+    path = piece_path(args, seed, variant)
     if path.is_file():
         return json.loads(path.read_text())
     from fedslice.api import setup
     from fedslice.experiment import validate_config
     from fedslice.run.asynchronous import simulation_for
 
-    ref = None
-    if row != "all":
-        ref = run_piece(args, seed, "all")["ref"]
-    cfg = validate_config(row_config(args, seed, row, ref))
+    row = parse_variant(variant)[0]
+    ref = None if row == "all" else variant_ref(args, seed, variant)
+    cfg = validate_config(row_config(args, seed, variant, ref))
     t0 = time.perf_counter()
     method, data = setup(cfg)
     driver = make_driver(args, method, data, row, ref)(cfg)
     complete = False
+
+    def interrupted(signum, frame):  # `timeout` ends the piece: keep what it measured
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
     try:
         simulation_for(cfg, method, data).run(driver)
     except Budget:
         complete = True
+    except Interrupted:
+        print(f"  interrupted at round {len(driver.records)}: the piece is written as it stands "
+              "(not complete)", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     records = driver.records
     slim = [{k: r.get(k) for k in ("round", "sim_time_s", "sim_round_s", "wasted_flops",
-                                   "round_flops", "staleness_mean", "examples_used", "sat_out")}
+                                   "round_flops", "staleness_mean", "examples_used", "sat_out",
+                                   "rounds_fitted")}
             | {"bytes_up": sum(m.get("bytes_up") or 0 for m in r["client_metrics"]),
                "client_metrics": [{k: m.get(k) for k in ("client", "sim_s", "sim_s_predicted", "sim_s_planned",
-                                                         "used", "examples", "steps_cut", "tokens",
+                                                         "used", "examples", "examples_trained", "steps_cut", "tokens",
                                                          "flops_measured", "bytes_up", "bytes_down")}
                                   for m in r["client_metrics"]]}
             for r in records]
-    out = {"workload": args.workload, "row": row, "seed": seed, "complete": complete,
-           "config": row_config(args, seed, row, ref), "records": slim, "evals": driver.evals,
-           "wall_s_loaded_machine": time.perf_counter() - t0}
+    out = {"workload": args.workload, "row": row, "variant": variant, "seed": seed,
+           "complete": complete, "config": row_config(args, seed, variant, ref), "records": slim, "evals": driver.evals,
+           "wall_s_loaded_machine": time.perf_counter() - t0,
+           "budget_s": driver.budget, "stopped_at_target": driver.stopped_at_target}
     if row == "all":
         secs = [m["sim_s"] for r in records[:args.target_rounds] for m in r["client_metrics"]]
         out["ref"] = {"target": driver.target, "t_star": driver.t_star, "t_target": driver.t_target,
@@ -239,6 +304,7 @@ def run_piece(args, seed: int, row: str) -> dict:
         out["ref"] = ref
     if method.plans:
         out["plans"] = {str(c): {"seconds": p.seconds, "batch": p.knobs.batch,
+                                 "rank": p.knobs.rank, "depth": p.knobs.depth,
                                  "gflops_per_round": p.gflops_per_round, "sits_out": p.sits_out}
                         for c, p in method.plans.items()}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -273,6 +339,8 @@ def time_to(evals: list[dict], target: float, higher: bool, k: int = 1) -> float
 def piece_stats(piece: dict, higher: bool, k: int) -> dict:
     ref = piece["ref"]
     budget = 2 * ref["t_star"]
+    short = (piece.get("stopped_at_target") or piece.get("budget_s", budget) < budget - 1e-9
+             or not piece["complete"])
     recs = [r for r in piece["records"] if r["sim_time_s"] <= budget + 1e-9]
     wasted = sum(r["wasted_flops"] or 0 for r in recs)
     total = sum(r["round_flops"] or 0 for r in recs)
@@ -282,10 +350,10 @@ def piece_stats(piece: dict, higher: bool, k: int) -> dict:
     sent = sum(len(r["client_metrics"]) for r in recs)
     tt = time_to(piece["evals"], ref["target"], higher, k)
     return {"rounds": len(recs), "t_to": tt, "ratio": None if tt is None else tt / ref["t_star"],
-            "at_budget": at_time(piece["evals"], budget, k), "target": ref["target"],
+            "at_budget": None if short else at_time(piece["evals"], budget, k), "target": ref["target"],
             "wasted": wasted / total if total else 0.0,
             "upload_mb": sum(r["bytes_up"] for r in recs) / 1e6, "sim_pred": ratios,
-            "sat_out": sat, "sent": sent,
+            "sat_out": sat, "sent": sent, "deadline_s": ref.get("deadline_s"),
             "complete": piece["complete"]}
 
 
@@ -304,14 +372,15 @@ def _ms(xs: list[float | None], fmt: str) -> str:
 
 def summarize(args) -> str:
     _, metric, higher = WORKLOADS[args.workload]
-    stats: dict[str, list[dict]] = {r: [] for r in ROWS}
-    seeds_of: dict[str, list[int]] = {r: [] for r in ROWS}
+    variants = report_variants(args)
+    stats: dict[str, list[dict]] = {r: [] for r in variants}
+    seeds_of: dict[str, list[int]] = {r: [] for r in variants}
     per_seed = []
     for seed in args.seeds:
         if not piece_path(args, seed, "all").is_file():
             continue
         all_stats = None
-        for row in ROWS:
+        for row in variants:
             p = piece_path(args, seed, row)
             if not p.is_file():
                 continue
@@ -326,13 +395,13 @@ def summarize(args) -> str:
             per_seed.append(
                 f"| {seed} | {row} | {st['rounds']} | {st['target']:.4f} | {tt} | "
                 f"{_f(st['at_budget'])} | {st['wasted']:.1%} | {st['upload_mb']:.1f} |"
-                + ("" if st["complete"] else " (stopped at the round cap)"))
+                + ("" if st["complete"] else " (not complete: the round cap or interrupted)"))
     unit = "pt" if higher else "nats"
-    head = (f"| row | seeds | rounds to 2t* | sim s to target | x all's t* | dev {metric} at 2t* | "
+    head = (f"| row | seeds | deadline s | rounds to 2t* | sim s to target | x all's t* | dev {metric} at 2t* | "
             f"vs all at 2t* ({unit}) | wasted FLOPs | upload MB to 2t* | client-round sim/pred "
-            "(p5, median, p95; share within 10%) |\n|---|---|---|---|---|---|---|---|---|---|")
+            "(p5, median, p95; share within 10%) |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = []
-    for row in ROWS:
+    for row in variants:
         st = stats[row]
         if not st:
             continue
@@ -340,7 +409,9 @@ def summarize(args) -> str:
         pred = ("-" if not sp else
                 f"{np.percentile(sp, 5):.3f}, {np.median(sp):.3f}, {np.percentile(sp, 95):.3f}; "
                 f"{np.mean(np.abs(np.asarray(sp) - 1) <= 0.1):.0%} of {len(sp)}")
-        lines.append(f"| {row} | {','.join(map(str, seeds_of[row]))} | "
+        dl = ("-" if parse_variant(row)[0] not in ("deadline", "planner")
+              else _ms([s["deadline_s"] for s in st], '.2f'))
+        lines.append(f"| {row} | {','.join(map(str, seeds_of[row]))} | {dl} | "
                      f"{_ms([s['rounds'] for s in st], '.0f')} | {_ms([s['t_to'] for s in st], '.1f')} | "
                      f"{_ms([s['ratio'] for s in st], '.2f')} | {_ms([s['at_budget'] for s in st], '.4f')} | "
                      f"{'-' if row == 'all' else _ms([s['delta'] for s in st], '+.2f')} | "
@@ -348,7 +419,7 @@ def summarize(args) -> str:
                      f"{pred} |")
     sat = [f"{row}: {sum(s['sat_out'] for s in stats[row])} of "
            f"{sum(s['sat_out'] + s['sent'] for s in stats[row])} client-rounds"
-           for row in ROWS if any(s["sat_out"] for s in stats[row])]
+           for row in variants if any(s["sat_out"] for s in stats[row])]
     sat_line = ("Sat out (predicted past the deadline after their first step, sent no work): "
                 + "; ".join(sat) + ".\n\n") if sat else ""
     detail = ("| seed | row | rounds to 2t* | target | sim s to target (x all's t*) | "
@@ -366,8 +437,9 @@ def prediction_breakdown(args) -> str:
     their mean). The links' seconds are exact (bytes / rate), so when the FLOPs ratio follows
     the tokens ratio the clock and the planner's costs agree and the spread is the data's."""
     rows = []
-    for seed in args.seeds:
-        p = piece_path(args, seed, "planner")
+    for seed, variant in [(s, v) for s in args.seeds for v in report_variants(args)
+                          if parse_variant(v)[0] == "planner"]:
+        p = piece_path(args, seed, variant)
         if not p.is_file():
             continue
         piece = json.loads(p.read_text())
@@ -405,15 +477,16 @@ def below_target(args) -> str:
     measures speed; at the plateau all reaches in 30 rounds it measures the dev set's noise."""
     _, metric, higher = WORKLOADS[args.workload]
     scale = 100 if higher else 1
-    head = ("| target | " + " | ".join(f"{r}: sim s (x all's)" for r in ROWS) + " |\n|---|"
-            + "---|" * len(ROWS))
+    variants = report_variants(args)
+    head = ("| target | " + " | ".join(f"{r}: sim s (x all's)" for r in variants) + " |\n|---|"
+            + "---|" * len(variants))
     lines = []
     for gap in args.below:
-        cells = {r: [] for r in ROWS}
+        cells = {r: [] for r in variants}
         for seed in args.seeds:
             if not piece_path(args, seed, "all").is_file():
                 continue
-            pieces = {r: json.loads(piece_path(args, seed, r).read_text()) for r in ROWS
+            pieces = {r: json.loads(piece_path(args, seed, r).read_text()) for r in variants
                       if piece_path(args, seed, r).is_file()}
             ref = pieces["all"]["ref"]
             thr = ref["target"] - gap / scale if higher else ref["target"] + gap
@@ -429,12 +502,18 @@ def below_target(args) -> str:
     return head + "\n" + "\n".join(lines) + "\n"
 
 
+def report_variants(args, rows: list[str] | None = None) -> list[str]:
+    """The variants a report covers (``rows``, default ``--rows``): ``all`` first, then the
+    others in their order."""
+    return ["all"] + [v for v in dict.fromkeys(rows or args.rows) if v != "all"]
+
+
 def mean_curves(args) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
     """Each row's dev metric on a common simulated-time grid (0 .. the smallest budget over the
     seeds), the seeds' mean (the model available at each time; before a row's first
     measurement, the initial model's value is not known and the curve starts later)."""
     pieces = {r: [json.loads(piece_path(args, s, r).read_text()) for s in args.seeds
-                  if piece_path(args, s, r).is_file()] for r in ROWS}
+                  if piece_path(args, s, r).is_file()] for r in report_variants(args, args.plot_rows)}
     if not pieces["all"]:
         return {}
     end = min(2 * p["ref"]["t_star"] for p in pieces["all"])
@@ -443,8 +522,9 @@ def mean_curves(args) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
     for r, ps in pieces.items():
         if not ps:
             continue
-        vals = np.array([[np.nan if (v := at_time(p["evals"], t, args.smooth)) is None else v for t in grid]
-                         for p in ps])
+        # a piece cut short (--budget-x, --stop-at-target) is drawn to its last measurement
+        vals = np.array([[np.nan if (v := at_time(p["evals"], t, args.smooth)) is None
+                          or t > p["evals"][-1]["t"] + 1e-9 else v for t in grid] for p in ps])
         with warnings.catch_warnings():  # a time no seed has measured yet: NaN
             warnings.simplefilter("ignore", RuntimeWarning)
             out[r] = (grid, np.nanmean(vals, axis=0), len(ps))
@@ -481,9 +561,13 @@ def _f(x):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="sst2")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/time4"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/time6"))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    ap.add_argument("--rows", nargs="+", default=list(ROWS),
+                    help="rows, each with an optional setting: deadline@p30, planner@p50 (the "
+                    "deadline at that percentile of all's client-round times), planner@p50+fit "
+                    "(and budgets.fit_rounds), async@20x5 (concurrency x buffer_size)")
+    ap.add_argument("--plot-rows", nargs="+", help="the rows the plot shows (default: --rows)")
     ap.add_argument("--clients", type=int)
     ap.add_argument("--per-round", type=int)
     ap.add_argument("--local-steps", type=int)
@@ -491,7 +575,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-length", type=int)
     ap.add_argument("--lr", type=float)
     ap.add_argument("--dev-examples", type=int)
-    ap.add_argument("--eval-batch-size", type=int, default=32)
+    ap.add_argument("--eval-batch-size", type=int, default=128)
     ap.add_argument("--target-rounds", type=int, help="all's rounds that set the target")
     ap.add_argument("--all-eval-every", type=int)
     ap.add_argument("--adapter-depths", type=float, nargs="+", default=[1.0, 0.5, 0.25],
@@ -502,6 +586,12 @@ def main(argv=None) -> int:
                     help="also report the time to all's target less these points (a loss: plus)")
     ap.add_argument("--smooth", type=int, default=3, help="the dev metric is the running mean of "
                     "this many measurements (the target, the time to it, the value at the budget)")
+    ap.add_argument("--budget-x", type=float, default=2.0, help="the rows other than all run to "
+                    "this many t* (2: the quality-under-budget point; less: a cheaper piece that "
+                    "gives the time to the target only where it is reached by then)")
+    ap.add_argument("--stop-at-target", action="store_true", help="a row other than all stops "
+                    "once its (smoothed) dev metric reaches the target (the time to it known; no "
+                    "value at 2 t*)")
     ap.add_argument("--max-rounds", type=int, default=600, help="a piece stops here at the latest")
     ap.add_argument("--gflops", type=float, help="median training GFLOP/s")
     ap.add_argument("--speed-sigma", type=float, default=0.9)
@@ -514,11 +604,16 @@ def main(argv=None) -> int:
                     "time-to-accuracy plot beside it (.png), from the pieces that have run "
                     "(none is started: run them under the heavy-run lock first)")
     args = ap.parse_args(argv)
+    for v in args.rows + (args.plot_rows or []):
+        try:
+            parse_variant(v)
+        except ValueError as e:
+            ap.error(str(e))
     for k, v in DEFAULTS[args.workload].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     for seed in args.seeds:
-        for row in sorted(args.rows, key=ROWS.index):  # all first: the others read its piece
+        for row in sorted(args.rows, key=lambda v: v != "all"):  # all first: the others read its piece
             if row != "all" and not piece_path(args, seed, "all").is_file():
                 print(f"{args.workload} seed {seed} {row}: skipped (run all first: --rows all)")
                 continue

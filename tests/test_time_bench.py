@@ -5,6 +5,7 @@ within the deadline, a finished piece is reused, and the table and plot are writ
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 from pathlib import Path
@@ -112,3 +113,46 @@ def test_a_loss_workload_targets_the_lowest(bench, tmp_path, tiny_lm_dirs, tiny_
     assert ref["t_star"] == next(e["t"] for e, v in zip(all_["evals"], sm) if v <= ref["target"])
     assert all(e["metric"] > 0 for e in all_["evals"])  # a loss, not an accuracy
     assert (out / "tinygen-seed0-async.json").is_file()
+
+
+def test_settings_are_rows_of_their_own(bench, tmp_path):
+    """``planner@p50`` plans to the 50th percentile of all's client-round times, ``async@3x1``
+    runs FedBuff with concurrency 3 and buffer 1; each is its own piece and its own table row."""
+    out = tmp_path / "settings"
+    argv = ["--workload", "tiny", "--seeds", "0", "--out", str(out), "--threads", "1",
+            "--rows", "all", "planner@p50", "async@3x1"]
+    assert bench.main(argv) == 0
+    assert bench.main(argv + ["--report", str(out / "tiny.md"), "--plot-rows", "planner@p50"]) == 0
+    all_ = json.loads((out / "tiny-seed0-all.json").read_text())
+    secs = [m["sim_s"] for r in all_["records"][:4] for m in r["client_metrics"]]
+    planner = json.loads((out / "tiny-seed0-planner-p50.json").read_text())
+    deadline = float(bench.np.quantile(secs, 0.5))
+    assert planner["ref"]["deadline_s"] == deadline != all_["ref"]["deadline_s"]
+    assert planner["config"]["federation"]["round_deadline_s"] == deadline
+    assert planner["config"]["budgets"]["tiers"][0]["seconds_per_round"] == deadline
+    assert all(m["sim_s"] <= deadline * (1 + 1e-9) for r in planner["records"] for m in r["client_metrics"])
+    fed = json.loads((out / "tiny-seed0-async-3x1.json").read_text())["config"]["federation"]
+    assert (fed["concurrency"], fed["buffer_size"]) == (3, 1)
+    table = (out / "tiny.md").read_text()
+    assert "| planner@p50 | 0 |" in table and "| async@3x1 | 0 |" in table
+    assert (out / "tiny.png").stat().st_size > 0
+    # a cheaper piece: to 1.5 t* at most, stopped once the target is reached
+    assert bench.main(argv[:-3] + ["planner@p50", "--budget-x", "1.5", "--stop-at-target"]) == 0
+    short = json.loads((out / "tiny-seed0-planner-p50-to1.5t-stop.json").read_text())
+    assert short["budget_s"] == pytest.approx(1.5 * all_["ref"]["t_star"])
+    sm = bench.smoothed(short["evals"], 3)
+    reached = [i for i, v in enumerate(sm) if v >= short["ref"]["target"]]
+    if short["stopped_at_target"]:
+        assert reached == [len(sm) - 1]  # stopped at the first measurement that reached it
+    else:
+        assert not reached and short["records"][-1]["sim_time_s"] >= short["budget_s"] - 1e-9
+    assert bench.piece_stats(short, True, 3)["at_budget"] is None  # no value at 2 t*
+    with pytest.raises(SystemExit):
+        bench.main(argv[:-3] + ["--rows", "async@p30"])
+    assert bench.parse_variant("planner@p30+fit") == ("planner", {"quantile": 0.3, "fit_rounds": True})
+    args = argparse.Namespace(**bench.DEFAULTS["tiny"], workload="tiny", threads=1, max_rounds=10,
+                              upload=1.0, download=5.0, availability=0.7, speed_sigma=0.9,
+                              adapter_depths=[1.0], ranks=[16])
+    fit = bench.row_config(args, 0, "planner@p30+fit", {"deadline_s": 1.0})
+    assert fit["budgets"]["fit_rounds"] is True and "fit_rounds" not in \
+        bench.row_config(args, 0, "planner@p30", {"deadline_s": 1.0})["budgets"]

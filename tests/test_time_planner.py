@@ -165,6 +165,64 @@ def test_a_client_whose_first_step_would_pass_the_deadline_sits_the_round_out(ti
         {(r["round"], c) for r in records for c in r["clients"]}
 
 
+def test_fit_rounds_sends_a_round_its_guard_would_cut_with_fewer_examples_per_step(tiny_cfg_dict):
+    """budgets.fit_rounds: a client-round whose own batches would pass the deadline (its first
+    step alone: it would sit out) or lose a step to the guard is sent with the examples per step
+    that train the most within the limit; every round then replies by the deadline, as
+    predicted, none sits out, and a fitted round trains more examples than it would have."""
+    tiers = [{"share": 0.5, "memory_mb": 1e4, **FAST}, {"share": 0.5, "memory_mb": 1e4, **SLOW}]
+
+    def run(fit, **federation):
+        d = _cfg(tiny_cfg_dict, tiers, local_steps=2, batch_size=4, rounds=4, **federation)
+        d["budgets"].update(local_work=[1.0], fit_rounds=fit)
+        cfg = validate_config(d)
+        method, data = setup(cfg)
+        return method, *simulation_for(cfg, method, data).run()[1:]
+
+    method, records, _ = run(False)
+    sims = sorted(m["sim_s"] for r in records for m in r["client_metrics"])
+    slow_mean = max(p.seconds for p in method.plans.values())
+    deadline = (slow_mean + sims[-1]) / 2  # the slow plan fits a mean round; its longest round not
+    _, plain, plain_summary = run(False, round_policy="deadline", round_deadline_s=deadline)
+    lost = {(r["round"], m["client"]) for r in plain for m in r["client_metrics"] if m.get("steps_cut")} \
+        | {(r["round"], e["client"]) for r in plain for e in r["excluded"] if "sat the round out" in e["reason"]}
+    assert lost
+    _, records, summary = run(True, round_policy="deadline", round_deadline_s=deadline)
+    fitted = {(r["round"], f["client"]): f["batch_size"] for r in records for f in r.get("rounds_fitted", [])}
+    assert set(fitted) == lost and all(0 < b < 4 for b in fitted.values())
+    assert summary["sat_out"] == 0 and summary["wasted_flops"] == 0
+    ms = {(r["round"], m["client"]): m for r in records for m in r["client_metrics"]}
+    before = {(r["round"], m["client"]): m for r in plain for m in r["client_metrics"]}
+    for key, m in ms.items():
+        assert m["sim_s"] == pytest.approx(m["sim_s_predicted"], rel=1e-9) and m["sim_s"] <= deadline
+        if key in fitted:
+            assert m["examples_trained"] > (before[key]["examples_trained"] if key in before else 0)
+        else:  # the rounds not fitted are the plan's, as without it
+            assert m["examples_trained"] == before[key]["examples_trained"]
+
+
+def test_async_records_each_client_rounds_prediction(tiny_cfg_dict):
+    """Under round_policy "async" the planner's tiers (seconds_per_round) are fitted as under the
+    others, and each reply records the seconds predicted from its own batches before it was sent
+    (``sim_s_predicted``, as the synchronous engine does) and its plan's mean round's
+    (``sim_s_planned``): on rows of many lengths, its simulated seconds to rounding."""
+    tiers = [{"share": 0.5, "memory_mb": 1e4, **FAST}, {"share": 0.5, "memory_mb": 1e4, **SLOW}]
+    method, _ = setup(validate_config(_cfg(tiny_cfg_dict, tiers)))
+    seconds = sorted(p.seconds for p in method.plans.values())
+    limit = (seconds[0] + seconds[-1]) / 2  # the slow tier's whole round does not fit
+    d = _cfg(tiny_cfg_dict, [{**t, "seconds_per_round": limit} for t in tiers], round_policy="async",
+             concurrency=3, buffer_size=2, rounds=4)
+    cfg = validate_config(d)
+    method, data = setup(cfg)
+    _, records, _ = simulation_for(cfg, method, data).run()
+    ms = [m for r in records for m in r["client_metrics"]]
+    assert len(ms) == 4 * 2 and any(m["staleness"] > 0 for m in ms)
+    assert any(method.plans[m["client"]].knobs.batch for m in ms)  # a cut plan among them
+    for m in ms:
+        assert m["sim_s"] == pytest.approx(m["sim_s_predicted"], rel=1e-9), m
+        assert m["sim_s_planned"] == method.plans[m["client"]].seconds <= limit * (1 + 1e-9)
+
+
 @pytest.mark.parametrize("name, rel", [("raffm", 1e-9), ("raffm+heads", 0.1)])
 def test_sub_models_and_pruned_heads_are_predicted_per_client_round(tiny_cfg_dict, name, rel):
     """RaFFM's sub-models extrapolate by the same parts: each client-round is its prediction.

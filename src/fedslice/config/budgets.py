@@ -202,6 +202,15 @@ class BudgetsConfig(Section):
         "as many optimizer steps) or 'steps' (round(share x federation.local_steps) steps of "
         "whole batches; needs federation.local_steps).")
 
+    fit_rounds: bool = Field(
+        False, description="With a time limit (a tier's seconds_per_round, or round_deadline_s), "
+        "a client-round whose batches, predicted before it is sent, are longer than its plan's "
+        "mean round (so its FLOPs guard would drop a local step, or its first step alone would "
+        "pass the deadline and it would sit out) is sent with fewer examples per step: the "
+        "number that trains the most examples within the limit, when that is more than the "
+        "round as planned trains (recorded in the round's rounds_fitted). In-process engine, "
+        "synchronous policies. False: the plan's round, cut by the guard.")
+
     adapter_depths: list[float] = Field(
         default_factory=lambda: [1.0], min_length=1,
         description="Shares of the model's blocks whose adapter tensors the planner may let a "

@@ -41,7 +41,9 @@ from fedslice.run.session import Rounds
 class Job:
     """One client's work in flight: trained from version ``base`` at ``start``, its reply
     arriving at ``arrival`` (simulated seconds); ``seq``: the dispatch's number (the order of
-    ties, the client's training seed)."""
+    ties, the client's training seed); ``predicted``: the planner's seconds for it, predicted
+    before it was sent from its own batches (:mod:`fedslice.run.predicted`; None without a
+    plan)."""
 
     client: int
     seq: int
@@ -50,20 +52,22 @@ class Job:
     arrival: float
     payload: Payload
     reply: Reply
+    predicted: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"client": self.client, "seq": self.seq, "base": self.base, "start": self.start,
                 "arrival": self.arrival,
                 "payload": {"arrays": self.payload.arrays, "config": self.payload.config},
                 "reply": {"arrays": self.reply.arrays, "num_examples": self.reply.num_examples,
-                          "metrics": self.reply.metrics}}
+                          "metrics": self.reply.metrics}, "predicted": self.predicted}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Job:
         p, r = d["payload"], d["reply"]
         return cls(int(d["client"]), int(d["seq"]), int(d["base"]), float(d["start"]),
                    float(d["arrival"]), Payload(dict(p["arrays"]), dict(p["config"])),
-                   Reply(dict(r["arrays"]), int(r["num_examples"]), dict(r["metrics"])))
+                   Reply(dict(r["arrays"]), int(r["num_examples"]), dict(r["metrics"])),
+                   None if d.get("predicted") is None else float(d["predicted"]))
 
 
 class Buffer:
@@ -157,6 +161,7 @@ class AsyncSimulation(Simulation):
         seqs = {c: b.seq + i for i, c in enumerate(pick)}
         b.seq += len(pick)
         seeds = {c: client_seed(self.cfg.seed, seqs[c], c) for c in pick}
+        predicted = self.predict(payloads, pick, seeds)
         lost: list[tuple[int, str]] = []
         host = self.clock.host_gflops_per_s
 
@@ -168,7 +173,8 @@ class AsyncSimulation(Simulation):
             secs = client_seconds(self.population.devices[c], reply.metrics, host)
             p = payloads[c]
             b.inflight.append(Job(c, seqs[c], version - 1, now, now + secs,
-                                  Payload(p.arrays, p.config), reply))
+                                  Payload(p.arrays, p.config), reply,
+                                  predicted[c].seconds if c in predicted else None))
 
         self.runner.fit(self.method, pick, payloads, self.data.client, seeds, on_reply)
         for c, _ in lost:
@@ -220,9 +226,14 @@ class AsyncSimulation(Simulation):
                                                         {c: replies[c] for c in result.used})
         new_state = host_state(new_state)
         record = {**round_record(version, sorted(replies), replies, result), **server_metrics}
+        plans = method.plans or {}
         for m in record["client_metrics"]:
             j = next(j for j in buffered if j.client == m["client"])
             m.update(sim_s=j.arrival - j.start, base_version=j.base, staleness=version - 1 - j.base)
+            if j.predicted is not None:  # as the synchronous engine records it
+                m["sim_s_predicted"] = j.predicted
+            if (plan := plans.get(j.client)) is not None and plan.seconds is not None:
+                m["sim_s_planned"] = plan.seconds  # a mean round's
         gone = [{"client": j if isinstance(j, int) else j.client, "reason": why} for j, why in dropped]
         if gone:
             record["excluded"] = sorted(record["excluded"] + gone, key=lambda e: e["client"])

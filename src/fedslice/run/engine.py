@@ -23,7 +23,7 @@ from fedslice.fl.clock import SimClock, client_seconds, measure_host_gflops, set
 from fedslice.fl.devices import Population, population
 from fedslice.fl.faults import corrupt, missed_deadline, plan_faults
 from fedslice.methods.probe import probe_loss
-from fedslice.run.predicted import RoundPrediction, past_deadline, predict_round
+from fedslice.run.predicted import RoundPrediction, fit_round, past_deadline, predict_round
 from fedslice.run.runner import ClientRunner
 from fedslice.run.session import Rounds
 from fedslice.fl.selection import make_selector
@@ -175,6 +175,7 @@ class Simulation:
         todo = [c for c in clients if c not in faults.dropped]
         seeds = {c: client_seed(self.cfg.seed, server_round, c) for c in todo}
         predicted = self.predict(payloads, todo, seeds)
+        fitted = self.fit_rounds(payloads, predicted, todo, seeds)
         sat_out = past_deadline(predicted, fed.round_deadline_s) if fed.round_policy == "deadline" else {}
         todo = [c for c in todo if c not in sat_out]
         with progress_display.task(f"round {server_round}: clients", len(clients)) as advance:
@@ -219,6 +220,8 @@ class Simulation:
         if timed is not None:
             self.clock_record(record, replies, *timed, predicted)
             record["sat_out"] = len(sat_out)
+            if fitted:
+                record["rounds_fitted"] = [{"client": c, "batch_size": b} for c, b in sorted(fitted.items())]
         record["round_time_s"] = time.perf_counter() - t0
         record["process_rss_mb"] = _rss_mb()
         return new_state, record
@@ -250,6 +253,27 @@ class Simulation:
                 if p is not None:
                     out[c] = p
         return out
+
+    def fit_rounds(self, payloads: dict[int, Payload], predicted: dict[int, RoundPrediction],
+                   todo: list[int], seeds: dict[int, int]) -> dict[int, int]:
+        """``budgets.fit_rounds``: each client-round of ``todo`` its guard would cut, or that
+        would reply past its time limit, sent with the examples per step that train the most
+        within it (:func:`fedslice.run.predicted.fit_round`); ``payloads`` and ``predicted``
+        are updated in place. Returns client -> the round's examples per step."""
+        budgets = self.cfg.budgets
+        if not predicted or budgets is None or not budgets.fit_rounds:
+            return {}
+        plans, fitted = self.method.plans, {}
+        for c in todo:
+            limit = plans[c].budget.seconds_per_round if c in predicted else None
+            if limit is None:
+                continue
+            got = fit_round(self.method, plans[c], payloads[c], self.data.client(c), seeds[c],
+                            self.population.devices[c], self.clock.host_gflops_per_s, limit)
+            if got is not None:
+                payloads[c], predicted[c] = got
+                fitted[c] = payloads[c].orders.batch_size
+        return fitted
 
     def clock_record(self, record: dict[str, Any], replies: dict[int, Reply], settled, secs,
                      predicted: dict[int, RoundPrediction]) -> None:

@@ -14,7 +14,7 @@ client's device.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fedslice.fl.client import planned_steps
 from fedslice.fl.strategy import Payload
@@ -52,3 +52,43 @@ def past_deadline(predicted: Mapping[int, RoundPrediction], deadline_s: float) -
                 f"{p.first_step_seconds:.4g} s), past the {deadline_s:g} s round deadline "
                 "(simulated clock): sat the round out, sent no work")
             for c, p in sorted(predicted.items()) if p.seconds > deadline_s * (1 + 1e-9)}
+
+
+def fit_round(method, plan, payload: Payload, data, seed: int, device,
+              host_gflops_per_s: float | None, limit_s: float) -> tuple[Payload, RoundPrediction] | None:
+    """``budgets.fit_rounds``: a client-round the client's FLOPs guard would cut (a local step
+    dropped: its batches are longer than its plan's mean round) or that would reply past
+    ``limit_s`` after its first step alone, sent with fewer examples per step instead: the
+    number whose round, predicted from its own batches, trains the most examples within
+    ``limit_s``, when that is more than the round as planned trains (0 where it would reply
+    late). Returns the payload with that ``batch_size`` and its prediction; None: the round is
+    sent as planned."""
+    cost = getattr(plan, "round_cost", None)
+    if cost is None or plan.sits_out is not None:
+        return None
+    orders = method.orders(payload)
+
+    def trial(batch: int) -> tuple[int, RoundPrediction]:
+        o = replace(orders, batch_size=batch)
+        steps = planned_steps(data, o, seed, pack=method.packs(o),
+                              virtual_tokens=method.adapter.virtual_tokens)
+        _, run = cost.flops(steps, o.flops_budget)
+        seconds, first = cost.seconds(device, steps, o.flops_budget, host_gflops_per_s)
+        in_time = seconds <= limit_s * (1 + 1e-9)
+        return (batch * run if in_time else 0), RoundPrediction(seconds, first), run == len(steps) and in_time
+
+    batch = orders.batch_size
+    kept, _, whole = trial(batch)
+    if whole:
+        return None
+    best = None
+    for b in range(batch - 1, 0, -1):
+        examples, pred, whole = trial(b)
+        if examples > (kept if best is None else best[0]):
+            best = (examples, b, pred)
+        if whole:  # every smaller batch runs every step too: fewer examples
+            break
+    if best is None:
+        return None
+    _, b, pred = best
+    return Payload(payload.arrays, {**payload.config, "batch_size": b}, payload.model), pred
