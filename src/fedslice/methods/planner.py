@@ -46,6 +46,7 @@ from fedslice.slicing.block_steps import extrapolated_step, plan_for
 from fedslice.slicing.planner import (StepMeasure, batch_key, measure_step, measure_training_step,
                                       training_state_bytes)
 from fedslice.slicing.spec import ModelSlice, Spec
+from fedslice.slicing.step_cache import StepCache, config_settings
 from fedslice.methods.budgets import ClientBudget, UNITS, client_budgets, client_time_budgets
 from fedslice.methods.plan_records import ClientPlan, KnobCost, Knobs, RoundCost, examples_per_round
 log = logging.getLogger(__name__)
@@ -104,6 +105,10 @@ class BudgetPlanner:
         #: the same planner measuring every step on the whole model (:meth:`_verified`)
         self._whole: BudgetPlanner | None = None
         self._extrapolated = False  # some step was (then plans are verified)
+        #: measured steps kept across runs (``budgets.step_cache``)
+        self.store = None if cfg.step_cache is None else StepCache(cfg.step_cache, (
+            type(method.task).__qualname__, method.cfg.task.model_dump(mode="json"),
+            method.cfg.model.model_dump(mode="json"), config_settings(getattr(method.model, "config", None))))
         self._args = (batch, flops_scale, packed_of and self._packed_rows, scale_of, pairs_of, heads_of)
         self.packed_of, self.scale_of, self.pairs_of = packed_of, scale_of, pairs_of
         self.heads_of = heads_of or float
@@ -296,23 +301,30 @@ class BudgetPlanner:
                  if p == packed and b == key and tuple(head) in d and replace(k, precision=None) == ops), None)
             if lent is not None and not memory:
                 return replace(lent, saved_mb=math.nan, static_bytes=training_state_bytes(model))
-            got = self._run_step(model, rows, flops and lent is None, head if lent is None else ())
+            got = self._run_step(model, rows, flops and lent is None, head if lent is None else (), packed)
             if lent is not None:
                 got = replace(got, flops=lent.flops, attention=lent.attention, head=lent.head)
             done[tuple(head) if flops else None] = got
             return got
         return measured
 
-    def _run_step(self, model: nn.Module, rows: Mapping[str, torch.Tensor], flops: bool, head) -> StepMeasure:
+    def _run_step(self, model: nn.Module, rows: Mapping[str, torch.Tensor], flops: bool, head,
+                  packed: bool) -> StepMeasure:
         """A training step of ``model`` on ``rows`` measured (:func:`measure_step`), on the
-        model cut to a few blocks and extrapolated where :attr:`by_blocks`."""
+        model cut to a few blocks and extrapolated where :attr:`by_blocks`; kept in
+        :attr:`store` where there is one (and taken from it where it holds the step)."""
         def step(m: nn.Module) -> StepMeasure:
             return measure_step(m, rows, self.method.task.loss, flops, head)
         how = plan_for(model, self.method.arch) if self.by_blocks else None
-        if how is None:
-            return step(model)
-        self._extrapolated = True
-        return extrapolated_step(model, self.method.arch, step, how)
+        self._extrapolated |= how is not None
+        key = None if self.store is None else self.store.key(
+            model, batch_key(rows), flops, head, packed, "whole" if how is None else "by blocks")
+        got = None if key is None else self.store.get(key)
+        if got is None:
+            got = step(model) if how is None else extrapolated_step(model, self.method.arch, step, how)
+            if key is not None:
+                self.store.put(key, got)
+        return got
 
     def _forward_flops(self, model: nn.Module) -> float:
         """FLOPs of a forward pass over the profile batch (two rows, scaled: linear in rows)."""

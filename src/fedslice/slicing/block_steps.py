@@ -30,6 +30,8 @@ from fedslice.slicing.planner import StepMeasure, training_state_bytes
 
 #: attributes that number a block rather than shape what it computes
 _NUMBERING = frozenset({"layer_idx", "layer_id", "layer_index", "block_idx", "idx"})
+#: attributes a measured step sets itself (it trains)
+_SET_BY_STEP = frozenset({"training"})
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -60,7 +62,7 @@ def block_kind(block: nn.Module) -> Hashable:
     out = []
     for name, m in block.named_modules():
         attrs = tuple(sorted((k, v) for k, v in ((k, _plain(v)) for k, v in vars(m).items()
-                                                  if not k.startswith("_") and k not in _NUMBERING)
+                                                  if not k.startswith("_") and k not in _NUMBERING | _SET_BY_STEP)
                              if v is not None))
         patched = getattr(vars(m).get("forward"), "__qualname__", None)
         out.append((name, type(m).__qualname__, attrs, _hooks(m), patched))
