@@ -89,9 +89,13 @@ def tier(f: float, dense: dict, share: float = 1.0) -> dict:
             "gflops_per_round": round(f * dense["gflops"], 2)}
 
 
+#: the planner's measured steps, shared by the rows that plan (and by reruns)
+STEP_CACHE = ROOT / "bench/results/llm_instruct/plan_steps"
+
+
 def budgets(tiers: list[dict], knobs: dict) -> dict:
     b = {"tiers": tiers, "precisions": ["none"], "adapter_depths": [1.0], "local_work": [1.0],
-         "checkpointing": True, "micro_batches": [1, 2, 4]}
+         "checkpointing": True, "micro_batches": [1, 2, 4], "step_cache": str(STEP_CACHE)}
     b.update({k: v for k, v in knobs.items() if k != "ranks"})
     return b
 

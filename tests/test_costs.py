@@ -534,3 +534,19 @@ def test_the_lean_counter_counts_what_torchs_counter_counts(arch, model_dirs):
         step()
     attention = sum(n for op, n in torchs.get_flop_counts()["Global"].items() if _is_attention_op(op))
     assert lean.total == torchs.get_total_flops() > 0 and lean.attention == attention
+
+
+def test_peak_memory_without_rss_counts_the_same_saved_tensors():
+    """rss=False (the planner's measured steps) trims no heap and samples no RSS: the saved
+    tensors' peak is the same, the RSS peak None."""
+    from fedslice.measure import PeakMemory
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    x = torch.randn(4, 8)
+    got = []
+    for rss in (True, False):
+        with PeakMemory(model, rss=rss) as pm:
+            model(x).sum().backward()
+        got.append((pm.saved_activation_mb, pm.rss_peak_mb))
+    assert got[0][0] == got[1][0] > 0 and got[0][1] is not None and got[1][1] is None

@@ -251,6 +251,14 @@ class BudgetsConfig(Section):
         "sub-model). Needs model.quantize = 'none' and a method whose clients train the shared "
         "model (fedpetuning; heads with prune = 'parameters').")
 
+    step_cache: str | None = Field(
+        None, description="A folder where the planner keeps the training steps it measures, by "
+        "everything that determines them (the planned model's structure and config, the measured "
+        "rows, the task's loss settings, torch's and transformers' versions, fedslice's sources, "
+        "the threads), so later runs (a benchmark's rows, reruns) take them instead of measuring "
+        "again (plans unchanged). '~' is expanded; a relative path is relative to the working "
+        "directory. None: nothing kept.")
+
     @field_validator("precisions")
     @classmethod
     def _precisions(cls, v):

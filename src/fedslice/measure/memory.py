@@ -84,6 +84,10 @@ class PeakMemory:
 
     ``extra_bytes`` may also be set on the object before the block ends.
 
+    ``rss=False`` measures no RSS (``rss_peak_mb`` stays None): no heap trim, no sampler, what
+    a caller that reads only the saved tensors saves on every block (the planner's measured
+    steps).
+
     ``saved_tensors=False`` installs no hooks for the whole block: only the blocks under
     :meth:`track` are counted (a training loop tracks the steps whose batch no earlier tracked
     batch dominates, :class:`LargestBatches`; each hook call is Python work per saved tensor,
@@ -98,9 +102,11 @@ class PeakMemory:
         interval_s: float = 0.002,
         device: torch.device | str | None = None,
         saved_tensors: bool = True,
+        rss: bool = True,
     ) -> None:
         self.extra_bytes = int(extra_bytes)
         self._every_block = bool(saved_tensors)
+        self._rss = bool(rss)
         self.interval_s = float(interval_s)
         self._param_ptrs: set[int] = set()
         if model is not None:
@@ -202,7 +208,7 @@ class PeakMemory:
             import psutil
         except ImportError:  # pragma: no cover - psutil is a dependency
             psutil = None
-        if psutil is not None:
+        if psutil is not None and self._rss:
             proc = psutil.Process(os.getpid())
             # heap pages freed by earlier work would be reused silently (an RSS delta of 0 MB):
             # give them back first, then restart the kernel's exact high-water mark

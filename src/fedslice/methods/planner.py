@@ -42,9 +42,11 @@ from fedslice.fl.client import batch_units, extrapolates_by_parts, gradient_chec
 from fedslice.fl.wire import wire_bytes
 from fedslice.measure.flops import head_segments
 from fedslice.tasks.base import batch_head_positions
+from fedslice.slicing.block_steps import extrapolated_step, plan_for
 from fedslice.slicing.planner import (StepMeasure, batch_key, measure_step, measure_training_step,
                                       training_state_bytes)
 from fedslice.slicing.spec import ModelSlice, Spec
+from fedslice.slicing.step_cache import StepCache, config_settings
 from fedslice.methods.budgets import ClientBudget, UNITS, client_budgets, client_time_budgets
 from fedslice.methods.plan_records import ClientPlan, KnobCost, Knobs, RoundCost, examples_per_round
 log = logging.getLogger(__name__)
@@ -89,13 +91,25 @@ class BudgetPlanner:
                  flops_scale: float = 1.0, packed_of: Callable[[int], tuple] | None = None,
                  scale_of: Callable[[int], float] | None = None,
                  pairs_of: Callable[[int, bool], float] | None = None,
-                 heads_of: Callable[[int], float] | None = None):
+                 heads_of: Callable[[int], float] | None = None, by_blocks: bool = True):
         """``batch``: ``federation.batch_size`` examples padded to the longest; ``flops_scale``:
         the tokens a real batch of that size holds over the profile's (``scale_of(n)``: the
         same for batches of ``n`` examples, a plan's smaller batch); ``packed_of(n)``: the
         first ``n`` examples packed into rows, what a client trains on when its batches pack (a
-        plan of one micro-batch: a split trains unpacked), and its ``flops_scale``."""
+        plan of one micro-batch: a split trains unpacked), and its ``flops_scale``.
+        ``by_blocks``: a step is measured on the model cut to a few of its blocks of each kind
+        and extrapolated per block (:mod:`fedslice.slicing.block_steps`; exact where the blocks
+        of a kind cost alike), each plan chosen verified on the whole model (:meth:`plan`)."""
         self.method, self.cfg, self.batch, self.flops_scale = method, cfg, batch, flops_scale
+        self.by_blocks = by_blocks and getattr(method, "arch", None) is not None
+        #: the same planner measuring every step on the whole model (:meth:`_verified`)
+        self._whole: BudgetPlanner | None = None
+        self._extrapolated = False  # some step was (then plans are verified)
+        #: measured steps kept across runs (``budgets.step_cache``)
+        self.store = None if cfg.step_cache is None else StepCache(cfg.step_cache, (
+            type(method.task).__qualname__, method.cfg.task.model_dump(mode="json"),
+            method.cfg.model.model_dump(mode="json"), config_settings(getattr(method.model, "config", None))))
+        self._args = (batch, flops_scale, packed_of and self._packed_rows, scale_of, pairs_of, heads_of)
         self.packed_of, self.scale_of, self.pairs_of = packed_of, scale_of, pairs_of
         self.heads_of = heads_of or float
         self.rows = len(batch["input_ids"] if "input_ids" in batch else batch["pixel_values"])
@@ -184,7 +198,9 @@ class BudgetPlanner:
         packed batch its peak memory is measured on (None: it trains unpacked)."""
         if self.packed_of is None or knobs.micro_batches != 1:
             return None
-        rows = self._rows(knobs)
+        return self._packed_rows(self._rows(knobs))
+
+    def _packed_rows(self, rows: int) -> tuple:
         if rows not in self._packed:
             self._packed[rows] = self.packed_of(rows)
         return self._packed[rows]
@@ -285,13 +301,30 @@ class BudgetPlanner:
                  if p == packed and b == key and tuple(head) in d and replace(k, precision=None) == ops), None)
             if lent is not None and not memory:
                 return replace(lent, saved_mb=math.nan, static_bytes=training_state_bytes(model))
-            got = measure_step(model, rows, self.method.task.loss, flops and lent is None,
-                               head if lent is None else ())
+            got = self._run_step(model, rows, flops and lent is None, head if lent is None else (), packed)
             if lent is not None:
                 got = replace(got, flops=lent.flops, attention=lent.attention, head=lent.head)
             done[tuple(head) if flops else None] = got
             return got
         return measured
+
+    def _run_step(self, model: nn.Module, rows: Mapping[str, torch.Tensor], flops: bool, head,
+                  packed: bool) -> StepMeasure:
+        """A training step of ``model`` on ``rows`` measured (:func:`measure_step`), on the
+        model cut to a few blocks and extrapolated where :attr:`by_blocks`; kept in
+        :attr:`store` where there is one (and taken from it where it holds the step)."""
+        def step(m: nn.Module) -> StepMeasure:
+            return measure_step(m, rows, self.method.task.loss, flops, head)
+        how = plan_for(model, self.method.arch) if self.by_blocks else None
+        self._extrapolated |= how is not None
+        key = None if self.store is None else self.store.key(
+            model, batch_key(rows), flops, head, packed, "whole" if how is None else "by blocks")
+        got = None if key is None else self.store.get(key)
+        if got is None:
+            got = step(model) if how is None else extrapolated_step(model, self.method.arch, step, how)
+            if key is not None:
+                self.store.put(key, got)
+        return got
 
     def _forward_flops(self, model: nn.Module) -> float:
         """FLOPs of a forward pass over the profile batch (two rows, scaled: linear in rows)."""
@@ -410,6 +443,42 @@ class BudgetPlanner:
 
     def plan(self, client: int, tier: int | None, budget: ClientBudget, examples: int,
              importance_examples: int = 0) -> ClientPlan | None:
+        """The most-training plan whose predicted costs fit ``budget`` (:meth:`search`); None
+        when none does. Where steps are extrapolated from cut models (:attr:`by_blocks`), the
+        plan chosen (or, when none fits, the least-memory plan) has its memory measured on the
+        whole model, and dense's where a share of it is a limit: a figure that is not the
+        extrapolated one turns extrapolation off, and the search runs again on whole models,
+        so a plan's memory is always the whole model's."""
+        found = self.search(client, tier, budget, examples, importance_examples)
+        if not self._extrapolated:
+            return found
+        knobs = found.knobs if found is not None else self.least(examples, importance_examples)[0]
+        checked = [knobs] + ([self.dense] if "memory_share" in budget.limits() else [])
+        wrong = [k for k in checked if not self._verified(k)]
+        if not wrong:
+            return found
+        log.warning("the planner's steps extrapolated from a few blocks (%s: %.6g MiB) differ from the "
+                    "whole model's (%.6g MiB): measuring whole models from here on", wrong[0].describe(),
+                    self.cost(wrong[0]).memory_mb, self._whole_memory(wrong[0]))
+        self.by_blocks, self._extrapolated = False, False
+        self._costs.clear(), self._parts.clear(), self._steps.clear()
+        return self.search(client, tier, budget, examples, importance_examples)
+
+    def _whole_memory(self, knobs: Knobs) -> float:
+        """``knobs``' memory measured on the whole model (kept)."""
+        if self._whole is None:
+            self._whole = BudgetPlanner(self.method, self.cfg, *self._args, by_blocks=False)
+        whole, knobs = self._whole, self.same_step(knobs)
+        if (knobs, "memory") not in whole._parts:  # its memory only: no FLOP counter
+            whole._parts[knobs, "memory"] = whole._measure(knobs, "memory")
+        return whole._parts[knobs, "memory"].memory_mb
+
+    def _verified(self, knobs: Knobs) -> bool:
+        """``knobs``' memory as extrapolated equals the whole model's."""
+        return math.isclose(self.cost(knobs, "memory").memory_mb, self._whole_memory(knobs), rel_tol=1e-9)
+
+    def search(self, client: int, tier: int | None, budget: ClientBudget, examples: int,
+               importance_examples: int = 0) -> ClientPlan | None:
         """The most-training plan whose predicted costs fit ``budget``; None when none does.
         Pruned search, most-training first, one knob at a time: sub-model, local work, sparsity,
         rank, importance source, precision, then the overheads. A sub-model whose

@@ -163,7 +163,7 @@ def measure_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
     model.train()
     try:
         with torch.random.fork_rng(), torch.enable_grad():
-            with PeakMemory(model, interval_s=1.0) as mem, count_flops(enabled=flops, head=head) as fc:
+            with PeakMemory(model, interval_s=1.0, rss=False) as mem, count_flops(enabled=flops, head=head) as fc:
                 batch = to_device(batch, model_device(model))
                 loss = loss_fn(model, dict(batch)) if loss_fn else model(**batch).loss
                 loss.backward()
