@@ -142,12 +142,12 @@ def cpu_costs():
     wall time is no measure): CPU of the whole planning call (``plan_clients``), how many
     training steps it measured and their CPU, and each round's CPU. Installed around the run by
     this benchmark only (timers wrapped around the library's functions, restored after)."""
-    from fedslice.methods import planner
+    from fedslice.methods import plan_costs, planner
     from fedslice.run.engine import Simulation
 
     got = {"plan_cpu_s": 0.0, "plan_calls": 0, "plan_steps": 0, "plan_steps_flops": 0,
            "plan_step_cpu_s": 0.0, "round_cpu_s": []}
-    plan_clients, measure_step, run_round = planner.plan_clients, planner.measure_step, Simulation.run_round
+    plan_clients, measure_step, run_round = planner.plan_clients, plan_costs.measure_step, Simulation.run_round
 
     def timed_plan(*a, **kw):
         c0 = time.process_time()
@@ -173,11 +173,11 @@ def cpu_costs():
         finally:
             got["round_cpu_s"].append(time.process_time() - c0)
 
-    planner.plan_clients, planner.measure_step, Simulation.run_round = timed_plan, timed_step, timed_round
+    planner.plan_clients, plan_costs.measure_step, Simulation.run_round = timed_plan, timed_step, timed_round
     try:
         yield got
     finally:
-        planner.plan_clients, planner.measure_step, Simulation.run_round = plan_clients, measure_step, run_round
+        planner.plan_clients, plan_costs.measure_step, Simulation.run_round = plan_clients, measure_step, run_round
 
 
 def train_row(row: str, args) -> dict:

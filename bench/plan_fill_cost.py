@@ -6,7 +6,7 @@ The SST-2 frontier's ``planned-depth-work`` row of seed 0 (``bench/frontier.py -
 --memory-share 0.5 --upload-share 0.5 --lr 2e-3``; its dense row's measured costs set the
 budget, read from ``bench/results/frontier_sst2_lr2e-3/dense.json``): ``setup()`` twice in the
 process (the first warms the data and model caches), the second timed, with the planner's
-measured steps (``BudgetPlanner._measure`` calls) counted. Prints the plan. Run it with and
+measured steps (``StepCosts._measure`` calls) counted. Prints the plan. Run it with and
 without ``--fill``, alternating, on a quiet machine.
 """
 
@@ -22,7 +22,7 @@ import frontier as fr  # noqa: E402
 
 from fedslice.api import setup  # noqa: E402
 from fedslice.experiment import validate_config  # noqa: E402
-from fedslice.methods import planner as pl  # noqa: E402
+from fedslice.methods import plan_costs as pl  # noqa: E402
 
 
 def main() -> None:
@@ -34,13 +34,13 @@ def main() -> None:
                 "--out", "bench/results/frontier_sst2_lr2e-3"] + (["--fill"] if fill else [])
     torch.set_num_threads(1)
     count = {"n": 0}
-    measure = pl.BudgetPlanner._measure
+    measure = pl.StepCosts._measure
 
-    def counted(self, knobs):
+    def counted(self, knobs, need="all"):
         count["n"] += 1
-        return measure(self, knobs)
+        return measure(self, knobs, need)
 
-    pl.BudgetPlanner._measure = counted
+    pl.StepCosts._measure = counted
 
     def plan_only(name, row, args, budgets):
         if row == "dense":

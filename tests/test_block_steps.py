@@ -127,7 +127,7 @@ def test_an_encoder_extrapolates_exactly_too(tiny_cfg_dict, tmp_path):
 def _plans(monkeypatch, d: dict, whole: bool):
     """Every client's plan of ``d`` and the blocks the planner's measured steps ran (``whole``:
     every step on the whole model, as before extrapolation)."""
-    import fedslice.methods.planner as planner
+    import fedslice.methods.plan_costs as planner
     from fedslice.api import setup
 
     from fedslice.models.arch import arch_for
@@ -170,7 +170,7 @@ def test_an_extrapolation_the_whole_model_disproves_is_dropped(deep_llama, chat_
     """Extrapolated memory below the truth (a model whose blocks did not add up): the plan
     chosen is measured whole, the difference is said, and the search runs again on whole
     models: the plans are those of a planner measuring whole models."""
-    import fedslice.methods.planner as planner
+    import fedslice.methods.plan_costs as planner
 
     tiers = [{"share": 0.5, "name": n, "memory_share": m} for n, m in (("a", 1.0), ("b", 0.7))]
     d = _llama_cfg(deep_llama, chat_data, tmp_path, tiers=tiers, local_work=[1.0, 0.5])

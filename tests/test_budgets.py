@@ -757,7 +757,7 @@ def test_a_packed_plan_out_of_reach_by_its_memory_has_no_flops_measured(tiny_lm_
     step for one its memory rules out, nor for a plan weighed at its least by its memory;
     every plan and its reason equal those of a planner that measures every plan whole, with
     fewer steps and fewer counted FLOPs (a chat model, conversations of many lengths)."""
-    import fedslice.methods.planner as planner
+    import fedslice.methods.plan_costs as plan_costs
     from test_chat import chat_cfg, write_chat_jsonl
 
     tiers = [{"share": s, "name": n, "memory_share": m, "flops_share": f} for n, s, m, f in
@@ -774,7 +774,7 @@ def test_a_packed_plan_out_of_reach_by_its_memory_has_no_flops_measured(tiny_lm_
             self._costs[knobs] = self._measure(knobs)
         return self._costs[knobs]
 
-    monkeypatch.setattr(planner.BudgetPlanner, "cost", whole)
+    monkeypatch.setattr(plan_costs.StepCosts, "cost", whole)
     every_plan, every = plans()
     assert kept == every_plan
     assert len({p["reason"] for p in kept.values()}) == 3 and len({p["batch"] for p in kept.values()}) > 1
@@ -789,7 +789,7 @@ def test_the_planner_measures_each_model_and_rows_once_and_plans_as_before(tiny_
     profile batch (scaled), once. Every client's plan and predicted costs are exactly those of
     a planner that measures every plan afresh, with fewer steps measured; a step measured with
     the FLOP counter saves what one without it saves (the reuse of its memory)."""
-    import fedslice.methods.planner as planner
+    import fedslice.methods.plan_costs as plan_costs
     from fedslice.api import setup
     from fedslice.slicing.planner import measure_step
 
@@ -799,8 +799,8 @@ def test_the_planner_measures_each_model_and_rows_once_and_plans_as_before(tiny_
              data={"path": str(one_length_data_dir)}, federation={"pack": pack}, lora={"ranks": [2, 4]})
     plans = _counting_plans(monkeypatch, d)
     kept, measured = plans()
-    monkeypatch.setattr(planner.BudgetPlanner, "_step_of", lambda self, knobs, model, packed, flops, head, memory=True:
-                        lambda rows: planner.measure_step(model, rows, self.method.task.loss, flops, head))
+    monkeypatch.setattr(plan_costs.StepCosts, "_step_of", lambda self, knobs, model, packed, flops, head, memory=True:
+                        lambda rows: plan_costs.measure_step(model, rows, self.method.task.loss, flops, head))
     fresh, every = plans()
     assert kept == fresh
     assert len({p["rank"] for p in kept.values()}) > 1 or len({p["batch"] for p in kept.values()}) > 1
@@ -812,19 +812,19 @@ def test_the_planner_measures_each_model_and_rows_once_and_plans_as_before(tiny_
     without = measure_step(method.model, batch, method.task.loss, False)
     assert with_flops.saved_mb == without.saved_mb and with_flops.static_bytes == without.static_bytes
     assert with_flops.flops > 0 == without.flops
-    with method.planned_model(planner.Knobs(precision="int8")) as planned:  # the FLOPs lent across precisions
+    with method.planned_model(plan_costs.Knobs(precision="int8")) as planned:  # the FLOPs lent across precisions
         int8 = measure_step(planned.model, batch, method.task.loss, True)
     assert int8.flops == with_flops.flops and int8.static_bytes < with_flops.static_bytes
 
 
 def _counting_plans(monkeypatch, d: dict):
     """A function that builds ``d``'s method and returns every client's plan and (steps the
-    planner measured, of those with the FLOP counter), counted through ``planner.measure_step``
+    planner measured, of those with the FLOP counter), counted through ``plan_costs.measure_step``
     (patched here, around the function it stands for now)."""
-    import fedslice.methods.planner as planner
+    import fedslice.methods.plan_costs as plan_costs
     from fedslice.api import setup
 
-    calls, step = [], planner.measure_step
+    calls, step = [], plan_costs.measure_step
 
     def counted(*args, **kwargs):
         calls.append(bool(args[3] if len(args) > 3 else kwargs.get("flops", True)))
@@ -835,5 +835,5 @@ def _counting_plans(monkeypatch, d: dict):
         method, _ = setup(validate_config(d))
         return {c: p.to_dict() for c, p in method.plans.items()}, (len(calls), sum(calls))
 
-    monkeypatch.setattr(planner, "measure_step", counted)
+    monkeypatch.setattr(plan_costs, "measure_step", counted)
     return plans

@@ -33,6 +33,7 @@ def test_leading_slices_nest_and_elastic_depth_does_not():
 
 def _plans(d: dict, monkeypatch, scan: bool) -> tuple[dict, int, bool]:
     """Every client's plan, the steps the planner measured and whether it bisected."""
+    import fedslice.methods.plan_costs as plan_costs
     import fedslice.methods.planner as planner
     from fedslice.slicing.planner import measure_step
 
@@ -48,7 +49,7 @@ def _plans(d: dict, monkeypatch, scan: bool) -> tuple[dict, int, bool]:
         return chains[-1]
 
     with monkeypatch.context() as mp:
-        mp.setattr(planner, "measure_step", counted)
+        mp.setattr(plan_costs, "measure_step", counted)
         mp.setattr(planner, "is_chain", chain)
         method, _ = setup(validate_config(json.loads(json.dumps(d))))
     return {c: p.to_dict() for c, p in method.plans.items()}, len(calls), all(chains) and bool(chains)

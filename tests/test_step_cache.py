@@ -18,7 +18,7 @@ def _cfg(tiny_cfg_dict, folder, **budgets) -> dict:
 
 def _plans(monkeypatch, d):
     """Every client's plan of ``d`` and the steps the planner measured."""
-    import fedslice.methods.planner as planner
+    import fedslice.methods.plan_costs as planner
     from fedslice.api import setup
 
     calls, step = [], planner.measure_step

@@ -27,32 +27,21 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
-import torch.nn as nn
 
-from fedslice import measure
 from fedslice.config import BudgetsConfig
-from fedslice.data.packing import packed_training
 from fedslice.errors import ConfigError
-from fedslice.fl.memory_hold import ActivationReference, activation_units
-from fedslice.fl.client import batch_units, extrapolates_by_parts, gradient_checkpointing
-from fedslice.fl.wire import wire_bytes
-from fedslice.measure.flops import head_segments
-from fedslice.tasks.base import batch_head_positions
-from fedslice.slicing.block_steps import extrapolated_step, plan_for
-from fedslice.slicing.planner import (StepMeasure, batch_key, measure_step, measure_training_step,
-                                      training_state_bytes)
 from fedslice.slicing.spec import ModelSlice, Spec
 from fedslice.slicing.step_cache import StepCache, config_settings
 from fedslice.methods.budgets import ClientBudget, UNITS, client_budgets, client_time_budgets
-from fedslice.methods.plan_records import ClientPlan, KnobCost, Knobs, RoundCost, examples_per_round
+from fedslice.methods.plan_costs import StepCosts
+from fedslice.methods.plan_records import ClientPlan, Knobs, RoundCost, examples_per_round
+
 log = logging.getLogger(__name__)
 
 _MB = 1e6
-_MIB = float(1 << 20)
 #: the limits a plan's memory alone answers
 _MEMORY = frozenset({"memory_mb", "memory_share"})
 
@@ -100,19 +89,18 @@ class BudgetPlanner:
         ``by_blocks``: a step is measured on the model cut to a few of its blocks of each kind
         and extrapolated per block (:mod:`fedslice.slicing.block_steps`; exact where the blocks
         of a kind cost alike), each plan chosen verified on the whole model (:meth:`plan`)."""
-        self.method, self.cfg, self.batch, self.flops_scale = method, cfg, batch, flops_scale
-        self.by_blocks = by_blocks and getattr(method, "arch", None) is not None
-        #: the same planner measuring every step on the whole model (:meth:`_verified`)
-        self._whole: BudgetPlanner | None = None
-        self._extrapolated = False  # some step was (then plans are verified)
+        self.method, self.cfg, self.flops_scale = method, cfg, flops_scale
         #: measured steps kept across runs (``budgets.step_cache``)
-        self.store = None if cfg.step_cache is None else StepCache(cfg.step_cache, (
+        store = None if cfg.step_cache is None else StepCache(cfg.step_cache, (
             type(method.task).__qualname__, method.cfg.task.model_dump(mode="json"),
             method.cfg.model.model_dump(mode="json"), config_settings(getattr(method.model, "config", None))))
-        self._args = (batch, flops_scale, packed_of and self._packed_rows, scale_of, pairs_of, heads_of)
-        self.packed_of, self.scale_of, self.pairs_of = packed_of, scale_of, pairs_of
+        #: one step of each plan, measured (:class:`~fedslice.methods.plan_costs.StepCosts`)
+        self.costs = StepCosts(method, batch, flops_scale, packed_of, by_blocks, store)
+        #: the same steps measured on whole models, where a plan chosen is verified (:meth:`plan`)
+        self._whole: StepCosts | None = None
+        self.scale_of, self.pairs_of = scale_of, pairs_of
         self.heads_of = heads_of or float
-        self.rows = len(batch["input_ids"] if "input_ids" in batch else batch["pixel_values"])
+        self.rows = self.costs.rows
         axes = method.plan_axes(cfg)
         self.specs: list[tuple[Spec | None, float]] = axes.get("specs") or [(None, 1.0)]  # largest first
         self.sparsities: list[float | None] = axes.get("sparsities") or [None]  # fewest pruned first
@@ -136,15 +124,6 @@ class BudgetPlanner:
         self.host_gflops = devices.host_gflops_per_s if devices is not None else None
         self.dense = Knobs(self.specs[0][0], width=self.specs[0][1],
                            rank=method.cfg.lora.r if "ranks" in axes else None)
-        self._costs: dict[Knobs, KnobCost] = {}
-        #: costs measured in part (:meth:`cost`'s ``need``), by (knobs, "memory" or "flops")
-        self._parts: dict[tuple[Knobs, str], KnobCost] = {}
-        self._packed: dict[int, tuple[dict, float]] = {}
-        #: measured steps by (the planned model, packed, the measured rows), then by the head
-        #: modules whose FLOPs were counted apart (None: no FLOPs counted): plans that differ
-        #: only in their rows per step or micro-batches often measure the same rows (the first
-        #: two of the profile batch, scaled), measured once
-        self._steps: dict[tuple, dict] = {}
         #: the sub-models nest (RaFFM's leading slices): the first one in reach is found by
         #: bisection (:meth:`_specs_in_reach`)
         self.nested = is_chain([s for s, _ in self.specs])
@@ -155,189 +134,6 @@ class BudgetPlanner:
         splits = [m for m in self.cfg.micro_batches if rows % m == 0] or [1]
         return [(c, m) for c in self.checkpoints for m in splits]
 
-    # -- costs -------------------------------------------------------------------------------
-    @staticmethod
-    def same_step(knobs: Knobs) -> Knobs:
-        """``knobs`` as the step they train, one spelling per step: a plan's local steps change
-        how many steps, not what one costs; the run's base is the precision None or "none", and
-        every block's adapters the depth None or 1 (the dense client, spelled with None, is the
-        plan at the top of the search, spelled with "none" and 1, measured once)."""
-        return replace(knobs, steps=None, precision=None if knobs.precision == "none" else knobs.precision,
-                       depth=None if knobs.depth is not None and knobs.depth >= 1 else knobs.depth)
-
-    def cost(self, knobs: Knobs, need: str = "all") -> KnobCost:
-        """One step's costs (a plan's local steps change how many, not what a step costs).
-        ``need``: "memory" or "flops" where the caller reads only those (the memory of a plan
-        weighed at its least, the FLOPs of the plans beside it): a packed plan, whose memory
-        and FLOPs are two steps (:meth:`_two_steps`), runs only the one asked; the part
-        measured is kept (its other figures NaN) and its step serves the whole cost later."""
-        knobs = self.same_step(knobs)
-        if knobs in self._costs:
-            return self._costs[knobs]
-        if not self._two_steps(knobs):
-            need = "all"  # one step gives both (a memory step without the counter, measured
-            # again with it when the plan is weighed whole, would cost more than the counter)
-        if need == "all":
-            self._costs[knobs] = self._measure(knobs)
-            return self._costs[knobs]
-        if (knobs, need) not in self._parts:
-            self._parts[knobs, need] = self._measure(knobs, need)
-        return self._parts[knobs, need]
-
-    def _rows(self, knobs: Knobs) -> int:
-        return self.rows if knobs.batch is None else knobs.batch
-
-    def _two_steps(self, knobs: Knobs) -> bool:
-        """``knobs``' memory and FLOPs are two measured steps: a packed plan's memory is
-        measured on the layout every batch fits in, its FLOPs on the packed profile."""
-        packed = self._packed_batch(knobs)
-        return packed is not None and len(packed) > 2
-
-    def _packed_batch(self, knobs: Knobs) -> tuple | None:
-        """The packed profile batch of ``knobs``' rows, its FLOPs scale and (optionally) the
-        packed batch its peak memory is measured on (None: it trains unpacked)."""
-        if self.packed_of is None or knobs.micro_batches != 1:
-            return None
-        return self._packed_rows(self._rows(knobs))
-
-    def _packed_rows(self, rows: int) -> tuple:
-        if rows not in self._packed:
-            self._packed[rows] = self.packed_of(rows)
-        return self._packed[rows]
-
-    def _measure(self, knobs: Knobs, need: str = "all") -> KnobCost:
-        packed = self._packed_batch(knobs)
-        if packed is not None:
-            part = packed[0]
-        else:
-            part = {k: v[:self._rows(knobs) // knobs.micro_batches] for k, v in self.batch.items()}
-        # a padded batch's FLOPs, upload and importance do not depend on its split: counted once
-        known = None if packed is not None else next(
-            (c for k, c in self._costs.items() if self._packed_batch(k) is None
-             and replace(k, micro_batches=1) == replace(knobs, micro_batches=1)), None)
-        depth_frozen = set(self.method.depth_frozen(knobs.depth))  # (asked before freezing them)
-        with self.method.planned_model(knobs) as planned, \
-                gradient_checkpointing(planned.model, knobs.checkpointing), \
-                (packed_training(planned.model) if packed is not None else nullcontext()):
-            split = self.method.adapter.in_modules and extrapolates_by_parts(
-                part, self.method.adapter.virtual_tokens)
-            counted: dict[str, float] = {}
-            head = head_segments(planned.model) if split else ()
-            # a padded part of fewer rows than the measurement's two: the profile batch's first
-            # two, scaled down (as two rows are scaled up to a whole batch): one step serves
-            # every split and every share of local work of a planned model
-            rows = len(part["input_ids"] if "input_ids" in part else part["pixel_values"])
-            whole = self.batch if packed is None and rows < 2 <= self.rows else part
-            # a packed plan's peak memory is measured on the layout every batch fits in (below):
-            # its step on the packed profile counts FLOPs only
-            peak = packed is not None and len(packed) > 2
-            count = known is None and need != "memory"
-            flops, memory = math.nan, math.nan
-            if not (peak and need == "memory"):
-                flops, memory, _, _ = measure_training_step(
-                    planned.model, whole, loss_fn=self.method.task.loss, flops=count,
-                    head=head if count else (), parts=counted, rows=rows,
-                    measured=self._step_of(knobs, planned.model, packed is not None, count,
-                                           head if count else (), memory=not peak))
-                flops = flops if count else math.nan
-            steps = 1 if packed is not None else knobs.micro_batches
-            positions = float(batch_units(part, self.method.adapter.virtual_tokens)[0] * steps)
-            shares = {} if known is not None or not split or not count else dict(
-                step_attention=counted["attention"] * steps, step_head=counted["head"] * steps,
-                pairs=float(activation_units(part)[1] * steps), heads=float(batch_head_positions(part) * steps))
-            if peak and need == "flops":
-                return KnobCost(math.nan, flops, *self._sent_and_importance(planned, depth_frozen),
-                                **shares, positions=positions)
-            if peak:  # the packed layout every batch fits in
-                part = packed[2]
-                memory = measure_training_step(planned.model, part, loss_fn=self.method.task.loss,
-                                               flops=False, measured=self._step_of(
-                                                   knobs, planned.model, True, False, ()))[1]
-            saved = memory * _MIB - training_state_bytes(planned.model)
-            reference = ActivationReference(saved, *activation_units(part))
-            if known is not None:
-                return replace(known, memory_mb=memory, reference=reference)
-            if need == "memory":
-                return KnobCost(memory, math.nan, 0, reference=reference, positions=positions)
-            upload, imp, download = self._sent_and_importance(planned, depth_frozen)
-        return KnobCost(memory, flops * (1 if packed is not None else knobs.micro_batches), upload, imp,
-                        download, reference, **shares, positions=positions)
-
-    def _sent_and_importance(self, planned, depth_frozen: set[str]) -> tuple[int, float, int]:
-        """A planned model's upload (as it travels), importance FLOPs per example, and download:
-        the tensors it trains and those its adapter depth leaves frozen (``depth_frozen``: their
-        forward still runs), at its rank."""
-        upload = wire_bytes(planned.upload, self.method.cfg.federation.upload_dtype)
-        imp = 0.0
-        if planned.importance_model is not None:
-            imp = self._forward_flops(planned.importance_model) / self.rows
-        below = depth_frozen - set(planned.upload)
-        download = measure.tensor_bytes(dict(planned.upload)) + measure.tensor_bytes(
-            {n: p for n, p in planned.model.named_parameters() if n in below})
-        return upload, imp, download
-
-    def _step_of(self, knobs: Knobs, model: nn.Module, packed: bool, flops: bool,
-                 head, memory: bool = True) -> Callable[[Mapping[str, torch.Tensor]], StepMeasure]:
-        """Measures a step of ``knobs``' planned ``model`` on the rows it is given, once per
-        (model, rows): the model is what every knob but the rows per step and the micro-batches
-        makes it. A step whose FLOPs are not asked reuses one measured with them (the counter
-        does not change what is saved for backward), and a step whose FLOPs were counted over
-        another precision of the base lends them (a quantized base changes bytes, not
-        operations): its own step is measured without the counter, which costs most of a
-        measured step (tests/test_budgets.py checks both). ``memory=False``: only the FLOPs are
-        read (a packed plan's memory is measured on another batch): FLOPs lent need no step
-        at all (what is returned then holds no memory figure, and is not kept)."""
-        model_knobs = replace(self.same_step(knobs), batch=None, micro_batches=1)
-        ops = replace(model_knobs, precision=None)
-
-        def measured(rows: Mapping[str, torch.Tensor]) -> StepMeasure:
-            key = batch_key(rows)
-            done = self._steps.setdefault((model_knobs, packed, key), {})
-            got = done.get(tuple(head)) if flops else next(iter(done.values()), None)
-            if got is not None:
-                return got
-            lent = None if not flops else next(
-                (d[tuple(head)] for (k, p, b), d in self._steps.items()
-                 if p == packed and b == key and tuple(head) in d and replace(k, precision=None) == ops), None)
-            if lent is not None and not memory:
-                return replace(lent, saved_mb=math.nan, static_bytes=training_state_bytes(model))
-            got = self._run_step(model, rows, flops and lent is None, head if lent is None else (), packed)
-            if lent is not None:
-                got = replace(got, flops=lent.flops, attention=lent.attention, head=lent.head)
-            done[tuple(head) if flops else None] = got
-            return got
-        return measured
-
-    def _run_step(self, model: nn.Module, rows: Mapping[str, torch.Tensor], flops: bool, head,
-                  packed: bool) -> StepMeasure:
-        """A training step of ``model`` on ``rows`` measured (:func:`measure_step`), on the
-        model cut to a few blocks and extrapolated where :attr:`by_blocks`; kept in
-        :attr:`store` where there is one (and taken from it where it holds the step)."""
-        def step(m: nn.Module) -> StepMeasure:
-            return measure_step(m, rows, self.method.task.loss, flops, head)
-        how = plan_for(model, self.method.arch) if self.by_blocks else None
-        self._extrapolated |= how is not None
-        key = None if self.store is None else self.store.key(
-            model, batch_key(rows), flops, head, packed, "whole" if how is None else "by blocks")
-        got = None if key is None else self.store.get(key)
-        if got is None:
-            got = step(model) if how is None else extrapolated_step(model, self.method.arch, step, how)
-            if key is not None:
-                self.store.put(key, got)
-        return got
-
-    def _forward_flops(self, model: nn.Module) -> float:
-        """FLOPs of a forward pass over the profile batch (two rows, scaled: linear in rows)."""
-        part = {k: v[:2] for k, v in self.batch.items() if k != "labels"}
-        was = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), measure.count_flops() as fc:
-                model(**part)
-        finally:
-            model.train(was)
-        return float(fc.total) * self.rows / 2
-
     def predicted(self, knobs: Knobs, examples: int, importance_examples: int,
                   device=None, need: str = "all") -> dict[str, float]:
         """A plan's costs for a client of ``examples`` per round at full work, their shares of a
@@ -346,8 +142,8 @@ class BudgetPlanner:
         upload (as the simulated clock counts a reply). ``need="memory"``: the memory and its
         share only; ``"flops"``: all but those (:meth:`cost`)."""
         if need == "memory":
-            memory = self.cost(knobs, need).memory_mb
-            return {"memory_mb": memory, "memory_share": memory / self.cost(self.dense).memory_mb}
+            memory = self.costs.cost(knobs, need).memory_mb
+            return {"memory_mb": memory, "memory_share": memory / self.costs.cost(self.dense).memory_mb}
         out = self._predicted(knobs, examples, importance_examples, need)
         dense = out if knobs == self.dense else self._predicted(self.dense, examples, importance_examples)
         out = {**out, "flops_share": out["gflops_per_round"] / dense["gflops_per_round"],
@@ -355,19 +151,19 @@ class BudgetPlanner:
         if need == "flops":
             del out["memory_mb"], out["memory_share"]
         if device is not None:
-            c = self.cost(knobs, need)
+            c = self.costs.cost(knobs, need)
             out["seconds_per_round"] = device.seconds(out["gflops_per_round"] * 1e9, c.download_bytes,
                                                       c.upload_bytes, self.host_gflops)
         return out
 
     def _predicted(self, knobs: Knobs, examples: int, importance_examples: int,
                    need: str = "all") -> dict[str, float]:
-        c = self.cost(knobs, need)
+        c = self.costs.cost(knobs, need)
         # training batches hold about flops_scale x the profile's tokens; an importance pass
         # runs a client's examples in few large batches, each padded to its longest: counted at
         # the profile's length (the data's longest), an upper bound
-        packed = self._packed_batch(knobs)
-        rows = self._rows(knobs)
+        packed = self.costs.packed_batch(knobs)
+        rows = self.costs.rows_of(knobs)
         scale = packed[1] if packed is not None else \
             self.scale_of(rows) if self.scale_of is not None and rows != self.rows else self.flops_scale
         step = scale * c.step_flops
@@ -388,7 +184,7 @@ class BudgetPlanner:
     def round_cost(self, knobs: Knobs, importance_examples: int) -> RoundCost:
         """What a client-round of ``knobs`` costs by what it trains (:class:`RoundCost`): a
         round predicted from its own batches rather than a mean one."""
-        c = self.cost(knobs)
+        c = self.costs.cost(knobs)
         return RoundCost(c.rates(), c.importance_flops_per_example * importance_examples,
                          c.download_bytes, c.upload_bytes)
 
@@ -450,7 +246,7 @@ class BudgetPlanner:
         extrapolated one turns extrapolation off, and the search runs again on whole models,
         so a plan's memory is always the whole model's."""
         found = self.search(client, tier, budget, examples, importance_examples)
-        if not self._extrapolated:
+        if not self.costs.extrapolated:
             return found
         knobs = found.knobs if found is not None else self.least(examples, importance_examples)[0]
         checked = [knobs] + ([self.dense] if "memory_share" in budget.limits() else [])
@@ -459,23 +255,19 @@ class BudgetPlanner:
             return found
         log.warning("the planner's steps extrapolated from a few blocks (%s: %.6g MiB) differ from the "
                     "whole model's (%.6g MiB): measuring whole models from here on", wrong[0].describe(),
-                    self.cost(wrong[0]).memory_mb, self._whole_memory(wrong[0]))
-        self.by_blocks, self._extrapolated = False, False
-        self._costs.clear(), self._parts.clear(), self._steps.clear()
+                    self.costs.cost(wrong[0]).memory_mb, self._whole_memory(wrong[0]))
+        self.costs = self._whole  # every step measured on the whole model from here on
         return self.search(client, tier, budget, examples, importance_examples)
 
     def _whole_memory(self, knobs: Knobs) -> float:
-        """``knobs``' memory measured on the whole model (kept)."""
+        """``knobs``' memory measured on the whole model (kept; no FLOP counter)."""
         if self._whole is None:
-            self._whole = BudgetPlanner(self.method, self.cfg, *self._args, by_blocks=False)
-        whole, knobs = self._whole, self.same_step(knobs)
-        if (knobs, "memory") not in whole._parts:  # its memory only: no FLOP counter
-            whole._parts[knobs, "memory"] = whole._measure(knobs, "memory")
-        return whole._parts[knobs, "memory"].memory_mb
+            self._whole = self.costs.whole()
+        return self._whole.memory(knobs)
 
     def _verified(self, knobs: Knobs) -> bool:
         """``knobs``' memory as extrapolated equals the whole model's."""
-        return math.isclose(self.cost(knobs, "memory").memory_mb, self._whole_memory(knobs), rel_tol=1e-9)
+        return math.isclose(self.costs.cost(knobs, "memory").memory_mb, self._whole_memory(knobs), rel_tol=1e-9)
 
     def search(self, client: int, tier: int | None, budget: ClientBudget, examples: int,
                importance_examples: int = 0) -> ClientPlan | None:
@@ -525,7 +317,7 @@ class BudgetPlanner:
                                 point = Knobs(spec, s, r, False, 1, width, imp, prec, **work, depth=d)
                                 for ckpt, mb in self.overheads(point):
                                     knobs = replace(point, checkpointing=ckpt, micro_batches=mb)
-                                    if self._two_steps(knobs) and self._violations(
+                                    if self.costs.two_steps(knobs) and self._violations(
                                             budget, self.predicted(knobs, examples, importance_examples,
                                                                    need="memory")):
                                         # its memory and FLOPs are two steps: the FLOPs not needed
@@ -616,7 +408,7 @@ class BudgetPlanner:
             why = f"the next larger plan ({passed[0]}) needs {'; '.join(passed[1]())}"
         return ClientPlan(client, tier, budget, knobs, pred["memory_mb"], pred["gflops_per_round"],
                           pred["upload_mb_per_round"], why, self.method.depth_frozen(knobs.depth),
-                          memory_reference=self.cost(knobs).reference, flops_share=pred["flops_share"],
+                          memory_reference=self.costs.cost(knobs).reference, flops_share=pred["flops_share"],
                           seconds=pred.get("seconds_per_round"))
 
     def least(self, examples: int, importance_examples: int = 0, device=None
@@ -699,7 +491,7 @@ def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
             # a time limit holds as a FLOPs budget: what the device computes in the round's
             # seconds less its transfers (a round's batches vary; the client stops before a
             # step that would pass it, so it replies in time)
-            cost = planner.cost(p.knobs)
+            cost = planner.costs.cost(p.knobs)
             in_time = budget.device.flops_within(budget.seconds_per_round, cost.download_bytes,
                                                  cost.upload_bytes, planner.host_gflops)
             enforced = in_time if enforced is None else min(enforced, in_time)
