@@ -48,6 +48,7 @@ def gqa_dir(tmp_path_factory):
 
 
 def _cfg(gqa_dir, tiny_data_dir, tmp_path, method: str, secure: bool):
+    method, _, source = method.partition(":")  # "raffm+heads:first_step": scored in training
     opts = {"raffm+heads": {"sparsity": 0.5, "aggregation": "fedavg", "width_steps": 4, "tiers": TIERS},
             "raffm": {"width_steps": 4, "tiers": TIERS},
             "heads": {"sparsity": 0.5, "aggregation": "fedavg"}}[method]
@@ -58,7 +59,8 @@ def _cfg(gqa_dir, tiny_data_dir, tmp_path, method: str, secure: bool):
          "lora": {"r": 4, "alpha": 8, "targets": ["q", "v"]},
          "federation": {"num_clients": 4, "clients_per_round": 4, "rounds": 1, "local_steps": 1,
                         "batch_size": 4, "lr": 5e-3},
-         "method": {"name": method, "importance_max_examples": 8, **opts}
+         "method": {"name": method, "importance_max_examples": 8, **opts,
+                    **({"importance_source": source} if source else {})}
          if "heads" in method else {"name": method, **opts},
          "evaluation": {"every": 1, "batch_size": 32},
          "output": {"dir": str(tmp_path / "runs"), "progress": False, "plots": False}}
@@ -111,7 +113,8 @@ def _expected_state(state0, sent, arch):
 
 
 @pytest.mark.parametrize("method,secure", [("raffm+heads", False), ("raffm+heads", True),
-                                           ("raffm", False), ("heads", True)])
+                                           ("raffm+heads:first_step", False), ("raffm", False),
+                                           ("heads", True)])
 def test_gqa_sub_models_every_reply_accepted_and_mean_exact(gqa_dir, tiny_data_dir, tmp_path,
                                                              monkeypatch, method, secure):
     cfg = _cfg(gqa_dir, tiny_data_dir, tmp_path, method, secure)
@@ -136,7 +139,7 @@ def test_gqa_sub_models_every_reply_accepted_and_mean_exact(gqa_dir, tiny_data_d
         uneven = [s for s in specs if any(len(s.kv_heads(j)) == 2 and len(s.heads[j]) == 4
                                           for j in range(2))]
         assert uneven and len(specs) - len(uneven) == 2
-    if method == "raffm+heads":  # heads pruned inside it read both groups, or one
+    if method.startswith("raffm+heads"):  # heads pruned inside it read both groups, or one
         assert any(KEPT in a for _, a, _ in sent)
     want = _expected_state(before, sent, arch)
     # secure: the sums are quantized (2c / 2^29 steps of the summed weight, 4 clients)
