@@ -24,6 +24,8 @@ from fedslice.slicing.spec import spec_from_dict, stack_list
 H, KV, HD = 9, 3, 4  # SmolLM2's grouped-query attention: 3 query heads per key/value head
 TIERS = [{"share": 0.5, "flops": 0.5}, {"share": 0.5, "flops": 0.75}]
 
+pytestmark = pytest.mark.xdist_group("heads_gqa")  # one worker makes the tiny model once
+
 
 @pytest.fixture(scope="module")
 def gqa_dir(tmp_path_factory):
