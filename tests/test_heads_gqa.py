@@ -24,6 +24,8 @@ from fedslice.slicing.spec import spec_from_dict, stack_list
 H, KV, HD = 9, 3, 4  # SmolLM2's grouped-query attention: 3 query heads per key/value head
 TIERS = [{"share": 0.5, "flops": 0.5}, {"share": 0.5, "flops": 0.75}]
 
+pytestmark = pytest.mark.xdist_group("heads_gqa")  # one worker makes the tiny model once
+
 
 @pytest.fixture(scope="module")
 def gqa_dir(tmp_path_factory):
@@ -47,7 +49,8 @@ def gqa_dir(tmp_path_factory):
     return folder
 
 
-def _cfg(gqa_dir, tiny_data_dir, tmp_path, method: str, secure: bool):
+def _cfg(gqa_dir, tiny_data_dir, tmp_path, method: str, secure: bool, threshold=None):
+    method, _, source = method.partition(":")  # "raffm+heads:first_step": scored in training
     opts = {"raffm+heads": {"sparsity": 0.5, "aggregation": "fedavg", "width_steps": 4, "tiers": TIERS},
             "raffm": {"width_steps": 4, "tiers": TIERS},
             "heads": {"sparsity": 0.5, "aggregation": "fedavg"}}[method]
@@ -58,12 +61,14 @@ def _cfg(gqa_dir, tiny_data_dir, tmp_path, method: str, secure: bool):
          "lora": {"r": 4, "alpha": 8, "targets": ["q", "v"]},
          "federation": {"num_clients": 4, "clients_per_round": 4, "rounds": 1, "local_steps": 1,
                         "batch_size": 4, "lr": 5e-3},
-         "method": {"name": method, "importance_max_examples": 8, **opts}
+         "method": {"name": method, "importance_max_examples": 8, **opts,
+                    **({"importance_source": source} if source else {})}
          if "heads" in method else {"name": method, **opts},
          "evaluation": {"every": 1, "batch_size": 32},
          "output": {"dir": str(tmp_path / "runs"), "progress": False, "plots": False}}
     if secure:
-        d["privacy"] = {"secure_aggregation": True, "secagg_clip_range": 0.5}
+        d["privacy"] = {"secure_aggregation": True, "secagg_clip_range": 0.5,
+                        **({"secagg_threshold": threshold} if threshold else {})}
     return validate_config(copy.deepcopy(d))
 
 
@@ -111,7 +116,8 @@ def _expected_state(state0, sent, arch):
 
 
 @pytest.mark.parametrize("method,secure", [("raffm+heads", False), ("raffm+heads", True),
-                                           ("raffm", False), ("heads", True)])
+                                           ("raffm+heads:first_step", False), ("raffm", False),
+                                           ("heads", True)])
 def test_gqa_sub_models_every_reply_accepted_and_mean_exact(gqa_dir, tiny_data_dir, tmp_path,
                                                              monkeypatch, method, secure):
     cfg = _cfg(gqa_dir, tiny_data_dir, tmp_path, method, secure)
@@ -136,7 +142,7 @@ def test_gqa_sub_models_every_reply_accepted_and_mean_exact(gqa_dir, tiny_data_d
         uneven = [s for s in specs if any(len(s.kv_heads(j)) == 2 and len(s.heads[j]) == 4
                                           for j in range(2))]
         assert uneven and len(specs) - len(uneven) == 2
-    if method == "raffm+heads":  # heads pruned inside it read both groups, or one
+    if method.startswith("raffm+heads"):  # heads pruned inside it read both groups, or one
         assert any(KEPT in a for _, a, _ in sent)
     want = _expected_state(before, sent, arch)
     # secure: the sums are quantized (2c / 2^29 steps of the summed weight, 4 clients)
@@ -180,3 +186,28 @@ def test_a_client_trains_the_key_value_heads_its_kept_query_heads_read(gqa_dir, 
                 assert not isinstance(v, PartialLinear) and v.weight.requires_grad
             else:
                 assert isinstance(v, PartialLinear) and torch.equal(v.idx, rows), (keep, layer)
+
+
+def test_gqa_sub_models_secure_round_with_dropouts_after_masking(gqa_dir, tiny_data_dir, tmp_path):
+    """raffm+heads on the uneven GQA sub-models under secure aggregation, one client dead before
+    masking and one gone after: the round completes with the masked vectors that arrived (the
+    gone client's private mask rebuilt from the others' shares) and equals the plain
+    aggregation of the same replies."""
+    from fedslice.run.engine import client_seed
+
+    cfg = _cfg(gqa_dir, tiny_data_dir, tmp_path, "raffm+heads", True, threshold=2)
+    m, data = setup(cfg)
+    rule, sim = m.strategy, Simulation(cfg, m, data)
+    state, clients = m.initial_state(), [0, 1, 2, 3]
+    payloads = rule.configure_train(1, state, clients, 4)
+    replies = {}
+    sim.runner.fit(m, clients, payloads, data.client, {c: client_seed(0, 1, c) for c in clients},
+                   lambda c, r: replies.__setitem__(c, r))
+    arrived = {c: replies[c] for c in (0, 1, 2)}  # client 3: no masked vector
+    plain = rule.inner.aggregate_train(1, state, payloads, dict(arrived))
+    assert plain.used == [0, 1, 2]
+    rule.sent = clients
+    res = rule.secure_round(1, state, payloads, dict(arrived), {2})  # client 2 gone after masking
+    assert not res.skipped and res.used == [0, 1, 2] and res.metrics["secagg_recovered"] == 1
+    for k in plain.state:
+        assert torch.allclose(res.state[k], plain.state[k], atol=2e-6, rtol=0), k

@@ -338,7 +338,11 @@ def _stack_slices(spec: Spec, dims: Dims) -> list[SliceSpec]:
 def sub_dims(dims: Dims, spec: Spec) -> list[dict[str, int]]:
     """The per-stack dims of the sub-model of ``spec`` as a keep-mask sees them: its kept layers
     and its heads per layer (which must be as many in every kept layer and family: RaFFM's
-    width slices are; a ModelError otherwise), key/value heads likewise."""
+    width slices are; a ModelError otherwise), key/value heads likewise. The dims count heads;
+    which key/value head a kept query head reads is not theirs to say (a sub-model's groups need
+    not be equal blocks of its heads: 3 + 1 of SmolLM2's groups of 3): that is decided in
+    full-model indices, :func:`restrict` read inside the sub-model
+    (:meth:`~fedslice.slicing.spec.SliceSpec.index_within`)."""
     out = []
     for k, (d, s) in enumerate(zip(dims_stacks(dims), _stack_slices(spec, dims))):
         fams = range(d.get("families", 1))

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from fedslice.models.arch import ArchSpec
 from fedslice.slicing.keys import key_info
-from fedslice.slicing.spec import HEAD_PARTS, Spec, stack_specs
+from fedslice.slicing.spec import HEAD_PARTS, Spec, kept_rows, stack_specs
 from fedslice.slicing.surgery import rebuild_tree, shallow_clone
 
 
@@ -158,7 +158,7 @@ def partial_model(model: nn.Module, spec: Spec, arch: ArchSpec,
             continue
         if s.no_heads(j, info.family):
             replace[owner] = _frozen(modules[owner])
-        elif info.axis is not None and (idx := _kept_rows(s, w, j, info.kind, info.family)) is not None:
+        elif info.axis is not None and (idx := kept_rows(s, w, j, info.kind, info.family)) is not None:
             cuts.setdefault(owner, {})[leaf] = (idx, info.axis)
     for owner, leaves in cuts.items():
         if owner in replace:
@@ -170,15 +170,6 @@ def partial_model(model: nn.Module, spec: Spec, arch: ArchSpec,
         else:  # LoRA A columns too: DoRA reads lora_A.weight.shape[1] as the input width
             replace[owner] = partial_parameters(module, leaves)
     return rebuild_tree(model, "", replace, {}, {})
-
-
-def _kept_rows(s, outer, j: int, kind: str, family: int) -> torch.Tensor | None:
-    """The rows of ``s`` along a sliced axis of sub-layer ``j`` of the model (the full one, or
-    the sub-model of ``outer``); None when it keeps them all."""
-    if outer is None:
-        return None if s.is_identity(j, kind, family) else s.index(j, kind, family)
-    idx = s.index_within(outer, j, kind, family)
-    return None if torch.equal(idx, torch.arange(len(outer.index(j, kind, family)))) else idx
 
 
 def freeze_parameters(model: nn.Module, names: set[str]) -> nn.Module:

@@ -246,6 +246,18 @@ class SliceSpec:
         return self.heads_of(sub_layer, family) == tuple(range(self.num_heads))
 
 
+def kept_rows(s: SliceSpec, outer: SliceSpec | None, sub_layer: int, kind: str,
+              family: int = 0) -> torch.Tensor | None:
+    """The rows of ``s`` along a sliced axis of ``sub_layer`` of the model that holds them: the
+    full model (``outer`` None: :meth:`SliceSpec.index`) or the sub-model of ``outer``
+    (:meth:`SliceSpec.index_within`); None when it keeps them all."""
+    if outer is None:
+        return None if s.is_identity(sub_layer, kind, family) else s.index(sub_layer, kind, family)
+    idx = s.index_within(outer, sub_layer, kind, family)
+    whole = torch.arange(len(outer.index(sub_layer, kind, family)))
+    return None if torch.equal(idx, whole) else idx
+
+
 def kv_groups(dims: Mapping[str, int]) -> int:
     """``num_kv_heads`` of a SliceSpec for a stack's dims (0 when every query head has its own)."""
     kv = dims.get("num_kv_heads", dims["num_heads"])

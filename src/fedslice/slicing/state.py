@@ -10,7 +10,7 @@ import torch
 
 from fedslice.models.arch import ArchSpec
 from fedslice.slicing.keys import KeyInfo, key_info
-from fedslice.slicing.spec import QKV_PARTS, SliceSpec, Spec, State, stack_specs
+from fedslice.slicing.spec import QKV_PARTS, SliceSpec, Spec, State, kept_rows, stack_specs
 
 # --------------------------------------------------------------------------------------------
 # Extract / scatter (pure, over state dicts)
@@ -44,12 +44,8 @@ def extract_state(state: Mapping[str, torch.Tensor], spec: Spec, arch: ArchSpec,
             continue
         if j is None or (info.part in QKV_PARTS and s.no_heads(j, info.family)):
             continue
-        if info.axis is not None and w is not None:
-            idx = s.index_within(w, j, info.kind, info.family)
-            if idx.numel() != t.shape[info.axis] or not torch.equal(idx, torch.arange(idx.numel())):
-                t = t.index_select(info.axis, idx)
-        elif info.axis is not None and not s.is_identity(j, info.kind, info.family):
-            t = t.index_select(info.axis, s.index(j, info.kind, info.family))
+        if info.axis is not None and (idx := kept_rows(s, w, j, info.kind, info.family)) is not None:
+            t = t.index_select(info.axis, idx)
         out[info.renamed(j)] = t
     return out
 
