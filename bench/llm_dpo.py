@@ -145,6 +145,7 @@ def staged(args, cfg, method, data, out: Path) -> None:
               **{k: {m: v for m, v in saved[k].items() if m != "scores"}
                  for k in ("test", "dev", "train") if k in saved}}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "held_out_scores.json").write_text(json.dumps({n: saved[n]["scores"] for n in names}) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "records"}))
 
 
