@@ -32,6 +32,7 @@ from fedslice.api import setup
 from fedslice.experiment import validate_config
 from fedslice.run.engine import Simulation, finish_round
 from fedslice.run.session import Rounds
+from fedslice.tasks.preference import preference_metrics
 
 KEYS = ("reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward", "loss", "accuracy",
         "base_accuracy", "base_accuracy_per_token")
@@ -40,7 +41,8 @@ KEYS = ("reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward", 
 def config(args) -> dict:
     return {
         "seed": args.seed, "threads": args.threads,
-        "data": {"path": args.data, "max_length": args.prompt_tokens, "max_dev_examples": 10},
+        "data": {"path": args.data, "max_length": args.prompt_tokens,
+                 "max_dev_examples": None if "dev" in args.held_out.split(",") else 10},
         "model": {"name": "smollm2"},
         "task": {"kind": "preference", "dpo_beta": args.beta, "max_target_length": args.answer_tokens},
         "lora": {"r": 8, "alpha": 16, "targets": ["q", "k", "v", "o"], "dropout": 0.0},
@@ -53,6 +55,33 @@ def config(args) -> dict:
         "output": {"dir": str(Path(args.out) / "runs"), "progress": False, "plots": False,
                    "checkpoint_every": 0},
     }
+
+
+SCORES = ("chosen", "rejected", "ref_chosen", "ref_rejected", "chosen_tokens", "rejected_tokens")
+
+
+def held_out_stats(scores: list[dict], beta: float) -> dict:
+    """The held-out splits' pairs pooled: the metrics, and each comparison with its standard
+    error (one seed: the sampling error of the pairs only). Reward accuracy against 50% (a
+    reward accuracy before training: every reward 0, ties split) with the binomial error
+    sqrt(p(1-p)/n); against the base's own summed preference and the trained model's own
+    preference against the base's, paired per pair: the mean of d_i = [trained right] - [base
+    right] and sd(d)/sqrt(n)."""
+    s = {k: torch.tensor([v for sc in scores for v in sc[k]], dtype=torch.float64) for k in SCORES}
+    n = len(s["chosen"])
+    m = preference_metrics(s, beta)
+    reward_right = (beta * (s["chosen"] - s["ref_chosen"]) > beta * (s["rejected"] - s["ref_rejected"])).double()
+    own_right = (s["chosen"] > s["rejected"]).double()
+    base_right = (s["ref_chosen"] > s["ref_rejected"]).double()
+    p = float(reward_right.mean())
+
+    def paired(d):
+        return {"diff_pt": 100 * float(d.mean()), "se_pt": 100 * float(d.std(unbiased=True)) / n ** 0.5}
+
+    return {"pairs": n, **m,
+            "reward_accuracy_vs_50": {"diff_pt": 100 * (p - 0.5), "se_pt": 100 * (p * (1 - p) / n) ** 0.5},
+            "reward_accuracy_vs_base_preference": paired(reward_right - base_right),
+            "own_preference_vs_base_preference": paired(own_right - base_right)}
 
 
 def staged(args, cfg, method, data, out: Path) -> None:
@@ -86,23 +115,37 @@ def staged(args, cfg, method, data, out: Path) -> None:
                 return
         if time.perf_counter() - t0 > args.wall_budget / 2:
             return  # evaluation in the next call (its own time slot)
-    for name, split in (("test", data.test),
-                        ("train", data.train.subset(list(range(min(args.train_eval, len(data.train)))))
-                         if args.train_eval else None)):
+    held_out = args.held_out.split(",")
+    splits = {"test": data.test, "dev": data.dev if "dev" in held_out else None,
+              "train": data.train.subset(list(range(min(args.train_eval, len(data.train)))))
+              if args.train_eval else None}
+    for name, split in splits.items():
         if split is None or name in saved:
             continue
         if name != "test" and time.perf_counter() - t0 > args.wall_budget / 2:
-            print("run the same command again to score the training pairs", flush=True)
+            print(f"run the same command again to score the {name} pairs", flush=True)
             break
-        c0 = time.perf_counter()
-        ev = method.evaluate(saved["state"], split, 16)
-        saved[name] = {"pairs": len(split), "eval_s": time.perf_counter() - c0, **{k: ev[k] for k in KEYS}}
+        c0, p0 = time.perf_counter(), time.process_time()
+        with method.compute.autocast():
+            s = method.task.scores(method.eval_model(saved["state"]), split, 16)
+        ev = preference_metrics(s, cfg.task.dpo_beta)
+        saved[name] = {"pairs": len(split), "eval_s": time.perf_counter() - c0,
+                       "eval_cpu_s": time.process_time() - p0, **{k: ev[k] for k in KEYS},
+                       "scores": {k: s[k].tolist() for k in SCORES}}
         torch.save(saved, path)
-        print(json.dumps({name: saved[name]}), flush=True)
+        print(json.dumps({name: {k: v for k, v in saved[name].items() if k != "scores"}}), flush=True)
+    names = [n for n in held_out if n in saved]
+    pooled = held_out_stats([saved[n]["scores"] for n in names], cfg.task.dpo_beta) if names else None
+    if pooled:
+        pooled["splits"] = names
+        print(json.dumps({"held_out": pooled}), flush=True)
     result = {"args": vars(args), "rounds_run": saved["round"], "train_cpu_s": saved["train_cpu_s"],
               "train_pairs": len(data.train), "test_pairs": len(data.test), "records": saved["records"],
-              **{k: saved[k] for k in ("test", "train") if k in saved}}
+              "held_out": pooled,
+              **{k: {m: v for m, v in saved[k].items() if m != "scores"}
+                 for k in ("test", "dev", "train") if k in saved}}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "held_out_scores.json").write_text(json.dumps({n: saved[n]["scores"] for n in names}) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "records"}))
 
 
@@ -126,6 +169,9 @@ def main(argv=None) -> None:
     ap.add_argument("--train-eval", type=int, default=0,
                     help="also score the last round's model on this many training pairs (does "
                          "what it learned on its own pairs transfer?)")
+    ap.add_argument("--held-out", default="test", choices=["test", "test,dev"],
+                    help="with --state: the pairs scored after the last round (test,dev: the 50 "
+                         "dev pairs too, pooled with test: none is trained on or selects anything)")
     ap.add_argument("--state", help="run in pieces (see staged): the file of the state between them")
     ap.add_argument("--wall-budget", type=float, default=420.0,
                     help="with --state: seconds of training (or evaluation) per call")

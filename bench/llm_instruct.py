@@ -79,6 +79,8 @@ def base_config(args, which: str = "alpaca") -> dict:
     cfg["federation"].update(rounds=args.rounds, clients_per_round=args.per_round,
                              local_steps=args.local_steps)
     cfg["evaluation"]["every"] = args.rounds
+    if cfg["data"]["partition"] == "natural":  # the dump spells out the default: taken from the data
+        cfg["federation"].pop("num_clients", None)
     cfg["output"].update(progress=False, plots=False, checkpoint_every=0)
     return cfg
 
