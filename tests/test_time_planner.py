@@ -132,6 +132,21 @@ def test_each_client_round_is_predicted_from_its_own_batches(tiny_cfg_dict):
         assert m["sim_s"] == pytest.approx(m["sim_s_predicted"], rel=1e-9), m
 
 
+def _run_to(tiny_cfg_dict, tiers, local_steps: int, batch_size: int, fit_rounds: bool = False, **federation):
+    """(method, records, summary) of 4 rounds of ``tiers`` at full local work."""
+    d = _cfg(tiny_cfg_dict, tiers, local_steps=local_steps, batch_size=batch_size, rounds=4, **federation)
+    d["budgets"].update(local_work=[1.0], fit_rounds=fit_rounds)
+    cfg = validate_config(d)
+    method, data = setup(cfg)
+    return method, *simulation_for(cfg, method, data).run()[1:]
+
+
+def _between_mean_and_longest(method, records) -> float:
+    """A deadline the slow plan's mean round fits and its longest round does not."""
+    sims = sorted(m["sim_s"] for r in records for m in r["client_metrics"])
+    return (max(p.seconds for p in method.plans.values()) + sims[-1]) / 2
+
+
 def test_a_client_whose_first_step_would_pass_the_deadline_sits_the_round_out(tiny_cfg_dict):
     """One local step of two examples: the slow tier's plan fits the deadline in a mean round
     but not in a round of its longer batches, which its guard cannot cut (the first step always
@@ -141,16 +156,10 @@ def test_a_client_whose_first_step_would_pass_the_deadline_sits_the_round_out(ti
     tiers = [{"share": 0.5, "memory_mb": 1e4, **FAST}, {"share": 0.5, "memory_mb": 1e4, **SLOW}]
 
     def run(tiers, **federation):
-        d = _cfg(tiny_cfg_dict, tiers, local_steps=1, batch_size=2, rounds=4, **federation)
-        d["budgets"]["local_work"] = [1.0]
-        cfg = validate_config(d)
-        method, data = setup(cfg)
-        return method, *simulation_for(cfg, method, data).run()[1:]
+        return _run_to(tiny_cfg_dict, tiers, local_steps=1, batch_size=2, **federation)
 
     method, records, _ = run(tiers)
-    sims = sorted(m["sim_s"] for r in records for m in r["client_metrics"])
-    slow_mean = max(p.seconds for p in method.plans.values())
-    deadline = (slow_mean + sims[-1]) / 2  # the slow plan fits a mean round; its longest round not
+    deadline = _between_mean_and_longest(method, records)
     _, sent, _ = run([{**t, "seconds_per_round": deadline} for t in tiers])
     late = {(r["round"], m["client"]) for r in sent for m in r["client_metrics"] if m["sim_s"] > deadline}
     assert late and all(method.plans[c].tier == 1 for _, c in late)
@@ -173,16 +182,10 @@ def test_fit_rounds_sends_a_round_its_guard_would_cut_with_fewer_examples_per_st
     tiers = [{"share": 0.5, "memory_mb": 1e4, **FAST}, {"share": 0.5, "memory_mb": 1e4, **SLOW}]
 
     def run(fit, **federation):
-        d = _cfg(tiny_cfg_dict, tiers, local_steps=2, batch_size=4, rounds=4, **federation)
-        d["budgets"].update(local_work=[1.0], fit_rounds=fit)
-        cfg = validate_config(d)
-        method, data = setup(cfg)
-        return method, *simulation_for(cfg, method, data).run()[1:]
+        return _run_to(tiny_cfg_dict, tiers, local_steps=2, batch_size=4, fit_rounds=fit, **federation)
 
     method, records, _ = run(False)
-    sims = sorted(m["sim_s"] for r in records for m in r["client_metrics"])
-    slow_mean = max(p.seconds for p in method.plans.values())
-    deadline = (slow_mean + sims[-1]) / 2  # the slow plan fits a mean round; its longest round not
+    deadline = _between_mean_and_longest(method, records)
     _, plain, plain_summary = run(False, round_policy="deadline", round_deadline_s=deadline)
     lost = {(r["round"], m["client"]) for r in plain for m in r["client_metrics"] if m.get("steps_cut")} \
         | {(r["round"], e["client"]) for r in plain for e in r["excluded"] if "sat the round out" in e["reason"]}

@@ -68,13 +68,14 @@ def fit_round(method, plan, payload: Payload, data, seed: int, device,
         return None
     orders = method.orders(payload)
 
-    def trial(batch: int) -> tuple[int, RoundPrediction]:
+    def trial(batch: int) -> tuple[int, RoundPrediction, bool]:
         o = replace(orders, batch_size=batch)
         steps = planned_steps(data, o, seed, pack=method.packs(o),
                               virtual_tokens=method.adapter.virtual_tokens)
         _, run = cost.flops(steps, o.flops_budget)
         seconds, first = cost.seconds(device, steps, o.flops_budget, host_gflops_per_s)
         in_time = seconds <= limit_s * (1 + 1e-9)
+        # (examples it trains in time, its prediction, every step runs in time)
         return (batch * run if in_time else 0), RoundPrediction(seconds, first), run == len(steps) and in_time
 
     batch = orders.batch_size
