@@ -157,7 +157,7 @@ class SecureFlowerAdapter(FlowerAdapter):
         return got, failed
 
     def configure_train(self, server_round: int, arrays, config, grid: Grid) -> Iterable[Message]:
-        messages = super().configure_train(server_round, arrays, config, grid)
+        super().configure_train(server_round, arrays, config, grid)  # the round's payloads (sent below, masked)
         self._stage_s = {}
         sent = self._round
         layout = self.rule.layout(sent.state, sent.payloads)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedslice.config import ExperimentConfig, FederationConfig, PrivacyConfig
+from fedslice.config import ExperimentConfig, PrivacyConfig
 from fedslice.fl.rules.base import Rule, selected_rules
 from fedslice.fl.strategy import Payload, Reply, RoundResult, State, Strategy
 from fedslice.registry import register_rule
