@@ -74,6 +74,30 @@ def save_tiny_model(folder: Path, model_type: str = "bert", num_layers: int = 2)
     return folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cores_shared_by_xdist_workers():
+    """``make test`` runs one xdist worker per core (``-n auto``); compute.workers = "auto" (the
+    process's cores, at most the round's clients) counts the affinity mask, which every worker
+    has whole: each run of 2+ clients forked 2 training workers per round beside the other xdist
+    worker (3-4 busy processes on CI's 2 cores), paying the fork's gc, copy-on-write and pipes
+    for no parallelism. Here "auto" sees this worker's share of the cores (CI: 1, clients one
+    after another in the worker). Forked training stays tested where a test asks for it
+    (compute.workers = 2: test_workers.py, test_quantize.py, test_budgets.py, test_checkpoint.py)
+    and on ``-n 0``."""
+    import os
+
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if count <= 1:
+        yield
+        return
+    from fedslice import compute
+
+    share = max(1, compute.usable_cores() // count)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compute, "usable_cores", lambda: share)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-bert"))

@@ -78,8 +78,10 @@ def test_resume_is_bit_identical(tiny_cfg_dict, tmp_path, monkeypatch, method):
         # must hold is the same (a resumed run builds a fresh method either way; in-process,
         # state a client leaves on the method object is lost at the resume too). Resuming with
         # forked workers: the fedpetuning case; forked = in-process weights per method:
-        # test_workers.py and every other test of tiny_cfg_dict (compute.workers "auto")
+        # test_workers.py
         tiny_cfg_dict["compute"] = {"workers": 1}
+    else:  # forked whatever the cores ("auto" is 1 under make test: tests/conftest.py)
+        tiny_cfg_dict["compute"] = {"workers": 2}
     if method == "heads":
         tiny_cfg_dict["federation"]["selection"] = "loss_gap"  # selector state is resumed too
     reference = run_experiment(validate_config(tiny_cfg_dict), tmp_path / "ref")
