@@ -9,6 +9,7 @@ real models, on a smaller budget); other commands name the test that runs them, 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shlex
@@ -168,7 +169,7 @@ def test_every_command_is_run_or_marked():
         assert _test_exists(ref), f"{page}: {cmd!r} names {ref}, which does not exist"
 
 
-def _shrunk(argv: list[str]) -> list[str]:
+def _shrunk(argv: list[str], step_cache: Path | None = None) -> list[str]:
     if argv[0] not in ("run", "compare", "validate", "plan"):
         return argv
     configs = [a for a in argv[1:] if a.endswith((".toml", ".yaml", ".yml"))]
@@ -182,6 +183,8 @@ def _shrunk(argv: list[str]) -> list[str]:
         # RaFFM's tiers reach down to 0.25 of a dense client's FLOPs: a grid that holds them
         extra += ["budgets.width_steps=4" if methods and methods <= {"raffm", "raffm+heads"}
                   else "budgets.width_steps=2"]
+        if step_cache is not None:  # `plan X` and `run X` plan the same clients: measured once
+            extra += [f"budgets.step_cache={json.dumps(str(step_cache))}"]
     if any(c.data.partition == "natural" for f in configs for c in load_variants(ROOT / f)):
         # the clients come from the data (a num_clients that differs is an error)
         extra = [x for x in extra if not x.startswith(("federation.num_clients=",
@@ -333,8 +336,21 @@ def test_documented_commands_are_found():
     assert {_argv(c)[0] for _, c in demo} >= {"run", "report", "export", "predict", "evaluate"}
 
 
-def _run(page: str, cmd: str, capsys) -> None:
-    argv = _shrunk(_argv(cmd))
+@pytest.fixture(scope="session")
+def step_cache(tmp_path_factory) -> Path:
+    """The planner's measured steps (``budgets.step_cache``) of this session's documented
+    commands, one folder for all its xdist workers: a step measured for `fedslice plan
+    configs/budgets_sst2.toml` is the same step in `fedslice run configs/budgets_sst2.toml` (the
+    cache keys a step by everything it depends on; tests/test_step_cache.py), so the second
+    command reads what the first measured instead of measuring it again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    return root / "docs-step-cache"
+
+
+def _run(page: str, cmd: str, capsys, step_cache: Path | None = None) -> None:
+    argv = _shrunk(_argv(cmd), step_cache)
     try:
         code = main(argv)
     except SystemExit as e:  # --version, --help
@@ -345,13 +361,13 @@ def _run(page: str, cmd: str, capsys) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("commands", DOCUMENTED, ids=[t[0][1].removeprefix("fedslice ") for t in DOCUMENTED])
-def test_documented_commands_run(commands, tmp_path, monkeypatch, capsys):
+def test_documented_commands_run(commands, tmp_path, monkeypatch, capsys, step_cache):
     """A fedslice command of the docs or of a config header (with the commands that read the
     folder it writes, after it, in page order), in a scratch folder with the repository's
     configs and a small ../shared beside it: each exits 0, and each run leaves its folder."""
     work = _scratch(tmp_path, monkeypatch)
     for page, cmd in commands:
-        _run(page, cmd, capsys)
+        _run(page, cmd, capsys, step_cache)
         folder = _writes(_argv(cmd))
         if folder is not None:
             assert (work / folder / "summary.json").is_file(), f"{page}: `{cmd}` wrote no {folder}"
