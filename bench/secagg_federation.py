@@ -134,6 +134,11 @@ class ProcessSampler(threading.Thread):
         self.procs: dict[int, dict] = {}
         self.peak_total = self.peak_clientapps = 0
         self.t0 = time.monotonic()  # the timeline's zero (the federation just started)
+        self.t0_unix = time.time()  # the same instant on the wall clock (Flower's log stamps)
+        #: per kind of process, [seconds from t0, its CPU seconds so far] every ``cpu_every`` s:
+        #: what each kind computed in a window (the CPU of a process that ended stays counted)
+        self.cpu_series: dict[str, list[list[float]]] = {}
+        self.cpu_every, self._last_cpu_sample = 0.5, -1.0
         self.min_available = None
 
     @staticmethod
@@ -169,6 +174,13 @@ class ProcessSampler(threading.Thread):
                     total += rss
                     apps += rec["kind"] == "flwr-clientapp"
             self.peak_total = max(self.peak_total, total)
+            if now - self._last_cpu_sample >= self.cpu_every:
+                self._last_cpu_sample = now
+                by_kind: dict[str, float] = {}
+                for r in self.procs.values():
+                    by_kind[r["kind"]] = by_kind.get(r["kind"], 0.0) + r["cpu_s"]
+                for k, v in by_kind.items():
+                    self.cpu_series.setdefault(k, []).append([round(now - self.t0, 2), round(v, 2)])
             self.peak_clientapps = max(self.peak_clientapps, apps)
             avail = psutil.virtual_memory().available
             self.min_available = avail if self.min_available is None else min(self.min_available, avail)
@@ -210,6 +222,8 @@ class ProcessSampler(threading.Thread):
         out["clientapp_timeline"] = sorted(
             [round(r["first"] - self.t0, 2), round(r["last"] - self.t0, 2), round(r["cpu_s"], 2),
              round(r["peak_rss"] * mb)] for r in apps)
+        out["cpu_s_series"] = self.cpu_series
+        out["t0_unix"] = self.t0_unix
         return out
 
 
@@ -260,6 +274,11 @@ def run_variant(args, variant: str, work: Path) -> dict:
     after = uptime()
     processes = {**sampler.summary(), "available_before_mb": available_before}
     (work / "run.log").write_text(log_text)
+    if args.keep_logs:  # every process's log (with --flower-debug: time-stamped lines)
+        keep = args.out / f"logs_{args.model}_{args.method}_{variant}".replace("+", "-")
+        shutil.rmtree(keep, ignore_errors=True)
+        shutil.copytree(work / "flower" / "logs", keep)
+        shutil.copy(work / "run.log", keep / "serverapp.log")
     if not result.exists():
         return {"variant": variant, "status": status, "processes": processes,
                 "error": "no result", "log_tail": log_text[-3000:]}
@@ -386,7 +405,16 @@ def main() -> int:
                         "load average is below --settle-load: the previous variant's processes "
                         "leave the load average high for minutes after they end")
     p.add_argument("--settle-load", type=float, default=1.0)
+    p.add_argument("--keep-logs", action="store_true",
+                   help="copy every process's log (SuperLink, SuperNodes, the run's ServerApp "
+                        "log) to --out/logs_MODEL_METHOD_VARIANT")
+    p.add_argument("--flower-debug", action="store_true",
+                   help="FLWR_LOG_LEVEL=DEBUG for the federation: Flower's processes (and "
+                        "fedslice's ServerApp log) stamp every line with its time; more logging "
+                        "CPU, so not for a round-time figure")
     args = p.parse_args()
+    if args.flower_debug:
+        os.environ["FLWR_LOG_LEVEL"] = "DEBUG"
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for v in args.variants:
