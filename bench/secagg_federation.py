@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -280,9 +281,30 @@ def run_variant(args, variant: str, work: Path) -> dict:
         shutil.copytree(work / "flower" / "logs", keep)
         shutil.copy(work / "run.log", keep / "serverapp.log")
     if not result.exists():
+        # the rounds the run finished before it was stopped (its staging folder's records)
+        done = [json.loads(line) for f in sorted((work / "runs").glob(".*.partial-*/metrics.jsonl"))
+                for line in f.read_text().splitlines() if line.strip()]
         return {"variant": variant, "status": status, "processes": processes,
-                "error": "no result", "log_tail": log_text[-3000:]}
+                "error": "no result", "rounds_finished": round_rows(done),
+                "log_tail": log_text[-3000:]}
     _, metrics, summary = read_run(Path(result.read_text().strip()))
+    rounds = round_rows(metrics)
+    # the ServerApp's word that a killed node's unmasking answer is missing (after masking)
+    unmask_missing = sorted(set(re.findall(r"client (\d+) did not answer the unmasking", log_text)))
+    out = {"variant": variant, "status": status, "uptime_before": before, "uptime_after": after,
+           "killed_nodes": killed, "unmask_missing_clients": unmask_missing,
+           "processes": processes,
+           "rounds": rounds, "wall_s": time.monotonic() - t0,
+           "test_accuracy": summary.get("test_accuracy"), "test_loss": summary.get("test_loss"),
+           "final_dev_accuracy": summary.get("final_dev_accuracy")}
+    if secure:
+        from fedslice.config import PrivacyConfig
+        out["key_bytes_up_down"] = key_bytes(args.nodes, PrivacyConfig().threshold(args.nodes))
+    return out
+
+
+def round_rows(metrics: list[dict]) -> list[dict]:
+    """Per round record (metrics.jsonl): what the tables show."""
     rounds = []
     for m in metrics:
         used = [c for c in m["client_metrics"] if c.get("used")]
@@ -297,18 +319,7 @@ def run_variant(args, variant: str, work: Path) -> dict:
                                      "secagg_upload_bytes", "secagg_full_upload_bytes",
                                      "secagg_skipped", "secagg_setup_s", "secagg_share_keys_s",
                                      "secagg_unmask_s", "secagg_keys_ahead")}})
-    # the ServerApp's word that a killed node's unmasking answer is missing (after masking)
-    unmask_missing = sorted(set(re.findall(r"client (\d+) did not answer the unmasking", log_text)))
-    out = {"variant": variant, "status": status, "uptime_before": before, "uptime_after": after,
-           "killed_nodes": killed, "unmask_missing_clients": unmask_missing,
-           "processes": processes,
-           "rounds": rounds, "wall_s": time.monotonic() - t0,
-           "test_accuracy": summary.get("test_accuracy"), "test_loss": summary.get("test_loss"),
-           "final_dev_accuracy": summary.get("final_dev_accuracy")}
-    if secure:
-        from fedslice.config import PrivacyConfig
-        out["key_bytes_up_down"] = key_bytes(args.nodes, PrivacyConfig().threshold(args.nodes))
-    return out
+    return rounds
 
 
 def _stages(x: dict) -> str:
@@ -413,6 +424,9 @@ def main() -> int:
                         "fedslice's ServerApp log) stamp every line with its time; more logging "
                         "CPU, so not for a round-time figure")
     args = p.parse_args()
+    # an outer `timeout` (SIGTERM) still stops the federation's processes (LocalFederation's
+    # exit) instead of leaving them running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.flower_debug:
         os.environ["FLWR_LOG_LEVEL"] = "DEBUG"
     args.out.mkdir(parents=True, exist_ok=True)
