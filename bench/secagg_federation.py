@@ -26,6 +26,13 @@ take together; the drop of available memory is the machine's real cost.
 
     python bench/secagg_federation.py --model minilm --method fedpetuning --variants plain secure
     python bench/secagg_federation.py --model minilm --method fedpetuning --variants kill1 kill3
+
+Where a round's time goes: ``--flower-debug --keep-logs`` keeps every process's log with
+Flower's time stamps (each HTTP request through the SuperLink included) and the JSON has each
+kind of process's CPU seconds every 0.5 s (``cpu_s_series``) and the timeline's zero on the
+wall clock (``t0_unix``); ``bench/secagg_timeline.py`` and ``bench/flower_log_events.py`` read
+them. Under an outer ``timeout``, give it ~90 s more than ``--timeout``: stopping the
+federation and reading its log take that long on a loaded machine.
 """
 
 from __future__ import annotations
