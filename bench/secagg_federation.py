@@ -26,6 +26,13 @@ take together; the drop of available memory is the machine's real cost.
 
     python bench/secagg_federation.py --model minilm --method fedpetuning --variants plain secure
     python bench/secagg_federation.py --model minilm --method fedpetuning --variants kill1 kill3
+
+Where a round's time goes: ``--flower-debug --keep-logs`` keeps every process's log with
+Flower's time stamps (each HTTP request through the SuperLink included) and the JSON has each
+kind of process's CPU seconds every 0.5 s (``cpu_s_series``) and the timeline's zero on the
+wall clock (``t0_unix``); ``bench/secagg_timeline.py`` and ``bench/flower_log_events.py`` read
+them. Under an outer ``timeout``, give it ~90 s more than ``--timeout``: stopping the
+federation and reading its log take that long on a loaded machine.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -134,6 +142,11 @@ class ProcessSampler(threading.Thread):
         self.procs: dict[int, dict] = {}
         self.peak_total = self.peak_clientapps = 0
         self.t0 = time.monotonic()  # the timeline's zero (the federation just started)
+        self.t0_unix = time.time()  # the same instant on the wall clock (Flower's log stamps)
+        #: per kind of process, [seconds from t0, its CPU seconds so far] every ``cpu_every`` s:
+        #: what each kind computed in a window (the CPU of a process that ended stays counted)
+        self.cpu_series: dict[str, list[list[float]]] = {}
+        self.cpu_every, self._last_cpu_sample = 0.5, -1.0
         self.min_available = None
 
     @staticmethod
@@ -169,6 +182,13 @@ class ProcessSampler(threading.Thread):
                     total += rss
                     apps += rec["kind"] == "flwr-clientapp"
             self.peak_total = max(self.peak_total, total)
+            if now - self._last_cpu_sample >= self.cpu_every:
+                self._last_cpu_sample = now
+                by_kind: dict[str, float] = {}
+                for r in self.procs.values():
+                    by_kind[r["kind"]] = by_kind.get(r["kind"], 0.0) + r["cpu_s"]
+                for k, v in by_kind.items():
+                    self.cpu_series.setdefault(k, []).append([round(now - self.t0, 2), round(v, 2)])
             self.peak_clientapps = max(self.peak_clientapps, apps)
             avail = psutil.virtual_memory().available
             self.min_available = avail if self.min_available is None else min(self.min_available, avail)
@@ -210,6 +230,8 @@ class ProcessSampler(threading.Thread):
         out["clientapp_timeline"] = sorted(
             [round(r["first"] - self.t0, 2), round(r["last"] - self.t0, 2), round(r["cpu_s"], 2),
              round(r["peak_rss"] * mb)] for r in apps)
+        out["cpu_s_series"] = self.cpu_series
+        out["t0_unix"] = self.t0_unix
         return out
 
 
@@ -260,10 +282,36 @@ def run_variant(args, variant: str, work: Path) -> dict:
     after = uptime()
     processes = {**sampler.summary(), "available_before_mb": available_before}
     (work / "run.log").write_text(log_text)
+    if args.keep_logs:  # every process's log (with --flower-debug: time-stamped lines)
+        keep = args.out / f"logs_{args.model}_{args.method}_{variant}".replace("+", "-")
+        shutil.rmtree(keep, ignore_errors=True)
+        shutil.copytree(work / "flower" / "logs", keep)
+        shutil.copy(work / "run.log", keep / "serverapp.log")
     if not result.exists():
+        # the rounds the run finished before it was stopped (its staging folder's records)
+        done = [json.loads(line) for f in sorted((work / "runs").glob(".*.partial-*/metrics.jsonl"))
+                for line in f.read_text().splitlines() if line.strip()]
         return {"variant": variant, "status": status, "processes": processes,
-                "error": "no result", "log_tail": log_text[-3000:]}
+                "error": "no result", "rounds_finished": round_rows(done),
+                "log_tail": log_text[-3000:]}
     _, metrics, summary = read_run(Path(result.read_text().strip()))
+    rounds = round_rows(metrics)
+    # the ServerApp's word that a killed node's unmasking answer is missing (after masking)
+    unmask_missing = sorted(set(re.findall(r"client (\d+) did not answer the unmasking", log_text)))
+    out = {"variant": variant, "status": status, "uptime_before": before, "uptime_after": after,
+           "killed_nodes": killed, "unmask_missing_clients": unmask_missing,
+           "processes": processes,
+           "rounds": rounds, "wall_s": time.monotonic() - t0,
+           "test_accuracy": summary.get("test_accuracy"), "test_loss": summary.get("test_loss"),
+           "final_dev_accuracy": summary.get("final_dev_accuracy")}
+    if secure:
+        from fedslice.config import PrivacyConfig
+        out["key_bytes_up_down"] = key_bytes(args.nodes, PrivacyConfig().threshold(args.nodes))
+    return out
+
+
+def round_rows(metrics: list[dict]) -> list[dict]:
+    """Per round record (metrics.jsonl): what the tables show."""
     rounds = []
     for m in metrics:
         used = [c for c in m["client_metrics"] if c.get("used")]
@@ -278,18 +326,7 @@ def run_variant(args, variant: str, work: Path) -> dict:
                                      "secagg_upload_bytes", "secagg_full_upload_bytes",
                                      "secagg_skipped", "secagg_setup_s", "secagg_share_keys_s",
                                      "secagg_unmask_s", "secagg_keys_ahead")}})
-    # the ServerApp's word that a killed node's unmasking answer is missing (after masking)
-    unmask_missing = sorted(set(re.findall(r"client (\d+) did not answer the unmasking", log_text)))
-    out = {"variant": variant, "status": status, "uptime_before": before, "uptime_after": after,
-           "killed_nodes": killed, "unmask_missing_clients": unmask_missing,
-           "processes": processes,
-           "rounds": rounds, "wall_s": time.monotonic() - t0,
-           "test_accuracy": summary.get("test_accuracy"), "test_loss": summary.get("test_loss"),
-           "final_dev_accuracy": summary.get("final_dev_accuracy")}
-    if secure:
-        from fedslice.config import PrivacyConfig
-        out["key_bytes_up_down"] = key_bytes(args.nodes, PrivacyConfig().threshold(args.nodes))
-    return out
+    return rounds
 
 
 def _stages(x: dict) -> str:
@@ -386,7 +423,19 @@ def main() -> int:
                         "load average is below --settle-load: the previous variant's processes "
                         "leave the load average high for minutes after they end")
     p.add_argument("--settle-load", type=float, default=1.0)
+    p.add_argument("--keep-logs", action="store_true",
+                   help="copy every process's log (SuperLink, SuperNodes, the run's ServerApp "
+                        "log) to --out/logs_MODEL_METHOD_VARIANT")
+    p.add_argument("--flower-debug", action="store_true",
+                   help="FLWR_LOG_LEVEL=DEBUG for the federation: Flower's processes (and "
+                        "fedslice's ServerApp log) stamp every line with its time; more logging "
+                        "CPU, so not for a round-time figure")
     args = p.parse_args()
+    # an outer `timeout` (SIGTERM) still stops the federation's processes (LocalFederation's
+    # exit) instead of leaving them running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.flower_debug:
+        os.environ["FLWR_LOG_LEVEL"] = "DEBUG"
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for v in args.variants:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import Error, Message
+from flwr.app import Array, ArrayRecord, Error, Message
 from flwr.common.constant import ErrorCode
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fedslice.api import setup
 from fedslice.experiment import validate_config
@@ -137,6 +138,51 @@ def test_node_lost_after_masking_is_recovered(tiny_cfg_dict, tmp_path):
     assert [e["client"] for e in m["excluded"]] == [1]
     init = setup(validate_config(d))[0].initial_state()
     assert any(not torch.equal(_weights(run_dir)[k], init[k]) for k in init)
+
+
+class WireGrid(InProcessGrid):
+    """Keeps the content of every TRAIN reply by node; a node in ``cut`` sends its masked vector
+    one number short (a reply that fails the protocol's checks)."""
+
+    def __init__(self, node_configs, cut: frozenset[int] = frozenset()):
+        super().__init__(node_configs)
+        self.cut, self.train_replies = cut, {}
+
+    def _handle(self, msg: Message) -> Message:
+        reply = super()._handle(msg)
+        nid = msg.metadata.dst_node_id
+        if msg.metadata.message_type == "train" and not reply.has_error():
+            if nid in self.cut:
+                a = reply.content["arrays"]["masked"].numpy()
+                reply.content["arrays"] = ArrayRecord({"masked": Array(a[:-1].copy())})
+            self.train_replies[nid] = reply.content
+        return reply
+
+
+def test_masked_vector_travels_as_one_array(tiny_cfg_dict, tmp_path):
+    """Each TRAIN reply carries its masked vector as one flat array, so a reply is a handful of
+    Flower objects (each pushed and pulled by a request of its own) whatever the number of
+    tensors; the server splits it by the round's layout. A vector of the wrong length is refused
+    naming its client, and the round completes with the others (its masks removed with the
+    survivors' shares)."""
+    d = _cfg(tiny_cfg_dict, rounds=1, secagg_threshold=2)
+    path = _write_config(d, tmp_path / "exp.json")
+    grid = WireGrid(_nodes(4), cut=frozenset({102}))
+    run_dir = server_run(grid, _settings(path, tmp_path / "fl"))
+    _, metrics, _ = read_run(run_dir)
+    m = metrics[0]
+    assert sorted(grid.train_replies) == [100, 101, 102, 103]
+    for nid, content in grid.train_replies.items():
+        assert list(content.array_records) == ["arrays"] and list(content["arrays"]) == ["masked"]
+        size = content["arrays"]["masked"].numpy().size
+        assert size == m["secagg_upload_bytes"] // 4 - (nid == 102)
+        assert len(get_all_nested_objects(content)) <= 8
+    # the layout holds many more arrays than the reply's objects (update, weight per tensor)
+    assert 2 * len(setup(validate_config(d))[0].strategy.trainable) + 1 > 8
+    assert not m["skipped"] and m["secagg_clients"] == 3 and m["secagg_recovered"] == 1
+    (bad,) = m["excluded"]
+    assert bad["client"] == 2 and re.search(r"client 2: its masked vector holds \d+ numbers",
+                                             bad["reason"])
 
 
 def test_too_few_survivors_skip_the_round(tiny_cfg_dict, tmp_path):

@@ -81,7 +81,35 @@ def test_a_malformed_masked_vector_is_refused_naming_the_node():
         sp.check_masked(7, [np.zeros(3, dtype=np.int64), np.array([2**32])], shapes, params)
     with pytest.raises(sp.ProtocolError, match="client 7: its masked vector is not 2 arrays"):
         sp.check_masked(7, [np.zeros(3, dtype=np.int64)], shapes, params)
+    # the wire form, one flat array: split by the layout, or refused naming the client
+    with pytest.raises(sp.ProtocolError, match="client 7: its masked vector holds 3 numbers in 1 "
+                                               "dimensions, the round's layout 4 in one"):
+        sp.check_masked(7, np.zeros(3, dtype=np.uint32), shapes, params)
+    with pytest.raises(sp.ProtocolError, match="client 7: its masked vector holds 4 numbers in 2"):
+        sp.check_masked(7, np.zeros((2, 2), dtype=np.uint32), shapes, params)
+    with pytest.raises(sp.ProtocolError, match="client 7: masked array 1 leaves"):
+        sp.check_masked(7, np.array([0, 1, 2, 2**32], dtype=np.int64), shapes, params)
     assert MAX_CLIENTS == sp.MAX_CLIENTS
+
+
+def test_a_flat_masked_vector_is_the_same_vector():
+    """The wire form (:func:`flat`, one array for the whole vector) splits back into exactly the
+    arrays that were masked, 0-d arrays (one weight per tensor) included."""
+    clients, params = [0, 1, 2], sp.Params(threshold=2, clip_range=1.0)
+    secrets, peers = _keys(clients, 2)
+    vecs = _vectors(clients, params)
+    masked = [sp.mask(secrets[c], vecs[c], params) for c in clients]
+    shapes = [a.shape for a in masked[0]]
+    for m in masked:
+        wire = sp.flat(m).astype(np.uint32)
+        assert wire.ndim == 1 and wire.size == sum(a.size for a in m)
+        back = sp.check_masked(0, wire, shapes, params)
+        assert [a.shape for a in back] == shapes
+        assert all(np.array_equal(a, b) for a, b in zip(back, m))
+    shapes0d = [(2, 3), (), (1,)]
+    v = [np.arange(6).reshape(2, 3), np.array(7), np.array([9])]
+    back = sp.check_masked(0, sp.flat(v), shapes0d, params)
+    assert [a.shape for a in back] == shapes0d and int(back[1]) == 7 and back[0][1, 2] == 5
 
 
 @pytest.mark.parametrize("seed", range(3))

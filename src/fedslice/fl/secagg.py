@@ -189,10 +189,32 @@ def _arrays(vector) -> Vector:
     return [np.asarray(a, dtype=np.int64) for a in vector]
 
 
+def flat(vector: Vector) -> np.ndarray:
+    """A masked vector as it travels: its arrays raveled into one, in order (one array on the
+    wire instead of one per tensor: Flower moves each array as its own objects, one request
+    each, and a round's replies then cost thousands of requests; :func:`check_masked` splits it
+    back by the round's public layout)."""
+    return np.concatenate([np.asarray(a).reshape(-1) for a in vector]) if vector else \
+        np.zeros(0, dtype=np.int64)
+
+
+def _split(nid: int, a: np.ndarray, shapes: Sequence[tuple[int, ...]]) -> Vector:
+    """A flat masked vector (:func:`flat`) as the layout's arrays, or a ProtocolError."""
+    n = sum(int(np.prod(s)) for s in shapes)
+    if a.ndim != 1 or a.size != n:
+        raise ProtocolError(f"client {nid}: its masked vector holds {a.size} numbers in "
+                            f"{a.ndim} dimensions, the round's layout {n} in one")
+    ends = np.cumsum([int(np.prod(s)) for s in shapes])
+    return [part.reshape(s) for part, s in zip(np.split(a, ends[:-1]), shapes)]
+
+
 def check_masked(nid: int, vector: object, shapes: Sequence[tuple[int, ...]],
                  params: Params) -> Vector:
-    """A client's masked vector as the server receives it, or a :class:`ProtocolError` naming
-    the client: as many arrays as announced, of the announced shapes, integers in [0, modulus)."""
+    """A client's masked vector as the server receives it (its arrays, or all of them in one
+    flat array: :func:`flat`), or a :class:`ProtocolError` naming the client: as many arrays as
+    announced, of the announced shapes, integers in [0, modulus)."""
+    if isinstance(vector, np.ndarray):
+        vector = _split(nid, vector, shapes)
     if not isinstance(vector, (list, tuple)) or len(vector) != len(shapes):
         raise ProtocolError(f"client {nid}: its masked vector is not {len(shapes)} arrays")
     for i, (a, shape) in enumerate(zip(vector, shapes)):

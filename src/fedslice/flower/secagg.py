@@ -21,7 +21,9 @@ Flower's own primitives (:mod:`fedslice.fl.secagg`, shared with the in-process e
   round's public layout (the union of the round's slices: a client of a method sending slices
   embeds its own in it, from its payload alone); the ClientApp trains, builds its vector with the same
   :meth:`~fedslice.fl.rules.secagg.SecureAggregation.client_vector` as in process, masks it and
-  replies with the masked vector (uint32), its example count and scalar metrics only;
+  replies with the masked vector (uint32, its arrays in one flat array: Flower moves each
+  array of a message as objects of its own, one request each), its example count and scalar
+  metrics only;
 * stage 3 (``unmask``): QUERY messages from ``aggregate_train``; the server's side is
   :meth:`~fedslice.fl.rules.secagg.SecureAggregation.aggregate_masked`, as in process.
 
@@ -53,7 +55,7 @@ from fedslice.flower.strategy import TTL_MARGIN_S, FlowerAdapter
 
 log = logging.getLogger(__name__)
 
-MASKED = "masked"  # prefix of the masked arrays' names in a reply
+MASKED = "masked"  # a reply's one array: its masked vector, flat (:func:`fedslice.fl.secagg.flat`)
 
 
 def masked_reply(msg: Message, context: Context, method, payload: Payload, reply: Reply) -> RecordDict:
@@ -74,8 +76,7 @@ def masked_reply(msg: Message, context: Context, method, payload: Payload, reply
     context.state[SECAGG] = secrets_to_record(me, server_round)
     metrics = upload_metrics(clear_metrics(reply.metrics), layout)
     content = encode_reply(Reply({}, reply.num_examples, metrics))
-    content["arrays"] = ArrayRecord({f"{MASKED}.{i}": Array(a.astype(np.uint32))
-                                     for i, a in enumerate(masked)})
+    content["arrays"] = ArrayRecord({MASKED: Array(sp.flat(masked).astype(np.uint32))})
     return content
 
 
@@ -207,6 +208,8 @@ class SecureFlowerAdapter(FlowerAdapter):
         server_round += self.offset
         sent, self._round = self._round, None
         assert sent is not None and sent.number == server_round, "aggregate without configure"
+        replies = list(replies)
+        log.info("round %d: %d replies to the training in", server_round, len(replies))
         received, failures, malformed = self._collect(sent, replies)  # sized by the layout
         s, self._secure = self._secure, {}
         for c, why in s["failed"].items():  # failed in stage 0 or 1: never trained
@@ -214,17 +217,19 @@ class SecureFlowerAdapter(FlowerAdapter):
         for c in self.inner.sent:
             if c not in received:
                 self.inner.forget(c)
-        masked = {c: [r.arrays[k].numpy() for k in sorted(r.arrays, key=_index)]
-                  for c, r in received.items()}
+        masked = {c: (r.arrays[MASKED].numpy() if set(r.arrays) == {MASKED} else None)
+                  for c, r in received.items()}  # one flat array each: checked and split there
         grid, params = s["grid"], s["params"]
 
         # the unmasking also draws the next round's keys (the last round's has no next)
         following = server_round + 1 if server_round < self.cfg.federation.rounds else None
 
         def reveal(active, dead):
+            log.info("round %d: unmasking asked of %d clients", server_round, len(active))
             got, failed = self._exchange(grid, server_round, {c: {
                 "stage": "unmask", "active": list(active), "dead": list(dead),
                 "threshold": params.threshold} for c in active}, ahead=following)
+            log.info("round %d: unmasking answered by %d clients", server_round, len(got))
             for c, why in failed.items():
                 log.warning("round %d: client %d did not answer the unmasking: %s", server_round, c, why)
             return {c: dict(zip([int(o) for o in r["owners"]], r["shares"])) for c, r in got.items()}
@@ -264,7 +269,3 @@ def _dsts(box: ConfigRecord) -> list[int]:
 
 def _box(box: ConfigRecord, dst: int) -> bytes:
     return dict(zip(_dsts(box), box["ct"]))[dst]
-
-
-def _index(name: str) -> int:
-    return int(name.rsplit(".", 1)[1]) if name.startswith(MASKED + ".") else -1

@@ -77,6 +77,8 @@ class PromptGrid(Grid):
             got = list(self.grid.pull_messages(waiting))
             replies += got
             waiting -= {m.metadata.reply_to_message_id for m in got}
+            if got:
+                log.debug("pulled %d replies, %d awaited", len(got), len(waiting))
             if not waiting or (deadline is not None and time.monotonic() >= deadline):
                 return replies
             time.sleep(self.poll if deadline is None else
@@ -84,12 +86,13 @@ class PromptGrid(Grid):
 
 
 def _show_logs() -> None:
-    """Send fedslice's INFO logs where Flower's go (the run's log, `flwr log`)."""
+    """Send fedslice's INFO logs where Flower's go (the run's log, `flwr log`); its DEBUG logs
+    too when Flower's are shown (``FLWR_LOG_LEVEL=DEBUG``, time-stamped)."""
     ours, flwr = logging.getLogger("fedslice"), logging.getLogger("flwr")
     if flwr.handlers and not ours.handlers:
         for h in flwr.handlers:
             ours.addHandler(h)
-        ours.setLevel(logging.INFO)
+        ours.setLevel(min([logging.INFO] + [h.level for h in flwr.handlers if h.level]))
         ours.propagate = False
 
 
