@@ -306,7 +306,7 @@ class RaFFM(Method):
     def calibration_activations(self, state: State) -> dict:
         """The output projections' mean |input| (:func:`output_activations`) of the full model
         holding ``state`` over :meth:`calibration_batches`."""
-        model = self.eval_model(state)
+        model = self.top.eval_model(state)
         return output_activations(model, self.arch, self.calibration_batches())
 
     @torch.no_grad()
@@ -371,7 +371,7 @@ class RaFFM(Method):
         the client's sub-model: its leading heads and FFN units per layer, the rest masked (their
         inputs to W_o / W_out zeroed, so the pass computes exactly that slice's function)."""
         from fedslice.fl.client import train_local
-        model, params = self.client_model(payload)
+        model, params = self.top.client_model(payload)
         orders = self.orders(payload)
         own = spec_from_dict(orders.spec)
         masks = _nested_masks(model, self.arch, own, self.smallest_spec())
@@ -387,13 +387,13 @@ class RaFFM(Method):
                              compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
                              by_parts=self.adapter.in_modules, pack=self.packs(orders))
         arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
-        metrics = self.client_metrics(model, params, payload, arrays, result)
+        metrics = self.top.client_metrics(model, params, payload, arrays, result)
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
         m = super().client_metrics(model, params, payload, arrays, result)
-        spec = self.client_spec(payload, arrays)
+        spec = self.top.client_spec(payload, arrays)
         trained = {k: t for k, t in payload.arrays.items() if k in params}
         frozen = {k: t for k, t in payload.arrays.items() if k not in params}
         model_bytes = sum(held_bytes(p) for p in {id(p): p for p in model.parameters()}.values())
