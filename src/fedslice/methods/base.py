@@ -44,9 +44,7 @@ from fedslice.fl.memory_hold import MemoryBudgetExceeded
 from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.rules.lora import check_lora_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
-from fedslice.methods.client_costs import analytic_train_flops as cost_flops
 from fedslice.methods.client_costs import client_cost_metrics, sat_out_metrics
-from fedslice.methods.client_costs import frozen_bottom as cost_frozen_bottom
 from fedslice.methods.facts import Facts
 from fedslice.methods.personal import PersonalTensors
 from fedslice.models.arch import ArchSpec
@@ -534,15 +532,6 @@ class Method:
         from fedslice.methods.batched_fit import fit_batched
         fit_batched(self.top, jobs, compute, on_reply)
 
-
-    def analytic_train_flops(self, model: nn.Module, result: LocalResult, **kw) -> dict[str, float]:
-        """:func:`fedslice.methods.client_costs.analytic_train_flops` on this method's model
-        family (a stage adds its corrections to what this returns)."""
-        return cost_flops(self, model, result, **kw)
-
-    def frozen_bottom(self, model: nn.Module) -> tuple[int, int]:
-        """:func:`fedslice.methods.client_costs.frozen_bottom`."""
-        return cost_frozen_bottom(self, model)
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:

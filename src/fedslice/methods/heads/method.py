@@ -25,6 +25,7 @@ from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.orders import order_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
+from fedslice.methods.client_costs import analytic_train_flops, frozen_bottom
 from fedslice.methods.facts import Facts
 from fedslice.methods.stage import Composition, Stage
 from fedslice.methods.fedpetuning import FedPETuning
@@ -492,8 +493,8 @@ class HeadStage(Stage):
         d = self.dims
         # the row length attention's FLOPs go with (packed rows: sum(rows x length²) / tokens)
         seq = result.attention_length or result.tokens / max(result.rows or result.examples, 1)
-        bottom = self.frozen_bottom(model)
-        base = self.analytic_train_flops(model, result, embedding_backward=False, frozen=bottom,
+        bottom = frozen_bottom(self, model)
+        base = analytic_train_flops(self, model, result, embedding_backward=False, frozen=bottom,
                                          num_layers=sum(x["num_layers"] for x in self.all_dims))
         frozen = bottom[0]  # one stack, one family: row r is layer r
         rows = kept.shape[0]

@@ -23,6 +23,7 @@ from fedslice.errors import ConfigError
 from fedslice.fl.client import LocalResult
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.models.quantize import held_bytes
+from fedslice.methods.client_costs import analytic_train_flops, frozen_bottom
 from fedslice.methods.facts import Facts
 from fedslice.methods.base import Method, Role
 from fedslice.methods.raffm.options import RaFFMMethod
@@ -419,8 +420,8 @@ class RaFFM(Method):
         s = result.attention_length or T / max(result.rows or result.examples, 1)
         specs = [x for x in stack_list(spec) if x is not None]
         embeddings = measure.embeddings_train(model)  # full tuning: layer 0's input-gradient too
-        bottom = self.frozen_bottom(model)  # (0, 0) when the embeddings train
-        base = self.analytic_train_flops(model, result, num_layers=sum(len(x.layers) for x in specs),
+        bottom = frozen_bottom(self, model)  # (0, 0) when the embeddings train
+        base = analytic_train_flops(self, model, result, num_layers=sum(len(x.layers) for x in specs),
                                          embedding_backward=embeddings, frozen=bottom)
         widths = [len(h) * x.head_dim for x in specs for h in x.heads]
         frozen = bottom[0]  # one stack: row r is block r
