@@ -1,7 +1,7 @@
 """A new stage written against the stage contract (docs/design.md, "The stage contract"): each
 client trains and sends a seeded random share of the trainable tensors, a baseline for the head
-stage's importance-chosen heads. It overrides one hook (``make_strategy``) and states two facts
-as attributes; freezing, training, sending only what trained and averaging each tensor over
+stage's importance-chosen heads. It overrides one hook (``make_strategy``, around the stage
+below's) and states two facts as attributes; freezing, training, sending only what trained and averaging each tensor over
 the clients that sent it are the library's (a plan's ``frozen_tensors``, FedAvg over holders)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import random
 
 from fedslice.fl.orders import order_fields
 from fedslice.fl.strategy import Payload, Wrapper
-from fedslice.methods.base import Method
+from fedslice.methods.stage import Stage
 
 
 class RandomMasks(Wrapper):
@@ -33,7 +33,7 @@ class RandomMasks(Wrapper):
         return Payload(p.arrays, {**p.config, **order_fields(frozen_tensors=sorted(frozen))}, p.model)
 
 
-class RandomMaskStage(Method):
+class RandomMaskStage(Stage):
     """The stage, over any method whose clients train the shared model's tensors by name."""
 
     sends_slices = True  # an element is held by some clients only: whole-vector rules refuse it
@@ -42,4 +42,4 @@ class RandomMaskStage(Method):
 
     def make_strategy(self):
         trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        return RandomMasks(super().make_strategy(), trainable, self.keep_share, self.cfg.seed)
+        return RandomMasks(self.below.make_strategy(), trainable, self.keep_share, self.cfg.seed)

@@ -14,6 +14,9 @@ from fedslice.methods import METHODS
 from fedslice.methods.base import Method
 from fedslice.methods.contract import ALL_HOOKS, HOOKS
 from fedslice.methods.fedpetuning.method import FedPETuning
+from fedslice.methods.heads.method import HeadStage
+from fedslice.methods.raffm.method import RaFFM
+from fedslice.methods.stage import Composition, Stage
 from fedslice.run.engine import Simulation
 from fedslice.run.setup import load_inputs
 from stage_random_mask import RandomMaskStage
@@ -32,11 +35,24 @@ def test_hooks_are_methods_of_the_base_class_and_listed_once():
 @pytest.mark.parametrize("name", sorted(METHODS.names()))
 def test_every_method_overrides_only_hooks(name):
     cls = METHODS.get(name).method_cls
-    for klass in cls.__mro__:
-        if klass in (Method, object):
-            continue
-        broken = sorted(set(vars(klass)) & LIBRARY)
-        assert not broken, f"{klass.__name__} overrides library functions {broken}"
+    parts = cls.parts() if isinstance(cls, Composition) else (cls,)
+    for part in parts:
+        for klass in part.__mro__:
+            if klass in (Method, Stage, object):
+                continue
+            broken = sorted(set(vars(klass)) & LIBRARY)
+            assert not broken, f"{klass.__name__} overrides library functions {broken}"
+
+
+def test_a_composition_is_its_explicit_list_of_stages():
+    """``raffm+heads`` is RaFFM with the head stage over it: the list, bottom first; a method
+    built from it is the top stage, whose hooks the bottom's library calls reach."""
+    cls = METHODS.get("raffm+heads").method_cls
+    assert cls.parts() == (RaFFM, HeadStage) and METHODS.get("heads").method_cls.parts() == (FedPETuning, HeadStage)
+    assert cls.sends_slices and cls.lora_aggregations == HeadStage.lora_aggregations  # the stage states them
+    assert cls.sub_models and cls.quantizes_slices  # RaFFM's, which the stage does not state
+    assert cls.overrides("on_round_end") is False and cls.overrides("plan_axes")
+    assert not any(issubclass(p, Stage) for p in (RaFFM, FedPETuning)) and not issubclass(HeadStage, Method)
 
 
 def test_example_stage_is_short():
@@ -47,8 +63,8 @@ def test_example_stage_is_short():
 def _run(tiny_cfg_dict, share: float | None):
     cfg = validate_config({**tiny_cfg_dict, "federation": {**tiny_cfg_dict["federation"], "rounds": 1}})
     inputs = load_inputs(cfg)
-    cls = FedPETuning if share is None else type("RandomMaskFedPETuning", (RandomMaskStage, FedPETuning),
-                                                 {"keep_share": share})
+    cls = FedPETuning if share is None else Composition(
+        "random-mask", FedPETuning, (type("RandomMask", (RandomMaskStage,), {"keep_share": share}),))
     sizes = {c: len(p) for c, p in enumerate(inputs.data.partitions)}
     method = cls(cfg, inputs.loaded, inputs.task, client_sizes=sizes)
     return method, Simulation(cfg, method, inputs.data)

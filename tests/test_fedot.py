@@ -63,7 +63,7 @@ def test_end_to_end_adapter_only_and_emulator_frozen(ot_cfg):
     cfg = validate_config(ot_cfg)
     method, data = setup(cfg)
     arch = method.arch
-    assert (method.bottom, method.emulator, method.top) == ([0], [1], [3])
+    assert (method.bottom_layers, method.emulator, method.top_layers) == ([0], [1], [3])
     emulator = arch.blocks(method.sub)[1]
     assert emulator is not arch.blocks(method.model)[1]  # distilled copy, the full model untouched
     emu_before = {n: p.clone() for n, p in emulator.named_parameters()}

@@ -10,6 +10,7 @@ from fedslice.experiment import validate_config
 from fedslice.errors import ConfigError, ModelError
 from fedslice.api import setup
 from fedslice.run.engine import Simulation
+from fedslice.methods.client_costs import frozen_bottom
 from fedslice.methods.heads import ALPHA, KEPT
 from fedslice.fl.strategy import Payload
 
@@ -243,7 +244,7 @@ def test_analytic_flops_stop_the_backward_above_a_headless_bottom_layer(tiny_cfg
         if name == "pruned":
             assert m["headless_layers"] == 1
             payload = Payload(arrays=method.initial_state(), config={})
-            seen = method.frozen_bottom(method.local_model(method.model, reply.arrays[KEPT], payload))[0]
+            seen = frozen_bottom(method, method.local_model(method.model, reply.arrays[KEPT], payload))[0]
     assert ratios["dense"] == pytest.approx(1.0, rel=1e-9)
     assert ratios["pruned"] == pytest.approx(1.0, rel=1e-9), ratios
     assert seen == 1

@@ -56,9 +56,9 @@ class ElasticExport(Protocol):
 class MethodEntry:
     """A federated method: its options (the ``[method]`` section) and its class.
 
-    ``stage``: the kind of stage the method is (:data:`STAGES`); ``stage_cls``: the mixin that
-    puts it on top of a method of a lower stage (heads: ``HeadStage``), None when it is the
-    bottom of a composition only; ``parts``: the methods a composed entry (``raffm+heads``) is
+    ``stage``: the kind of stage the method is (:data:`STAGES`); ``stage_cls``: the stage class
+    that puts it over a method of a lower stage (heads: ``HeadStage``,
+    :class:`fedslice.methods.stage.Stage`), None when it is the bottom of a composition only; ``parts``: the methods a composed entry (``raffm+heads``) is
     made of, empty for a method of its own; ``elastic_export``: how a sub-model of one of its
     sizes is exported (:class:`ElasticExport`), None for a method of one size."""
 

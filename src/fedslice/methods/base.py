@@ -25,7 +25,7 @@ its config checks in :meth:`Method.check_config`, its report sections (and plots
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -44,9 +44,7 @@ from fedslice.fl.memory_hold import MemoryBudgetExceeded
 from fedslice.fl.rules import unwrap, wrap_rules
 from fedslice.fl.rules.lora import check_lora_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
-from fedslice.methods.client_costs import analytic_train_flops as cost_flops
 from fedslice.methods.client_costs import client_cost_metrics, sat_out_metrics
-from fedslice.methods.client_costs import frozen_bottom as cost_frozen_bottom
 from fedslice.methods.facts import Facts
 from fedslice.methods.personal import PersonalTensors
 from fedslice.models.arch import ArchSpec
@@ -225,17 +223,23 @@ class Method:
     def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
                  role: Role = "both", client_sizes: Mapping[int, int] | None = None,
                  compute: Compute | None = None, token_lengths: torch.Tensor | None = None,
-                 head_lengths: torch.Tensor | None = None):
+                 head_lengths: torch.Tensor | None = None, stages: Sequence[type] = ()):
         """``client_sizes``: client -> size of its partition, when the server knows it (replies
         are checked against it); ``compute``: the device, precision and client concurrency
         (default: the config's ``[compute]``); ``token_lengths``: the training examples' token
         counts, when the server holds the data (the budget planner's batch shapes follow them);
         ``head_lengths``: their target tokens (language-model tasks: where the head runs; None:
-        once per example)."""
+        once per example); ``stages``: the stages over this method, bottom first
+        (:class:`fedslice.methods.stage.Composition`), built before it."""
         if role not in ("both", "client", "server"):
             raise ValueError(f"role must be 'both', 'client' or 'server', got {role!r}")
         self.cfg, self.role, self.task = cfg, role, task
         self.client_sizes = dict(client_sizes or {})
+        #: the top of the method's stages (itself when none is over it): every hook the library
+        #: calls goes through it, so a stage's override is the one that runs
+        self.top: Any = self
+        for stage in stages:
+            self.top = stage(self.top, cfg, loaded, task)
         #: the method's knobs where a client's plan sets none (:meth:`orders`)
         self.knob_defaults: dict[str, Any] = type(self).plan_defaults(cfg)
         self.token_lengths, self.head_lengths = token_lengths, head_lengths
@@ -245,7 +249,7 @@ class Method:
         self.adapter: Adapter = make_adapter(cfg, type(self).adapter_name(cfg), self.arch)
         if self.compute.device.type != "cpu" and not _on_meta(loaded.model):
             loaded.model.to(self.compute.device)
-        self.model = self.prepare_model(loaded.model)
+        self.model = self.top.prepare_model(loaded.model)
         self.compute.apply_to(self.model)
         #: precision -> the quantized copy of ``model`` its planned clients train (made on first use)
         self._bases: dict[str, nn.Module] = {}
@@ -255,7 +259,7 @@ class Method:
         #: :meth:`freeze_plan`), thawed when it is done (:meth:`train_client`)
         self._plan_frozen: list[nn.Parameter] = []
         #: the method's own strategy, inside the aggregation rules of the config
-        self.strategy = wrap_rules(self.make_strategy(), cfg, role, arch=self.arch,
+        self.strategy = wrap_rules(self.top.make_strategy(), cfg, role, arch=self.arch,
                                    trainable=[n for n, p in self.model.named_parameters()
                                               if p.requires_grad])
         #: the tensors each client keeps for itself (the LoRA rule's: fedsa's B), by client
@@ -263,6 +267,11 @@ class Method:
         self.personal = PersonalTensors(self.strategy.personal_tensors(list(trainable)), trainable)
         if self.personal.names:  # a client's kept tensors live in this process: no forked workers
             self.parallel_clients = False
+
+    @classmethod
+    def overrides(cls, hook: str) -> bool:
+        """This method overrides ``hook`` (a class between it and :class:`Method` defines it)."""
+        return any(hook in vars(k) for k in cls.__mro__ if k not in (Method, object))
 
     @classmethod
     def plan_defaults(cls, cfg: ExperimentConfig) -> dict[str, Any]:
@@ -298,7 +307,7 @@ class Method:
         """Every client's plan under ``[budgets]`` (:func:`fedslice.methods.plan_batches.method_plans`:
         none in the client role), kept in :attr:`plans`."""
         from fedslice.methods.plan_batches import method_plans
-        self.plans = method_plans(self, batch)
+        self.plans = method_plans(self.top, batch)
         return self.plans
 
 
@@ -344,7 +353,7 @@ class Method:
         if self.sits_out(payload):
             return Reply(arrays={}, num_examples=0, metrics=sat_out_metrics(payload))
         try:
-            return self.fit(payload, data, seed)
+            return self.top.fit(payload, data, seed)
         except MemoryBudgetExceeded as e:  # discovered at run time: the data outgrew the plan
             # the server says so (fl.strategy.skipped_reason) and leaves the client out
             return Reply(arrays={}, num_examples=0, metrics={
@@ -366,7 +375,8 @@ class Method:
     def importance_examples(self, n: int) -> int:
         """Examples a client of ``n`` examples runs an importance pass over per round
         (:attr:`importance_cap`)."""
-        return n if self.importance_cap is None else min(n, self.importance_cap)
+        cap = self.top.importance_cap
+        return n if cap is None else min(n, cap)
 
     def can_checkpoint(self) -> bool:
         """The model clients train supports gradient checkpointing."""
@@ -476,20 +486,20 @@ class Method:
         if self.sits_out(payload):
             return {}
         plan = self.plans.get(payload.orders.client)
-        with self.planned_model(Knobs() if plan is None else plan.knobs) as planned:
+        with self.top.planned_model(Knobs() if plan is None else plan.knobs) as planned:
             return self.personal.strip(planned.upload)
 
     def fit(self, payload: Payload, data: TokenizedSplit, seed: int) -> Reply:
         """Local training of one client: returns the trained tensors and measured costs (the
         tensors it keeps for itself, :attr:`personal`, trained beside them and kept)."""
         payload = self.personal.with_kept(payload)
-        model, params = self.client_model(payload)
+        model, params = self.top.client_model(payload)
         orders = self.orders(payload)
         result = train_local(model, params, data, orders, seed, loss_fn=self.task.loss,
                              compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
                              by_parts=self.adapter.in_modules, pack=self.packs(orders))
         arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
-        metrics = self.client_metrics(model, params, payload, arrays, result)
+        metrics = self.top.client_metrics(model, params, payload, arrays, result)
         return self.personal.keep(payload.orders.client, Reply(arrays=arrays, num_examples=len(data),
                                                                metrics=metrics))
 
@@ -511,7 +521,7 @@ class Method:
         stack); a client whose plan splits its batches or checkpoints trains alone (the batched
         pass does neither)."""
         o = self.orders(payload)
-        if not self.batched_clients or o.trains_alone() or o.sit_out is not None:
+        if not self.top.batched_clients or o.trains_alone() or o.sit_out is not None:
             return None
         return json.dumps([o.spec, o.lora_rank, o.base_precision, o.train_key()], sort_keys=True)
 
@@ -520,17 +530,8 @@ class Method:
         """Train ``jobs`` (client, payload, data, seed), calling ``on_reply(client, reply)``:
         :func:`fedslice.methods.batched_fit.fit_batched`."""
         from fedslice.methods.batched_fit import fit_batched
-        fit_batched(self, jobs, compute, on_reply)
+        fit_batched(self.top, jobs, compute, on_reply)
 
-
-    def analytic_train_flops(self, model: nn.Module, result: LocalResult, **kw) -> dict[str, float]:
-        """:func:`fedslice.methods.client_costs.analytic_train_flops` on this method's model
-        family (a stage adds its corrections to what this returns)."""
-        return cost_flops(self, model, result, **kw)
-
-    def frozen_bottom(self, model: nn.Module) -> tuple[int, int]:
-        """:func:`fedslice.methods.client_costs.frozen_bottom`."""
-        return cost_frozen_bottom(self, model)
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
@@ -551,7 +552,7 @@ class Method:
                  max_generations: int | None = None) -> dict[str, Any]:
         """The task's metrics of the global model (generation tasks: BLEU/ROUGE on at most
         ``max_generations`` prompts)."""
-        model = self.eval_model(state)
+        model = self.top.eval_model(state)
         with self.compute.autocast():
             return self.task.evaluate(model, data, batch_size, max_generations)
 
@@ -578,7 +579,7 @@ class Method:
 
     def exported(self, state: State) -> State:
         """:meth:`export_state` of this run (its server state, as a checkpoint would hold it)."""
-        server = {"strategy": self.strategy.state_dict(), "method": self.kept_state("server")}
+        server = {"strategy": self.strategy.state_dict(), "method": self.top.kept_state("server")}
         return type(self).export_state(state, server, self.arch)
 
     def write_artifacts(self, folder: Path) -> None:

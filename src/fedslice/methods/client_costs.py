@@ -61,9 +61,10 @@ def frozen_bottom(method, model: nn.Module) -> tuple[int, int]:
         return 0, 0
     return measure.frozen_bottom(model, list(method.arch.blocks(model)))
 
+
 def client_cost_metrics(method, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
-                   arrays: State, result: LocalResult) -> dict[str, float]:
-    analytic = method.analytic_train_flops(model, result)
+                        arrays: State, result: LocalResult) -> dict[str, float]:
+    analytic = analytic_train_flops(method, model, result)
     mb = measure.module_bytes(model) / 2**20
     frozen = {k: t for k, t in payload.arrays.items() if k not in params}
     cost = ClientCost(

@@ -20,12 +20,12 @@ the user's to get wrong. The six methods are its presets: ``fedpetuning`` is the
 alone, ``heads`` the head stage over it (``fedpetuning+heads`` is another spelling of it),
 ``raffm`` the sub-model stage over it, ``fedpft`` and ``fedot`` the other models alone.
 
-A composition is built from its parts' classes: the bottom part's method class, below the
-mixin (``stage_cls``) of each part above it: ``raffm+heads`` is ``HeadStage`` over ``RaFFM``
-(its options: both parts' options in one table). A mixin asks the stage below through
-:class:`~fedslice.methods.base.Method` hooks (``client_model``, ``client_spec``; the contract:
-:mod:`fedslice.methods.contract`) and wraps the stage below's strategy
-(:class:`~fedslice.fl.strategy.Wrapper`), so no stage names another. Pairs that cannot work are
+A composition is an explicit list of its parts' classes, bottom first
+(:class:`~fedslice.methods.stage.Composition`): the bottom part's method class, then the stage
+class (``stage_cls``) of each part above it: ``raffm+heads`` is ``[RaFFM, HeadStage]`` (its
+options: both parts' options in one table). A stage holds the one below it, asks it through the
+hooks (``client_model``, ``client_spec``; the contract: :mod:`fedslice.methods.contract`) and
+wraps its strategy (:class:`~fedslice.fl.strategy.Wrapper`), so no stage names another. Pairs that cannot work are
 refused here, with the reason, when the config loads (:func:`fedslice.registry.method_name`).
 """
 
@@ -35,13 +35,14 @@ from typing import Literal
 
 from pydantic import create_model
 
+from fedslice.methods.stage import Composition
 from fedslice.registry import ALIASES, METHODS, MethodEntry, STAGES, refuse_composition, register_method
 
 
 def compose(*names: str) -> MethodEntry:
     """Register the composition of ``names`` (in stage order) and return its entry: its options
     class inherits every part's options (a field two parts both declare must be the same field),
-    its method class is the parts' stage mixins over the bottom part's class."""
+    its method class is the bottom part's class with the parts' stages over it, in order."""
     entries = sorted((METHODS.get(n) for n in names), key=lambda e: STAGES.index(e.stage))
     name = "+".join(e.name for e in entries)
     bottom, above = entries[0], entries[1:]
@@ -58,9 +59,7 @@ def compose(*names: str) -> MethodEntry:
     options = create_model(f"{title}Method", __base__=tuple(e.options_cls for e in reversed(entries)),
                            name=(Literal[name], name))  # type: ignore[call-overload]
     options.__doc__ = f"The options of {name}: those of " + ", ".join(e.name for e in entries) + "."
-    method = type(title, tuple(e.stage_cls for e in reversed(above)) + (bottom.method_cls,),
-                  {"name": name, "__doc__": f"``{name}``: " + " over ".join(
-                      e.name for e in reversed(entries)) + " (:mod:`fedslice.methods.compose`)."})
+    method = Composition(name, bottom.method_cls, tuple(e.stage_cls for e in above))
     exports = [e.elastic_export for e in entries if e.elastic_export is not None]
     return register_method(name=name, options_cls=options, method_cls=method, stage=entries[-1].stage,
                            parts=tuple(e.name for e in entries),

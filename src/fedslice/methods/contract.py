@@ -6,6 +6,9 @@ is not overridden; ``tests/test_contract.py`` holds every registered method to t
 a stage *is* rather than does is a class attribute (``sends_slices``, ``sub_models``,
 ``batched_clients``, ``adapters``, ``lora_aggregations``, ``importance_cap``, ...), and what it
 says about a config before anything is built is one record (:class:`~fedslice.methods.facts.Facts`).
+A stage over another method (:class:`~fedslice.methods.stage.Stage`: the head stage) overrides
+the same hooks, holding the stage below (``self.below``); its class hooks take the stages
+below's answer or class as a last argument.
 """
 
 from __future__ import annotations

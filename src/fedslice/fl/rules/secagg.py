@@ -352,9 +352,8 @@ def upload_metrics(metrics: Mapping[str, Any], layout) -> dict[str, Any]:
 
 def _reads_replies(method_cls: type) -> bool:
     """The method overrides ``on_round_end``, which receives the round's replies (FedPFT's
-    alignment reads them): the class defining it is not the root class that declares it."""
-    owners = [k for k in method_cls.__mro__ if "on_round_end" in vars(k)]
-    return len(owners) > 1
+    alignment reads them)."""
+    return method_cls.overrides("on_round_end")
 
 
 register_rule(name=SecureAggregation.name, rule_cls=SecureAggregation)

@@ -69,7 +69,7 @@ class FedOT(Method):
         #: (bottom adapter, emulator, top adapter) layers of every stack
         self.layouts = [fedot_layout(d["num_layers"], o.bottom_layers, o.top_layers, o.emulator_layers)
                         for d in all_dims]
-        self.bottom, self.emulator, self.top = self.layouts[0]  # the first (an encoder's or decoder's only) stack
+        self.bottom_layers, self.emulator, self.top_layers = self.layouts[0]  # the first (an encoder's or decoder's only) stack
         self._check_layout()
         full = self._adapter(model, [b + t for b, _, t in self.layouts])
         self.spec = ModelSlice(tuple(SliceSpec.leading(d, d["num_heads"], d["ffn"], layers=b + e + t)
@@ -93,7 +93,7 @@ class FedOT(Method):
     def _check_layout(self) -> None:
         """A stack whose first block holds a table every layer reads (T5's relative-position
         bias) needs its first layer in the sub-model."""
-        if self.arch.head_bias and not self.bottom:
+        if self.arch.head_bias and not self.bottom_layers:
             raise ConfigError(f"method.bottom_layers: a {self.arch.model_type} model keeps its "
                               "relative-position bias in the first layer of each stack, which the "
                               "client model needs: use at least 1")
@@ -218,7 +218,7 @@ class FedOT(Method):
         full_p, sub_p = transformer_params(self.model, self.arch), transformer_params(self.sub, self.arch)
         out = {**sub_accuracy(self.task, self.sub, data, batch_size), "full_transformer_params": full_p,
                "proxy_transformer_params": sub_p, "proxy_param_fraction": sub_p / full_p,
-               "adapter_layers": self.bottom + self.top, "emulator_layers": self.emulator,
+               "adapter_layers": self.bottom_layers + self.top_layers, "emulator_layers": self.emulator,
                "emulator_distilled": self.kd_log is not None, "kd_before_cached": self.kd_cached}
         if self.kd_log is not None:
             out.update(self.kd_log.summary("kd_before"))

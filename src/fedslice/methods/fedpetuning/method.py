@@ -5,21 +5,17 @@ end. See :mod:`fedslice.methods.fedpetuning`.
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from fedslice.config import ExperimentConfig
-from fedslice.fl.strategy import Payload, Reply, State, Strategy
-from fedslice.methods.base import Method, Role, Side
+from fedslice.fl.strategy import State, Strategy
+from fedslice.methods.base import Method
 from fedslice.methods.plan_strategy import PlannedStrategy
 from fedslice.methods.fedpetuning.report import mean_of
-from fedslice.models.loading import LoadedModel
 from fedslice.peft.tuners.lora.aggregate import at_rank
 from fedslice.registry import ADAPTERS
-from fedslice.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +98,7 @@ class FedPETuning(Method):
                 row["local_accuracy"] = float(np.dot(share, ev["per_class_accuracy"]))
                 row["global_local_accuracy"] = float(np.dot(share, glob["per_class_accuracy"]))
             rows.append(row)
-        self.eval_model(state)  # the shared model holds the global state again
+        self.top.eval_model(state)  # the shared model holds the global state again
         out = {"personal_clients": rows, f"personal_test_{metric}_mean": mean_of(r[metric] for r in rows),
                f"global_test_{metric}": glob.get(metric)}
         if rows and "local_accuracy" in rows[0]:

@@ -25,8 +25,9 @@ from fedslice.fl.client import LocalResult, train_local
 from fedslice.fl.orders import order_fields
 from fedslice.fl.strategy import Payload, Reply, State, Strategy
 from fedslice.measure import ClientCost
+from fedslice.methods.client_costs import analytic_train_flops, frozen_bottom
 from fedslice.methods.facts import Facts
-from fedslice.methods.base import Method, Role
+from fedslice.methods.stage import Composition, Stage
 from fedslice.methods.fedpetuning import FedPETuning
 from fedslice.methods.heads.capture import CapturingLoss, fit_first_step, fit_training
 from fedslice.methods.heads.options import HeadsMethod, kept_count, max_sparsity
@@ -57,13 +58,14 @@ def special_token_ids(tokenizer, config=None) -> list[int]:
     return sorted({int(i) for i in ids if isinstance(i, int)})
 
 
-class HeadStage(Method):
+class HeadStage(Stage):
     """The head stage: each client scores the heads of the model the stage below gives it (the
     full model: ``heads``; its RaFFM sub-model: ``raffm+heads``), keeps the top ``1 - sparsity``
     and trains and sends only their tensors; the server weighs them with Eq. 8
-    (:class:`HeadsStrategy` around the stage below's strategy). A mixin placed before a method
-    class: ``class Heads(HeadStage, FedPETuning)``; keep-masks and importances travel in the full
-    model's (R, H) layout whatever model the client trains."""
+    (:class:`HeadsStrategy` around the stage below's strategy). A stage over a method
+    (:class:`~fedslice.methods.stage.Composition`: ``heads`` is it over FedPETuning);
+    keep-masks and importances travel in the full model's (R, H) layout whatever model the
+    client trains."""
 
     batched_clients = False  # each client trains its own kept heads' slices
     sends_slices = True
@@ -79,18 +81,16 @@ class HeadStage(Method):
     # rank), so a client's kept heads are cut from its rank's tensors
 
     @classmethod
-    def facts(cls, cfg: ExperimentConfig) -> Facts:
+    def facts(cls, cfg: ExperimentConfig, below: Facts) -> Facts:
         """The stage below's, but a plan cannot pick the precision of a sub-model cut by pruning."""
-        below = super().facts(cfg)
         if cfg.method.prune == "forward":
             return below.but(precision_refusal="method.prune = 'forward' cuts each client's "
                              "sub-model from the fp32 model; use method.prune = 'parameters'")
         return below
 
     @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        super().check_config(cfg)
-        adapter = cls.adapter_class(cfg)
+    def check_config(cls, cfg: ExperimentConfig, below) -> None:
+        adapter = below.adapter_class(cfg)
         name = adapter.name
         if cfg.method.prune == "forward" and not (adapter.head_tied and adapter.in_modules):
             why = ("has no per-head parameters: every client would train the whole adapter "
@@ -123,25 +123,22 @@ class HeadStage(Method):
                              "on at least one attention projection (q, k, v or o)")
 
     @classmethod
-    def check_supported(cls, arch, task: Task) -> None:
-        super().check_supported(arch, task)
-        if cls.sub_models and task.cfg.method.prune == "forward" and arch.head_bias is not None:
+    def check_supported(cls, arch, task: Task, below) -> None:
+        if below.sub_models and task.cfg.method.prune == "forward" and arch.head_bias is not None:
             raise ConfigError(f"method.prune='forward' with method.name={task.cfg.method.name!r} on "
                               f"{arch.model_type}: its stack-wide position-bias table is cut to "
                               "the client's sub-model, and heads pruned inside that would each "
                               "need columns of the sub-model's table (not built): use "
                               "method.prune='parameters'")
 
-    def __init__(self, cfg: ExperimentConfig, loaded: LoadedModel, task: Task,
-                 role: Role = "both", client_sizes: Mapping[int, int] | None = None, **kw):
+    def __init__(self, below, cfg: ExperimentConfig, loaded: LoadedModel, task: Task):
+        super().__init__(below, cfg, loaded, task)
         self.special_ids = special_token_ids(loaded.tokenizer, loaded.model.config)
         self.all_dims = loaded.arch.all_dims(loaded.model.config)
         self.opts: HeadsMethod = cfg.method  # before the strategy: the budget planner reads it
         # a pass of its own before training (else scored from training's forwards)
         self.importance_cap = self.opts.importance_max_examples \
             if self.needs_pass and self.opts.importance_source == "pass" else 0
-        super().__init__(cfg, loaded, task, role, client_sizes, **kw)
-        self._check_heads()
 
     @property
     def mask_shape(self) -> tuple[int, int]:
@@ -194,8 +191,10 @@ class HeadStage(Method):
         #: trainable tensors outside the blocks that map to heads (a prefix's key/value columns)
         self.positions = {n: pos for n, p in self.trainable().items()
                           if (pos := self.adapter.head_positions(n, p.shape, self.all_dims)) is not None}
-        return HeadsStrategy(super().make_strategy(), self.cfg.method, self.arch, self.all_dims,
-                             self.positions, self.knob_defaults)
+        strategy = HeadsStrategy(self.below.make_strategy(), self.cfg.method, self.arch, self.all_dims,
+                                 self.positions, self.knob_defaults)
+        self._check_heads()  # the model prepared, the positions known
+        return strategy
 
     # -- client ------------------------------------------------------------------------------
     def importance(self, data: TokenizedSplit, seed: int, model: nn.Module | None = None
@@ -298,7 +297,7 @@ class HeadStage(Method):
     def plan_axes(self, budgets) -> dict[str, list]:
         """The stage below's knobs and the head sparsity (``budgets.sparsities`` that keep a
         head; method.sparsity alone when the method does not prune)."""
-        axes = dict(super().plan_axes(budgets))
+        axes = dict(self.below.plan_axes(budgets))
         if "specs" in axes:  # sub-models whose heads the stage can prune (whole key/value groups)
             axes["specs"] = [(s, w) for s, w in axes["specs"] if self._prunable(s)]
         if self.opts.pruning == "none":
@@ -323,7 +322,7 @@ class HeadStage(Method):
     def planned_model(self, knobs) -> Iterator[PlannedModel]:
         """The stage below's planned model with ``knobs.sparsity`` of its heads pruned (leading
         heads kept); the importance pass runs on the stage below's model."""
-        with super().planned_model(knobs) as lower:
+        with self.below.planned_model(knobs) as lower:
             outer = knobs.spec
             dims = self.all_dims if outer is None else sub_dims(self.all_dims, outer)
             payload = Payload({}, {**knobs.payload_config(), **order_fields(
@@ -466,13 +465,13 @@ class HeadStage(Method):
     def client_spec(self, payload: Payload, arrays: State | None = None):
         """The stage below's slice; once trained, restricted to the kept heads when they leave
         the forward."""
-        outer = super().client_spec(payload, arrays)
+        outer = self.below.client_spec(payload, arrays)
         if arrays is None or outer is None or self.opts.prune != "forward":
             return outer
         return restrict(outer, self._kept_of(arrays), self.all_dims)
 
     def client_metrics(self, model, params, payload, arrays, result: LocalResult) -> dict[str, float]:
-        metrics = super().client_metrics(model, params, payload, arrays, result)
+        metrics = self.below.client_metrics(model, params, payload, arrays, result)
         if self.client_spec(payload) is not None:
             return metrics  # the sub-model's own count (:meth:`client_spec` of the reply)
         kept = self._kept_of(arrays)
@@ -494,8 +493,8 @@ class HeadStage(Method):
         d = self.dims
         # the row length attention's FLOPs go with (packed rows: sum(rows x length²) / tokens)
         seq = result.attention_length or result.tokens / max(result.rows or result.examples, 1)
-        bottom = self.frozen_bottom(model)
-        base = self.analytic_train_flops(model, result, embedding_backward=False, frozen=bottom,
+        bottom = frozen_bottom(self, model)
+        base = analytic_train_flops(self, model, result, embedding_backward=False, frozen=bottom,
                                          num_layers=sum(x["num_layers"] for x in self.all_dims))
         frozen = bottom[0]  # one stack, one family: row r is layer r
         rows = kept.shape[0]
@@ -540,13 +539,11 @@ class HeadStage(Method):
 
     @classmethod
     def report_views(cls, folder, config, metrics, summary) -> list:
-        """The stage below's views, then the heads' (:func:`~fedslice.methods.heads.report.head_views`),
-        and each client's importance in the first ``method.plot_rounds`` rounds with the
+        """The heads' views (:func:`~fedslice.methods.heads.report.head_views`), and each client's importance in the first ``method.plot_rounds`` rounds with the
         distance between clients' (``head_importance.png``, ``head_distance.png``:
         :func:`~fedslice.methods.heads.report.importance_views`)."""
         rounds = (config.get("method") or {}).get("plot_rounds", 10)
-        return super().report_views(folder, config, metrics, summary) + head_views(metrics) + \
-            importance_views(metrics, rounds, run_label(summary, Path(folder)))
+        return head_views(metrics) + importance_views(metrics, rounds, run_label(summary, Path(folder)))
 
     # -- after training ----------------------------------------------------------------------
     def final_metrics(self, state: State, data: Any, records: list[dict[str, Any]],
@@ -554,7 +551,7 @@ class HeadStage(Method):
         """The stage below's, then the means over client-rounds of the head metrics, and
         Table 6 at the paper's T = 512."""
         ms = [m for r in records for m in r["client_metrics"] if m.get("num_examples", 0) > 0]
-        out: dict[str, Any] = super().final_metrics(state, data, records, batch_size)
+        out: dict[str, Any] = self.below.final_metrics(state, data, records, batch_size)
         for k in ("sparsity", "heads_kept", "headless_layers", "flops_importance", "paper_ops",
                   "paper_ops_dense"):
             vals = [m[k] for m in ms if k in m]
@@ -569,9 +566,7 @@ class HeadStage(Method):
         return out
 
 
-class Heads(HeadStage, FedPETuning):
-    """``heads``: the head stage over FedPETuning's full model."""
-
-    name = "heads"
+#: ``heads``: the head stage over FedPETuning's full model
+Heads = Composition("heads", FedPETuning, (HeadStage,))
 
 

@@ -23,6 +23,7 @@ from fedslice.errors import ConfigError
 from fedslice.fl.client import LocalResult
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, find_inner
 from fedslice.models.quantize import held_bytes
+from fedslice.methods.client_costs import analytic_train_flops, frozen_bottom
 from fedslice.methods.facts import Facts
 from fedslice.methods.base import Method, Role
 from fedslice.methods.raffm.options import RaFFMMethod
@@ -306,7 +307,7 @@ class RaFFM(Method):
     def calibration_activations(self, state: State) -> dict:
         """The output projections' mean |input| (:func:`output_activations`) of the full model
         holding ``state`` over :meth:`calibration_batches`."""
-        model = self.eval_model(state)
+        model = self.top.eval_model(state)
         return output_activations(model, self.arch, self.calibration_batches())
 
     @torch.no_grad()
@@ -371,7 +372,7 @@ class RaFFM(Method):
         the client's sub-model: its leading heads and FFN units per layer, the rest masked (their
         inputs to W_o / W_out zeroed, so the pass computes exactly that slice's function)."""
         from fedslice.fl.client import train_local
-        model, params = self.client_model(payload)
+        model, params = self.top.client_model(payload)
         orders = self.orders(payload)
         own = spec_from_dict(orders.spec)
         masks = _nested_masks(model, self.arch, own, self.smallest_spec())
@@ -387,13 +388,13 @@ class RaFFM(Method):
                              compute=self.compute, virtual_tokens=self.adapter.virtual_tokens,
                              by_parts=self.adapter.in_modules, pack=self.packs(orders))
         arrays = {n: p.detach().clone() for n, p in params.items() if n in payload.arrays}
-        metrics = self.client_metrics(model, params, payload, arrays, result)
+        metrics = self.top.client_metrics(model, params, payload, arrays, result)
         return Reply(arrays=arrays, num_examples=len(data), metrics=metrics)
 
     def client_metrics(self, model: nn.Module, params: dict[str, nn.Parameter], payload: Payload,
                        arrays: State, result: LocalResult) -> dict[str, float]:
         m = super().client_metrics(model, params, payload, arrays, result)
-        spec = self.client_spec(payload, arrays)
+        spec = self.top.client_spec(payload, arrays)
         trained = {k: t for k, t in payload.arrays.items() if k in params}
         frozen = {k: t for k, t in payload.arrays.items() if k not in params}
         model_bytes = sum(held_bytes(p) for p in {id(p): p for p in model.parameters()}.values())
@@ -419,8 +420,8 @@ class RaFFM(Method):
         s = result.attention_length or T / max(result.rows or result.examples, 1)
         specs = [x for x in stack_list(spec) if x is not None]
         embeddings = measure.embeddings_train(model)  # full tuning: layer 0's input-gradient too
-        bottom = self.frozen_bottom(model)  # (0, 0) when the embeddings train
-        base = self.analytic_train_flops(model, result, num_layers=sum(len(x.layers) for x in specs),
+        bottom = frozen_bottom(self, model)  # (0, 0) when the embeddings train
+        base = analytic_train_flops(self, model, result, num_layers=sum(len(x.layers) for x in specs),
                                          embedding_backward=embeddings, frozen=bottom)
         widths = [len(h) * x.head_dim for x in specs for h in x.heads]
         frozen = bottom[0]  # one stack: row r is block r
