@@ -61,7 +61,8 @@ ROWS = ("all", "deadline", "async", "planner")
 def parse_variant(variant: str) -> tuple[str, dict]:
     """A row and its setting: ``"planner"`` (the defaults), ``"deadline@p30"`` / ``"planner@p50"``
     (the deadline at that percentile of all's client-round times), ``"planner@p30+fit"``
-    (and ``budgets.fit_rounds``), ``"async@20x5"`` (concurrency x buffer_size). The settings
+    (and ``budgets.fit_rounds``), ``"async@20x5"`` (concurrency x buffer_size),
+    ``"async@10x5+a1+lr2"`` (and ``federation.staleness_exponent`` 1, ``server_lr`` 2). The settings
     are the user's knobs; every one tried is reported."""
     row, _, setting = variant.partition("@")
     if row not in ROWS:
@@ -75,11 +76,20 @@ def parse_variant(variant: str) -> tuple[str, dict]:
         if not 0 < q <= 1:
             raise ValueError(f"{variant!r}: the percentile must be in (0, 100]")
         return row, {"quantile": q}
-    if row == "async" and "x" in setting:
-        conc, buf = (int(x) for x in setting.split("x"))
-        return row, {"concurrency": conc, "buffer_size": buf}
+    if row == "async" and "x" in setting:  # CxB, then +aA (staleness exponent), +lrL (server lr)
+        sizes, *knobs = setting.split("+")
+        try:
+            conc, buf = (int(x) for x in sizes.split("x"))
+            out = {"concurrency": conc, "buffer_size": buf}
+            for k in knobs:
+                key = next(n for p, n in (("lr", "server_lr"), ("a", "staleness_exponent"))
+                           if k.startswith(p))
+                out[key] = float(k[len("lr" if key == "server_lr" else "a"):])
+            return row, out
+        except (ValueError, StopIteration):
+            pass
     raise ValueError(f"{variant!r}: a setting is @pNN (deadline, planner; planner@pNN+fit) or "
-                     "@CxB (async)")
+                     "@CxB (async; async@CxB+aA+lrL: staleness exponent A, server lr L)")
 
 #: workload -> (the config's fixed part, the dev metric, higher is better)
 WORKLOADS = {
@@ -155,6 +165,7 @@ def row_config(args, seed: int, variant: str, ref: dict | None) -> dict:
         fed.update(round_policy="async",
                    concurrency=setting.get("concurrency", min(2 * args.per_round, args.clients)),
                    buffer_size=setting.get("buffer_size", args.per_round))
+        fed.update({k: setting[k] for k in ("staleness_exponent", "server_lr") if k in setting})
     return d
 
 
@@ -566,7 +577,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", default=list(ROWS),
                     help="rows, each with an optional setting: deadline@p30, planner@p50 (the "
                     "deadline at that percentile of all's client-round times), planner@p50+fit "
-                    "(and budgets.fit_rounds), async@20x5 (concurrency x buffer_size)")
+                    "(and budgets.fit_rounds), async@20x5 (concurrency x buffer_size), "
+                    "async@10x5+a1+lr2 (staleness exponent 1, server lr 2)")
     ap.add_argument("--plot-rows", nargs="+", help="the rows the plot shows (default: --rows)")
     ap.add_argument("--clients", type=int)
     ap.add_argument("--per-round", type=int)

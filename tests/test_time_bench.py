@@ -156,3 +156,20 @@ def test_settings_are_rows_of_their_own(bench, tmp_path):
     fit = bench.row_config(args, 0, "planner@p30+fit", {"deadline_s": 1.0})
     assert fit["budgets"]["fit_rounds"] is True and "fit_rounds" not in \
         bench.row_config(args, 0, "planner@p30", {"deadline_s": 1.0})["budgets"]
+
+
+def test_async_settings_take_the_staleness_exponent_and_the_server_lr(bench):
+    """``async@10x5+a1+lr2``: FedBuff's knobs beside concurrency x buffer, each a config field;
+    a knob the bench does not know is an error, not a silent default."""
+    assert bench.parse_variant("async@10x5+a0+lr2") == (
+        "async", {"concurrency": 10, "buffer_size": 5, "staleness_exponent": 0.0, "server_lr": 2.0})
+    args = argparse.Namespace(**bench.DEFAULTS["tiny"], workload="tiny", threads=1, max_rounds=10,
+                              upload=1.0, download=5.0, availability=0.7, speed_sigma=0.9,
+                              adapter_depths=[1.0], ranks=[16])
+    fed = bench.row_config(args, 0, "async@4x2+a1", None)["federation"]
+    assert (fed["concurrency"], fed["buffer_size"], fed["staleness_exponent"]) == (4, 2, 1.0)
+    assert "server_lr" not in fed and "staleness_exponent" not in \
+        bench.row_config(args, 0, "async@4x2", None)["federation"]
+    for bad in ("async@10x5+b1", "async@10x5+a", "async@10x5+lr"):
+        with pytest.raises(ValueError, match="staleness exponent"):
+            bench.parse_variant(bad)
