@@ -176,6 +176,23 @@ def piece_path(args, seed: int, variant: str) -> Path:
     return args.out / f"{args.workload}-seed{seed}-{name}.json"
 
 
+def report_piece(args, seed: int, variant: str) -> Path:
+    """The piece a report reads for a row: the one ``--budget-x`` / ``--stop-at-target`` name,
+    else the row's piece that ran furthest (a full one to 2 t*, else the cut piece with the
+    largest budget), so one report covers rows whose pieces were cut at different budgets
+    (each row's table cell says how far its piece ran: "rounds to 2t*" counts to its end)."""
+    path = piece_path(args, seed, variant)
+    if path.is_file() or variant == "all":
+        return path
+    full = piece_path(argparse.Namespace(**{**vars(args), "budget_x": 2.0, "stop_at_target": False}),
+                      seed, variant)
+    found = [p for p in [full, *full.parent.glob(f"{full.stem}-to*t*.json"),
+                         full.with_name(f"{full.stem}-stop.json")] if p.is_file()]
+    if not found:
+        return path
+    return max(found, key=lambda p: (p == full, json.loads(p.read_text()).get("budget_s") or 0.0))
+
+
 def variant_ref(args, seed: int, variant: str) -> dict:
     """``all``'s reference (target, t*, budget) with the variant's deadline: the default
     ``--deadline-quantile``'s, or its own percentile of the client-round times ``all`` measured
@@ -392,7 +409,7 @@ def summarize(args) -> str:
             continue
         all_stats = None
         for row in variants:
-            p = piece_path(args, seed, row)
+            p = report_piece(args, seed, row)
             if not p.is_file():
                 continue
             st = piece_stats(json.loads(p.read_text()), higher, args.smooth)
@@ -450,7 +467,7 @@ def prediction_breakdown(args) -> str:
     rows = []
     for seed, variant in [(s, v) for s in args.seeds for v in report_variants(args)
                           if parse_variant(v)[0] == "planner"]:
-        p = piece_path(args, seed, variant)
+        p = report_piece(args, seed, variant)
         if not p.is_file():
             continue
         piece = json.loads(p.read_text())
@@ -497,8 +514,8 @@ def below_target(args) -> str:
         for seed in args.seeds:
             if not piece_path(args, seed, "all").is_file():
                 continue
-            pieces = {r: json.loads(piece_path(args, seed, r).read_text()) for r in variants
-                      if piece_path(args, seed, r).is_file()}
+            pieces = {r: json.loads(report_piece(args, seed, r).read_text()) for r in variants
+                      if report_piece(args, seed, r).is_file()}
             ref = pieces["all"]["ref"]
             thr = ref["target"] - gap / scale if higher else ref["target"] + gap
             t_all = time_to(pieces["all"]["evals"], thr, higher, args.smooth)
@@ -523,8 +540,8 @@ def mean_curves(args) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
     """Each row's dev metric on a common simulated-time grid (0 .. the smallest budget over the
     seeds), the seeds' mean (the model available at each time; before a row's first
     measurement, the initial model's value is not known and the curve starts later)."""
-    pieces = {r: [json.loads(piece_path(args, s, r).read_text()) for s in args.seeds
-                  if piece_path(args, s, r).is_file()] for r in report_variants(args, args.plot_rows)}
+    pieces = {r: [json.loads(report_piece(args, s, r).read_text()) for s in args.seeds
+                  if report_piece(args, s, r).is_file()] for r in report_variants(args, args.plot_rows)}
     if not pieces["all"]:
         return {}
     end = min(2 * p["ref"]["t_star"] for p in pieces["all"])
@@ -629,7 +646,7 @@ def main(argv=None) -> int:
             if row != "all" and not piece_path(args, seed, "all").is_file():
                 print(f"{args.workload} seed {seed} {row}: skipped (run all first: --rows all)")
                 continue
-            if not piece_path(args, seed, row).is_file():
+            if not (report_piece if args.report else piece_path)(args, seed, row).is_file():
                 if args.report:  # a report reads what has run; it never starts a piece
                     print(f"{args.workload} seed {seed} {row}: not run yet (left out)")
                     continue

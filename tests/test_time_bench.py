@@ -173,3 +173,20 @@ def test_async_settings_take_the_staleness_exponent_and_the_server_lr(bench):
     for bad in ("async@10x5+b1", "async@10x5+a", "async@10x5+lr"):
         with pytest.raises(ValueError, match="staleness exponent"):
             bench.parse_variant(bad)
+
+
+def test_a_report_reads_each_rows_piece_that_ran_furthest(bench, tmp_path):
+    """Rows cut at different budgets share one report: a row without the piece the flags name
+    is read from its full piece, else from its cut piece with the largest budget."""
+    args = argparse.Namespace(workload="tiny", out=tmp_path, budget_x=2.0, stop_at_target=False)
+    for name, budget in (("async-to0.5t-stop", 5.0), ("async-to0.6t-stop", 6.0),
+                         ("async-10x5-a0-to0.7t-stop", 7.0), ("planner-p30-to0.4t", 4.0)):
+        (tmp_path / f"tiny-seed0-{name}.json").write_text(json.dumps({"budget_s": budget}))
+    assert bench.report_piece(args, 0, "async").name == "tiny-seed0-async-to0.6t-stop.json"
+    assert bench.report_piece(args, 0, "planner@p30").name == "tiny-seed0-planner-p30-to0.4t.json"
+    assert bench.report_piece(args, 0, "async@10x5+a0").name == "tiny-seed0-async-10x5-a0-to0.7t-stop.json"
+    assert not bench.report_piece(args, 0, "deadline").is_file()
+    (tmp_path / "tiny-seed0-async.json").write_text(json.dumps({"budget_s": 2.0}))  # full: first
+    assert bench.report_piece(args, 0, "async").name == "tiny-seed0-async.json"
+    short = argparse.Namespace(**{**vars(args), "budget_x": 0.5, "stop_at_target": True})
+    assert bench.report_piece(short, 0, "async").name == "tiny-seed0-async-to0.5t-stop.json"
