@@ -115,8 +115,11 @@ class Budget(Exception):
     """The piece reached its simulated-time budget (raised from the rounds' driver)."""
 
 
-class Interrupted(Exception):
-    """The piece was ended from outside (SIGTERM, as `timeout` sends)."""
+class Interrupted(BaseException):
+    """The piece was ended from outside (SIGTERM, as `timeout` sends). A BaseException, as
+    KeyboardInterrupt is: raised from the signal handler wherever the run happens to be, it
+    must pass the library's ``except Exception`` (a reply's validation would count it as a
+    malformed reply, drop the client and train on)."""
 
 
 def base_config(args, seed: int) -> dict:

@@ -190,3 +190,20 @@ def test_a_report_reads_each_rows_piece_that_ran_furthest(bench, tmp_path):
     assert bench.report_piece(args, 0, "async").name == "tiny-seed0-async.json"
     short = argparse.Namespace(**{**vars(args), "budget_x": 0.5, "stop_at_target": True})
     assert bench.report_piece(short, 0, "async").name == "tiny-seed0-async-to0.5t-stop.json"
+
+
+def test_a_sigterm_ends_the_piece_even_inside_a_replys_validation(bench):
+    """`timeout`'s SIGTERM raises Interrupted wherever the run is; inside a reply's validation
+    (an ``except Exception`` that rejects the reply and trains on) it must still end the piece."""
+    from fedslice.fl.strategy import Payload, Reply, Strategy
+    from fedslice.config import FederationConfig
+    import torch
+
+    class Validating(Strategy):
+        def check_reply(self, state, payload, reply):
+            raise bench.Interrupted  # the signal arrives here
+
+    strategy = Validating(FederationConfig(num_clients=2, clients_per_round=1))
+    state = {"w": torch.zeros(2)}
+    with pytest.raises(bench.Interrupted):
+        strategy.validate(state, Payload(dict(state), {}), Reply({"w": torch.ones(2)}, 1, {}))
