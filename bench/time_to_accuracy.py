@@ -61,7 +61,8 @@ ROWS = ("all", "deadline", "async", "planner")
 def parse_variant(variant: str) -> tuple[str, dict]:
     """A row and its setting: ``"planner"`` (the defaults), ``"deadline@p30"`` / ``"planner@p50"``
     (the deadline at that percentile of all's client-round times), ``"planner@p30+fit"``
-    (and ``budgets.fit_rounds``), ``"async@20x5"`` (concurrency x buffer_size). The settings
+    (and ``budgets.fit_rounds``), ``"async@20x5"`` (concurrency x buffer_size),
+    ``"async@10x5+a1+lr2"`` (and ``federation.staleness_exponent`` 1, ``server_lr`` 2). The settings
     are the user's knobs; every one tried is reported."""
     row, _, setting = variant.partition("@")
     if row not in ROWS:
@@ -75,11 +76,20 @@ def parse_variant(variant: str) -> tuple[str, dict]:
         if not 0 < q <= 1:
             raise ValueError(f"{variant!r}: the percentile must be in (0, 100]")
         return row, {"quantile": q}
-    if row == "async" and "x" in setting:
-        conc, buf = (int(x) for x in setting.split("x"))
-        return row, {"concurrency": conc, "buffer_size": buf}
+    if row == "async" and "x" in setting:  # CxB, then +aA (staleness exponent), +lrL (server lr)
+        sizes, *knobs = setting.split("+")
+        try:
+            conc, buf = (int(x) for x in sizes.split("x"))
+            out = {"concurrency": conc, "buffer_size": buf}
+            for k in knobs:
+                key = next(n for p, n in (("lr", "server_lr"), ("a", "staleness_exponent"))
+                           if k.startswith(p))
+                out[key] = float(k[len("lr" if key == "server_lr" else "a"):])
+            return row, out
+        except (ValueError, StopIteration):
+            pass
     raise ValueError(f"{variant!r}: a setting is @pNN (deadline, planner; planner@pNN+fit) or "
-                     "@CxB (async)")
+                     "@CxB (async; async@CxB+aA+lrL: staleness exponent A, server lr L)")
 
 #: workload -> (the config's fixed part, the dev metric, higher is better)
 WORKLOADS = {
@@ -105,8 +115,11 @@ class Budget(Exception):
     """The piece reached its simulated-time budget (raised from the rounds' driver)."""
 
 
-class Interrupted(Exception):
-    """The piece was ended from outside (SIGTERM, as `timeout` sends)."""
+class Interrupted(BaseException):
+    """The piece was ended from outside (SIGTERM, as `timeout` sends). A BaseException, as
+    KeyboardInterrupt is: raised from the signal handler wherever the run happens to be, it
+    must pass the library's ``except Exception`` (a reply's validation would count it as a
+    malformed reply, drop the client and train on)."""
 
 
 def base_config(args, seed: int) -> dict:
@@ -155,6 +168,7 @@ def row_config(args, seed: int, variant: str, ref: dict | None) -> dict:
         fed.update(round_policy="async",
                    concurrency=setting.get("concurrency", min(2 * args.per_round, args.clients)),
                    buffer_size=setting.get("buffer_size", args.per_round))
+        fed.update({k: setting[k] for k in ("staleness_exponent", "server_lr") if k in setting})
     return d
 
 
@@ -163,6 +177,23 @@ def piece_path(args, seed: int, variant: str) -> Path:
     if variant != "all":  # a piece cut short of 2 t* is a piece of its own
         name += ("" if args.budget_x == 2 else f"-to{args.budget_x:g}t") + ("-stop" if args.stop_at_target else "")
     return args.out / f"{args.workload}-seed{seed}-{name}.json"
+
+
+def report_piece(args, seed: int, variant: str) -> Path:
+    """The piece a report reads for a row: the one ``--budget-x`` / ``--stop-at-target`` name,
+    else the row's piece that ran furthest (a full one to 2 t*, else the cut piece with the
+    largest budget), so one report covers rows whose pieces were cut at different budgets
+    (each row's table cell says how far its piece ran: "rounds to 2t*" counts to its end)."""
+    path = piece_path(args, seed, variant)
+    if path.is_file() or variant == "all":
+        return path
+    full = piece_path(argparse.Namespace(**{**vars(args), "budget_x": 2.0, "stop_at_target": False}),
+                      seed, variant)
+    found = [p for p in [full, *full.parent.glob(f"{full.stem}-to*t*.json"),
+                         full.with_name(f"{full.stem}-stop.json")] if p.is_file()]
+    if not found:
+        return path
+    return max(found, key=lambda p: (p == full, json.loads(p.read_text()).get("budget_s") or 0.0))
 
 
 def variant_ref(args, seed: int, variant: str) -> dict:
@@ -381,7 +412,7 @@ def summarize(args) -> str:
             continue
         all_stats = None
         for row in variants:
-            p = piece_path(args, seed, row)
+            p = report_piece(args, seed, row)
             if not p.is_file():
                 continue
             st = piece_stats(json.loads(p.read_text()), higher, args.smooth)
@@ -439,7 +470,7 @@ def prediction_breakdown(args) -> str:
     rows = []
     for seed, variant in [(s, v) for s in args.seeds for v in report_variants(args)
                           if parse_variant(v)[0] == "planner"]:
-        p = piece_path(args, seed, variant)
+        p = report_piece(args, seed, variant)
         if not p.is_file():
             continue
         piece = json.loads(p.read_text())
@@ -486,8 +517,8 @@ def below_target(args) -> str:
         for seed in args.seeds:
             if not piece_path(args, seed, "all").is_file():
                 continue
-            pieces = {r: json.loads(piece_path(args, seed, r).read_text()) for r in variants
-                      if piece_path(args, seed, r).is_file()}
+            pieces = {r: json.loads(report_piece(args, seed, r).read_text()) for r in variants
+                      if report_piece(args, seed, r).is_file()}
             ref = pieces["all"]["ref"]
             thr = ref["target"] - gap / scale if higher else ref["target"] + gap
             t_all = time_to(pieces["all"]["evals"], thr, higher, args.smooth)
@@ -512,8 +543,8 @@ def mean_curves(args) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
     """Each row's dev metric on a common simulated-time grid (0 .. the smallest budget over the
     seeds), the seeds' mean (the model available at each time; before a row's first
     measurement, the initial model's value is not known and the curve starts later)."""
-    pieces = {r: [json.loads(piece_path(args, s, r).read_text()) for s in args.seeds
-                  if piece_path(args, s, r).is_file()] for r in report_variants(args, args.plot_rows)}
+    pieces = {r: [json.loads(report_piece(args, s, r).read_text()) for s in args.seeds
+                  if report_piece(args, s, r).is_file()] for r in report_variants(args, args.plot_rows)}
     if not pieces["all"]:
         return {}
     end = min(2 * p["ref"]["t_star"] for p in pieces["all"])
@@ -566,7 +597,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", default=list(ROWS),
                     help="rows, each with an optional setting: deadline@p30, planner@p50 (the "
                     "deadline at that percentile of all's client-round times), planner@p50+fit "
-                    "(and budgets.fit_rounds), async@20x5 (concurrency x buffer_size)")
+                    "(and budgets.fit_rounds), async@20x5 (concurrency x buffer_size), "
+                    "async@10x5+a1+lr2 (staleness exponent 1, server lr 2)")
     ap.add_argument("--plot-rows", nargs="+", help="the rows the plot shows (default: --rows)")
     ap.add_argument("--clients", type=int)
     ap.add_argument("--per-round", type=int)
@@ -617,7 +649,7 @@ def main(argv=None) -> int:
             if row != "all" and not piece_path(args, seed, "all").is_file():
                 print(f"{args.workload} seed {seed} {row}: skipped (run all first: --rows all)")
                 continue
-            if not piece_path(args, seed, row).is_file():
+            if not (report_piece if args.report else piece_path)(args, seed, row).is_file():
                 if args.report:  # a report reads what has run; it never starts a piece
                     print(f"{args.workload} seed {seed} {row}: not run yet (left out)")
                     continue

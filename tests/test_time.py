@@ -98,6 +98,15 @@ def test_staleness_weight_is_fedbuffs():
         staleness_weight(-1)
 
 
+def test_staleness_exponent_sets_the_polynomial():
+    """federation.staleness_exponent a: s(τ) = (1 + τ)^-a; 0 leaves stale replies unscaled."""
+    assert [staleness_weight(s, 1.0) for s in (0, 1, 3)] == [1.0, 0.5, 0.25]
+    assert [staleness_weight(s, 0.0) for s in (0, 1, 7)] == [1.0, 1.0, 1.0]
+    assert staleness_weight(3, 2.0) == 1 / 16
+    with pytest.raises(ValueError, match="exponent"):
+        staleness_weight(1, -0.5)
+
+
 def test_availability_share_is_a_seeded_draw_and_a_trace_gives_intervals():
     pop = Population({c: Device(gflops_per_s=1.0, availability=0.7) for c in range(4)}, seed=3)
     draws = [pop.online(c, r, 0.0) for r in range(1, 501) for c in range(4)]
@@ -126,6 +135,10 @@ def test_stale_updates_are_taken_against_their_base_and_scaled():
     result = agg.aggregate_train(2, v1, payloads, replies)
     expected = 1.0 + (1 * 2.0 / math.sqrt(2) + 3 * 0.5) / 4
     assert torch.allclose(result.state["w"], torch.full((3,), expected), rtol=0, atol=1e-6)
+    buffer.base_of = {0: 0, 1: 1}  # exponent 1: the stale reply's update halved
+    halved = Staleness(strategy, buffer, 1.0).aggregate_train(2, v1, payloads, replies)
+    assert torch.allclose(halved.state["w"], torch.full((3,), 1.0 + (1 * 2.0 / 2 + 3 * 0.5) / 4),
+                          rtol=0, atol=1e-6)
     buffer.base_of = {0: 1, 1: 1}  # both fresh: the method's plain weighted mean
     fresh = agg.aggregate_train(2, v1, {c: Payload(dict(v1), {"client": c}) for c in (0, 1)}, replies)
     assert torch.equal(fresh.state["w"], strategy.aggregate_train(2, v1, {
@@ -143,6 +156,9 @@ def test_stale_updates_are_taken_against_their_base_and_scaled():
      "devices.availability with devices.tiers"),
     ({"federation": {"round_policy": "deadline"}}, "needs round_deadline_s"),
     ({"federation": {"round_deadline_s": 3.0}}, "round_deadline_s = 3.0 applies to round_policy = 'deadline'"),
+    ({"federation": {"staleness_exponent": 1.0}},
+     "staleness_exponent = 1.0 applies to round_policy = 'async'"),
+    ({"federation": {"round_policy": "async", "staleness_exponent": -1}}, "federation.staleness_exponent"),
     ({"federation": {"round_policy": "async", "concurrency": 2, "buffer_size": 3}},
      "buffer_size = 3 is larger than concurrency = 2"),
     ({"federation": {"round_policy": "async"}, "aggregation": {"rule": "krum", "byzantine": 0}},
@@ -258,7 +274,7 @@ def test_deadline_drops_late_replies_as_wasted_work_overselects_and_skips_offlin
 def test_async_keeps_clients_training_and_weights_stale_replies(tiny_cfg_dict):
     d = _cfg(tiny_cfg_dict, round_policy="async", concurrency=3, buffer_size=1, rounds=4)
     d["devices"]["tiers"][1]["gflops_per_s"] = 0.008  # 2.5x slower: its replies come in stale
-    sim, _, records, summary = _run(d)
+    sim, state, records, summary = _run(d)
     assert isinstance(sim, AsyncSimulation) and len(records) == 4
     times = [r["sim_time_s"] for r in records]
     assert times == sorted(times) and times[0] > 0
@@ -268,6 +284,16 @@ def test_async_keeps_clients_training_and_weights_stale_replies(tiny_cfg_dict):
         assert len(r["clients"]) == 1 and r["in_flight"] <= 3
         for m in r["client_metrics"]:
             assert m["staleness"] == r["round"] - 1 - m["base_version"]
+    # federation.staleness_exponent reaches the aggregation: at 0 the same schedule (the clock
+    # reads FLOPs and bytes, not weights) aggregates the stale replies unscaled
+    d["federation"]["staleness_exponent"] = 0.0
+    sim0, state0, records0, _ = _run(d)
+    assert sim.aggregator.exponent == 0.5 and sim0.aggregator.exponent == 0.0
+    assert [[(m["client"], m["staleness"]) for m in r["client_metrics"]] for r in records0] == \
+           [[(m["client"], m["staleness"]) for m in r["client_metrics"]] for r in records]
+    first_stale = next(i for i, r in enumerate(records) if r["client_metrics"][0]["staleness"])
+    assert records0[first_stale]["train_loss"] == records[first_stale]["train_loss"]
+    assert any(not torch.equal(state0[k], state[k]) for k in state)  # ... into another model
 
 
 # --- every method under each policy --------------------------------------------------------------

@@ -156,3 +156,54 @@ def test_settings_are_rows_of_their_own(bench, tmp_path):
     fit = bench.row_config(args, 0, "planner@p30+fit", {"deadline_s": 1.0})
     assert fit["budgets"]["fit_rounds"] is True and "fit_rounds" not in \
         bench.row_config(args, 0, "planner@p30", {"deadline_s": 1.0})["budgets"]
+
+
+def test_async_settings_take_the_staleness_exponent_and_the_server_lr(bench):
+    """``async@10x5+a1+lr2``: FedBuff's knobs beside concurrency x buffer, each a config field;
+    a knob the bench does not know is an error, not a silent default."""
+    assert bench.parse_variant("async@10x5+a0+lr2") == (
+        "async", {"concurrency": 10, "buffer_size": 5, "staleness_exponent": 0.0, "server_lr": 2.0})
+    args = argparse.Namespace(**bench.DEFAULTS["tiny"], workload="tiny", threads=1, max_rounds=10,
+                              upload=1.0, download=5.0, availability=0.7, speed_sigma=0.9,
+                              adapter_depths=[1.0], ranks=[16])
+    fed = bench.row_config(args, 0, "async@4x2+a1", None)["federation"]
+    assert (fed["concurrency"], fed["buffer_size"], fed["staleness_exponent"]) == (4, 2, 1.0)
+    assert "server_lr" not in fed and "staleness_exponent" not in \
+        bench.row_config(args, 0, "async@4x2", None)["federation"]
+    for bad in ("async@10x5+b1", "async@10x5+a", "async@10x5+lr"):
+        with pytest.raises(ValueError, match="staleness exponent"):
+            bench.parse_variant(bad)
+
+
+def test_a_report_reads_each_rows_piece_that_ran_furthest(bench, tmp_path):
+    """Rows cut at different budgets share one report: a row without the piece the flags name
+    is read from its full piece, else from its cut piece with the largest budget."""
+    args = argparse.Namespace(workload="tiny", out=tmp_path, budget_x=2.0, stop_at_target=False)
+    for name, budget in (("async-to0.5t-stop", 5.0), ("async-to0.6t-stop", 6.0),
+                         ("async-10x5-a0-to0.7t-stop", 7.0), ("planner-p30-to0.4t", 4.0)):
+        (tmp_path / f"tiny-seed0-{name}.json").write_text(json.dumps({"budget_s": budget}))
+    assert bench.report_piece(args, 0, "async").name == "tiny-seed0-async-to0.6t-stop.json"
+    assert bench.report_piece(args, 0, "planner@p30").name == "tiny-seed0-planner-p30-to0.4t.json"
+    assert bench.report_piece(args, 0, "async@10x5+a0").name == "tiny-seed0-async-10x5-a0-to0.7t-stop.json"
+    assert not bench.report_piece(args, 0, "deadline").is_file()
+    (tmp_path / "tiny-seed0-async.json").write_text(json.dumps({"budget_s": 2.0}))  # full: first
+    assert bench.report_piece(args, 0, "async").name == "tiny-seed0-async.json"
+    short = argparse.Namespace(**{**vars(args), "budget_x": 0.5, "stop_at_target": True})
+    assert bench.report_piece(short, 0, "async").name == "tiny-seed0-async-to0.5t-stop.json"
+
+
+def test_a_sigterm_ends_the_piece_even_inside_a_replys_validation(bench):
+    """`timeout`'s SIGTERM raises Interrupted wherever the run is; inside a reply's validation
+    (an ``except Exception`` that rejects the reply and trains on) it must still end the piece."""
+    from fedslice.fl.strategy import Payload, Reply, Strategy
+    from fedslice.config import FederationConfig
+    import torch
+
+    class Validating(Strategy):
+        def check_reply(self, state, payload, reply):
+            raise bench.Interrupted  # the signal arrives here
+
+    strategy = Validating(FederationConfig(num_clients=2, clients_per_round=1))
+    state = {"w": torch.zeros(2)}
+    with pytest.raises(bench.Interrupted):
+        strategy.validate(state, Payload(dict(state), {}), Reply({"w": torch.ones(2)}, 1, {}))

@@ -55,7 +55,7 @@ class FederationConfig(Section):
         "dropped, their work counted as wasted; `overselect` more clients selected, the first "
         "clients_per_round replies used); 'async' none: FedBuff, `concurrency` clients training "
         "at all times, the server aggregating every `buffer_size` replies, each weighted by "
-        "1/sqrt(1 + staleness) (docs/time.md). federation.rounds counts aggregations.")
+        "(1 + staleness)^-staleness_exponent (docs/time.md). federation.rounds counts aggregations.")
     round_deadline_s: float | None = Field(None, gt=0, description="round_policy = 'deadline': "
                                            "the round's length in simulated seconds.")
     overselect: float = Field(0.0, ge=0, description="round_policy = 'deadline': select "
@@ -67,6 +67,9 @@ class FederationConfig(Section):
                                     "num_clients).")
     buffer_size: int | None = Field(None, gt=0, description="round_policy = 'async': replies "
                                     "per aggregation (default: clients_per_round).")
+    staleness_exponent: float = Field(0.5, ge=0, description="round_policy = 'async': a reply "
+                                      "`tau` versions stale scales its update by (1 + tau)^-a, "
+                                      "a = this (FedBuff's 0.5; 0: no down-weighting).")
 
     def async_sizes(self) -> tuple[int, int]:
         """(concurrency, buffer_size) of round_policy = 'async', defaults resolved."""
@@ -93,6 +96,9 @@ class FederationConfig(Section):
             if p != only and getattr(self, name) not in (None, 0.0):
                 raise ValueError(f"{name} = {getattr(self, name)} applies to round_policy = "
                                  f"{only!r}, not {p!r}")
+        if p != "async" and self.staleness_exponent != 0.5:
+            raise ValueError(f"staleness_exponent = {self.staleness_exponent} applies to "
+                             f"round_policy = 'async', not {p!r}")
         if p == "async":
             if self.concurrency is not None and self.concurrency > self.num_clients:
                 raise ValueError(f"concurrency = {self.concurrency} is larger than num_clients = "

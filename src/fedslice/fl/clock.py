@@ -29,12 +29,18 @@ from fedslice.fl.devices import Device
 POLICIES = ("all", "deadline", "async")
 
 
-def staleness_weight(staleness: int) -> float:
-    """FedBuff's s(τ) = 1 / sqrt(1 + τ): a reply trained from a model ``staleness`` versions
-    older than the one it is aggregated into scales its update by this (1 when fresh)."""
+def staleness_weight(staleness: int, exponent: float = 0.5) -> float:
+    """The polynomial staleness weight s(τ) = (1 + τ)^-a (FedAsync's, Xie et al. 2019), a =
+    ``exponent``: FedBuff's 1/sqrt(1 + τ) by default, 0 weights every reply alike. A
+    reply trained from a model ``staleness`` versions older than the one it is aggregated into
+    scales its update by this (1 when fresh)."""
     if staleness < 0:
         raise ValueError(f"staleness {staleness} is negative")
-    return 1.0 / math.sqrt(1.0 + staleness)
+    if exponent < 0:
+        raise ValueError(f"staleness exponent {exponent} is negative")
+    if exponent == 0.5:  # the default, exactly as 1 / sqrt
+        return 1.0 / math.sqrt(1.0 + staleness)
+    return (1.0 + staleness) ** -exponent
 
 
 def client_seconds(device: Device, metrics: Mapping[str, Any],

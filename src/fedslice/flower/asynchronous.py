@@ -55,7 +55,8 @@ class AsyncServer:
         self.round_timeout, self.offset = round_timeout, offset
         self.concurrency, self.buffer_size = cfg.federation.async_sizes()
         self.buffer = Buffer(cfg.seed, SimClock())
-        self.aggregator = Staleness(method.strategy, self.buffer)
+        self.aggregator = Staleness(method.strategy, self.buffer,
+                                    cfg.federation.staleness_exponent)
         self.experiment = cfg.model_dump(mode="json")
         self.inflight: dict[str, Sent] = {}  # message id -> what it carries
         #: replies pulled past a full buffer: the next version's first

@@ -6,9 +6,10 @@ The server keeps ``concurrency`` clients training. A client starts from the glob
 the moment (its *base version*), trains, and its reply arrives after its client-round on its
 device (:meth:`fedslice.fl.devices.Device.seconds`). Every ``buffer_size`` replies the server
 aggregates them into a new version (one "round" of ``federation.rounds``), each update taken
-against its own base and scaled by s(τ) = 1/sqrt(1 + τ), τ = the versions published since its
-base (:func:`fedslice.fl.clock.staleness_weight`); the method's weights are unchanged, so the
-server step shrinks with staleness as in FedBuff's Algorithm 1. A client is busy from its
+against its own base and scaled by s(τ) = (1 + τ)^-a, a = ``federation.staleness_exponent``
+(FedBuff's 0.5 by default), τ = the versions published since its base
+(:func:`fedslice.fl.clock.staleness_weight`); the method's weights are unchanged, so the server
+step shrinks with staleness as in FedBuff's Algorithm 1. A client is busy from its
 start until its reply is aggregated (or lost: offline before it arrives, by the trace).
 
 The simulation trains a client when it starts (from the model it would download then), so
@@ -112,9 +113,10 @@ class Staleness(Wrapper):
     :func:`staleness_weight`; the weights stay the method's. A buffer of fresh replies is
     aggregated exactly as a synchronous round."""
 
-    def __init__(self, inner: Strategy, buffer: Buffer):
+    def __init__(self, inner: Strategy, buffer: Buffer, exponent: float = 0.5):
         super().__init__(inner)
         self.buffer = buffer
+        self.exponent = exponent  # federation.staleness_exponent
 
     def client_updates(self, server_round: int, state: State, payloads: dict[int, Payload],
                        replies: dict[int, Reply]) -> tuple[list[State], list]:
@@ -127,7 +129,7 @@ class Staleness(Wrapper):
             deltas, weights = self.inner.client_updates(
                 server_round, b.bases[v], {c: payloads[c] for c in group},
                 {c: replies[c] for c in group})
-            s = staleness_weight(b.version - v)
+            s = staleness_weight(b.version - v, self.exponent)
             for c, d, w in zip(group, deltas, weights):
                 out[c] = ({k: t * s for k, t in d.items()} if s != 1.0 else d, w)
         clients = sorted(replies)
@@ -142,7 +144,8 @@ class AsyncSimulation(Simulation):
         super().__init__(cfg, method, data)
         self.concurrency, self.buffer_size = cfg.federation.async_sizes()
         self.buffer = Buffer(cfg.seed, self.clock)
-        self.aggregator = Staleness(method.strategy, self.buffer)
+        self.aggregator = Staleness(method.strategy, self.buffer,
+                                    cfg.federation.staleness_exponent)
 
     # -- dispatch ----------------------------------------------------------------------------
     def dispatch(self, version: int, state: State, busy: set[int]) -> list[tuple[int, str]]:
