@@ -221,7 +221,11 @@ def base_row(row: str, args) -> dict:
 
 
 def harness_row(row: str, args) -> dict:
-    from fedslice.harness import _scores, check_tasks, parse_tasks, run_harness, task_manager
+    """The row's harness scores and each question's (``per_example``: rows compared question by
+    question, a paired standard error). The model is what ``fedslice evaluate --harness`` scores
+    (``harness_model``: the adapter merged, or applied over the int8 base); the run folder's
+    harness.json is not written (the row's JSON holds the scores)."""
+    from fedslice.harness import _scores, check_tasks, parse_tasks, per_example, run_harness, task_manager
 
     names = parse_tasks(args.harness)
     tm = task_manager(names=names)
@@ -237,18 +241,31 @@ def harness_row(row: str, args) -> dict:
         folder = resolve_model_path("smollm2")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(folder)
-        scores = _scores(run_harness(model, tok, names, tm, limit=limit, batch_size=args.batch_size), names)
     else:
-        from fedslice.harness import evaluate_harness
+        from fedslice.export import read_run
+        from fedslice.harness import harness_model
 
         run = load(args.out, row).get("run")
         if not run:
             raise SystemExit(f"{row}: no trained run (train it first)")
-        _, scores = evaluate_harness(run, names, limit=limit, batch_size=args.batch_size)
+        model, tok, _ = harness_model(read_run(run))
+    res = run_harness(model, tok, names, tm, limit=limit, batch_size=args.batch_size, log_samples=True)
+    scores = _scores(res, names)
     harness = {t: {m: v for m, v in s["metrics"].items()} | {"examples": s["samples"]}
                for t, s in scores.items()}
     return save(args.out, row, {"harness": harness, "harness_limit": limit,
+                                "harness_per_example": per_example(res),
                                 "harness_cpu_s": time.process_time() - c0})
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
+    """Mean of a - b over the same questions, its standard error (sd of the differences / sqrt n)
+    and n."""
+    n = min(len(a), len(b))
+    d = [x - y for x, y in zip(a[:n], b[:n])]
+    m = sum(d) / n
+    sd = (sum((x - m) ** 2 for x in d) / (n - 1)) ** 0.5 if n > 1 else float("nan")
+    return m, sd / n ** 0.5, n
 
 
 def alone_rows(args) -> dict:
@@ -287,6 +304,32 @@ def alone_rows(args) -> dict:
     return load(args.out, "alone")
 
 
+def paired_lines(rows: dict[str, dict], tasks: list[str]) -> list[str]:
+    """Each row's harness accuracy against the base's and dense's on the same questions (in
+    points: mean difference ± its paired standard error; both at the same limit)."""
+    out = []
+    for name, r in rows.items():
+        mine = r.get("harness_per_example") or {}
+        for ref in ("base", "dense"):
+            theirs = rows[ref].get("harness_per_example") or {}
+            if name in (ref, "base", "natural-base") or not mine or not theirs \
+                    or r.get("harness_limit") != rows[ref].get("harness_limit"):
+                continue
+            cells = []
+            for t in tasks:
+                for metric in ("acc", "acc_norm"):
+                    a, b = (mine.get(t) or {}).get(metric), (theirs.get(t) or {}).get(metric)
+                    if a and b:
+                        m, se, n = paired(a, b)
+                        changed = sum(x != y for x, y in zip(a, b))
+                        cells.append(f"{t} {metric} {100 * m:+.2f} ± {100 * se:.2f} pt "
+                                     f"({changed} of {n} answers differ)")
+            if cells:
+                out.append(f"- {name} − {ref}: " + "; ".join(cells))
+    return ["", "Paired differences (same questions; mean ± standard error of the per-question "
+            "difference):", ""] + out if out else []
+
+
 def fmt(v, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -323,6 +366,7 @@ def write_table(args) -> None:
                      f"{fmt(r.get('test_rougeL'), '.4f')} | {fmt(mem, '.0f')}{x(mem, 'memory_mb')} | "
                      f"{fmt(r.get('gflops') or None, '.1f')}{x(r.get('gflops'), 'gflops')} | "
                      f"{fmt(r.get('upload_mb') or None, '.3f')} | {fmt(r.get('cpu_s'), '.0f')} |")
+    lines += paired_lines(rows, tasks)
     for name in ("p30", "p50", "mixed"):
         for p in rows[name].get("plans") or []:
             lines.append(f"- {name}: {json.dumps(p)[:300]}")
