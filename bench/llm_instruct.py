@@ -81,7 +81,8 @@ def base_config(args, which: str = "alpaca") -> dict:
     cfg["evaluation"]["every"] = args.rounds
     if cfg["data"]["partition"] == "natural":  # the dump spells out the default: taken from the data
         cfg["federation"].pop("num_clients", None)
-    cfg["output"].update(progress=False, plots=False, checkpoint_every=0)
+    # a checkpoint every round: a piece stopped by its time limit resumes (``train_row``)
+    cfg["output"].update(progress=False, plots=False, checkpoint_every=1)
     return cfg
 
 
@@ -183,9 +184,11 @@ def cpu_costs():
 
 
 def train_row(row: str, args) -> dict:
-    from fedslice.api import run_experiment
-    from fedslice.errors import ConfigError
+    from fedslice.api import resume_experiment, run_experiment
+    from fedslice.errors import ConfigError, FedsliceError
     from fedslice.experiment import validate_config
+    from fedslice.interrupt import terminate_as_interrupt
+    from fedslice.run.checkpoint import find_resumable
 
     dense = load(args.out, "dense") if row in ("p30", "p50", "mixed") else None
     if dense is not None and not dense.get("memory_mb"):
@@ -193,15 +196,26 @@ def train_row(row: str, args) -> dict:
     cfg = row_config(row, args, dense)
     t0, c0 = time.time(), time.process_time()
     try:
-        with cpu_costs() as costs:
-            run = run_experiment(validate_config(cfg), args.out / "runs", progress=False)
+        resume = find_resumable(args.out / "runs" / cfg["name"])
+    except FedsliceError:
+        resume = None
+    pieces = load(args.out, row).get("cpu_pieces", []) if resume else []
+    try:
+        with terminate_as_interrupt(), cpu_costs() as costs:  # `timeout`'s SIGTERM unwinds
+            try:
+                run = (resume_experiment(resume, progress=False) if resume else
+                       run_experiment(validate_config(cfg), args.out / "runs", progress=False))
+            finally:  # a piece stopped by its limit (SIGTERM: KeyboardInterrupt) keeps its costs
+                pieces.append({**costs, "resumed": str(resume) if resume else None,
+                               "cpu_s": time.process_time() - c0})
+                save(args.out, row, {"cpu_pieces": pieces})
     except ConfigError as e:
         return save(args.out, row, {"row": row, "fits": False, "why": str(e), "budgets": cfg.get("budgets")})
     s = json.loads((run / "summary.json").read_text())
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rss = max((r.get("peak_rss_mb_max") or 0 for r in records), default=None)
     return save(args.out, row, {"row": row, "fits": True, "run": str(run), "budgets": cfg.get("budgets"),
-                                "cpu_s": time.process_time() - c0, "wall_s": time.time() - t0,
+                                "cpu_s": sum(p["cpu_s"] for p in pieces), "wall_s": time.time() - t0,
                                 "load": os.getloadavg()[0], "peak_rss_mb": rss, "cpu_costs": costs,
                                 **measured(s)})
 
@@ -253,9 +267,11 @@ def harness_row(row: str, args) -> dict:
     scores = _scores(res, names)
     harness = {t: {m: v for m, v in s["metrics"].items()} | {"examples": s["samples"]}
                for t, s in scores.items()}
-    return save(args.out, row, {"harness": harness, "harness_limit": limit,
-                                "harness_per_example": per_example(res),
-                                "harness_cpu_s": time.process_time() - c0})
+    got = {"harness": harness, "harness_limit": limit, "harness_per_example": per_example(res),
+           "harness_cpu_s": time.process_time() - c0}
+    by_limit = load(args.out, row).get("harness_by_limit", {})  # every limit scored, kept
+    by_limit[str(limit)] = got
+    return save(args.out, row, {**got, "harness_by_limit": by_limit})
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
