@@ -81,7 +81,8 @@ def base_config(args, which: str = "alpaca") -> dict:
     cfg["evaluation"]["every"] = args.rounds
     if cfg["data"]["partition"] == "natural":  # the dump spells out the default: taken from the data
         cfg["federation"].pop("num_clients", None)
-    cfg["output"].update(progress=False, plots=False, checkpoint_every=0)
+    # a checkpoint every round: a piece stopped by its time limit resumes (``train_row``)
+    cfg["output"].update(progress=False, plots=False, checkpoint_every=1)
     return cfg
 
 
@@ -183,9 +184,11 @@ def cpu_costs():
 
 
 def train_row(row: str, args) -> dict:
-    from fedslice.api import run_experiment
-    from fedslice.errors import ConfigError
+    from fedslice.api import resume_experiment, run_experiment
+    from fedslice.errors import ConfigError, FedsliceError
     from fedslice.experiment import validate_config
+    from fedslice.interrupt import terminate_as_interrupt
+    from fedslice.run.checkpoint import find_resumable
 
     dense = load(args.out, "dense") if row in ("p30", "p50", "mixed") else None
     if dense is not None and not dense.get("memory_mb"):
@@ -193,15 +196,26 @@ def train_row(row: str, args) -> dict:
     cfg = row_config(row, args, dense)
     t0, c0 = time.time(), time.process_time()
     try:
-        with cpu_costs() as costs:
-            run = run_experiment(validate_config(cfg), args.out / "runs", progress=False)
+        resume = find_resumable(args.out / "runs" / cfg["name"])
+    except FedsliceError:
+        resume = None
+    pieces = load(args.out, row).get("cpu_pieces", []) if resume else []
+    try:
+        with terminate_as_interrupt(), cpu_costs() as costs:  # `timeout`'s SIGTERM unwinds
+            try:
+                run = (resume_experiment(resume, progress=False) if resume else
+                       run_experiment(validate_config(cfg), args.out / "runs", progress=False))
+            finally:  # a piece stopped by its limit (SIGTERM: KeyboardInterrupt) keeps its costs
+                pieces.append({**costs, "resumed": str(resume) if resume else None,
+                               "cpu_s": time.process_time() - c0})
+                save(args.out, row, {"cpu_pieces": pieces})
     except ConfigError as e:
         return save(args.out, row, {"row": row, "fits": False, "why": str(e), "budgets": cfg.get("budgets")})
     s = json.loads((run / "summary.json").read_text())
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rss = max((r.get("peak_rss_mb_max") or 0 for r in records), default=None)
     return save(args.out, row, {"row": row, "fits": True, "run": str(run), "budgets": cfg.get("budgets"),
-                                "cpu_s": time.process_time() - c0, "wall_s": time.time() - t0,
+                                "cpu_s": sum(p["cpu_s"] for p in pieces), "wall_s": time.time() - t0,
                                 "load": os.getloadavg()[0], "peak_rss_mb": rss, "cpu_costs": costs,
                                 **measured(s)})
 
@@ -221,7 +235,11 @@ def base_row(row: str, args) -> dict:
 
 
 def harness_row(row: str, args) -> dict:
-    from fedslice.harness import _scores, check_tasks, parse_tasks, run_harness, task_manager
+    """The row's harness scores and each question's (``per_example``: rows compared question by
+    question, a paired standard error). The model is what ``fedslice evaluate --harness`` scores
+    (``harness_model``: the adapter merged, or applied over the int8 base); the run folder's
+    harness.json is not written (the row's JSON holds the scores)."""
+    from fedslice.harness import _scores, check_tasks, parse_tasks, per_example, run_harness, task_manager
 
     names = parse_tasks(args.harness)
     tm = task_manager(names=names)
@@ -237,18 +255,33 @@ def harness_row(row: str, args) -> dict:
         folder = resolve_model_path("smollm2")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(folder)
-        scores = _scores(run_harness(model, tok, names, tm, limit=limit, batch_size=args.batch_size), names)
     else:
-        from fedslice.harness import evaluate_harness
+        from fedslice.export import read_run
+        from fedslice.harness import harness_model
 
         run = load(args.out, row).get("run")
         if not run:
             raise SystemExit(f"{row}: no trained run (train it first)")
-        _, scores = evaluate_harness(run, names, limit=limit, batch_size=args.batch_size)
+        model, tok, _ = harness_model(read_run(run))
+    res = run_harness(model, tok, names, tm, limit=limit, batch_size=args.batch_size, log_samples=True)
+    scores = _scores(res, names)
     harness = {t: {m: v for m, v in s["metrics"].items()} | {"examples": s["samples"]}
                for t, s in scores.items()}
-    return save(args.out, row, {"harness": harness, "harness_limit": limit,
-                                "harness_cpu_s": time.process_time() - c0})
+    got = {"harness": harness, "harness_limit": limit, "harness_per_example": per_example(res),
+           "harness_cpu_s": time.process_time() - c0}
+    by_limit = load(args.out, row).get("harness_by_limit", {})  # every limit scored, kept
+    by_limit[str(limit)] = got
+    return save(args.out, row, {**got, "harness_by_limit": by_limit})
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
+    """Mean of a - b over the same questions, its standard error (sd of the differences / sqrt n)
+    and n."""
+    n = min(len(a), len(b))
+    d = [x - y for x, y in zip(a[:n], b[:n])]
+    m = sum(d) / n
+    sd = (sum((x - m) ** 2 for x in d) / (n - 1)) ** 0.5 if n > 1 else float("nan")
+    return m, sd / n ** 0.5, n
 
 
 def alone_rows(args) -> dict:
@@ -287,6 +320,32 @@ def alone_rows(args) -> dict:
     return load(args.out, "alone")
 
 
+def paired_lines(rows: dict[str, dict], tasks: list[str]) -> list[str]:
+    """Each row's harness accuracy against the base's and dense's on the same questions (in
+    points: mean difference ± its paired standard error; both at the same limit)."""
+    out = []
+    for name, r in rows.items():
+        mine = r.get("harness_per_example") or {}
+        for ref in ("base", "dense"):
+            theirs = rows[ref].get("harness_per_example") or {}
+            if name in (ref, "base", "natural-base") or not mine or not theirs \
+                    or r.get("harness_limit") != rows[ref].get("harness_limit"):
+                continue
+            cells = []
+            for t in tasks:
+                for metric in ("acc", "acc_norm"):
+                    a, b = (mine.get(t) or {}).get(metric), (theirs.get(t) or {}).get(metric)
+                    if a and b:
+                        m, se, n = paired(a, b)
+                        changed = sum(x != y for x, y in zip(a, b))
+                        cells.append(f"{t} {metric} {100 * m:+.2f} ± {100 * se:.2f} pt "
+                                     f"({changed} of {n} answers differ)")
+            if cells:
+                out.append(f"- {name} − {ref}: " + "; ".join(cells))
+    return ["", "Paired differences (same questions; mean ± standard error of the per-question "
+            "difference):", ""] + out if out else []
+
+
 def fmt(v, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -323,6 +382,7 @@ def write_table(args) -> None:
                      f"{fmt(r.get('test_rougeL'), '.4f')} | {fmt(mem, '.0f')}{x(mem, 'memory_mb')} | "
                      f"{fmt(r.get('gflops') or None, '.1f')}{x(r.get('gflops'), 'gflops')} | "
                      f"{fmt(r.get('upload_mb') or None, '.3f')} | {fmt(r.get('cpu_s'), '.0f')} |")
+    lines += paired_lines(rows, tasks)
     for name in ("p30", "p50", "mixed"):
         for p in rows[name].get("plans") or []:
             lines.append(f"- {name}: {json.dumps(p)[:300]}")

@@ -254,3 +254,25 @@ def test_harness_on_an_int8_base_scores_the_adapter_over_it(tiny_gen_cfg_dict, t
     trained, base = entry["metrics"]["bits_per_byte"], entry["baseline"]["metrics"]["bits_per_byte"]
     assert trained > 0 and base > 0 and trained != pytest.approx(base, abs=1e-7)
     assert "tiny_ppl: bits_per_byte" in capsys.readouterr().out
+
+
+def test_per_example_scores_pair_up_and_average_to_the_task_score(tiny_lm_dirs, tmp_path):
+    """``run_harness(log_samples=True)`` + ``per_example``: each example's score in document
+    order, averaging exactly to lm_eval's score; a perplexity's non-numeric pairs left out."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fedslice.harness import per_example, run_harness, task_manager
+    tasks = write_tiny_tasks(tmp_path / "tasks")
+    tm = task_manager([tasks], ["tiny_mc", "tiny_ppl"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm_dirs["llama"]).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_lm_dirs["llama"])
+    res = run_harness(model, tok, ["tiny_mc", "tiny_ppl"], tm, limit=9, log_samples=True)
+    got = per_example(res)
+    assert set(got["tiny_mc"]) == {"acc", "acc_norm"} and got["tiny_ppl"] == {}
+    for metric, values in got["tiny_mc"].items():
+        assert len(values) == 9 and set(values) <= {0.0, 1.0}
+        assert sum(values) / 9 == pytest.approx(res["results"]["tiny_mc"][f"{metric},none"], abs=1e-12)
+    again = per_example(run_harness(model, tok, ["tiny_mc"], tm, limit=9, log_samples=True))
+    assert again["tiny_mc"] == got["tiny_mc"]  # same documents, same order
+    with pytest.raises(ValueError, match="log_samples=True"):
+        per_example(run_harness(model, tok, ["tiny_mc"], tm, limit=2))

@@ -188,9 +188,12 @@ class _Expected(logging.Filter):
 
 
 def run_harness(model, tokenizer, names: list[str], tm, *, limit: float | None = None,
-                num_fewshot: int | None = None, batch_size: int | None = None) -> dict[str, Any]:
+                num_fewshot: int | None = None, batch_size: int | None = None,
+                log_samples: bool = False) -> dict[str, Any]:
     """lm_eval's ``simple_evaluate`` on an in-memory model, with the CLI's defaults (seeds,
-    bootstrap) so the numbers are the ones ``lm_eval`` prints for the same model."""
+    bootstrap) so the numbers are the ones ``lm_eval`` prints for the same model.
+    ``log_samples``: keep each example's scores (``results["samples"]``, read them with
+    :func:`per_example`), e.g. to compare two models question by question."""
     evaluator, _ = _lm_eval()
     from lm_eval.models.huggingface import HFLM
     loggers = [logging.getLogger(n) for n in ("lm_eval.models.huggingface", "lm_eval.api.task")]
@@ -200,10 +203,28 @@ def run_harness(model, tokenizer, names: list[str], tm, *, limit: float | None =
     try:
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size or 1)
         return evaluator.simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot,
-                                         limit=limit, task_manager=tm, log_samples=False)
+                                         limit=limit, task_manager=tm,
+                                         log_samples=log_samples)
     finally:
         for lg in loggers:
             lg.removeFilter(quiet)
+
+
+def per_example(results: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """Each example's score from a ``run_harness(..., log_samples=True)`` result, as
+    ``{task: {metric: [value of example 0, 1, ...]}}`` in the task's document order (the same
+    documents for every model at the same limit, so two models' lists pair up: a paired
+    difference's standard error is far below either score's). Metrics whose per-example value is
+    not a number (e.g. a perplexity's (loglikelihood, length) pair) are left out."""
+    if "samples" not in results:
+        raise ValueError("per_example needs the examples: run_harness(..., log_samples=True)")
+    out = {}
+    for task, rows in results["samples"].items():
+        rows = sorted(rows, key=lambda r: r["doc_id"])
+        names = rows[0]["metrics"] if rows else []
+        out[task] = {m: [float(r[m]) for r in rows] for m in names
+                     if all(isinstance(r[m], (int, float)) for r in rows)}
+    return out
 
 
 def evaluate_harness(run_dir: str | Path, tasks: str | list[str], *,
@@ -276,4 +297,4 @@ def summary_lines(entries: dict[str, Any]) -> list[str]:
 
 
 __all__ = ["HARNESS", "check_tasks", "evaluate_harness", "harness_model", "parse_tasks",
-           "run_harness", "summary_lines", "task_manager"]
+           "per_example", "run_harness", "summary_lines", "task_manager"]
