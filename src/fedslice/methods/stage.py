@@ -31,6 +31,7 @@ class Stage:
         """``below``: the stage below (the bottom method is still being built: read none of its
         state here, only the config and the loaded model)."""
         self.below = below
+        self.name = cfg.method.name  # the method run: the composition's registered name
 
     def __getattr__(self, name: str) -> Any:
         if name == "below":  # not set yet (or a copy being made): no recursion
