@@ -146,6 +146,27 @@ def test_run_with_activation_salience(tiny_gen_cfg_dict, calibration):
         torch.testing.assert_close(back[k], state[k])
 
 
+def test_a_resumed_run_reorders_by_activations_as_the_uninterrupted_one(tiny_gen_cfg_dict, tmp_path,
+                                                                      monkeypatch):
+    """The calibration forward is an argument of RaFFM's strategy, not set when the first state
+    is made: a run resumed from its round-1 checkpoint (which makes no initial state) re-orders
+    after round 2 by activations, and ends with the uninterrupted run's weights to the bit."""
+    from safetensors.torch import load_file
+    from test_checkpoint import reference_and_resumed
+
+    cfg = tiny_gen_cfg_dict
+    cfg["federation"].update(rounds=2)
+    cfg["method"] = {"name": "raffm", "salience": "activation", "calibration_examples": 6,
+                     "reorder_every": 1, "width_steps": 4,
+                     "tiers": [{"share": 0.5, "flops": 0.985}, {"share": 0.5, "flops": 1.0}],
+                     "elastic_sizes": [0.985, 1.0]}
+    reference, resumed = reference_and_resumed(cfg, tmp_path, monkeypatch, crash_round=2)
+    ref = load_file(str(reference / "final_trainable.safetensors"))
+    res = load_file(str(resumed / "final_trainable.safetensors"))
+    assert ref.keys() == res.keys()
+    assert all(torch.equal(ref[k], res[k]) for k in ref)
+
+
 def test_sandwich_masked_pass_is_the_smallest_submodel(llama):
     """The sandwich rule's second pass (the client's sub-model with the units past the smallest
     size's masked) computes exactly the smallest size's sub-model."""

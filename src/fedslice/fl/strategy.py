@@ -151,6 +151,12 @@ class Strategy:
         none."""
         return []
 
+    def initial(self, state: State) -> State:
+        """The global state the first round starts from, given the model's tensors of the
+        state's keys (as Flower's ``Strategy.initialize_parameters``): RaFFM salience-orders them,
+        FedPFT adds its proxy's tensors. Default: as given."""
+        return state
+
     def personal_tensors(self, names: Iterable[str]) -> set[str]:
         """Trainable tensors (among ``names``) that each client keeps for itself: never sent,
         never aggregated (FedSA-LoRA's B). Default: none."""
@@ -350,6 +356,9 @@ class Wrapper(Strategy):
 
     def frozen_state_keys(self, trainable, frozen) -> list[str]:
         return self.inner.frozen_state_keys(trainable, frozen)
+
+    def initial(self, state: State) -> State:
+        return self.inner.initial(state)
 
     def personal_tensors(self, names) -> set[str]:
         return self.inner.personal_tensors(names)

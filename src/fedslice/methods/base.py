@@ -400,9 +400,9 @@ class Method:
 
     def initial_state(self) -> State:
         """The global state the server starts from (a copy, detached from the model, in host
-        memory): :meth:`state_keys`."""
+        memory): :meth:`state_keys`, as the strategy starts from them (``Strategy.initial``)."""
         params = dict(self.model.named_parameters())
-        return {n: params[n].detach().cpu().clone() for n in self.state_keys()}
+        return self.strategy.initial({n: params[n].detach().cpu().clone() for n in self.state_keys()})
 
     @staticmethod
     @torch.no_grad()

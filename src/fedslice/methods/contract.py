@@ -20,7 +20,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
     # class methods, before anything is built
     "checks": ("check_config", "check_supported", "facts"),
     # the server (and each client process) builds the method once
-    "build": ("prepare_model", "make_strategy", "initial_state"),
+    "build": ("prepare_model", "make_strategy"),
     # a client: its model, its slice, local training, what its reply reports
     "client": ("client_model", "client_spec", "fit", "client_metrics", "prepare_clients"),
     # what the budget planner may vary, and the model each choice trains
@@ -50,8 +50,7 @@ class Checks(Protocol):
 
 class Build(Protocol):
     def prepare_model(self, model) -> Any: ...  # which parameters train
-    def make_strategy(self) -> Any: ...  # its payloads and weighting (wrapping the stage below's)
-    def initial_state(self) -> dict: ...  # the global state the server starts from
+    def make_strategy(self) -> Any: ...  # its payloads, weighting and first state (Strategy.initial)
 
 
 class Client(Protocol):

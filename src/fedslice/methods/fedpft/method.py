@@ -171,7 +171,7 @@ class FedPFT(Method):
 
     def make_strategy(self) -> Strategy:
         widths = self._widths()
-        return FedPFTStrategy(self.cfg.federation, self.opts, self.arch, list(self.proxy_params), widths,
+        return FedPFTStrategy(self.cfg.federation, self.opts, self.arch, self.proxy_params, widths,
                               offsets=stack_offsets(self.spec), base=self.client_base.payload(),
                               client_sizes=self.client_sizes, max_tokens=self._max_example_tokens())
 
@@ -213,11 +213,6 @@ class FedPFT(Method):
         return cached_distill(cache.cache_root(d.cache_dir), inputs, self.proxy_params, run)
 
     # -- state -------------------------------------------------------------------------------
-    def initial_state(self) -> State:
-        state = super().initial_state()
-        state.update({k: p.detach().clone() for k, p in self.proxy_params.items()})
-        return state
-
     @torch.no_grad()
     def _load(self, arrays: State) -> dict[str, nn.Parameter]:
         """Load LoRA + classifier (shared by proxy and full model), any proxy FFN tensors and

@@ -29,17 +29,24 @@ class FedPFTStrategy(Strategy):
     (``proxy_update.<key>`` slices along the neuron axis plus ``proxy_update.<layer>.index``),
     as the paper's communication analysis assumes."""
 
-    def __init__(self, fed, method: FedPFTMethod, arch: ArchSpec, proxy_keys: list[str],
+    def __init__(self, fed, method: FedPFTMethod, arch: ArchSpec, proxy: Mapping[str, torch.Tensor],
                  widths: dict[int, int], offsets: tuple[int, ...] = (0,),
                  base: State | None = None, client_sizes: Mapping[int, int] | None = None,
                  max_tokens: int = 512):
         super().__init__(fed, client_sizes)
         self.max_tokens = max_tokens  # tokens of one example at most (data.max_length [+ target])
-        self.method, self.arch, self.proxy_keys, self.widths = method, arch, set(proxy_keys), widths
+        self.method, self.arch, self.proxy_keys, self.widths = method, arch, set(proxy), widths
+        #: the proxy's compressed FFN tensors after layer KD (read once: :meth:`initial`)
+        self.proxy = proxy
         self.offsets = offsets  # global index of each stack's first layer (widths' keys)
         self.base = dict(base or {})  # the proxy's other frozen tensors (Payload.model), constant
         self.updates: list[dict[int, torch.Tensor]] = []  # neuron masks of each re-alignment
         self.client_version: dict[int, int] = {}  # re-alignments included in the client's copy
+
+    def initial(self, state: State) -> State:
+        """The trainable state and the proxy's compressed FFN tensors (the server keeps them
+        current: neuron-level KD re-distils them)."""
+        return {**state, **{k: t.detach().cpu().clone() for k, t in self.proxy.items()}}
 
     @property
     def version(self) -> int:

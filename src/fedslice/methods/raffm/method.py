@@ -32,7 +32,6 @@ from fedslice.report import run_label
 from fedslice.methods.raffm.strategy import RaFFMStrategy
 from fedslice.models.arch import ArchSpec
 from fedslice.models.loading import LoadedModel
-from fedslice.slicing.keys import sliceable_keys
 from fedslice.slicing.permute import Permutation, in_original_order, unpermute_state
 from fedslice.methods.plan_records import PlannedModel
 from fedslice.slicing.planner import WidthsByFlops, measure_training_step, spec_params, width_candidates
@@ -139,7 +138,8 @@ class RaFFM(Method):
             self.client_submodel(spec), self.profile, loss_fn=self.task.loss))
         return RaFFMStrategy(fed, opts, self.arch, self.all_dims, self.make_plans(), self.adapter.scale,
                              set(self.trainable()), self.client_sizes,
-                             scale_tensors(self.model, self.arch), self.knob_defaults)
+                             scale_tensors(self.model, self.arch), self.knob_defaults,
+                             self.calibration_activations if opts.salience == "activation" else None)
 
     def plan_axes(self, budgets) -> dict[str, list]:
         """Sub-models of ``budgets.width_steps`` widths (largest first, with their share of the
@@ -259,24 +259,6 @@ class RaFFM(Method):
             model = quantized_copy(self.submodel(spec), precision, self.arch)
         self._quantized[(spec, precision)] = (order, model)
         return model
-
-    def global_keys(self) -> list[str]:
-        """The names of the global state: the base's (:meth:`Method.state_keys`) and every
-        sliceable frozen tensor (the server re-orders them with the trainable ones)."""
-        names = [n for n, _ in self.model.named_parameters()]
-        trainable = list(self.trainable())
-        frozen = [n for n in names if n not in set(trainable)]
-        keep = set(trainable) | set(sliceable_keys(self.arch, names)) | \
-            set(self.strategy.frozen_state_keys(trainable, frozen))
-        return [n for n in names if n in keep]
-
-    def initial_state(self) -> State:
-        params = dict(self.model.named_parameters())
-        state = {n: params[n].detach().clone() for n in self.global_keys()}
-        self.slices.perm = Permutation.identity(self.all_dims)
-        if self.opts.salience == "activation":
-            self.slices.activations = self.calibration_activations
-        return self.slices.reorder(state) if self.opts.reorder else state
 
     # -- activation-aware salience -----------------------------------------------------------
     def calibration_batches(self) -> list[dict[str, torch.Tensor]]:

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fedslice.config import FederationConfig
@@ -30,7 +30,8 @@ class RaFFMStrategy(Strategy):
                  dims: list[Mapping[str, int]], plans: dict[int, ClientPlan],
                  adapter_scale: float | None, trainable: set[str] | None = None,
                  client_sizes: Mapping[int, int] | None = None, scales: State | None = None,
-                 knob_defaults: Mapping[str, Any] | None = None):
+                 knob_defaults: Mapping[str, Any] | None = None,
+                 activations: Callable[[State], dict] | None = None):
         super().__init__(fed, client_sizes)
         self.opts, self.arch, self.dims, self.plans = opts, arch, dims, plans
         #: frozen layer scales salience reads (DINOv2); the state's own values win
@@ -42,8 +43,8 @@ class RaFFMStrategy(Strategy):
         #: the method's knobs where a plan sets none (:meth:`fedslice.methods.base.Method.orders`)
         self.knob_defaults = dict(knob_defaults or {})
         #: salience = 'activation': state -> the output projections' mean |input| of the model
-        #: holding that state over the calibration batch (set by the method)
-        self.activations = None
+        #: holding that state over the calibration batch (the method's calibration forward)
+        self.activations = activations
 
     # -- ordering ----------------------------------------------------------------------------
     def reorder(self, state: State) -> State:
@@ -51,14 +52,20 @@ class RaFFMStrategy(Strategy):
         acts = None
         if self.opts.salience == "activation":
             if self.activations is None:
-                raise RuntimeError("salience = 'activation': the strategy has no calibration "
-                                   "forward (RaFFMStrategy.activations is unset)")
+                raise RuntimeError("salience = 'activation': the strategy was given no "
+                                   "calibration forward (RaFFMStrategy(activations=...))")
             acts = self.activations(state)
         sal = model_salience({**self.scales, **state}, self.arch, self.dims, self.opts.salience,
                              self.adapter_scale, acts)
         rel = salience_order(sal, self.dims, self.arch)
         self.perm = self.perm.then(rel)
         return permute_state(state, rel, self.arch)
+
+    def initial(self, state: State) -> State:
+        """The checkpoint's tensors salience-ordered (``method.reorder``; false: the
+        checkpoint's order, an ablation); the permutation starts from the checkpoint's."""
+        self.perm = Permutation.identity(self.dims)
+        return self.reorder(state) if self.opts.reorder else state
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "perm": self.perm.to_dict()}
