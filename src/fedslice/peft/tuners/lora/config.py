@@ -35,8 +35,9 @@ class LoraConfig(AdapterOptions):
         "restart from a fresh adapter; 'svd' (FlexLoRA) the mean of B A re-factorised by "
         "truncated SVD; 'fedsa' A shared, B kept on each client (personalised).")
     ranks: list[int] | None = Field(None, min_length=1, description="Ranks the budget planner may "
-                                    "give a client (each <= r), chosen per device tier from "
-                                    "method.tiers; unset: every client at r.")
+                                    "give a client (each <= r), chosen per client from its "
+                                    "budget ([budgets]; method.tiers spells its tiers); unset: "
+                                    "every client at r.")
     padding: Literal["holders", "zeros"] = Field(
         "holders", description="Clients of different ranks: each rank component is averaged over "
         "the clients that hold it ('holders', the default), or over every client with the "
