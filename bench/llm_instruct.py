@@ -92,13 +92,16 @@ def tier(f: float, dense: dict, share: float = 1.0) -> dict:
             "gflops_per_round": round(f * dense["gflops"], 2)}
 
 
-#: the planner's measured steps, shared by the rows that plan (and by reruns)
-STEP_CACHE = ROOT / "bench/results/llm_instruct/plan_steps"
+def step_cache(args) -> Path:
+    """The planner's measured steps, shared by the rows that plan (and by reruns): ``--step-cache``,
+    else ``<out>/plan_steps`` (beside the rows' results, so a run folder kept outside the checkout
+    keeps its cache too)."""
+    return (args.step_cache or args.out / "plan_steps").resolve()
 
 
-def budgets(tiers: list[dict], knobs: dict) -> dict:
+def budgets(tiers: list[dict], knobs: dict, cache: Path) -> dict:
     b = {"tiers": tiers, "precisions": ["none"], "adapter_depths": [1.0], "local_work": [1.0],
-         "checkpointing": True, "micro_batches": [1, 2, 4], "step_cache": str(STEP_CACHE)}
+         "checkpointing": True, "micro_batches": [1, 2, 4], "step_cache": str(cache)}
     b.update({k: v for k, v in knobs.items() if k != "ranks"})
     return b
 
@@ -112,7 +115,7 @@ def row_config(row: str, args, dense: dict | None) -> dict:
              "mixed": [tier(f, dense, s) for f, s in ((0.3, 0.33), (0.5, 0.33), (1.0, 0.34))]
              if dense else None}.get(row)
     if tiers is not None:
-        cfg["budgets"] = budgets(tiers, PLANNER)
+        cfg["budgets"] = budgets(tiers, PLANNER, step_cache(args))
         cfg["lora"]["ranks"] = RANKS
     return cfg
 
@@ -302,7 +305,7 @@ def alone_rows(args) -> dict:
             cfg = row_config("dense", args, None)
             cfg["budgets"] = budgets([tier(f, dense)], {"checkpointing": False, "micro_batches": [1],
                                                         **knobs}
-                                     if name != "checkpointing+micro-batches" else {})
+                                     if name != "checkpointing+micro-batches" else {}, step_cache(args))
             if "ranks" in knobs:
                 cfg["lora"]["ranks"] = knobs["ranks"]
             path = args.out / "plan.json"
@@ -320,28 +323,39 @@ def alone_rows(args) -> dict:
     return load(args.out, "alone")
 
 
+def per_example_at(r: dict) -> dict[int, dict]:
+    """A row's per-question harness scores at every limit it was scored at (``{limit: {task:
+    {metric: [score per question]}}}``), the latest at ``harness_limit`` included."""
+    out = {int(float(k)): v["harness_per_example"] for k, v in (r.get("harness_by_limit") or {}).items()
+           if v.get("harness_per_example")}
+    if r.get("harness_per_example") and r.get("harness_limit") is not None:
+        out[int(r["harness_limit"])] = r["harness_per_example"]
+    return out
+
+
 def paired_lines(rows: dict[str, dict], tasks: list[str]) -> list[str]:
     """Each row's harness accuracy against the base's and dense's on the same questions (in
-    points: mean difference ± its paired standard error; both at the same limit)."""
+    points: mean difference ± its paired standard error), at every limit both were scored at."""
     out = []
     for name, r in rows.items():
-        mine = r.get("harness_per_example") or {}
+        mine = per_example_at(r)
         for ref in ("base", "dense"):
-            theirs = rows[ref].get("harness_per_example") or {}
-            if name in (ref, "base", "natural-base") or not mine or not theirs \
-                    or r.get("harness_limit") != rows[ref].get("harness_limit"):
+            if name in (ref, "base", "natural-base"):
                 continue
-            cells = []
-            for t in tasks:
-                for metric in ("acc", "acc_norm"):
-                    a, b = (mine.get(t) or {}).get(metric), (theirs.get(t) or {}).get(metric)
-                    if a and b:
-                        m, se, n = paired(a, b)
-                        changed = sum(x != y for x, y in zip(a, b))
-                        cells.append(f"{t} {metric} {100 * m:+.2f} ± {100 * se:.2f} pt "
-                                     f"({changed} of {n} answers differ)")
-            if cells:
-                out.append(f"- {name} − {ref}: " + "; ".join(cells))
+            theirs = per_example_at(rows[ref])
+            for limit in sorted(set(mine) & set(theirs)):
+                cells = []
+                for t in tasks:
+                    for metric in ("acc", "acc_norm"):
+                        a = (mine[limit].get(t) or {}).get(metric)
+                        b = (theirs[limit].get(t) or {}).get(metric)
+                        if a and b:
+                            m, se, n = paired(a, b)
+                            changed = sum(x != y for x, y in zip(a, b))
+                            cells.append(f"{t} {metric} {100 * m:+.2f} ± {100 * se:.2f} pt "
+                                         f"({changed} of {n} answers differ)")
+                if cells:
+                    out.append(f"- {name} − {ref} (at {limit}): " + "; ".join(cells))
     return ["", "Paired differences (same questions; mean ± standard error of the per-question "
             "difference):", ""] + out if out else []
 
@@ -360,10 +374,10 @@ def write_table(args) -> None:
              f"rounds x {args.per_round} clients x {args.local_steps} local steps x "
              f"{c['federation']['batch_size']} conversations, lr {c['federation']['lr']:g}, seed "
              f"{args.seed}; held-out: {c['data']['max_test_examples']} test conversations; "
-             f"harness: {', '.join(tasks)}, first {args.limit:g} examples each, zero-shot.", "",
+             f"harness: {', '.join(tasks)}, zero-shot, acc (the first N questions scored).", "",
              "| row | fits | " + " | ".join(f"{t} acc" for t in tasks) +
              " | held-out loss | Δ loss vs dense | test ROUGE-L | peak MiB (× dense) | GFLOPs/client-round "
-             "(× dense) | upload MB/client-round | train CPU s |",
+             "(× dense) | upload MB/client-round | process CPU-s (train + test eval) |",
              "|---|---|" + "---|" * len(tasks) + "---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if not r or name == "alone":
@@ -372,7 +386,8 @@ def write_table(args) -> None:
             lines.append(f"| {name} | no: {' '.join(r['why'].split())[:150]} |" + " |" * (len(tasks) + 7))
             continue
         h = r.get("harness", {})
-        accs = [fmt((h.get(t) or {}).get("acc"), ".4f") for t in tasks]
+        accs = [fmt((h.get(t) or {}).get("acc"), ".4f") +
+                (f" ({h[t]['examples']})" if (h.get(t) or {}).get("examples") else "") for t in tasks]
         dl = (r["test_loss"] / dense["test_loss"] - 1) if dense.get("test_loss") and r.get("test_loss") \
             and not name.startswith("natural") else None
         mem = r.get("memory_mb")
@@ -419,6 +434,8 @@ def main(argv=None) -> None:
     ap.add_argument("--again", action="store_true")
     ap.add_argument("--table", action="store_true", help="only rewrite results.md")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/llm_instruct")
+    ap.add_argument("--step-cache", type=Path, default=None,
+                    help="the planner's measured steps (budgets.step_cache; default <out>/plan_steps)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import torch
