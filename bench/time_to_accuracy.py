@@ -655,7 +655,7 @@ def per_round(args) -> str:
                          if m.get("used") is not False)
                 pace[name] = (len(recs) / end, ex / end)
             rows_ = piece["records"]
-            dl = ref.get("deadline_s") if parse_variant(v)[0] in ("deadline", "planner") else None
+            dl = piece["ref"].get("deadline_s") if parse_variant(v)[0] in ("deadline", "planner") else None
             span = (f"{np.mean([r['sim_round_s'] for r in rows_]) / dl:.2f}" if dl else "-")
             busy = ("-" if parse_variant(v)[0] == "async" else  # versions, not rounds clients wait in
                     f"{np.mean([np.mean([m['sim_s'] for m in r['client_metrics']]) / r['sim_round_s'] for r in rows_ if r['client_metrics'] and r['sim_round_s']]):.2f}")
