@@ -612,7 +612,7 @@ def below_target(args) -> str:
                 t = time_to([e for e in p["evals"] if e["t"] <= budget + 1e-9], thr, higher, args.smooth)
                 cells[r].append((t, None if t is None or not t_all else t / t_all))
         lines.append(f"| all's round-{args.target_rounds} value {'-' if higher else '+'} {gap:g} "
-                     f"{'pt' if higher else ''} | "
+                     f"{'pt' if higher else 'nats'} | "
                      + " | ".join(f"{_ms([t for t, _ in c], '.1f')} ({_ms([x for _, x in c], '.2f')})"
                                   if c else "-" for c in cells.values()) + " |")
     return head + "\n" + "\n".join(lines) + "\n"
@@ -765,8 +765,9 @@ def main(argv=None) -> int:
                     help="the planner row's budgets.adapter_depths")
     ap.add_argument("--ranks", type=int, nargs="+", default=[16, 8, 4, 2],
                     help="the planner row's lora.ranks")
-    ap.add_argument("--below", type=float, nargs="+", default=[1.0, 3.0, 5.0],
-                    help="also report the time to all's target less these points (a loss: plus)")
+    ap.add_argument("--below", type=float, nargs="+", help="also report the time to all's "
+                    "target less these points (default 1 3 5); a loss: plus these nats (default "
+                    "0.05 0.1 0.2)")
     ap.add_argument("--smooth", type=int, default=3, help="the dev metric is the running mean of "
                     "this many measurements (the target, the time to it, the value at the budget)")
     ap.add_argument("--budget-x", type=float, default=2.0, help="the rows other than all run to "
@@ -802,6 +803,8 @@ def main(argv=None) -> int:
     for k, v in DEFAULTS[args.workload].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.below is None:  # easier targets: points of accuracy, or nats of a loss
+        args.below = [1.0, 3.0, 5.0] if WORKLOADS[args.workload][2] else [0.05, 0.1, 0.2]
     for seed in args.seeds:
         for row in sorted(args.rows, key=lambda v: v != "all"):  # all first: the others read its piece
             if row != "all" and not piece_path(args, seed, "all").is_file():

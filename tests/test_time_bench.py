@@ -113,6 +113,11 @@ def test_a_loss_workload_targets_the_lowest(bench, tmp_path, tiny_lm_dirs, tiny_
     assert ref["t_star"] == next(e["t"] for e, v in zip(all_["evals"], sm) if v <= ref["target"])
     assert all(e["metric"] > 0 for e in all_["evals"])  # a loss, not an accuracy
     assert (out / "tinygen-seed0-async.json").is_file()
+    # the easier targets of a loss are nats above all's (points of accuracy would be whole nats)
+    assert bench.main(["--workload", "tinygen", "--seeds", "0", "--out", str(out), "--rows", "all",
+                       "async", "--report", str(out / "gen.md")]) == 0
+    text = (out / "gen.md").read_text()
+    assert "| all's round-3 value + 0.05 nats |" in text and "+ 1 " not in text
 
 
 def test_settings_are_rows_of_their_own(bench, tmp_path):
