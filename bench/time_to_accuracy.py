@@ -30,9 +30,14 @@ dev metric at ``2 t*`` (quality under budget), wasted client FLOPs (replies drop
 budget, MB uploaded within it, and each client-round's simulated seconds over the planner's
 predicted seconds. The summary gives the mean and spread over seeds.
 
-Each (workload, row, seed) run is one resumable piece (a JSON file under ``--out``, written when
-the piece completes; an existing one is reused), so a shared machine can run them one at a
-time; ``deadline`` and ``planner`` read ``all``'s piece (the deadline, the grid, the budget)::
+Each (workload, row, seed) run is one piece (a JSON file under ``--out``, written when the
+piece completes; an existing one is reused), so a shared machine can run them one at a time;
+``deadline`` and ``planner`` read ``all``'s piece (the deadline, the grid, the budget). A piece
+keeps a checkpoint of its last round (``NAME.partial/``, every ``--checkpoint-every`` rounds):
+one that ``timeout`` ends is written as it stands (not complete; the bench exits with status 3
+and starts nothing more) and the same command resumes it from there, exactly as it would have
+run on. ``--eval-rounds N`` also measures a row's model every N rounds, and the report then sets
+its learning per round against its rounds per simulated second (budget or implementation)::
 
     flock /tmp/fedslice-heavy.lock python bench/time_to_accuracy.py --seeds 0 --rows all
     flock /tmp/fedslice-heavy.lock python bench/time_to_accuracy.py --seeds 0 --rows deadline async planner
@@ -47,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import signal
 import sys
 import time
@@ -56,6 +62,8 @@ from pathlib import Path
 import numpy as np
 
 ROWS = ("all", "deadline", "async", "planner")
+#: main's exit status when `timeout` ended a piece (written as it stands; the same command resumes it)
+INTERRUPTED = 3
 
 
 def parse_variant(variant: str) -> tuple[str, dict]:
@@ -200,7 +208,8 @@ def variant_ref(args, seed: int, variant: str) -> dict:
     """``all``'s reference (target, t*, budget) with the variant's deadline: the default
     ``--deadline-quantile``'s, or its own percentile of the client-round times ``all`` measured
     in its first ``--target-rounds`` rounds."""
-    piece = run_piece(args, seed, "all")
+    path = piece_path(args, seed, "all")  # as it ran (an interrupted all is not resumed here)
+    piece = json.loads(path.read_text()) if path.is_file() else run_piece(args, seed, "all")
     ref = dict(piece["ref"])
     q = parse_variant(variant)[1].get("quantile")
     if q is not None:
@@ -223,9 +232,15 @@ def make_driver(args, method, data, row: str, ref: dict | None):
     _, metric, higher = WORKLOADS[args.workload]
 
     class Driver(Rounds):
-        def __init__(self, cfg):
-            super().__init__(cfg, method)
+        def __init__(self, cfg, checkpoint=None, partial: Path | None = None):
+            super().__init__(cfg, method, checkpoint)
+            self.partial = partial  # the folder of the piece's checkpoint (None: none kept)
+            self.saved = checkpoint.round if checkpoint is not None else 0  # the round it holds
             self.evals: list[dict] = []  # {t, round, metric}: the model available from t on
+            # {t, round, metric} every --eval-rounds rounds (a row other than all): its learning
+            # per round, against all's (measured every --all-eval-every rounds)
+            self.round_evals: list[dict] = []
+            self.measured: dict[int, float] = {}  # round -> its model's dev metric
             self.prev: tuple[int, dict] | None = None  # (round, state) published before this one
             self.target = self.t_star = self.t_target = None
             self.stopped_at_target = False
@@ -236,11 +251,40 @@ def make_driver(args, method, data, row: str, ref: dict | None):
                 self.points = sorted({round(float(p), 9) for p in pts})
             else:
                 self.budget, self.points = math.inf, []
+            if checkpoint is not None:  # a resumed piece: where it stood after that round
+                b = checkpoint.server["bench"]
+                self.evals, self.round_evals, self.points = b["evals"], b["round_evals"], b["points"]
+                self.measured = {int(k): v for k, v in b["measured"]}
+                self.budget = math.inf if b["budget"] is None else b["budget"]
+                self.target, self.t_star, self.t_target = b["target"], b["t_star"], b["t_target"]
 
-        def evaluate(self, rnd: int, state: dict, t: float) -> None:
-            if self.evals and self.evals[-1]["round"] == rnd:  # the same model: measured once
-                self.evals.append({**self.evals[-1], "t": t})
-                return
+        def initial_state(self, selector, clock=None):
+            state = super().initial_state(selector, clock)
+            if self.checkpoint is not None:  # the model published last before the interruption
+                self.prev = (self.checkpoint.round, state)
+            return state
+
+        def save(self, rnd: int, state: dict, selector, clock) -> None:
+            """The piece's checkpoint after round ``rnd``: the library's (the global state, the
+            server's, the selector's and the clock's: what is in flight; the RNGs) with what
+            this driver has measured, in one file written atomically."""
+            from fedslice.run.checkpoint import capture, write_checkpoint
+
+            ckpt = capture(rnd, self.cfg.model_dump(mode="json"), method, selector, state,
+                           self.records, self.elapsed(), clock)
+            ckpt.server["bench"] = {
+                "evals": self.evals, "round_evals": self.round_evals, "points": self.points,
+                "measured": [[k, v] for k, v in self.measured.items()],
+                "budget": None if math.isinf(self.budget) else self.budget,
+                "target": self.target, "t_star": self.t_star, "t_target": self.t_target}
+            self.partial.mkdir(parents=True, exist_ok=True)
+            write_checkpoint(self.partial, ckpt)
+            self.saved = rnd
+
+        def measure(self, rnd: int, state: dict) -> float:
+            """Round ``rnd``'s model's dev metric (each model measured once)."""
+            if rnd in self.measured:
+                return self.measured[rnd]
             if metric == "loss" and hasattr(method.task, "target_nll"):
                 # a generative task: the loss on the references only (no generations)
                 from fedslice.tasks.text2text import eval_mode
@@ -250,7 +294,11 @@ def make_driver(args, method, data, row: str, ref: dict | None):
                     value = method.task.target_nll(model, data.dev, args.eval_batch_size)
             else:
                 value = method.evaluate(state, data.dev, args.eval_batch_size)[metric]
-            self.evals.append({"t": t, "round": rnd, "metric": float(value)})
+            self.measured[rnd] = float(value)
+            return self.measured[rnd]
+
+        def evaluate(self, rnd: int, state: dict, t: float) -> None:
+            self.evals.append({"t": t, "round": rnd, "metric": self.measure(rnd, state)})
 
         def round_done(self, rnd, state, record, selector, clock=None):
             super().round_done(rnd, state, record, selector, clock)
@@ -261,6 +309,8 @@ def make_driver(args, method, data, row: str, ref: dict | None):
                     self.evaluate(*self.prev, p)
             if self.points and abs(self.points[0] - now) <= 1e-9:
                 self.evaluate(rnd, state, self.points.pop(0))
+            if ref is not None and args.eval_rounds and rnd % args.eval_rounds == 0:
+                self.round_evals.append({"t": now, "round": rnd, "metric": self.measure(rnd, state)})
             if ref is None and (rnd % args.all_eval_every == 0 or rnd == args.target_rounds):
                 self.evaluate(rnd, state, now)
             if ref is None and rnd == args.target_rounds:
@@ -279,26 +329,55 @@ def make_driver(args, method, data, row: str, ref: dict | None):
                 raise Budget
             if now >= self.budget - 1e-9 and not self.points:
                 raise Budget
+            if self.partial is not None and args.checkpoint_every and rnd % args.checkpoint_every == 0:
+                self.save(rnd, state, selector, clock)
 
     return Driver
 
 
+def partial_path(path: Path) -> Path:
+    """The folder of a piece's checkpoint (kept after every ``--checkpoint-every`` rounds until
+    the piece completes): a piece that ``timeout`` ended resumes from it."""
+    return path.with_suffix(".partial")
+
+
+def to_run(path: Path) -> bool:
+    """A piece not run yet, or interrupted with a checkpoint to resume from."""
+    from fedslice.run.checkpoint import CHECKPOINT
+
+    return not path.is_file() or (not json.loads(path.read_text())["complete"]
+                                  and (partial_path(path) / CHECKPOINT).is_file())
+
+
 def run_piece(args, seed: int, variant: str) -> dict:
-    """One (workload, row and setting, seed) run, cached as JSON under --out."""
+    """One (workload, row and setting, seed) run, cached as JSON under --out. A piece that was
+    interrupted (``timeout``) is written as it stands (not complete) and resumed by the next
+    call from its checkpoint, exactly as it would have run on."""
     path = piece_path(args, seed, variant)
-    if path.is_file():
-        return json.loads(path.read_text())
+    partial = partial_path(path)
+    if not to_run(path):
+        piece = json.loads(path.read_text())
+        if variant != "all" and getattr(args, "eval_rounds", 0) and "round_evals" not in piece:
+            print(f"  {path.name}: reused as it ran, without --eval-rounds' measurements", flush=True)
+        return piece
     from fedslice.api import setup
     from fedslice.experiment import validate_config
     from fedslice.run.asynchronous import simulation_for
+    from fedslice.run.checkpoint import CHECKPOINT, check_same_config, read_checkpoint
 
     row = parse_variant(variant)[0]
     ref = None if row == "all" else variant_ref(args, seed, variant)
     cfg = validate_config(row_config(args, seed, variant, ref))
+    checkpoint = None
+    if (partial / CHECKPOINT).is_file():
+        checkpoint = read_checkpoint(partial)
+        check_same_config(checkpoint.config, cfg.model_dump(mode="json"), partial)
+        print(f"  resumed after round {checkpoint.round} ({partial})", flush=True)
     t0 = time.perf_counter()
     method, data = setup(cfg)
-    driver = make_driver(args, method, data, row, ref)(cfg)
-    complete = False
+    driver = make_driver(args, method, data, row, ref)(cfg, checkpoint,
+                                                       partial if args.checkpoint_every else None)
+    complete = interrupted_ = False
 
     def interrupted(signum, frame):  # `timeout` ends the piece: keep what it measured
         raise Interrupted
@@ -309,10 +388,14 @@ def run_piece(args, seed: int, variant: str) -> dict:
     except Budget:
         complete = True
     except Interrupted:
+        interrupted_ = True
         print(f"  interrupted at round {len(driver.records)}: the piece is written as it stands "
-              "(not complete)", flush=True)
+              "(not complete)" + (f"; the same command resumes it after round {driver.saved}"
+                                  if driver.saved else ""), flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if not interrupted_ and partial.is_dir():  # ended (the budget, the round cap): nothing to resume
+        shutil.rmtree(partial)
     records = driver.records
     slim = [{k: r.get(k) for k in ("round", "sim_time_s", "sim_round_s", "wasted_flops",
                                    "round_flops", "staleness_mean", "examples_used", "sat_out",
@@ -325,8 +408,10 @@ def run_piece(args, seed: int, variant: str) -> dict:
             for r in records]
     out = {"workload": args.workload, "row": row, "variant": variant, "seed": seed,
            "complete": complete, "config": row_config(args, seed, variant, ref), "records": slim, "evals": driver.evals,
-           "wall_s_loaded_machine": time.perf_counter() - t0,
-           "budget_s": driver.budget, "stopped_at_target": driver.stopped_at_target}
+           **({"round_evals": driver.round_evals} if driver.round_evals else {}),
+           "wall_s_loaded_machine": time.perf_counter() - t0 + (checkpoint.elapsed_s if checkpoint else 0.0),
+           "budget_s": driver.budget, "stopped_at_target": driver.stopped_at_target,
+           **({"interrupted": True} if interrupted_ else {})}
     if row == "all":
         secs = [m["sim_s"] for r in records[:args.target_rounds] for m in r["client_metrics"]]
         out["ref"] = {"target": driver.target, "t_star": driver.t_star, "t_target": driver.t_target,
@@ -457,7 +542,7 @@ def summarize(args) -> str:
               f"dev {metric} at 2t* | wasted FLOPs | upload MB |\n|---|---|---|---|---|---|---|---|")
     return (head + "\n" + "\n".join(lines) + "\n\n" + sat_line + prediction_breakdown(args)
             + "\nTime to lower targets (the seeds' mean ± sd; x: over all's time to the same):\n\n"
-            + below_target(args)
+            + below_target(args) + per_round(args)
             + "\nPer seed:\n\n" + detail + "\n" + "\n".join(per_seed) + "\n")
 
 
@@ -527,10 +612,76 @@ def below_target(args) -> str:
                 t = time_to([e for e in p["evals"] if e["t"] <= budget + 1e-9], thr, higher, args.smooth)
                 cells[r].append((t, None if t is None or not t_all else t / t_all))
         lines.append(f"| all's round-{args.target_rounds} value {'-' if higher else '+'} {gap:g} "
-                     f"{'pt' if higher else ''} | "
+                     f"{'pt' if higher else 'nats'} | "
                      + " | ".join(f"{_ms([t for t, _ in c], '.1f')} ({_ms([x for _, x in c], '.2f')})"
                                   if c else "-" for c in cells.values()) + " |")
     return head + "\n" + "\n".join(lines) + "\n"
+
+
+def by_round(evals: list[dict]) -> dict[int, float]:
+    """Each measured round's dev metric (a model measured at several time points counts once)."""
+    return {e["round"]: e["metric"] for e in evals}
+
+
+def per_round(args) -> str:
+    """Speed against learning, for the rows measured every ``--eval-rounds`` rounds: a row's
+    simulated time to a target is its rounds to it times its seconds per round, so it is slower
+    or faster than all's either because its rounds are (the policy, the deadline, the plans'
+    fit: the implementation) or because a round of it learns less (sub-models, stale or dropped
+    replies: what the budget costs). Per seed: rounds and examples trained per simulated second
+    (x all's), a round's length over the deadline and the clients' busy share of it, the dev
+    metric minus all's at the same rounds (up to all's target round, and after it), and the
+    round at which the row's running mean over the same rounds as all's (``--smooth``
+    measurements ``--all-eval-every`` rounds apart) reaches the target, with its simulated time
+    over all's t*."""
+    _, metric, higher = WORKLOADS[args.workload]
+    scale = 100 if higher else 1
+    lines = []
+    for seed in args.seeds:
+        if not piece_path(args, seed, "all").is_file():
+            continue
+        base = json.loads(piece_path(args, seed, "all").read_text())
+        ref, all_curve = base["ref"], by_round(base["evals"])
+        t_star_round = next(e["round"] for e in base["evals"] if abs(e["t"] - ref["t_star"]) < 1e-9)
+        for v in report_variants(args)[1:]:
+            p = report_piece(args, seed, v)
+            piece = json.loads(p.read_text()) if p.is_file() else {}
+            if not piece.get("round_evals"):
+                continue
+            pace = {}
+            for name, recs in (("all", base["records"]), ("row", piece["records"])):
+                end = recs[-1]["sim_time_s"]
+                ex = sum(m.get("examples_trained") or 0 for r in recs for m in r["client_metrics"]
+                         if m.get("used") is not False)
+                pace[name] = (len(recs) / end, ex / end)
+            rows_ = piece["records"]
+            dl = piece["ref"].get("deadline_s") if parse_variant(v)[0] in ("deadline", "planner") else None
+            span = (f"{np.mean([r['sim_round_s'] for r in rows_]) / dl:.2f}" if dl else "-")
+            busy = ("-" if parse_variant(v)[0] == "async" else  # versions, not rounds clients wait in
+                    f"{np.mean([np.mean([m['sim_s'] for m in r['client_metrics']]) / r['sim_round_s'] for r in rows_ if r['client_metrics'] and r['sim_round_s']]):.2f}")
+            curve = by_round(piece["round_evals"])
+            diffs = [(r, (curve[r] - all_curve[r]) * scale) for r in sorted(curve) if r in all_curve]
+            early = [d for r, d in diffs if r <= args.target_rounds]
+            late = [d for r, d in diffs if r > args.target_rounds]
+            rounds = [e for e in piece["round_evals"] if e["round"] % args.all_eval_every == 0]
+            hit = next((e for e, x in zip(rounds, smoothed(rounds, args.smooth))
+                        if better(higher, x, ref["target"])), None)
+            d = lambda xs: "-" if not xs else f"{np.mean(xs):+.2f} ({len(xs)})"
+            lines.append(
+                f"| {v} | {seed} | {pace['row'][0] / pace['all'][0]:.2f} | "
+                f"{pace['row'][1] / pace['all'][1]:.2f} | {span} | {busy} | {d(early)} | {d(late)} | "
+                + (f"{hit['round']} (all: {t_star_round}) | {hit['t']:.1f} ({hit['t'] / ref['t_star']:.2f}x) |"
+                   if hit else f"not by round {piece['round_evals'][-1]['round']} (all: {t_star_round}) | - |"))
+    if not lines:
+        return ""
+    unit = "pt" if higher else "nats"
+    return ("\nLearning per round against speed (rows measured every round or few: "
+            f"--eval-rounds; all measured every {args.all_eval_every} rounds; x: over all's):\n\n"
+            f"| row | seed | rounds per sim s (x) | examples per sim s (x) | mean round / deadline | "
+            f"clients' busy share of a round | dev {metric} - all's at the same round, rounds <= "
+            f"{args.target_rounds} ({unit}, n) | after | round reaching the target, running mean over "
+            f"all's rounds | its sim s (x all's t*) |\n|---|---|---|---|---|---|---|---|---|---|\n"
+            + "\n".join(lines) + "\n")
 
 
 def report_variants(args, rows: list[str] | None = None) -> list[str]:
@@ -614,8 +765,9 @@ def main(argv=None) -> int:
                     help="the planner row's budgets.adapter_depths")
     ap.add_argument("--ranks", type=int, nargs="+", default=[16, 8, 4, 2],
                     help="the planner row's lora.ranks")
-    ap.add_argument("--below", type=float, nargs="+", default=[1.0, 3.0, 5.0],
-                    help="also report the time to all's target less these points (a loss: plus)")
+    ap.add_argument("--below", type=float, nargs="+", help="also report the time to all's "
+                    "target less these points (default 1 3 5); a loss: plus these nats (default "
+                    "0.05 0.1 0.2)")
     ap.add_argument("--smooth", type=int, default=3, help="the dev metric is the running mean of "
                     "this many measurements (the target, the time to it, the value at the budget)")
     ap.add_argument("--budget-x", type=float, default=2.0, help="the rows other than all run to "
@@ -624,7 +776,14 @@ def main(argv=None) -> int:
     ap.add_argument("--stop-at-target", action="store_true", help="a row other than all stops "
                     "once its (smoothed) dev metric reaches the target (the time to it known; no "
                     "value at 2 t*)")
+    ap.add_argument("--eval-rounds", type=int, default=0, help="a row other than all also "
+                    "measures its model every this many rounds (the piece's round_evals; 0: not): "
+                    "the report then compares its learning per round with all's (measured every "
+                    "--all-eval-every rounds) and its speed in rounds per simulated second")
     ap.add_argument("--max-rounds", type=int, default=600, help="a piece stops here at the latest")
+    ap.add_argument("--checkpoint-every", type=int, default=1, help="a piece keeps a checkpoint "
+                    "every this many rounds (beside it: NAME.partial/, removed once it ends), from "
+                    "which the same command resumes it after a timeout (0: none)")
     ap.add_argument("--gflops", type=float, help="median training GFLOP/s")
     ap.add_argument("--speed-sigma", type=float, default=0.9)
     ap.add_argument("--upload", type=float, default=1.0, help="median MB/s up")
@@ -644,17 +803,23 @@ def main(argv=None) -> int:
     for k, v in DEFAULTS[args.workload].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.below is None:  # easier targets: points of accuracy, or nats of a loss
+        args.below = [1.0, 3.0, 5.0] if WORKLOADS[args.workload][2] else [0.05, 0.1, 0.2]
     for seed in args.seeds:
         for row in sorted(args.rows, key=lambda v: v != "all"):  # all first: the others read its piece
             if row != "all" and not piece_path(args, seed, "all").is_file():
                 print(f"{args.workload} seed {seed} {row}: skipped (run all first: --rows all)")
                 continue
-            if not (report_piece if args.report else piece_path)(args, seed, row).is_file():
-                if args.report:  # a report reads what has run; it never starts a piece
+            if args.report:  # a report reads what has run; it never starts a piece
+                if not report_piece(args, seed, row).is_file():
                     print(f"{args.workload} seed {seed} {row}: not run yet (left out)")
                     continue
+            elif to_run(piece_path(args, seed, row)):
                 print(f"{args.workload} seed {seed} {row}: running", flush=True)
-                run_piece(args, seed, row)
+                if run_piece(args, seed, row).get("interrupted"):  # timeout: start nothing more
+                    print(f"{args.workload} seed {seed} {row}: interrupted; the same command "
+                          "resumes it", flush=True)
+                    return INTERRUPTED
             print(f"{args.workload} seed {seed} {row}: done", flush=True)
     table = summarize(args)
     print(table)

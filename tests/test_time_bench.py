@@ -113,6 +113,11 @@ def test_a_loss_workload_targets_the_lowest(bench, tmp_path, tiny_lm_dirs, tiny_
     assert ref["t_star"] == next(e["t"] for e, v in zip(all_["evals"], sm) if v <= ref["target"])
     assert all(e["metric"] > 0 for e in all_["evals"])  # a loss, not an accuracy
     assert (out / "tinygen-seed0-async.json").is_file()
+    # the easier targets of a loss are nats above all's (points of accuracy would be whole nats)
+    assert bench.main(["--workload", "tinygen", "--seeds", "0", "--out", str(out), "--rows", "all",
+                       "async", "--report", str(out / "gen.md")]) == 0
+    text = (out / "gen.md").read_text()
+    assert "| all's round-3 value + 0.05 nats |" in text and "+ 1 " not in text
 
 
 def test_settings_are_rows_of_their_own(bench, tmp_path):
@@ -207,3 +212,70 @@ def test_a_sigterm_ends_the_piece_even_inside_a_replys_validation(bench):
     state = {"w": torch.zeros(2)}
     with pytest.raises(bench.Interrupted):
         strategy.validate(state, Payload(dict(state), {}), Reply({"w": torch.ones(2)}, 1, {}))
+
+
+def test_a_row_measured_every_round_compares_its_learning_per_round_with_alls(bench, tmp_path):
+    """``--eval-rounds N``: a row other than all also measures its model every N rounds (each
+    model once: the time grid's measurement of the same round is the same value), and the report
+    sets its rounds per simulated second against its dev metric at the same rounds as all's."""
+    out = tmp_path / "per-round"
+    argv = ["--workload", "tiny", "--seeds", "0", "--out", str(out), "--threads", "1",
+            "--rows", "all", "planner", "--eval-rounds", "1"]
+    assert bench.main(argv) == 0
+    assert bench.main(argv + ["--report", str(out / "tiny.md")]) == 0
+    all_ = json.loads((out / "tiny-seed0-all.json").read_text())
+    planner = json.loads((out / "tiny-seed0-planner.json").read_text())
+    assert "round_evals" not in all_  # all is measured every --all-eval-every rounds as before
+    ends = {r["round"]: r["sim_time_s"] for r in planner["records"]}
+    assert [e["round"] for e in planner["round_evals"]] == list(ends)  # every round, at its end
+    assert all(e["t"] == ends[e["round"]] for e in planner["round_evals"])
+    value = {e["round"]: e["metric"] for e in planner["round_evals"]}
+    assert planner["evals"] and all(e["metric"] == value[e["round"]] for e in planner["evals"])
+    line = next(x for x in (out / "tiny.md").read_text().split("Learning per round")[1].splitlines()
+                if x.startswith("| planner | 0 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    pace = lambda p: len(p["records"]) / p["records"][-1]["sim_time_s"]
+    assert float(cells[2]) == pytest.approx(pace(planner) / pace(all_), abs=0.006)
+    all_at = {e["round"]: e["metric"] for e in all_["evals"]}
+    early = [(value[r] - all_at[r]) * 100 for r in value if r in all_at and r <= 4]
+    assert cells[6] == f"{sum(early) / len(early):+.2f} ({len(early)})"
+
+
+@pytest.mark.parametrize("row", ["planner", "async"])
+def test_a_piece_ended_by_timeout_resumes_where_it_stood(bench, tmp_path, monkeypatch, row):
+    """A piece that `timeout` ends is written as it stands (not complete) beside the checkpoint
+    of its last round; the same command resumes it from there, and the piece it completes is the
+    one an uninterrupted run writes (its rounds, clock, measurements), under either policy."""
+    import shutil
+
+    from fedslice.run.session import Rounds
+
+    argv = lambda out: ["--workload", "tiny", "--seeds", "0", "--out", str(out), "--threads", "1",
+                        "--rows", "all", row, "--eval-rounds", "1"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert bench.main(argv(whole)) == 0
+    cut.mkdir()
+    shutil.copy(whole / "tiny-seed0-all.json", cut)
+    name = f"tiny-seed0-{row}.json"
+    assert len(json.loads((whole / name).read_text())["records"]) >= 3
+    original = Rounds.round_done
+    hit = []
+
+    def timeout_in_round_3(self, server_round, *args, **kwargs):
+        if server_round == 3 and not hit:
+            hit.append(server_round)
+            raise bench.Interrupted  # as the SIGTERM handler does, wherever the run is
+        return original(self, server_round, *args, **kwargs)
+
+    monkeypatch.setattr(Rounds, "round_done", timeout_in_round_3)
+    assert bench.main(argv(cut)) == bench.INTERRUPTED  # and it starts nothing more
+    first = json.loads((cut / name).read_text())
+    assert not first["complete"] and first["interrupted"] and len(first["records"]) == 2
+    assert (cut / name).with_suffix(".partial").is_dir()
+    assert bench.main(argv(cut)) == 0  # the same command: resumed after round 2
+    a, b = (json.loads((d / name).read_text()) for d in (whole, cut))
+    assert b["complete"] and not (cut / name).with_suffix(".partial").exists()
+    for key in ("records", "evals", "round_evals", "budget_s", "ref"):
+        assert a[key] == b[key], key
+    assert "interrupted" not in b
+    assert not (whole / name).with_suffix(".partial").exists()  # removed once a piece ends
