@@ -115,7 +115,8 @@ def row_config(row: str, args, dense: dict | None) -> dict:
              "mixed": [tier(f, dense, s) for f, s in ((0.3, 0.33), (0.5, 0.33), (1.0, 0.34))]
              if dense else None}.get(row)
     if tiers is not None:
-        cfg["budgets"] = budgets(tiers, PLANNER, step_cache(args))
+        cfg["budgets"] = {**budgets(tiers, PLANNER, step_cache(args)),
+                          "local_work_by": args.local_work_by}
         cfg["lora"]["ranks"] = RANKS
     return cfg
 
@@ -427,6 +428,9 @@ def main(argv=None) -> None:
     ap.add_argument("--local-steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--local-work-by", choices=["batch", "steps"], default="batch",
+                    help="budgets.local_work_by of the planner rows (steps: fewer local steps of "
+                         "whole batches)")
     ap.add_argument("--harness", default=TASKS)
     ap.add_argument("--limit", type=float, default=50)
     ap.add_argument("--batch-size", type=int, default=8)
