@@ -152,8 +152,9 @@ def test_a_resumed_run_reorders_by_activations_as_the_uninterrupted_one(tiny_gen
     """The calibration forward is an argument of RaFFM's strategy, not set when the first state
     is made: a run resumed from its round-1 checkpoint (which makes no initial state) re-orders
     after round 2 by activations (before, it failed there: "RaFFMStrategy.activations is unset")
-    and ends with the uninterrupted run's tensors. (Bit-identical when this file runs alone;
-    under xdist the weights part, not yet explained: issue 58's closing note.)"""
+    and ends with the uninterrupted run's weights within 1e-6. (Not to the bit: run by itself, 8 of
+    the 22 tensors part by up to 2.3e-7, a float rounding of the resumed path not yet found; after
+    this file's other tests, bit-identical: noted in issue 58's closing note.)"""
     from safetensors.torch import load_file
     from test_checkpoint import reference_and_resumed
 
@@ -169,7 +170,9 @@ def test_a_resumed_run_reorders_by_activations_as_the_uninterrupted_one(tiny_gen
     reference, resumed = reference_and_resumed(cfg, tmp_path, monkeypatch, crash_round=2)
     ref = load_file(str(reference / "final_trainable.safetensors"))
     res = load_file(str(resumed / "final_trainable.safetensors"))
-    assert ref.keys() == res.keys() and all(ref[k].shape == res[k].shape for k in ref)
+    assert ref.keys() == res.keys()
+    for k in ref:
+        torch.testing.assert_close(res[k], ref[k], rtol=0, atol=1e-6, msg=k)
     rounds = [json.loads(line)["round"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert rounds == [1, 2]
 
