@@ -35,8 +35,8 @@ class FedPFTStrategy(Strategy):
                  max_tokens: int = 512):
         super().__init__(fed, client_sizes)
         self.max_tokens = max_tokens  # tokens of one example at most (data.max_length [+ target])
-        self.method, self.arch, self.proxy_keys, self.widths = method, arch, set(proxy), widths
-        #: the proxy's compressed FFN tensors after layer KD (read once: :meth:`initial`)
+        self.method, self.arch, self.widths = method, arch, widths
+        #: the proxy's compressed FFN tensors after layer KD (their values read once: :meth:`initial`)
         self.proxy = proxy
         self.offsets = offsets  # global index of each stack's first layer (widths' keys)
         self.base = dict(base or {})  # the proxy's other frozen tensors (Payload.model), constant
@@ -47,6 +47,11 @@ class FedPFTStrategy(Strategy):
         """The trainable state and the proxy's compressed FFN tensors (the server keeps them
         current: neuron-level KD re-distils them)."""
         return {**state, **{k: t.detach().cpu().clone() for k, t in self.proxy.items()}}
+
+    @property
+    def proxy_keys(self):
+        """The names of the proxy's compressed FFN tensors, in the model's order."""
+        return self.proxy.keys()
 
     @property
     def version(self) -> int:
