@@ -451,7 +451,8 @@ def main(argv=None) -> None:
         if row == "alone":
             alone_rows(args)
             continue
-        if args.stage in ("train", "both") and (args.again or "test_loss" not in have) and have.get("fits", True):
+        # --again retrains a row, one that did not fit too (the planner may have changed)
+        if args.stage in ("train", "both") and (args.again or ("test_loss" not in have and have.get("fits", True))):
             print(row, "train", json.dumps({k: v for k, v in
                                             (base_row(row, args) if row.endswith("base") else
                                              train_row(row, args)).items() if k not in ("plans", "samples", "budgets")}),

@@ -647,6 +647,63 @@ def test_a_flops_budget_takes_partial_local_work_before_a_narrower_sub_model(tin
     assert {steps[c] for c in groups["big"]["clients"]} == {2}
 
 
+def test_local_work_by_steps_cuts_the_batch_below_the_fewest_steps():
+    """The local work ladder: by batch, fewer examples per step; by steps, fewer steps, and below
+    the fewest steps the shares give, those steps on fewer examples (one local step: the batch
+    only, as by batch)."""
+    from fedslice.methods.planner import local_works
+    shares = [1.0, 0.75, 0.5, 0.375, 0.25]
+    assert local_works(shares, "batch", 8, 2) == [{}, {"batch": 6}, {"batch": 4}, {"batch": 3}, {"batch": 2}]
+    assert local_works(shares, "steps", 8, 2) == [
+        {}, {"steps": 1}, {"steps": 1, "batch": 6}, {"steps": 1, "batch": 4}, {"steps": 1, "batch": 3},
+        {"steps": 1, "batch": 2}]
+    assert local_works(shares, "steps", 4, 8) == [
+        {}, {"steps": 6}, {"steps": 4}, {"steps": 3}, {"steps": 2}, {"steps": 2, "batch": 3},
+        {"steps": 2, "batch": 2}, {"steps": 2, "batch": 1}]
+    assert local_works([0.5, 1.0], "steps", 4, 1) == [{}, {"batch": 2}]
+    assert local_works([1.0], "steps", 4, 2) == [{}]
+
+
+def test_a_flops_budget_below_one_whole_step_trains_one_step_of_fewer_examples(tiny_cfg_dict, one_length_data_dir,
+                                                                              tmp_path):
+    """``local_work_by = "steps"``: a FLOPs budget of 0.3 of the whole round (two steps) fits no
+    whole step; the client trains one step of the examples that fit (the fill's bisection: the
+    most that fit), at full width, its measured FLOPs the prediction (2%) and within the budget.
+    (Before, "steps" had no plan below one whole step: the sub-model narrowed instead.)"""
+    from fedslice.api import setup
+
+    extra = {"data": {"path": str(one_length_data_dir)}}
+
+    def plans(tiers, **more):
+        d = _cfg(tiny_cfg_dict, {"tiers": tiers, "micro_batches": [1], "checkpointing": False, **more},
+                 method="raffm", **extra)
+        method, _ = setup(validate_config(d))
+        return d, {p.budget.name: p for p in method.plans.values()}
+
+    _, probe = plans([{"share": 1.0, "name": "all", "memory_mb": 1e4}])
+    full = probe["all"]
+    budget = round(0.3 * full.gflops_per_round, 6)
+    tiers = [{"share": 0.5, "name": "big", "memory_mb": 1e4},
+             {"share": 0.5, "name": "tight", "gflops_per_round": budget}]
+    d, got = plans(tiers, local_work=[1.0, 0.5, 0.25], local_work_by="steps")
+    tight, batch = got["tight"], d["federation"]["batch_size"]
+    assert tight.knobs.width == 1.0 and tight.knobs.steps == 1
+    assert batch == 8 and tight.knobs.batch in (4, 5)  # ~0.6 of a step's examples, as many as fit
+    assert tight.gflops_per_round <= budget
+    assert "1 local step" in tight.knobs.describe() and "per step" in tight.knobs.describe()
+    run = run_experiment(validate_config(d), tmp_path / "work", progress=False)
+    groups = {g["budget_name"]: g for g in _plans(run)}
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = {m["client"]: m for r in metrics for m in r.get("client_metrics", [])}
+    # one step of at most the plan's examples (a pass over a client's 16 in batches of 5 ends with
+    # a batch of 1: the prediction is the mean over the batches a client may draw), each example
+    # at the whole model's cost (every example one length)
+    (per_example,) = {trained[c]["flops_measured"] / trained[c]["examples_trained"] for c in groups["big"]["clients"]}
+    for c in groups["tight"]["clients"]:
+        assert trained[c]["steps"] == 1 and 1 <= trained[c]["examples_trained"] <= tight.knobs.batch
+        assert trained[c]["flops_measured"] / trained[c]["examples_trained"] == pytest.approx(per_example, rel=1e-9)
+
+
 @pytest.mark.parametrize("budgets,extra,message", [
     ({"local_work": [0.0]}, {}, "budgets.local_work"),
     ({"local_work": [1.5]}, {}, "budgets.local_work"),

@@ -200,7 +200,9 @@ class BudgetsConfig(Section):
         "batch", description="How a share of local work is cut: 'batch' (every local step on "
         "round(share x federation.batch_size) examples: fewer FLOPs and less activation memory, "
         "as many optimizer steps) or 'steps' (round(share x federation.local_steps) steps of "
-        "whole batches; needs federation.local_steps).")
+        "whole batches, and below the fewest steps the shares give, those steps on "
+        "round(share x federation.batch_size) examples each: a budget one whole step does not "
+        "fit still trains; needs federation.local_steps).")
 
     fit_rounds: bool = Field(
         False, description="With a time limit (a tier's seconds_per_round, or round_deadline_s), "

@@ -72,6 +72,30 @@ def is_chain(specs: list[Spec | None]) -> bool:
     return all(map(contains, specs, specs[1:]))
 
 
+def local_works(shares: list[float], by: str, rows: int, steps: int) -> list[dict[str, int]]:
+    """A round's local work at each share of ``shares`` (``budgets.local_work``), most first:
+    ``{}`` (the whole round), then by ``by``: ``"batch"``, ``{"batch": n}`` (``n`` of the
+    batch's ``rows`` examples in every step); ``"steps"``, ``{"steps": n}`` (``n`` of the
+    round's ``steps`` local steps of whole batches), and below the fewest steps the shares give,
+    those steps on fewer examples each, ``{"steps": fewest, "batch": n}``: a budget that the fewest whole
+    step does not fit still trains (as ``"batch"`` would), with as few cuts to the batch as it
+    allows."""
+    def cuts(whole: int) -> list[int]:
+        return sorted({max(1, math.floor(w * whole + 0.5)) for w in shares if w < 1} - {whole},
+                      reverse=True)
+
+    if by == "batch":
+        return [{}] + [{"batch": n} for n in cuts(rows)]
+    fewest = ([steps] + cuts(steps))[-1]
+    at = {"steps": fewest} if fewest < steps else {}
+    return [{}] + [{"steps": n} for n in cuts(steps)] + [{**at, "batch": n} for n in cuts(rows)]
+
+
+def work_key(work: dict[str, int], by: str) -> str:
+    """The knob a local work of :func:`local_works` cuts: the batch below the fewest steps."""
+    return "batch" if "batch" in work else by
+
+
 class BudgetPlanner:
     """Plans clients of ``method`` (built up to its strategy) under their budgets; costs are
     measured once per plan and cached."""
@@ -110,11 +134,8 @@ class BudgetPlanner:
         self.depths: list[float | None] = axes.get("depths") or [None]  # deepest first
         self.local_steps = method.cfg.federation.local_steps or 0
         #: a round's local work, most first: {} (all of it), then {"batch": rows per step} or
-        #: {"steps": local steps} at each share of ``budgets.local_work``
-        self.works: list[dict[str, int]] = [{}]
-        whole = self.rows if cfg.local_work_by == "batch" else self.local_steps
-        cut = {max(1, math.floor(w * whole + 0.5)) for w in cfg.local_work if w < 1} - {whole}
-        self.works += [{cfg.local_work_by: n} for n in sorted(cut, reverse=True)]
+        #: {"steps": local steps} at each share of ``budgets.local_work`` (:func:`local_works`)
+        self.works = local_works(cfg.local_work, cfg.local_work_by, self.rows, self.local_steps)
         self.checkpoints = [False, True] if cfg.checkpointing and method.can_checkpoint() else [False]
         #: a dense client, what ``flops_share`` and ``memory_share`` are shares of: the whole
         #: model at the run's settings (lora.r, the method's sparsity and importance source, the
@@ -364,15 +385,20 @@ class BudgetPlanner:
         if len(self.works) == 1 and len(self.depths) == 1:
             yield self.works[0], self.depths[0]
             return
-        key = self.cfg.local_work_by
-        whole = self.rows if key == "batch" else self.local_steps
-
         def in_reach(work: dict[str, int], d) -> bool:
             return fits(self._cheapest(spec, width, s_min, r_min, work=work, depth=d),
                         Knobs(spec, width=width, depth=d, **work))
 
         missed: dict[float | None, int] = {}  # depth -> the least work out of reach so far
+        key = None
         for work in self.works:
+            # the knob this share cuts: local steps, then (below the fewest steps) the batch
+            if work_key(work, self.cfg.local_work_by) != key:
+                key = work_key(work, self.cfg.local_work_by)
+                # the last work out of reach, in the new knob's units: the whole batch
+                missed = {d: self.rows for d in missed} if key == "batch" else missed
+            whole = self.rows if key == "batch" else self.local_steps
+            fixed = {k: v for k, v in work.items() if k != key}  # the steps of a batch cut
             n = work.get(key, whole)
             reach = {d: in_reach(work, d) for d in self.depths}
             fills = []  # (work in between, depth, the least work out of reach above it)
@@ -384,12 +410,12 @@ class BudgetPlanner:
                     lo = n
                     while hi - lo > 1:  # lo in reach, hi not
                         mid = (lo + hi) // 2
-                        lo, hi = (mid, hi) if in_reach({key: mid}, d) else (lo, mid)
+                        lo, hi = (mid, hi) if in_reach({**fixed, key: mid}, d) else (lo, mid)
                     if lo > n:
                         fills.append((lo, d, hi))
             for lo, d, hi in sorted(fills, key=lambda f: -f[0]):  # most work first, then depth
-                in_reach({key: hi}, d)  # the plan passed over is the next larger one
-                yield {key: lo}, d
+                in_reach({**fixed, key: hi}, d)  # the plan passed over is the next larger one
+                yield {**fixed, key: lo}, d
             yield from ((work, d) for d in self.depths if reach[d])
 
     def _needs(self, budget: ClientBudget, knobs: Knobs, examples: int,
