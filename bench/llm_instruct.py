@@ -14,9 +14,10 @@ Rows (each its own piece, resumable: a row whose result file exists is skipped u
   dense     FedPETuning, every client the whole model (fp32 base)
   int8      the same over an int8 base (``model.quantize = "int8"``)
   p30, p50  the planner (``[budgets]``, method fedpetuning: LoRA rank 8/16/32, an int8 copy of
-            the base, adapters in the top half of the blocks, local work, checkpointing and
-            micro-batches), every client at 30% / 50% of the dense row's measured peak memory
-            and training FLOPs per client-round
+            the base, adapters in the top half of the blocks, local work (``--local-work-by``:
+            fewer steps, then fewer conversations in one), checkpointing and micro-batches),
+            every client at 30% / 50% of the dense row's measured peak memory and training
+            FLOPs per client-round
   mixed     the planner over a population of thirds at 30%, 50% and 100%
   natural-base, natural   the base and the dense row on ``alpaca-eval-gpt4`` split naturally by
             its ``dataset`` column (5 clients: selfinstruct, oasst, koala, helpful_base, vicuna;
@@ -307,6 +308,7 @@ def alone_rows(args) -> dict:
             cfg["budgets"] = budgets([tier(f, dense)], {"checkpointing": False, "micro_batches": [1],
                                                         **knobs}
                                      if name != "checkpointing+micro-batches" else {}, step_cache(args))
+            cfg["budgets"]["local_work_by"] = args.local_work_by  # as the planner rows
             if "ranks" in knobs:
                 cfg["lora"]["ranks"] = knobs["ranks"]
             path = args.out / "plan.json"
@@ -428,9 +430,11 @@ def main(argv=None) -> None:
     ap.add_argument("--local-steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--local-work-by", choices=["batch", "steps"], default="batch",
-                    help="budgets.local_work_by of the planner rows (steps: fewer local steps of "
-                         "whole batches)")
+    ap.add_argument("--local-work-by", choices=["batch", "steps"], default="steps",
+                    help="budgets.local_work_by of the planner rows (steps, the default since "
+                         "2026-11-30: fewer local steps of whole batches, then one step of fewer "
+                         "conversations; batch: every step on fewer conversations, the rows "
+                         "before that date)")
     ap.add_argument("--harness", default=TASKS)
     ap.add_argument("--limit", type=float, default=50)
     ap.add_argument("--batch-size", type=int, default=8)
