@@ -258,7 +258,7 @@ def budget_plan(cfg: ExperimentConfig, json_path: str | None = None) -> str:
              f"base {base}): measured on "
              f"a batch of {fed.batch_size} x {longest} tokens (the longest example), FLOPs per "
              f"round for each client's examples at {per_example:.1f} tokens each"]
-    lines += render_plans(method.plans)
+    lines += render_plans(method.plans, method.client_sizes)
     if json_path:
         with open(json_path, "w") as f:
             json.dump({str(c): p.to_dict() for c, p in sorted(method.plans.items())}, f, indent=1)
