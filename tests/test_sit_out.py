@@ -106,10 +106,12 @@ def test_the_plan_report_says_who_sits_out_and_the_share_of_examples(tiny_cfg_di
 
 def test_too_few_eligible_clients_or_none_is_an_error_naming_them(tiny_cfg_dict_module, between):
     d = _cfg(tiny_cfg_dict_module, between, slow_share=0.5, clients_per_round=3)
+    cfg = validate_config(d)
+    method, data = setup(cfg)  # planning (fedslice plan) shows them; a run stops
     with pytest.raises(ConfigError, match=r"2 of 4 clients sit out every round, leaving 2, fewer than "
-                                          r"federation\.clients_per_round = 3; no plan fits:\n  client \d "
-                                          r"\(budgets\.tiers\[1\], tier1\)"):
-        setup(validate_config(d))
+                                          r"federation\.clients_per_round = 3 \(lower it, or widen the "
+                                          r"budgets\):\n  client \d: budget .* is below the cheapest plan"):
+        simulation_for(cfg, method, data)
     d = _cfg(tiny_cfg_dict_module, 1e-4)  # no client meets it
     with pytest.raises(ConfigError, match=r"(?s)no plan fits the budget of some clients:\n  client 0 .*"
                                           r"\n  client 3 .*\(every client would sit out\)"):

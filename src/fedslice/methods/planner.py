@@ -503,12 +503,6 @@ def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
         if budgets.on_infeasible == "error" or len(failed) == num_clients:
             raise ConfigError("no plan fits the budget of some clients:\n  " + "\n  ".join(shown)
                               + ("\n  (every client would sit out)" if budgets.on_infeasible == "sit_out" else ""))
-        left, per_round = num_clients - len(failed), fed.clients_per_round
-        if left < per_round:
-            raise ConfigError(f"budgets.on_infeasible = 'sit_out': {len(failed)} of {num_clients} "
-                              f"clients sit out every round, leaving {left}, fewer than "
-                              f"federation.clients_per_round = {per_round}; no plan fits:\n  "
-                              + "\n  ".join(shown))
         log.warning("%s", sit_out_summary(plans, client_sizes))
         for line in shown:
             log.warning("these clients sit out every round (budgets.on_infeasible): %s", line)
