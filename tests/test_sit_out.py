@@ -158,3 +158,20 @@ def test_resume_with_a_client_sitting_out_is_bit_identical(tiny_cfg_dict_module,
     summary = json.loads((resumed / "summary.json").read_text())
     assert len(summary["sat_out"]) == 1
     assert not set(summary["sat_out"]) & {str(c) for r in ra for c in r["clients"]}
+
+
+def test_a_client_sent_a_round_anyway_trains_nothing_and_its_reply_is_not_counted(tiny_cfg_dict_module, between):
+    """The engines never select it; a caller that asks for its payload (a custom loop, the
+    strategy's own hooks) gets no tensors, the client trains nothing, and the aggregation lists it
+    as sat out, as raffm's sub-model plans always did."""
+    method, data = setup(validate_config(_cfg(tiny_cfg_dict_module, between)))
+    (slow,) = sitting_out(method.plans)
+    other = next(c for c in range(4) if c != slow)
+    state = method.initial_state()
+    payloads = method.strategy.configure_train(1, state, [other, slow])
+    assert payloads[slow].arrays == {} and payloads[slow].orders.sit_out == method.plans[slow].sits_out
+    replies = {c: method.train_client(payloads[c], data.client(c), c) for c in (other, slow)}
+    assert replies[slow].num_examples == 0 and replies[slow].arrays == {}
+    res = method.strategy.aggregate_train(1, state, payloads, replies)
+    assert res.used == [other]
+    assert res.excluded == [{"client": slow, "reason": f"sat out: {method.plans[slow].sits_out}"}]
