@@ -175,3 +175,26 @@ def test_a_client_sent_a_round_anyway_trains_nothing_and_its_reply_is_not_counte
     res = method.strategy.aggregate_train(1, state, payloads, replies)
     assert res.used == [other]
     assert res.excluded == [{"client": slow, "reason": f"sat out: {method.plans[slow].sits_out}"}]
+
+
+class _Nodes:
+    """A grid whose every SuperNode is connected (what the adapter's candidates ask of it)."""
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+
+def test_on_flower_a_client_that_sits_out_is_not_a_candidate(tiny_cfg_dict_module, between):
+    from fedslice.flower.discovery import PartitionMap
+    from fedslice.flower.strategy import FlowerAdapter
+
+    cfg = validate_config(_cfg(tiny_cfg_dict_module, between))
+    method, data = setup(cfg, role="server")
+    (slow,) = sitting_out(method.plans)
+    parts = PartitionMap(4)
+    parts.nodes = {c: 100 + c for c in range(4)}
+    adapter = FlowerAdapter(cfg, method, data, parts, round_timeout=5.0)
+    assert adapter.candidates(_Nodes(parts.nodes.values())) == [c for c in range(4) if c != slow]
