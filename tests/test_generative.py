@@ -369,13 +369,10 @@ def test_analytic_flops_count_the_lm_head_at_target_tokens(tiny_gen_cfg_dict, tm
     if peft == "prompt":
         cfg_dict.pop("lora")
         cfg_dict["prompt"] = {"num_virtual_tokens": 4}
-    if method == "raffm":  # its half-FLOPs tier cannot fit a model that is ~all LM head: those
-        # clients sit out, never selected, leaving one
-        cfg_dict["federation"] = {**cfg_dict["federation"], "clients_per_round": 1}
     cfg = validate_config(cfg_dict)
     m, data = setup(cfg)
     _, records, _ = Simulation(cfg, m, data).run()
     trained = [c for c in records[0]["client_metrics"] if not c.get("sat_out")]
-    assert trained
+    assert trained  # (raffm's half-FLOPs tier cannot fit a model that is ~all LM head: it sits out)
     for c in trained:
         assert c["flops_analytic"] == pytest.approx(c["flops_measured"], rel=0.05), (method, peft)

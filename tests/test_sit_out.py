@@ -104,14 +104,21 @@ def test_the_plan_report_says_who_sits_out_and_the_share_of_examples(tiny_cfg_di
     assert eligible([0, 1, 2, 3], method.plans) == [c for c in range(4) if c != slow]
 
 
-def test_too_few_eligible_clients_or_none_is_an_error_naming_them(tiny_cfg_dict_module, between):
-    d = _cfg(tiny_cfg_dict_module, between, slow_share=0.5, clients_per_round=3)
+def test_too_few_eligible_clients_train_every_round_and_none_is_an_error(tiny_cfg_dict_module,
+                                                                          between, caplog):
+    """Fewer eligible clients than clients_per_round: as when fewer are online, every round
+    trains all that are left, said in the log and by fedslice plan; none left, or the default
+    'error', is a ConfigError naming the clients."""
+    d = _cfg(tiny_cfg_dict_module, between, slow_share=0.5, clients_per_round=3, rounds=2)
     cfg = validate_config(d)
-    method, data = setup(cfg)  # planning (fedslice plan) shows them; a run stops
-    with pytest.raises(ConfigError, match=r"2 of 4 clients sit out every round, leaving 2, fewer than "
-                                          r"federation\.clients_per_round = 3 \(lower it, or widen the "
-                                          r"budgets\):\n  client \d: budget .* is below the cheapest plan"):
-        simulation_for(cfg, method, data)
+    with caplog.at_level(logging.WARNING):
+        method, data = setup(cfg)
+        sim = simulation_for(cfg, method, data)
+    assert "2 of 4 clients sit out every round, leaving 2, fewer than federation.clients_per_round " \
+           "= 3: every round trains those 2" in caplog.text
+    _, records, _ = sim.run()
+    left = [c for c in range(4) if c not in sitting_out(method.plans)]
+    assert [sorted(r["clients"]) for r in records] == [left, left]
     d = _cfg(tiny_cfg_dict_module, 1e-4)  # no client meets it
     with pytest.raises(ConfigError, match=r"(?s)no plan fits the budget of some clients:\n  client 0 .*"
                                           r"\n  client 3 .*\(every client would sit out\)"):

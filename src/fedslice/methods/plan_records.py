@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fedslice.errors import ConfigError
 from fedslice.fl.client import round_flops
 from fedslice.fl.memory_hold import ActivationReference
 from fedslice.methods.budgets import ClientBudget
@@ -211,18 +210,17 @@ def eligible(candidates: Sequence[int], plans: Mapping[int, ClientPlan]) -> list
     return [c for c in candidates if c not in out]
 
 
-def check_eligible(plans: Mapping[int, ClientPlan], per_round: int) -> None:
-    """A ConfigError naming them when so many clients sit out every round that fewer than
-    ``per_round`` (``federation.clients_per_round``) remain to be selected: every round would
-    be smaller than the config asks (checked before a run trains; ``fedslice plan`` shows it)."""
+def too_few_eligible(plans: Mapping[int, ClientPlan], per_round: int) -> str | None:
+    """A warning when so many clients sit out every round that fewer than ``per_round``
+    (``federation.clients_per_round``) remain: every round then trains all of those left, as
+    when fewer clients are online than a round asks for (None: enough remain)."""
     out = sitting_out(plans)
     left = len(plans) - len(out)
-    if out and left < per_round:
-        why = "\n  ".join(f"client {c}: {w}" for c, w in list(out.items())[:10])
-        raise ConfigError(f"budgets.on_infeasible = 'sit_out': {len(out)} of {len(plans)} clients "
-                          f"sit out every round, leaving {left}, fewer than "
-                          f"federation.clients_per_round = {per_round} (lower it, or widen the "
-                          f"budgets):\n  {why}" + ("\n  ..." if len(out) > 10 else ""))
+    if not out or left >= per_round:
+        return None
+    return (f"budgets.on_infeasible = 'sit_out': {len(out)} of {len(plans)} clients sit out every "
+            f"round, leaving {left}, fewer than federation.clients_per_round = {per_round}: every "
+            f"round trains those {left} (lower clients_per_round, or widen the budgets)")
 
 
 def sit_out_summary(plans: Mapping[int, ClientPlan], client_sizes: Mapping[int, int]) -> str | None:

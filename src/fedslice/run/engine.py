@@ -22,7 +22,7 @@ from fedslice.errors import ConfigError, DataError
 from fedslice.fl.clock import SimClock, client_seconds, measure_host_gflops, settle_round
 from fedslice.fl.devices import Population, population
 from fedslice.fl.faults import corrupt, missed_deadline, plan_faults
-from fedslice.methods.plan_records import check_eligible, eligible, sitting_out
+from fedslice.methods.plan_records import eligible, sitting_out, too_few_eligible
 from fedslice.methods.probe import probe_loss
 from fedslice.run.predicted import RoundPrediction, fit_round, past_deadline, predict_round
 from fedslice.run.runner import ClientRunner
@@ -121,7 +121,8 @@ class Simulation:
                 host = measure_host_gflops()  # replaced by the checkpoint's on resume
             self.clock = SimClock(0.0, host)
         # a client whose plan sits out every round is never selected (as an offline device)
-        check_eligible(method.plans, fed.clients_per_round)
+        if note := too_few_eligible(method.plans, fed.clients_per_round):
+            log.warning("%s", note)
         self.candidates = eligible([c for c, p in enumerate(data.partitions) if len(p) > 0],
                                    method.plans)
         empty = data.report.get("empty_partitions", [])
