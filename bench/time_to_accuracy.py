@@ -166,9 +166,11 @@ def row_config(args, seed: int, variant: str, ref: dict | None) -> dict:
         d["budgets"] = {"tiers": [{"share": 1.0, "name": "everyone",
                                    "seconds_per_round": ref["deadline_s"]}], "local_work_by": "batch",
                         "adapter_depths": args.adapter_depths,
-                        "micro_batches": [1], "checkpointing": False}
-        # ... and a lower LoRA rank where that is not enough (fedpetuning cannot sit a client
-        # out; heterogeneous ranks aggregate over the clients that hold each component)
+                        "micro_batches": [1], "checkpointing": False,
+                        "on_infeasible": args.on_infeasible}
+        # ... and a lower LoRA rank where that is not enough (heterogeneous ranks aggregate over
+        # the clients that hold each component); a client no allowed plan fits sits out
+        # (--on-infeasible sit_out: never selected) or stops the run ('error')
         d["lora"]["ranks"] = args.ranks
         if setting.get("fit_rounds"):
             d["budgets"]["fit_rounds"] = True
@@ -763,6 +765,10 @@ def main(argv=None) -> int:
     ap.add_argument("--all-eval-every", type=int)
     ap.add_argument("--adapter-depths", type=float, nargs="+", default=[1.0, 0.5, 0.25],
                     help="the planner row's budgets.adapter_depths")
+    ap.add_argument("--on-infeasible", choices=["error", "sit_out"], default="error",
+                    help="the planner row's budgets.on_infeasible: with a floor (--ranks and "
+                    "--adapter-depths without the small values), 'sit_out' leaves out the "
+                    "clients no allowed plan fits within the deadline")
     ap.add_argument("--ranks", type=int, nargs="+", default=[16, 8, 4, 2],
                     help="the planner row's lora.ranks")
     ap.add_argument("--below", type=float, nargs="+", help="also report the time to all's "

@@ -157,10 +157,13 @@ def test_settings_are_rows_of_their_own(bench, tmp_path):
     assert bench.parse_variant("planner@p30+fit") == ("planner", {"quantile": 0.3, "fit_rounds": True})
     args = argparse.Namespace(**bench.DEFAULTS["tiny"], workload="tiny", threads=1, max_rounds=10,
                               upload=1.0, download=5.0, availability=0.7, speed_sigma=0.9,
-                              adapter_depths=[1.0], ranks=[16])
+                              adapter_depths=[1.0], ranks=[16], on_infeasible="error")
     fit = bench.row_config(args, 0, "planner@p30+fit", {"deadline_s": 1.0})
     assert fit["budgets"]["fit_rounds"] is True and "fit_rounds" not in \
         bench.row_config(args, 0, "planner@p30", {"deadline_s": 1.0})["budgets"]
+    floor = argparse.Namespace(**{**vars(args), "on_infeasible": "sit_out", "ranks": [16, 8]})
+    planned = bench.row_config(floor, 0, "planner@p30", {"deadline_s": 1.0})  # --on-infeasible
+    assert planned["budgets"]["on_infeasible"] == "sit_out" and planned["lora"]["ranks"] == [16, 8]
 
 
 def test_async_settings_take_the_staleness_exponent_and_the_server_lr(bench):
@@ -170,7 +173,7 @@ def test_async_settings_take_the_staleness_exponent_and_the_server_lr(bench):
         "async", {"concurrency": 10, "buffer_size": 5, "staleness_exponent": 0.0, "server_lr": 2.0})
     args = argparse.Namespace(**bench.DEFAULTS["tiny"], workload="tiny", threads=1, max_rounds=10,
                               upload=1.0, download=5.0, availability=0.7, speed_sigma=0.9,
-                              adapter_depths=[1.0], ranks=[16])
+                              adapter_depths=[1.0], ranks=[16], on_infeasible="error")
     fed = bench.row_config(args, 0, "async@4x2+a1", None)["federation"]
     assert (fed["concurrency"], fed["buffer_size"], fed["staleness_exponent"]) == (4, 2, 1.0)
     assert "server_lr" not in fed and "staleness_exponent" not in \

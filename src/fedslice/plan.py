@@ -238,6 +238,7 @@ def budget_plan(cfg: ExperimentConfig, json_path: str | None = None) -> str:
     as JSON. A ConfigError when the config has no budgets or a client's budget fits no plan."""
     import json
 
+    from fedslice.methods.plan_records import too_few_eligible
     from fedslice.methods.plan_report import render_plans
 
     if cfg.budgets is None:
@@ -258,7 +259,9 @@ def budget_plan(cfg: ExperimentConfig, json_path: str | None = None) -> str:
              f"base {base}): measured on "
              f"a batch of {fed.batch_size} x {longest} tokens (the longest example), FLOPs per "
              f"round for each client's examples at {per_example:.1f} tokens each"]
-    lines += render_plans(method.plans)
+    lines += render_plans(method.plans, method.client_sizes)
+    if note := too_few_eligible(method.plans, fed.clients_per_round):
+        lines.append(f"  {note}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({str(c): p.to_dict() for c, p in sorted(method.plans.items())}, f, indent=1)

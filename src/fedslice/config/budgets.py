@@ -161,8 +161,11 @@ class BudgetsConfig(Section):
         "flops_share uniformly from it (seeded), instead of tiers or a CSV.")
     on_infeasible: Literal["error", "sit_out"] = Field(
         "error", description="A client no plan fits: the run stops naming it, its budget and the "
-        "cheapest plan's cost ('error'), or the client sits out every round, said in the log "
-        "and the run's records ('sit_out'; an error still when every client would).")
+        "cheapest plan's cost ('error'), or the client sits out every round ('sit_out'): it is "
+        "never selected (as an offline device), said in the log, fedslice plan and the run's "
+        "summary (sat_out) with the share of clients and examples left out (fewer left than "
+        "federation.clients_per_round: each round trains all of them); an error still when "
+        "every client would.")
     sparsities: list[float] = Field(default_factory=lambda: [0.0, 0.5, 0.75, 0.9], min_length=1,
                                     description="Head sparsities the planner may give a client "
                                     "(methods with the head stage).")

@@ -26,6 +26,7 @@ from fedslice.fl.clock import SimClock
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Payload, Reply, State, host_state
 from fedslice.flower.codec import decode_reply, encode_payload, error_reason
+from fedslice.methods.plan_records import eligible
 from fedslice.run.asynchronous import Buffer, Staleness
 from fedslice.run.engine import finish_round, round_record
 
@@ -70,7 +71,8 @@ class AsyncServer:
         """Push one train message per idle connected client until ``concurrency`` train."""
         free = self.concurrency - len(self.inflight)
         connected = self.partitions.refresh(grid, self.round_timeout)
-        idle = [c for c in connected if c not in busy and len(self.data.partitions[c]) > 0]
+        idle = eligible([c for c in connected if c not in busy and len(self.data.partitions[c]) > 0],
+                        self.method.plans)  # less the clients that sit out every round
         if free <= 0 or not idle:
             return
         pick = sorted(int(c) for c in self.buffer.rng.choice(np.asarray(idle),

@@ -115,6 +115,7 @@ def run(grid: Grid, settings: RunSettings) -> Path:
     from fedslice.flower.codec import record_to_state, state_to_record
     from fedslice.flower.discovery import PartitionMap
     from fedslice.flower.strategy import FlowerAdapter
+    from fedslice.methods.plan_records import too_few_eligible
     from fedslice.run.checkpoint import (check_same_config, check_same_data, data_changes,
                                          find_resumable, read_checkpoint)
     from fedslice.run.session import RunSession
@@ -130,6 +131,8 @@ def run(grid: Grid, settings: RunSettings) -> Path:
         ckpt = read_checkpoint(staging)
         check_same_config(ckpt.config, cfg.model_dump(mode="json"), staging)
     method, data = setup(cfg, role="server")
+    if note := too_few_eligible(method.plans, cfg.federation.clients_per_round):
+        log.warning("%s", note)
     if ckpt is not None:  # the server's data as the checkpoint recorded it
         check_same_data(data_changes(ckpt.data, data.sources), staging)
     done = ckpt.round if ckpt else 0

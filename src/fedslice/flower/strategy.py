@@ -45,6 +45,7 @@ from fedslice.measure import tensor_bytes
 from fedslice.slicing.aggregate import client_delta
 from fedslice.flower.discovery import PartitionMap
 from fedslice.methods.base import Method
+from fedslice.methods.plan_records import eligible
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,10 @@ class FlowerAdapter(FlowerStrategy):
         self.global_replies = cfg.dp.enabled
 
     def candidates(self, grid: Grid) -> list[int]:
-        """Clients with a connected SuperNode and a non-empty partition, in id order."""
+        """Clients with a connected SuperNode and a non-empty partition, in id order, less
+        those whose plan sits out every round (never selected)."""
         connected = self.partitions.refresh(grid, self.round_timeout)
-        return [c for c in connected if len(self.data.partitions[c]) > 0]
+        return eligible([c for c in connected if len(self.data.partitions[c]) > 0], self.method.plans)
 
     # -- train -----------------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

@@ -186,10 +186,6 @@ class Method:
         if cfg.budgets is not None and not cls.plans_budgets:
             raise ValueError(f"budgets: method {cfg.method.name} does not plan clients by budget "
                              "(methods that do: fedpetuning, heads, raffm, raffm+heads)")
-        if cfg.budgets is not None and cfg.budgets.on_infeasible == "sit_out" and not cls.sub_models:
-            raise ValueError(f"budgets.on_infeasible = 'sit_out': method {cfg.method.name}'s clients "
-                             "all train the one model, so a client no plan fits has no smaller "
-                             "one to sit out for (methods with sub-models can): use 'error'")
         if cls.adapters is not None and name not in cls.adapters:
             raise ValueError(f"peft.method={name!r}: method {cfg.method.name} trains "
                              f"{' or '.join(repr(a) for a in cls.adapters)}")

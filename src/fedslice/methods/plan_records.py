@@ -5,7 +5,7 @@ trains (:class:`PlannedModel`), their measured costs (:class:`KnobCost`) and a c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -195,6 +195,46 @@ class ClientPlan:
                               "upload_mb": self.upload_mb}, "reason": self.reason,
                 "flops_budget": self.flops_budget, "memory_budget": self.memory_budget,
                 "flops_share": self.flops_share, "sits_out": self.sits_out, "seconds": self.seconds}
+
+
+def sitting_out(plans: Mapping[int, ClientPlan]) -> dict[int, str]:
+    """The clients whose plan sits out every round (``budgets.on_infeasible = "sit_out"``: no
+    plan the config allows fits their budget), and why. They are never selected: like an
+    offline device, a client that would train nothing does not take one of a round's places."""
+    return {c: p.sits_out for c, p in sorted(plans.items()) if p.sits_out is not None}
+
+
+def eligible(candidates: Sequence[int], plans: Mapping[int, ClientPlan]) -> list[int]:
+    """``candidates`` less the clients that sit out every round (:func:`sitting_out`)."""
+    out = sitting_out(plans)
+    return [c for c in candidates if c not in out]
+
+
+def too_few_eligible(plans: Mapping[int, ClientPlan], per_round: int) -> str | None:
+    """A warning when so many clients sit out every round that fewer than ``per_round``
+    (``federation.clients_per_round``) remain: every round then trains all of those left, as
+    when fewer clients are online than a round asks for (None: enough remain)."""
+    out = sitting_out(plans)
+    left = len(plans) - len(out)
+    if not out or left >= per_round:
+        return None
+    return (f"budgets.on_infeasible = 'sit_out': {len(out)} of {len(plans)} clients sit out every "
+            f"round, leaving {left}, fewer than federation.clients_per_round = {per_round}: every "
+            f"round trains those {left} (lower clients_per_round, or widen the budgets)")
+
+
+def sit_out_summary(plans: Mapping[int, ClientPlan], client_sizes: Mapping[int, int]) -> str | None:
+    """One line: how many clients, and what share of the training examples, sit out every
+    round and are never selected, and which (None: none does)."""
+    out = sitting_out(plans)
+    if not out:
+        return None
+    total = sum(client_sizes.values())
+    held = sum(client_sizes.get(c, 0) for c in out)
+    share = f" ({100 * held / total:.1f}% of the training examples)" if total else ""
+    shown = ", ".join(map(str, list(out)[:20])) + (", ..." if len(out) > 20 else "")
+    return (f"{len(out)} of {len(plans)} clients{share} sit out every round and are never "
+            f"selected (budgets.on_infeasible = 'sit_out': no plan fits their budget): {shown}")
 
 
 def examples_per_round(fed, n: int) -> int:

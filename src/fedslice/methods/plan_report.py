@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedslice.methods.plan_records import ClientPlan
+from fedslice.methods.plan_records import ClientPlan, sit_out_summary
 
 _MB = 1e6
 
@@ -22,12 +22,17 @@ def plan_groups(plans: Mapping[int, ClientPlan]) -> list[tuple[list[int], Client
     return [(cs, plans[cs[0]]) for cs in groups.values()]
 
 
-def render_plans(plans: Mapping[int, ClientPlan]) -> list[str]:
-    """Lines of ``fedslice plan``: one per group of clients with the same budget and plan."""
+def render_plans(plans: Mapping[int, ClientPlan], client_sizes: Mapping[int, int] | None = None
+                 ) -> list[str]:
+    """Lines of ``fedslice plan``: one per group of clients with the same budget and plan, and
+    (``client_sizes`` given) how many clients and what share of the examples sit out."""
     lines = []
     for clients, p in plan_groups(plans):
         shown = ", ".join(map(str, clients[:8])) + (", ..." if len(clients) > 8 else "")
         lines.append(f"  {p.budget.name} ({p.budget.describe()}): {len(clients)} client(s) [{shown}]")
+        if p.sits_out is not None:
+            lines.append(f"    sits out every round, never selected: {p.sits_out}")
+            continue
         lines.append(f"    plan: {p.knobs.describe()}")
         lines.append(f"    predicted: {p.memory_mb:.1f} MiB peak, {p.gflops_per_round:.4g} GFLOPs/round, "
                      f"{p.upload_mb:.4g} MB up/round"
@@ -39,6 +44,8 @@ def render_plans(plans: Mapping[int, ClientPlan]) -> list[str]:
         if p.memory_budget is not None:
             lines.append(f"    enforced: at most {p.memory_budget:g} MiB as it trains (a step that would "
                          "pass it runs as micro-batches: budgets.enforce_memory)")
+    if client_sizes is not None and (line := sit_out_summary(plans, client_sizes)):
+        lines.append(f"  {line}")
     return lines
 
 

@@ -26,9 +26,17 @@ class PlannedStrategy(Strategy):
         return None if p is None else p.knobs.rank
 
     def payload_for(self, server_round: int, state: State, client: int, config: dict) -> Payload:
+        plan = self.plans.get(client)
+        if plan is not None and plan.sits_out is not None:  # (never selected by the engines:
+            # a caller that sends it anyway gets no work and no reply counted, as raffm's)
+            return Payload(arrays={}, config={**config, **order_fields(client=client, sit_out=plan.sits_out)})
         p = super().payload_for(server_round, state, client, config)
-        p.config.update(plan_config(self.plans.get(client)))
+        p.config.update(plan_config(plan))
         return p
+
+    def absent(self, payload: Payload) -> str | None:
+        why = payload.orders.sit_out
+        return None if why is None else f"sat out: {why}"
 
 
 def plan_config(plan: ClientPlan | None) -> dict[str, Any]:

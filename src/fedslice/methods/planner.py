@@ -37,7 +37,7 @@ from fedslice.slicing.spec import ModelSlice, Spec
 from fedslice.slicing.step_cache import StepCache, config_settings
 from fedslice.methods.budgets import ClientBudget, UNITS, client_budgets, client_time_budgets
 from fedslice.methods.plan_costs import StepCosts
-from fedslice.methods.plan_records import ClientPlan, Knobs, RoundCost, examples_per_round
+from fedslice.methods.plan_records import ClientPlan, Knobs, RoundCost, examples_per_round, sit_out_summary
 
 log = logging.getLogger(__name__)
 
@@ -529,6 +529,7 @@ def plan_clients(method, budgets: BudgetsConfig, batch: dict[str, torch.Tensor],
         if budgets.on_infeasible == "error" or len(failed) == num_clients:
             raise ConfigError("no plan fits the budget of some clients:\n  " + "\n  ".join(shown)
                               + ("\n  (every client would sit out)" if budgets.on_infeasible == "sit_out" else ""))
+        log.warning("%s", sit_out_summary(plans, client_sizes))
         for line in shown:
             log.warning("these clients sit out every round (budgets.on_infeasible): %s", line)
     return plans

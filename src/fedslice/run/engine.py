@@ -22,6 +22,7 @@ from fedslice.errors import ConfigError, DataError
 from fedslice.fl.clock import SimClock, client_seconds, measure_host_gflops, settle_round
 from fedslice.fl.devices import Population, population
 from fedslice.fl.faults import corrupt, missed_deadline, plan_faults
+from fedslice.methods.plan_records import eligible, sitting_out, too_few_eligible
 from fedslice.methods.probe import probe_loss
 from fedslice.run.predicted import RoundPrediction, fit_round, past_deadline, predict_round
 from fedslice.run.runner import ClientRunner
@@ -119,7 +120,11 @@ class Simulation:
             if host is None and self.population.uses_speed_factors:
                 host = measure_host_gflops()  # replaced by the checkpoint's on resume
             self.clock = SimClock(0.0, host)
-        self.candidates = [c for c, p in enumerate(data.partitions) if len(p) > 0]
+        # a client whose plan sits out every round is never selected (as an offline device)
+        if note := too_few_eligible(method.plans, fed.clients_per_round):
+            log.warning("%s", note)
+        self.candidates = eligible([c for c, p in enumerate(data.partitions) if len(p) > 0],
+                                   method.plans)
         empty = data.report.get("empty_partitions", [])
         if empty:
             log.warning("%d client(s) have no training data and are never selected: %s",
@@ -324,6 +329,8 @@ def finalize(cfg: ExperimentConfig, method: Method, data: FederatedData, state: 
     if method.plans:  # [budgets]: each group's plan, its predicted and measured costs
         from fedslice.methods.plan_report import plan_report
         summary["plans"] = plan_report(method.plans, records)
+        if out := sitting_out(method.plans):  # never selected: who and why
+            summary["sat_out"] = {str(c): why for c, why in out.items()}
     return summary
 
 
