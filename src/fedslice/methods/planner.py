@@ -414,7 +414,9 @@ class BudgetPlanner:
                     if lo > n:
                         fills.append((lo, d, hi))
             for lo, d, hi in sorted(fills, key=lambda f: -f[0]):  # most work first, then depth
-                in_reach({**fixed, key: hi}, d)  # the plan passed over is the next larger one
+                # the plan passed over is the next larger one (below the fewest steps, the whole
+                # batch is those steps alone)
+                in_reach(fixed if fixed and hi == whole else {**fixed, key: hi}, d)
                 yield {**fixed, key: lo}, d
             yield from ((work, d) for d in self.depths if reach[d])
 
