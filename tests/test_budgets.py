@@ -691,6 +691,8 @@ def test_a_flops_budget_below_one_whole_step_trains_one_step_of_fewer_examples(t
     assert batch == 8 and tight.knobs.batch in (4, 5)  # ~0.6 of a step's examples, as many as fit
     assert tight.gflops_per_round <= budget
     assert "1 local step" in tight.knobs.describe() and "per step" in tight.knobs.describe()
+    # the plan passed over: one more example in the one step
+    assert f"1 local step, {tight.knobs.batch + 1} examples per step" in tight.reason, tight.reason
     run = run_experiment(validate_config(d), tmp_path / "work", progress=False)
     groups = {g["budget_name"]: g for g in _plans(run)}
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
