@@ -120,20 +120,26 @@ def one_length_data_dir(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture
-def tiny_cfg_dict(tiny_model_dir, tiny_data_dir, tmp_path) -> dict:
-    """A config dict for a 2-round run of the tiny model on the tiny data (seconds)."""
+def tiny_cfg(model_dir, data_dir, runs) -> dict:
+    """A config dict for a 2-round run of the tiny model on the tiny data (seconds), its runs
+    under ``runs``."""
     return {
         "seed": 0, "threads": 1,
-        "data": {"path": str(tiny_data_dir), "max_length": 16},
-        "model": {"name": str(tiny_model_dir)},
+        "data": {"path": str(data_dir), "max_length": 16},
+        "model": {"name": str(model_dir)},
         "lora": {"r": 4, "alpha": 8, "targets": ["q", "v"]},
         "federation": {"num_clients": 4, "clients_per_round": 2, "rounds": 2, "local_steps": 3,
                        "batch_size": 8, "lr": 5e-3},
         "method": {"name": "fedpetuning"},
         "evaluation": {"every": 1, "batch_size": 32},
-        "output": {"dir": str(tmp_path / "runs"), "progress": False, "plots": False},
+        "output": {"dir": str(runs), "progress": False, "plots": False},
     }
+
+
+@pytest.fixture
+def tiny_cfg_dict(tiny_model_dir, tiny_data_dir, tmp_path) -> dict:
+    """:func:`tiny_cfg`, its runs in the test's folder."""
+    return tiny_cfg(tiny_model_dir, tiny_data_dir, tmp_path / "runs")
 
 
 # --- generative models: tiny random configs of every generative family of the table -------------

@@ -600,6 +600,17 @@ def test_a_budget_between_two_shares_gets_the_most_examples_that_fit(tiny_cfg_di
     assert plan(budget, local_work=[1.0, 0.5], local_work_fill=False).knobs.batch == 4
 
 
+def _raffm_plans(tiny_cfg_dict, data_dir, tiers, federation=None, **budgets) -> tuple[dict, dict]:
+    """raffm's config over ``data_dir`` with these tiers (one micro-batch, no checkpointing) and
+    its plans by budget name."""
+    from fedslice.api import setup
+
+    d = _cfg(tiny_cfg_dict, {"tiers": tiers, "micro_batches": [1], "checkpointing": False, **budgets},
+             method="raffm", data={"path": str(data_dir)}, federation=federation or {})
+    method, _ = setup(validate_config(d))
+    return d, {p.budget.name: p for p in method.plans.values()}
+
+
 @pytest.mark.parametrize("by,pack", [("batch", False), ("batch", True), ("steps", False)])
 def test_a_flops_budget_takes_partial_local_work_before_a_narrower_sub_model(tiny_cfg_dict, one_length_data_dir,
                                                                             tmp_path, by, pack):
@@ -609,15 +620,8 @@ def test_a_flops_budget_takes_partial_local_work_before_a_narrower_sub_model(tin
     on half the batch (``by = "batch"``) or half the steps (``"steps"``). Its measured FLOPs are
     the prediction (2%, every example one length; packed: on a packed profile batch of the
     plan's rows), its steps and memory what the plan says."""
-    from fedslice.api import setup
-
-    extra = {"data": {"path": str(one_length_data_dir)}, "federation": {"pack": pack}}
-
     def plans(tiers, **more):
-        d = _cfg(tiny_cfg_dict, {"tiers": tiers, "micro_batches": [1], "checkpointing": False, **more},
-                 method="raffm", **extra)
-        method, _ = setup(validate_config(d))
-        return d, {p.budget.name: p for p in method.plans.values()}
+        return _raffm_plans(tiny_cfg_dict, one_length_data_dir, tiers, federation={"pack": pack}, **more)
 
     _, probe = plans([{"share": 1.0, "name": "all", "memory_mb": 1e4}])
     full = probe["all"]
@@ -668,17 +672,11 @@ def test_a_flops_budget_below_one_whole_step_trains_one_step_of_fewer_examples(t
                                                                               tmp_path):
     """``local_work_by = "steps"``: a FLOPs budget of 0.3 of the whole round (two steps) fits no
     whole step; the client trains one step of the examples that fit (the fill's bisection: the
-    most that fit), at full width, its measured FLOPs the prediction (2%) and within the budget.
-    (Before, "steps" had no plan below one whole step: the sub-model narrowed instead.)"""
-    from fedslice.api import setup
-
-    extra = {"data": {"path": str(one_length_data_dir)}}
-
+    most that fit), at full width, its predicted FLOPs within the budget, each example measured at
+    the whole model's cost. (Before, "steps" had no plan below one whole step: the sub-model
+    narrowed instead.)"""
     def plans(tiers, **more):
-        d = _cfg(tiny_cfg_dict, {"tiers": tiers, "micro_batches": [1], "checkpointing": False, **more},
-                 method="raffm", **extra)
-        method, _ = setup(validate_config(d))
-        return d, {p.budget.name: p for p in method.plans.values()}
+        return _raffm_plans(tiny_cfg_dict, one_length_data_dir, tiers, **more)
 
     _, probe = plans([{"share": 1.0, "name": "all", "memory_mb": 1e4}])
     full = probe["all"]

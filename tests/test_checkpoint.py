@@ -32,25 +32,30 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run / "final_trainable.safetensors"))
 
 
-def _crash_at(monkeypatch, crash_round: int) -> None:
-    real = Simulation.run_round
+def _crash_at(monkeypatch, crash_round: int, policy: str = "all") -> None:
+    """The engine's round (an async run's version) ``crash_round`` raises."""
+    from fedslice.run.asynchronous import AsyncSimulation
 
-    def run_round(self, server_round, state):
+    cls, hook = (AsyncSimulation, "run_version") if policy == "async" else (Simulation, "run_round")
+    real = getattr(cls, hook)
+
+    def crash(self, server_round, state):
         if server_round == crash_round:
             raise RuntimeError("simulated crash")
         return real(self, server_round, state)
 
-    monkeypatch.setattr(Simulation, "run_round", run_round)
+    monkeypatch.setattr(cls, hook, crash)
 
 
 def reference_and_resumed(cfg_dict: dict, tmp_path: Path, monkeypatch,
                           crash_round: int = 3) -> tuple[Path, Path]:
     """The run folders of ``cfg_dict`` run uninterrupted and of the same run crashed in round
-    ``crash_round`` (after the checkpoint of the round before) and resumed."""
+    ``crash_round`` (after the checkpoint of the round before; under ``round_policy = "async"``,
+    in that version) and resumed."""
     reference = run_experiment(validate_config(cfg_dict), tmp_path / "ref")
     cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "checkpoint_every": 1}}
     with monkeypatch.context() as m:
-        _crash_at(m, crash_round)
+        _crash_at(m, crash_round, cfg_dict["federation"].get("round_policy", "all"))
         with pytest.raises(RuntimeError, match="simulated crash"):
             run_experiment(validate_config(cfg_dict), tmp_path / "out")
     (staging,) = (tmp_path / "out").iterdir()

@@ -15,13 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedslice.api import resume_experiment, run_experiment, setup
+from conftest import tiny_cfg
+from fedslice.api import setup
 from fedslice.errors import ConfigError
 from fedslice.experiment import validate_config
 from fedslice.methods.plan_records import eligible, sitting_out
 from fedslice.methods.plan_report import render_plans
-from fedslice.run.asynchronous import AsyncSimulation, simulation_for
-from fedslice.run.engine import Simulation
+from fedslice.run.asynchronous import simulation_for
+from test_checkpoint import reference_and_resumed
 
 #: three fast devices and a slow one, 10x apart, links that count
 FAST = {"gflops_per_s": 0.05, "upload_mb_per_s": 1.0, "download_mb_per_s": 2.0}
@@ -56,17 +57,8 @@ def between(tiny_cfg_dict_module) -> float:
 
 @pytest.fixture(scope="module")
 def tiny_cfg_dict_module(tiny_model_dir, tiny_data_dir, tmp_path_factory) -> dict:
-    return {
-        "seed": 0, "threads": 1,
-        "data": {"path": str(tiny_data_dir), "max_length": 16},
-        "model": {"name": str(tiny_model_dir)},
-        "lora": {"r": 4, "alpha": 8, "targets": ["q", "v"]},
-        "federation": {"num_clients": 4, "clients_per_round": 2, "rounds": 2, "local_steps": 3,
-                       "batch_size": 8, "lr": 5e-3},
-        "method": {"name": "fedpetuning"},
-        "evaluation": {"every": 1, "batch_size": 32},
-        "output": {"dir": str(tmp_path_factory.mktemp("runs")), "progress": False, "plots": False},
-    }
+    """conftest's tiny config, once for the module (its plans measured once: ``between``)."""
+    return tiny_cfg(tiny_model_dir, tiny_data_dir, tmp_path_factory.mktemp("runs"))
 
 
 @pytest.mark.parametrize("policy", ["all", "deadline", "async"])
@@ -130,32 +122,13 @@ def test_too_few_eligible_clients_train_every_round_and_none_is_an_error(tiny_cf
         setup(validate_config(d))
 
 
-def _crash(monkeypatch, cls, hook: str, at: int) -> None:
-    real = getattr(cls, hook)
-
-    def crash(self, server_round, state):
-        if server_round == at:
-            raise RuntimeError("simulated crash")
-        return real(self, server_round, state)
-
-    monkeypatch.setattr(cls, hook, crash)
-
-
 @pytest.mark.parametrize("policy", ["all", "deadline", "async"])
 def test_resume_with_a_client_sitting_out_is_bit_identical(tiny_cfg_dict_module, between, tmp_path,
                                                            monkeypatch, policy):
     d = _cfg(tiny_cfg_dict_module, between, policy=policy,
              **({"round_deadline_s": between} if policy == "deadline" else {}))
     d["compute"] = {"workers": 1}
-    reference = run_experiment(validate_config(d), tmp_path / "ref")
-    d["output"]["checkpoint_every"] = 1
-    cls, hook = (AsyncSimulation, "run_version") if policy == "async" else (Simulation, "run_round")
-    with monkeypatch.context() as m:
-        _crash(m, cls, hook, 3)
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            run_experiment(validate_config(d), tmp_path / "out")
-    (staging,) = (tmp_path / "out").iterdir()
-    resumed = resume_experiment(staging)
+    reference, resumed = reference_and_resumed(d, tmp_path, monkeypatch, crash_round=3)
     a, b = (load_file(str(p / "final_trainable.safetensors")) for p in (reference, resumed))
     assert all(torch.equal(a[k], b[k]) for k in a)
     ra, rb = ([json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()]

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import method_options
-from fedslice.api import resume_experiment, run_experiment, setup
+from test_checkpoint import reference_and_resumed
+from fedslice.api import run_experiment, setup
 from fedslice.config import FederationConfig
 from fedslice.errors import ConfigError
 from fedslice.experiment import load_config, validate_config
@@ -330,17 +331,6 @@ def test_every_method_under_deadline_and_async(tiny_cfg_dict, tmp_path, name):
 
 # --- resume ---------------------------------------------------------------------------------------
 
-def _crash(monkeypatch, cls, hook: str, at: int) -> None:
-    real = getattr(cls, hook)
-
-    def crash(self, server_round, state):
-        if server_round == at:
-            raise RuntimeError("simulated crash")
-        return real(self, server_round, state)
-
-    monkeypatch.setattr(cls, hook, crash)
-
-
 @pytest.mark.parametrize("policy", ["all", "deadline", "async"])
 def test_resume_mid_run_is_bit_identical(tiny_cfg_dict, tmp_path, monkeypatch, policy):
     extra = {"deadline": {"round_deadline_s": 6.0, "overselect": 0.5},
@@ -349,15 +339,7 @@ def test_resume_mid_run_is_bit_identical(tiny_cfg_dict, tmp_path, monkeypatch, p
     d["devices"]["tiers"][1]["gflops_per_s"] = 0.008
     d["devices"]["tiers"][0]["availability"] = 0.7
     d["compute"] = {"workers": 1}
-    reference = run_experiment(validate_config(d), tmp_path / "ref")
-    d["output"]["checkpoint_every"] = 1
-    cls, hook = (AsyncSimulation, "run_version") if policy == "async" else (Simulation, "run_round")
-    with monkeypatch.context() as m:
-        _crash(m, cls, hook, 3)
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            run_experiment(validate_config(d), tmp_path / "out")
-    (staging,) = (tmp_path / "out").iterdir()
-    resumed = resume_experiment(staging)
+    reference, resumed = reference_and_resumed(d, tmp_path, monkeypatch, crash_round=3)
     a, b = (load_file(str(p / "final_trainable.safetensors")) for p in (reference, resumed))
     assert all(torch.equal(a[k], b[k]) for k in a)
     ra, rb = ([json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()]

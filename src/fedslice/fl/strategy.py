@@ -206,8 +206,10 @@ class Strategy:
         return payload.arrays
 
     def absent(self, payload: Payload) -> str | None:
-        """Why a client was not expected to train this round (e.g. it sat out), or None."""
-        return None
+        """Why a client was not expected to train this round, or None. Default: it was sent no
+        work (its payload's ``sit_out``: no plan fits its budget)."""
+        why = payload.orders.sit_out
+        return None if why is None else f"sat out: {why}"
 
     def check_reply(self, state: State, payload: Payload, reply: Reply) -> str | None:
         """Why a reply must be rejected, or None (:mod:`fedslice.fl.validation`). Flower

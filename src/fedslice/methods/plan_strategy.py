@@ -34,10 +34,6 @@ class PlannedStrategy(Strategy):
         p.config.update(plan_config(plan))
         return p
 
-    def absent(self, payload: Payload) -> str | None:
-        why = payload.orders.sit_out
-        return None if why is None else f"sat out: {why}"
-
 
 def plan_config(plan: ClientPlan | None) -> dict[str, Any]:
     """What a payload's config carries of a client's plan (nothing without one)."""

@@ -105,10 +105,6 @@ class RaFFMStrategy(Strategy):
         the server, sent as frozen slices)."""
         return sliceable_keys(self.arch, list(frozen))
 
-    def absent(self, payload: Payload) -> str | None:
-        why = payload.orders.sit_out
-        return None if why is None else f"sat out: {why}"
-
     def expected_update(self, state: State, payload: Payload, reply: Reply) -> State:
         """The trainable tensors of the client's slice (the frozen slices are sent, not returned)."""
         if self.trainable is None:
