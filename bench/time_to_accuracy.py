@@ -69,35 +69,72 @@ INTERRUPTED = 3
 def parse_variant(variant: str) -> tuple[str, dict]:
     """A row and its setting: ``"planner"`` (the defaults), ``"deadline@p30"`` / ``"planner@p50"``
     (the deadline at that percentile of all's client-round times), ``"planner@p30+fit"``
-    (and ``budgets.fit_rounds``), ``"async@20x5"`` (concurrency x buffer_size),
-    ``"async@10x5+a1+lr2"`` (and ``federation.staleness_exponent`` 1, ``server_lr`` 2). The settings
-    are the user's knobs; every one tried is reported."""
+    (and ``budgets.fit_rounds``), ``"planner@p30+fp16"`` (and ``budgets.upload_dtypes``
+    fp32, fp16: the planner may send a client's reply in half precision before it cuts its
+    plan), ``"planner@p30+more2"`` (``budgets.max_local_work`` 2: a client whose whole round fits
+    with time to spare trains up to twice the local steps), ``"planner@p30+zeros"`` (``lora.padding = "zeros"``: a rank component averaged over
+    every client, the missing ones as zeros), ``"async@20x5"`` (concurrency x buffer_size), ``"async@10x5+a1+lr2"`` (and
+    ``federation.staleness_exponent`` 1, ``server_lr`` 2), ``"async@10x5+avgm0.9+e0.5"``
+    (``server_opt`` fedavgm with momentum 0.9 and step size 0.5; ``+adam0.01``: fedadam with
+    step size 0.01). The settings are the user's knobs; every one tried is reported."""
     row, _, setting = variant.partition("@")
     if row not in ROWS:
         raise ValueError(f"unknown row {variant!r}: one of {', '.join(ROWS)}, with @setting")
     if not setting:
         return row, {}
-    if row == "planner" and setting.endswith("+fit"):  # budgets.fit_rounds
-        return row, {**parse_variant(f"planner@{setting[:-4]}")[1], "fit_rounds": True}
+    if row == "planner" and "+" in setting:  # budgets.fit_rounds, budgets.upload_dtypes
+        base, *flags = setting.split("+")
+        known = {"fit": {"fit_rounds": True}, "fp16": {"upload_dtypes": ["fp32", "fp16"]},
+                 "zeros": {"lora_padding": "zeros"}}
+        def flag(f: str) -> dict | None:  # +moreX: budgets.max_local_work X
+            if f in known:
+                return known[f]
+            try:
+                return {"max_local_work": float(f[4:])} if f.startswith("more") else None
+            except ValueError:
+                return None
+        if base.startswith("p") and flags and all(flag(f) is not None for f in flags):
+            out = parse_variant(f"planner@{base}")[1]
+            for f in flags:
+                out.update(flag(f))
+            return row, out
     if row in ("deadline", "planner") and setting.startswith("p"):
-        q = float(setting[1:]) / 100
-        if not 0 < q <= 1:
-            raise ValueError(f"{variant!r}: the percentile must be in (0, 100]")
-        return row, {"quantile": q}
-    if row == "async" and "x" in setting:  # CxB, then +aA (staleness exponent), +lrL (server lr)
+        try:
+            q = float(setting[1:]) / 100
+        except ValueError:
+            q = None
+        if q is not None:
+            if not 0 < q <= 1:
+                raise ValueError(f"{variant!r}: the percentile must be in (0, 100]")
+            return row, {"quantile": q}
+    if row == "async" and "x" in setting:  # CxB, then +aA, +lrL, +avgmM, +adamE, +eE
         sizes, *knobs = setting.split("+")
+        keys = (("lr", "server_lr"), ("avgm", "fedavgm"), ("adam", "fedadam"),
+                ("a", "staleness_exponent"), ("e", "server_opt_lr"))
         try:
             conc, buf = (int(x) for x in sizes.split("x"))
             out = {"concurrency": conc, "buffer_size": buf}
             for k in knobs:
-                key = next(n for p, n in (("lr", "server_lr"), ("a", "staleness_exponent"))
-                           if k.startswith(p))
-                out[key] = float(k[len("lr" if key == "server_lr" else "a"):])
+                prefix, key = next((p, n) for p, n in keys if k.startswith(p))
+                value = float(k[len(prefix):])
+                if key in ("fedavgm", "fedadam"):  # the server optimizer and its own number
+                    out["server_opt"] = {"name": key, **({"momentum": value} if key == "fedavgm"
+                                                         else {"lr": value})}
+                elif key == "server_opt_lr":
+                    out["server_opt_lr"] = value
+                else:
+                    out[key] = value
+            if "server_opt_lr" in out:
+                if "server_opt" not in out:
+                    raise ValueError
+                out["server_opt"]["lr"] = out.pop("server_opt_lr")
             return row, out
         except (ValueError, StopIteration):
             pass
-    raise ValueError(f"{variant!r}: a setting is @pNN (deadline, planner; planner@pNN+fit) or "
-                     "@CxB (async; async@CxB+aA+lrL: staleness exponent A, server lr L)")
+    raise ValueError(f"{variant!r}: a setting is @pNN (deadline, planner; planner@pNN+fit, "
+                     "planner@pNN+fp16, +more2, +zeros) or @CxB (async; async@CxB+aA+lrL: staleness exponent A, "
+                     "server lr L; +avgmM / +adamE: server_opt fedavgm with momentum M / fedadam "
+                     "with step size E, +eE: fedavgm's step size)")
 
 #: workload -> (the config's fixed part, the dev metric, higher is better)
 WORKLOADS = {
@@ -174,11 +211,19 @@ def row_config(args, seed: int, variant: str, ref: dict | None) -> dict:
         d["lora"]["ranks"] = args.ranks
         if setting.get("fit_rounds"):
             d["budgets"]["fit_rounds"] = True
+        if setting.get("upload_dtypes"):
+            d["budgets"]["upload_dtypes"] = setting["upload_dtypes"]
+        if setting.get("max_local_work"):
+            d["budgets"]["max_local_work"] = setting["max_local_work"]
+        if setting.get("lora_padding"):
+            d["lora"]["padding"] = setting["lora_padding"]
     if row == "async":
         fed.update(round_policy="async",
                    concurrency=setting.get("concurrency", min(2 * args.per_round, args.clients)),
                    buffer_size=setting.get("buffer_size", args.per_round))
         fed.update({k: setting[k] for k in ("staleness_exponent", "server_lr") if k in setting})
+        if "server_opt" in setting:
+            d["server_opt"] = dict(setting["server_opt"])
     return d
 
 
@@ -422,7 +467,7 @@ def run_piece(args, seed: int, variant: str) -> dict:
         out["ref"] = ref
     if method.plans:
         out["plans"] = {str(c): {"seconds": p.seconds, "batch": p.knobs.batch,
-                                 "rank": p.knobs.rank, "depth": p.knobs.depth,
+                                 "rank": p.knobs.rank, "depth": p.knobs.depth, "upload": p.knobs.upload,
                                  "gflops_per_round": p.gflops_per_round, "sits_out": p.sits_out}
                         for c, p in method.plans.items()}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -282,3 +282,26 @@ def test_a_piece_ended_by_timeout_resumes_where_it_stood(bench, tmp_path, monkey
         assert a[key] == b[key], key
     assert "interrupted" not in b
     assert not (whole / name).with_suffix(".partial").exists()  # removed once a piece ends
+
+
+def test_planner_and_async_settings_name_their_config_fields(bench):
+    """``planner@p30+fp16+more2+zeros`` and ``async@10x5+avgm0.9+e0.1`` / ``+adam0.01``: each
+    token one config field; a token the bench does not know is an error."""
+    assert bench.parse_variant("planner@p30+fp16+more2+zeros") == (
+        "planner", {"quantile": 0.3, "upload_dtypes": ["fp32", "fp16"], "max_local_work": 2.0,
+                    "lora_padding": "zeros"})
+    args = argparse.Namespace(**bench.DEFAULTS["tiny"], workload="tiny", threads=1, max_rounds=10,
+                              upload=1.0, download=5.0, availability=0.7, speed_sigma=0.9,
+                              adapter_depths=[1.0], ranks=[16], on_infeasible="error")
+    d = bench.row_config(args, 0, "planner@p30+fp16+more2+zeros", {"deadline_s": 1.0})
+    assert (d["budgets"]["upload_dtypes"], d["budgets"]["max_local_work"], d["lora"]["padding"]) == \
+        (["fp32", "fp16"], 2.0, "zeros")
+    plain = bench.row_config(args, 0, "planner@p30", {"deadline_s": 1.0})
+    assert not {"upload_dtypes", "max_local_work"} & set(plain["budgets"]) and "padding" not in plain["lora"]
+    assert bench.row_config(args, 0, "async@4x2+avgm0.9+e0.1", None)["server_opt"] == \
+        {"name": "fedavgm", "momentum": 0.9, "lr": 0.1}
+    assert bench.row_config(args, 0, "async@4x2+adam0.01", None)["server_opt"] == {"name": "fedadam", "lr": 0.01}
+    assert "server_opt" not in bench.row_config(args, 0, "async@4x2", None)
+    for bad in ("planner@p30+fp8", "planner@p30+more", "async@4x2+e0.1", "async@4x2+avgm"):
+        with pytest.raises(ValueError):
+            bench.parse_variant(bad)

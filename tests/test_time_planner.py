@@ -244,3 +244,52 @@ def test_sub_models_and_pruned_heads_are_predicted_per_client_round(tiny_cfg_dic
     assert len(ms) == 2 * 4
     for m in ms:
         assert m["sim_s"] == pytest.approx(m["sim_s_predicted"], rel=rel), m
+
+
+def test_max_local_work_spends_a_fast_clients_spare_time_on_more_local_steps(tiny_cfg_dict):
+    """budgets.max_local_work = 2 with a time limit the fast tier's whole round fits with room
+    to spare: the fast tier trains the most local steps (up to 2 x 4) whose predicted round
+    still fits (one more would not), the slow tier, which needs a cut, gets no more than before;
+    every client-round takes its predicted seconds, within its limit. A memory limit alone adds
+    no steps; without federation.local_steps the field is an error naming both."""
+    tiers = [{"share": 0.5, "memory_mb": 1e4, **FAST}, {"share": 0.5, "memory_mb": 1e4, **SLOW}]
+    whole = setup(validate_config(_cfg(tiny_cfg_dict, tiers)))[0].plans
+    fast = min(p.seconds for p in whole.values())
+    slow = max(p.seconds for p in whole.values())
+    # room for 2 of the fast tier's 4 steps more (its transfers are fixed); the slow tier cut
+    limits = (1.6 * fast, (fast + slow) / 2)
+    timed = [{**t, "seconds_per_round": s} for t, s in zip(tiers, limits)]
+
+    def planned(max_local_work, tiers=timed):
+        d = _cfg(tiny_cfg_dict, tiers)
+        d["budgets"]["max_local_work"] = max_local_work
+        return validate_config(d)
+
+    before = setup(planned(1.0))[0].plans
+    cfg = planned(2.0)
+    method, data = setup(cfg)
+    steps = {}
+    for c, p in method.plans.items():
+        limit = limits[p.tier]
+        if p.tier == 0:
+            assert before[c].knobs.steps is None and 4 < p.knobs.steps < 8
+            steps[c] = p.knobs.steps
+            assert p.seconds <= limit * (1 + 1e-9) and "budgets.max_local_work" in p.reason
+            one = p.gflops_per_round / p.knobs.steps / FAST["gflops_per_s"]  # one more step
+            assert p.seconds + one > limit
+            assert p.gflops_per_round == pytest.approx(before[c].gflops_per_round * p.knobs.steps / 4, rel=1e-9)
+        else:
+            assert p.knobs == before[c].knobs and p.knobs.batch is not None  # cut: never more steps
+    assert steps
+    _, records, summary = simulation_for(cfg, method, data).run()
+    ms = [m for r in records for m in r["client_metrics"]]
+    assert ms and summary["wasted_flops"] == 0
+    for m in ms:
+        assert m["sim_s"] == pytest.approx(m["sim_s_predicted"], rel=1e-9)
+        assert m["sim_s"] <= limits[method.plans[m["client"]].tier] * (1 + 1e-9)
+    memory_only = [{"share": 1.0, "memory_mb": 1e4}]
+    assert all(p.knobs.steps is None for p in setup(planned(2.0, memory_only))[0].plans.values())
+    d = _cfg(tiny_cfg_dict, timed, local_steps=None, local_epochs=1)
+    d["budgets"]["max_local_work"] = 2.0
+    with pytest.raises(Exception, match=r"budgets\.max_local_work = 2.*federation\.local_steps"):
+        validate_config(d)

@@ -141,3 +141,73 @@ def test_the_planner_counts_upload_budgets_on_the_wire(tiny_cfg_dict, tmp_path):
     assert planned("fp32", budget)["plan"]["rank"] == 2
     tight16 = planned("fp16", budget)
     assert tight16["plan"]["rank"] == 4 and tight16["measured"]["upload_mb_mean"] <= budget["upload_mb_per_round"]
+
+
+def _mixed(tiny_cfg_dict, tier1: dict, **budgets) -> dict:
+    """Four clients, ranks 2 and 4: tier 0 unlimited, tier 1 under ``tier1``'s limits."""
+    d = _cfg(tiny_cfg_dict, "fp32", num_clients=4, clients_per_round=4, pack=False)
+    d["lora"]["ranks"] = [2, 4]
+    d["budgets"] = {"tiers": [{"share": 0.5, "memory_mb": 1e4}, {"share": 0.5, **tier1}], **budgets}
+    return d
+
+
+def test_the_planner_sends_a_reply_in_fp16_before_it_cuts_the_rank(tiny_cfg_dict, monkeypatch):
+    """``budgets.upload_dtypes = ["fp32", "fp16"]``: under an upload budget between rank 4's fp16
+    and fp32 bytes, the tier's clients keep rank 4 and send in fp16 (without the option they
+    drop to rank 2), the other tier sends fp32; the run is exactly the fp32 run with those
+    clients' replies rounded to fp16 by hand, and each client's upload is its prediction."""
+    method, _ = setup(validate_config(_mixed(tiny_cfg_dict, {"memory_mb": 1e4})))
+    up32 = next(iter(method.plans.values())).upload_mb
+    budget = {"upload_mb_per_round": 0.75 * up32}  # rank 4 in fp16 (0.5x) fits, in fp32 not
+    without = setup(validate_config(_mixed(tiny_cfg_dict, budget)))[0].plans
+    assert {c: p.knobs.rank for c, p in without.items() if p.tier == 1} == {c: 2 for c in without if without[c].tier == 1}
+
+    cfg = validate_config(_mixed(tiny_cfg_dict, budget, upload_dtypes=["fp16", "fp32"]))
+    assert cfg.budgets.upload_dtypes == ["fp32", "fp16"]  # most precise first, as given or not
+    method, data = setup(cfg)
+    plans = method.plans
+    half = {c for c, p in plans.items() if p.tier == 1}
+    assert half and all(p.knobs.rank == 4 for p in plans.values())
+    assert all(p.knobs.upload == ("fp16" if c in half else "fp32") for c, p in plans.items())
+    assert all(p.upload_mb == pytest.approx(up32 / 2 if c in half else up32, rel=1e-12) for c, p in plans.items())
+    assert all("fp16 upload" in plans[c].knobs.describe() for c in half)
+    state, records, _ = Simulation(cfg, method, data).run()
+    for r in records:
+        for m in r["client_metrics"]:
+            assert m["bytes_up"] == pytest.approx(plans[m["client"]].upload_mb * 1e6, rel=1e-12)
+
+    fit = Method.fit
+
+    def rounded(self, payload, data, seed):  # what the wire does to tier 1's replies, by hand
+        r = fit(self, payload, data, seed)
+        if payload.orders.client not in half:
+            return r
+        return Reply({k: t.half().float() for k, t in r.arrays.items()}, r.num_examples, r.metrics)
+
+    monkeypatch.setattr(Method, "fit", rounded)
+    ref_cfg = validate_config(_mixed(tiny_cfg_dict, {"memory_mb": 1e4}))  # rank 4, fp32, everyone
+    ref_method, ref_data = setup(ref_cfg)
+    ref_state, ref_records, _ = Simulation(ref_cfg, ref_method, ref_data).run()
+    assert state.keys() == ref_state.keys()
+    assert all(torch.equal(state[k], ref_state[k]) for k in state)
+    assert [r["train_loss"] for r in records] == [r["train_loss"] for r in ref_records]
+
+
+def test_flower_decodes_each_reply_in_its_plans_upload_dtype(tiny_cfg_dict, tmp_path):
+    """A planned run whose tiers send fp32 and fp16 replies ends on Flower where the simulation
+    does, with the same bytes up."""
+    from fedslice.flower.server_app import run as server_run
+    from test_flower import (InProcessGrid, _assert_same_state, _in_process, _nodes, _settings,
+                             _weights, _write_config)
+    import json
+
+    method, _ = setup(validate_config(_mixed(tiny_cfg_dict, {"memory_mb": 1e4})))
+    up32 = next(iter(method.plans.values())).upload_mb
+    d = _mixed(tiny_cfg_dict, {"upload_mb_per_round": 0.75 * up32}, upload_dtypes=["fp32", "fp16"])
+    state, records, _ = _in_process(d)
+    run_dir = server_run(InProcessGrid(_nodes(4)), _settings(_write_config(d, tmp_path / "e.json"),
+                                                            tmp_path / "fl"))
+    _assert_same_state(_weights(run_dir), state)
+    flower = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["bytes_up_mean"] for r in flower] == [r["bytes_up_mean"] for r in records]
+    assert records[0]["bytes_up_mean"] == pytest.approx(0.75 * up32 * 1e6, rel=1e-12)  # half of them in fp16

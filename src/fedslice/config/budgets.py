@@ -207,6 +207,18 @@ class BudgetsConfig(Section):
         "round(share x federation.batch_size) examples each: a budget one whole step does not "
         "fit still trains; needs federation.local_steps).")
 
+    max_local_work: float = Field(
+        1.0, ge=1.0, le=16.0,
+        description="Up to this multiple of federation.local_steps for a client whose "
+        "most-training plan (the whole round, every other knob at its best) fits its limits "
+        "with room to spare: it trains the most whole local steps, up to "
+        "floor(max_local_work x local_steps), that still fit its FLOPs and time limits (a fast "
+        "device spends the round's time instead of waiting for the deadline: on SST-2, 4 local "
+        "steps per round learn 2-4 points more per round than 2; BENCHMARKS.md, issue 59). A "
+        "client that needs any cut never gets more. 1.0: every client trains at most the "
+        "round's local steps. Needs federation.local_steps and a FLOPs or time limit (a memory "
+        "or upload limit alone says nothing of how many steps fit).")
+
     fit_rounds: bool = Field(
         False, description="With a time limit (a tier's seconds_per_round, or round_deadline_s), "
         "a client-round whose batches, predicted before it is sent, are longer than its plan's "
@@ -256,6 +268,16 @@ class BudgetsConfig(Section):
         "sub-model). Needs model.quantize = 'none' and a method whose clients train the shared "
         "model (fedpetuning; heads with prune = 'parameters').")
 
+    upload_dtypes: list[Literal["fp32", "fp16"]] | None = Field(
+        None, min_length=1,
+        description="Upload precisions the planner may give a client, most precise first "
+        "(federation.upload_dtype's choices): with ['fp32', 'fp16'], a client whose upload or "
+        "round time the fp32 reply does not fit sends its trained tensors in half precision "
+        "(half the bytes; each value rounded to 11 significant bits, restored to fp32 at the "
+        "server) before the planner cuts its rank, heads, adapter depth, local work or sub-model "
+        "(tried after the base's precision, before a lower rank). None: every client sends in "
+        "federation.upload_dtype.")
+
     step_cache: str | None = Field(
         None, description="A folder where the planner keeps the training steps it measures, by "
         "everything that determines them (the planned model's structure and config, the measured "
@@ -268,6 +290,11 @@ class BudgetsConfig(Section):
     @classmethod
     def _precisions(cls, v):
         return sorted(set(v), key=v.index)
+
+    @field_validator("upload_dtypes")
+    @classmethod
+    def _upload_dtypes(cls, v):
+        return None if v is None else sorted(set(v), key=("fp32", "fp16").index)  # most precise first
 
     @field_validator("sparsities")
     @classmethod

@@ -195,6 +195,10 @@ class ExperimentConfig(Section):
             raise ValueError("budgets.local_work_by = 'steps': shares of federation.local_steps, "
                              "which is not set (the run trains local epochs): set "
                              "federation.local_steps or budgets.local_work_by = 'batch'")
+        if self.budgets.max_local_work > 1 and not self.federation.local_steps:
+            raise ValueError(f"budgets.max_local_work = {self.budgets.max_local_work:g}: a multiple of "
+                             "federation.local_steps, which is not set (the run trains local "
+                             "epochs): set federation.local_steps or max_local_work = 1")
         return self
 
     @model_validator(mode="after")

@@ -51,6 +51,7 @@ class Orders:
     lora_rank: int | None = None
     base_precision: str | None = None  # its frozen base's ("int8", "nf4"; None: the run's)
     base_order: str | None = None  # the digest of the neuron order its quantized base is in
+    upload_dtype: str | None = None  # the dtype its reply travels in (None: federation.upload_dtype)
     micro_batches: int = 1
     checkpointing: bool = False
     frozen_tensors: tuple[str, ...] = ()  # trainable tensors it leaves frozen (adapter depth)
@@ -97,7 +98,7 @@ _CAST: dict[str, Any] = {
     "fedprox_mu": lambda v: float(v or 0.0), "pack": bool,
     "tier": _opt(int), "budget": _opt(str), "spec": _opt(dict), "sit_out": lambda v: v or None,
     "sparsity": _opt(float), "importance_source": _opt(str), "lora_rank": _opt(int),
-    "base_precision": _opt(str), "base_order": _opt(str),
+    "base_precision": _opt(str), "base_order": _opt(str), "upload_dtype": _opt(str),
     "micro_batches": lambda v: int(v or 1), "checkpointing": bool,
     "frozen_tensors": lambda v: tuple(v or ()), "flops_budget": _opt(float),
     "memory_budget": _opt(float), "memory_reference": _opt(dict),

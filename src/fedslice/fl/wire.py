@@ -11,6 +11,11 @@ server keeps is fp32, so rounding errors do not compound over rounds (each round
 rounded once). A value beyond fp16's range (65,504) becomes infinite and the reply is rejected
 as non-finite. Non-floating tensors (masks, counts) travel as they are.
 
+A planned client may be given its own (``budgets.upload_dtypes``: the planner sends a reply in
+half precision where the fp32 one does not fit the client's upload or round time): its payload's
+orders say so (``Orders.upload_dtype``), and both ends read the dtype through
+:func:`upload_dtype_of`.
+
 The simulation and Flower go through the same two functions: :func:`to_wire` where a reply
 leaves its client (the Flower ClientApp; the simulation's round driver), :func:`from_wire` where
 it reaches the server (the ServerApp's decoding; the round driver, before faults and
@@ -24,6 +29,7 @@ from collections.abc import Mapping
 
 import torch
 
+from fedslice.fl.orders import Orders, OrdersLike
 from fedslice.fl.strategy import Reply, State
 from fedslice.measure.sizes import tensor_bytes
 
@@ -36,6 +42,12 @@ def wire_dtype(name: str) -> torch.dtype:
     if name not in WIRE_DTYPES:
         raise ValueError(f"upload dtype {name!r}: choose one of {sorted(WIRE_DTYPES)}")
     return WIRE_DTYPES[name]
+
+
+def upload_dtype_of(orders: OrdersLike, run: str) -> str:
+    """The upload dtype of a reply to a payload with ``orders`` (a payload's config, or its
+    record): its plan's, else the run's (``federation.upload_dtype``)."""
+    return Orders.of(orders).upload_dtype or run
 
 
 def _on_wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -25,6 +25,7 @@ from flwr.app import Message, MessageType
 from fedslice.fl.clock import SimClock
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Payload, Reply, State, host_state
+from fedslice.fl.wire import upload_dtype_of
 from fedslice.flower.codec import decode_reply, encode_payload, error_reason
 from fedslice.methods.plan_records import eligible
 from fedslice.run.asynchronous import Buffer, Staleness
@@ -101,7 +102,7 @@ class AsyncServer:
                 continue
             try:
                 reply = decode_reply(msg.content, 2 * _bytes(sent.payload) + (1 << 20),
-                                     self.cfg.federation.upload_dtype)
+                                     upload_dtype_of(sent.payload.config, self.cfg.federation.upload_dtype))
             except Exception as e:  # noqa: BLE001 - no reply crashes the server
                 failed.append({"client": sent.client, "reason": f"update rejected: malformed reply: {e}"})
                 continue

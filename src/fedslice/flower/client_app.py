@@ -200,7 +200,7 @@ def train(msg: Message, context: Context) -> Message:
     """Local training of this node's partition on the received payload."""
     from fedslice.run.engine import client_seed
     from fedslice.flower.codec import decode_payload, encode_reply
-    from fedslice.fl.wire import to_wire
+    from fedslice.fl.wire import to_wire, upload_dtype_of
 
     payload, experiment = decode_payload(msg.content)
     cfg, method, data = _setup(experiment)
@@ -212,12 +212,13 @@ def train(msg: Message, context: Context) -> Message:
     method.restore_state("client", load_kept(context))
     reply = method.train_client(payload, data.client(pid), client_seed(cfg.seed, orders.round, pid))
     throttle(context, payload)
+    wire = upload_dtype_of(orders, cfg.federation.upload_dtype)  # the plan's, else the run's
     if state := method.kept_state("client"):
         store_kept(context, state, received_model=bool(payload.model))
     if "fedslice_secagg" in msg.content.config_records:  # only the masked vector leaves
         from fedslice.fl.wire import received
         from fedslice.flower.secagg import masked_reply
 
-        sent = received(to_wire(reply, cfg.federation.upload_dtype), cfg.federation.upload_dtype)
+        sent = received(to_wire(reply, wire), wire)
         return Message(masked_reply(msg, context, method, payload, sent), reply_to=msg)
-    return Message(encode_reply(to_wire(reply, cfg.federation.upload_dtype)), reply_to=msg)
+    return Message(encode_reply(to_wire(reply, wire)), reply_to=msg)

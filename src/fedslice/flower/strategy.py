@@ -39,6 +39,7 @@ from fedslice.fl.rules import DPFedAvg, find_rule
 from fedslice.fl.selection import make_selector
 from fedslice.fl.strategy import Payload, Reply, RoundResult, State
 from fedslice.fl.strategy import Strategy as FedsliceStrategy
+from fedslice.fl.wire import upload_dtype_of
 from fedslice.flower.codec import (ARRAYS, decode_reply, encode_payload, error_reason,
                                    record_to_state, state_to_record)
 from fedslice.measure import tensor_bytes
@@ -133,7 +134,8 @@ class FlowerAdapter(FlowerStrategy):
             else:
                 try:
                     received[c] = decode_reply(msg.content, self.max_reply_bytes(sent.payloads[c]),
-                                               self.cfg.federation.upload_dtype)
+                                               upload_dtype_of(sent.payloads[c].config,
+                                                               self.cfg.federation.upload_dtype))
                 except Exception as e:  # noqa: BLE001 - no reply crashes the server
                     failed[c] = f"update rejected: malformed reply: {e}"
                     malformed += 1
@@ -192,7 +194,8 @@ class FlowerAdapter(FlowerStrategy):
             return None
         payload = sent.payloads[c]
         try:
-            reply = decode_reply(msg.content, self.max_reply_bytes(payload), self.cfg.federation.upload_dtype)
+            reply = decode_reply(msg.content, self.max_reply_bytes(payload),
+                                 upload_dtype_of(payload.config, self.cfg.federation.upload_dtype))
         except Exception as e:  # noqa: BLE001 - no reply crashes the server
             reason = f"malformed reply: {e}"
         else:

@@ -309,9 +309,10 @@ class Method:
 
     def plan_axes(self, budgets) -> dict[str, list]:
         """The knobs this method's stages let the planner vary, each list best first:
-        ``specs`` ((sub-model spec, width) pairs), ``sparsities``, ``ranks``, ``precisions``.
-        Default: the LoRA rank (``lora.ranks``, else ``lora.r``) where clients may train their
-        own, and the base's precision (``budgets.precisions``)."""
+        ``specs`` ((sub-model spec, width) pairs), ``sparsities``, ``ranks``, ``precisions``,
+        ``depths``, ``uploads``. Default: the LoRA rank (``lora.ranks``, else ``lora.r``) where
+        clients may train their own, the base's precision (``budgets.precisions``), the adapter
+        depth (``budgets.adapter_depths``) and the reply's dtype (``budgets.upload_dtypes``)."""
         axes: dict[str, list] = {}
         if self.lora_ranks_per_client and self.adapter.name == "lora":
             lora = self.cfg.lora
@@ -320,6 +321,8 @@ class Method:
             axes["precisions"] = list(budgets.precisions)  # best first (checked at load)
         if budgets.adapter_depths != [1.0]:
             axes["depths"] = list(budgets.adapter_depths)  # deepest first
+        if budgets.upload_dtypes is not None and budgets.upload_dtypes != [self.cfg.federation.upload_dtype]:
+            axes["uploads"] = list(budgets.upload_dtypes)  # most precise first
         return axes
 
     def depth_frozen(self, share: float | None) -> tuple[str, ...]:

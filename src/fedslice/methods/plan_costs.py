@@ -25,7 +25,7 @@ from fedslice import measure
 from fedslice.data.packing import packed_training
 from fedslice.fl.client import batch_units, extrapolates_by_parts, gradient_checkpointing
 from fedslice.fl.memory_hold import ActivationReference, activation_units
-from fedslice.fl.wire import wire_bytes
+from fedslice.fl.wire import WIRE_DTYPES, wire_bytes
 from fedslice.measure.flops import head_segments
 from fedslice.methods.plan_records import KnobCost, Knobs
 from fedslice.slicing.block_steps import extrapolated_step, plan_for
@@ -80,28 +80,31 @@ class StepCosts:
         """``knobs`` as the step they train, one spelling per step: a plan's local steps change
         how many steps, not what one costs; the run's base is the precision None or "none", and
         every block's adapters the depth None or 1 (the dense client, spelled with None, is the
-        plan at the top of the search, spelled with "none" and 1, measured once)."""
+        plan at the top of the search, spelled with "none" and 1, measured once); the dtype its
+        reply travels in changes the upload's bytes only (:meth:`KnobCost.sent_in`)."""
         return replace(knobs, steps=None, precision=None if knobs.precision == "none" else knobs.precision,
-                       depth=None if knobs.depth is not None and knobs.depth >= 1 else knobs.depth)
+                       depth=None if knobs.depth is not None and knobs.depth >= 1 else knobs.depth,
+                       upload=None)
 
     def cost(self, knobs: Knobs, need: str = "all") -> KnobCost:
         """One step's costs (a plan's local steps change how many, not what a step costs).
         ``need``: "memory" or "flops" where the caller reads only those (the memory of a plan
         weighed at its least, the FLOPs of the plans beside it): a packed plan, whose memory
         and FLOPs are two steps (:meth:`two_steps`), runs only the one asked; the part
-        measured is kept (its other figures NaN) and its step serves the whole cost later."""
-        knobs = self.same_step(knobs)
+        measured is kept (its other figures NaN) and its step serves the whole cost later.
+        The upload's bytes are those of ``knobs.upload`` (the run's where None)."""
+        wire, knobs = knobs.upload, self.same_step(knobs)
         if knobs in self._costs:
-            return self._costs[knobs]
+            return self._costs[knobs].sent_in(wire)
         if not self.two_steps(knobs):
             need = "all"  # one step gives both (a memory step without the counter, measured
             # again with it when the plan is weighed whole, would cost more than the counter)
         if need == "all":
             self._costs[knobs] = self._measure(knobs)
-            return self._costs[knobs]
+            return self._costs[knobs].sent_in(wire)
         if (knobs, need) not in self._parts:
             self._parts[knobs, need] = self._measure(knobs, need)
-        return self._parts[knobs, need]
+        return self._parts[knobs, need].sent_in(wire)
 
     def rows_of(self, knobs: Knobs) -> int:
         return self.rows if knobs.batch is None else knobs.batch
@@ -165,8 +168,9 @@ class StepCosts:
                 step_attention=counted["attention"] * steps, step_head=counted["head"] * steps,
                 pairs=float(activation_units(part)[1] * steps), heads=float(batch_head_positions(part) * steps))
             if peak and need == "flops":
-                return KnobCost(math.nan, flops, *self._sent_and_importance(planned, depth_frozen),
-                                **shares, positions=positions)
+                upload, imp, download = self._sent_and_importance(planned, depth_frozen)
+                return KnobCost(math.nan, flops, upload, imp, download, **shares, positions=positions,
+                                uploads=self._uploads(planned))
             if peak:  # the packed layout every batch fits in
                 part = packed[2]
                 memory = measure_training_step(planned.model, part, loss_fn=self.method.task.loss,
@@ -179,8 +183,9 @@ class StepCosts:
             if need == "memory":
                 return KnobCost(memory, math.nan, 0, reference=reference, positions=positions)
             upload, imp, download = self._sent_and_importance(planned, depth_frozen)
+            uploads = self._uploads(planned)
         return KnobCost(memory, flops * (1 if packed is not None else knobs.micro_batches), upload, imp,
-                        download, reference, **shares, positions=positions)
+                        download, reference, **shares, positions=positions, uploads=uploads)
 
     def _sent_and_importance(self, planned, depth_frozen: set[str]) -> tuple[int, float, int]:
         """A planned model's upload (as it travels), importance FLOPs per example, and download:
@@ -194,6 +199,11 @@ class StepCosts:
         download = measure.tensor_bytes(dict(planned.upload)) + measure.tensor_bytes(
             {n: p for n, p in planned.model.named_parameters() if n in below})
         return upload, imp, download
+
+    @staticmethod
+    def _uploads(planned) -> tuple[tuple[str, int], ...]:
+        """The planned model's upload at every upload dtype (a plan's ``Knobs.upload`` picks one)."""
+        return tuple((name, wire_bytes(planned.upload, name)) for name in WIRE_DTYPES)
 
     def _step_of(self, knobs: Knobs, model: nn.Module, packed: bool, flops: bool,
                  head, memory: bool = True) -> Callable[[Mapping[str, torch.Tensor]], StepMeasure]:

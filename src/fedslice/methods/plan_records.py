@@ -6,7 +6,7 @@ trains (:class:`PlannedModel`), their measured costs (:class:`KnobCost`) and a c
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ class Knobs:
     steps: int | None = None  # local steps per round (None: federation.local_steps, every one)
     batch: int | None = None  # examples per local step (None: federation.batch_size)
     depth: float | None = None  # share of the top blocks whose adapters train (None: every block)
+    upload: str | None = None  # the dtype its reply travels in (None: federation.upload_dtype)
 
     def payload_config(self) -> dict[str, Any]:
         """What the client reads from its payload's config (the sub-model and rank travel as the
@@ -48,6 +49,8 @@ class Knobs:
             out["local_steps"] = self.steps
         if self.batch is not None:
             out["batch_size"] = self.batch
+        if self.upload is not None:
+            out["upload_dtype"] = self.upload
         return out  # the adapter depth travels as the tensors it freezes (ClientPlan.frozen)
 
     def describe(self, overhead: bool = True) -> str:
@@ -70,13 +73,15 @@ class Knobs:
             parts.append("the importance pass")
         if self.precision not in (None, "none"):
             parts.append(f"{self.precision} base")
+        if self.upload not in (None, "fp32"):
+            parts.append(f"{self.upload} upload")
         if overhead:
             parts.append("checkpointing" if self.checkpointing else "no checkpointing")
             parts.append(f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}")
         return ", ".join(parts) or "the whole model"
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k != "spec"}
+        d = {k: v for k, v in asdict(self).items() if k != "spec" and not (k == "upload" and v is None)}
         if self.spec is not None:
             d.update(spec_sizes(self.spec))
         return d
@@ -114,6 +119,14 @@ class KnobCost:
     #: the positions of the batch counted (rows x length, + virtual tokens x rows): what the
     #: rest of ``step_flops`` (or all of it, not split) grows with
     positions: float = 0.0
+    #: ``upload_bytes`` at each upload dtype, (name, bytes) pairs (empty: measured at the run's only)
+    uploads: tuple[tuple[str, int], ...] = ()
+
+    def sent_in(self, name: str | None) -> KnobCost:
+        """These costs with the reply sent in upload dtype ``name`` (None: as measured)."""
+        if name is None or not self.uploads:
+            return self
+        return replace(self, upload_bytes=dict(self.uploads)[name])
 
     def rates(self) -> tuple[float, float, float]:
         """FLOPs per position, attention pair and head position of a step of this plan, as a

@@ -132,6 +132,7 @@ class BudgetPlanner:
         self.importances: list[str | None] = axes.get("importances") or [None]  # best first
         self.precisions: list[str | None] = axes.get("precisions") or [None]  # most precise first
         self.depths: list[float | None] = axes.get("depths") or [None]  # deepest first
+        self.uploads: list[str | None] = axes.get("uploads") or [None]  # most precise first
         self.local_steps = method.cfg.federation.local_steps or 0
         #: a round's local work, most first: {} (all of it), then {"batch": rows per step} or
         #: {"steps": local steps} at each share of ``budgets.local_work`` (:func:`local_works`)
@@ -225,7 +226,7 @@ class BudgetPlanner:
         imp = self.importances[-1] if importance is None else importance
         knobs = Knobs(spec, sparsity, rank, False, 1, width, imp, self.precisions[-1],
                       **(self.works[-1] if work is None else work),
-                      depth=self.depths[-1] if depth is None else depth)
+                      depth=self.depths[-1] if depth is None else depth, upload=self.uploads[-1])
         ckpt = any(c for c, _ in self.overheads(knobs))
         return replace(knobs, checkpointing=ckpt, micro_batches=max(m for _, m in self.overheads(knobs)))
 
@@ -294,7 +295,8 @@ class BudgetPlanner:
                importance_examples: int = 0) -> ClientPlan | None:
         """The most-training plan whose predicted costs fit ``budget``; None when none does.
         Pruned search, most-training first, one knob at a time: sub-model, local work, sparsity,
-        rank, importance source, precision, then the overheads. A sub-model whose
+        rank, importance source, the base's precision, the reply's (upload) precision, then the
+        overheads. A sub-model whose
         cheapest point (least local work, largest sparsity, smallest rank, every memory saving)
         does not fit is skipped whole (nested sub-models: the first in reach by bisection), then
         the same per local work, per sparsity and per rank.
@@ -334,8 +336,8 @@ class BudgetPlanner:
                                     self._cheapest(spec, width, s, r, imp, work=work, depth=d),
                                     Knobs(spec, s, r, width=width, importance=imp, depth=d, **work)):
                                 continue
-                            for prec in self.precisions:
-                                point = Knobs(spec, s, r, False, 1, width, imp, prec, **work, depth=d)
+                            for prec, up in ((p, u) for p in self.precisions for u in self.uploads):
+                                point = Knobs(spec, s, r, False, 1, width, imp, prec, **work, depth=d, upload=up)
                                 for ckpt, mb in self.overheads(point):
                                     knobs = replace(point, checkpointing=ckpt, micro_batches=mb)
                                     if self.costs.two_steps(knobs) and self._violations(
@@ -348,9 +350,28 @@ class BudgetPlanner:
                                     pred = self.predicted(knobs, examples, importance_examples, budget.device)
                                     over = self._violations(budget, pred)
                                     if not over:
+                                        if passed is None:  # nothing cut: room for more steps?
+                                            knobs, pred = self._more_steps(budget, knobs, pred, examples,
+                                                                           importance_examples)
                                         return self._plan(client, tier, budget, knobs, pred, passed)
                                     passed = (knobs.describe(), lambda over=over: over)
         return None
+
+    def _more_steps(self, budget: ClientBudget, knobs: Knobs, pred: dict[str, float], examples: int,
+                    importance_examples: int) -> tuple[Knobs, dict[str, float]]:
+        """``budgets.max_local_work``: the most-training plan ``knobs`` (nothing cut) with the
+        most whole local steps, up to that multiple of the round's, that still fit ``budget``
+        (a step costs the same whatever their number: one measured step, scaled)."""
+        most = math.floor(self.cfg.max_local_work * self.local_steps + 1e-9)
+        if most <= self.local_steps or not {"gflops_per_round", "flops_share", "seconds_per_round"} \
+                & set(budget.limits()):
+            return knobs, pred
+        for n in range(most, self.local_steps, -1):  # most first: the first that fits
+            more = replace(knobs, steps=n)
+            p = self.predicted(more, examples, importance_examples, budget.device)
+            if not self._violations(budget, p):
+                return more, p
+        return knobs, pred
 
     def _specs_in_reach(self, spec_fits: Callable[[int], bool]) -> Iterator[int]:
         """The sub-models (indices into :attr:`specs`, largest first) whose cheapest point may fit
@@ -430,8 +451,11 @@ class BudgetPlanner:
 
     def _plan(self, client, tier, budget, knobs, pred, passed) -> ClientPlan:
         why = ("the most-training plan (largest sub-model, every local step, every block's "
-               "adapters, most heads, highest rank, the importance pass, the most precise base, "
-               "least overhead)")
+               "adapters, most heads, highest rank, the importance pass, the most precise base "
+               "and upload, least overhead)")
+        if knobs.steps is not None and knobs.steps > self.local_steps:
+            why += (f", with {knobs.steps} local steps of the round's {self.local_steps}: the most "
+                    f"within budgets.max_local_work = {self.cfg.max_local_work:g} that fit")
         if passed is not None:
             why = f"the next larger plan ({passed[0]}) needs {'; '.join(passed[1]())}"
         return ClientPlan(client, tier, budget, knobs, pred["memory_mb"], pred["gflops_per_round"],

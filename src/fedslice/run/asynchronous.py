@@ -30,7 +30,7 @@ from fedslice.config import ExperimentConfig
 from fedslice.data.federated import FederatedData
 from fedslice.fl.clock import SimClock, client_seconds, staleness_weight
 from fedslice.fl.strategy import Payload, Reply, State, Strategy, Wrapper, host_state, on_host
-from fedslice.fl.wire import received, to_wire
+from fedslice.fl.wire import received, to_wire, upload_dtype_of
 from fedslice.fl.workers import WorkerLost
 from fedslice.methods import Method
 from fedslice.run.engine import (Simulation, _rss_mb, client_seed, finalize, finish_round,
@@ -172,7 +172,8 @@ class AsyncSimulation(Simulation):
             if isinstance(reply, WorkerLost):
                 lost.append((c, reply.reason))
                 return
-            reply = received(to_wire(on_host(reply), fed.upload_dtype), fed.upload_dtype)
+            wire = upload_dtype_of(payloads[c].config, fed.upload_dtype)
+            reply = received(to_wire(on_host(reply), wire), wire)
             secs = client_seconds(self.population.devices[c], reply.metrics, host)
             p = payloads[c]
             b.inflight.append(Job(c, seqs[c], version - 1, now, now + secs,

@@ -30,7 +30,7 @@ from fedslice.run.session import Rounds
 from fedslice.fl.selection import make_selector
 from fedslice.methods import Method
 from fedslice.fl.strategy import Payload, Reply, RoundResult, State, host_state, on_host
-from fedslice.fl.wire import received, to_wire
+from fedslice.fl.wire import received, to_wire, upload_dtype_of
 from fedslice.fl.workers import WorkerLost
 from fedslice.heap import trim_heap
 from fedslice.measure import ClientCost
@@ -190,8 +190,9 @@ class Simulation:
                 if isinstance(reply, WorkerLost):
                     lost[c] = reply.reason
                 else:
-                    # as it travels: sent in federation.upload_dtype, restored to fp32
-                    reply = received(to_wire(on_host(reply), fed.upload_dtype), fed.upload_dtype)
+                    # as it travels: sent in its upload dtype, restored to fp32
+                    wire = upload_dtype_of(payloads[c].config, fed.upload_dtype)
+                    reply = received(to_wire(on_host(reply), wire), wire)
                     if kind := faults.kind(c):
                         sent = strategy.expected_update(state, payloads[c], reply)
                         reply = corrupt(f, kind, reply, sent, self.cfg.seed, server_round, c)
