@@ -467,7 +467,7 @@ def run_piece(args, seed: int, variant: str) -> dict:
         out["ref"] = ref
     if method.plans:
         out["plans"] = {str(c): {"seconds": p.seconds, "batch": p.knobs.batch,
-                                 "rank": p.knobs.rank, "depth": p.knobs.depth, "upload": p.knobs.upload,
+                                 "rank": p.knobs.rank, "depth": p.knobs.depth, "upload": p.knobs.upload, "steps": p.knobs.steps,
                                  "gflops_per_round": p.gflops_per_round, "sits_out": p.sits_out}
                         for c, p in method.plans.items()}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -211,3 +211,27 @@ def test_flower_decodes_each_reply_in_its_plans_upload_dtype(tiny_cfg_dict, tmp_
     flower = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["bytes_up_mean"] for r in flower] == [r["bytes_up_mean"] for r in records]
     assert records[0]["bytes_up_mean"] == pytest.approx(0.75 * up32 * 1e6, rel=1e-12)  # half of them in fp16
+
+
+@pytest.mark.parametrize("method", ["fedpetuning", "heads", "raffm"])
+def test_each_planning_method_sends_what_its_plan_predicts_in_its_upload_dtype(tiny_cfg_dict, method):
+    """Under an upload budget that only fp16 meets at the tier's plan, every method that plans
+    budgets gives some client an fp16 upload, and every client-round sends exactly the bytes its
+    plan predicts (the payload's orders carry the dtype to the client; RaFFM and heads build
+    their own payloads)."""
+    d = _mixed(tiny_cfg_dict, {"memory_mb": 1e4}, local_work=[1.0], micro_batches=[1], checkpointing=False)
+    d["method"] = {"name": method, **({"sparsity": 0.5} if method == "heads" else {})}
+    if method == "raffm":
+        d["budgets"].update(width_steps=2, on_infeasible="error")
+    up32 = min(p.upload_mb for p in setup(validate_config(d))[0].plans.values())
+    d["budgets"]["tiers"][1] = {"share": 0.5, "upload_mb_per_round": 0.75 * up32}
+    d["budgets"]["upload_dtypes"] = ["fp32", "fp16"]
+    cfg = validate_config(d)
+    method_, data = setup(cfg)
+    plans = method_.plans
+    assert {p.knobs.upload for p in plans.values()} == {"fp32", "fp16"}
+    _, records, _ = Simulation(cfg, method_, data).run()
+    sent = [m for r in records for m in r["client_metrics"]]
+    assert sent
+    for m in sent:
+        assert m["bytes_up"] == pytest.approx(plans[m["client"]].upload_mb * 1e6, rel=1e-12), m["client"]
