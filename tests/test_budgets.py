@@ -894,3 +894,36 @@ def _counting_plans(monkeypatch, d: dict):
 
     monkeypatch.setattr(plan_costs, "measure_step", counted)
     return plans
+
+
+def test_fit_rounds_holds_a_flops_budget_a_one_step_round_would_pass(tiny_cfg_dict):
+    """One local step per round: the guard cannot cut a round's only step, so under a FLOPs
+    budget at the plan's mean round the rounds of longer batches overshoot it. With
+    ``budgets.fit_rounds`` (no devices, no time limit) those rounds are sent with fewer
+    examples: every client-round's measured FLOPs within the budget, the fitted ones recorded."""
+    from fedslice.api import setup
+    from fedslice.run.engine import Simulation
+
+    def run(fit: bool, budget: dict):
+        d = _cfg(tiny_cfg_dict, {"tiers": [{"share": 1.0, **budget}], "micro_batches": [1],
+                                 "checkpointing": False, "local_work": [1.0, 0.5], "fit_rounds": fit},
+                 federation={"local_steps": 1, "batch_size": 4, "rounds": 4})
+        cfg = validate_config(d)
+        method, data = setup(cfg)
+        _, records, _ = Simulation(cfg, method, data).run()
+        return method.plans, records
+
+    plans, _ = run(False, {"memory_mb": 1e4})
+    mean = max(p.gflops_per_round for p in plans.values())
+    budget = {"gflops_per_round": mean}
+    plans, plain = run(False, budget)
+    assert all(p.knobs.batch is None and p.knobs.steps is None for p in plans.values())  # the whole round
+    over = [m for r in plain for m in r["client_metrics"] if m["flops_measured"] > mean * 1e9 * (1 + 1e-9)]
+    assert over  # the longer rounds pass the budget: the only step runs
+    _, fitted = run(True, budget)
+    ms = [m for r in fitted for m in r["client_metrics"]]
+    assert len(ms) == 4 * 4
+    assert all(m["flops_measured"] <= mean * 1e9 * (1 + 1e-9) for m in ms)
+    sent = {(r["round"], f["client"]): f["batch_size"] for r in fitted for f in r.get("rounds_fitted", [])}
+    assert {(r["round"], m["client"]) for r in plain for m in r["client_metrics"] if m in over} == set(sent)
+    assert all(0 < b < 4 for b in sent.values())

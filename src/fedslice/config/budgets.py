@@ -220,13 +220,15 @@ class BudgetsConfig(Section):
         "or upload limit alone says nothing of how many steps fit).")
 
     fit_rounds: bool = Field(
-        False, description="With a time limit (a tier's seconds_per_round, or round_deadline_s), "
-        "a client-round whose batches, predicted before it is sent, are longer than its plan's "
-        "mean round (so its FLOPs guard would drop a local step, or its first step alone would "
-        "pass the deadline and it would sit out) is sent with fewer examples per step: the "
-        "number that trains the most examples within the limit, when that is more than the "
-        "round as planned trains (recorded in the round's rounds_fitted). In-process engine, "
-        "synchronous policies. False: the plan's round, cut by the guard.")
+        False, description="With a time limit (a tier's seconds_per_round, or round_deadline_s) or "
+        "a FLOPs budget held as clients train (enforce_flops), a client-round whose batches, "
+        "predicted before it is sent, are longer than its plan's mean round (so its FLOPs guard "
+        "would drop a local step, its first step alone would pass the deadline and it would sit "
+        "out, or its first step alone would pass its FLOPs budget, which the guard cannot cut) is "
+        "sent with fewer examples per step: the number that trains the most examples within the "
+        "limits, when that is more than the round as planned trains (recorded in the round's "
+        "rounds_fitted). In-process engine, synchronous policies. False: the plan's round, cut "
+        "by the guard.")
 
     adapter_depths: list[float] = Field(
         default_factory=lambda: [1.0], min_length=1,

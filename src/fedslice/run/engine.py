@@ -226,8 +226,8 @@ class Simulation:
         if timed is not None:
             self.clock_record(record, replies, *timed, predicted)
             record["sat_out"] = len(sat_out)
-            if fitted:
-                record["rounds_fitted"] = [{"client": c, "batch_size": b} for c, b in sorted(fitted.items())]
+        if fitted:
+            record["rounds_fitted"] = [{"client": c, "batch_size": b} for c, b in sorted(fitted.items())]
         record["round_time_s"] = time.perf_counter() - t0
         record["process_rss_mb"] = _rss_mb()
         return new_state, record
@@ -262,22 +262,28 @@ class Simulation:
 
     def fit_rounds(self, payloads: dict[int, Payload], predicted: dict[int, RoundPrediction],
                    todo: list[int], seeds: dict[int, int]) -> dict[int, int]:
-        """``budgets.fit_rounds``: each client-round of ``todo`` its guard would cut, or that
-        would reply past its time limit, sent with the examples per step that train the most
-        within it (:func:`fedslice.run.predicted.fit_round`); ``payloads`` and ``predicted``
-        are updated in place. Returns client -> the round's examples per step."""
+        """``budgets.fit_rounds``: each client-round of ``todo`` its guard would cut, that would
+        reply past its time limit, or whose first step alone passes its FLOPs budget, sent with
+        the examples per step that train the most within them
+        (:func:`fedslice.run.predicted.fit_round`); ``payloads`` and ``predicted`` are updated
+        in place. Returns client -> the round's examples per step."""
         budgets = self.cfg.budgets
-        if not predicted or budgets is None or not budgets.fit_rounds:
+        plans = getattr(self.method, "plans", None) or {}
+        if budgets is None or not budgets.fit_rounds or not plans:
             return {}
-        plans, fitted = self.method.plans, {}
+        fitted = {}
         for c in todo:
-            limit = plans[c].budget.seconds_per_round if c in predicted else None
-            if limit is None:
+            if c not in plans:
                 continue
+            limit = plans[c].budget.seconds_per_round if c in predicted else None
+            device = self.population.devices[c] if limit is not None else None
+            host = self.clock.host_gflops_per_s if self.clock is not None else None
             got = fit_round(self.method, plans[c], payloads[c], self.data.client(c), seeds[c],
-                            self.population.devices[c], self.clock.host_gflops_per_s, limit)
+                            device, host, limit)
             if got is not None:
-                payloads[c], predicted[c] = got
+                payloads[c] = got[0]
+                if got[1] is not None:
+                    predicted[c] = got[1]
                 fitted[c] = payloads[c].orders.batch_size
         return fitted
 

@@ -55,28 +55,37 @@ def past_deadline(predicted: Mapping[int, RoundPrediction], deadline_s: float) -
 
 
 def fit_round(method, plan, payload: Payload, data, seed: int, device,
-              host_gflops_per_s: float | None, limit_s: float) -> tuple[Payload, RoundPrediction] | None:
+              host_gflops_per_s: float | None, limit_s: float | None
+              ) -> tuple[Payload, RoundPrediction | None] | None:
     """``budgets.fit_rounds``: a client-round the client's FLOPs guard would cut (a local step
-    dropped: its batches are longer than its plan's mean round) or that would reply past
-    ``limit_s`` after its first step alone, sent with fewer examples per step instead: the
-    number whose round, predicted from its own batches, trains the most examples within
-    ``limit_s``, when that is more than the round as planned trains (0 where it would reply
-    late). Returns the payload with that ``batch_size`` and its prediction; None: the round is
-    sent as planned."""
+    dropped: its batches are longer than its plan's mean round), that would reply past
+    ``limit_s`` after its first step alone, or whose first step alone passes its FLOPs budget
+    (the guard cannot cut a round's first step: a one-step round would overshoot), sent with
+    fewer examples per step instead: the number whose round, predicted from its own batches,
+    trains the most examples within its limits, when that is more than the round as planned
+    trains (0 where it would pass them). ``limit_s`` None (no time limit; ``device`` unused):
+    the plan's FLOPs budget alone. Returns the payload with that ``batch_size`` and its
+    prediction on ``device`` (None without a time limit); None: the round is sent as planned."""
     cost = getattr(plan, "round_cost", None)
     if cost is None or plan.sits_out is not None:
         return None
     orders = method.orders(payload)
+    if limit_s is None and orders.flops_budget is None:
+        return None
 
-    def trial(batch: int) -> tuple[int, RoundPrediction, bool]:
+    def trial(batch: int) -> tuple[int, RoundPrediction | None, bool]:
         o = replace(orders, batch_size=batch)
         steps = planned_steps(data, o, seed, pack=method.packs(o),
                               virtual_tokens=method.adapter.virtual_tokens)
-        _, run = cost.flops(steps, o.flops_budget)
-        seconds, first = cost.seconds(device, steps, o.flops_budget, host_gflops_per_s)
-        in_time = seconds <= limit_s * (1 + 1e-9)
-        # (examples it trains in time, its prediction, every step runs in time)
-        return (batch * run if in_time else 0), RoundPrediction(seconds, first), run == len(steps) and in_time
+        flops, run = cost.flops(steps, o.flops_budget)
+        within = o.flops_budget is None or flops <= o.flops_budget * (1 + 1e-9)
+        pred = None
+        if limit_s is not None:
+            seconds, first = cost.seconds(device, steps, o.flops_budget, host_gflops_per_s)
+            within = within and seconds <= limit_s * (1 + 1e-9)
+            pred = RoundPrediction(seconds, first)
+        # (examples it trains within its limits, its prediction, every step runs within them)
+        return (batch * run if within else 0), pred, run == len(steps) and within
 
     batch = orders.batch_size
     kept, _, whole = trial(batch)
