@@ -1,7 +1,7 @@
 """FLOPs budgets on one-step rounds, SST-2 / MiniLM: measured FLOPs over the client's budget per
 client-round, without and with budgets.fit_rounds (issue 58's budgets that hold; last note's
 one-step overshoot). python bench/flops_fit_sst2.py"""
-import json, sys
+import json
 import numpy as np
 import torch
 from fedslice.api import setup
