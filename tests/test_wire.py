@@ -102,19 +102,26 @@ def test_an_fp16_run_is_the_fp32_run_with_each_reply_rounded(tiny_cfg_dict, monk
         assert h["bytes_down_mean"] == f["bytes_down_mean"]  # the state goes down in fp32
 
 
-def test_flower_serverapp_matches_the_simulation(tiny_cfg_dict, tmp_path):
+def _flower_matches_the_simulation(d: dict, nodes: int, tmp_path) -> list[dict]:
+    """``d`` run in process and by the ServerApp over ``nodes`` in-process nodes: the same final
+    state and bytes up per round; the simulation's records."""
+    import json
+
     from fedslice.flower.server_app import run as server_run
     from test_flower import (InProcessGrid, _assert_same_state, _in_process, _nodes, _settings,
                              _weights, _write_config)
-    import json
 
-    d = _cfg(tiny_cfg_dict, "fp16")
     state, records, _ = _in_process(d)
-    run_dir = server_run(InProcessGrid(_nodes(3)), _settings(_write_config(d, tmp_path / "e.json"),
-                                                            tmp_path / "fl"))
+    run_dir = server_run(InProcessGrid(_nodes(nodes)), _settings(_write_config(d, tmp_path / "e.json"),
+                                                                tmp_path / "fl"))
     _assert_same_state(_weights(run_dir), state)
     flower = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["bytes_up_mean"] for r in flower] == [r["bytes_up_mean"] for r in records]
+    return records
+
+
+def test_flower_serverapp_matches_the_simulation(tiny_cfg_dict, tmp_path):
+    _flower_matches_the_simulation(_cfg(tiny_cfg_dict, "fp16"), 3, tmp_path)
 
 
 def test_the_planner_counts_upload_budgets_on_the_wire(tiny_cfg_dict, tmp_path):
@@ -151,13 +158,18 @@ def _mixed(tiny_cfg_dict, tier1: dict, **budgets) -> dict:
     return d
 
 
+def _fp32_upload_mb(tiny_cfg_dict) -> float:
+    """What a rank-4 client of :func:`_mixed` sends per round in fp32 (MB)."""
+    method, _ = setup(validate_config(_mixed(tiny_cfg_dict, {"memory_mb": 1e4})))
+    return next(iter(method.plans.values())).upload_mb
+
+
 def test_the_planner_sends_a_reply_in_fp16_before_it_cuts_the_rank(tiny_cfg_dict, monkeypatch):
     """``budgets.upload_dtypes = ["fp32", "fp16"]``: under an upload budget between rank 4's fp16
     and fp32 bytes, the tier's clients keep rank 4 and send in fp16 (without the option they
     drop to rank 2), the other tier sends fp32; the run is exactly the fp32 run with those
     clients' replies rounded to fp16 by hand, and each client's upload is its prediction."""
-    method, _ = setup(validate_config(_mixed(tiny_cfg_dict, {"memory_mb": 1e4})))
-    up32 = next(iter(method.plans.values())).upload_mb
+    up32 = _fp32_upload_mb(tiny_cfg_dict)
     budget = {"upload_mb_per_round": 0.75 * up32}  # rank 4 in fp16 (0.5x) fits, in fp32 not
     without = setup(validate_config(_mixed(tiny_cfg_dict, budget)))[0].plans
     assert {c: p.knobs.rank for c, p in without.items() if p.tier == 1} == {c: 2 for c in without if without[c].tier == 1}
@@ -196,20 +208,9 @@ def test_the_planner_sends_a_reply_in_fp16_before_it_cuts_the_rank(tiny_cfg_dict
 def test_flower_decodes_each_reply_in_its_plans_upload_dtype(tiny_cfg_dict, tmp_path):
     """A planned run whose tiers send fp32 and fp16 replies ends on Flower where the simulation
     does, with the same bytes up."""
-    from fedslice.flower.server_app import run as server_run
-    from test_flower import (InProcessGrid, _assert_same_state, _in_process, _nodes, _settings,
-                             _weights, _write_config)
-    import json
-
-    method, _ = setup(validate_config(_mixed(tiny_cfg_dict, {"memory_mb": 1e4})))
-    up32 = next(iter(method.plans.values())).upload_mb
+    up32 = _fp32_upload_mb(tiny_cfg_dict)
     d = _mixed(tiny_cfg_dict, {"upload_mb_per_round": 0.75 * up32}, upload_dtypes=["fp32", "fp16"])
-    state, records, _ = _in_process(d)
-    run_dir = server_run(InProcessGrid(_nodes(4)), _settings(_write_config(d, tmp_path / "e.json"),
-                                                            tmp_path / "fl"))
-    _assert_same_state(_weights(run_dir), state)
-    flower = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["bytes_up_mean"] for r in flower] == [r["bytes_up_mean"] for r in records]
+    records = _flower_matches_the_simulation(d, 4, tmp_path)
     assert records[0]["bytes_up_mean"] == pytest.approx(0.75 * up32 * 1e6, rel=1e-12)  # half of them in fp16
 
 

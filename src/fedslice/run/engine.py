@@ -272,12 +272,12 @@ class Simulation:
         if budgets is None or not budgets.fit_rounds or not plans:
             return {}
         fitted = {}
+        host = self.clock.host_gflops_per_s if self.clock is not None else None
         for c in todo:
             if c not in plans:
                 continue
             limit = plans[c].budget.seconds_per_round if c in predicted else None
             device = self.population.devices[c] if limit is not None else None
-            host = self.clock.host_gflops_per_s if self.clock is not None else None
             got = fit_round(self.method, plans[c], payloads[c], self.data.client(c), seeds[c],
                             device, host, limit)
             if got is not None:
